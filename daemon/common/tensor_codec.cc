@@ -1,0 +1,123 @@
+#include "daemon/common/tensor_codec.h"
+
+#include <cstring>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/status.h"
+
+namespace rannc {
+
+absl::StatusOr<at::ScalarType> FromProtoDType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::FLOAT32: return at::kFloat;
+    case v1::FLOAT64: return at::kDouble;
+    case v1::FLOAT16: return at::kHalf;
+    case v1::BFLOAT16: return at::kBFloat16;
+    case v1::INT64: return at::kLong;
+    case v1::INT32: return at::kInt;
+    case v1::INT16: return at::kShort;
+    case v1::INT8: return at::kChar;
+    case v1::UINT8: return at::kByte;
+    case v1::BOOL: return at::kBool;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown tensor dtype ", static_cast<int>(dtype)));
+  }
+}
+
+absl::StatusOr<v1::DType> ToProtoDType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return v1::FLOAT32;
+    case at::kDouble: return v1::FLOAT64;
+    case at::kHalf: return v1::FLOAT16;
+    case at::kBFloat16: return v1::BFLOAT16;
+    case at::kLong: return v1::INT64;
+    case at::kInt: return v1::INT32;
+    case at::kShort: return v1::INT16;
+    case at::kChar: return v1::INT8;
+    case at::kByte: return v1::UINT8;
+    case at::kBool: return v1::BOOL;
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat("tensors of dtype ", c10::toString(type), " cannot be transferred"));
+  }
+}
+
+std::string DTypeName(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(type);
+  }
+}
+
+std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape) {
+  return absl::StrCat(DTypeName(type), "[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what) {
+  absl::StatusOr<at::ScalarType> type = FromProtoDType(proto.dtype());
+  if (!type.ok()) return Annotate(type.status(), what);
+  std::vector<int64_t> shape(proto.shape().begin(), proto.shape().end());
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": negative dimension in shape [", absl::StrJoin(shape, ", "), "]"));
+    }
+    numel *= d;
+  }
+  if (proto.has_shm()) {
+    return absl::UnimplementedError(
+        absl::StrCat(what, ": shared-memory tensors are not offered by this daemon"));
+  }
+  const size_t expected = static_cast<size_t>(numel) * c10::elementSize(*type);
+  if (proto.data().size() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", proto.data().size(), " bytes of data for ", DescribeTensor(*type, shape),
+        ", which needs ", expected));
+  }
+  at::Tensor tensor;
+  absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, what, [&] {
+    tensor = at::empty(shape, at::TensorOptions().dtype(*type));
+    if (expected > 0) std::memcpy(tensor.data_ptr(), proto.data().data(), expected);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return tensor;
+}
+
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto) {
+  absl::StatusOr<v1::DType> dtype = ToProtoDType(tensor.scalar_type());
+  if (!dtype.ok()) return dtype.status();
+  proto->set_dtype(*dtype);
+  proto->clear_shape();
+  for (int64_t d : tensor.sizes()) proto->add_shape(d);
+  at::Tensor host = tensor.detach();
+  if (!host.device().is_cpu()) host = host.cpu();
+  host = host.contiguous();
+  const size_t bytes = host.numel() * host.element_size();
+  std::string* data = proto->mutable_data();
+  data->resize(bytes);
+  if (bytes > 0) std::memcpy(data->data(), host.data_ptr(), bytes);
+  return absl::OkStatus();
+}
+
+void EncodeSpec(const at::Tensor& tensor, v1::TensorSpec* spec) {
+  absl::StatusOr<v1::DType> dtype = ToProtoDType(tensor.scalar_type());
+  spec->set_dtype(dtype.ok() ? *dtype : v1::DTYPE_UNSPECIFIED);
+  for (int64_t d : tensor.sizes()) spec->add_shape(d);
+}
+
+}  // namespace rannc

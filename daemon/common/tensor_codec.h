@@ -1,0 +1,38 @@
+// Conversion between the wire's rannc.v1.Tensor (dtype + shape + raw bytes) and at::Tensor.
+//
+// Decoding validates everything a client can get wrong (unknown dtype, negative dims, a byte
+// count that does not match the shape) and names the tensor in the error, since clients send
+// several per request. Decoding copies the bytes once into a fresh CPU tensor the caller owns;
+// encoding copies once out of a (possibly non-contiguous, possibly device) tensor. Stateless
+// and thread-safe.
+#ifndef RANNC_DAEMON_COMMON_TENSOR_CODEC_H_
+#define RANNC_DAEMON_COMMON_TENSOR_CODEC_H_
+
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "rannc/v1/training.pb.h"
+
+namespace rannc {
+
+absl::StatusOr<at::ScalarType> FromProtoDType(v1::DType dtype);
+absl::StatusOr<v1::DType> ToProtoDType(at::ScalarType type);
+
+// "float32", "int64", ... as users write them in Python.
+std::string DTypeName(at::ScalarType type);
+// "float32[8, 16]".
+std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape);
+
+// `what` names the tensor in errors, e.g. "input 'x' (#0)".
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what);
+
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto);
+
+void EncodeSpec(const at::Tensor& tensor, v1::TensorSpec* spec);
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_COMMON_TENSOR_CODEC_H_

@@ -1,0 +1,107 @@
+#include "daemon/daemon.h"
+
+#include <unistd.h>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+#include <torch/version.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/server/job_manager.h"
+#include "daemon/server/training_service.h"
+
+namespace rannc {
+namespace {
+
+uint64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page_size > 0 ? static_cast<uint64_t>(pages) * page_size : 0;
+}
+
+std::string Hostname() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
+  return name;
+}
+
+absl::StatusOr<std::vector<DaemonFacts::Device>> ResolveDevices(const DaemonOptions& options) {
+  // This build runs models on host CPUs; CUDA devices arrive with the GPU milestone.
+  absl::StatusOr<std::vector<DeviceSpec>> specs = ParseDevices(options.devices, /*cuda_count=*/0);
+  if (!specs.ok()) return specs.status();
+  std::vector<DaemonFacts::Device> devices;
+  // CPU "devices" share the host's memory, so each gets an equal share unless told otherwise.
+  const uint64_t cpu_share = PhysicalMemoryBytes() / std::max<size_t>(specs->size(), 1);
+  for (const DeviceSpec& spec : *specs) {
+    if (spec.type != "cpu") {
+      return absl::UnimplementedError(absl::StrCat(
+          "device '", spec.type, ":", spec.index, "' is not supported by this build of ranncd; "
+          "use --devices cpu:N"));
+    }
+    devices.push_back({absl::StrCat(spec.type, ":", spec.index), spec.type,
+                       options.device_memory != 0 ? options.device_memory : cpu_share});
+  }
+  return devices;
+}
+
+}  // namespace
+
+Daemon::Daemon() = default;
+
+Daemon::~Daemon() { Shutdown(std::chrono::milliseconds(0)); }
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+  absl::StatusOr<std::vector<DaemonFacts::Device>> devices = ResolveDevices(options);
+  if (!devices.ok()) return devices.status();
+
+  std::unique_ptr<Daemon> daemon(new Daemon());
+  DaemonFacts facts;
+  facts.version = kRanncVersion;
+  facts.torch_version = TORCH_VERSION;
+  facts.hostname = Hostname();
+  facts.max_message_bytes = options.max_message_size;
+  facts.devices = *devices;
+
+  daemon->jobs_ = std::make_unique<JobManager>();
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(
+      std::min<uint64_t>(options.max_message_size, std::numeric_limits<int>::max())));
+  builder.SetMaxSendMessageSize(std::numeric_limits<int>::max());
+
+  const std::string host = options.listen.substr(0, options.listen.rfind(':'));
+  daemon->training_ = std::make_unique<TrainingServiceImpl>(facts, daemon->jobs_.get());
+  builder.RegisterService(daemon->training_.get());
+  daemon->server_ = builder.BuildAndStart();
+  if (daemon->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", options.listen, " (address in use, or not an address of this "
+        "host); pick another with --listen"));
+  }
+  daemon->address_ = absl::StrCat(host, ":", port);
+  std::string device_list;
+  for (const DaemonFacts::Device& d : facts.devices) {
+    absl::StrAppend(&device_list, device_list.empty() ? "" : ", ", d.name, " (",
+                    d.memory_bytes >> 20, " MiB)");
+  }
+  spdlog::info("devices: {}", device_list);
+  daemon->training_->set_address(daemon->address_);
+  spdlog::info("ranncd listening on {} (version {}, LibTorch {})", daemon->address_,
+               kRanncVersion, TORCH_VERSION);
+  return daemon;
+}
+
+void Daemon::Wait() {
+  if (server_) server_->Wait();
+}
+
+void Daemon::Shutdown(std::chrono::milliseconds grace) {
+  if (!server_) return;
+  server_->Shutdown(std::chrono::system_clock::now() + grace);
+}
+
+}  // namespace rannc

@@ -1,0 +1,55 @@
+// The daemon: owns every top-level object (devices, jobs, the gRPC server and its services) and
+// their order of construction and teardown, as LogCabin's Globals do. main.cc only turns flags
+// into DaemonOptions and calls Start.
+//
+//   absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(options);
+//   ... (*d)->Shutdown(std::chrono::seconds(10));
+//
+// Thread-safety: Start, Wait and Shutdown may be called from different threads; Shutdown is
+// idempotent.
+#ifndef RANNC_DAEMON_DAEMON_H_
+#define RANNC_DAEMON_DAEMON_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/config/options.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace rannc {
+
+class JobManager;
+class TrainingServiceImpl;
+
+inline constexpr char kRanncVersion[] = "0.1.0";
+
+class Daemon {
+ public:
+  // Resolves devices, binds the listen address (port 0 picks a free port) and starts serving.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonOptions& options);
+  ~Daemon();
+
+  // The address actually bound, e.g. "127.0.0.1:40213".
+  const std::string& address() const { return address_; }
+  // Blocks until Shutdown has completed.
+  void Wait();
+  // Stops accepting RPCs; in-flight RPCs get `grace` to finish, then are cancelled.
+  void Shutdown(std::chrono::milliseconds grace);
+
+ private:
+  Daemon();
+
+  std::string address_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<TrainingServiceImpl> training_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_DAEMON_H_

@@ -1,0 +1,125 @@
+#include "daemon/graph/torchscript_import.h"
+
+#include <sstream>
+#include <unordered_map>
+
+#include <torch/csrc/jit/api/module.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/passes/inliner.h>
+#include <torch/csrc/jit/serialization/import.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+
+namespace rannc {
+namespace {
+
+using torch::jit::Graph;
+using torch::jit::Node;
+using torch::jit::Value;
+
+void CollectTensors(const torch::jit::Module& module, const std::string& prefix,
+                    std::vector<ModuleTensor>* out) {
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    out->push_back({prefix + p.name, p.value, /*is_parameter=*/true});
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    out->push_back({prefix + b.name, b.value, /*is_parameter=*/false});
+  }
+  for (const auto& child : module.named_children()) {
+    CollectTensors(child.value, prefix + child.name + ".", out);
+  }
+}
+
+// Where a graph value points into the module: the object (submodule) and its dotted path.
+struct ObjectRef {
+  c10::intrusive_ptr<c10::ivalue::Object> object;
+  std::string path;
+};
+
+absl::Status LiftAttributes(Graph& graph, const torch::jit::Module& module,
+                            std::vector<std::string>* tensor_names) {
+  std::unordered_map<Value*, ObjectRef> objects;
+  objects[graph.inputs()[0]] = {module._ivalue(), ""};
+  std::unordered_map<std::string, Value*> lifted;  // dotted name -> new graph input
+
+  std::vector<Node*> dead;
+  for (Node* node : graph.nodes()) {
+    if (node->kind() != c10::prim::GetAttr) continue;
+    auto parent = objects.find(node->input(0));
+    if (parent == objects.end()) {
+      return absl::InvalidArgumentError(
+          "the model's forward reads an attribute of a non-module value; trace or script a "
+          "plain nn.Module");
+    }
+    const std::string name = node->s(c10::attr::name);
+    const std::string path = parent->second.path.empty() ? name : parent->second.path + "." + name;
+    c10::IValue attr = parent->second.object->getAttr(name);
+    if (attr.isObject()) {
+      objects[node->output()] = {attr.toObject(), path};
+    } else if (attr.isTensor()) {
+      Value*& input = lifted[path];
+      if (input == nullptr) {
+        input = graph.addInput(path)->setType(node->output()->type());
+        tensor_names->push_back(path);
+      }
+      node->output()->replaceAllUsesWith(input);
+    } else if (attr.isNone() || attr.isBool() || attr.isInt() || attr.isDouble() ||
+               attr.isString()) {
+      torch::jit::WithInsertPoint guard(node);
+      node->output()->replaceAllUsesWith(graph.insertConstant(attr));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the model's forward reads attribute '", path, "' of type ", attr.tagKind(),
+          ", which the daemon cannot lift; only tensors, submodules and scalars are supported"));
+    }
+    dead.push_back(node);
+  }
+  // Module-valued GetAttrs lose their uses only once their children are rewired; erase
+  // innermost (latest) first.
+  for (auto it = dead.rbegin(); it != dead.rend(); ++it) {
+    if ((*it)->output()->hasUses()) {
+      return absl::InvalidArgumentError(
+          "the model's forward passes a submodule as a value; trace the model instead");
+    }
+    (*it)->destroy();
+  }
+  if (graph.inputs()[0]->hasUses()) {
+    return absl::InvalidArgumentError(
+        "the model's forward uses `self` in a way that cannot be lifted; trace the model");
+  }
+  graph.eraseInput(0);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes) {
+  ImportedModel model;
+  absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument,
+                                  "the model is not a loadable TorchScript module", [&] {
+    std::istringstream stream(bytes);
+    model.module = std::make_shared<torch::jit::Module>(
+        torch::jit::load(stream, c10::Device(c10::kCPU)));
+    const torch::jit::Module& module = *model.module;
+    auto method = module.find_method("forward");
+    if (!method) {
+      return absl::InvalidArgumentError("the TorchScript module has no forward method");
+    }
+    model.graph = method->graph()->copy();
+    torch::jit::Inline(*model.graph);
+    for (size_t i = 1; i < model.graph->inputs().size(); ++i) {
+      model.input_names.push_back(model.graph->inputs()[i]->debugName());
+    }
+    CollectTensors(module, "", &model.tensors);
+    absl::Status lift = LiftAttributes(*model.graph, module, &model.graph_tensor_names);
+    if (!lift.ok()) return lift;
+    torch::jit::EliminateDeadCode(model.graph);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return model;
+}
+
+}  // namespace rannc

@@ -1,0 +1,62 @@
+// ranncd: flags -> DaemonOptions -> Daemon::Start(); then waits for SIGTERM/SIGINT.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "daemon/config/options.h"
+#include "daemon/daemon.h"
+
+extern char** environ;
+
+namespace {
+
+std::map<std::string, std::string> Environment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry(*e);
+    const size_t eq = entry.find('=');
+    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return env;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Block the stop signals in every thread (gRPC's and LibTorch's inherit the mask) so that
+  // sigwait below is the one place they arrive.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("ranncd"));
+  absl::StatusOr<rannc::DaemonOptions> options =
+      rannc::LoadDaemonOptions(argc, argv, Environment());
+  if (!options.ok()) {
+    return rannc::ReportOptionsStatus(options.status());
+  }
+  spdlog::set_level(spdlog::level::from_str(options->log_level));
+  if (!options->config_file.empty()) spdlog::info("config: {}", options->config_file);
+
+  absl::StatusOr<std::unique_ptr<rannc::Daemon>> daemon = rannc::Daemon::Start(*options);
+  if (!daemon.ok()) {
+    spdlog::critical("cannot start: {}", daemon.status().message());
+    return 1;
+  }
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  spdlog::info("signal {}: stopping; in-flight calls get 10 s to finish", signal_number);
+  (*daemon)->Shutdown(std::chrono::seconds(10));
+  (*daemon)->Wait();
+  spdlog::info("stopped");
+  return 0;
+}

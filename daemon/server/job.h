@@ -1,0 +1,131 @@
+// A job: one submitted model with its parameters, optimizer and graphs, owned by the daemon.
+// The job decides; the gRPC service only translates (STYLE.md habit 5). Inputs and outputs are
+// at::Tensors on the host; names, shapes and errors are checked here so every client gets the
+// same answers.
+//
+// Lifecycle (JobState): kDeployed -> (Undeploy) -> kUndeployed -> (Forward) -> kDeployed.
+// A LibTorch failure inside a step leaves the job usable: the step's error goes to the caller,
+// nothing else changes state.
+//
+// Thread-safety: every public method locks the job's mutex, so concurrent RPCs on one job are
+// serialized; different jobs run independently.
+#ifndef RANNC_DAEMON_SERVER_JOB_H_
+#define RANNC_DAEMON_SERVER_JOB_H_
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/optim/optimizer.h"
+#include "daemon/runtime/model_runner.h"
+#include "daemon/runtime/param_store.h"
+
+namespace rannc {
+
+enum class JobState { kDeployed, kUndeployed };
+const char* JobStateName(JobState state);
+
+struct OptimizerConfig {
+  bool enabled = false;
+  OptimizerKind kind = OptimizerKind::kSgd;
+  // Parameter names (any alias) per group; an empty list with `enabled` is one group of all.
+  std::vector<std::vector<std::string>> group_params;
+  std::vector<HyperParams> group_hyper;
+};
+
+// The RaNNCModule options that change how a job runs.
+struct JobConfig {
+  std::string name;
+  ModelMode mode;                     // the mode the model was traced in
+  OptimizerConfig optimizer;
+  bool check_unused_values = true;    // reject unused inputs and parameters, as RaNNC does
+  std::vector<std::string> input_names;
+  std::string device = "cpu:0";
+};
+
+struct JobSummary {
+  std::string id;
+  std::string name;
+  JobState state;
+  int64_t num_params = 0;
+  int64_t steps = 0;
+  int64_t forwards = 0;
+  std::vector<std::string> devices;
+  std::chrono::system_clock::time_point created;
+};
+
+struct StateEntry {
+  std::string name;
+  at::Tensor tensor;  // a copy, safe to encode after the job's lock is released
+  bool is_buffer = false;
+};
+
+class Job {
+ public:
+  // Imports `model_bytes`, checks it against `config`, and runs it once on `example_inputs`
+  // (no gradients, buffers restored afterwards) to validate it and learn its outputs.
+  // INVALID_ARGUMENT for a bad model or one that fails on the example inputs.
+  static absl::StatusOr<std::unique_ptr<Job>> Create(std::string id, JobConfig config,
+                                                     const std::string& model_bytes,
+                                                     const std::vector<at::Tensor>& example_inputs);
+
+  const std::string& id() const { return id_; }
+  // The outputs of the validation run; parameters and buffers with their aliases.
+  const std::vector<at::Tensor>& example_outputs() const { return example_outputs_; }
+  const ParamStore& params() const { return store_; }
+  const std::vector<std::string>& devices() const { return devices_; }
+
+  absl::Status AddMode(const ModelMode& mode, const std::string& model_bytes);
+  // Returns whether the job has a graph for `mode`.
+  bool SetMode(const ModelMode& mode);
+
+  absl::StatusOr<std::vector<at::Tensor>> Forward(const std::vector<at::Tensor>& inputs,
+                                                  bool requires_grad);
+  absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
+                        bool retain_graph);
+  absl::Status Step(const std::vector<HyperParams>& hypers);
+  void ZeroGrad(bool set_to_none);
+  // torch.nn.utils.clip_grad_norm_ over every parameter: returns the total norm.
+  absl::StatusOr<double> ClipGradNorm(double max_norm, double norm_type);
+
+  // A copy of a parameter/buffer (or its gradient; nullopt when the gradient is None).
+  absl::StatusOr<std::optional<at::Tensor>> GetTensor(const std::string& name, bool grad);
+  // Copies of every state_dict entry, in PyTorch's order, aliases included.
+  std::vector<StateEntry> StateDict();
+  absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& state, bool strict,
+                             std::vector<std::string>* missing,
+                             std::vector<std::string>* unexpected);
+  void Undeploy();
+  JobSummary Summary();
+
+ private:
+  Job(std::string id, JobConfig config);
+
+  const std::string id_;
+  const JobConfig config_;
+  const std::chrono::system_clock::time_point created_;
+  std::vector<std::string> devices_;
+  std::vector<InputSignature> signature_;
+
+  std::mutex mu_;
+  JobState state_ = JobState::kDeployed;
+  ModelMode mode_;
+  ParamStore store_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::vector<at::Tensor> example_outputs_;
+  int64_t steps_ = 0;
+  int64_t forwards_ = 0;
+};
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_SERVER_JOB_H_

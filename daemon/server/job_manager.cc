@@ -1,0 +1,60 @@
+#include "daemon/server/job_manager.h"
+
+#include <chrono>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace rannc {
+
+uint64_t JobManager::MakeInstanceTag() {
+  // Distinguishes ids across daemon restarts, so a client holding an old id gets NOT_FOUND
+  // rather than someone else's job.
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) ^
+          static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count())) &
+         0xffffffffu;
+}
+
+std::string JobManager::NewJobId() {
+  return absl::StrFormat("job-%08x-%d", instance_, next_id_.fetch_add(1));
+}
+
+void JobManager::Add(std::shared_ptr<Job> job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  jobs_[job->id()] = std::move(job);
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Get(const std::string& id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "no job '", id, "' on this daemon (it was deleted, or the daemon restarted); "
+        "`rannc jobs` lists the live ones"));
+  }
+  return it->second;
+}
+
+absl::Status JobManager::Remove(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (jobs_.erase(id) == 0) {
+    return absl::NotFoundError(absl::StrCat("no job '", id, "' on this daemon"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<Job>> JobManager::List() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  return jobs;
+}
+
+size_t JobManager::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return jobs_.size();
+}
+
+}  // namespace rannc

@@ -1,0 +1,252 @@
+#include "daemon/server/job.h"
+
+#include <ATen/ATen.h>
+#include <catch2/catch.hpp>
+
+#include "tests/fixtures/fixture.h"
+
+namespace rannc {
+namespace {
+
+// Same LibTorch kernels in the same order as the Python reference: fp32 round-off at most.
+constexpr double kRtol = 1e-5;
+constexpr double kAtol = 1e-6;
+
+bool Close(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes().equals(b.sizes()) && at::allclose(a, b, kRtol, kAtol);
+}
+
+JobConfig SgdConfig() {
+  JobConfig config;
+  config.name = "test";
+  config.optimizer.enabled = true;
+  config.optimizer.kind = OptimizerKind::kSgd;
+  HyperParams h;
+  h.lr = 0.1;
+  h.momentum = 0.9;
+  config.optimizer.group_hyper = {h};
+  return config;
+}
+
+std::unique_ptr<Job> MakeJob(const testing::Fixture& f, JobConfig config = SgdConfig()) {
+  absl::StatusOr<std::unique_ptr<Job>> job = Job::Create("job-1", config, f.model_bytes, f.inputs);
+  INFO(job.status().ToString());
+  REQUIRE(job.ok());
+  return std::move(*job);
+}
+
+// forward, backward of outputs[0].sum(), step; twice — what make_models.py does in PyTorch.
+void TrainTwoSteps(Job& job, const testing::Fixture& f) {
+  const HyperParams h = SgdConfig().optimizer.group_hyper[0];
+  for (int step = 0; step < 2; ++step) {
+    absl::StatusOr<std::vector<at::Tensor>> out = job.Forward(f.inputs, true);
+    REQUIRE(out.ok());
+    REQUIRE(job.Backward({{0, at::ones_like((*out)[0])}}, false).ok());
+    if (step == 0) {
+      for (const ParamStore::Entry& e : job.params().entries()) {
+        if (!e.is_parameter) continue;
+        absl::StatusOr<std::optional<at::Tensor>> grad = job.GetTensor(e.name, true);
+        REQUIRE(grad.ok());
+        REQUIRE(grad->has_value());
+        INFO(e.name);
+        CHECK(Close(**grad, f.Ref("grad", e.name)));
+      }
+    }
+    REQUIRE(job.Step({h}).ok());
+    job.ZeroGrad(false);
+  }
+}
+
+TEST_CASE("Job matches PyTorch on an MLP: outputs, grads, two SGD steps", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  std::unique_ptr<Job> job = MakeJob(f);
+  REQUIRE(job->example_outputs().size() == 1);
+  CHECK(Close(job->example_outputs()[0], f.ref.at("out_0")));
+  TrainTwoSteps(*job, f);
+  for (const ParamStore::Entry& e : job->params().entries()) {
+    INFO(e.name);
+    CHECK(Close(e.tensor, f.Ref("step2", e.name)));
+  }
+  CHECK(job->Summary().steps == 2);
+}
+
+TEST_CASE("Job trains a tied weight as one tensor", "[job]") {
+  testing::Fixture f = testing::LoadFixture("tied_lm");
+  std::unique_ptr<Job> job = MakeJob(f);
+  const ParamStore::Entry* emb = job->params().Find("emb.weight");
+  REQUIRE(emb != nullptr);
+  CHECK(job->params().Find("head.weight") == emb);
+  CHECK(emb->aliases == std::vector<std::string>{"head.weight"});
+  TrainTwoSteps(*job, f);
+  CHECK(Close(emb->tensor, f.Ref("step2", "emb.weight")));
+  CHECK(Close(job->params().Find("mix.weight")->tensor, f.Ref("step2", "mix.weight")));
+  // state_dict has both names, like PyTorch's.
+  int emb_keys = 0;
+  for (const StateEntry& s : job->StateDict()) {
+    emb_keys += s.name == "emb.weight" || s.name == "head.weight";
+  }
+  CHECK(emb_keys == 2);
+}
+
+TEST_CASE("Job updates BatchNorm buffers as PyTorch, not during validation", "[job]") {
+  testing::Fixture f = testing::LoadFixture("bn_net");
+  std::unique_ptr<Job> job = MakeJob(f);
+  CHECK(job->params().Find("bn.num_batches_tracked")->tensor.item<int64_t>() == 0);
+  TrainTwoSteps(*job, f);
+  for (const char* name : {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}) {
+    INFO(name);
+    CHECK(Close(job->params().Find(name)->tensor, f.Ref("buf", name)));
+  }
+  for (const char* name : {"conv.weight", "bn.weight"}) {
+    INFO(name);
+    CHECK(Close(job->params().Find(name)->tensor, f.Ref("step2", name)));
+  }
+}
+
+TEST_CASE("Job rejects unused parameters unless told not to check", "[job]") {
+  testing::Fixture f = testing::LoadFixture("unused");
+  absl::StatusOr<std::unique_ptr<Job>> job =
+      Job::Create("job-1", SgdConfig(), f.model_bytes, f.inputs);
+  REQUIRE_FALSE(job.ok());
+  CHECK(job.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(job.status().message()),
+             Catch::Contains("unused.weight") && Catch::Contains("check_unused_values=False"));
+
+  JobConfig lenient = SgdConfig();
+  lenient.check_unused_values = false;
+  std::unique_ptr<Job> ok = MakeJob(f, lenient);
+  // The unused parameter has no gradient, so the step leaves it alone, as PyTorch does.
+  at::Tensor before = ok->params().Find("unused.weight")->tensor.clone();
+  absl::StatusOr<std::vector<at::Tensor>> out = ok->Forward(f.inputs, true);
+  REQUIRE(out.ok());
+  REQUIRE(ok->Backward({{0, at::ones_like((*out)[0])}}, false).ok());
+  REQUIRE(ok->Step({SgdConfig().optimizer.group_hyper[0]}).ok());
+  CHECK(at::equal(before, ok->params().Find("unused.weight")->tensor));
+}
+
+TEST_CASE("Job names the input and both shapes for a bad input", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  JobConfig config = SgdConfig();
+  config.input_names = {"x", "y"};
+  std::unique_ptr<Job> job = MakeJob(f, config);
+
+  absl::StatusOr<std::vector<at::Tensor>> shape =
+      job->Forward({at::zeros({5, 7}), f.inputs[1]}, true);
+  CHECK(shape.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(shape.status().message()),
+             Catch::Contains("input 'x' (#0)") && Catch::Contains("float32[5, 6]") &&
+                 Catch::Contains("float32[5, 7]"));
+
+  absl::StatusOr<std::vector<at::Tensor>> dtype =
+      job->Forward({f.inputs[0], f.inputs[1].to(at::kFloat)}, true);
+  CHECK_THAT(std::string(dtype.status().message()),
+             Catch::Contains("input 'y' (#1)") && Catch::Contains("int64[5]"));
+
+  absl::StatusOr<std::vector<at::Tensor>> count = job->Forward({f.inputs[0]}, true);
+  CHECK_THAT(std::string(count.status().message()), Catch::Contains("takes 2 inputs"));
+
+  // A different batch size is fine.
+  absl::StatusOr<std::vector<at::Tensor>> batch =
+      job->Forward({f.inputs[0].narrow(0, 0, 3), f.inputs[1].narrow(0, 0, 3)}, true);
+  CHECK(batch.ok());
+}
+
+TEST_CASE("Job refuses calls out of order and keeps working", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  std::unique_ptr<Job> job = MakeJob(f);
+  absl::Status early = job->Backward({{0, at::ones({})}}, false);
+  CHECK(early.code() == absl::StatusCode::kFailedPrecondition);
+
+  absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(f.inputs, true);
+  REQUIRE(out.ok());
+  absl::Status bad_grad = job->Backward({{0, at::ones({2})}}, false);
+  CHECK(bad_grad.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(job->Backward({{3, at::ones({})}}, false).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(job->Backward({{0, at::ones({})}}, /*retain_graph=*/true).ok());
+  CHECK(job->Backward({{0, at::ones({})}}, false).ok());  // keep_graph: second backward
+  CHECK(job->Backward({{0, at::ones({})}}, false).code() ==
+        absl::StatusCode::kFailedPrecondition);
+  // Two backwards accumulated twice the gradient.
+  CHECK(Close(**job->GetTensor("fc1.weight", true), 2 * f.Ref("grad", "fc1.weight")));
+
+  CHECK(job->Step({}).code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Job without an optimizer refuses step", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  JobConfig config;
+  std::unique_ptr<Job> job = MakeJob(f, config);
+  CHECK(job->Step({HyperParams()}).code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("Job clip_grad_norm equals torch.nn.utils.clip_grad_norm_", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  std::unique_ptr<Job> job = MakeJob(f);
+  absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(f.inputs, true);
+  REQUIRE(job->Backward({{0, at::ones({})}}, false).ok());
+  std::vector<at::Tensor> norms;
+  for (const char* n : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
+    norms.push_back(f.Ref("grad", n).norm());
+  }
+  const double expected = at::stack(norms).norm().item<double>();
+  absl::StatusOr<double> total = job->ClipGradNorm(0.01, 2.0);
+  REQUIRE(total.ok());
+  CHECK(*total == Approx(expected).epsilon(1e-6));
+  const double coef = 0.01 / (expected + 1e-6);
+  CHECK(Close(**job->GetTensor("fc1.weight", true), f.Ref("grad", "fc1.weight") * coef));
+}
+
+TEST_CASE("Job zero_grad(set_to_none) leaves no gradient", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  std::unique_ptr<Job> job = MakeJob(f);
+  REQUIRE(job->Forward(f.inputs, true).ok());
+  REQUIRE(job->Backward({{0, at::ones({})}}, false).ok());
+  job->ZeroGrad(false);
+  CHECK(at::equal(**job->GetTensor("fc2.bias", true), at::zeros({3})));
+  job->ZeroGrad(true);
+  CHECK_FALSE(job->GetTensor("fc2.bias", true)->has_value());
+  CHECK(job->GetTensor("nope", false).status().code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("Job load_state_dict checks every key before changing anything", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  std::unique_ptr<Job> job = MakeJob(f);
+  std::map<std::string, at::Tensor> state;
+  for (const StateEntry& s : job->StateDict()) state[s.name] = s.tensor + 1;
+  const at::Tensor before = job->params().Find("fc1.weight")->tensor.clone();
+  std::vector<std::string> missing, unexpected;
+
+  std::map<std::string, at::Tensor> wrong_shape = state;
+  wrong_shape["fc2.bias"] = at::zeros({4});
+  absl::Status shape = job->LoadStateDict(wrong_shape, true, &missing, &unexpected);
+  CHECK(shape.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(shape.message()), Catch::Contains("size mismatch for fc2.bias"));
+  CHECK(at::equal(before, job->params().Find("fc1.weight")->tensor));
+
+  std::map<std::string, at::Tensor> partial = state;
+  partial.erase("fc2.weight");
+  partial["extra"] = at::zeros({1});
+  absl::Status strict = job->LoadStateDict(partial, true, &missing, &unexpected);
+  CHECK(strict.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(strict.message()),
+             Catch::Contains("missing keys: fc2.weight") && Catch::Contains("unexpected keys: extra"));
+  CHECK(at::equal(before, job->params().Find("fc1.weight")->tensor));
+
+  REQUIRE(job->LoadStateDict(partial, false, &missing, &unexpected).ok());
+  CHECK(missing == std::vector<std::string>{"fc2.weight"});
+  CHECK(unexpected == std::vector<std::string>{"extra"});
+  CHECK(at::equal(before + 1, job->params().Find("fc1.weight")->tensor));
+}
+
+TEST_CASE("Job reports a model that fails on its example inputs", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  absl::StatusOr<std::unique_ptr<Job>> job =
+      Job::Create("job-1", SgdConfig(), f.model_bytes, {at::zeros({5, 4}), f.inputs[1]});
+  REQUIRE_FALSE(job.ok());
+  CHECK(job.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(job.status().message()),
+             Catch::Contains("example inputs") && Catch::Contains("forward failed"));
+}
+
+}  // namespace
+}  // namespace rannc

@@ -1,0 +1,465 @@
+#include "daemon/server/training_service.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/common/tensor_codec.h"
+
+namespace rannc {
+namespace {
+
+// State_dict streams cut tensors into pieces this large, well under any message limit.
+constexpr size_t kStateChunkBytes = 4 << 20;
+
+grpc::Status Fail(const char* rpc, const absl::Status& status) {
+  spdlog::warn("{} failed: {}", rpc, status.ToString());
+  return ToGrpcStatus(status);
+}
+
+ModelMode FromProto(const v1::Mode& mode) { return ModelMode{mode.training(), mode.dropout()}; }
+
+HyperParams FromProto(const v1::HyperParams& h) {
+  HyperParams out;
+  out.lr = h.lr();
+  out.weight_decay = h.weight_decay();
+  out.momentum = h.momentum();
+  out.dampening = h.dampening();
+  out.nesterov = h.nesterov();
+  out.beta1 = h.beta1();
+  out.beta2 = h.beta2();
+  out.eps = h.eps();
+  out.amsgrad = h.amsgrad();
+  out.maximize = h.maximize();
+  return out;
+}
+
+// Options whose features belong to later milestones are refused by name, never ignored.
+absl::Status CheckSupported(const v1::JobOptions& options) {
+  auto refuse = [](const char* option, const char* what) {
+    return absl::UnimplementedError(absl::StrCat(
+        option, "=True (", what, ") is not supported by this daemon yet; create the job "
+        "without it"));
+  };
+  if (options.enable_apex_amp()) return refuse("enable_apex_amp", "mixed precision");
+  if (options.allreduce_amp_master_params()) {
+    return refuse("allreduce_amp_master_params", "mixed precision");
+  }
+  if (options.enable_zero()) return refuse("enable_zero", "ZeRO sharding");
+  if (options.offload_params()) return refuse("offload_params", "parameter offload");
+  if (!options.load_deployment().empty()) {
+    return absl::UnimplementedError(
+        "load_deployment: deployment files are not supported by this daemon yet");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
+  OptimizerConfig config;
+  switch (spec.type()) {
+    case v1::OPTIMIZER_NONE: return config;
+    case v1::SGD: config.kind = OptimizerKind::kSgd; break;
+    case v1::ADAM: config.kind = OptimizerKind::kAdam; break;
+    case v1::ADAMW: config.kind = OptimizerKind::kAdamW; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown optimizer type ", static_cast<int>(spec.type())));
+  }
+  config.enabled = true;
+  if (spec.groups().empty()) {
+    config.group_hyper.push_back(HyperParams());
+    return config;
+  }
+  for (const v1::ParamGroup& g : spec.groups()) {
+    config.group_params.emplace_back(g.params().begin(), g.params().end());
+    config.group_hyper.push_back(FromProto(g.hyper()));
+  }
+  return config;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> DecodeAll(
+    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors, const char* what) {
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < tensors.size(); ++i) {
+    absl::StatusOr<at::Tensor> t = DecodeTensor(tensors[i], absl::StrCat(what, " #", i));
+    if (!t.ok()) return t.status();
+    out.push_back(std::move(*t));
+  }
+  return out;
+}
+
+void FillParamInfo(const ParamStore::Entry& e, v1::ParamInfo* info) {
+  info->set_name(e.name);
+  EncodeSpec(e.tensor, info->mutable_spec());
+  for (const std::string& a : e.aliases) info->add_aliases(a);
+  info->set_requires_grad(e.tensor.requires_grad());
+}
+
+// Reassembles a tensor from StateDictChunks, checking each against the first.
+class ChunkAssembler {
+ public:
+  absl::Status Add(const v1::StateDictChunk& chunk) {
+    if (chunk.offset() == 0) {
+      absl::StatusOr<at::ScalarType> type = FromProtoDType(chunk.dtype());
+      if (!type.ok()) return Annotate(type.status(), absl::StrCat("state_dict '", chunk.name(), "'"));
+      std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
+      int64_t numel = 1;
+      for (int64_t d : shape) numel *= std::max<int64_t>(d, 0);
+      const uint64_t expected = numel * c10::elementSize(*type);
+      if (chunk.total_bytes() != expected) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "state_dict '", chunk.name(), "': ", chunk.total_bytes(), " bytes for ",
+            DescribeTensor(*type, shape), ", which needs ", expected));
+      }
+      if (state_.count(chunk.name())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("state_dict key '", chunk.name(), "' sent twice"));
+      }
+      current_ = at::empty(shape, at::TensorOptions().dtype(*type));
+      name_ = chunk.name();
+      filled_ = 0;
+      state_[name_] = current_;
+    } else if (chunk.name() != name_ || chunk.offset() != filled_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state_dict chunk for '", chunk.name(), "' at offset ", chunk.offset(),
+          " does not continue '", name_, "' at ", filled_));
+    }
+    const uint64_t total = current_.numel() * current_.element_size();
+    if (filled_ + chunk.data().size() > total) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state_dict '", chunk.name(), "': more data than its shape holds"));
+    }
+    std::memcpy(static_cast<char*>(current_.data_ptr()) + filled_, chunk.data().data(),
+                chunk.data().size());
+    filled_ += chunk.data().size();
+    if (filled_ == total) done_.insert(name_);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::map<std::string, at::Tensor>> Finish() {
+    for (const auto& [name, t] : state_) {
+      if (!done_.count(name)) {
+        return absl::InvalidArgumentError(absl::StrCat("state_dict '", name, "' is incomplete"));
+      }
+    }
+    return std::move(state_);
+  }
+
+ private:
+  std::map<std::string, at::Tensor> state_;
+  std::set<std::string> done_;
+  at::Tensor current_;
+  std::string name_;
+  uint64_t filled_ = 0;
+};
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs)
+    : facts_(std::move(facts)), jobs_(jobs) {}
+
+void TrainingServiceImpl::set_address(std::string address) {
+  std::lock_guard<std::mutex> lock(address_mu_);
+  address_ = std::move(address);
+}
+
+grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+                                          v1::DaemonInfo* info) {
+  info->set_version(facts_.version);
+  info->set_torch_version(facts_.torch_version);
+  {
+    std::lock_guard<std::mutex> lock(address_mu_);
+    info->set_listen(address_);
+  }
+  info->set_hostname(facts_.hostname);
+  info->set_max_message_bytes(facts_.max_message_bytes);
+  info->set_shm_dir(facts_.shm_dir);
+  info->set_num_jobs(jobs_->size());
+  for (const DaemonFacts::Device& d : facts_.devices) {
+    v1::DeviceInfo* device = info->add_devices();
+    device->set_name(d.name);
+    device->set_type(d.type);
+    device->set_memory_bytes(d.memory_bytes);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
+                                            grpc::ServerReader<v1::CreateJobRequest>* reader,
+                                            v1::CreateJobResponse* response) {
+  v1::CreateJobRequest request;
+  if (!reader->Read(&request) || !request.has_spec()) {
+    return Fail("CreateJob", absl::InvalidArgumentError(
+        "CreateJob must start with a JobSpec message, then the model's bytes"));
+  }
+  const v1::JobSpec spec = request.spec();
+  std::string model;
+  model.reserve(spec.model_bytes());
+  while (reader->Read(&request)) {
+    if (!request.has_model_chunk() && request.has_spec()) {
+      return Fail("CreateJob", absl::InvalidArgumentError("CreateJob got a second JobSpec"));
+    }
+    model += request.model_chunk();
+  }
+  if (spec.model_bytes() != 0 && model.size() != spec.model_bytes()) {
+    return Fail("CreateJob", absl::InvalidArgumentError(absl::StrCat(
+        "the model stream ended after ", model.size(), " of ", spec.model_bytes(), " bytes")));
+  }
+  if (model.empty()) {
+    return Fail("CreateJob", absl::InvalidArgumentError("CreateJob carried no model bytes"));
+  }
+  absl::Status supported = CheckSupported(spec.options());
+  if (!supported.ok()) return Fail("CreateJob", supported);
+  absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
+  if (!optimizer.ok()) return Fail("CreateJob", optimizer.status());
+  absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec.example_inputs(), "example input");
+  if (!examples.ok()) return Fail("CreateJob", examples.status());
+
+  JobConfig config;
+  config.name = spec.name();
+  config.mode = FromProto(spec.mode());
+  config.optimizer = std::move(*optimizer);
+  config.check_unused_values = spec.options().check_unused_values();
+  config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
+  if (!facts_.devices.empty()) config.device = facts_.devices[0].name;
+
+  const std::string id = jobs_->NewJobId();
+  absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, std::move(config), model, *examples);
+  if (!job.ok()) return Fail("CreateJob", job.status());
+
+  response->set_job_id(id);
+  for (const ParamStore::Entry& e : (*job)->params().entries()) {
+    FillParamInfo(e, e.is_parameter ? response->add_params() : response->add_buffers());
+  }
+  for (const at::Tensor& out : (*job)->example_outputs()) EncodeSpec(out, response->add_outputs());
+  for (const std::string& d : (*job)->devices()) response->add_devices(d);
+  spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript)", id, spec.name(),
+               (*job)->params().NumParameterElements(), model.size());
+  jobs_->Add(std::move(*job));
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext*,
+                                          grpc::ServerReader<v1::AddModeRequest>* reader,
+                                          v1::AddModeResponse*) {
+  v1::AddModeRequest request;
+  if (!reader->Read(&request) || !request.has_header()) {
+    return Fail("AddMode", absl::InvalidArgumentError(
+        "AddMode must start with a header message, then the model's bytes"));
+  }
+  const v1::AddModeRequest::Header header = request.header();
+  std::string model;
+  while (reader->Read(&request)) model += request.model_chunk();
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(header.job_id());
+  if (!job.ok()) return Fail("AddMode", job.status());
+  absl::Status status = (*job)->AddMode(FromProto(header.mode()), model);
+  if (!status.ok()) return Fail("AddMode", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobRef* ref,
+                                            v1::Empty*) {
+  absl::Status status = jobs_->Remove(ref->job_id());
+  if (!status.ok()) return Fail("DeleteJob", status);
+  spdlog::info("deleted job {}", ref->job_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty*,
+                                           v1::ListJobsResponse* response) {
+  for (const std::shared_ptr<Job>& job : jobs_->List()) {
+    JobSummary s = job->Summary();
+    v1::JobSummary* out = response->add_jobs();
+    out->set_job_id(s.id);
+    out->set_name(s.name);
+    out->set_state(s.state == JobState::kDeployed ? v1::DEPLOYED : v1::UNDEPLOYED);
+    out->set_num_params(s.num_params);
+    out->set_steps(s.steps);
+    out->set_forwards(s.forwards);
+    for (const std::string& d : s.devices) out->add_devices(d);
+    out->set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 s.created.time_since_epoch()).count());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::ForwardRequest* request,
+                                          v1::ForwardResponse* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("Forward", job.status());
+  absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input");
+  if (!inputs.ok()) return Fail("Forward", inputs.status());
+  absl::StatusOr<std::vector<at::Tensor>> outputs =
+      (*job)->Forward(*inputs, request->requires_grad());
+  if (!outputs.ok()) return Fail("Forward", outputs.status());
+  for (const at::Tensor& out : *outputs) {
+    absl::Status status = EncodeTensor(out, response->add_outputs());
+    if (!status.ok()) return Fail("Forward", status);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext*,
+                                           const v1::BackwardRequest* request, v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("Backward", job.status());
+  std::vector<std::pair<size_t, at::Tensor>> grads;
+  for (const v1::OutputGrad& g : request->grads()) {
+    absl::StatusOr<at::Tensor> t =
+        DecodeTensor(g.grad(), absl::StrCat("gradient for output #", g.output_index()));
+    if (!t.ok()) return Fail("Backward", t.status());
+    grads.emplace_back(g.output_index(), std::move(*t));
+  }
+  absl::Status status = (*job)->Backward(grads, request->retain_graph());
+  if (!status.ok()) return Fail("Backward", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::Step(grpc::ServerContext*, const v1::StepRequest* request,
+                                       v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("Step", job.status());
+  std::vector<HyperParams> hypers;
+  for (const v1::HyperParams& h : request->groups()) hypers.push_back(FromProto(h));
+  absl::Status status = (*job)->Step(hypers);
+  if (!status.ok()) return Fail("Step", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext*,
+                                           const v1::ZeroGradRequest* request, v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("ZeroGrad", job.status());
+  (*job)->ZeroGrad(request->set_to_none());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext*,
+                                               const v1::ClipGradNormRequest* request,
+                                               v1::ClipGradNormResponse* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("ClipGradNorm", job.status());
+  const double norm_type = request->norm_type() == 0 ? 2.0 : request->norm_type();
+  absl::StatusOr<double> norm = (*job)->ClipGradNorm(request->max_norm(), norm_type);
+  if (!norm.ok()) return Fail("ClipGradNorm", norm.status());
+  response->set_total_norm(*norm);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext*,
+                                           const v1::GetParamRequest* request,
+                                           v1::GetParamResponse* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("GetParam", job.status());
+  if (request->amp_master_param()) {
+    return Fail("GetParam", absl::UnimplementedError(
+        "amp_master_param=True: this job has no mixed-precision master parameters"));
+  }
+  absl::StatusOr<std::optional<at::Tensor>> tensor =
+      (*job)->GetTensor(request->name(), request->grad());
+  if (!tensor.ok()) return Fail("GetParam", tensor.status());
+  response->set_has_value(tensor->has_value());
+  if (tensor->has_value()) {
+    absl::Status status = EncodeTensor(**tensor, response->mutable_tensor());
+    if (!status.ok()) return Fail("GetParam", status);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::StateDict(grpc::ServerContext* context,
+                                            const v1::StateDictRequest* request,
+                                            grpc::ServerWriter<v1::StateDictChunk>* writer) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("StateDict", job.status());
+  if (request->amp_master_params()) {
+    return Fail("StateDict", absl::UnimplementedError(
+        "amp_master_params=True: this job has no mixed-precision master parameters"));
+  }
+  for (const StateEntry& entry : (*job)->StateDict()) {
+    at::Tensor t = entry.tensor.contiguous();
+    absl::StatusOr<v1::DType> dtype = ToProtoDType(t.scalar_type());
+    if (!dtype.ok()) return Fail("StateDict", dtype.status());
+    const size_t total = t.numel() * t.element_size();
+    const char* data = static_cast<const char*>(t.data_ptr());
+    size_t offset = 0;
+    do {
+      const size_t n = std::min(kStateChunkBytes, total - offset);
+      v1::StateDictChunk chunk;
+      chunk.set_name(entry.name);
+      chunk.set_dtype(*dtype);
+      for (int64_t d : t.sizes()) chunk.add_shape(d);
+      chunk.set_total_bytes(total);
+      chunk.set_offset(offset);
+      chunk.set_is_buffer(entry.is_buffer);
+      chunk.set_data(data + offset, n);
+      if (!writer->Write(chunk)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client went away during state_dict");
+      }
+      offset += n;
+    } while (offset < total);
+    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::LoadStateDict(
+    grpc::ServerContext*, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
+    v1::LoadStateDictResponse* response) {
+  v1::LoadStateDictRequest request;
+  if (!reader->Read(&request) || !request.has_header()) {
+    return Fail("LoadStateDict", absl::InvalidArgumentError(
+        "LoadStateDict must start with a header message, then the chunks"));
+  }
+  const v1::LoadStateDictRequest::Header header = request.header();
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(header.job_id());
+  if (!job.ok()) return Fail("LoadStateDict", job.status());
+  ChunkAssembler assembler;
+  absl::Status status = absl::OkStatus();
+  while (reader->Read(&request)) {
+    if (status.ok()) status = assembler.Add(request.chunk());  // drain the stream either way
+  }
+  if (!status.ok()) return Fail("LoadStateDict", status);
+  absl::StatusOr<std::map<std::string, at::Tensor>> state = assembler.Finish();
+  if (!state.ok()) return Fail("LoadStateDict", state.status());
+  std::vector<std::string> missing, unexpected;
+  status = (*job)->LoadStateDict(*state, header.strict(), &missing, &unexpected);
+  if (!status.ok()) return Fail("LoadStateDict", status);
+  for (const std::string& k : missing) response->add_missing_keys(k);
+  for (const std::string& k : unexpected) response->add_unexpected_keys(k);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::SetMode(grpc::ServerContext*, const v1::SetModeRequest* request,
+                                          v1::SetModeResponse* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("SetMode", job.status());
+  response->set_has_graph((*job)->SetMode(FromProto(request->mode())));
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::Undeploy(grpc::ServerContext*, const v1::JobRef* ref,
+                                           v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
+  if (!job.ok()) return Fail("Undeploy", job.status());
+  (*job)->Undeploy();
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::RecreateCommunicators(grpc::ServerContext*,
+                                                        const v1::JobRef* ref, v1::Empty*) {
+  // A job on one device has no communicators; the call still checks the job exists.
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
+  if (!job.ok()) return Fail("RecreateCommunicators", job.status());
+  return grpc::Status::OK;
+}
+
+}  // namespace rannc

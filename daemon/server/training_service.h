@@ -1,0 +1,79 @@
+// rannc.v1.TrainingService over gRPC. Translation only: protos in, JobManager/Job calls, protos
+// out, absl::Status -> grpc::Status at the boundary (STYLE.md habit 5). Every decision lives in
+// Job and JobManager, which are tested without a server.
+//
+// Thread-safety: gRPC calls the methods from its thread pool; the service holds no mutable
+// state of its own beyond the bound address. The JobManager must outlive the service.
+#ifndef RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
+#define RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "daemon/server/job_manager.h"
+#include "rannc/v1/training.grpc.pb.h"
+
+namespace rannc {
+
+// What GetInfo reports; fixed for the daemon's lifetime.
+struct DaemonFacts {
+  std::string version;
+  std::string torch_version;
+  std::string hostname;
+  uint64_t max_message_bytes = 0;
+  std::string shm_dir;
+  struct Device {
+    std::string name;
+    std::string type;
+    uint64_t memory_bytes = 0;
+  };
+  std::vector<Device> devices;
+};
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class TrainingServiceImpl final : public v1::TrainingService::Service {
+ public:
+  TrainingServiceImpl(DaemonFacts facts, JobManager* jobs);
+
+  // The bound address is known only once the server runs (--listen may ask for port 0).
+  void set_address(std::string address);
+
+  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+                       v1::DaemonInfo*) override;
+  grpc::Status CreateJob(grpc::ServerContext*, grpc::ServerReader<v1::CreateJobRequest>*,
+                         v1::CreateJobResponse*) override;
+  grpc::Status AddMode(grpc::ServerContext*, grpc::ServerReader<v1::AddModeRequest>*,
+                       v1::AddModeResponse*) override;
+  grpc::Status DeleteJob(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::Empty*, v1::ListJobsResponse*) override;
+  grpc::Status Forward(grpc::ServerContext*, const v1::ForwardRequest*,
+                       v1::ForwardResponse*) override;
+  grpc::Status Backward(grpc::ServerContext*, const v1::BackwardRequest*, v1::Empty*) override;
+  grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::Empty*) override;
+  grpc::Status ZeroGrad(grpc::ServerContext*, const v1::ZeroGradRequest*, v1::Empty*) override;
+  grpc::Status ClipGradNorm(grpc::ServerContext*, const v1::ClipGradNormRequest*,
+                            v1::ClipGradNormResponse*) override;
+  grpc::Status GetParam(grpc::ServerContext*, const v1::GetParamRequest*,
+                        v1::GetParamResponse*) override;
+  grpc::Status StateDict(grpc::ServerContext*, const v1::StateDictRequest*,
+                         grpc::ServerWriter<v1::StateDictChunk>*) override;
+  grpc::Status LoadStateDict(grpc::ServerContext*, grpc::ServerReader<v1::LoadStateDictRequest>*,
+                             v1::LoadStateDictResponse*) override;
+  grpc::Status SetMode(grpc::ServerContext*, const v1::SetModeRequest*,
+                       v1::SetModeResponse*) override;
+  grpc::Status Undeploy(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
+  grpc::Status RecreateCommunicators(grpc::ServerContext*, const v1::JobRef*,
+                                     v1::Empty*) override;
+
+ private:
+  const DaemonFacts facts_;
+  JobManager* const jobs_;
+  std::mutex address_mu_;
+  std::string address_;
+};
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
