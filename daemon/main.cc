@@ -13,22 +13,6 @@
 #include "daemon/config/options.h"
 #include "daemon/daemon.h"
 
-extern char** environ;
-
-namespace {
-
-std::map<std::string, std::string> Environment() {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    const size_t eq = entry.find('=');
-    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-  }
-  return env;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   // Block the stop signals in every thread (gRPC's and LibTorch's inherit the mask) so that
   // sigwait below is the one place they arrive.
@@ -40,16 +24,21 @@ int main(int argc, char** argv) {
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("ranncd"));
   absl::StatusOr<rannc::DaemonOptions> options =
-      rannc::LoadDaemonOptions(argc, argv, Environment());
+      rannc::LoadDaemonOptions(argc, argv, rannc::ProcessEnvironment(), rannc::kRanncVersion);
+  if (rannc::IsHelpOrVersion(options.status())) {
+    std::cout << options.status().message() << std::endl;
+    return 0;
+  }
   if (!options.ok()) {
-    return rannc::ReportOptionsStatus(options.status());
+    std::cerr << "ranncd: " << options.status().message() << std::endl;
+    return 2;
   }
   spdlog::set_level(spdlog::level::from_str(options->log_level));
   if (!options->config_file.empty()) spdlog::info("config: {}", options->config_file);
 
   absl::StatusOr<std::unique_ptr<rannc::Daemon>> daemon = rannc::Daemon::Start(*options);
   if (!daemon.ok()) {
-    spdlog::critical("cannot start: {}", daemon.status().message());
+    spdlog::critical("cannot start: {}", std::string(daemon.status().message()));
     return 1;
   }
   int signal_number = 0;
