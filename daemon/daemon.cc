@@ -61,6 +61,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   facts.torch_version = TORCH_VERSION;
   facts.hostname = Hostname();
   facts.max_message_bytes = options.max_message_size;
+  facts.shm_dir = options.shm_dir;
   facts.devices = *devices;
 
   daemon->jobs_ = std::make_unique<JobManager>();

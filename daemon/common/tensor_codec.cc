@@ -1,6 +1,7 @@
 #include "daemon/common/tensor_codec.h"
 
 #include <cstring>
+#include <limits>
 
 #include <ATen/ATen.h>
 
@@ -66,7 +67,8 @@ std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape) {
   return absl::StrCat(DTypeName(type), "[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what) {
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what,
+                                        const ShmDirectory* shm) {
   absl::StatusOr<at::ScalarType> type = FromProtoDType(proto.dtype());
   if (!type.ok()) return Annotate(type.status(), what);
   std::vector<int64_t> shape(proto.shape().begin(), proto.shape().end());
@@ -76,14 +78,18 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_vi
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": negative dimension in shape [", absl::StrJoin(shape, ", "), "]"));
     }
+    if (d > 0 && numel > std::numeric_limits<int64_t>::max() / d) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": shape [", absl::StrJoin(shape, ", "), "] has too many elements"));
+    }
     numel *= d;
   }
-  if (proto.has_shm()) {
-    return absl::UnimplementedError(
-        absl::StrCat(what, ": shared-memory tensors are not offered by this daemon"));
-  }
   const size_t expected = static_cast<size_t>(numel) * c10::elementSize(*type);
-  if (proto.data().size() != expected) {
+  if (proto.has_shm() && shm == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": shared-memory tensors are not accepted here; send bytes inline"));
+  }
+  if (!proto.has_shm() && proto.data().size() != expected) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": ", proto.data().size(), " bytes of data for ", DescribeTensor(*type, shape),
         ", which needs ", expected));
@@ -91,14 +97,20 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_vi
   at::Tensor tensor;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, what, [&] {
     tensor = at::empty(shape, at::TensorOptions().dtype(*type));
-    if (expected > 0) std::memcpy(tensor.data_ptr(), proto.data().data(), expected);
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
+  if (proto.has_shm()) {
+    absl::Status read = shm->Read(proto.shm(), tensor.data_ptr(), expected);
+    if (!read.ok()) return Annotate(read, what);
+  } else if (expected > 0) {
+    std::memcpy(tensor.data_ptr(), proto.data().data(), expected);
+  }
   return tensor;
 }
 
-absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto) {
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto,
+                          ShmDirectory::Writer* reply) {
   absl::StatusOr<v1::DType> dtype = ToProtoDType(tensor.scalar_type());
   if (!dtype.ok()) return dtype.status();
   proto->set_dtype(*dtype);
@@ -108,6 +120,10 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto) {
   if (!host.device().is_cpu()) host = host.cpu();
   host = host.contiguous();
   const size_t bytes = host.numel() * host.element_size();
+  if (reply != nullptr && bytes > 0 && reply->Write(host.data_ptr(), bytes, proto->mutable_shm())) {
+    return absl::OkStatus();
+  }
+  proto->clear_shm();
   std::string* data = proto->mutable_data();
   data->resize(bytes);
   if (bytes > 0) std::memcpy(data->data(), host.data_ptr(), bytes);

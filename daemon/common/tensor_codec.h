@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "daemon/common/shm_transfer.h"
 #include "rannc/v1/training.pb.h"
 
 namespace rannc {
@@ -26,10 +27,14 @@ std::string DTypeName(at::ScalarType type);
 // "float32[8, 16]".
 std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape);
 
-// `what` names the tensor in errors, e.g. "input 'x' (#0)".
-absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what);
+// `what` names the tensor in errors, e.g. "input 'x' (#0)". Bytes given by Tensor.shm are read
+// through `shm`; without one they are refused.
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what,
+                                        const ShmDirectory* shm = nullptr);
 
-absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto);
+// With a `reply` region that has room, the bytes go there (Tensor.shm); else inline.
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto,
+                          ShmDirectory::Writer* reply = nullptr);
 
 void EncodeSpec(const at::Tensor& tensor, v1::TensorSpec* spec);
 

@@ -81,10 +81,11 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
 }
 
 absl::StatusOr<std::vector<at::Tensor>> DecodeAll(
-    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors, const char* what) {
+    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors, const char* what,
+    const ShmDirectory& shm) {
   std::vector<at::Tensor> out;
   for (int i = 0; i < tensors.size(); ++i) {
-    absl::StatusOr<at::Tensor> t = DecodeTensor(tensors[i], absl::StrCat(what, " #", i));
+    absl::StatusOr<at::Tensor> t = DecodeTensor(tensors[i], absl::StrCat(what, " #", i), &shm);
     if (!t.ok()) return t.status();
     out.push_back(std::move(*t));
   }
@@ -165,7 +166,23 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs)
-    : facts_(std::move(facts)), jobs_(jobs) {}
+    : facts_(std::move(facts)), shm_(facts_.shm_dir), jobs_(jobs) {}
+
+absl::Status TrainingServiceImpl::EncodeReply(
+    const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
+    google::protobuf::RepeatedPtrField<v1::Tensor>* out) const {
+  std::optional<ShmDirectory::Writer> writer;
+  if (!reply_shm.path().empty()) {
+    absl::StatusOr<ShmDirectory::Writer> opened = shm_.OpenReply(reply_shm);
+    if (!opened.ok()) return opened.status();
+    writer.emplace(std::move(*opened));
+  }
+  for (const at::Tensor& t : tensors) {
+    absl::Status status = EncodeTensor(t, out->Add(), writer ? &*writer : nullptr);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
 
 void TrainingServiceImpl::set_address(std::string address) {
   std::lock_guard<std::mutex> lock(address_mu_);
@@ -221,7 +238,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (!supported.ok()) return Fail("CreateJob", supported);
   absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
   if (!optimizer.ok()) return Fail("CreateJob", optimizer.status());
-  absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec.example_inputs(), "example input");
+  absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec.example_inputs(), "example input", shm_);
   if (!examples.ok()) return Fail("CreateJob", examples.status());
 
   JobConfig config;
@@ -296,15 +313,13 @@ grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::Forwar
                                           v1::ForwardResponse* response) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Forward", job.status());
-  absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input");
+  absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input", shm_);
   if (!inputs.ok()) return Fail("Forward", inputs.status());
   absl::StatusOr<std::vector<at::Tensor>> outputs =
       (*job)->Forward(*inputs, request->requires_grad());
   if (!outputs.ok()) return Fail("Forward", outputs.status());
-  for (const at::Tensor& out : *outputs) {
-    absl::Status status = EncodeTensor(out, response->add_outputs());
-    if (!status.ok()) return Fail("Forward", status);
-  }
+  absl::Status encoded = EncodeReply(*outputs, request->reply_shm(), response->mutable_outputs());
+  if (!encoded.ok()) return Fail("Forward", encoded);
   return grpc::Status::OK;
 }
 
@@ -315,7 +330,7 @@ grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext*,
   std::vector<std::pair<size_t, at::Tensor>> grads;
   for (const v1::OutputGrad& g : request->grads()) {
     absl::StatusOr<at::Tensor> t =
-        DecodeTensor(g.grad(), absl::StrCat("gradient for output #", g.output_index()));
+        DecodeTensor(g.grad(), absl::StrCat("gradient for output #", g.output_index()), &shm_);
     if (!t.ok()) return Fail("Backward", t.status());
     grads.emplace_back(g.output_index(), std::move(*t));
   }
@@ -369,8 +384,10 @@ grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext*,
   if (!tensor.ok()) return Fail("GetParam", tensor.status());
   response->set_has_value(tensor->has_value());
   if (tensor->has_value()) {
-    absl::Status status = EncodeTensor(**tensor, response->mutable_tensor());
+    google::protobuf::RepeatedPtrField<v1::Tensor> out;
+    absl::Status status = EncodeReply({**tensor}, request->reply_shm(), &out);
     if (!status.ok()) return Fail("GetParam", status);
+    response->mutable_tensor()->Swap(&out[0]);
   }
   return grpc::Status::OK;
 }

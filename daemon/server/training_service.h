@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/common/shm_transfer.h"
 #include "daemon/server/job_manager.h"
 #include "rannc/v1/training.grpc.pb.h"
 
@@ -68,7 +69,12 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                                      v1::Empty*) override;
 
  private:
+  // Encodes `tensors` into `out`, into the client's reply region when it offered one.
+  absl::Status EncodeReply(const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
+                           google::protobuf::RepeatedPtrField<v1::Tensor>* out) const;
+
   const DaemonFacts facts_;
+  const ShmDirectory shm_;
   JobManager* const jobs_;
   std::mutex address_mu_;
   std::string address_;

@@ -1,0 +1,610 @@
+#include "daemon/config/options.h"
+
+#include <toml++/toml.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
+#include <climits>
+#include <filesystem>
+#include <optional>
+#include <set>
+#include <system_error>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+
+extern char** environ;
+
+namespace rannc {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Debian's abseil is built with its own string_view, not std's; the public API takes std's.
+absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+constexpr char kHelpOrVersionPayload[] = "rannc.dev/HelpOrVersion";
+constexpr char kEnvPrefix[] = "RANNC_";
+constexpr char kConfFileName[] = "rannc.toml";
+constexpr char kDevicesHint[] = "expected cpu:N, cuda or cuda:I,J";
+constexpr int kMaxCpuDevices = 1024;
+
+// Keys the client reads from the same TOML file (RaNNC's job-level keys and ours); the daemon
+// accepts and ignores them so one file serves both. Keep in step with the client's config.
+const std::set<std::string, std::less<>>& ClientKeys() {
+  static const auto* keys = new std::set<std::string, std::less<>>{
+      "alloc_repl_flat",
+      "auto_parallel",
+      "checkpointing",
+      "checkpointing_no_last",
+      "coarsen_by_time",
+      "consolidate_grads",
+      "decomposer",
+      "deployment_file",
+      "disable_balancing",
+      "display_comm_value",
+      "do_coarsening",
+      "do_uncoarsening",
+      "dp_search_all",
+      "dump_dp_node_profiles",
+      "dump_graph",
+      "dump_graph_prefix",
+      "event_trace_file",
+      "graph_profile_file",
+      "graph_profiling",
+      "limit_dev_num_more_than_bs",
+      "limit_dev_num_pot",
+      "load_deployment",
+      "load_graph_profile",
+      "max_mp_num",
+      "max_partition_num",
+      "max_pipeline",
+      "mem_limit_gb",
+      "mem_margin",
+      "min_partition_num",
+      "min_pipeline",
+      "min_pipeline_bs",
+      "opt_param_factor",
+      "p2p_comm",
+      "partition_num",
+      "pipeline_num",
+      "profile_by_acc",
+      "profile_dump_path",
+      "profiling",
+      "profiling_iter",
+      "replica_num",
+      "save_deployment",
+      "save_graph_profile",
+      "show_config_items",
+      "skip_grad_scaling",
+      "sync_allreduce",
+      "trace_events",
+      "use_amp_master_param",
+      "validate_comm",
+      "verify_partitioning",
+      "verify_recomp",
+  };
+  return *keys;
+}
+
+// Daemon keys from DESIGN.md that this daemon does not implement yet: rejected rather than
+// ignored, since a silently single-node daemon would be worse than an error.
+const std::set<std::string, std::less<>>& UnsupportedDaemonKeys() {
+  static const auto* keys = new std::set<std::string, std::less<>>{"peers"};
+  return *keys;
+}
+
+// ---- Per-key checks. Each takes the value as given and may normalise it. -------------------
+
+absl::Status CheckListen(std::string& value) {
+  const std::string hint = "; expected host:port, [v6addr]:port or unix:/path";
+  if (absl::StartsWith(value, "unix:")) {
+    if (value.size() == 5) return absl::InvalidArgumentError("empty unix socket path" + hint);
+    return absl::OkStatus();
+  }
+  const size_t colon = value.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("invalid address '", value, "'", hint));
+  }
+  const std::string host = value.substr(0, colon);
+  if (host.front() == '[' && host.back() != ']') {
+    return absl::InvalidArgumentError(absl::StrCat("invalid address '", value, "'", hint));
+  }
+  const std::string port = value.substr(colon + 1);
+  uint32_t port_number = 0;
+  if (port.empty() || !std::all_of(port.begin(), port.end(), ::isdigit) ||
+      !absl::SimpleAtoi(port, &port_number) || port_number > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid port '", port, "' in address '", value, "'", hint));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckLogLevel(std::string& value) {
+  std::string lower = absl::AsciiStrToLower(value);
+  static const std::set<std::string, std::less<>> kLevels = {"trace", "debug", "info", "warn",
+                                                             "error"};
+  if (!kLevels.count(lower)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown log level '", value, "'; expected trace, debug, info, warn or error"));
+  }
+  value = lower;
+  return absl::OkStatus();
+}
+
+absl::Status CheckShmDir(std::string& value) {
+  if (!value.empty() && value.front() != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm_dir must be an absolute path, or empty to disable it, got '", value, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDevicesSyntax(std::string& value);  // below, next to ParseDevices
+
+absl::Status CheckMaxMessageSize(uint64_t value) {
+  // gRPC takes the limit as an int.
+  if (value == 0 || value > static_cast<uint64_t>(INT_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_size must be between 1 and ",
+                                                   INT_MAX, " bytes (gRPC's limit), got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// One daemon key: its name and where it lives in DaemonOptions. Exactly one of `text`/`size`.
+struct Key {
+  const char* name;  // TOML key; RANNC_<upper> and --<name with '-'> derive from it
+  std::string DaemonOptions::*text;
+  uint64_t DaemonOptions::*size;
+  absl::Status (*check_text)(std::string&);
+  absl::Status (*check_size)(uint64_t);
+};
+
+const std::vector<Key>& Keys() {
+  static const auto* keys = new std::vector<Key>{
+      {"listen", &DaemonOptions::listen, nullptr, &CheckListen, nullptr},
+      {"devices", &DaemonOptions::devices, nullptr, &CheckDevicesSyntax, nullptr},
+      {"device_memory", nullptr, &DaemonOptions::device_memory, nullptr, nullptr},
+      {"log_level", &DaemonOptions::log_level, nullptr, &CheckLogLevel, nullptr},
+      {"max_message_size", nullptr, &DaemonOptions::max_message_size, nullptr,
+       &CheckMaxMessageSize},
+      {"shm_dir", &DaemonOptions::shm_dir, nullptr, &CheckShmDir, nullptr},
+  };
+  return *keys;
+}
+
+std::string FlagName(const Key& key) {
+  std::string flag = absl::StrCat("--", key.name);
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
+std::string EnvName(const Key& key) {
+  return absl::StrCat(kEnvPrefix, absl::AsciiStrToUpper(key.name));
+}
+
+// Sets `key` from a string value; `source` (the flag, variable, or key and file) prefixes
+// errors so the user knows which layer to fix.
+absl::Status ApplyText(const Key& key, std::string value, const std::string& source,
+                       DaemonOptions& options) {
+  if (key.size != nullptr) {
+    absl::StatusOr<uint64_t> size = ParseByteSize(value);
+    if (!size.ok())
+      return absl::InvalidArgumentError(absl::StrCat(source, ": ", size.status().message()));
+    if (key.check_size != nullptr) {
+      absl::Status status = key.check_size(*size);
+      if (!status.ok())
+        return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+    }
+    options.*key.size = *size;
+    return absl::OkStatus();
+  }
+  if (key.check_text != nullptr) {
+    absl::Status status = key.check_text(value);
+    if (!status.ok())
+      return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+  }
+  options.*key.text = std::move(value);
+  return absl::OkStatus();
+}
+
+const char* TomlTypeName(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a floating-point number";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::table:
+      return "a table";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::date:
+    case toml::node_type::time:
+    case toml::node_type::date_time:
+      return "a date/time";
+    case toml::node_type::none:
+      break;
+  }
+  return "nothing";
+}
+
+// ---- Layers. -------------------------------------------------------------------------------
+
+// The TOML file to read, or "" for none. NOT_FOUND for a missing --config file.
+absl::StatusOr<std::string> FindConfigFile(const std::optional<std::string>& flag,
+                                           const std::map<std::string, std::string>& env) {
+  std::error_code ec;
+  if (flag.has_value()) {
+    if (!fs::is_regular_file(*flag, ec)) {
+      return absl::NotFoundError(absl::StrCat("--config: file '", *flag, "' not found"));
+    }
+    return *flag;
+  }
+  auto conf_dir = env.find("RANNC_CONF_DIR");
+  if (conf_dir != env.end() && !conf_dir->second.empty()) {
+    if (!fs::is_directory(conf_dir->second, ec)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RANNC_CONF_DIR: '", conf_dir->second, "' is not a directory"));
+    }
+    fs::path file = fs::path(conf_dir->second) / kConfFileName;
+    return fs::exists(file, ec) ? file.string() : std::string();
+  }
+  auto home = env.find("HOME");
+  if (home != env.end() && !home->second.empty()) {
+    fs::path file = fs::path(home->second) / ".rannc" / kConfFileName;
+    return fs::exists(file, ec) ? file.string() : std::string();
+  }
+  return std::string();
+}
+
+absl::Status ApplyTomlFile(const std::string& path, DaemonOptions& options) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    const auto& begin = e.source().begin;
+    return absl::InvalidArgumentError(absl::StrCat("config file ", path, ":", begin.line, ":",
+                                                   begin.column, ": ", ToAbsl(e.description())));
+  }
+  for (auto&& [toml_key, node] : table) {
+    const std::string name(toml_key.str());
+    const std::string source =
+        absl::StrCat("'", name, "' in ", path, " (line ", node.source().begin.line, ")");
+    auto key =
+        std::find_if(Keys().begin(), Keys().end(), [&](const Key& k) { return name == k.name; });
+    if (key == Keys().end()) {
+      if (ClientKeys().count(name)) continue;
+      if (UnsupportedDaemonKeys().count(name)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(source, ": not supported by this ranncd yet"));
+      }
+      std::vector<std::string> known;
+      for (const Key& k : Keys()) known.push_back(k.name);
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown key ", source, "; daemon keys are ", absl::StrJoin(known, ", ")));
+    }
+    if (node.is_string()) {
+      absl::Status status = ApplyText(*key, node.as_string()->get(), source, options);
+      if (!status.ok()) return status;
+    } else if (key->size != nullptr && node.is_integer()) {
+      const int64_t value = node.as_integer()->get();
+      if (value < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ": negative size ", value));
+      }
+      if (key->check_size != nullptr) {
+        absl::Status status = key->check_size(static_cast<uint64_t>(value));
+        if (!status.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+        }
+      }
+      options.*key->size = static_cast<uint64_t>(value);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, ": expected ",
+          key->size != nullptr ? "an integer number of bytes or a size string such as \"2GiB\""
+                               : "a string",
+          ", got ", TomlTypeName(node)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyEnvironment(const std::map<std::string, std::string>& env,
+                              DaemonOptions& options) {
+  for (const Key& key : Keys()) {
+    const std::string name = EnvName(key);
+    auto it = env.find(name);
+    if (it == env.end()) continue;
+    absl::Status status = ApplyText(key, it->second, name, options);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HelpOrVersion(std::string text) {
+  absl::Status status(absl::StatusCode::kCancelled, text);
+  status.SetPayload(kHelpOrVersionPayload, absl::Cord("1"));
+  return status;
+}
+
+// ---- Devices. ------------------------------------------------------------------------------
+
+// A devices spec, parsed but not yet checked against the GPUs present.
+struct DevicesSyntax {
+  enum class Form { kAuto, kCpu, kAllCuda, kCudaList } form = Form::kAuto;
+  int cpu_count = 0;
+  std::vector<int> cuda_indices;
+};
+
+// Errors name the problem only; callers add the spec and where it came from.
+absl::StatusOr<DevicesSyntax> ParseDevicesSyntax(absl::string_view spec) {
+  DevicesSyntax syntax;
+  const absl::string_view trimmed = absl::StripAsciiWhitespace(spec);
+  if (trimmed.empty()) return syntax;
+  const size_t colon = trimmed.find(':');
+  const std::string type =
+      absl::AsciiStrToLower(absl::StripAsciiWhitespace(trimmed.substr(0, colon)));
+  const absl::string_view rest =
+      colon == absl::string_view::npos ? absl::string_view() : trimmed.substr(colon + 1);
+  if (type == "cpu") {
+    syntax.form = DevicesSyntax::Form::kCpu;
+    if (colon == absl::string_view::npos) {
+      syntax.cpu_count = 1;
+      return syntax;
+    }
+    const absl::string_view count = absl::StripAsciiWhitespace(rest);
+    if (!absl::SimpleAtoi(count, &syntax.cpu_count) || syntax.cpu_count < 1 ||
+        syntax.cpu_count > kMaxCpuDevices) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "CPU device count '", count, "' is not a number from 1 to ", kMaxCpuDevices));
+    }
+    return syntax;
+  }
+  if (type == "cuda") {
+    if (colon == absl::string_view::npos) {
+      syntax.form = DevicesSyntax::Form::kAllCuda;
+      return syntax;
+    }
+    syntax.form = DevicesSyntax::Form::kCudaList;
+    for (absl::string_view item : absl::StrSplit(rest, ',')) {
+      item = absl::StripAsciiWhitespace(item);
+      int index = -1;
+      if (!absl::SimpleAtoi(item, &index) || index < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CUDA device index '", item, "' is not a number >= 0"));
+      }
+      if (std::find(syntax.cuda_indices.begin(), syntax.cuda_indices.end(), index) !=
+          syntax.cuda_indices.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("CUDA device ", index, " given twice"));
+      }
+      syntax.cuda_indices.push_back(index);
+    }
+    return syntax;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown device type '", type, "'"));
+}
+
+absl::Status CheckDevicesSyntax(std::string& value) {
+  absl::StatusOr<DevicesSyntax> syntax = ParseDevicesSyntax(value);
+  if (!syntax.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(syntax.status().message(), " in devices '", value, "'; ", kDevicesHint));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---- Public functions. ---------------------------------------------------------------------
+
+bool IsHelpOrVersion(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kCancelled &&
+         status.GetPayload(kHelpOrVersionPayload).has_value();
+}
+
+std::map<std::string, std::string> ProcessEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    const std::string_view text(*entry);
+    const size_t eq = text.find('=');
+    if (eq == std::string_view::npos) continue;
+    env.emplace(std::string(text.substr(0, eq)), std::string(text.substr(eq + 1)));
+  }
+  return env;
+}
+
+absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
+                                                const std::map<std::string, std::string>& env,
+                                                std::string_view version) {
+  CLI::App app(
+      "ranncd: the rannc training daemon. Takes TorchScript models from clients and "
+      "trains them over the devices it owns.",
+      "ranncd");
+  // Unix convention (and what scripts that append flags expect): the last value wins.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+
+  struct FlagValue {
+    const Key* key;
+    std::string value;
+    CLI::Option* option;
+  };
+  const std::map<std::string, std::string> descriptions = {
+      {"listen", "gRPC address: host:port, [v6addr]:port or unix:/path (default 127.0.0.1:7411)"},
+      {"devices", "devices to own: cpu:N, cuda or cuda:I,J (default: every CUDA GPU, else cpu:1)"},
+      {"device_memory", "memory budget per device, e.g. 2GiB (default: the device's size)"},
+      {"log_level", "trace, debug, info, warn or error (default info)"},
+      {"max_message_size", "largest client message, e.g. 64MiB (default 64MiB)"},
+      {"shm_dir", "directory for same-host tensor transfer, \"\" disables (default /dev/shm)"},
+  };
+  const std::map<std::string, std::string> type_names = {
+      {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
+      {"log_level", "LEVEL"}, {"max_message_size", "SIZE"}, {"shm_dir", "DIR"},
+  };
+  std::vector<FlagValue> flags;
+  flags.reserve(Keys().size());
+  for (const Key& key : Keys()) {
+    flags.push_back({&key, "", nullptr});
+    FlagValue& flag = flags.back();
+    flag.option = app.add_option(FlagName(key), flag.value, descriptions.at(key.name))
+                      ->type_name(type_names.at(key.name));
+    // "" is a meaningful value for these (disable, automatic); CLI11 would otherwise reject
+    // the `--shm-dir=` spelling of it.
+    if (key.text == &DaemonOptions::shm_dir || key.text == &DaemonOptions::devices) {
+      flag.option->expected(0, 1);
+    }
+  }
+  std::string config_flag;
+  CLI::Option* config_option =
+      app.add_option(
+             "--config", config_flag,
+             "TOML file to read (default $RANNC_CONF_DIR/rannc.toml, else ~/.rannc/rannc.toml)")
+          ->type_name("FILE");
+  app.set_version_flag(
+      "--version", absl::StrCat("ranncd ", version.empty() ? "(unversioned)" : ToAbsl(version)));
+  app.footer(
+      "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
+      "log_level, max_message_size, shm_dir) and in the environment as RANNC_<KEY> (e.g. "
+      "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    return HelpOrVersion(app.help());
+  } catch (const CLI::CallForAllHelp&) {
+    return HelpOrVersion(app.help("", CLI::AppFormatMode::All));
+  } catch (const CLI::CallForVersion& e) {
+    return HelpOrVersion(absl::StrCat(e.what(), "\n"));
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(absl::StrCat(e.what(), " (see ranncd --help)"));
+  }
+
+  DaemonOptions options;
+  std::optional<std::string> config_path;
+  if (config_option->count() > 0) config_path = config_flag;
+  absl::StatusOr<std::string> file = FindConfigFile(config_path, env);
+  if (!file.ok()) return file.status();
+  if (!file->empty()) {
+    absl::Status status = ApplyTomlFile(*file, options);
+    if (!status.ok()) return status;
+    options.config_file = *file;
+  }
+  absl::Status status = ApplyEnvironment(env, options);
+  if (!status.ok()) return status;
+  for (FlagValue& flag : flags) {
+    if (flag.option->count() == 0) continue;
+    status = ApplyText(*flag.key, flag.value, FlagName(*flag.key), options);
+    if (!status.ok()) return status;
+  }
+  return options;
+}
+
+absl::StatusOr<uint64_t> ParseByteSize(std::string_view std_text) {
+  const absl::string_view text = ToAbsl(std_text);
+  const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
+  auto invalid = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "invalid size '", text, "': ", why,
+        "; expected bytes, or a number with a unit B, KB, MB, GB, TB, KiB, MiB, GiB or TiB "
+        "(e.g. 512MiB, 1.5GB)"));
+  };
+  if (trimmed.empty()) return invalid("empty");
+  if (trimmed.front() == '-') return invalid("negative");
+
+  size_t pos = 0;
+  unsigned __int128 whole = 0;
+  size_t whole_digits = 0;
+  for (; pos < trimmed.size() && absl::ascii_isdigit(trimmed[pos]); ++pos, ++whole_digits) {
+    whole = whole * 10 + static_cast<unsigned>(trimmed[pos] - '0');
+    if (whole > UINT64_MAX) return invalid("larger than 2^64-1 bytes");
+  }
+  // Digits past the 18th cannot change the result by a whole byte for any unit here (< 2^41).
+  uint64_t fraction = 0;
+  uint64_t fraction_scale = 1;
+  size_t fraction_digits = 0;
+  if (pos < trimmed.size() && trimmed[pos] == '.') {
+    for (++pos; pos < trimmed.size() && absl::ascii_isdigit(trimmed[pos]); ++pos) {
+      if (++fraction_digits <= 18) {
+        fraction = fraction * 10 + static_cast<uint64_t>(trimmed[pos] - '0');
+        fraction_scale *= 10;
+      }
+    }
+  }
+  if (whole_digits == 0 && fraction_digits == 0) return invalid("no number");
+
+  const absl::string_view unit_text = absl::StripLeadingAsciiWhitespace(trimmed.substr(pos));
+  const std::string unit = absl::AsciiStrToLower(unit_text);
+  static const std::map<std::string, uint64_t>* kUnits = new std::map<std::string, uint64_t>{
+      {"", 1},
+      {"b", 1},
+      {"kb", 1000ull},
+      {"mb", 1000ull * 1000},
+      {"gb", 1000ull * 1000 * 1000},
+      {"tb", 1000ull * 1000 * 1000 * 1000},
+      {"kib", 1ull << 10},
+      {"mib", 1ull << 20},
+      {"gib", 1ull << 30},
+      {"tib", 1ull << 40},
+  };
+  auto multiplier = kUnits->find(unit);
+  if (multiplier == kUnits->end()) {
+    return invalid(absl::StrCat("unknown unit '", unit_text, "'"));
+  }
+  const unsigned __int128 bytes =
+      whole * multiplier->second +
+      static_cast<unsigned __int128>(fraction) * multiplier->second / fraction_scale;
+  if (bytes > UINT64_MAX) return invalid("larger than 2^64-1 bytes");
+  return static_cast<uint64_t>(bytes);
+}
+
+std::string DeviceName(const DeviceSpec& device) {
+  return absl::StrCat(device.type, ":", device.index);
+}
+
+absl::StatusOr<std::vector<DeviceSpec>> ParseDevices(std::string_view std_spec, int cuda_count) {
+  const absl::string_view spec = ToAbsl(std_spec);
+  auto invalid = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(why, " in devices '", spec, "'; ", kDevicesHint));
+  };
+  absl::StatusOr<DevicesSyntax> syntax = ParseDevicesSyntax(spec);
+  if (!syntax.ok()) return invalid(syntax.status().message());
+
+  std::vector<DeviceSpec> devices;
+  switch (syntax->form) {
+    case DevicesSyntax::Form::kAuto:
+      if (cuda_count <= 0) return std::vector<DeviceSpec>{{"cpu", 0}};
+      for (int i = 0; i < cuda_count; ++i) devices.push_back({"cuda", i});
+      return devices;
+    case DevicesSyntax::Form::kCpu:
+      for (int i = 0; i < syntax->cpu_count; ++i) devices.push_back({"cpu", i});
+      return devices;
+    case DevicesSyntax::Form::kAllCuda:
+      if (cuda_count <= 0) return invalid("no CUDA devices are present");
+      for (int i = 0; i < cuda_count; ++i) devices.push_back({"cuda", i});
+      return devices;
+    case DevicesSyntax::Form::kCudaList:
+      for (int index : syntax->cuda_indices) {
+        if (index >= cuda_count) {
+          return invalid(absl::StrCat("CUDA device ", index, " is not present (",
+                                      std::max(cuda_count, 0), " found)"));
+        }
+        devices.push_back({"cuda", index});
+      }
+      return devices;
+  }
+  return invalid("unhandled form");
+}
+
+}  // namespace rannc

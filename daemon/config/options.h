@@ -1,0 +1,130 @@
+// The daemon's own options (ranncd), merged from defaults, a TOML file, RANNC_* environment
+// variables and command-line flags, plus the parsers for the values they hold (byte sizes,
+// device lists).
+//
+// Precedence, lowest to highest: defaults < TOML file < RANNC_<KEY> environment < flags.
+//
+// TOML file: --config FILE if given, else $RANNC_CONF_DIR/rannc.toml if RANNC_CONF_DIR is set,
+// else $HOME/.rannc/rannc.toml. A missing default file is fine; a missing --config file, a
+// RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
+// names below (listen, devices, device_memory, log_level, max_message_size, shm_dir) at the
+// top level. The same file also holds job-level keys that the client reads (partition_num,
+// mem_margin, ...; RaNNC's names): those are accepted and ignored here. Any other key is an
+// error naming the key and the file.
+//
+// Environment: RANNC_ + upper-case key (RANNC_DEVICE_MEMORY=2GiB). A variable that is set
+// counts even when empty (RANNC_SHM_DIR= disables shared memory). Other RANNC_* variables
+// (the client's, e.g. RANNC_DAEMON, RANNC_PARTITION_NUM) are ignored: an embedded daemon
+// inherits its client's environment.
+//
+// Flags (CLI11): --listen, --devices, --device-memory, --log-level, --max-message-size,
+// --shm-dir, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both work; a flag
+// given twice takes the last value; unknown flags and positional arguments are errors naming
+// them.
+//
+// Sizes (device_memory, max_message_size) accept an integer number of bytes, or a string: a
+// number, optionally fractional, and an optional unit, B, KB, MB, GB, TB (powers of 1000) or
+// KiB, MiB, GiB, TiB (powers of 1024), case-insensitive ("512MiB", "2GiB", "1.5GB", "1024").
+// Fractional bytes are rounded down.
+//
+// Thread-safety: every function here is a pure function of its arguments (it reads the TOML
+// file and nothing else; the environment comes in as a map), safe from any thread.
+//
+// Usage (main.cc):
+//   auto options = rannc::LoadDaemonOptions(argc, argv, rannc::ProcessEnvironment(), "0.1.0");
+//   if (rannc::IsHelpOrVersion(options.status())) {
+//     std::cout << options.status().message();  // the help or version text
+//     return 0;
+//   }
+//   if (!options.ok()) {
+//     std::cerr << "ranncd: " << options.status().message() << "\n";
+//     return 2;
+//   }
+//   auto devices = rannc::ParseDevices(options->devices, cuda_device_count);
+#ifndef RANNC_DAEMON_CONFIG_OPTIONS_H_
+#define RANNC_DAEMON_CONFIG_OPTIONS_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace rannc {
+
+struct DaemonOptions {
+  // gRPC address to serve on: "host:port", "[v6addr]:port" or "unix:/path".
+  // Default "127.0.0.1:7411" (local clients only).
+  std::string listen = "127.0.0.1:7411";
+
+  // Devices this daemon owns: "cpu:N" (N CPU virtual devices; "cpu" = "cpu:1"), "cuda" (every
+  // CUDA GPU) or "cuda:I,J" (those GPUs). Default "": every CUDA GPU if there is one, else
+  // cpu:1. Only the syntax is checked when loading; ParseDevices resolves it at start.
+  std::string devices = "";
+
+  // Memory budget per device in bytes that the planner may use. Default 0: the device's real
+  // size.
+  uint64_t device_memory = 0;
+
+  // spdlog level: trace, debug, info, warn or error (case-insensitive; stored lower-case).
+  // Default "info".
+  std::string log_level = "info";
+
+  // Largest client message in bytes; larger ones get RESOURCE_EXHAUSTED. Default 64 MiB. At
+  // most 2^31-1, gRPC's limit.
+  uint64_t max_message_size = 64ull << 20;
+
+  // Directory for same-host tensor transfer through shared memory. Default "/dev/shm"; ""
+  // disables it.
+  std::string shm_dir = "/dev/shm";
+
+  // The TOML file the options were read from; "" when none was found. Output only: the file is
+  // chosen by --config or RANNC_CONF_DIR, never by a key.
+  std::string config_file;
+};
+
+// Loads the options from flags (argv[0] is the program name), the environment `env` (name ->
+// value, see ProcessEnvironment) and the TOML file. Errors are INVALID_ARGUMENT (NOT_FOUND for
+// a missing --config file) with a message naming where the bad value came from: the flag, the
+// variable, or the file and key. For --help or --version, returns a status for which
+// IsHelpOrVersion is true and whose message is the text to print (then exit with 0); `version`
+// is what --version prints after "ranncd ".
+absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
+                                                const std::map<std::string, std::string>& env,
+                                                std::string_view version = "");
+
+// True for the status LoadDaemonOptions returns on --help or --version (code CANCELLED with a
+// marker payload, so no other CANCELLED status is taken for it).
+bool IsHelpOrVersion(const absl::Status& status);
+
+// This process's environment, for LoadDaemonOptions. Tests pass their own map instead.
+std::map<std::string, std::string> ProcessEnvironment();
+
+// Parses a byte size as described at the top ("2GiB" -> 2147483648). INVALID_ARGUMENT for an
+// empty, negative or malformed value, an unknown unit, or more than 2^64-1 bytes.
+absl::StatusOr<uint64_t> ParseByteSize(std::string_view text);
+
+struct DeviceSpec {
+  std::string type;  // "cpu" or "cuda"
+  int index = 0;     // 0-based within the type
+  bool operator==(const DeviceSpec& other) const {
+    return type == other.type && index == other.index;
+  }
+};
+
+// "cpu:0", "cuda:1": the name DeviceInfo.name carries on the wire.
+std::string DeviceName(const DeviceSpec& device);
+
+// Resolves a devices spec against the CUDA GPUs present (`cuda_count`): "cpu:4" -> cpu:0..3;
+// "cuda" -> every GPU (error if none); "cuda:0,2" -> those, in the order given (error if one is
+// absent or repeated); "" -> every GPU if cuda_count > 0, else cpu:0. INVALID_ARGUMENT with the
+// spec and the accepted forms, e.g. "unknown device type 'tpu' in devices 'tpu:2'; expected
+// cpu:N, cuda or cuda:I,J". At most 1024 CPU devices.
+absl::StatusOr<std::vector<DeviceSpec>> ParseDevices(std::string_view spec, int cuda_count);
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_CONFIG_OPTIONS_H_

@@ -1,0 +1,114 @@
+#include "daemon/optim/adam.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros_like.h>
+
+#include <cmath>
+
+#include "daemon/optim/optimizer_internal.h"
+
+namespace rannc {
+
+Adam::Adam(OptimizerKind kind, std::vector<ParamGroup> groups)
+    : kind_(kind), groups_(std::move(groups)) {
+  for (const ParamGroup& group : groups_) {
+    states_.emplace_back(group.params.size());
+  }
+}
+
+absl::Status Adam::Step(const std::vector<HyperParams>& hypers) {
+  absl::Status checked = optim_internal::CheckStepArgs(kind_, groups_, hypers);
+  if (!checked.ok()) return checked;
+  const char* context = kind_ == OptimizerKind::kAdamW ? "AdamW step" : "Adam step";
+  return optim_internal::CatchTorch(context, [&]() -> absl::Status {
+    // Params are autograd leaves that require grad: in-place updates must not be recorded.
+    at::NoGradGuard no_grad;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      StepGroup(groups_[g], states_[g], hypers[g]);
+    }
+    return absl::OkStatus();
+  });
+}
+
+// Mirrors torch/optim/adam.py:_single_tensor_adam and adamw.py:_single_tensor_adamw (the
+// non-capturable branch) line by line; keep it that way, since results are compared against
+// PyTorch's to round-off.
+void Adam::StepGroup(ParamGroup& group, std::vector<ParamState>& states, const HyperParams& hyper) {
+  const bool decoupled = kind_ == OptimizerKind::kAdamW;
+  for (size_t i = 0; i < group.params.size(); ++i) {
+    at::Tensor& param = group.params[i];
+    if (!param.grad().defined()) continue;
+    ParamState& state = states[i];
+    if (!state.exp_avg.defined()) {
+      state.exp_avg = at::zeros_like(param, at::MemoryFormat::Preserve);
+      state.exp_avg_sq = at::zeros_like(param, at::MemoryFormat::Preserve);
+    }
+    if (hyper.amsgrad && !state.max_exp_avg_sq.defined()) {
+      state.max_exp_avg_sq = at::zeros_like(param, at::MemoryFormat::Preserve);
+    }
+
+    at::Tensor grad = hyper.maximize ? param.grad().neg() : param.grad();
+    state.step += 1;
+
+    if (decoupled) {
+      // Multiplying by exactly 1 changes nothing, so skipping it keeps PyTorch's result.
+      if (hyper.weight_decay != 0) param.mul_(1 - hyper.lr * hyper.weight_decay);
+    } else if (hyper.weight_decay != 0) {
+      grad = grad.add(param, hyper.weight_decay);
+    }
+
+    state.exp_avg.mul_(hyper.beta1).add_(grad, 1 - hyper.beta1);
+    state.exp_avg_sq.mul_(hyper.beta2).addcmul_(grad, grad, 1 - hyper.beta2);
+
+    // PyTorch keeps the step as a float tensor and computes these in Python floats (double).
+    const double step = static_cast<double>(state.step);
+    const double bias_correction1 = 1 - std::pow(hyper.beta1, step);
+    const double bias_correction2 = 1 - std::pow(hyper.beta2, step);
+    const double step_size = hyper.lr / bias_correction1;
+    const double bias_correction2_sqrt = std::sqrt(bias_correction2);
+
+    at::Tensor denom;
+    if (hyper.amsgrad) {
+      at::maximum_out(state.max_exp_avg_sq, state.max_exp_avg_sq, state.exp_avg_sq);
+      denom = state.max_exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(hyper.eps);
+    } else {
+      denom = state.exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(hyper.eps);
+    }
+    param.addcdiv_(state.exp_avg, denom, -step_size);
+  }
+}
+
+int64_t Adam::StateBytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : states_) {
+    for (const ParamState& state : group) {
+      for (const at::Tensor* t : {&state.exp_avg, &state.exp_avg_sq, &state.max_exp_avg_sq}) {
+        if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+      }
+    }
+  }
+  return bytes;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Adam::NamedState() const {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  int64_t index = 0;
+  for (const auto& group : states_) {
+    for (const ParamState& state : group) {
+      const std::string prefix = std::to_string(index++) + ".";
+      if (!state.exp_avg.defined()) continue;
+      named.emplace_back(prefix + "step",
+                         at::scalar_tensor(static_cast<double>(state.step), at::kFloat));
+      named.emplace_back(prefix + "exp_avg", state.exp_avg);
+      named.emplace_back(prefix + "exp_avg_sq", state.exp_avg_sq);
+      if (state.max_exp_avg_sq.defined()) {
+        named.emplace_back(prefix + "max_exp_avg_sq", state.max_exp_avg_sq);
+      }
+    }
+  }
+  return named;
+}
+
+}  // namespace rannc

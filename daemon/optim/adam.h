@@ -1,0 +1,50 @@
+// Adam and AdamW: PyTorch's torch.optim.Adam and torch.optim.AdamW, single-tensor algorithm
+// (bias corrections, amsgrad, maximize). They differ only in weight decay: Adam adds
+// weight_decay * param to the grad (L2), AdamW multiplies the param by 1 - lr * weight_decay
+// (decoupled). Private to //daemon/optim:optimizer; callers use MakeOptimizer. Thread-safety and
+// lifetimes as Optimizer's.
+//
+// One departure: if amsgrad is switched on after a param's first step, PyTorch fails (its
+// max_exp_avg_sq was never created); here max_exp_avg_sq starts at zeros then, which makes the
+// first amsgrad step equal to a plain Adam step.
+#ifndef RANNC_DAEMON_OPTIM_ADAM_H_
+#define RANNC_DAEMON_OPTIM_ADAM_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "daemon/optim/optimizer.h"
+
+namespace rannc {
+
+class Adam final : public Optimizer {
+ public:
+  // `kind` is kAdam or kAdamW; `groups` must have passed the factory's checks.
+  Adam(OptimizerKind kind, std::vector<ParamGroup> groups);
+
+  absl::Status Step(const std::vector<HyperParams>& hypers) override;
+  int64_t StateBytes() const override;
+  OptimizerKind kind() const override { return kind_; }
+  std::vector<std::pair<std::string, at::Tensor>> NamedState() const override;
+
+ private:
+  // PyTorch's per-param state dict. Empty (exp_avg undefined) until the param's first grad.
+  struct ParamState {
+    int64_t step = 0;
+    at::Tensor exp_avg;
+    at::Tensor exp_avg_sq;
+    at::Tensor max_exp_avg_sq;  // only once amsgrad has been on
+  };
+
+  void StepGroup(ParamGroup& group, std::vector<ParamState>& states, const HyperParams& hyper);
+
+  OptimizerKind kind_;
+  std::vector<ParamGroup> groups_;
+  std::vector<std::vector<ParamState>> states_;  // [group][param]
+};
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_OPTIM_ADAM_H_
