@@ -25,6 +25,11 @@ namespace rannc {
 // The first line of a LibTorch error message: the rest is a C++ backtrace users cannot act on.
 std::string FirstLine(absl::string_view message);
 
+// What a user needs from a LibTorch error: its first line, or for an error raised inside a
+// TorchScript model, the Python-level cause and where it was raised ("RuntimeError: index out of
+// range in self (at functional.py(2210): embedding in sparse.py(160): forward)").
+std::string UserMessage(absl::string_view message);
+
 // Runs `fn` and converts exceptions (c10::Error, std::bad_alloc, std::exception) into a
 // Status with `code`, prefixed by `context`. `fn` returns absl::Status.
 template <typename Fn>
@@ -34,7 +39,7 @@ absl::Status TorchCall(absl::StatusCode code, absl::string_view context, Fn&& fn
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(std::string(context) + ": out of memory");
   } catch (const std::exception& e) {
-    return absl::Status(code, std::string(context) + ": " + FirstLine(e.what()));
+    return absl::Status(code, std::string(context) + ": " + UserMessage(e.what()));
   }
 }
 

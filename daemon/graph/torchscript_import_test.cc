@@ -2,8 +2,9 @@
 
 #include <algorithm>
 
-#include <catch2/catch.hpp>
+// LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <torch/csrc/jit/ir/ir.h>
+#include <catch2/catch.hpp>
 
 #include "tests/fixtures/fixture.h"
 

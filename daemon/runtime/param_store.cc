@@ -1,6 +1,7 @@
 #include "daemon/runtime/param_store.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "absl/strings/str_cat.h"

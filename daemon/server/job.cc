@@ -5,6 +5,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/jit/ir/ir.h>
 
 #include "absl/strings/str_cat.h"
@@ -232,7 +233,7 @@ absl::StatusOr<double> Job::ClipGradNorm(double max_norm, double norm_type) {
       total_norm = at::norm(at::stack(norms), norm_type);
     }
     at::Tensor clip_coef = max_norm / (total_norm + 1e-6);
-    at::Tensor clamped = at::clamp(clip_coef, c10::nullopt, 1.0);
+    at::Tensor clamped = at::clamp_max(clip_coef, 1.0);
     for (const at::Tensor& g : grads) g.detach().mul_(clamped);
     total = total_norm.item<double>();
     return absl::OkStatus();

@@ -1,0 +1,366 @@
+// `rannc`: the command-line client of ranncd.
+//
+//   rannc info   [--daemon HOST:PORT]     the daemon's version, LibTorch, devices, job count
+//   rannc jobs                            a table of the daemon's jobs
+//   rannc train  MODEL.pt --tokens FILE --batch B --seq T --steps N [...]
+//   rannc delete JOB_ID
+//
+// The daemon address comes from --daemon, else $RANNC_DAEMON, else 127.0.0.1:7411. Errors print
+// the daemon's message and exit non-zero.
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/rannc_client.h"
+#include "client/token_data.h"
+
+namespace rannc {
+namespace {
+
+volatile std::sig_atomic_t g_interrupted = 0;
+
+void OnSigint(int) { g_interrupted = 1; }
+
+// The first Ctrl-C asks the loop to stop after the RPC in flight and delete the job; a second
+// one (SA_RESETHAND restored the default) kills the process at once.
+void InstallSigintHandler() {
+  struct sigaction action = {};
+  action.sa_handler = OnSigint;
+  action.sa_flags = SA_RESETHAND;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+int Fail(const absl::Status& status) {
+  std::cerr << "rannc: " << status.message() << "\n";
+  if (status.code() == absl::StatusCode::kUnavailable) {
+    std::cerr << "rannc: is ranncd running there? Point at it with --daemon HOST:PORT or "
+                 "RANNC_DAEMON.\n";
+  }
+  return 1;
+}
+
+int Fail(const std::string& message) {
+  std::cerr << "rannc: " << message << "\n";
+  return 1;
+}
+
+std::string HumanBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  return unit == 0 ? absl::StrFormat("%d B", bytes) : absl::StrFormat("%.1f %s", value, units[unit]);
+}
+
+std::string HumanCount(uint64_t n) {
+  if (n >= 1000000000) return absl::StrFormat("%.2fB", n / 1e9);
+  if (n >= 1000000) return absl::StrFormat("%.2fM", n / 1e6);
+  if (n >= 1000) return absl::StrFormat("%.1fK", n / 1e3);
+  return absl::StrFormat("%d", n);
+}
+
+const char* StateName(v1::JobState state) {
+  switch (state) {
+    case v1::DEPLOYED: return "deployed";
+    case v1::UNDEPLOYED: return "undeployed";
+    case v1::FAILED: return "failed";
+    default: return "unknown";
+  }
+}
+
+int RunInfo(const Client& client) {
+  absl::StatusOr<v1::DaemonInfo> info = client.GetInfo();
+  if (!info.ok()) return Fail(info.status());
+  std::cout << "ranncd " << info->version() << " at " << client.address();
+  if (!info->hostname().empty()) std::cout << " (host " << info->hostname() << ")";
+  std::cout << "\n";
+  std::cout << "LibTorch " << info->torch_version() << "\n";
+  std::cout << "devices: " << info->devices_size() << "\n";
+  for (const v1::DeviceInfo& device : info->devices()) {
+    std::cout << absl::StrFormat("  %-10s %-5s %s\n", device.name(), device.type(),
+                                 HumanBytes(device.memory_bytes()));
+  }
+  std::cout << "jobs: " << info->num_jobs() << "\n";
+  if (info->max_message_bytes() > 0) {
+    std::cout << "max message size: " << HumanBytes(info->max_message_bytes()) << "\n";
+  }
+  std::cout << "shared memory: " << (info->shm_dir().empty() ? "not offered" : info->shm_dir())
+            << "\n";
+  return 0;
+}
+
+int RunJobs(const Client& client) {
+  absl::StatusOr<std::vector<v1::JobSummary>> jobs = client.ListJobs();
+  if (!jobs.ok()) return Fail(jobs.status());
+  std::vector<std::vector<std::string>> rows = {
+      {"JOB ID", "NAME", "STATE", "PARAMS", "STEPS", "DEVICES"}};
+  for (const v1::JobSummary& job : *jobs) {
+    rows.push_back({job.job_id(), job.name().empty() ? "-" : job.name(), StateName(job.state()),
+                    HumanCount(job.num_params()), std::to_string(job.steps()),
+                    absl::StrJoin(job.devices(), ",")});
+  }
+  std::vector<size_t> widths(rows[0].size(), 0);
+  for (const auto& row : rows) {
+    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], row[i].size());
+  }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(widths[i] - row[i].size() + 2, ' ');
+    }
+    std::cout << line << "\n";
+  }
+  for (const v1::JobSummary& job : *jobs) {
+    if (!job.error().empty()) std::cout << job.job_id() << " failed: " << job.error() << "\n";
+  }
+  if (jobs->empty()) std::cout << "(no jobs)\n";
+  return 0;
+}
+
+int RunDelete(const Client& client, const std::string& job_id) {
+  if (absl::Status s = client.DeleteJob(job_id); !s.ok()) return Fail(s);
+  std::cout << "deleted job " << job_id << "\n";
+  return 0;
+}
+
+struct TrainFlags {
+  std::string model;
+  std::string tokens;
+  std::string token_dtype = "uint16";
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t steps = 0;
+  double lr = 1e-3;
+  std::string optimizer = "adamw";
+  double weight_decay = -1;  // < 0: the optimizer's PyTorch default
+  double momentum = 0;
+  uint64_t seed = 0;
+  int64_t log_every = 10;
+  std::string name;
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError("cannot read " + path);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+// "[#######.............]", `width` cells filled in proportion to done/total.
+std::string Bar(int64_t done, int64_t total, int width) {
+  const int filled = total > 0 ? static_cast<int>(width * done / total) : width;
+  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+}
+
+int RunTrain(const Client& client, const TrainFlags& flags) {
+  if (flags.batch <= 0 || flags.seq <= 0 || flags.steps <= 0) {
+    return Fail("--batch, --seq and --steps must be positive");
+  }
+  absl::StatusOr<std::string> model = ReadFile(flags.model);
+  if (!model.ok()) return Fail(model.status());
+  absl::StatusOr<TokenFile> tokens = TokenFile::Open(flags.tokens, flags.token_dtype);
+  if (!tokens.ok()) return Fail(tokens.status());
+  if (tokens->size() < static_cast<size_t>(flags.seq) + 1) {
+    return Fail(absl::StrFormat("%s holds %d tokens; --seq %d needs at least %d", flags.tokens,
+                                tokens->size(), flags.seq, flags.seq + 1));
+  }
+
+  v1::HyperParams hyper;
+  hyper.set_lr(flags.lr);
+  JobConfig config;
+  config.name = flags.name.empty() ? "rannc-train" : flags.name;
+  config.mode.set_training(true);
+  config.mode.set_dropout(true);
+  if (flags.optimizer == "sgd") {
+    config.optimizer.set_type(v1::SGD);
+    hyper.set_momentum(flags.momentum);
+    hyper.set_weight_decay(flags.weight_decay < 0 ? 0.0 : flags.weight_decay);
+  } else {
+    config.optimizer.set_type(flags.optimizer == "adam" ? v1::ADAM : v1::ADAMW);
+    hyper.set_beta1(0.9);
+    hyper.set_beta2(0.999);
+    hyper.set_eps(1e-8);
+    const double default_decay = flags.optimizer == "adam" ? 0.0 : 0.01;
+    hyper.set_weight_decay(flags.weight_decay < 0 ? default_decay : flags.weight_decay);
+  }
+  // The job's one param group is given by hyper-parameters alone: no group list means one
+  // group of every parameter, whose names the daemon knows only after loading the model.
+
+  std::mt19937_64 rng(flags.seed);
+  TokenBatch batch = tokens->SampleBatch(rng, flags.batch, flags.seq);
+  config.example_inputs = {batch.input_ids, batch.targets};
+  config.input_names = {"input_ids", "targets"};
+
+  InstallSigintHandler();
+  absl::StatusOr<v1::CreateJobResponse> job = client.CreateJob(*model, config);
+  if (!job.ok()) return Fail(job.status());
+  const std::string job_id = job->job_id();
+
+  // From here on every exit path deletes the job.
+  auto finish = [&](int code, const absl::Status& error) {
+    if (!error.ok()) std::cerr << "rannc: " << error.message() << "\n";
+    if (absl::Status s = client.DeleteJob(job_id); !s.ok()) {
+      std::cerr << "rannc: could not delete job " << job_id << ": " << s.message() << "\n";
+      return code == 0 ? 1 : code;
+    }
+    return code;
+  };
+
+  if (job->outputs_size() != 1 ||
+      HostTensor{job->outputs(0).dtype(),
+                 {job->outputs(0).shape().begin(), job->outputs(0).shape().end()},
+                 {}}
+              .NumElements() != 1) {
+    return finish(1, absl::InvalidArgumentError(absl::StrFormat(
+                         "the model must return one scalar loss from (input_ids, targets); it "
+                         "returned %d outputs",
+                         job->outputs_size())));
+  }
+  uint64_t num_params = 0;
+  for (const v1::ParamInfo& p : job->params()) {
+    HostTensor shape_only{p.spec().dtype(), {p.spec().shape().begin(), p.spec().shape().end()}, {}};
+    num_params += static_cast<uint64_t>(shape_only.NumElements());
+  }
+  std::cout << absl::StrFormat("job %s: %s parameters in %d tensors on %s; %s %s tokens\n",
+                               job_id, HumanCount(num_params), job->params_size(),
+                               absl::StrJoin(job->devices(), ","), flags.tokens,
+                               HumanCount(tokens->size()))
+            << std::flush;
+
+  const bool tty = ::isatty(STDOUT_FILENO) == 1;
+  const int64_t tokens_per_step = flags.batch * flags.seq;
+  double first_loss = NAN;
+  double last_loss = NAN;
+  int64_t done = 0;
+  const auto start = std::chrono::steady_clock::now();
+  auto rate = [&](int64_t steps) {
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return seconds > 0 ? static_cast<double>(steps * tokens_per_step) / seconds : 0.0;
+  };
+
+  for (int64_t step = 1; step <= flags.steps && !g_interrupted; ++step) {
+    if (step > 1) batch = tokens->SampleBatch(rng, flags.batch, flags.seq);
+    if (absl::Status s = client.ZeroGrad(job_id); !s.ok()) return finish(1, s);
+    absl::StatusOr<ForwardResult> out = client.Forward(job_id, {batch.input_ids, batch.targets});
+    if (!out.ok()) return finish(1, out.status());
+    if (out->outputs.size() != 1) {
+      return finish(1, absl::InternalError(absl::StrFormat(
+                           "Forward returned %d outputs, expected one loss", out->outputs.size())));
+    }
+    const HostTensor& loss_tensor = out->outputs[0];
+    absl::StatusOr<std::vector<double>> loss = loss_tensor.ToDoubles();
+    if (!loss.ok()) return finish(1, loss.status());
+    if (loss->size() != 1) {
+      return finish(1, absl::InvalidArgumentError("the loss must be a scalar, got " +
+                                                  loss_tensor.DebugString()));
+    }
+    last_loss = (*loss)[0];
+    if (step == 1) first_loss = last_loss;
+    absl::Status s = client.Backward(
+        job_id, {{0, HostTensor::Full(loss_tensor.dtype, loss_tensor.shape, 1.0)}});
+    if (!s.ok()) return finish(1, s);
+    if (s = client.Step(job_id, {hyper}); !s.ok()) return finish(1, s);
+    done = step;
+
+    if (tty) {
+      std::cout << absl::StrFormat("\r%s %d/%d  loss %.4f  %.0f tokens/s ",
+                                   Bar(step, flags.steps, 30), step, flags.steps, last_loss,
+                                   rate(step))
+                << std::flush;
+      if (step == flags.steps) std::cout << "\n";
+    } else if (step % std::max<int64_t>(flags.log_every, 1) == 0 || step == flags.steps) {
+      std::cout << absl::StrFormat("step %d/%d loss %.6f tokens/s %.1f\n", step, flags.steps,
+                                   last_loss, rate(step))
+                << std::flush;
+    }
+  }
+  if (tty && g_interrupted) std::cout << "\n";
+  std::cout << absl::StrFormat("summary: steps=%d first_loss=%.6f last_loss=%.6f tokens/s=%.1f\n",
+                               done, first_loss, last_loss, rate(done))
+            << std::flush;
+  if (g_interrupted) {
+    std::cerr << "rannc: interrupted after " << done << " steps; deleting job " << job_id << "\n";
+    return finish(130, absl::OkStatus());
+  }
+  return finish(0, absl::OkStatus());
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"rannc: the command-line client of the ranncd training daemon"};
+  app.require_subcommand(1);
+  // Lets `--daemon` follow the subcommand too: `rannc info --daemon host:port`.
+  app.fallthrough();
+  std::string daemon = "127.0.0.1:7411";
+  app.add_option("--daemon", daemon, "ranncd address HOST:PORT")
+      ->envname("RANNC_DAEMON")
+      ->capture_default_str();
+
+  CLI::App* info = app.add_subcommand("info", "show the daemon's version, devices and jobs");
+  CLI::App* jobs = app.add_subcommand("jobs", "list the daemon's jobs");
+
+  CLI::App* del = app.add_subcommand("delete", "delete a job");
+  std::string delete_id;
+  del->add_option("job_id", delete_id, "the job to delete")->required();
+
+  CLI::App* train = app.add_subcommand(
+      "train", "train a TorchScript language model (input_ids, targets) -> loss on a token file");
+  TrainFlags flags;
+  train->add_option("model", flags.model, "TorchScript file (torch.jit.save of a traced model)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  train->add_option("--tokens", flags.tokens, "flat file of token ids")
+      ->required()
+      ->check(CLI::ExistingFile);
+  train->add_option("--token-dtype", flags.token_dtype, "width of each token in the file")
+      ->check(CLI::IsMember({"uint8", "uint16", "int32"}))
+      ->capture_default_str();
+  train->add_option("--batch", flags.batch, "sequences per step")->required();
+  train->add_option("--seq", flags.seq, "tokens per sequence")->required();
+  train->add_option("--steps", flags.steps, "optimizer steps")->required();
+  train->add_option("--lr", flags.lr, "learning rate")->capture_default_str();
+  train->add_option("--optimizer", flags.optimizer, "optimizer")
+      ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
+      ->capture_default_str();
+  train->add_option("--weight-decay", flags.weight_decay,
+                    "weight decay (default: 0.01 for adamw, 0 otherwise)");
+  train->add_option("--momentum", flags.momentum, "SGD momentum")->capture_default_str();
+  train->add_option("--seed", flags.seed, "seed of the batch sampler")->capture_default_str();
+  train->add_option("--log-every", flags.log_every, "steps between log lines when not on a TTY")
+      ->capture_default_str();
+  train->add_option("--name", flags.name, "job name shown by `rannc jobs`");
+
+  CLI11_PARSE(app, argc, argv);
+
+  Client client(daemon);
+  if (*info) return RunInfo(client);
+  if (*jobs) return RunJobs(client);
+  if (*del) return RunDelete(client, delete_id);
+  if (*train) return RunTrain(client, flags);
+  return 2;
+}
+
+}  // namespace
+}  // namespace rannc
+
+int main(int argc, char** argv) { return rannc::Main(argc, argv); }

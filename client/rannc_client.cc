@@ -1,0 +1,392 @@
+#include "client/rannc_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace rannc {
+namespace {
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, options.min_reconnect_backoff_ms);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, options.min_reconnect_backoff_ms);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, options.max_reconnect_backoff_ms);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(absl::string_view rpc, const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // grpc::StatusCode and absl::StatusCode share the canonical numbering.
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(rpc, ": ", status.error_message()));
+}
+
+Client::Client(const std::string& address, const ClientOptions& options)
+    : Client(MakeChannel(address, options), address, options) {}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, std::string address,
+               const ClientOptions& options)
+    : address_(std::move(address)),
+      options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::TrainingService::NewStub(channel_)) {}
+
+Client::~Client() = default;
+
+void Client::Prepare(grpc::ClientContext* context) const {
+  if (options_.rpc_timeout != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  }
+}
+
+absl::Status Client::Convert(absl::string_view rpc, const grpc::Status& status) const {
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    return absl::UnavailableError(absl::StrCat(rpc, ": cannot reach ranncd at ", address_, ": ",
+                                               status.error_message()));
+  }
+  return FromGrpcStatus(rpc, status);
+}
+
+absl::Status Client::WaitUntilReady(absl::Duration timeout) const {
+  const absl::Time deadline = absl::Now() + timeout;
+  grpc::Status last;
+  while (true) {
+    grpc::ClientContext context;
+    // Waits through connection failures (a daemon still starting) instead of failing at once.
+    context.set_wait_for_ready(true);
+    context.set_deadline(absl::ToChronoTime(deadline));
+    v1::DaemonInfo info;
+    last = stub_->GetInfo(&context, v1::GetInfoRequest(), &info);
+    if (last.ok()) return absl::OkStatus();
+    const bool transient = last.error_code() == grpc::StatusCode::UNAVAILABLE;
+    if (!transient && last.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return Convert("GetInfo", last);
+    }
+    if (absl::Now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("ranncd at ", address_,
+                                                  " did not become ready within ",
+                                                  absl::FormatDuration(timeout), " (last: ",
+                                                  last.error_message(), ")"));
+}
+
+absl::StatusOr<v1::DaemonInfo> Client::GetInfo() const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::DaemonInfo info;
+  grpc::Status s = stub_->GetInfo(&context, v1::GetInfoRequest(), &info);
+  if (!s.ok()) return Convert("GetInfo", s);
+  return info;
+}
+
+absl::StatusOr<std::vector<v1::JobSummary>> Client::ListJobs() const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ListJobsResponse response;
+  grpc::Status s = stub_->ListJobs(&context, v1::Empty(), &response);
+  if (!s.ok()) return Convert("ListJobs", s);
+  return std::vector<v1::JobSummary>(response.jobs().begin(), response.jobs().end());
+}
+
+absl::StatusOr<v1::CreateJobResponse> Client::CreateJob(std::string_view model_bytes,
+                                                        const JobConfig& config) const {
+  v1::JobSpec spec;
+  spec.set_name(config.name);
+  *spec.mutable_mode() = config.mode;
+  *spec.mutable_optimizer() = config.optimizer;
+  *spec.mutable_options() = config.options;
+  for (const HostTensor& input : config.example_inputs) {
+    if (absl::Status s = input.Validate(); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("CreateJob: example input #",
+                                                     spec.example_inputs_size(), ": ",
+                                                     s.message()));
+    }
+    ToProto(input, spec.add_example_inputs());
+  }
+  for (const std::string& name : config.input_names) spec.add_input_names(name);
+  return CreateJob(model_bytes, std::move(spec));
+}
+
+absl::StatusOr<v1::CreateJobResponse> Client::CreateJob(std::string_view model_bytes,
+                                                        v1::JobSpec spec) const {
+  spec.set_model_bytes(model_bytes.size());
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::CreateJobResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::CreateJobRequest>> writer =
+      stub_->CreateJob(&context, &response);
+  v1::CreateJobRequest request;
+  *request.mutable_spec() = std::move(spec);
+  // A failed Write means the daemon ended the stream; Finish() below says why.
+  bool open = writer->Write(request);
+  for (std::string_view piece : SplitBytes(model_bytes, options_.model_chunk_bytes)) {
+    if (!open) break;
+    request.set_model_chunk(piece.data(), piece.size());
+    open = writer->Write(request);
+  }
+  if (open) writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return Convert("CreateJob", s);
+  return response;
+}
+
+absl::Status Client::AddMode(const std::string& job_id, const v1::Mode& mode,
+                             std::string_view model_bytes) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::AddModeResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::AddModeRequest>> writer =
+      stub_->AddMode(&context, &response);
+  v1::AddModeRequest request;
+  request.mutable_header()->set_job_id(job_id);
+  *request.mutable_header()->mutable_mode() = mode;
+  request.mutable_header()->set_model_bytes(model_bytes.size());
+  bool open = writer->Write(request);
+  for (std::string_view piece : SplitBytes(model_bytes, options_.model_chunk_bytes)) {
+    if (!open) break;
+    request.set_model_chunk(piece.data(), piece.size());
+    open = writer->Write(request);
+  }
+  if (open) writer->WritesDone();
+  return Convert("AddMode", writer->Finish());
+}
+
+absl::Status Client::DeleteJob(const std::string& job_id) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::JobRef request;
+  request.set_job_id(job_id);
+  v1::Empty response;
+  return Convert("DeleteJob", stub_->DeleteJob(&context, request, &response));
+}
+
+absl::StatusOr<ForwardResult> Client::Forward(const std::string& job_id,
+                                              const std::vector<HostTensor>& inputs,
+                                              bool requires_grad) const {
+  v1::ForwardRequest request;
+  request.set_job_id(job_id);
+  request.set_requires_grad(requires_grad);
+  for (const HostTensor& input : inputs) {
+    if (absl::Status s = input.Validate(); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Forward: input #", request.inputs_size(), ": ", s.message()));
+    }
+    ToProto(input, request.add_inputs());
+  }
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ForwardResponse response;
+  grpc::Status s = stub_->Forward(&context, request, &response);
+  if (!s.ok()) return Convert("Forward", s);
+  ForwardResult result;
+  result.forward_id = response.forward_id();
+  for (const v1::Tensor& output : response.outputs()) {
+    absl::StatusOr<HostTensor> t = FromProto(output);
+    if (!t.ok()) return t.status();
+    result.outputs.push_back(*std::move(t));
+  }
+  return result;
+}
+
+absl::Status Client::Backward(const std::string& job_id, const std::vector<OutputGrad>& grads,
+                              bool retain_graph) const {
+  v1::BackwardRequest request;
+  request.set_job_id(job_id);
+  request.set_retain_graph(retain_graph);
+  for (const OutputGrad& grad : grads) {
+    if (absl::Status s = grad.grad.Validate(); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Backward: grad of output #", grad.output_index, ": ", s.message()));
+    }
+    v1::OutputGrad* g = request.add_grads();
+    g->set_output_index(grad.output_index);
+    ToProto(grad.grad, g->mutable_grad());
+  }
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::Empty response;
+  return Convert("Backward", stub_->Backward(&context, request, &response));
+}
+
+absl::Status Client::Step(const std::string& job_id,
+                          const std::vector<v1::HyperParams>& groups) const {
+  v1::StepRequest request;
+  request.set_job_id(job_id);
+  request.mutable_groups()->Add(groups.begin(), groups.end());
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::Empty response;
+  return Convert("Step", stub_->Step(&context, request, &response));
+}
+
+absl::Status Client::ZeroGrad(const std::string& job_id, bool set_to_none) const {
+  v1::ZeroGradRequest request;
+  request.set_job_id(job_id);
+  request.set_set_to_none(set_to_none);
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::Empty response;
+  return Convert("ZeroGrad", stub_->ZeroGrad(&context, request, &response));
+}
+
+absl::StatusOr<double> Client::ClipGradNorm(const std::string& job_id, double max_norm,
+                                            double norm_type) const {
+  v1::ClipGradNormRequest request;
+  request.set_job_id(job_id);
+  request.set_max_norm(max_norm);
+  request.set_norm_type(norm_type);
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ClipGradNormResponse response;
+  grpc::Status s = stub_->ClipGradNorm(&context, request, &response);
+  if (!s.ok()) return Convert("ClipGradNorm", s);
+  return response.total_norm();
+}
+
+absl::StatusOr<HostTensor> Client::GetParam(const std::string& job_id, const std::string& name,
+                                            bool amp_master_param) const {
+  v1::GetParamRequest request;
+  request.set_job_id(job_id);
+  request.set_name(name);
+  request.set_amp_master_param(amp_master_param);
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::GetParamResponse response;
+  grpc::Status s = stub_->GetParam(&context, request, &response);
+  if (!s.ok()) return Convert("GetParam", s);
+  if (!response.has_value()) {
+    return absl::InternalError(
+        absl::StrCat("GetParam: the daemon returned no value for parameter '", name, "'"));
+  }
+  return FromProto(response.tensor());
+}
+
+absl::StatusOr<std::optional<HostTensor>> Client::GetParamGrad(const std::string& job_id,
+                                                               const std::string& name,
+                                                               bool amp_master_param) const {
+  v1::GetParamRequest request;
+  request.set_job_id(job_id);
+  request.set_name(name);
+  request.set_grad(true);
+  request.set_amp_master_param(amp_master_param);
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::GetParamResponse response;
+  grpc::Status s = stub_->GetParam(&context, request, &response);
+  if (!s.ok()) return Convert("GetParam", s);
+  if (!response.has_value()) return std::optional<HostTensor>();
+  absl::StatusOr<HostTensor> t = FromProto(response.tensor());
+  if (!t.ok()) return t.status();
+  return std::optional<HostTensor>(*std::move(t));
+}
+
+absl::StatusOr<NamedTensors> Client::StateDict(const std::string& job_id,
+                                               bool amp_master_params) const {
+  v1::StateDictRequest request;
+  request.set_job_id(job_id);
+  request.set_amp_master_params(amp_master_params);
+  grpc::ClientContext context;
+  Prepare(&context);
+  std::unique_ptr<grpc::ClientReader<v1::StateDictChunk>> reader =
+      stub_->StateDict(&context, request);
+  StateDictAssembler assembler;
+  v1::StateDictChunk chunk;
+  absl::Status assembled;
+  while (reader->Read(&chunk)) {
+    assembled = assembler.Add(chunk);
+    if (!assembled.ok()) {
+      context.TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (!assembled.ok()) {
+    return absl::Status(assembled.code(), absl::StrCat("StateDict: ", assembled.message()));
+  }
+  if (!s.ok()) return Convert("StateDict", s);
+  absl::StatusOr<NamedTensors> state = std::move(assembler).Finish();
+  if (!state.ok()) {
+    return absl::Status(state.status().code(),
+                        absl::StrCat("StateDict: ", state.status().message()));
+  }
+  return state;
+}
+
+absl::StatusOr<LoadStateDictResult> Client::LoadStateDict(
+    const std::string& job_id, const NamedTensors& state, bool strict,
+    const std::set<std::string>& buffers) const {
+  for (const auto& [name, tensor] : state) {
+    if (absl::Status s = tensor.Validate(); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("LoadStateDict: entry '", name, "': ", s.message()));
+    }
+  }
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::LoadStateDictResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::LoadStateDictRequest>> writer =
+      stub_->LoadStateDict(&context, &response);
+  v1::LoadStateDictRequest request;
+  request.mutable_header()->set_job_id(job_id);
+  request.mutable_header()->set_strict(strict);
+  bool open = writer->Write(request);
+  for (const auto& [name, tensor] : state) {
+    if (!open) break;
+    for (v1::StateDictChunk& chunk : ToStateDictChunks(name, tensor, buffers.count(name) > 0,
+                                                       options_.state_dict_chunk_bytes)) {
+      *request.mutable_chunk() = std::move(chunk);
+      open = writer->Write(request);
+      if (!open) break;
+    }
+  }
+  if (open) writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return Convert("LoadStateDict", s);
+  LoadStateDictResult result;
+  result.missing_keys.assign(response.missing_keys().begin(), response.missing_keys().end());
+  result.unexpected_keys.assign(response.unexpected_keys().begin(),
+                                response.unexpected_keys().end());
+  return result;
+}
+
+absl::StatusOr<bool> Client::SetMode(const std::string& job_id, const v1::Mode& mode) const {
+  v1::SetModeRequest request;
+  request.set_job_id(job_id);
+  *request.mutable_mode() = mode;
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::SetModeResponse response;
+  grpc::Status s = stub_->SetMode(&context, request, &response);
+  if (!s.ok()) return Convert("SetMode", s);
+  return response.has_graph();
+}
+
+absl::Status Client::Undeploy(const std::string& job_id) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::JobRef request;
+  request.set_job_id(job_id);
+  v1::Empty response;
+  return Convert("Undeploy", stub_->Undeploy(&context, request, &response));
+}
+
+absl::Status Client::RecreateCommunicators(const std::string& job_id) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::JobRef request;
+  request.set_job_id(job_id);
+  v1::Empty response;
+  return Convert("RecreateCommunicators",
+                 stub_->RecreateCommunicators(&context, request, &response));
+}
+
+}  // namespace rannc

@@ -1,0 +1,175 @@
+// rannc::Client: the C++ SDK of ranncd. One Client is one gRPC channel to one daemon and exposes
+// rannc.v1.TrainingService with plain C++ types: tensors are HostTensors (raw bytes, no
+// LibTorch), streams (model upload, state_dict) are chunked and reassembled here, and every
+// failure is an absl::Status whose code is the gRPC code and whose message is the daemon's,
+// prefixed with the RPC's name.
+//
+// Thread-safety: all methods may be called from any number of threads at once (the gRPC stub
+// is thread-safe and the Client is immutable after construction). The daemon orders the calls
+// of one job; callers that interleave forward/backward of one job from several threads get
+// the daemon's ordering, not a guaranteed one.
+//
+// Lifetimes: a Client owns its channel; jobs belong to the daemon and outlive the Client unless
+// deleted with DeleteJob. Arguments are copied or consumed before a method returns.
+//
+// Example:
+//   rannc::Client client("127.0.0.1:7411");
+//   RETURN_IF_ERROR(client.WaitUntilReady(absl::Seconds(10)));
+//   rannc::JobConfig config;
+//   config.name = "mlp";
+//   config.optimizer.set_type(rannc::v1::SGD);  // no groups: one group of all parameters
+//   config.example_inputs = {rannc::HostTensor::FromVector<float>(x, {4, 8})};
+//   absl::StatusOr<rannc::v1::CreateJobResponse> job = client.CreateJob(model_bytes, config);
+//   absl::StatusOr<rannc::ForwardResult> out = client.Forward(job->job_id(), inputs);
+//   RETURN_IF_ERROR(client.Backward(job->job_id(), {{0, rannc::HostTensor::Scalar(1.0f)}}));
+//   rannc::v1::HyperParams sgd;
+//   sgd.set_lr(0.1);
+//   RETURN_IF_ERROR(client.Step(job->job_id(), {sgd}));
+//   RETURN_IF_ERROR(client.DeleteJob(job->job_id()));
+#ifndef RANNC_CLIENT_RANNC_CLIENT_H_
+#define RANNC_CLIENT_RANNC_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "client/chunking.h"
+#include "client/host_tensor.h"
+#include "rannc/v1/training.grpc.pb.h"
+
+namespace rannc {
+
+struct ClientOptions {
+  // Largest message the channel sends or accepts, in bytes. Generous, so that the daemon's
+  // --max-message-size is the limit that applies. Default 1 GiB.
+  int max_message_bytes = 1 << 30;
+  // Model bytes per CreateJob/AddMode chunk. Default 1 MiB (the protocol's bound).
+  size_t model_chunk_bytes = 1 << 20;
+  // Tensor bytes per LoadStateDict chunk. Default 4 MiB.
+  size_t state_dict_chunk_bytes = 4 << 20;
+  // Deadline for each RPC; infinite (the default) because a first forward may plan for minutes.
+  absl::Duration rpc_timeout = absl::InfiniteDuration();
+  // Reconnect backoff bounds, so that WaitUntilReady notices a starting daemon quickly.
+  // Defaults 100 ms and 1 s (gRPC's own are 1 s and 120 s).
+  int min_reconnect_backoff_ms = 100;
+  int max_reconnect_backoff_ms = 1000;
+};
+
+// What CreateJob needs besides the model bytes: JobSpec with HostTensor example inputs.
+struct JobConfig {
+  std::string name;
+  v1::Mode mode;                      // set_training(true) etc.; all false by default (eval)
+  v1::OptimizerSpec optimizer;        // OPTIMIZER_NONE by default: forward/backward only
+  v1::JobOptions options;
+  std::vector<HostTensor> example_inputs;  // the first batch
+  std::vector<std::string> input_names;    // optional, for the daemon's error messages
+};
+
+struct ForwardResult {
+  std::vector<HostTensor> outputs;  // flattened, in the traced order
+  uint64_t forward_id = 0;
+};
+
+struct OutputGrad {
+  uint32_t output_index = 0;
+  HostTensor grad;
+};
+
+struct LoadStateDictResult {
+  std::vector<std::string> missing_keys;
+  std::vector<std::string> unexpected_keys;
+};
+
+class Client {
+ public:
+  // Connects lazily to `address` ("host:port", or any gRPC target such as "unix:/path").
+  explicit Client(const std::string& address, const ClientOptions& options = {});
+  // Uses an existing channel, e.g. an in-process one in tests.
+  Client(std::shared_ptr<grpc::Channel> channel, std::string address,
+         const ClientOptions& options = {});
+  ~Client();
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::string& address() const { return address_; }
+
+  // Blocks until the daemon answers GetInfo or `timeout` passes (DEADLINE_EXCEEDED, naming the
+  // address). A daemon that is still starting is retried, not reported.
+  absl::Status WaitUntilReady(absl::Duration timeout) const;
+
+  absl::StatusOr<v1::DaemonInfo> GetInfo() const;
+  absl::StatusOr<std::vector<v1::JobSummary>> ListJobs() const;
+
+  // Uploads a TorchScript module (torch.jit.save's bytes) with its spec, in chunks.
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(std::string_view model_bytes,
+                                                  const JobConfig& config) const;
+  // The same with a ready-made proto spec; model_bytes in `spec` is filled in here.
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(std::string_view model_bytes,
+                                                  v1::JobSpec spec) const;
+  // Adds the graph traced in another mode (e.g. eval) to a job.
+  absl::Status AddMode(const std::string& job_id, const v1::Mode& mode,
+                       std::string_view model_bytes) const;
+  absl::Status DeleteJob(const std::string& job_id) const;
+
+  // requires_grad=false is torch.no_grad(): the daemon keeps no graph for Backward.
+  absl::StatusOr<ForwardResult> Forward(const std::string& job_id,
+                                        const std::vector<HostTensor>& inputs,
+                                        bool requires_grad = true) const;
+  // Gradients of the last forward's outputs; outputs not listed get none.
+  absl::Status Backward(const std::string& job_id, const std::vector<OutputGrad>& grads,
+                        bool retain_graph = false) const;
+  // One HyperParams per param group, in CreateJob's group order.
+  absl::Status Step(const std::string& job_id, const std::vector<v1::HyperParams>& groups) const;
+  absl::Status ZeroGrad(const std::string& job_id, bool set_to_none = false) const;
+  // Returns the total norm before clipping.
+  absl::StatusOr<double> ClipGradNorm(const std::string& job_id, double max_norm,
+                                      double norm_type = 2.0) const;
+
+  absl::StatusOr<HostTensor> GetParam(const std::string& job_id, const std::string& name,
+                                      bool amp_master_param = false) const;
+  // std::nullopt when the gradient is None.
+  absl::StatusOr<std::optional<HostTensor>> GetParamGrad(const std::string& job_id,
+                                                         const std::string& name,
+                                                         bool amp_master_param = false) const;
+
+  // Parameters and buffers by name, reassembled from the stream.
+  absl::StatusOr<NamedTensors> StateDict(const std::string& job_id,
+                                         bool amp_master_params = false) const;
+  // Sends `state` in chunks of at most options.state_dict_chunk_bytes; names in `buffers` are
+  // marked as buffers.
+  absl::StatusOr<LoadStateDictResult> LoadStateDict(
+      const std::string& job_id, const NamedTensors& state, bool strict = true,
+      const std::set<std::string>& buffers = {}) const;
+
+  // Returns whether the job already holds a graph for `mode` (if not, AddMode it before the
+  // next Forward).
+  absl::StatusOr<bool> SetMode(const std::string& job_id, const v1::Mode& mode) const;
+  absl::Status Undeploy(const std::string& job_id) const;
+  absl::Status RecreateCommunicators(const std::string& job_id) const;
+
+ private:
+  void Prepare(grpc::ClientContext* context) const;
+  // FromGrpcStatus, naming the daemon's address when it cannot be reached.
+  absl::Status Convert(absl::string_view rpc, const grpc::Status& status) const;
+
+  std::string address_;
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::TrainingService::Stub> stub_;
+};
+
+// Maps a gRPC status to an absl::Status with the same code, "RPC: message" as the message.
+absl::Status FromGrpcStatus(absl::string_view rpc, const grpc::Status& status);
+
+}  // namespace rannc
+
+#endif  // RANNC_CLIENT_RANNC_CLIENT_H_

@@ -1,0 +1,301 @@
+// Drives rannc::Client against an in-process fake TrainingService, so that chunking, tensor
+// conversion and status mapping are tested without a daemon (see client_integration_test for
+// the real one).
+#include "client/rannc_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <catch2/catch.hpp>
+#include <atomic>
+#include <mutex>
+#include <thread>
+
+namespace rannc {
+namespace {
+
+class FakeTrainingService final : public v1::TrainingService::Service {
+ public:
+  // What the fake saw; guarded by mu.
+  std::mutex mu;
+  v1::JobSpec spec;
+  std::vector<size_t> model_chunk_sizes;
+  std::string model;
+  std::vector<v1::StateDictChunk> loaded_chunks;
+  std::string loaded_job;
+  // What StateDict streams back.
+  NamedTensors state;
+  size_t state_chunk_bytes = 5;
+
+  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+                       v1::DaemonInfo* info) override {
+    info->set_version("fake");
+    info->set_num_jobs(1);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CreateJob(grpc::ServerContext*, grpc::ServerReader<v1::CreateJobRequest>* reader,
+                         v1::CreateJobResponse* response) override {
+    std::lock_guard<std::mutex> lock(mu);
+    v1::CreateJobRequest request;
+    if (!reader->Read(&request) || !request.has_spec()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec must come first");
+    }
+    spec = request.spec();
+    while (reader->Read(&request)) {
+      if (request.part_case() != v1::CreateJobRequest::kModelChunk) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "second spec");
+      }
+      model_chunk_sizes.push_back(request.model_chunk().size());
+      model += request.model_chunk();
+    }
+    if (model.size() != spec.model_bytes()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "model_bytes mismatch");
+    }
+    response->set_job_id("job-1");
+    response->add_devices("cpu:0");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Forward(grpc::ServerContext*, const v1::ForwardRequest* request,
+                       v1::ForwardResponse* response) override {
+    if (request->job_id() != "job-1") {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no job '" + request->job_id() + "'");
+    }
+    // Doubles each float32 input, so that the test sees bytes travel both ways.
+    for (const v1::Tensor& in : request->inputs()) {
+      HostTensor t = *FromProto(in);
+      std::vector<float> v = *t.ToVector<float>();
+      for (float& x : v) x *= 2;
+      ToProto(HostTensor::FromVector(v, t.shape), response->add_outputs());
+    }
+    response->set_forward_id(request->requires_grad() ? 7 : 8);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Backward(grpc::ServerContext*, const v1::BackwardRequest*, v1::Empty*) override {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "backward before forward: call Forward first");
+  }
+
+  grpc::Status GetParam(grpc::ServerContext*, const v1::GetParamRequest* request,
+                        v1::GetParamResponse* response) override {
+    if (request->grad()) return grpc::Status::OK;  // gradient is None
+    ToProto(HostTensor::FromVector<float>({1, 2}), response->mutable_tensor());
+    response->set_has_value(true);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status StateDict(grpc::ServerContext*, const v1::StateDictRequest*,
+                         grpc::ServerWriter<v1::StateDictChunk>* writer) override {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& [name, tensor] : state) {
+      for (const v1::StateDictChunk& c : ToStateDictChunks(name, tensor, name == "running_mean",
+                                                           state_chunk_bytes)) {
+        writer->Write(c);
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status LoadStateDict(grpc::ServerContext*,
+                             grpc::ServerReader<v1::LoadStateDictRequest>* reader,
+                             v1::LoadStateDictResponse* response) override {
+    std::lock_guard<std::mutex> lock(mu);
+    v1::LoadStateDictRequest request;
+    if (!reader->Read(&request) || !request.has_header()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "header must come first");
+    }
+    loaded_job = request.header().job_id();
+    while (reader->Read(&request)) loaded_chunks.push_back(request.chunk());
+    response->add_missing_keys("bias");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ClipGradNorm(grpc::ServerContext*, const v1::ClipGradNormRequest* request,
+                            v1::ClipGradNormResponse* response) override {
+    response->set_total_norm(request->max_norm() * 10 + request->norm_type());
+    return grpc::Status::OK;
+  }
+};
+
+struct FakeDaemon {
+  FakeTrainingService service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<Client> client;
+
+  explicit FakeDaemon(ClientOptions options = {}) {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&service);
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    server = builder.BuildAndStart();
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetMaxSendMessageSize(64 << 20);
+    client = std::make_unique<Client>(server->InProcessChannel(args), "in-process", options);
+  }
+  ~FakeDaemon() { server->Shutdown(); }
+};
+
+TEST_CASE("Client::CreateJob sends the spec, then the model in bounded chunks", "[client]") {
+  ClientOptions options;
+  options.model_chunk_bytes = 1000;
+  FakeDaemon fake(options);
+  std::string model(2500, 'm');
+  model[1234] = 'x';
+  JobConfig config;
+  config.name = "tiny";
+  config.mode.set_training(true);
+  config.optimizer.set_type(v1::ADAMW);
+  config.example_inputs = {HostTensor::FromVector<float>({1, 2, 3, 4}, {2, 2})};
+  config.input_names = {"x"};
+  absl::StatusOr<v1::CreateJobResponse> job = fake.client->CreateJob(model, config);
+  REQUIRE(job.ok());
+  CHECK(job->job_id() == "job-1");
+  CHECK(fake.service.model == model);
+  CHECK(fake.service.model_chunk_sizes == std::vector<size_t>{1000, 1000, 500});
+  CHECK(fake.service.spec.name() == "tiny");
+  CHECK(fake.service.spec.mode().training());
+  CHECK(fake.service.spec.optimizer().type() == v1::ADAMW);
+  CHECK(fake.service.spec.model_bytes() == 2500);
+  REQUIRE(fake.service.spec.example_inputs_size() == 1);
+  CHECK(fake.service.spec.example_inputs(0).data() == config.example_inputs[0].data);
+  CHECK(fake.service.spec.input_names(0) == "x");
+
+  config.example_inputs[0].shape = {3, 3};  // inconsistent with its bytes
+  CHECK(fake.client->CreateJob(model, config).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Client::CreateJob with an empty model sends only the spec", "[client]") {
+  FakeDaemon fake;
+  v1::JobSpec spec;
+  spec.set_name("empty");
+  REQUIRE(fake.client->CreateJob("", spec).ok());
+  CHECK(fake.service.model_chunk_sizes.empty());
+  CHECK(fake.service.spec.model_bytes() == 0);
+}
+
+TEST_CASE("Client::Forward moves tensors both ways", "[client]") {
+  FakeDaemon fake;
+  absl::StatusOr<ForwardResult> out =
+      fake.client->Forward("job-1", {HostTensor::FromVector<float>({1, -2, 3}, {3, 1})});
+  REQUIRE(out.ok());
+  CHECK(out->forward_id == 7);
+  REQUIRE(out->outputs.size() == 1);
+  CHECK(out->outputs[0].shape == std::vector<int64_t>{3, 1});
+  CHECK(*out->outputs[0].ToVector<float>() == std::vector<float>{2, -4, 6});
+  CHECK(fake.client->Forward("job-1", {}, false)->forward_id == 8);
+}
+
+TEST_CASE("Client may be shared between threads", "[client]") {
+  FakeDaemon fake;
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 25; ++i) {
+        const float v = static_cast<float>(t * 100 + i);
+        absl::StatusOr<ForwardResult> out =
+            fake.client->Forward("job-1", {HostTensor::FromVector<float>({v})});
+        if (!out.ok() || *out->outputs.at(0).ToVector<float>() != std::vector<float>{2 * v}) {
+          ++wrong;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("Client keeps the daemon's status code and message", "[client]") {
+  FakeDaemon fake;
+  absl::Status missing = fake.client->Forward("nope", {}).status();
+  CHECK(missing.code() == absl::StatusCode::kNotFound);
+  CHECK(missing.message() == "Forward: no job 'nope'");
+
+  absl::Status early = fake.client->Backward("job-1", {{0, HostTensor::Scalar(1.0f)}});
+  CHECK(early.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(early.message() == "Backward: backward before forward: call Forward first");
+
+  // The fake does not implement Step: gRPC's own UNIMPLEMENTED comes through.
+  CHECK(fake.client->Step("job-1", {}).code() == absl::StatusCode::kUnimplemented);
+}
+
+TEST_CASE("Client::StateDict reassembles chunked tensors", "[client]") {
+  FakeDaemon fake;
+  fake.service.state["weight"] = HostTensor::FromVector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  fake.service.state["running_mean"] = HostTensor::FromVector<double>({0.5, 0.25});
+  fake.service.state["step"] = HostTensor::Scalar<int64_t>(42);
+  absl::StatusOr<NamedTensors> state = fake.client->StateDict("job-1");
+  REQUIRE(state.ok());
+  REQUIRE(state->size() == 3);
+  for (const auto& [name, tensor] : fake.service.state) {
+    CHECK(state->at(name).dtype == tensor.dtype);
+    CHECK(state->at(name).shape == tensor.shape);
+    CHECK(state->at(name).data == tensor.data);
+  }
+}
+
+TEST_CASE("Client::LoadStateDict streams a header, then chunks within the limit", "[client]") {
+  ClientOptions options;
+  options.state_dict_chunk_bytes = 4 << 20;
+  FakeDaemon fake(options);
+  NamedTensors state;
+  std::vector<float> big((9 << 20) / 4 + 3);  // 9 MiB + 12 bytes: three chunks
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i);
+  state["big"] = HostTensor::FromVector(big);
+  state["small"] = HostTensor::FromVector<int64_t>({1, 2, 3});
+  absl::StatusOr<LoadStateDictResult> result =
+      fake.client->LoadStateDict("job-1", state, true, {"small"});
+  REQUIRE(result.ok());
+  CHECK(result->missing_keys == std::vector<std::string>{"bias"});
+  CHECK(fake.service.loaded_job == "job-1");
+
+  StateDictAssembler assembler;
+  size_t big_chunks = 0;
+  for (const v1::StateDictChunk& c : fake.service.loaded_chunks) {
+    CHECK(c.data().size() <= options.state_dict_chunk_bytes);
+    CHECK(c.is_buffer() == (c.name() == "small"));
+    big_chunks += c.name() == "big";
+    REQUIRE(assembler.Add(c).ok());
+  }
+  CHECK(big_chunks == 3);
+  absl::StatusOr<NamedTensors> received = std::move(assembler).Finish();
+  REQUIRE(received.ok());
+  CHECK(received->at("big").data == state["big"].data);
+  CHECK(received->at("small").data == state["small"].data);
+}
+
+TEST_CASE("Client::GetParam and GetParamGrad", "[client]") {
+  FakeDaemon fake;
+  absl::StatusOr<HostTensor> value = fake.client->GetParam("job-1", "w");
+  REQUIRE(value.ok());
+  CHECK(*value->ToVector<float>() == std::vector<float>{1, 2});
+  absl::StatusOr<std::optional<HostTensor>> grad = fake.client->GetParamGrad("job-1", "w");
+  REQUIRE(grad.ok());
+  CHECK(!grad->has_value());
+  absl::StatusOr<double> norm = fake.client->ClipGradNorm("job-1", 1.5, 2.0);
+  REQUIRE(norm.ok());
+  CHECK(*norm == 17.0);
+}
+
+TEST_CASE("Client::WaitUntilReady", "[client]") {
+  FakeDaemon fake;
+  CHECK(fake.client->WaitUntilReady(absl::Seconds(5)).ok());
+
+  // Nothing listens on port 1 (tcpmux) here: the call must retry until its deadline, then fail.
+  Client nobody("127.0.0.1:1");
+  const absl::Time start = absl::Now();
+  absl::Status s = nobody.WaitUntilReady(absl::Milliseconds(600));
+  CHECK(s.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(s.message().find("127.0.0.1:1") != std::string::npos);
+  CHECK(absl::Now() - start >= absl::Milliseconds(550));
+  CHECK(absl::Now() - start < absl::Seconds(5));
+
+  absl::Status unreachable = nobody.GetInfo().status();
+  CHECK(unreachable.code() == absl::StatusCode::kUnavailable);
+  CHECK(unreachable.message().find("cannot reach ranncd at 127.0.0.1:1") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace rannc
