@@ -68,6 +68,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  // Without this gRPC binds with SO_REUSEPORT, and a second daemon on a busy port would
+  // silently share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(

@@ -1,0 +1,29 @@
+#!/bin/bash
+# Installs everything rannc needs on Debian 12 (bookworm) from Debian's own packages: LibTorch
+# and PyTorch 1.13 (CPU), gRPC 1.51, protobuf 3.21, spdlog, Catch2, UCX, Bazel 4.2.3 and the
+# Python test tools. Idempotent: installs only what is missing. Needs root (uses sudo if not).
+set -euo pipefail
+
+packages=(
+  build-essential
+  libtorch-dev python3-torch
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libspdlog-dev libfmt-dev catch2 libucx-dev ucx-utils
+  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
+  bazel-bootstrap bazel-platforms bazel-rules-java
+  python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages present"
+  exit 0
+fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo=sudo
+echo "setup: installing ${missing[*]}"
+$sudo apt-get update -q
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
