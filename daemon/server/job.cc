@@ -84,6 +84,34 @@ absl::StatusOr<std::unique_ptr<Optimizer>> BuildOptimizer(const OptimizerConfig&
   return MakeOptimizer(config.kind, std::move(groups));
 }
 
+uint64_t Bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
+
+// What a job holds on its device besides activations: parameters, their gradients, optimizer
+// state and buffers. RESOURCE_EXHAUSTED when that alone exceeds the device's budget.
+absl::Status CheckMemoryBudget(const JobConfig& config, const ParamStore& store) {
+  if (config.device_memory_bytes == 0) return absl::OkStatus();
+  uint64_t params = 0, buffers = 0;
+  for (const ParamStore::Entry& e : store.entries()) (e.is_parameter ? params : buffers) += Bytes(e.tensor);
+  uint64_t state_per_param = 0;  // optimizer state, in multiples of the parameters' size
+  if (config.optimizer.enabled) {
+    bool momentum = false, amsgrad = false;
+    for (const HyperParams& h : config.optimizer.group_hyper) {
+      momentum = momentum || h.momentum != 0;
+      amsgrad = amsgrad || h.amsgrad;
+    }
+    state_per_param = config.optimizer.kind == OptimizerKind::kSgd ? (momentum ? 1 : 0)
+                                                                    : (amsgrad ? 3 : 2);
+  }
+  const uint64_t need = params * (2 + state_per_param) + buffers;
+  if (need <= config.device_memory_bytes) return absl::OkStatus();
+  auto mib = [](uint64_t b) { return absl::StrCat(b >> 20, " MiB"); };
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the job needs at least ", mib(need), " on ", config.device, " (parameters ", mib(params),
+      ", gradients ", mib(params), ", optimizer state ", mib(params * state_per_param),
+      ", buffers ", mib(buffers), ") but the device's budget is ",
+      mib(config.device_memory_bytes), "; raise ranncd's --device-memory"));
+}
+
 }  // namespace
 
 Job::Job(std::string id, JobConfig config)
@@ -106,6 +134,8 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   }
   std::unique_ptr<Job> job(new Job(std::move(id), std::move(config)));
   job->store_ = ParamStore::FromModuleTensors(model->tensors);
+  absl::Status fits = CheckMemoryBudget(job->config_, job->store_);
+  if (!fits.ok()) return fits;
   if (job->config_.check_unused_values) {
     absl::Status unused = CheckUnusedValues(*model, job->store_);
     if (!unused.ok()) return unused;

@@ -49,6 +49,8 @@ struct JobConfig {
   bool check_unused_values = true;    // reject unused inputs and parameters, as RaNNC does
   std::vector<std::string> input_names;
   std::string device = "cpu:0";
+  // The device's memory budget in bytes (--device-memory); 0 = unchecked.
+  uint64_t device_memory_bytes = 0;
 };
 
 struct JobSummary {

@@ -250,3 +250,22 @@ TEST_CASE("Job reports a model that fails on its example inputs", "[job]") {
 
 }  // namespace
 }  // namespace rannc
+
+namespace rannc {
+namespace {
+
+TEST_CASE("Job refuses a model whose state exceeds the device budget", "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  JobConfig config = SgdConfig();  // momentum: one state tensor per parameter
+  // fc1 6x8+8, fc2 8x3+3 floats = 83 * 4 bytes; with grads and momentum, 3x that.
+  config.device_memory_bytes = 83 * 4 * 3 - 1;
+  absl::StatusOr<std::unique_ptr<Job>> job = Job::Create("job-1", config, f.model_bytes, f.inputs);
+  REQUIRE_FALSE(job.ok());
+  CHECK(job.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(job.status().message()), Catch::Contains("--device-memory"));
+  config.device_memory_bytes = 83 * 4 * 3;
+  CHECK(Job::Create("job-1", config, f.model_bytes, f.inputs).ok());
+}
+
+}  // namespace
+}  // namespace rannc

@@ -247,7 +247,10 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.optimizer = std::move(*optimizer);
   config.check_unused_values = spec.options().check_unused_values();
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
-  if (!facts_.devices.empty()) config.device = facts_.devices[0].name;
+  if (!facts_.devices.empty()) {
+    config.device = facts_.devices[0].name;
+    config.device_memory_bytes = facts_.devices[0].memory_bytes;
+  }
 
   const std::string id = jobs_->NewJobId();
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, std::move(config), model, *examples);
