@@ -47,7 +47,8 @@ ParamStore ParamStore::FromModuleTensors(const std::vector<ModuleTensor>& tensor
       entry.name = t.name;
       entry.is_parameter = t.is_parameter;
       entry.tensor = t.tensor.detach();
-      entry.tensor.set_requires_grad(t.is_parameter);
+      // A frozen parameter (requires_grad=False) stays frozen, as in PyTorch.
+      entry.tensor.set_requires_grad(t.is_parameter && t.tensor.requires_grad());
       by_identity[key] = store.entries_.size();
       store.index_[t.name] = store.entries_.size();
       store.entries_.push_back(std::move(entry));

@@ -1,0 +1,66 @@
+"""pyrannc: RaNNC's Python API, with the model trained by the ranncd daemon.
+
+    import pyrannc
+    model = pyrannc.RaNNCModule(model, optimizer)
+    loss = model(x, y); loss.backward(); optimizer.step(); model.zero_grad()
+
+The daemon is `RANNC_DAEMON=host:port`, or an embedded ranncd that pyrannc starts on first use
+and stops at exit (see pyrannc._daemon). Job-level config comes from `$RANNC_CONF_DIR/rannc.toml`
+and `RANNC_<KEY>` environment variables (see pyrannc._config).
+"""
+
+from pyrannc import _daemon, _runtime
+from pyrannc._runtime import get_rank, get_world_size
+from pyrannc.errors import RanncError
+from pyrannc.module import RaNNCModule
+
+__all__ = [
+    "RaNNCModule", "RanncError", "barrier", "clear", "delay_grad_allreduce", "get_rank",
+    "get_world_size", "keep_graph", "recreate_all_communicators", "show_deployment",
+    "sync_params_on_init", "daemon_info",
+]
+
+
+def barrier() -> None:
+    """Blocks until every client rank of the job reaches it; with one rank it returns at once."""
+    _runtime.require_single_client("barrier")
+
+
+def clear() -> None:
+    """Deletes every RaNNCModule's daemon job (their state is first copied into the local
+    models); the next forward of each creates a new job."""
+    for module in _runtime.live_modules():
+        module._drop_job()
+
+
+def delay_grad_allreduce(delay: bool) -> None:
+    """RaNNC: skip the gradient all-reduce after backward. Gradients accumulate in the daemon
+    either way with one client rank, so results are unchanged."""
+    _runtime.delay_grad_allreduce_flag = bool(delay)
+
+
+def keep_graph(keep: bool) -> None:
+    """Keep each forward's graph after backward (retain_graph), so it can be run again."""
+    _runtime.keep_graph_flag = bool(keep)
+
+
+def recreate_all_communicators() -> None:
+    """Rebuilds the data-plane communicators of every job of this process."""
+    for module in _runtime.live_modules():
+        module.recreate_communicators()
+
+
+def show_deployment(path, batch_size) -> None:
+    raise NotImplementedError("show_deployment: reading deployment files is not implemented in "
+                              "pyrannc/ranncd yet")
+
+
+def sync_params_on_init(sync: bool) -> None:
+    """RaNNC: synchronize initial parameters over client ranks. One client rank has nothing to
+    synchronize."""
+    _runtime.sync_params_on_init_flag = bool(sync)
+
+
+def daemon_info():
+    """The connected daemon's DaemonInfo (version, devices, limits); connects if needed."""
+    return _daemon.connection().info

@@ -1,0 +1,301 @@
+"""The process-wide connection to ranncd: finding or starting it, calling it, stopping it.
+
+One channel per process, created on first use by `connection()` (thread-safe). With
+`RANNC_DAEMON=host:port` set, pyrannc connects there. Otherwise it starts an embedded `ranncd` on
+a free loopback port with `--devices $RANNC_DEVICES` (default `cpu:2`) plus any flags in
+`RANNC_DAEMON_ARGS`, and stops it at interpreter exit (SIGTERM, then SIGKILL after
+RANNC_DAEMON_STOP_TIMEOUT seconds). The daemon binary is `RANNC_DAEMON_BIN`, else Bazel's
+`bazel-bin/daemon/ranncd` under the repository this package lives in, else `ranncd` on PATH.
+
+Every RPC goes through `Connection.call`/`Connection.stream`, which turn gRPC errors into
+RanncError carrying the status code and the daemon's message.
+"""
+
+import atexit
+import collections
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+import grpc
+import torch
+
+from pyrannc import _config, _shm
+from pyrannc.errors import RanncError, from_rpc_error
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+from pyrannc.proto.rannc.v1 import training_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("pyrannc")
+daemon_logger = logging.getLogger("pyrannc.ranncd")
+
+_DEFAULT_DEVICES = "cpu:2"
+_CHANNEL_OPTIONS = [
+    # The daemon enforces its own --max-message-size; the client must not cut in first.
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+
+
+def _package_repo_root() -> str:
+    # <root>/python_client/pyrannc/_daemon.py, both in a checkout and in Bazel runfiles.
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def find_daemon_binary() -> str:
+    explicit = os.environ.get("RANNC_DAEMON_BIN")
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise RanncError(f"RANNC_DAEMON_BIN={explicit} is not an executable file")
+        return explicit
+    root = _package_repo_root()
+    for candidate in (os.path.join(root, "bazel-bin", "daemon", "ranncd"),
+                      os.path.join(root, "daemon", "ranncd")):
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    on_path = shutil.which("ranncd")
+    if on_path:
+        return on_path
+    raise RanncError(
+        "pyrannc found no daemon: set RANNC_DAEMON=host:port to use a running ranncd, or "
+        "RANNC_DAEMON_BIN to the ranncd binary, or build it with `bazel build //daemon:ranncd` "
+        f"(looked in {root}/bazel-bin/daemon/ranncd and on PATH)")
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _major_minor(version: str):
+    m = re.match(r"\s*(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_torch_version(daemon_version: str, client_version: str = torch.__version__) -> None:
+    daemon_mm = _major_minor(daemon_version)
+    client_mm = _major_minor(client_version)
+    if daemon_mm is None:
+        raise RanncError(f"ranncd reported no usable PyTorch version ({daemon_version!r}); "
+                         f"cannot check that it can run models traced by PyTorch {client_version}")
+    if daemon_mm != client_mm:
+        raise RanncError(
+            f"ranncd runs LibTorch {daemon_version} but this client has PyTorch "
+            f"{client_version}; TorchScript models only load reliably within one major.minor "
+            f"version. Use a PyTorch {daemon_mm[0]}.{daemon_mm[1]} client or a matching ranncd.")
+
+
+class _EmbeddedDaemon:
+    """A ranncd child process; its output is kept (last lines) for error messages."""
+
+    def __init__(self, binary: str, address: str, extra_args):
+        self.address = address
+        self.args = [binary, "--listen", address, "--devices",
+                     os.environ.get("RANNC_DEVICES") or _DEFAULT_DEVICES] + list(extra_args)
+        self.tail = collections.deque(maxlen=200)
+        self.owner_pid = os.getpid()
+        log_path = os.environ.get("RANNC_DAEMON_LOG")
+        self._log_file = open(log_path, "a", encoding="utf-8") if log_path else None
+        command = self.args
+        setpriv = shutil.which("setpriv")
+        # If the client dies without running atexit (SIGKILL), the kernel stops the daemon. The
+        # signal follows the thread that spawned it, so only the main thread asks for it.
+        if setpriv and threading.current_thread() is threading.main_thread():
+            command = [setpriv, "--pdeathsig", "TERM", "--"] + self.args
+        # A new session keeps a terminal's Ctrl-C away from the daemon, so the client can still
+        # talk to it while it unwinds.
+        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._reader = threading.Thread(target=self._read_output, name="ranncd-log", daemon=True)
+        self._reader.start()
+
+    def _read_output(self):
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            if self._log_file:
+                self._log_file.write(line + "\n")
+                self._log_file.flush()
+            daemon_logger.debug("%s", line)
+
+    def exited(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def describe_exit(self) -> str:
+        # Give the reader thread a moment to drain what the process printed before dying.
+        self._reader.join(timeout=1.0)
+        lines = "\n".join(list(self.tail)[-30:])
+        return (f"embedded ranncd ({' '.join(self.args)}) exited with status "
+                f"{self.proc.returncode}; its last output:\n{lines}")
+
+    def stop(self, timeout: float):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=1.0)
+        if self._log_file:
+            self._log_file.close()
+
+
+class Connection:
+    """A channel to one ranncd, its stub, and the daemon's DaemonInfo."""
+
+    def __init__(self, address: str, embedded: Optional[_EmbeddedDaemon] = None):
+        self.address = address
+        self.embedded = embedded
+        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = pb_grpc.TrainingServiceStub(self.channel)
+        self.info: Optional[pb.DaemonInfo] = None
+        # Same-host shared-memory transfer; set once the daemon answered (see _shm).
+        self.shm: Optional[_shm.Transfer] = None
+        self.closed = False
+
+    def _hint(self, err: grpc.RpcError) -> str:
+        if self.embedded is not None and self.embedded.exited() is not None:
+            return self.embedded.describe_exit()
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            return f"(is ranncd still running at {self.address}?)"
+        return ""
+
+    def call(self, method: str, request, timeout: Optional[float] = None):
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(method, err, self._hint(err)) from None
+
+    def call_streaming_request(self, method: str, requests: Iterable):
+        try:
+            return getattr(self.stub, method)(iter(requests))
+        except grpc.RpcError as err:
+            raise from_rpc_error(method, err, self._hint(err)) from None
+
+    def stream(self, method: str, request) -> Iterator:
+        try:
+            for item in getattr(self.stub, method)(request):
+                yield item
+        except grpc.RpcError as err:
+            raise from_rpc_error(method, err, self._hint(err)) from None
+
+    def wait_ready(self, deadline: float, alive: Callable[[], None]) -> pb.DaemonInfo:
+        last_error = None
+        while time.monotonic() < deadline:
+            alive()
+            try:
+                self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=2.0)
+                return self.info
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise from_rpc_error("GetInfo", err) from None
+                last_error = err
+            time.sleep(0.1)
+        detail = last_error.details() if last_error is not None else "no answer"
+        raise RanncError(f"ranncd at {self.address} did not answer GetInfo in time: {detail}",
+                         code=grpc.StatusCode.DEADLINE_EXCEEDED, details=detail)
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.channel.close()
+            if self.shm is not None:
+                self.shm.close()
+
+
+_lock = threading.Lock()
+_connection: Optional[Connection] = None
+
+
+def _start_embedded() -> Connection:
+    binary = find_daemon_binary()
+    extra = shlex.split(os.environ.get("RANNC_DAEMON_ARGS", ""))
+    timeout = float(os.environ.get("RANNC_DAEMON_START_TIMEOUT", "120"))
+    last_failure = ""
+    # A port picked free may be taken before the daemon binds it; try a few.
+    for _ in range(3):
+        address = f"127.0.0.1:{_free_loopback_port()}"
+        daemon = _EmbeddedDaemon(binary, address, extra)
+        conn = Connection(address, daemon)
+
+        def alive():
+            if daemon.exited() is not None:
+                raise RanncError(daemon.describe_exit())
+
+        try:
+            conn.wait_ready(time.monotonic() + timeout, alive)
+            logger.info("pyrannc started ranncd at %s (pid %d)", address, daemon.proc.pid)
+            return conn
+        except RanncError as err:
+            conn.close()
+            daemon.stop(timeout=5.0)
+            last_failure = str(err)
+            if "address already in use" not in last_failure.lower() and \
+                    "bind" not in last_failure.lower():
+                break
+    raise RanncError(f"pyrannc could not start ranncd: {last_failure}")
+
+
+def _shutdown():
+    global _connection
+    with _lock:
+        conn, _connection = _connection, None
+    if conn is None:
+        return
+    conn.close()
+    # A forked child inherits the connection but not the daemon: only its starter stops it.
+    if conn.embedded is not None and conn.embedded.owner_pid == os.getpid():
+        conn.embedded.stop(timeout=float(os.environ.get("RANNC_DAEMON_STOP_TIMEOUT", "10")))
+
+
+def connection() -> Connection:
+    """The process's connection, connecting (or starting the embedded daemon) on first use."""
+    global _connection
+    with _lock:
+        if _connection is not None:
+            return _connection
+        address = _config.client_setting("daemon")
+        if address:
+            conn = Connection(address)
+            timeout = float(os.environ.get("RANNC_DAEMON_CONNECT_TIMEOUT", "30"))
+            try:
+                conn.wait_ready(time.monotonic() + timeout, lambda: None)
+            except RanncError as err:
+                conn.close()
+                raise RanncError(f"pyrannc cannot reach ranncd at {address} (RANNC_DAEMON): "
+                                 f"{err}", code=err.code, details=err.details) from None
+        else:
+            conn = _start_embedded()
+        try:
+            check_torch_version(conn.info.torch_version)
+            conn.shm = _shm.make_transfer(conn.address, conn.info, conn.embedded is not None)
+        except RanncError:
+            conn.close()
+            if conn.embedded is not None:
+                conn.embedded.stop(timeout=5.0)
+            raise
+        _connection = conn
+        return conn
+
+
+def current_connection() -> Optional[Connection]:
+    """The connection if one was made, without making one."""
+    return _connection
+
+
+def shutdown() -> None:
+    """Closes the channel and stops an embedded daemon. A later call connects afresh."""
+    _shutdown()
+
+
+atexit.register(_shutdown)

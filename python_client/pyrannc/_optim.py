@@ -1,0 +1,153 @@
+"""Reading a torch optimizer for the daemon, and redirecting its step()/zero_grad() there.
+
+The optimizer the user passes to RaNNCModule stays the object they hold: its param_groups (and
+thus lr schedulers) are the source of each step's hyper-parameters, but the update itself and
+the optimizer state live in the daemon. `patch` replaces the instance's `step`, `zero_grad`,
+`state_dict` and `load_state_dict` with bound methods, so lr schedulers, which wrap
+`optimizer.step` in a counting wrapper, keep working whether created before or after.
+"""
+
+import functools
+import inspect
+import types
+import weakref
+from typing import Dict, List
+
+import torch
+
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+
+_SUPPORTED = {
+    torch.optim.SGD: pb.SGD,
+    torch.optim.Adam: pb.ADAM,
+    torch.optim.AdamW: pb.ADAMW,
+}
+
+# What this PyTorch does when zero_grad() is called without set_to_none.
+OPTIMIZER_SET_TO_NONE_DEFAULT = inspect.signature(
+    torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default
+MODULE_SET_TO_NONE_DEFAULT = inspect.signature(
+    torch.nn.Module.zero_grad).parameters["set_to_none"].default
+
+
+def optimizer_type(optimizer) -> int:
+    kind = _SUPPORTED.get(type(optimizer))
+    if kind is None:
+        t = type(optimizer)
+        module = "torch.optim" if t.__module__.startswith("torch.optim.") else t.__module__
+        raise NotImplementedError(
+            f"pyrannc runs torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW in the daemon; "
+            f"{module}.{t.__qualname__} is not supported yet")
+    return kind
+
+
+def hyper_params(group: dict, kind: int) -> pb.HyperParams:
+    h = pb.HyperParams(lr=float(group["lr"]),
+                       weight_decay=float(group.get("weight_decay", 0.0)),
+                       maximize=bool(group.get("maximize", False)))
+    if kind == pb.SGD:
+        h.momentum = float(group.get("momentum", 0.0))
+        h.dampening = float(group.get("dampening", 0.0))
+        h.nesterov = bool(group.get("nesterov", False))
+    else:
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        h.beta1 = float(beta1)
+        h.beta2 = float(beta2)
+        h.eps = float(group.get("eps", 1e-8))
+        h.amsgrad = bool(group.get("amsgrad", False))
+    return h
+
+
+def group_param_names(optimizer, names_by_id: Dict[int, str]) -> List[List[str]]:
+    """Each param group's parameters, by the module's parameter names."""
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        names = []
+        for p in group["params"]:
+            name = names_by_id.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"optimizer param group {gi} holds a tensor of shape {list(p.shape)} that is "
+                    "not a parameter of the model given to RaNNCModule")
+            names.append(name)
+        groups.append(names)
+    return groups
+
+
+def group_param_ids(optimizer) -> List[List[int]]:
+    return [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+
+
+def optimizer_spec(optimizer, names_by_id: Dict[int, str]) -> pb.OptimizerSpec:
+    if optimizer is None:
+        return pb.OptimizerSpec(type=pb.OPTIMIZER_NONE)
+    kind = optimizer_type(optimizer)
+    spec = pb.OptimizerSpec(type=kind)
+    for group, names in zip(optimizer.param_groups, group_param_names(optimizer, names_by_id)):
+        spec.groups.add(params=names, hyper=hyper_params(group, kind))
+    return spec
+
+
+def _counting(bound, optimizer):
+    # Mirrors torch.optim.lr_scheduler's with_counter, for a scheduler made before the patch.
+    opt_ref = weakref.ref(optimizer)
+
+    @functools.wraps(bound)
+    def wrapper(*args, **kwargs):
+        opt = opt_ref()
+        opt._step_count = getattr(opt, "_step_count", 0) + 1
+        return bound(*args, **kwargs)
+
+    wrapper._with_counter = True
+    return wrapper
+
+
+def patch(optimizer, module) -> None:
+    """Routes `optimizer`'s step/zero_grad to `module`'s daemon job."""
+    module_ref = weakref.ref(module)
+
+    def owner():
+        m = module_ref()
+        if m is None:
+            raise RuntimeError("the RaNNCModule this optimizer was given to no longer exists")
+        return m
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        owner()._optimizer_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = OPTIMIZER_SET_TO_NONE_DEFAULT):
+        owner()._zero_grad(set_to_none)
+
+    # The class's methods, not the instance's: a second patch must not wrap the first.
+    original_state_dict = types.MethodType(type(optimizer).state_dict, optimizer)
+    original_load_state_dict = types.MethodType(type(optimizer).load_state_dict, optimizer)
+
+    def state_dict(self):
+        if owner()._has_job():
+            raise NotImplementedError(
+                "pyrannc keeps the optimizer's state (momentum, Adam moments) in ranncd; "
+                "optimizer.state_dict() after the first forward is not supported yet")
+        return original_state_dict()
+
+    def load_state_dict(self, state_dict):
+        if state_dict.get("state"):
+            raise NotImplementedError(
+                "pyrannc keeps the optimizer's state in ranncd; loading optimizer state "
+                "(momentum, Adam moments) is not supported yet. Only param_groups can be loaded.")
+        return original_load_state_dict(state_dict)
+
+    bound_step = types.MethodType(step, optimizer)
+    previous = optimizer.__dict__.get("step")
+    if previous is not None and getattr(previous, "_with_counter", False):
+        optimizer.step = _counting(bound_step, optimizer)
+    else:
+        optimizer.step = bound_step
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    optimizer._rannc_patched = True

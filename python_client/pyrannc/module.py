@@ -1,0 +1,593 @@
+"""RaNNCModule: a torch.nn.Module whose forward, backward and optimizer step run in ranncd.
+
+Lifecycle: the wrapped model stays local until the first forward, which traces it
+(torch.jit.trace on those inputs, in the current train/eval/dropout mode) and creates the job.
+From then on the daemon owns parameters, buffers, gradients and optimizer state; the local model
+is a mirror refreshed on demand (named_parameters(), state_dict(), ...) after anything that may
+have changed it (a step, a training-mode forward, a load). A change of mode traces the model
+again in the new mode on the next forward, if the daemon has no graph for it yet.
+
+Threading: one RaNNCModule is meant to be driven from one thread at a time, like a torch module
+in a training loop.
+"""
+
+import collections
+import inspect
+import io
+import logging
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from pyrannc import _codec, _config, _daemon, _optim, _outputs, _runtime, _shm
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+
+logger = logging.getLogger("pyrannc")
+
+_DROPOUT_TYPES = (torch.nn.modules.dropout._DropoutNd,)
+
+
+def _later_feature(what: str, feature: str):
+    raise NotImplementedError(f"{what}: {feature} is not implemented in pyrannc/ranncd yet; "
+                              "leave it at its default")
+
+
+def _mode_key(mode: pb.Mode) -> Tuple[bool, bool]:
+    return (mode.training, mode.dropout)
+
+
+class _Job:
+    """What the client knows of its daemon job."""
+
+    def __init__(self, job_id: str, mode: pb.Mode, spec, group_ids: List[List[int]],
+                 devices: List[str]):
+        self.id = job_id
+        self.mode = mode
+        self.specs = {_mode_key(mode): spec}  # output structure per traced mode
+        self.group_ids = group_ids
+        self.devices = devices
+        # Counted here rather than taken from ForwardResponse.forward_id, so the check that a
+        # backward belongs to the last forward does not depend on the daemon numbering them.
+        self.forwards = 0
+        self.last_forward_id: Optional[int] = None
+        self.undeployed = False
+
+
+class _RemoteForward(torch.autograd.Function):
+    """Runs Forward in the daemon; its backward sends the output grads to Backward.
+
+    `dummy` is a leaf that requires grad, so the outputs join the caller's autograd graph even
+    though no local tensor flows into the daemon's computation.
+    """
+
+    @staticmethod
+    def forward(ctx, dummy, module, inputs, differentiable):
+        ctx.set_materialize_grads(False)
+        outputs, forward_id = module._forward_rpc(inputs, requires_grad=True)
+        ctx.module = module
+        ctx.forward_id = forward_id
+        frozen = [o for o, d in zip(outputs, differentiable)
+                  if not (d and (o.is_floating_point() or o.is_complex()))]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.module._backward_rpc(ctx.forward_id, grads)
+        return None, None, None, None
+
+
+class RaNNCModule(torch.nn.Module):
+    """Trains `model` in ranncd; a drop-in for RaNNC's pyrannc.RaNNCModule.
+
+    The first call traces `model` on its inputs and submits it. Later-issue features
+    (enable_apex_amp, allreduce_amp_master_params, enable_zero, offload_params,
+    load_deployment) raise NotImplementedError rather than being ignored.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer=None, gather_inputs=True,
+                 load_deployment=None, enable_apex_amp=False, allreduce_amp_master_params=False,
+                 enable_zero=False, check_unused_values=True, offload_params=False):
+        if enable_apex_amp:
+            _later_feature("RaNNCModule(enable_apex_amp=True)",
+                           "mixed precision (fp16/bf16 with fp32 masters)")
+        if allreduce_amp_master_params:
+            _later_feature("RaNNCModule(allreduce_amp_master_params=True)",
+                           "mixed precision master parameters")
+        if enable_zero:
+            _later_feature("RaNNCModule(enable_zero=True)", "ZeRO sharding of optimizer state")
+        if offload_params:
+            _later_feature("RaNNCModule(offload_params=True)",
+                           "parameter offloading to host memory")
+        if load_deployment is not None:
+            _later_feature("RaNNCModule(load_deployment=...)", "loading a saved deployment")
+        _runtime.require_single_client("RaNNCModule")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"RaNNCModule wraps a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError("RaNNCModule traces the model itself; pass the Python module, not a "
+                            "ScriptModule")
+        if optimizer is not None:
+            _optim.optimizer_type(optimizer)
+        super().__init__()
+        self.model = model
+        self.training = model.training
+        self._optimizer = optimizer
+        self._gather_inputs = bool(gather_inputs)
+        self._check_unused_values = bool(check_unused_values)
+        self._job: Optional[_Job] = None
+        self._dropout: Optional[bool] = None  # enable_dropout(); None: follows training
+        self._state_dirty = False
+        # A leaf that makes forward's outputs require grad; never receives a gradient.
+        self._grad_anchor = torch.zeros((), requires_grad=True)
+        if optimizer is not None:
+            _optim.patch(optimizer, self)
+        _runtime.register(self)
+
+    # ------------------------------------------------------------------------------------------
+    # Attribute access: like RaNNC, unknown attributes come from the wrapped model.
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("__"):
+                raise
+            return getattr(model, name)
+
+    # ------------------------------------------------------------------------------------------
+    # Forward / backward.
+
+    def forward(self, *args, **kwargs):
+        if kwargs:
+            raise ValueError("RaNNCModule takes the model's inputs as positional tensors; "
+                             f"got keyword arguments {sorted(kwargs)}")
+        inputs = self._check_inputs(args)
+        mode = self._current_mode()
+        if self._job is None:
+            self._create_job(inputs, mode)
+        elif _mode_key(self._job.mode) != _mode_key(mode):
+            self._switch_mode(inputs, mode)
+        spec = self._job.specs[_mode_key(self._job.mode)]
+        if torch.is_grad_enabled():
+            differentiable = [leaf.requires_grad for leaf in _outputs.leaves(spec)]
+            flat = _RemoteForward.apply(self._grad_anchor, self, inputs, differentiable)
+        else:
+            flat, _ = self._forward_rpc(inputs, requires_grad=False)
+        return _outputs.unflatten(spec, list(flat))
+
+    def _input_names(self, count: int) -> List[str]:
+        names: List[str] = []
+        try:
+            params = list(inspect.signature(self.model.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        for p in params:
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                names.append(p.name)
+            elif p.kind == p.VAR_POSITIONAL:
+                names.extend(f"{p.name}[{i}]" for i in range(count - len(names)))
+                break
+        names.extend(f"input{i}" for i in range(len(names), count))
+        return names[:count]
+
+    def _check_inputs(self, args) -> Tuple[torch.Tensor, ...]:
+        if not args:
+            raise ValueError("RaNNCModule needs at least one input tensor")
+        names = self._input_names(len(args))
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"RaNNCModule inputs must be tensors; input '{names[i]}' (#{i}) "
+                                f"is a {type(a).__name__}")
+        return tuple(a.detach() for a in args)
+
+    def _current_mode(self) -> pb.Mode:
+        training = self.model.training
+        dropout = training if self._dropout is None else self._dropout
+        return pb.Mode(training=training, dropout=dropout)
+
+    def _trace(self, inputs, mode: pb.Mode) -> Tuple[bytes, object]:
+        """Traces the model in `mode`; returns the serialized module and its output spec.
+
+        Tracing runs forward once; the model's buffers (BatchNorm statistics), its RNG stream
+        and its train/eval flags are restored afterwards, so the daemon starts from the state
+        plain PyTorch would have.
+        """
+        model = self.model
+        saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        saved_flags = [(m, m.training) for m in model.modules()]
+        captured = {}
+
+        def flatten_output(_module, _inputs, output):
+            tensors, spec = _outputs.flatten(output)
+            captured["spec"] = spec
+            # The daemon sees one flat tuple (or a lone tensor); the spec rebuilds the rest.
+            if isinstance(spec, _outputs.Leaf):
+                return tensors[0]
+            return tuple(tensors)
+
+        handle = model.register_forward_hook(flatten_output)
+        try:
+            model.train(mode.training)
+            for m in model.modules():
+                if isinstance(m, _DROPOUT_TYPES):
+                    m.training = mode.dropout
+            with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                    warnings.catch_warnings():
+                # PyTorch's own modules (BatchNorm's batch-size check, Tensor.split) warn about
+                # Python values on every trace; warnings about the user's code still show.
+                warnings.filterwarnings("ignore", category=torch.jit.TracerWarning,
+                                        module=r"torch\.")
+                traced = torch.jit.trace(model, inputs, check_trace=False)
+        finally:
+            handle.remove()
+            for m, flag in saved_flags:
+                m.training = flag
+            with torch.no_grad():
+                for b, value in saved_buffers:
+                    b.copy_(value)
+        buf = io.BytesIO()
+        torch.jit.save(traced, buf)
+        return buf.getvalue(), captured["spec"]
+
+    def _names_by_id(self) -> Dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def _create_job(self, inputs, mode: pb.Mode) -> None:
+        conn = _daemon.connection()
+        _delete_orphaned_jobs(conn)
+        model_bytes, spec = self._trace(inputs, mode)
+        names_by_id = self._names_by_id()
+        optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
+        options = pb.JobOptions(gather_inputs=self._gather_inputs,
+                                check_unused_values=self._check_unused_values,
+                                config=_config.job_config())
+        with _shm.session(conn.shm) as wire:
+            job_spec = pb.JobSpec(
+                name=_config.client_setting("job_name") or type(self.model).__name__,
+                mode=mode, optimizer=optimizer_spec, options=options,
+                example_inputs=[wire.encode(x) for x in inputs],
+                input_names=self._input_names(len(inputs)), model_bytes=len(model_bytes))
+
+            step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
+
+            def requests():
+                yield pb.CreateJobRequest(spec=job_spec)
+                for off in range(0, len(model_bytes), step):
+                    yield pb.CreateJobRequest(model_chunk=model_bytes[off:off + step])
+
+            resp = conn.call_streaming_request("CreateJob", requests())
+        expected = len(_outputs.leaves(spec))
+        if len(resp.outputs) != expected:
+            conn.call("DeleteJob", pb.JobRef(job_id=resp.job_id))
+            raise RuntimeError(f"ranncd reports {len(resp.outputs)} outputs for the model but "
+                               f"the trace returned {expected}")
+        group_ids = _optim.group_param_ids(self._optimizer) if self._optimizer else []
+        self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices))
+        logger.info("pyrannc: job %s on %s", resp.job_id, ", ".join(resp.devices))
+
+    def _switch_mode(self, inputs, mode: pb.Mode) -> None:
+        job = self._job
+        conn = _daemon.connection()
+        resp = conn.call("SetMode", pb.SetModeRequest(job_id=job.id, mode=mode))
+        key = _mode_key(mode)
+        if not resp.has_graph or key not in job.specs:
+            model_bytes, spec = self._trace(inputs, mode)
+            job.specs[key] = spec
+            if not resp.has_graph:
+                step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
+
+                def requests():
+                    yield pb.AddModeRequest(header=pb.AddModeRequest.Header(
+                        job_id=job.id, mode=mode, model_bytes=len(model_bytes)))
+                    for off in range(0, len(model_bytes), step):
+                        yield pb.AddModeRequest(model_chunk=model_bytes[off:off + step])
+
+                conn.call_streaming_request("AddMode", requests())
+        job.mode = mode
+
+    def _forward_rpc(self, inputs, requires_grad: bool):
+        job = self._job
+        conn = _daemon.connection()
+        with _shm.session(conn.shm) as wire:
+            req = pb.ForwardRequest(job_id=job.id, inputs=[wire.encode(x) for x in inputs],
+                                    requires_grad=requires_grad)
+            region = wire.reply_region()
+            if region is not None:
+                req.reply_shm.CopyFrom(region)
+            resp = conn.call("Forward", req)
+            outputs = wire.decode_outputs(resp.outputs)
+        job.undeployed = False
+        job.forwards += 1
+        if job.mode.training:
+            self._state_dirty = True  # e.g. BatchNorm running statistics
+        # A no-grad forward also replaces the daemon's last forward: older outputs lose their
+        # backward either way.
+        job.last_forward_id = job.forwards if requires_grad else None
+        return outputs, job.forwards
+
+    def _backward_rpc(self, forward_id: int, grads) -> None:
+        job = self._job
+        if job is None:
+            raise RuntimeError("pyrannc: backward after the job was cleared or undeployed; run "
+                               "forward again")
+        if forward_id != job.last_forward_id:
+            raise RuntimeError(
+                "pyrannc: backward through outputs of an earlier forward; ranncd keeps only the "
+                "last forward's graph, so call backward before the next forward")
+        conn = _daemon.connection()
+        with _shm.session(conn.shm) as wire:
+            req = pb.BackwardRequest(job_id=job.id, retain_graph=_runtime.keep_graph_flag)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    req.grads.add(output_index=i, grad=wire.encode(g))
+            conn.call("Backward", req)
+
+    # ------------------------------------------------------------------------------------------
+    # Optimizer and gradients.
+
+    def _has_job(self) -> bool:
+        return self._job is not None
+
+    def _optimizer_step(self) -> None:
+        job = self._job
+        if job is None:
+            return  # no forward yet: no gradients, nothing to update (as in PyTorch)
+        opt = self._optimizer
+        if _optim.group_param_ids(opt) != job.group_ids:
+            raise RuntimeError(
+                "pyrannc: the optimizer's param groups changed after the first forward; ranncd "
+                "fixed them when the job was created. Create the optimizer with all its groups "
+                "before the first forward.")
+        kind = _optim.optimizer_type(opt)
+        req = pb.StepRequest(job_id=job.id,
+                             groups=[_optim.hyper_params(g, kind) for g in opt.param_groups])
+        _daemon.connection().call("Step", req)
+        self._state_dirty = True
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        if self._job is not None:
+            _daemon.connection().call("ZeroGrad", pb.ZeroGradRequest(
+                job_id=self._job.id, set_to_none=bool(set_to_none)))
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def zero_grad(self, set_to_none: bool = _optim.MODULE_SET_TO_NONE_DEFAULT) -> None:
+        """Zeroes (or, with set_to_none, drops) the gradients in the daemon."""
+        self._zero_grad(set_to_none)
+
+    def clip_grad_norm(self, max_grad_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips all gradients by their total norm, like torch.nn.utils.clip_grad_norm_.
+
+        Returns the total norm before clipping.
+        """
+        if self._job is None:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm,
+                                                  norm_type)
+        resp = _daemon.connection().call("ClipGradNorm", pb.ClipGradNormRequest(
+            job_id=self._job.id, max_norm=float(max_grad_norm), norm_type=float(norm_type)))
+        dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
+        return torch.tensor(resp.total_norm, dtype=dtype)
+
+    def allreduce_grads(self) -> None:
+        """RaNNC's explicit all-reduce after delay_grad_allreduce(True): one client rank has
+        nothing to reduce, and the daemon reduces over its own replicas."""
+
+    # ------------------------------------------------------------------------------------------
+    # Parameters and state.
+
+    def _local_entry(self, name: str) -> Optional[torch.Tensor]:
+        state = self.model.state_dict(keep_vars=True)
+        return state.get(name)
+
+    def get_param(self, name: str, amp_master_param: bool = False) -> torch.Tensor:
+        """The current value of parameter (or buffer) `name`, which may be any alias."""
+        if amp_master_param:
+            _later_feature("get_param(amp_master_param=True)", "mixed precision master parameters")
+        if self._job is None:
+            t = self._local_entry(name)
+            if t is None:
+                raise KeyError(f"the model has no parameter or buffer named '{name}'")
+            return t.detach().clone()
+        resp = _daemon.connection().call("GetParam", pb.GetParamRequest(
+            job_id=self._job.id, name=name))
+        return _codec.decode(resp.tensor)
+
+    def get_param_grad(self, name: str, amp_master_param: bool = False) -> Optional[torch.Tensor]:
+        """The gradient of parameter `name` (any alias); None when it has none."""
+        if amp_master_param:
+            _later_feature("get_param_grad(amp_master_param=True)",
+                           "mixed precision master parameters")
+        if self._job is None:
+            t = self._local_entry(name)
+            if t is None:
+                raise KeyError(f"the model has no parameter named '{name}'")
+            return None if t.grad is None else t.grad.detach().clone()
+        resp = _daemon.connection().call("GetParam", pb.GetParamRequest(
+            job_id=self._job.id, name=name, grad=True))
+        return _codec.decode(resp.tensor) if resp.has_value else None
+
+    def _fetch_state(self) -> Dict[str, Tuple[torch.Tensor, bool]]:
+        assembler = _codec.StateAssembler()
+        for chunk in _daemon.connection().stream(
+                "StateDict", pb.StateDictRequest(job_id=self._job.id)):
+            assembler.add(chunk)
+        return assembler.result()
+
+    def _sync_from_daemon(self, force: bool = False, grads: bool = False) -> None:
+        """Copies the daemon's parameters and buffers into the local model's tensors in place,
+        so references the caller holds (and the optimizer's) see the new values."""
+        if self._job is None or not (self._state_dirty or force or grads):
+            return
+        remote = self._fetch_state()
+        local = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in local.items():
+                if not isinstance(tensor, torch.Tensor) or name not in remote:
+                    # Parameters the traced graph does not use never change in the daemon.
+                    continue
+                value, _ = remote[name]
+                if value.shape != tensor.shape:
+                    raise RuntimeError(f"ranncd holds '{name}' with shape {list(value.shape)} but "
+                                       f"the local model has {list(tensor.shape)}")
+                tensor.copy_(value)
+        if grads:
+            for name, p in self.model.named_parameters():
+                g = self.get_param_grad(name)
+                p.grad = g
+        self._state_dirty = False
+
+    def parameters(self, recurse: bool = True):
+        self._sync_from_daemon()
+        return self.model.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, **kwargs):
+        self._sync_from_daemon()
+        return self.model.named_parameters(prefix, recurse, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        self._sync_from_daemon()
+        return self.model.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, **kwargs):
+        self._sync_from_daemon()
+        return self.model.named_buffers(prefix, recurse, **kwargs)
+
+    def state_dict(self, *args, rank0_only: bool = True, no_hook: bool = False,
+                   sync_grad: bool = False, amp_master_params: bool = False, **kwargs):
+        """The full model state (parameters and buffers under every alias), from the daemon.
+
+        rank0_only and no_hook are accepted for RaNNC compatibility; with one client rank every
+        rank is rank 0. sync_grad=True also copies the daemon's gradients into `.grad`.
+        """
+        if amp_master_params:
+            _later_feature("state_dict(amp_master_params=True)",
+                           "mixed precision master parameters")
+        self._sync_from_daemon(grads=sync_grad)
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Loads parameters and buffers, before the first forward (into the local model) or
+        after it (into the daemon). Mis-shaped keys always fail; with strict, so do missing
+        and unexpected keys, as in PyTorch."""
+        if self._job is None:
+            return self.model.load_state_dict(state_dict, strict)
+        local = self.model.state_dict(keep_vars=True)
+        missing = [k for k in local if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in local]
+        errors = []
+        for k, v in state_dict.items():
+            if k in local and isinstance(v, torch.Tensor) and v.shape != local[k].shape:
+                errors.append(f"size mismatch for {k}: copying a param with shape "
+                              f"{v.shape} from checkpoint, the shape in current model is "
+                              f"{local[k].shape}.")
+        if strict:
+            if unexpected:
+                errors.insert(0, "Unexpected key(s) in state_dict: "
+                              + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+            if missing:
+                errors.insert(0, "Missing key(s) in state_dict: "
+                              + ", ".join(f'"{k}"' for k in missing) + ". ")
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(self.model).__name__, "\n\t".join(errors)))
+        param_ids = {id(p) for p in self.model.parameters()}
+        buffer_names = {k for k, v in local.items() if id(v) not in param_ids}
+        job_id = self._job.id
+        conn = _daemon.connection()
+        step = _codec.chunk_bytes(_codec.STREAM_CHUNK_BYTES, conn.info.max_message_bytes)
+
+        def requests():
+            yield pb.LoadStateDictRequest(header=pb.LoadStateDictRequest.Header(
+                job_id=job_id, strict=strict))
+            for name, value in state_dict.items():
+                if name in local and isinstance(value, torch.Tensor):
+                    value = value.to(local[name].dtype)
+                    for chunk in _codec.state_chunks(name, value, name in buffer_names, step):
+                        yield pb.LoadStateDictRequest(chunk=chunk)
+
+        resp = conn.call_streaming_request("LoadStateDict", requests())
+        self._state_dirty = True
+        return torch.nn.modules.module._IncompatibleKeys(
+            sorted(set(missing) | set(resp.missing_keys)),
+            sorted(set(unexpected) | set(resp.unexpected_keys)))
+
+    # ------------------------------------------------------------------------------------------
+    # Modes and placement.
+
+    def train(self, mode: bool = True):
+        """Sets train/eval mode; the daemon switches at the next forward (tracing the model in
+        the new mode first if it has no graph for it)."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        self.training = mode
+        self.model.train(mode)
+        return self
+
+    def enable_dropout(self, enable: bool) -> None:
+        """Turns dropout on or off independently of train/eval (RaNNC's enable_dropout)."""
+        self._dropout = bool(enable)
+
+    def to(self, *args, **kwargs):
+        warnings.warn("RaNNCModule.to() is a no-op: ranncd places the model on its devices",
+                      stacklevel=2)
+        return self
+
+    def cuda(self, *args, **kwargs):
+        warnings.warn("RaNNCModule.cuda() is a no-op: ranncd places the model on its devices",
+                      stacklevel=2)
+        return self
+
+    # ------------------------------------------------------------------------------------------
+    # Deployment.
+
+    def save_deployment(self, file) -> None:
+        _later_feature("save_deployment()", "saving a deployment")
+
+    def undeploy(self, sync: bool = True) -> None:
+        """Copies the daemon's state into the local model and frees the job's device memory.
+        The job (with its optimizer state) stays; the next forward deploys it again."""
+        if self._job is None:
+            return
+        self._sync_from_daemon(force=sync)
+        _daemon.connection().call("Undeploy", pb.JobRef(job_id=self._job.id))
+        self._job.undeployed = True
+        self._job.last_forward_id = None
+
+    def _drop_job(self) -> None:
+        """Pulls the state into the local model and deletes the daemon's job; the next forward
+        creates a new one (with fresh optimizer state)."""
+        if self._job is None:
+            return
+        try:
+            self._sync_from_daemon()
+            _daemon.connection().call("DeleteJob", pb.JobRef(job_id=self._job.id))
+        finally:
+            self._job = None
+            self._state_dirty = False
+
+    def recreate_communicators(self) -> None:
+        if self._job is not None:
+            _daemon.connection().call("RecreateCommunicators", pb.JobRef(job_id=self._job.id))
+
+    def __del__(self):
+        # A finalizer may run inside any call, gRPC's included, so it only queues the job for
+        # deletion; the next job creation deletes it.
+        job = self.__dict__.get("_job")
+        if job is not None:
+            _orphaned_jobs.append(job.id)
+
+
+# Jobs of RaNNCModules that were garbage-collected; deque appends are thread-safe.
+_orphaned_jobs: "collections.deque[str]" = collections.deque()
+
+
+def _delete_orphaned_jobs(conn) -> None:
+    while _orphaned_jobs:
+        job_id = _orphaned_jobs.popleft()
+        try:
+            conn.call("DeleteJob", pb.JobRef(job_id=job_id), timeout=10.0)
+        except Exception as err:  # noqa: BLE001 - cleanup of a job nobody can use any more
+            logger.debug("pyrannc: deleting orphaned job %s: %s", job_id, err)

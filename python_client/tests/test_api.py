@@ -1,0 +1,589 @@
+"""RaNNCModule's API behaviours through the real ranncd, compared with plain PyTorch.
+
+Numeric comparisons use torch.testing.assert_close(rtol=1e-5, atol=1e-6).
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pyrannc
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+from conftest import CLIENT_ROOT, assert_close, free_port
+import models
+
+pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
+
+
+def _fresh(model_fn=models.MLP, opt_fn=None, seed=0):
+    torch.manual_seed(seed)
+    model = model_fn()
+    ref = copy.deepcopy(model)
+    opt = opt_fn(model) if opt_fn else None
+    ref_opt = opt_fn(ref) if opt_fn else None
+    return pyrannc.RaNNCModule(model, opt), model, opt, ref, ref_opt
+
+
+def _sgd(m):
+    return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train(rmod, opt, steps, start=0):
+    for step in range(start, start + steps):
+        rmod(*models.mlp_batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _reference_from(rmod, model_fn):
+    ref = model_fn()
+    ref.load_state_dict(rmod.state_dict())
+    return ref
+
+
+# ---------------------------------------------------------------------------------------------
+# Modes.
+
+def test_eval_output_equals_pytorch_eval_and_train_mode_drops_out():
+    torch.manual_seed(0)
+    model = models.DropoutNet(p=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    x = torch.randn(64, 8)
+    for _ in range(2):
+        rmod(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    ref = _reference_from(rmod, lambda: models.DropoutNet(p=0.5)).eval()
+    rmod.eval()
+    assert not rmod.training and not model.training
+    out = rmod(x)
+    assert_close(out.detach(), ref(x).detach(), "eval output")
+    with torch.no_grad():
+        assert_close(rmod(x), ref(x), "eval output under no_grad")
+
+    rmod.train()
+    a, b = rmod(x).detach(), rmod(x).detach()
+    assert not torch.equal(a, b), "dropout is active in training mode"
+    with torch.no_grad():
+        ref.train()
+        ref.drop.eval()
+        no_dropout = ref(x)
+    assert not torch.allclose(a, no_dropout)
+
+    # enable_dropout(False) keeps training mode but switches dropout off.
+    rmod.enable_dropout(False)
+    assert_close(rmod(x).detach(), no_dropout, "training mode without dropout")
+    # And back: the daemon already has both graphs.
+    rmod.eval()
+    rmod.enable_dropout(False)
+    assert_close(rmod(x).detach(), ref.eval()(x).detach(), "eval again")
+
+
+def test_eval_before_first_forward_then_train():
+    rmod, model, opt, ref, ref_opt = _fresh(models.CNN, _sgd)
+    rmod.eval()
+    ref.eval()
+    x, y = models.cnn_batch(0)
+    with torch.no_grad():
+        assert_close(rmod(x), ref(x), "eval first")
+    rmod.train()
+    ref.train()
+    for step in range(2):
+        x, y = models.cnn_batch(step)
+        loss = F.cross_entropy(rmod(x), y)
+        loss.backward()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        assert_close(loss.detach(), ref_loss.detach(), f"loss {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, value in ref.state_dict().items():
+        assert_close(rmod.state_dict()[name], value, name)
+
+
+def test_no_grad_forward_returns_plain_tensors():
+    rmod, *_ = _fresh()
+    with torch.no_grad():
+        loss = rmod(*models.mlp_batch(0))
+    assert not loss.requires_grad
+    loss = rmod(*models.mlp_batch(0))
+    assert loss.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# state_dict / load_state_dict.
+
+def test_load_state_dict_before_first_forward():
+    torch.manual_seed(1)
+    source = models.MLP()
+    rmod, model, opt, ref, ref_opt = _fresh(opt_fn=_sgd)
+    result = rmod.load_state_dict(source.state_dict())
+    assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    batch = models.mlp_batch(0)
+    assert_close(rmod(*batch).detach(), source(*batch).detach(), "output after load")
+
+
+def test_state_dict_round_trip_after_first_forward():
+    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    _train(rmod, opt, 2)
+    saved = {k: v.clone() for k, v in rmod.state_dict().items()}
+    _train(rmod, opt, 2, start=2)
+    changed = rmod.state_dict()
+    assert any(not torch.equal(changed[k], saved[k]) for k in saved)
+
+    result = rmod.load_state_dict(saved)
+    assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    for k, v in rmod.state_dict().items():
+        assert_close(v, saved[k], k)
+    for k, v in saved.items():
+        assert_close(rmod.get_param(k), v, f"get_param({k})")
+    ref = models.MLP()
+    ref.load_state_dict(saved)
+    batch = models.mlp_batch(7)
+    assert_close(rmod(*batch).detach(), ref(*batch).detach(), "output after load")
+
+
+def test_state_dict_round_trip_tied_and_buffers():
+    torch.manual_seed(0)
+    model = models.CNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    x, y = models.cnn_batch(0)
+    F.cross_entropy(rmod(x), y).backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in rmod.state_dict().items()}
+    F.cross_entropy(rmod(x), y).backward()
+    opt.step()
+    rmod.load_state_dict(saved)
+    for k, v in rmod.state_dict().items():
+        assert_close(v, saved[k], k)
+
+
+def test_load_state_dict_errors_after_first_forward():
+    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    _train(rmod, opt, 1)
+    good = {k: v.clone() for k, v in rmod.state_dict().items()}
+
+    missing = dict(good)
+    del missing["l2.bias"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*l2\.bias"):
+        rmod.load_state_dict(missing)
+    result = rmod.load_state_dict(missing, strict=False)
+    assert list(result.missing_keys) == ["l2.bias"]
+
+    unexpected = dict(good, extra=torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*extra"):
+        rmod.load_state_dict(unexpected)
+
+    misshaped = dict(good)
+    misshaped["l1.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for l1\.weight"):
+        rmod.load_state_dict(misshaped)
+    # None of the failed loads changed anything.
+    for k, v in rmod.state_dict().items():
+        assert_close(v, good[k], k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients.
+
+def test_clip_grad_norm_equals_torch():
+    rmod, model, opt, ref, ref_opt = _fresh(models.TinyGPT, lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.1))
+    batch = models.gpt_batch(0)
+    rmod(*batch).backward()
+    ref(*batch).backward()
+    for norm_type in (2.0, 1.0):
+        max_norm = 0.05
+        total = rmod.clip_grad_norm(max_norm, norm_type) if norm_type != 2.0 \
+            else rmod.clip_grad_norm(max_norm)
+        ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        assert_close(total, ref_total, f"total norm ({norm_type})")
+        for name, p in ref.named_parameters():
+            assert_close(rmod.get_param_grad(name), p.grad, f"clipped grad of {name}")
+    opt.step()
+    ref_opt.step()
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+
+
+def test_keep_graph_allows_second_backward():
+    rmod, model, opt, ref, _ = _fresh(models.TwoInputs)
+    a, b, y = models.two_inputs_batch(0)
+    pyrannc.keep_graph(True)
+    try:
+        out = rmod(a, b)
+        loss = F.mse_loss(out, y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    finally:
+        pyrannc.keep_graph(False)
+    ref_loss = F.mse_loss(ref(a, b), y)
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    for name, p in ref.named_parameters():
+        assert_close(rmod.get_param_grad(name), p.grad, f"grad of {name}")
+
+
+def test_second_backward_without_keep_graph_fails():
+    rmod, *_ = _fresh()
+    loss = rmod(*models.mlp_batch(0))
+    loss.backward(retain_graph=True)
+    with pytest.raises(pyrannc.RanncError) as info:
+        loss.backward()
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_gradient_accumulation_over_two_forwards():
+    rmod, model, opt, ref, ref_opt = _fresh(opt_fn=lambda m: torch.optim.Adam(
+        m.parameters(), lr=0.01))
+    pyrannc.delay_grad_allreduce(True)
+    try:
+        for step in range(3):
+            for micro in range(2):
+                batch = models.mlp_batch(10 * step + micro)
+                (rmod(*batch) / 2).backward()
+                (ref(*batch) / 2).backward()
+            for name, p in ref.named_parameters():
+                assert_close(rmod.get_param_grad(name), p.grad, f"accumulated grad of {name}")
+            rmod.allreduce_grads()
+            opt.step()
+            ref_opt.step()
+            rmod.zero_grad()
+            ref_opt.zero_grad()
+    finally:
+        pyrannc.delay_grad_allreduce(False)
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+
+
+def test_backward_through_an_earlier_forward_is_refused():
+    rmod, *_ = _fresh()
+    first = rmod(*models.mlp_batch(0))
+    rmod(*models.mlp_batch(1))
+    with pytest.raises(RuntimeError, match="earlier forward"):
+        first.backward()
+
+
+def test_optimizer_closure():
+    rmod, model, opt, ref, ref_opt = _fresh(opt_fn=_sgd)
+    batch = models.mlp_batch(0)
+
+    def closure(m, o):
+        def run():
+            o.zero_grad()
+            loss = m(*batch)
+            loss.backward()
+            return loss
+        return run
+
+    loss = opt.step(closure(rmod, opt))
+    ref_loss = ref_opt.step(closure(ref, ref_opt))
+    assert_close(loss.detach(), ref_loss.detach(), "closure loss")
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unsupported or later-issue features fail loudly.
+
+@pytest.mark.parametrize("flag,value", [
+    ("enable_zero", True), ("offload_params", True), ("enable_apex_amp", True),
+    ("allreduce_amp_master_params", True), ("load_deployment", "deployment.bin"),
+])
+def test_later_issue_flags_raise(flag, value):
+    with pytest.raises(NotImplementedError, match=flag):
+        pyrannc.RaNNCModule(models.MLP(), **{flag: value})
+
+
+def test_later_issue_functions_raise():
+    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    with pytest.raises(NotImplementedError, match="save_deployment"):
+        rmod.save_deployment("/tmp/deployment.bin")
+    with pytest.raises(NotImplementedError, match="show_deployment"):
+        pyrannc.show_deployment("/tmp/deployment.bin", 32)
+    with pytest.raises(NotImplementedError, match="amp_master_param"):
+        rmod.get_param("l1.weight", amp_master_param=True)
+    with pytest.raises(NotImplementedError, match="RMSprop"):
+        pyrannc.RaNNCModule(models.MLP(), torch.optim.RMSprop(models.MLP().parameters()))
+
+
+def test_several_client_ranks_raise(monkeypatch):
+    monkeypatch.setenv("RANNC_CLIENT_WORLD", "2")
+    monkeypatch.setenv("RANNC_CLIENT_RANK", "1")
+    assert pyrannc.get_world_size() == 2 and pyrannc.get_rank() == 1
+    with pytest.raises(NotImplementedError, match="client ranks"):
+        pyrannc.RaNNCModule(models.MLP())
+    with pytest.raises(NotImplementedError, match="client ranks"):
+        pyrannc.barrier()
+
+
+def test_single_client_functions():
+    assert pyrannc.get_rank() == 0 and pyrannc.get_world_size() == 1
+    pyrannc.barrier()
+    pyrannc.sync_params_on_init(False)
+    pyrannc.sync_params_on_init(True)
+    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    _train(rmod, opt, 1)
+    pyrannc.recreate_all_communicators()
+    _train(rmod, opt, 1, start=1)
+
+
+def test_cuda_and_to_are_noops_with_warning():
+    rmod, *_ = _fresh()
+    with pytest.warns(UserWarning, match="no-op"):
+        assert rmod.cuda() is rmod
+    with pytest.warns(UserWarning, match="no-op"):
+        assert rmod.to("cuda:0") is rmod
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployment lifecycle.
+
+def test_undeploy_then_forward_again():
+    rmod, model, opt, ref, ref_opt = _fresh(opt_fn=_sgd)
+    for step in range(2):
+        batch = models.mlp_batch(step)
+        rmod(*batch).backward()
+        ref(*batch).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    rmod.undeploy()
+    # undeploy() left the daemon's values in the local model.
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p.detach(), q.detach(), f"local {name} after undeploy")
+    for step in range(2, 4):
+        batch = models.mlp_batch(step)
+        loss = rmod(*batch)
+        loss.backward()
+        ref_loss = ref(*batch)
+        ref_loss.backward()
+        assert_close(loss.detach(), ref_loss.detach(), f"loss after redeploy, step {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+
+
+def test_clear_recreates_jobs_from_current_state():
+    rmod, model, opt, ref, ref_opt = _fresh(opt_fn=lambda m: torch.optim.SGD(m.parameters(),
+                                                                              lr=0.1))
+    for step in range(2):
+        batch = models.mlp_batch(step)
+        rmod(*batch).backward()
+        ref(*batch).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    pyrannc.clear()
+    batch = models.mlp_batch(5)
+    assert_close(rmod(*batch).detach(), ref(*batch).detach(), "output after clear")
+
+
+def test_errors_surface_as_rannc_error():
+    rmod, *_ = _fresh()
+    rmod(*models.mlp_batch(0))
+    x, y = models.mlp_batch(0)
+    with pytest.raises(pyrannc.RanncError) as info:
+        rmod(torch.randn(16, 5), y)
+    assert isinstance(info.value, RuntimeError)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'x'" in info.value.details
+
+
+def test_inputs_must_be_positional_tensors():
+    rmod, *_ = _fresh()
+    x, y = models.mlp_batch(0)
+    with pytest.raises(ValueError, match="keyword"):
+        rmod(x, y=y)
+    with pytest.raises(TypeError, match="'y'"):
+        rmod(x, 3)
+
+
+def _wait_gone(pid, seconds=20):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+_EMBEDDED_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch, pyrannc
+    from pyrannc import _daemon
+    m = pyrannc.RaNNCModule(torch.nn.Linear(3, 1))
+    print(float(m(torch.ones(2, 3)).sum()))
+    print("PID", _daemon.connection().embedded.proc.pid, flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("ending", ["exit", "kill"])
+def test_embedded_daemon_ends_with_its_client(ending):
+    """The embedded daemon stops when its client exits normally (atexit) or is SIGKILLed."""
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT)
+    env.pop("RANNC_DAEMON", None)
+    out = subprocess.run([sys.executable, "-c", _EMBEDDED_SCRIPT, ending], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert "PID" in out.stdout, out.stderr
+    assert out.returncode == (0 if ending == "exit" else -9), out.stderr
+    pid = int(out.stdout.split("PID")[1].split()[0])
+    if not _wait_gone(pid):
+        os.kill(pid, 9)
+        pytest.fail(f"embedded ranncd (pid {pid}) still runs after its client ended ({ending})")
+
+
+def test_missing_daemon_binary_is_a_clear_error(tmp_path):
+    script = "import torch, pyrannc\npyrannc.RaNNCModule(torch.nn.Linear(3, 1))(torch.ones(2, 3))"
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON_BIN=str(tmp_path / "nope"))
+    env.pop("RANNC_DAEMON", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "RanncError" in out.stderr and "RANNC_DAEMON_BIN" in out.stderr
+
+
+def test_unreachable_daemon_is_a_clear_error():
+    script = "import torch, pyrannc\npyrannc.RaNNCModule(torch.nn.Linear(3, 1))(torch.ones(2, 3))"
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=f"127.0.0.1:{free_port()}",
+               RANNC_DAEMON_CONNECT_TIMEOUT="2")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "cannot reach ranncd" in out.stderr and "RANNC_DAEMON" in out.stderr
+
+
+def test_warnings_free_training_loop():
+    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            rmod(*models.mlp_batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+
+class _Wide(torch.nn.Module):
+    """Parameters larger than one 4 MiB stream chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(1024, 1536)  # 6 MiB of float32 weight
+        self.out = torch.nn.Linear(1536, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.big(x))).sum()
+
+
+def test_state_dict_streams_tensors_larger_than_a_chunk():
+    rmod, model, opt, ref, ref_opt = _fresh(_Wide, lambda m: torch.optim.SGD(m.parameters(),
+                                                                              lr=0.01))
+    x = torch.randn(4, 1024)
+    rmod(x).backward()
+    ref(x).backward()
+    opt.step()
+    ref_opt.step()
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+    replacement = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}
+    rmod.load_state_dict(replacement)
+    for k, v in replacement.items():
+        assert_close(rmod.get_param(k), v, k)
+    ref.load_state_dict(replacement)
+    with torch.no_grad():
+        assert_close(rmod(x), ref(x), "output after loading")
+
+
+_LARGE_TENSORS_SCRIPT = textwrap.dedent("""
+    import copy, json, torch, pyrannc
+    from pyrannc import _daemon
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)  # a 4 MiB weight
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    result = {"shm": _daemon.connection().shm is not None, "close": {}}
+
+    def close(what, a, b):
+        result["close"][what] = bool(torch.allclose(a.detach(), b.detach(), rtol=1e-5, atol=1e-6))
+
+    try:
+        for step in range(2):
+            x = torch.randn(1024, 1024)  # 4 MiB in, 4 MiB out
+            out = rmod(x)
+            out.pow(2).mean().backward()
+            ref_out = ref(x)
+            ref_out.pow(2).mean().backward()
+            close(f"output {step}", out, ref_out)
+            opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+        for k, v in ref.state_dict().items():
+            close(k, rmod.state_dict()[k], v)
+        rmod.load_state_dict({k: v * 2 for k, v in ref.state_dict().items()})
+        close("loaded weight", rmod.get_param("weight"), 2 * ref.weight)
+    except pyrannc.RanncError as e:
+        result["error"] = e.code.name
+    print("RESULT", json.dumps(result))
+""")
+
+
+def _run_large_tensors(shm):
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON_ARGS="--max-message-size 2MiB",
+               RANNC_SHM=shm)
+    env.pop("RANNC_DAEMON", None)
+    out = subprocess.run([sys.executable, "-c", _LARGE_TENSORS_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.split("RESULT", 1)[1])
+
+
+def test_large_tensors_go_through_shared_memory_past_the_message_limit():
+    """Inputs, grads and outputs over the daemon's 2 MiB message limit travel through shared
+    memory; state_dict streams cut their chunks to fit the limit. Results equal PyTorch's
+    within rtol=1e-5, atol=1e-6."""
+    result = _run_large_tensors("1")
+    assert result["shm"] and "error" not in result, result
+    assert len(result["close"]) == 5 and all(result["close"].values()), result
+    inline = _run_large_tensors("0")
+    assert not inline["shm"] and inline.get("error") == "RESOURCE_EXHAUSTED", inline
+
+
+def test_garbage_collected_modules_release_their_jobs(pyrannc_daemon):
+    import gc
+
+    rmod, *_ = _fresh()
+    rmod(*models.mlp_batch(0))
+    job_id = rmod._job.id
+    listed = {j.job_id for j in pyrannc_daemon.stub.ListJobs(pb.Empty()).jobs}
+    assert job_id in listed
+    del rmod, _
+    gc.collect()
+    other, *_ = _fresh()
+    other(*models.mlp_batch(0))
+    listed = {j.job_id for j in pyrannc_daemon.stub.ListJobs(pb.Empty()).jobs}
+    assert job_id not in listed and other._job.id in listed

@@ -1,0 +1,198 @@
+"""Client-side pieces that need no daemon: tensor codec, output structures, config, optimizer
+mapping, version check."""
+
+import collections
+import os
+
+import pytest
+import torch
+
+from pyrannc import _codec, _config, _daemon, _optim, _outputs
+from pyrannc.errors import RanncError
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+
+ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_codec_round_trip(dtype):
+    t = (torch.randn(3, 4) * 50).to(dtype)
+    msg = _codec.encode(t)
+    assert list(msg.shape) == [3, 4]
+    assert len(msg.data) == t.numel() * t.element_size()
+    back = _codec.decode(pb.Tensor.FromString(msg.SerializeToString()))
+    assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_codec_non_contiguous_scalar_and_empty():
+    t = torch.arange(12.0).reshape(3, 4).t()
+    assert torch.equal(_codec.decode(_codec.encode(t)), t)
+    s = torch.tensor(2.5)
+    back = _codec.decode(_codec.encode(s))
+    assert back.shape == () and back.item() == 2.5
+    e = torch.zeros(0, 5)
+    back = _codec.decode(_codec.encode(e))
+    assert back.shape == (0, 5)
+    grad = torch.ones(3, requires_grad=True) * 2
+    assert torch.equal(_codec.decode(_codec.encode(grad)), grad.detach())
+
+
+def test_codec_bfloat16_bytes_are_little_endian_bits():
+    t = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert _codec.encode(t).data == b"\x80\x3f"
+
+
+def test_codec_rejects_wrong_byte_count():
+    with pytest.raises(ValueError, match="needs 48 bytes"):
+        _codec.decode(pb.Tensor(dtype=pb.FLOAT32, shape=[4, 3], data=b"\x00" * 20))
+
+
+def test_codec_reads_shared_memory(tmp_path):
+    t = torch.randn(5, 2)
+    path = tmp_path / "shm"
+    path.write_bytes(b"pad" + _codec.tensor_bytes(t))
+    msg = pb.Tensor(dtype=pb.FLOAT32, shape=[5, 2],
+                    shm=pb.ShmRef(path=str(path), offset=3, length=40))
+    assert torch.equal(_codec.decode(msg), t)
+
+
+def test_state_chunks_reassemble(monkeypatch):
+    monkeypatch.setattr(_codec, "STREAM_CHUNK_BYTES", 7)
+    a, b, empty = torch.randn(5, 3), torch.arange(4), torch.zeros(0)
+    chunks = list(_codec.state_chunks("a", a, False)) + list(_codec.state_chunks("b", b, True)) \
+        + list(_codec.state_chunks("e", empty, True))
+    assert all(len(c.data) <= 7 for c in chunks)
+    assert len([c for c in chunks if c.name == "a"]) == 9  # ceil(60 / 7)
+    asm = _codec.StateAssembler()
+    for c in chunks:
+        asm.add(c)
+    out = asm.result()
+    assert list(out) == ["a", "b", "e"]
+    assert torch.equal(out["a"][0], a) and out["a"][1] is False
+    assert torch.equal(out["b"][0], b) and out["b"][1] is True
+    assert out["e"][0].shape == (0,)
+
+
+def test_state_assembler_detects_missing_bytes():
+    chunks = list(_codec.state_chunks("a", torch.randn(4), False))
+    chunks[0].data = chunks[0].data[:8]
+    asm = _codec.StateAssembler()
+    asm.add(chunks[0])
+    with pytest.raises(ValueError, match="8 of 16 bytes"):
+        asm.result()
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+def test_outputs_flatten_unflatten():
+    x, y, z = torch.ones(1), torch.zeros(2, requires_grad=True), torch.arange(3)
+    out = {"a": (x, [y, None]), "b": Pair(z, 3), "c": "tag"}
+    tensors, spec = _outputs.flatten(out)
+    assert [t is s for t, s in zip(tensors, [x, y, z])] == [True] * 3
+    assert [leaf.requires_grad for leaf in _outputs.leaves(spec)] == [False, True, False]
+    new = [t + 10 for t in tensors]
+    rebuilt = _outputs.unflatten(spec, new)
+    assert set(rebuilt) == {"a", "b", "c"}
+    assert rebuilt["a"][0] is new[0] and rebuilt["a"][1][0] is new[1]
+    assert isinstance(rebuilt["a"][1], list) and rebuilt["a"][1][1] is None
+    assert isinstance(rebuilt["b"], Pair) and rebuilt["b"].left is new[2]
+    assert rebuilt["b"].right == 3 and rebuilt["c"] == "tag"
+    single, spec = _outputs.flatten(x)
+    assert _outputs.unflatten(spec, [y]) is y
+
+
+def test_outputs_reject_unknown_types():
+    with pytest.raises(TypeError, match="object"):
+        _outputs.flatten((torch.ones(1), object()))
+
+
+def test_config_file_and_environment(tmp_path, monkeypatch):
+    (tmp_path / "rannc.toml").write_text(
+        'partition_num = 2\nmem_margin = 0.1\nprofiling = true\ndevices = "cpu:4"\n'
+        'replica_num = 1\n')
+    for k in list(os.environ):
+        if k.startswith("RANNC_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("RANNC_CONF_DIR", str(tmp_path))
+    monkeypatch.setenv("RANNC_REPLICA_NUM", "4")
+    monkeypatch.setenv("RANNC_DAEMON", "127.0.0.1:1")
+    assert _config.job_config() == {"partition_num": "2", "mem_margin": "0.1",
+                                    "profiling": "true", "replica_num": "4"}
+    assert _config.client_setting("daemon") == "127.0.0.1:1"
+    assert _config.client_setting("devices") == "cpu:4"
+
+
+def test_config_parse_error_names_file(tmp_path, monkeypatch):
+    (tmp_path / "rannc.toml").write_text("partition_num = = 2\n")
+    monkeypatch.setenv("RANNC_CONF_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="rannc.toml"):
+        _config.job_config()
+
+
+def test_config_default_location(monkeypatch, tmp_path):
+    monkeypatch.delenv("RANNC_CONF_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _config.config_path() == str(tmp_path / ".rannc" / "rannc.toml")
+
+
+def test_hyper_params_mapping():
+    p = [torch.zeros(1, requires_grad=True)]
+    sgd = torch.optim.SGD(p, lr=0.3, momentum=0.9, dampening=0.1, weight_decay=0.01,
+                          nesterov=False, maximize=True)
+    h = _optim.hyper_params(sgd.param_groups[0], _optim.optimizer_type(sgd))
+    assert (h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov, h.maximize) == \
+        pytest.approx((0.3, 0.9, 0.1, 0.01, False, True))
+    adam = torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95), eps=1e-6, amsgrad=True)
+    assert _optim.optimizer_type(adam) == pb.ADAM
+    h = _optim.hyper_params(adam.param_groups[0], pb.ADAM)
+    got = (h.lr, h.beta1, h.beta2, h.eps, h.amsgrad)
+    assert got == pytest.approx((0.01, 0.8, 0.95, 1e-6, True))
+    assert _optim.optimizer_type(torch.optim.AdamW(p)) == pb.ADAMW
+
+
+def test_optimizer_spec_names_and_foreign_params():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 1.0},
+                           {"params": model[1].parameters()}], lr=0.5)
+    names = {id(p): n for n, p in model.named_parameters()}
+    spec = _optim.optimizer_spec(opt, names)
+    assert [list(g.params) for g in spec.groups] == [["0.weight", "0.bias"],
+                                                     ["1.weight", "1.bias"]]
+    assert [g.hyper.lr for g in spec.groups] == [1.0, 0.5]
+    foreign = torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        _optim.optimizer_spec(foreign, names)
+
+
+def test_unsupported_optimizer():
+    with pytest.raises(NotImplementedError, match="torch.optim.Adagrad"):
+        _optim.optimizer_type(torch.optim.Adagrad([torch.zeros(1, requires_grad=True)]))
+
+
+def test_torch_version_check():
+    _daemon.check_torch_version("1.13.1", "1.13.0a0+git")
+    with pytest.raises(RanncError, match="LibTorch 2.1.0.*PyTorch 1.13"):
+        _daemon.check_torch_version("2.1.0", "1.13.0")
+    with pytest.raises(RanncError, match="no usable PyTorch version"):
+        _daemon.check_torch_version("", "1.13.0")
+
+
+def test_find_daemon_binary(monkeypatch, tmp_path):
+    exe = tmp_path / "ranncd"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("RANNC_DAEMON_BIN", str(exe))
+    assert _daemon.find_daemon_binary() == str(exe)
+    monkeypatch.setenv("RANNC_DAEMON_BIN", str(tmp_path / "missing"))
+    with pytest.raises(RanncError, match="not an executable"):
+        _daemon.find_daemon_binary()
+
+
+def test_chunk_bytes_fit_the_message_limit():
+    assert _codec.chunk_bytes(4 << 20, 64 << 20) == 4 << 20
+    assert _codec.chunk_bytes(4 << 20, 2 << 20) == 1 << 20
+    assert _codec.chunk_bytes(4 << 20, 0) == 4 << 20
+    chunks = list(_codec.state_chunks("w", torch.zeros(1000), False, 1000))
+    assert [len(c.data) for c in chunks] == [1000] * 4
