@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/host_buffer_pool.h"
 #include "daemon/common/status.h"
 
 namespace rannc {
@@ -96,7 +97,7 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_vi
   }
   at::Tensor tensor;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, what, [&] {
-    tensor = at::empty(shape, at::TensorOptions().dtype(*type));
+    tensor = HostBufferPool::Default().Allocate(shape, *type);
     return absl::OkStatus();
   });
   if (!status.ok()) return status;

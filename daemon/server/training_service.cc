@@ -316,6 +316,8 @@ grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::Forwar
                                           v1::ForwardResponse* response) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Forward", job.status());
+  absl::Status deferred = RunDeferred(**job, request->before());
+  if (!deferred.ok()) return Fail("Forward", deferred);
   absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input", shm_);
   if (!inputs.ok()) return Fail("Forward", inputs.status());
   absl::StatusOr<std::vector<at::Tensor>> outputs =
@@ -326,18 +328,55 @@ grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::Forwar
   return grpc::Status::OK;
 }
 
+absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest& request) const {
+  std::vector<std::pair<size_t, at::Tensor>> grads;
+  for (const v1::OutputGrad& g : request.grads()) {
+    absl::StatusOr<at::Tensor> t =
+        DecodeTensor(g.grad(), absl::StrCat("gradient for output #", g.output_index()), &shm_);
+    if (!t.ok()) return t.status();
+    grads.emplace_back(g.output_index(), std::move(*t));
+  }
+  return job.Backward(grads, request.retain_graph());
+}
+
+absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& request) const {
+  std::vector<HyperParams> hypers;
+  for (const v1::HyperParams& h : request.groups()) hypers.push_back(FromProto(h));
+  return job.Step(hypers);
+}
+
+absl::Status TrainingServiceImpl::DoZeroGrad(Job& job, const v1::ZeroGradRequest& request) const {
+  job.ZeroGrad(request.set_to_none());
+  return absl::OkStatus();
+}
+
+absl::Status TrainingServiceImpl::RunDeferred(
+    Job& job, const google::protobuf::RepeatedPtrField<v1::DeferredOp>& ops) const {
+  for (const v1::DeferredOp& op : ops) {
+    absl::Status status;
+    switch (op.op_case()) {
+      case v1::DeferredOp::kBackward:
+        status = Annotate(DoBackward(job, op.backward()), "deferred backward");
+        break;
+      case v1::DeferredOp::kStep:
+        status = Annotate(DoStep(job, op.step()), "deferred optimizer step");
+        break;
+      case v1::DeferredOp::kZeroGrad:
+        status = Annotate(DoZeroGrad(job, op.zero_grad()), "deferred zero_grad");
+        break;
+      default:
+        status = absl::InvalidArgumentError("a deferred op of unknown kind");
+    }
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext*,
                                            const v1::BackwardRequest* request, v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Backward", job.status());
-  std::vector<std::pair<size_t, at::Tensor>> grads;
-  for (const v1::OutputGrad& g : request->grads()) {
-    absl::StatusOr<at::Tensor> t =
-        DecodeTensor(g.grad(), absl::StrCat("gradient for output #", g.output_index()), &shm_);
-    if (!t.ok()) return Fail("Backward", t.status());
-    grads.emplace_back(g.output_index(), std::move(*t));
-  }
-  absl::Status status = (*job)->Backward(grads, request->retain_graph());
+  absl::Status status = DoBackward(**job, *request);
   if (!status.ok()) return Fail("Backward", status);
   return grpc::Status::OK;
 }
@@ -346,9 +385,7 @@ grpc::Status TrainingServiceImpl::Step(grpc::ServerContext*, const v1::StepReque
                                        v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Step", job.status());
-  std::vector<HyperParams> hypers;
-  for (const v1::HyperParams& h : request->groups()) hypers.push_back(FromProto(h));
-  absl::Status status = (*job)->Step(hypers);
+  absl::Status status = DoStep(**job, *request);
   if (!status.ok()) return Fail("Step", status);
   return grpc::Status::OK;
 }
@@ -357,7 +394,17 @@ grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext*,
                                            const v1::ZeroGradRequest* request, v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("ZeroGrad", job.status());
-  (*job)->ZeroGrad(request->set_to_none());
+  absl::Status status = DoZeroGrad(**job, *request);
+  if (!status.ok()) return Fail("ZeroGrad", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::Flush(grpc::ServerContext*, const v1::FlushRequest* request,
+                                        v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("Flush", job.status());
+  absl::Status status = RunDeferred(**job, request->ops());
+  if (!status.ok()) return Fail("Flush", status);
   return grpc::Status::OK;
 }
 

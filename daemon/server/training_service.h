@@ -56,6 +56,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status ZeroGrad(grpc::ServerContext*, const v1::ZeroGradRequest*, v1::Empty*) override;
   grpc::Status ClipGradNorm(grpc::ServerContext*, const v1::ClipGradNormRequest*,
                             v1::ClipGradNormResponse*) override;
+  grpc::Status Flush(grpc::ServerContext*, const v1::FlushRequest*, v1::Empty*) override;
   grpc::Status GetParam(grpc::ServerContext*, const v1::GetParamRequest*,
                         v1::GetParamResponse*) override;
   grpc::Status StateDict(grpc::ServerContext*, const v1::StateDictRequest*,
@@ -69,6 +70,14 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                                      v1::Empty*) override;
 
  private:
+  // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
+  // Flush).
+  absl::Status DoBackward(Job& job, const v1::BackwardRequest& request) const;
+  absl::Status DoStep(Job& job, const v1::StepRequest& request) const;
+  absl::Status DoZeroGrad(Job& job, const v1::ZeroGradRequest& request) const;
+  absl::Status RunDeferred(Job& job,
+                           const google::protobuf::RepeatedPtrField<v1::DeferredOp>& ops) const;
+
   // Encodes `tensors` into `out`, into the client's reply region when it offered one.
   absl::Status EncodeReply(const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
                            google::protobuf::RepeatedPtrField<v1::Tensor>* out) const;

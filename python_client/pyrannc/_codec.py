@@ -88,18 +88,31 @@ def from_bytes(data, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def _read_shm(ref: pb.ShmRef) -> bytes:
-    with open(ref.path, "rb") as f:
-        f.seek(ref.offset)
-        data = f.read(ref.length)
-    if len(data) != ref.length:
-        raise ValueError(f"shared-memory file {ref.path} is shorter than the tensor it holds")
-    return data
+def _read_shm(ref: pb.ShmRef, dtype: torch.dtype, shape) -> torch.Tensor:
+    """Reads a tensor the daemon wrote into shared memory straight into a new tensor (one
+    copy)."""
+    t = torch.empty(tuple(int(s) for s in shape), dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes != ref.length:
+        raise ValueError(f"shared-memory region of {ref.length} bytes for a tensor of {nbytes}")
+    if nbytes:
+        view = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+        with open(ref.path, "rb", buffering=0) as f:
+            f.seek(ref.offset)
+            done = 0
+            while done < nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"shared-memory file {ref.path} is shorter than the "
+                                     "tensor it holds")
+                done += n
+    return t
 
 
 def decode(msg: pb.Tensor) -> torch.Tensor:
-    data = _read_shm(msg.shm) if msg.HasField("shm") else msg.data
-    return from_bytes(data, torch_dtype(msg.dtype), msg.shape)
+    if msg.HasField("shm"):
+        return _read_shm(msg.shm, torch_dtype(msg.dtype), msg.shape)
+    return from_bytes(msg.data, torch_dtype(msg.dtype), msg.shape)
 
 
 def chunk_bytes(limit: int, max_message_bytes: int) -> int:

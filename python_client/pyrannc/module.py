@@ -15,12 +15,15 @@ import collections
 import inspect
 import io
 import logging
+import os
 import warnings
 from typing import Dict, List, Optional, Tuple
 
+import grpc
 import torch
 
 from pyrannc import _codec, _config, _daemon, _optim, _outputs, _runtime, _shm
+from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
 logger = logging.getLogger("pyrannc")
@@ -52,6 +55,18 @@ class _Job:
         self.forwards = 0
         self.last_forward_id: Optional[int] = None
         self.undeployed = False
+        # backward/step/zero_grad calls not yet sent: they ride on the next Forward (or a Flush
+        # before anything that reads daemon state), so a training step is one round trip.
+        self.pending: List[pb.DeferredOp] = []
+        # A backward without keep_graph released the last forward's graph; mirrored here so a
+        # second backward fails at once even while the first is deferred.
+        self.graph_released = False
+
+
+def _defer_ops() -> bool:
+    """RANNC_DEFER_OPS=0 sends each backward/step/zero_grad at once, so an error in one is
+    raised by that call rather than by the next forward."""
+    return os.environ.get("RANNC_DEFER_OPS", "1") != "0"
 
 
 class _RemoteForward(torch.autograd.Function):
@@ -272,6 +287,7 @@ class RaNNCModule(torch.nn.Module):
     def _switch_mode(self, inputs, mode: pb.Mode) -> None:
         job = self._job
         conn = _daemon.connection()
+        self._flush()
         resp = conn.call("SetMode", pb.SetModeRequest(job_id=job.id, mode=mode))
         key = _mode_key(mode)
         if not resp.has_graph or key not in job.specs:
@@ -294,7 +310,8 @@ class RaNNCModule(torch.nn.Module):
         conn = _daemon.connection()
         with _shm.session(conn.shm) as wire:
             req = pb.ForwardRequest(job_id=job.id, inputs=[wire.encode(x) for x in inputs],
-                                    requires_grad=requires_grad)
+                                    requires_grad=requires_grad, before=job.pending)
+            job.pending = []
             region = wire.reply_region()
             if region is not None:
                 req.reply_shm.CopyFrom(region)
@@ -307,6 +324,7 @@ class RaNNCModule(torch.nn.Module):
         # A no-grad forward also replaces the daemon's last forward: older outputs lose their
         # backward either way.
         job.last_forward_id = job.forwards if requires_grad else None
+        job.graph_released = False
         return outputs, job.forwards
 
     def _backward_rpc(self, forward_id: int, grads) -> None:
@@ -318,13 +336,38 @@ class RaNNCModule(torch.nn.Module):
             raise RuntimeError(
                 "pyrannc: backward through outputs of an earlier forward; ranncd keeps only the "
                 "last forward's graph, so call backward before the next forward")
+        if job.graph_released:
+            details = ("backward called with no forward pending: call forward (with gradients "
+                       "enabled) first, or keep_graph(True) to run backward twice over one "
+                       "forward")
+            raise RanncError(f"ranncd Backward failed: FAILED_PRECONDITION: {details}",
+                             code=grpc.StatusCode.FAILED_PRECONDITION, details=details)
+        job.graph_released = not _runtime.keep_graph_flag
         conn = _daemon.connection()
         with _shm.session(conn.shm) as wire:
             req = pb.BackwardRequest(job_id=job.id, retain_graph=_runtime.keep_graph_flag)
             for i, g in enumerate(grads):
                 if g is not None:
                     req.grads.add(output_index=i, grad=wire.encode(g))
+            # Grads placed in shared memory must be read before the region is reused, so only
+            # all-inline backwards (a loss's scalar grad, typically) wait for the next forward.
+            if _defer_ops() and not any(g.grad.HasField("shm") for g in req.grads):
+                job.pending.append(pb.DeferredOp(backward=req))
+                return
+            self._flush()
             conn.call("Backward", req)
+
+    def _defer(self, op: pb.DeferredOp) -> None:
+        self._job.pending.append(op)
+        if not _defer_ops():
+            self._flush()
+
+    def _flush(self) -> None:
+        """Sends deferred ops; called before any call that reads or changes daemon state."""
+        job = self._job
+        if job is not None and job.pending:
+            ops, job.pending = job.pending, []
+            _daemon.connection().call("Flush", pb.FlushRequest(job_id=job.id, ops=ops))
 
     # ------------------------------------------------------------------------------------------
     # Optimizer and gradients.
@@ -345,13 +388,13 @@ class RaNNCModule(torch.nn.Module):
         kind = _optim.optimizer_type(opt)
         req = pb.StepRequest(job_id=job.id,
                              groups=[_optim.hyper_params(g, kind) for g in opt.param_groups])
-        _daemon.connection().call("Step", req)
+        self._defer(pb.DeferredOp(step=req))
         self._state_dirty = True
 
     def _zero_grad(self, set_to_none: bool) -> None:
         if self._job is not None:
-            _daemon.connection().call("ZeroGrad", pb.ZeroGradRequest(
-                job_id=self._job.id, set_to_none=bool(set_to_none)))
+            self._defer(pb.DeferredOp(zero_grad=pb.ZeroGradRequest(
+                job_id=self._job.id, set_to_none=bool(set_to_none))))
         self.model.zero_grad(set_to_none=set_to_none)
 
     def zero_grad(self, set_to_none: bool = _optim.MODULE_SET_TO_NONE_DEFAULT) -> None:
@@ -366,6 +409,7 @@ class RaNNCModule(torch.nn.Module):
         if self._job is None:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm,
                                                   norm_type)
+        self._flush()
         resp = _daemon.connection().call("ClipGradNorm", pb.ClipGradNormRequest(
             job_id=self._job.id, max_norm=float(max_grad_norm), norm_type=float(norm_type)))
         dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
@@ -391,6 +435,7 @@ class RaNNCModule(torch.nn.Module):
             if t is None:
                 raise KeyError(f"the model has no parameter or buffer named '{name}'")
             return t.detach().clone()
+        self._flush()
         resp = _daemon.connection().call("GetParam", pb.GetParamRequest(
             job_id=self._job.id, name=name))
         return _codec.decode(resp.tensor)
@@ -405,11 +450,13 @@ class RaNNCModule(torch.nn.Module):
             if t is None:
                 raise KeyError(f"the model has no parameter named '{name}'")
             return None if t.grad is None else t.grad.detach().clone()
+        self._flush()
         resp = _daemon.connection().call("GetParam", pb.GetParamRequest(
             job_id=self._job.id, name=name, grad=True))
         return _codec.decode(resp.tensor) if resp.has_value else None
 
     def _fetch_state(self) -> Dict[str, Tuple[torch.Tensor, bool]]:
+        self._flush()
         assembler = _codec.StateAssembler()
         for chunk in _daemon.connection().stream(
                 "StateDict", pb.StateDictRequest(job_id=self._job.id)):
@@ -508,6 +555,7 @@ class RaNNCModule(torch.nn.Module):
                     for chunk in _codec.state_chunks(name, value, name in buffer_names, step):
                         yield pb.LoadStateDictRequest(chunk=chunk)
 
+        self._flush()
         resp = conn.call_streaming_request("LoadStateDict", requests())
         self._state_dirty = True
         return torch.nn.modules.module._IncompatibleKeys(
@@ -552,6 +600,7 @@ class RaNNCModule(torch.nn.Module):
         if self._job is None:
             return
         self._sync_from_daemon(force=sync)
+        self._flush()
         _daemon.connection().call("Undeploy", pb.JobRef(job_id=self._job.id))
         self._job.undeployed = True
         self._job.last_forward_id = None
@@ -570,6 +619,7 @@ class RaNNCModule(torch.nn.Module):
 
     def recreate_communicators(self) -> None:
         if self._job is not None:
+            self._flush()
             _daemon.connection().call("RecreateCommunicators", pb.JobRef(job_id=self._job.id))
 
     def __del__(self):

@@ -587,3 +587,35 @@ def test_garbage_collected_modules_release_their_jobs(pyrannc_daemon):
     other(*models.mlp_batch(0))
     listed = {j.job_id for j in pyrannc_daemon.stub.ListJobs(pb.Empty()).jobs}
     assert job_id not in listed and other._job.id in listed
+
+
+def test_deferred_step_error_surfaces_at_next_forward():
+    """A step is batched into the next forward; its failure fails that forward, naming it."""
+    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    rmod(*models.mlp_batch(0)).backward()
+    opt.param_groups[0]["lr"] = -1.0  # ranncd checks hyper-parameters at every step
+    opt.step()
+    with pytest.raises(pyrannc.RanncError) as info:
+        rmod(*models.mlp_batch(1))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "deferred optimizer step" in info.value.details
+    assert "lr" in info.value.details
+
+
+def test_unbatched_step_error_is_raised_by_step(monkeypatch):
+    monkeypatch.setenv("RANNC_DEFER_OPS", "0")
+    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    rmod(*models.mlp_batch(0)).backward()
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(pyrannc.RanncError) as info:
+        opt.step()
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_reading_gradients_flushes_deferred_backward():
+    rmod, model, opt, ref, ref_opt = _fresh(opt_fn=_sgd)
+    batch = models.mlp_batch(0)
+    rmod(*batch).backward()
+    ref(*batch).backward()
+    for name, p in ref.named_parameters():
+        assert_close(rmod.get_param_grad(name), p.grad, f"grad of {name}")

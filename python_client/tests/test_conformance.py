@@ -255,3 +255,10 @@ def test_batch_size_changes_between_steps():
         return models.mlp_batch(step, batch=sizes[step])
 
     train_both(models.MLP, OPTIMIZERS["adam"], batch_fn, _model_loss, steps=len(sizes))
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_dampening_wd", "adamw"])
+def test_unbatched_calls_match(opt_name, monkeypatch):
+    """RANNC_DEFER_OPS=0: backward, step and zero_grad each go at once, with the same result."""
+    monkeypatch.setenv("RANNC_DEFER_OPS", "0")
+    train_both(models.MLP, OPTIMIZERS[opt_name], models.mlp_batch, _model_loss)

@@ -64,6 +64,11 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.ClipGradNormRequest.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.ClipGradNormResponse.FromString,
                 )
+        self.Flush = channel.unary_unary(
+                '/rannc.v1.TrainingService/Flush',
+                request_serializer=rannc_dot_v1_dot_training__pb2.FlushRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
+                )
         self.GetParam = channel.unary_unary(
                 '/rannc.v1.TrainingService/GetParam',
                 request_serializer=rannc_dot_v1_dot_training__pb2.GetParamRequest.SerializeToString,
@@ -159,6 +164,13 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Flush(self, request, context):
+        """Runs deferred ops now (before reading gradients or parameters, say).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetParam(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -248,6 +260,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.ClipGradNorm,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.ClipGradNormRequest.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.ClipGradNormResponse.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.FlushRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
             ),
             'GetParam': grpc.unary_unary_rpc_method_handler(
                     servicer.GetParam,
@@ -456,6 +473,23 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ClipGradNorm',
             rannc_dot_v1_dot_training__pb2.ClipGradNormRequest.SerializeToString,
             rannc_dot_v1_dot_training__pb2.ClipGradNormResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/Flush',
+            rannc_dot_v1_dot_training__pb2.FlushRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.Empty.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
