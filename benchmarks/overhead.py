@@ -53,8 +53,7 @@ def gpt():
     return model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
 
 
-def step_times(model, inputs, steps, warmup):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def step_times(model, optimizer, inputs, steps, warmup):
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -72,23 +71,14 @@ def bench_steps(name, make, steps, warmup):
     import pyrannc
     torch.manual_seed(0)
     local_model, inputs = make()
-    local = step_times(local_model, inputs, steps, warmup)
+    local = step_times(local_model, torch.optim.AdamW(local_model.parameters(), lr=1e-3),
+                       inputs, steps, warmup)
     torch.manual_seed(0)
     model, inputs = make()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     wrapped = pyrannc.RaNNCModule(model, opt)
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        loss = wrapped(*inputs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        float(loss)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    remote = statistics.median(times)
+    remote = step_times(wrapped, opt, inputs, steps, warmup)
     wrapped.undeploy()
     return name, params, local, remote
 

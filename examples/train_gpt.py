@@ -30,6 +30,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d, heads, max_len, dropout):
         super().__init__()
         self.heads = heads
+        self.scale = 1.0 / math.sqrt(d // heads)  # a Python float, so tracing keeps it constant
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.drop = nn.Dropout(dropout)
@@ -43,7 +44,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.heads, hd).transpose(1, 2)
         k = k.view(b, t, self.heads, hd).transpose(1, 2)
         v = v.view(b, t, self.heads, hd).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = (q @ k.transpose(-2, -1)) * self.scale
         att = att.masked_fill(self.mask[:, :, :t, :t] == 0, float("-inf"))
         att = self.drop(F.softmax(att, dim=-1))
         return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
