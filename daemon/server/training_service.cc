@@ -1,6 +1,7 @@
 #include "daemon/server/training_service.h"
 
 #include <algorithm>
+#include <limits>
 
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
@@ -106,20 +107,30 @@ class ChunkAssembler {
     if (chunk.offset() == 0) {
       absl::StatusOr<at::ScalarType> type = FromProtoDType(chunk.dtype());
       if (!type.ok()) return Annotate(type.status(), absl::StrCat("state_dict '", chunk.name(), "'"));
-      std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
-      int64_t numel = 1;
-      for (int64_t d : shape) numel *= std::max<int64_t>(d, 0);
-      const uint64_t expected = numel * c10::elementSize(*type);
-      if (chunk.total_bytes() != expected) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "state_dict '", chunk.name(), "': ", chunk.total_bytes(), " bytes for ",
-            DescribeTensor(*type, shape), ", which needs ", expected));
-      }
       if (state_.count(chunk.name())) {
         return absl::InvalidArgumentError(
             absl::StrCat("state_dict key '", chunk.name(), "' sent twice"));
       }
-      current_ = at::empty(shape, at::TensorOptions().dtype(*type));
+      const std::string what = absl::StrCat("state_dict '", chunk.name(), "'");
+      std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
+      int64_t numel = 1;
+      for (int64_t d : shape) {
+        if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d)) {
+          return absl::InvalidArgumentError(absl::StrCat(what, ": invalid shape"));
+        }
+        numel *= d;
+      }
+      const uint64_t expected = numel * c10::elementSize(*type);
+      if (chunk.total_bytes() != expected) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": ", chunk.total_bytes(), " bytes for ", DescribeTensor(*type, shape),
+            ", which needs ", expected));
+      }
+      absl::Status allocated = TorchCall(absl::StatusCode::kResourceExhausted, what, [&] {
+        current_ = at::empty(shape, at::TensorOptions().dtype(*type));
+        return absl::OkStatus();
+      });
+      if (!allocated.ok()) return allocated;
       name_ = chunk.name();
       filled_ = 0;
       state_[name_] = current_;
@@ -220,7 +231,8 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   }
   const v1::JobSpec spec = request.spec();
   std::string model;
-  model.reserve(spec.model_bytes());
+  // A hint from the client, so bounded: a bogus size must not make the daemon allocate it.
+  model.reserve(std::min<uint64_t>(spec.model_bytes(), uint64_t{1} << 30));
   while (reader->Read(&request)) {
     if (!request.has_model_chunk() && request.has_spec()) {
       return Fail("CreateJob", absl::InvalidArgumentError("CreateJob got a second JobSpec"));

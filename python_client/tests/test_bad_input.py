@@ -309,3 +309,30 @@ def test_message_over_size_limit():
         assert_serves(stub)
     finally:
         daemon.stop()
+
+
+def test_absurd_sizes_are_refused_not_allocated(stub, job):
+    """Sizes a client claims are checked, never trusted: a model size of 2^62 bytes and a
+    state_dict tensor of 2^80 elements get statuses, and the daemon lives on."""
+    spec = pb.JobSpec(name="huge", model_bytes=1 << 62,
+                      example_inputs=[_codec.encode(torch.randn(4, 3))],
+                      options=pb.JobOptions(check_unused_values=True))
+    _expect(C.INVALID_ARGUMENT, lambda: stub.CreateJob(iter([
+        pb.CreateJobRequest(spec=spec), pb.CreateJobRequest(model_chunk=b"PK\x03\x04")])),
+        r"model stream ended")
+
+    def huge_chunks():
+        yield pb.LoadStateDictRequest(header=pb.LoadStateDictRequest.Header(job_id=job,
+                                                                           strict=True))
+        yield pb.LoadStateDictRequest(chunk=pb.StateDictChunk(
+            name="weight", dtype=pb.FLOAT32, shape=[1 << 40, 1 << 40], total_bytes=0, offset=0,
+            data=b""))
+    _expect(C.INVALID_ARGUMENT, lambda: stub.LoadStateDict(huge_chunks()), r"weight")
+
+    def negative_chunks():
+        yield pb.LoadStateDictRequest(header=pb.LoadStateDictRequest.Header(job_id=job,
+                                                                           strict=True))
+        yield pb.LoadStateDictRequest(chunk=pb.StateDictChunk(
+            name="weight", dtype=pb.FLOAT32, shape=[-2, 3], total_bytes=0, offset=0, data=b""))
+    _expect(C.INVALID_ARGUMENT, lambda: stub.LoadStateDict(negative_chunks()), r"weight")
+    assert_serves(stub)
