@@ -68,24 +68,32 @@ std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape) {
   return absl::StrCat(DTypeName(type), "[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what,
-                                        const ShmDirectory* shm) {
-  absl::StatusOr<at::ScalarType> type = FromProtoDType(proto.dtype());
-  if (!type.ok()) return Annotate(type.status(), what);
-  std::vector<int64_t> shape(proto.shape().begin(), proto.shape().end());
-  int64_t numel = 1;
+absl::StatusOr<size_t> DenseBytes(at::ScalarType type, const std::vector<int64_t>& shape,
+                                  absl::string_view what) {
+  // Counted in bytes, so the element size cannot overflow the product either.
+  int64_t bytes = c10::elementSize(type);
   for (int64_t d : shape) {
     if (d < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": negative dimension in shape [", absl::StrJoin(shape, ", "), "]"));
     }
-    if (d > 0 && numel > std::numeric_limits<int64_t>::max() / d) {
+    if (d > 0 && bytes > std::numeric_limits<int64_t>::max() / d) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": shape [", absl::StrJoin(shape, ", "), "] has too many elements"));
     }
-    numel *= d;
+    bytes *= d;
   }
-  const size_t expected = static_cast<size_t>(numel) * c10::elementSize(*type);
+  return static_cast<size_t>(bytes);
+}
+
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what,
+                                        const ShmDirectory* shm) {
+  absl::StatusOr<at::ScalarType> type = FromProtoDType(proto.dtype());
+  if (!type.ok()) return Annotate(type.status(), what);
+  std::vector<int64_t> shape(proto.shape().begin(), proto.shape().end());
+  absl::StatusOr<size_t> bytes = DenseBytes(*type, shape, what);
+  if (!bytes.ok()) return bytes.status();
+  const size_t expected = *bytes;
   if (proto.has_shm() && shm == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, ": shared-memory tensors are not accepted here; send bytes inline"));

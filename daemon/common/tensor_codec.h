@@ -27,6 +27,11 @@ std::string DTypeName(at::ScalarType type);
 // "float32[8, 16]".
 std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape);
 
+// Bytes of a dense tensor of `type` and `shape`. INVALID_ARGUMENT, naming `what`, for a
+// negative dimension or a size that does not fit in memory's address range.
+absl::StatusOr<size_t> DenseBytes(at::ScalarType type, const std::vector<int64_t>& shape,
+                                  absl::string_view what);
+
 // `what` names the tensor in errors, e.g. "input 'x' (#0)". Bytes given by Tensor.shm are read
 // through `shm`; without one they are refused.
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what,

@@ -1,7 +1,6 @@
 #include "daemon/server/training_service.h"
 
 #include <algorithm>
-#include <limits>
 
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
@@ -105,26 +104,20 @@ class ChunkAssembler {
  public:
   absl::Status Add(const v1::StateDictChunk& chunk) {
     if (chunk.offset() == 0) {
+      const std::string what = absl::StrCat("state_dict '", chunk.name(), "'");
       absl::StatusOr<at::ScalarType> type = FromProtoDType(chunk.dtype());
-      if (!type.ok()) return Annotate(type.status(), absl::StrCat("state_dict '", chunk.name(), "'"));
+      if (!type.ok()) return Annotate(type.status(), what);
       if (state_.count(chunk.name())) {
         return absl::InvalidArgumentError(
             absl::StrCat("state_dict key '", chunk.name(), "' sent twice"));
       }
-      const std::string what = absl::StrCat("state_dict '", chunk.name(), "'");
       std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
-      int64_t numel = 1;
-      for (int64_t d : shape) {
-        if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d)) {
-          return absl::InvalidArgumentError(absl::StrCat(what, ": invalid shape"));
-        }
-        numel *= d;
-      }
-      const uint64_t expected = numel * c10::elementSize(*type);
-      if (chunk.total_bytes() != expected) {
+      absl::StatusOr<size_t> expected = DenseBytes(*type, shape, what);
+      if (!expected.ok()) return expected.status();
+      if (chunk.total_bytes() != *expected) {
         return absl::InvalidArgumentError(absl::StrCat(
             what, ": ", chunk.total_bytes(), " bytes for ", DescribeTensor(*type, shape),
-            ", which needs ", expected));
+            ", which needs ", *expected));
       }
       absl::Status allocated = TorchCall(absl::StatusCode::kResourceExhausted, what, [&] {
         current_ = at::empty(shape, at::TensorOptions().dtype(*type));
