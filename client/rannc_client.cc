@@ -20,6 +20,20 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
 }
 
+// Writes `first` (the spec or header), then `model_bytes` as model_chunk messages. A failed
+// Write means the daemon ended the stream; the caller's Finish() says why.
+template <typename Request>
+void WriteModelStream(grpc::ClientWriter<Request>* writer, Request first,
+                      std::string_view model_bytes, size_t chunk_bytes) {
+  bool open = writer->Write(first);
+  for (std::string_view piece : SplitBytes(model_bytes, chunk_bytes)) {
+    if (!open) break;
+    first.set_model_chunk(piece.data(), piece.size());
+    open = writer->Write(first);
+  }
+  if (open) writer->WritesDone();
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(absl::string_view rpc, const grpc::Status& status) {
@@ -126,14 +140,7 @@ absl::StatusOr<v1::CreateJobResponse> Client::CreateJob(std::string_view model_b
       stub_->CreateJob(&context, &response);
   v1::CreateJobRequest request;
   *request.mutable_spec() = std::move(spec);
-  // A failed Write means the daemon ended the stream; Finish() below says why.
-  bool open = writer->Write(request);
-  for (std::string_view piece : SplitBytes(model_bytes, options_.model_chunk_bytes)) {
-    if (!open) break;
-    request.set_model_chunk(piece.data(), piece.size());
-    open = writer->Write(request);
-  }
-  if (open) writer->WritesDone();
+  WriteModelStream(writer.get(), std::move(request), model_bytes, options_.model_chunk_bytes);
   grpc::Status s = writer->Finish();
   if (!s.ok()) return Convert("CreateJob", s);
   return response;
@@ -150,13 +157,7 @@ absl::Status Client::AddMode(const std::string& job_id, const v1::Mode& mode,
   request.mutable_header()->set_job_id(job_id);
   *request.mutable_header()->mutable_mode() = mode;
   request.mutable_header()->set_model_bytes(model_bytes.size());
-  bool open = writer->Write(request);
-  for (std::string_view piece : SplitBytes(model_bytes, options_.model_chunk_bytes)) {
-    if (!open) break;
-    request.set_model_chunk(piece.data(), piece.size());
-    open = writer->Write(request);
-  }
-  if (open) writer->WritesDone();
+  WriteModelStream(writer.get(), std::move(request), model_bytes, options_.model_chunk_bytes);
   return Convert("AddMode", writer->Finish());
 }
 
