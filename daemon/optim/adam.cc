@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "daemon/common/status.h"
 #include "daemon/optim/optimizer_internal.h"
 
 namespace rannc {
@@ -22,7 +23,7 @@ absl::Status Adam::Step(const std::vector<HyperParams>& hypers) {
   absl::Status checked = optim_internal::CheckStepArgs(kind_, groups_, hypers);
   if (!checked.ok()) return checked;
   const char* context = kind_ == OptimizerKind::kAdamW ? "AdamW step" : "Adam step";
-  return optim_internal::CatchTorch(context, [&]() -> absl::Status {
+  return TorchCall(absl::StatusCode::kInternal, context, [&]() -> absl::Status {
     // Params are autograd leaves that require grad: in-place updates must not be recorded.
     at::NoGradGuard no_grad;
     for (size_t g = 0; g < groups_.size(); ++g) {

@@ -82,13 +82,6 @@ std::string Describe(const at::Tensor& t) {
 
 }  // namespace
 
-std::string FirstLine(const char* message) {
-  std::string line(message);
-  size_t end = line.find('\n');
-  if (end != std::string::npos) line.resize(end);
-  return line;
-}
-
 absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& groups,
                            const std::vector<HyperParams>& hypers) {
   if (hypers.size() != groups.size()) {

@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include "daemon/common/status.h"
 #include "daemon/optim/optimizer_internal.h"
 
 namespace rannc {
@@ -15,7 +16,7 @@ Sgd::Sgd(std::vector<ParamGroup> groups) : groups_(std::move(groups)) {
 absl::Status Sgd::Step(const std::vector<HyperParams>& hypers) {
   absl::Status checked = optim_internal::CheckStepArgs(kind(), groups_, hypers);
   if (!checked.ok()) return checked;
-  return optim_internal::CatchTorch("SGD step", [&]() -> absl::Status {
+  return TorchCall(absl::StatusCode::kInternal, "SGD step", [&]() -> absl::Status {
     // Params are autograd leaves that require grad: in-place updates must not be recorded.
     at::NoGradGuard no_grad;
     for (size_t g = 0; g < groups_.size(); ++g) {

@@ -69,7 +69,6 @@ class ModelRunner {
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                         bool retain_graph);
 
-  bool HasPendingBackward() const { return !outputs_.empty(); }
   // Drops outputs (and the autograd graph they hold) of the last forward.
   void ReleaseOutputs() { outputs_.clear(); }
 
