@@ -89,24 +89,23 @@ def leaves(spec) -> List[Leaf]:
 
 
 def unflatten(spec, flat: List[torch.Tensor]) -> Any:
-    def build(s):
-        if isinstance(s, Leaf):
-            return flat[s.index]
-        if isinstance(s, Const):
-            return s.value
-        if isinstance(s, Seq):
-            items = [build(i) for i in s.items]
-            if s.kind is list:
-                return items
-            if s.kind is tuple:
-                return tuple(items)
-            return s.kind(*items)
-        if isinstance(s, Mapping):
-            pairs = [(k, build(i)) for k, i in zip(s.keys, s.items)]
-            try:
-                return s.kind(pairs)
-            except TypeError:
-                return dict(pairs)
-        raise AssertionError(f"unknown output spec {s!r}")
-
-    return build(spec)
+    # A module-level recursion: a nested recursive closure would form a reference cycle that
+    # keeps `flat` (every output tensor) alive until the garbage collector runs.
+    if isinstance(spec, Leaf):
+        return flat[spec.index]
+    if isinstance(spec, Const):
+        return spec.value
+    if isinstance(spec, Seq):
+        items = [unflatten(i, flat) for i in spec.items]
+        if spec.kind is list:
+            return items
+        if spec.kind is tuple:
+            return tuple(items)
+        return spec.kind(*items)
+    if isinstance(spec, Mapping):
+        pairs = [(k, unflatten(i, flat)) for k, i in zip(spec.keys, spec.items)]
+        try:
+            return spec.kind(pairs)
+        except TypeError:
+            return dict(pairs)
+    raise AssertionError(f"unknown output spec {spec!r}")

@@ -196,3 +196,32 @@ def test_chunk_bytes_fit_the_message_limit():
     assert _codec.chunk_bytes(4 << 20, 0) == 4 << 20
     chunks = list(_codec.state_chunks("w", torch.zeros(1000), False, 1000))
     assert [len(c.data) for c in chunks] == [1000] * 4
+
+
+def test_unflattened_outputs_die_with_their_last_reference():
+    """No reference cycle keeps outputs alive until the garbage collector runs: pyrannc reuses
+    an output's receive buffer only once the output is gone."""
+    import gc
+    import weakref
+    out = (torch.zeros(2), [torch.ones(3), {"a": torch.ones(1)}])
+    _, spec = _outputs.flatten(out)
+    gc.disable()
+    try:
+        rebuilt = _outputs.unflatten(spec, [torch.zeros(2), torch.ones(3), torch.ones(1)])
+        refs = [weakref.ref(rebuilt[0]), weakref.ref(rebuilt[1][0])]
+        del rebuilt
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
+def test_received_buffers_are_reused():
+    pool = _codec._ReceivePool(max_cached_bytes=64 << 20)
+    a = pool.empty(torch.float32, (1 << 20,))
+    ptr = a.data_ptr()
+    del a
+    b = pool.empty(torch.float32, (1 << 20,))
+    assert b.data_ptr() == ptr
+    assert b.shape == (1 << 20,)
+    c = pool.empty(torch.bfloat16, (3, 4))  # small: not pooled
+    assert c.dtype == torch.bfloat16 and c.shape == (3, 4)
