@@ -1,0 +1,476 @@
+#include "daemon/graph/ir.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/csrc/jit/ir/alias_analysis.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/passes/lower_tuples.h>
+#include <torch/csrc/jit/passes/remove_mutation.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/status.h"
+#include "daemon/common/tensor_codec.h"
+
+namespace rannc {
+namespace {
+
+using torch::jit::Graph;
+using torch::jit::Node;
+using torch::jit::Value;
+
+bool IsTensor(const Value* v) { return v->type()->kind() == c10::TypeKind::TensorType; }
+
+// The model's return value as a flat list of tensor values, in ModelRunner's Flatten order.
+absl::Status FlattenOutput(Value* v, std::vector<Value*>* out) {
+  Node* n = v->node();
+  if (n->kind() == c10::prim::TupleConstruct || n->kind() == c10::prim::ListConstruct) {
+    for (Value* in : n->inputs()) {
+      absl::Status s = FlattenOutput(in, out);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  if (n->kind() == c10::prim::DictConstruct) {
+    for (size_t i = 1; i < n->inputs().size(); i += 2) {
+      absl::Status s = FlattenOutput(n->input(i), out);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  if (!IsTensor(v)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model returns a value of type ", v->type()->str(), " the planner cannot split; "
+        "return tensors, or tuples, lists or dicts of tensors built in forward"));
+  }
+  out->push_back(v);
+  return absl::OkStatus();
+}
+
+// Every top-level value of `graph` in a fixed order: inputs, then each node's outputs.
+std::vector<Value*> TopLevelValues(Graph& graph) {
+  std::vector<Value*> values(graph.inputs().begin(), graph.inputs().end());
+  for (Node* n : graph.nodes()) {
+    for (Value* o : n->outputs()) values.push_back(o);
+  }
+  return values;
+}
+
+// Runs `graph` once and returns the value of every TopLevelValues entry.
+absl::StatusOr<std::vector<c10::IValue>> RecordValues(Graph& graph,
+                                                      const std::vector<c10::IValue>& inputs) {
+  std::shared_ptr<Graph> probe = graph.copy();
+  std::vector<Value*> values = TopLevelValues(*probe);
+  while (!probe->outputs().empty()) probe->eraseOutput(0);
+  for (Value* v : values) probe->registerOutput(v);
+  std::vector<c10::IValue> stack(inputs.begin(), inputs.end());
+  absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "the model's forward failed",
+                                  [&] {
+    torch::jit::Code code(probe, "probe");
+    torch::jit::InterpreterState(code).run(stack);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  if (stack.size() != values.size()) {
+    return absl::InternalError(absl::StrCat("recording run returned ", stack.size(),
+                                            " values, expected ", values.size()));
+  }
+  return stack;
+}
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// Merges overlapping [first, last] ranges over `count` anchors; returns group start indices.
+std::vector<int> MergeRanges(int count, std::vector<std::pair<int, int>> ranges) {
+  std::vector<int> reach(count);
+  for (int i = 0; i < count; ++i) reach[i] = i;
+  for (auto [a, b] : ranges) {
+    if (a >= 0 && a < count) reach[a] = std::max(reach[a], std::min(b, count - 1));
+  }
+  std::vector<int> starts;
+  int end = -1;
+  for (int i = 0; i < count; ++i) {
+    if (i > end) starts.push_back(i);
+    end = std::max(end, reach[i]);
+  }
+  return starts;
+}
+
+}  // namespace
+
+std::vector<Value*> ExternalInputs(Node* n) {
+  std::vector<Value*> out(n->inputs().begin(), n->inputs().end());
+  if (n->blocks().empty()) return out;
+  std::unordered_set<const Value*> inside;
+  std::function<void(torch::jit::Block*)> visit = [&](torch::jit::Block* b) {
+    for (Value* p : b->inputs()) inside.insert(p);
+    for (Node* inner : b->nodes()) {
+      for (Value* v : inner->inputs()) {
+        if (!inside.count(v)) out.push_back(v);
+      }
+      for (Value* o : inner->outputs()) inside.insert(o);
+      for (torch::jit::Block* nested : inner->blocks()) visit(nested);
+    }
+    for (Value* v : b->outputs()) {
+      if (!inside.count(v)) out.push_back(v);
+    }
+  };
+  for (torch::jit::Block* b : n->blocks()) visit(b);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+const char* ValueRoleName(ValueRole role) {
+  switch (role) {
+    case ValueRole::kInput: return "input";
+    case ValueRole::kParam: return "param";
+    case ValueRole::kBuffer: return "buffer";
+    case ValueRole::kActivation: return "activation";
+    case ValueRole::kParamDerived: return "param-derived";
+    case ValueRole::kConst: return "const";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
+                                const std::vector<at::Tensor>& example_inputs) {
+  IrGraph ir;
+  ir.module = model.module;
+  ir.num_user_inputs = model.input_names.size();
+  ir.tensor_names = model.graph_tensor_names;
+  if (example_inputs.size() != ir.num_user_inputs || tensors.size() != ir.tensor_names.size()) {
+    return absl::InternalError("BuildIr: inputs do not match the graph");
+  }
+  for (const at::Tensor& t : example_inputs) {
+    if (t.dim() == 0) {
+      return absl::InvalidArgumentError(
+          "every model input must have a batch dimension (dim 0); got a 0-dim tensor");
+    }
+  }
+  ir.example_batch = example_inputs[0].size(0);
+  for (const at::Tensor& t : example_inputs) {
+    if (t.size(0) != ir.example_batch) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "every model input must have the same batch size in dimension 0; got ",
+          ir.example_batch, " and ", t.size(0)));
+    }
+  }
+
+  // Prepare the graph: functional where LibTorch can make it so, tuples gone, outputs flat.
+  absl::Status prepared = TorchCall(absl::StatusCode::kInvalidArgument, "preparing the graph", [&] {
+    ir.graph = model.graph->copy();
+    torch::jit::RemoveTensorMutation(ir.graph);
+    torch::jit::LowerSimpleTuples(ir.graph);
+    std::vector<Value*> flat;
+    for (Value* out : ir.graph->outputs()) {
+      absl::Status s = FlattenOutput(out, &flat);
+      if (!s.ok()) return s;
+    }
+    while (!ir.graph->outputs().empty()) ir.graph->eraseOutput(0);
+    for (Value* v : flat) ir.graph->registerOutput(v);
+    torch::jit::EliminateDeadCode(ir.graph);
+    return absl::OkStatus();
+  });
+  if (!prepared.ok()) return prepared;
+  Graph& graph = *ir.graph;
+
+  // Record every value at the example batch and at one sample more; buffers are restored.
+  std::vector<at::Tensor> saved;
+  for (const at::Tensor& t : tensors) saved.push_back(t.clone());
+  std::vector<c10::IValue> inputs_a, inputs_b;
+  for (const at::Tensor& t : example_inputs) {
+    inputs_a.emplace_back(t);
+    inputs_b.emplace_back(at::cat({t, t.narrow(0, 0, 1)}));
+  }
+  for (const at::Tensor& t : tensors) {
+    inputs_a.emplace_back(t);
+    inputs_b.emplace_back(t);
+  }
+  absl::StatusOr<std::vector<c10::IValue>> run_a, run_b;
+  {
+    at::NoGradGuard no_grad;
+    run_a = RecordValues(graph, inputs_a);
+    if (run_a.ok()) run_b = RecordValues(graph, inputs_b);
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
+  }
+  if (!run_a.ok()) return Annotate(run_a.status(), "running the model on the example inputs");
+  if (!run_b.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model fails with a batch of ", ir.example_batch + 1, " samples (the example has ",
+        ir.example_batch, "), so it cannot be split into micro-batches; the trace probably "
+        "fixed the batch size (e.g. x.view(", ir.example_batch, ", ...)): use x.size(0) or -1 "
+        "instead. The error: ", run_b.status().message()));
+  }
+
+  // Values, roles and batch dimensions.
+  std::map<std::string, bool> is_param;
+  for (const ModuleTensor& t : model.tensors) is_param[t.name] = t.is_parameter;
+  std::vector<Value*> top = TopLevelValues(graph);
+  std::unordered_set<const Value*> batch_dependent;
+  for (size_t i = 0; i < ir.num_user_inputs; ++i) batch_dependent.insert(graph.inputs()[i]);
+  for (Node* n : graph.nodes()) {
+    for (Value* in : ExternalInputs(n)) {
+      if (batch_dependent.count(in)) {
+        for (Value* o : n->outputs()) batch_dependent.insert(o);
+        break;
+      }
+    }
+  }
+  for (size_t i = 0; i < top.size(); ++i) {
+    Value* v = top[i];
+    IrValue value;
+    value.jit = v;
+    value.name = v->debugName();
+    value.is_tensor = IsTensor(v);
+    if (i < graph.inputs().size()) {
+      value.role = i < ir.num_user_inputs ? ValueRole::kInput
+                   : is_param[ir.tensor_names[i - ir.num_user_inputs]] ? ValueRole::kParam
+                                                                       : ValueRole::kBuffer;
+    } else if (batch_dependent.count(v)) {
+      value.role = ValueRole::kActivation;
+    } else {
+      value.role = v->node()->kind() == c10::prim::Constant ? ValueRole::kConst
+                                                             : ValueRole::kParamDerived;
+    }
+    const c10::IValue& a = (*run_a)[i];
+    const c10::IValue& b = (*run_b)[i];
+    if (value.is_tensor && a.isTensor() && b.isTensor()) {
+      const at::Tensor& ta = a.toTensor();
+      const at::Tensor& tb = b.toTensor();
+      value.dtype = ta.scalar_type();
+      value.shape = ta.sizes().vec();
+      value.bytes = ta.numel() * ta.element_size();
+      if (value.role == ValueRole::kActivation || value.role == ValueRole::kInput) {
+        if (ta.dim() != tb.dim()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "value %", value.name, " changes rank with the batch size (",
+              DescribeTensor(ta.scalar_type(), ta.sizes()), " vs ",
+              DescribeTensor(tb.scalar_type(), tb.sizes()), "); the planner cannot split it"));
+        }
+        for (int64_t d = 0; d < ta.dim(); ++d) {
+          if (ta.size(d) != tb.size(d)) {
+            value.batch_dim = static_cast<int>(d);
+            break;
+          }
+        }
+      }
+    }
+    ir.value_index[v] = static_cast<int>(ir.values.size());
+    ir.values.push_back(std::move(value));
+  }
+  for (size_t i = 0; i < graph.inputs().size(); ++i) ir.inputs.push_back(static_cast<int>(i));
+  std::unordered_set<const Value*> outputs;
+  for (Value* o : graph.outputs()) {
+    outputs.insert(o);
+    int id = ir.ValueOf(o);
+    ir.outputs.push_back(id);
+    IrValue& value = ir.values[id];
+    value.is_output = true;
+    value.is_loss = value.role == ValueRole::kActivation && value.batch_dim < 0;
+  }
+
+  // Anchors: ops that compute tensors from the batch, ops with side effects, and ops whose
+  // results the model returns. Everything else is a helper.
+  std::unique_ptr<torch::jit::AliasDb> alias_db;
+  absl::Status aliased = TorchCall(absl::StatusCode::kInternal, "alias analysis", [&] {
+    alias_db = std::make_unique<torch::jit::AliasDb>(ir.graph);
+    return absl::OkStatus();
+  });
+  if (!aliased.ok()) return aliased;
+  std::vector<Node*> anchors;
+  std::unordered_map<const Node*, int> anchor_index;
+  for (Node* n : graph.nodes()) {
+    bool batch = n->outputs().size() > 0 && batch_dependent.count(n->output(0)) > 0;
+    bool tensor_out = false, returned = false;
+    for (Value* o : n->outputs()) {
+      tensor_out = tensor_out || IsTensor(o);
+      returned = returned || outputs.count(o) > 0;
+    }
+    bool side_effect = n->hasSideEffects() || alias_db->isMutable(n);
+    if ((batch && tensor_out) || returned || side_effect) {
+      anchor_index[n] = static_cast<int>(anchors.size());
+      anchors.push_back(n);
+    }
+  }
+  if (anchors.empty()) {
+    return absl::InvalidArgumentError("the model computes nothing from its inputs");
+  }
+
+  // Helpers resolve to the anchor-produced values and graph inputs they read.
+  std::unordered_map<const Node*, std::vector<int>> helper_inputs;
+  std::function<void(Node*, std::set<int>*)> resolve = [&](Node* n, std::set<int>* out) {
+    for (Value* in : ExternalInputs(n)) {
+      Node* p = in->node();
+      if (p->kind() == c10::prim::Param || anchor_index.count(p)) {
+        out->insert(ir.ValueOf(in));
+        continue;
+      }
+      auto memo = helper_inputs.find(p);
+      if (memo == helper_inputs.end()) {
+        std::set<int> deps;
+        resolve(p, &deps);
+        memo = helper_inputs.emplace(p, std::vector<int>(deps.begin(), deps.end())).first;
+      }
+      out->insert(memo->second.begin(), memo->second.end());
+    }
+  };
+  std::vector<std::vector<int>> anchor_inputs(anchors.size());
+  for (size_t a = 0; a < anchors.size(); ++a) {
+    std::set<int> deps;
+    resolve(anchors[a], &deps);
+    anchor_inputs[a].assign(deps.begin(), deps.end());
+  }
+  // Which anchors read each value (through helpers too).
+  std::vector<int> last_reader(ir.values.size(), -1);
+  std::vector<int> first_writer(ir.values.size(), -1);
+  for (size_t a = 0; a < anchors.size(); ++a) {
+    for (Value* o : anchors[a]->outputs()) first_writer[ir.ValueOf(o)] = static_cast<int>(a);
+    for (int v : anchor_inputs[a]) last_reader[v] = std::max(last_reader[v], static_cast<int>(a));
+  }
+
+  // A cut must not separate a write from the reads of what it writes, nor send a non-tensor.
+  std::vector<std::pair<int, int>> together;
+  for (size_t a = 0; a < anchors.size(); ++a) {
+    Node* n = anchors[a];
+    for (Value* o : n->outputs()) {
+      if (!IsTensor(o) && last_reader[ir.ValueOf(o)] > static_cast<int>(a)) {
+        together.emplace_back(a, last_reader[ir.ValueOf(o)]);
+      }
+    }
+    if (!alias_db->isMutable(n)) continue;
+    std::vector<Value*> written;
+    const c10::FunctionSchema* schema = n->maybeSchema();
+    for (size_t i = 0; i < n->inputs().size(); ++i) {
+      bool writes = schema == nullptr ||
+                    (i < schema->arguments().size() && schema->arguments()[i].alias_info() &&
+                     schema->arguments()[i].alias_info()->isWrite());
+      if (writes && IsTensor(n->input(i))) written.push_back(n->input(i));
+    }
+    int first = static_cast<int>(a), last = static_cast<int>(a);
+    for (Value* w : written) {
+      for (size_t v = 0; v < ir.values.size(); ++v) {
+        if (!ir.values[v].is_tensor || !alias_db->mayAlias(w, ir.values[v].jit)) continue;
+        if (first_writer[v] >= 0) first = std::min(first, first_writer[v]);
+        last = std::max(last, last_reader[v]);
+      }
+    }
+    if (first < last) together.emplace_back(first, last);
+  }
+  std::vector<int> starts = MergeRanges(static_cast<int>(anchors.size()), together);
+
+  // Atomic nodes.
+  for (size_t s = 0; s < starts.size(); ++s) {
+    int begin = starts[s];
+    int end = s + 1 < starts.size() ? starts[s + 1] : static_cast<int>(anchors.size());
+    IrNode node;
+    std::set<int> produced, read;
+    std::vector<std::string> kinds;
+    for (int a = begin; a < end; ++a) {
+      node.ops.push_back(anchors[a]);
+      std::string kind = anchors[a]->kind().toQualString();
+      if (kinds.empty() || kinds.back() != kind) kinds.push_back(kind);
+      for (int v : anchor_inputs[a]) {
+        if (!produced.count(v)) read.insert(v);
+      }
+      for (Value* o : anchors[a]->outputs()) produced.insert(ir.ValueOf(o));
+    }
+    node.inputs.assign(read.begin(), read.end());
+    node.label = absl::StrJoin(kinds, ",");
+    const int index = static_cast<int>(ir.nodes.size());
+    for (int v : produced) {
+      ir.values[v].producer = index;
+      if (last_reader[v] >= end || ir.values[v].is_output) node.outputs.push_back(v);
+    }
+    for (int v : node.inputs) ir.values[v].consumers.push_back(index);
+    ir.nodes.push_back(std::move(node));
+  }
+
+  // A structural hash: ops in order, how they connect, dtypes and non-batch shapes, constants.
+  std::ostringstream sig;
+  for (Node* n : graph.nodes()) {
+    sig << n->kind().toQualString() << '(';
+    for (Value* in : n->inputs()) sig << ir.ValueOf(in) << ',';
+    sig << ")";
+    if (n->kind() == c10::prim::Constant && n->outputs().size() == 1) {
+      c10::optional<c10::IValue> c = torch::jit::toIValue(n->output());
+      if (c && c->isTensor()) {
+        sig << "tensor" << c->toTensor().sizes();
+      } else if (c) {
+        sig << *c;
+      }
+    }
+    for (Value* o : n->outputs()) {
+      const IrValue& v = ir.values[ir.ValueOf(o)];
+      sig << ' ' << (v.role == ValueRole::kActivation ? 'a' : 'p');
+      if (v.is_tensor) {
+        sig << c10::toString(v.dtype) << '[';
+        for (size_t d = 0; d < v.shape.size(); ++d) {
+          sig << (static_cast<int>(d) == v.batch_dim ? -1 : v.shape[d]) << ',';
+        }
+        sig << ']';
+      }
+    }
+    sig << ';';
+  }
+  for (size_t i = 0; i < ir.inputs.size(); ++i) {
+    const IrValue& v = ir.values[i];
+    sig << "in" << i << c10::toString(v.dtype) << v.shape.size() << ';';
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(Fnv1a(sig.str())));
+  ir.hash = hex;
+  return ir;
+}
+
+double CutBytesPerSample(const IrGraph& ir, int boundary) {
+  double bytes = 0;
+  for (const IrValue& v : ir.values) {
+    if (v.producer < 0 || v.producer >= boundary || !v.is_tensor) continue;
+    bool crosses = false;
+    for (int c : v.consumers) crosses = crosses || c >= boundary;
+    if (crosses) bytes += static_cast<double>(v.bytes) / ir.example_batch;
+  }
+  return bytes;
+}
+
+std::string DescribeIr(const IrGraph& ir) {
+  std::ostringstream out;
+  auto describe = [&](int id) {
+    const IrValue& v = ir.values[id];
+    std::string s = absl::StrCat("%", v.name, ":", ValueRoleName(v.role));
+    if (v.is_tensor) absl::StrAppend(&s, ":", DescribeTensor(v.dtype, v.shape));
+    if (v.batch_dim >= 0) absl::StrAppend(&s, "@", v.batch_dim);
+    return s;
+  };
+  for (size_t i = 0; i < ir.nodes.size(); ++i) {
+    const IrNode& n = ir.nodes[i];
+    std::vector<std::string> ins, outs;
+    for (int v : n.inputs) ins.push_back(describe(v));
+    for (int v : n.outputs) outs.push_back(describe(v));
+    out << i << ' ' << n.label << " (" << absl::StrJoin(ins, ", ") << ") -> ("
+        << absl::StrJoin(outs, ", ") << ")\n";
+  }
+  return out.str();
+}
+
+}  // namespace rannc

@@ -1,0 +1,115 @@
+// The daemon's IR of a model: the imported TorchScript graph, prepared for splitting, with every
+// value typed by an example run (dtype, shape, which dimension is the batch, what role it
+// plays) and the graph's batch-dependent tensor ops grouped into atomic nodes in one
+// topological order. A contiguous range of atomic nodes is convex, so any range can become a
+// pipeline stage (graph/subgraph.h turns a range back into a runnable graph).
+//
+// Atomic nodes follow RaNNC: every op that produces a tensor from the batch is (part of) a
+// node; ops that only touch parameters and constants, and ops that produce non-tensor values
+// (sizes, lists, tuples), are "helpers" that join every node that consumes them, so they are
+// recomputed in each stage that needs them and never cross a stage boundary. In-place ops on
+// batch values, and non-tensor outputs of a batch op, force their producer and consumers into
+// one atomic node, so a cut can never separate a write from a read.
+//
+//   absl::StatusOr<IrGraph> ir = BuildIr(imported, param_tensors, example_inputs);
+//   for (const IrNode& node : ir->nodes) ...;  // node.inputs/outputs index ir->values
+//
+// An IrGraph is immutable once built and may be read from any thread; it owns its graph.
+#ifndef RANNC_DAEMON_GRAPH_IR_H_
+#define RANNC_DAEMON_GRAPH_IR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "daemon/graph/torchscript_import.h"
+
+namespace torch {
+namespace jit {
+struct Graph;
+struct Node;
+struct Value;
+}  // namespace jit
+}  // namespace torch
+
+namespace rannc {
+
+enum class ValueRole {
+  kInput,         // a forward argument from the client (batched along dim 0)
+  kParam,         // a lifted parameter
+  kBuffer,        // a lifted buffer (BatchNorm statistics; may be mutated by the model)
+  kActivation,    // computed from the batch
+  kParamDerived,  // computed from parameters, buffers and constants only
+  kConst,         // a constant in the graph
+};
+const char* ValueRoleName(ValueRole role);
+
+struct IrValue {
+  torch::jit::Value* jit = nullptr;  // in IrGraph::graph
+  std::string name;                  // the graph's debug name
+  ValueRole role = ValueRole::kConst;
+  bool is_tensor = false;
+  // Tensors, from the example run: dtype, shape at the example batch size, and the dimension
+  // that scales with the batch (-1 when none: a loss, a mean over the batch, a parameter).
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  std::vector<int64_t> shape;
+  int batch_dim = -1;
+  bool is_loss = false;        // a model output with no batch dimension that depends on the batch
+  int producer = -1;           // the atomic node that computes it; -1 for inputs and helpers
+  std::vector<int> consumers;  // atomic nodes that read it (directly or through helpers)
+  bool is_output = false;      // one of the model's (flattened) outputs
+  int64_t bytes = 0;           // at the example batch size
+};
+
+struct IrNode {
+  std::vector<torch::jit::Node*> ops;  // the batch ops of this node, in graph order
+  std::vector<int> inputs;   // values read from outside the node (through helpers too)
+  std::vector<int> outputs;  // values computed here and read by later nodes or returned
+  std::string label;         // the ops' kinds, for plans a person reads ("aten::linear")
+};
+
+struct IrGraph {
+  // Inlined, parameters lifted to inputs, tensor mutation removed where LibTorch can, tuples
+  // lowered, outputs flattened in the order ModelRunner returns them.
+  std::shared_ptr<torch::jit::Graph> graph;
+  std::shared_ptr<torch::jit::Module> module;  // keeps call stacks alive (see ImportedModel)
+  std::vector<IrValue> values;
+  std::unordered_map<const torch::jit::Value*, int> value_index;
+  std::vector<IrNode> nodes;  // atomic nodes, topologically ordered
+  std::vector<int> inputs;    // graph inputs: user inputs, then lifted tensors
+  std::vector<int> outputs;   // flattened model outputs
+  size_t num_user_inputs = 0;
+  std::vector<std::string> tensor_names;  // per lifted input, the module tensor's dotted name
+  int64_t example_batch = 0;
+  // A stable hash of the graph's structure, dtypes and non-batch shapes: equal for retraces of
+  // the same model, different for a different one. Deployment files record it.
+  std::string hash;
+
+  int ValueOf(const torch::jit::Value* v) const { return value_index.at(v); }
+};
+
+// Builds the IR. `tensors` are the lifted inputs' values in model.graph_tensor_names order.
+// The model runs twice without gradients (at the example batch and one sample more, to find
+// each value's batch dimension); buffers are restored afterwards. INVALID_ARGUMENT when the
+// model fails, returns something other than tensors, or bakes the batch size in.
+absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
+                                const std::vector<at::Tensor>& example_inputs);
+
+// The bytes per sample of the activations live across the boundary before atomic node
+// `boundary` (1..nodes.size()-1): what a stage cut there sends forward.
+double CutBytesPerSample(const IrGraph& ir, int boundary);
+
+// Inputs of `n` and of the nodes nested in its blocks that are defined outside `n`, each once.
+std::vector<torch::jit::Value*> ExternalInputs(torch::jit::Node* n);
+
+// One line per atomic node: index, label, inputs, outputs with shapes (for logs and tests).
+std::string DescribeIr(const IrGraph& ir);
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_GRAPH_IR_H_

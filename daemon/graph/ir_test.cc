@@ -1,0 +1,151 @@
+#include "daemon/graph/ir.h"
+
+#include <set>
+
+// LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
+#include <ATen/ATen.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
+#include <catch2/catch.hpp>
+
+#include "daemon/graph/ir_testing.h"
+
+namespace rannc {
+namespace {
+
+using testing::BuildFixtureIr;
+using testing::FixtureIr;
+
+const IrValue& Input(const IrGraph& ir, size_t i) { return ir.values[ir.inputs[i]]; }
+
+const IrValue* Lifted(const IrGraph& ir, const std::string& name) {
+  for (size_t i = 0; i < ir.tensor_names.size(); ++i) {
+    if (ir.tensor_names[i] == name) return &ir.values[ir.inputs[ir.num_user_inputs + i]];
+  }
+  return nullptr;
+}
+
+void CheckTopologicalAndConnected(const IrGraph& ir) {
+  for (size_t n = 0; n < ir.nodes.size(); ++n) {
+    CHECK_FALSE(ir.nodes[n].ops.empty());
+    for (int v : ir.nodes[n].inputs) {
+      CHECK(ir.values[v].producer < static_cast<int>(n));
+      std::set<int> consumers(ir.values[v].consumers.begin(), ir.values[v].consumers.end());
+      CHECK(consumers.count(n));
+    }
+    for (int v : ir.nodes[n].outputs) CHECK(ir.values[v].producer == static_cast<int>(n));
+  }
+}
+
+TEST_CASE("BuildIr types an MLP with two inputs and a loss", "[graph]") {
+  FixtureIr f = BuildFixtureIr("mlp");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  CheckTopologicalAndConnected(ir);
+  REQUIRE(ir.num_user_inputs == 2);
+  CHECK(Input(ir, 0).role == ValueRole::kInput);
+  CHECK(Input(ir, 0).batch_dim == 0);
+  CHECK(Input(ir, 0).shape == std::vector<int64_t>{5, 6});
+  CHECK(Input(ir, 1).dtype == at::kLong);
+  CHECK(Lifted(ir, "fc1.weight")->role == ValueRole::kParam);
+  REQUIRE(ir.outputs.size() == 1);
+  const IrValue& loss = ir.values[ir.outputs[0]];
+  CHECK(loss.is_loss);
+  CHECK(loss.is_output);
+  CHECK(loss.batch_dim == -1);
+  CHECK(ir.example_batch == 5);
+  // linear, relu, linear, cross_entropy: at least the three batch ops before the loss.
+  CHECK(ir.nodes.size() >= 4);
+  // fc1's output (8 floats per sample) crosses the boundary after the first node.
+  CHECK(CutBytesPerSample(ir, 1) == Approx(8 * 4));
+}
+
+TEST_CASE("BuildIr gives a tied weight to every node that reads it", "[graph]") {
+  FixtureIr f = BuildFixtureIr("tied_lm");
+  REQUIRE(f.ir.ok());
+  CheckTopologicalAndConnected(*f.ir);
+  CHECK(Input(*f.ir, 0).dtype == at::kLong);
+  CHECK(Input(*f.ir, 0).batch_dim == 0);
+  // The trace reads the tied tensor under one name; the embedding and the head both consume it.
+  const IrValue* emb = Lifted(*f.ir, "emb.weight");
+  REQUIRE(emb != nullptr);
+  CHECK(emb->consumers.size() >= 2);
+  // The output [3, 4, 11] keeps the batch in dim 0.
+  CHECK(f.ir->values[f.ir->outputs[0]].batch_dim == 0);
+}
+
+TEST_CASE("BuildIr marks buffers and restores them after its runs", "[graph]") {
+  FixtureIr f = BuildFixtureIr("bn_net");
+  REQUIRE(f.ir.ok());
+  const IrValue* mean = Lifted(*f.ir, "bn.running_mean");
+  REQUIRE(mean != nullptr);
+  CHECK(mean->role == ValueRole::kBuffer);
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    if (f.ir->tensor_names[i] == "bn.running_mean") CHECK(at::equal(f.tensors[i], at::zeros({3})));
+  }
+}
+
+TEST_CASE("BuildIr handles tuples, in-place ops, param-only ops and constants", "[graph]") {
+  FixtureIr f = BuildFixtureIr("multi_io");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  CheckTopologicalAndConnected(ir);
+  REQUIRE(ir.outputs.size() == 3);  // loss, (out, g * 3) flattened
+  CHECK(ir.values[ir.outputs[0]].is_loss);
+  CHECK(ir.values[ir.outputs[1]].shape == std::vector<int64_t>{4, 4});
+  bool param_derived = false, constant = false;
+  for (const IrValue& v : ir.values) {
+    param_derived = param_derived || (v.role == ValueRole::kParamDerived && v.is_tensor);
+    constant = constant || v.role == ValueRole::kConst;
+    // Helpers never belong to a node: only batch ops are atomic.
+    if (v.role == ValueRole::kParamDerived || v.role == ValueRole::kConst) CHECK(v.producer == -1);
+  }
+  CHECK(param_derived);  // w * 2 + 1
+  CHECK(constant);
+  // Running the prepared graph whole gives PyTorch's outputs.
+  std::vector<c10::IValue> stack(f.fixture.inputs.begin(), f.fixture.inputs.end());
+  for (const at::Tensor& t : f.tensors) stack.emplace_back(t);
+  torch::jit::Code code(ir.graph, "whole");
+  torch::jit::InterpreterState(code).run(stack);
+  REQUIRE(stack.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(at::allclose(stack[i].toTensor(), f.fixture.ref.at("out_" + std::to_string(i)), 1e-5,
+                       1e-6));
+  }
+}
+
+TEST_CASE("BuildIr finds batch dimensions through views in attention", "[graph]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  CheckTopologicalAndConnected(*f.ir);
+  int batched_4d = 0;
+  for (const IrValue& v : f.ir->values) {
+    if (v.role == ValueRole::kActivation && v.shape.size() == 4 && v.batch_dim == 0) ++batched_4d;
+  }
+  CHECK(batched_4d > 0);  // [B, heads, T, T] attention scores
+  CHECK(f.ir->values[f.ir->outputs[0]].is_loss);
+  CHECK(f.ir->nodes.size() > 20);
+}
+
+TEST_CASE("BuildIr rejects a trace that fixed the batch size", "[graph]") {
+  FixtureIr f = BuildFixtureIr("baked_batch");
+  REQUIRE_FALSE(f.ir.ok());
+  CHECK(f.ir.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(f.ir.status().message()),
+             Catch::Contains("batch of 5 samples") && Catch::Contains("x.size(0)"));
+}
+
+TEST_CASE("The IR hash is stable for a model and differs between models", "[graph]") {
+  FixtureIr a = BuildFixtureIr("mlp");
+  FixtureIr b = BuildFixtureIr("mlp");
+  FixtureIr c = BuildFixtureIr("tied_lm");
+  REQUIRE(a.ir.ok());
+  REQUIRE(b.ir.ok());
+  REQUIRE(c.ir.ok());
+  CHECK(a.ir->hash.size() == 16);
+  CHECK(a.ir->hash == b.ir->hash);
+  CHECK(a.ir->hash != c.ir->hash);
+}
+
+}  // namespace
+}  // namespace rannc

@@ -1,0 +1,22 @@
+#include "daemon/graph/ir_testing.h"
+
+#include <stdexcept>
+
+namespace rannc::testing {
+
+FixtureIr BuildFixtureIr(const std::string& name) {
+  FixtureIr out;
+  out.fixture = LoadFixture(name);
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(out.fixture.model_bytes);
+  if (!model.ok()) throw std::runtime_error(std::string(model.status().message()));
+  out.model = std::move(*model);
+  for (const std::string& tensor_name : out.model.graph_tensor_names) {
+    for (const ModuleTensor& t : out.model.tensors) {
+      if (t.name == tensor_name) out.tensors.push_back(t.tensor);
+    }
+  }
+  out.ir = BuildIr(out.model, out.tensors, out.fixture.inputs);
+  return out;
+}
+
+}  // namespace rannc::testing

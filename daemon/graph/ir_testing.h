@@ -1,0 +1,26 @@
+// Test helper: a fixture model (tests/fixtures) imported and built into an IrGraph, with the
+// lifted tensors it runs on and its example inputs.
+#ifndef RANNC_DAEMON_GRAPH_IR_TESTING_H_
+#define RANNC_DAEMON_GRAPH_IR_TESTING_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/graph/ir.h"
+#include "tests/fixtures/fixture.h"
+
+namespace rannc::testing {
+
+struct FixtureIr {
+  Fixture fixture;
+  ImportedModel model;
+  std::vector<at::Tensor> tensors;  // per lifted input, the module's tensor
+  absl::StatusOr<IrGraph> ir = absl::UnknownError("not built");
+};
+
+FixtureIr BuildFixtureIr(const std::string& name);
+
+}  // namespace rannc::testing
+
+#endif  // RANNC_DAEMON_GRAPH_IR_TESTING_H_

@@ -1,0 +1,224 @@
+#include "daemon/graph/subgraph.h"
+
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/common/tensor_codec.h"
+
+namespace rannc {
+namespace {
+
+using torch::jit::Node;
+using torch::jit::Value;
+
+struct RunResult {
+  std::vector<c10::IValue> outputs;
+  std::vector<at::Tensor> leaves;  // the lifted tensors the run used, as autograd leaves
+};
+
+std::vector<at::Tensor> Leaves(const IrGraph& ir, const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> leaves;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor t = tensors[i].detach().clone();
+    const IrValue& v = ir.values[ir.num_user_inputs + i];
+    if (v.role == ValueRole::kParam && t.is_floating_point()) t.requires_grad_(true);
+    leaves.push_back(t);
+  }
+  return leaves;
+}
+
+absl::Status Backward(const std::vector<c10::IValue>& outputs) {
+  std::vector<at::Tensor> roots;
+  for (const c10::IValue& o : outputs) {
+    if (o.isTensor() && o.toTensor().requires_grad()) roots.push_back(o.toTensor().sum());
+  }
+  if (roots.empty()) return absl::OkStatus();
+  return TorchCall(absl::StatusCode::kInternal, "backward while verifying a split", [&] {
+    torch::autograd::backward({at::stack(roots).sum()});
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Compare(const std::string& what, const at::Tensor& expected, const at::Tensor& got,
+                     double rtol, double atol) {
+  if (!expected.defined() && !got.defined()) return absl::OkStatus();
+  if (expected.defined() != got.defined() || !expected.sizes().equals(got.sizes()) ||
+      expected.scalar_type() != got.scalar_type()) {
+    return absl::InternalError(absl::StrCat(
+        "split verification: ", what, " differs in shape or presence: expected ",
+        expected.defined() ? DescribeTensor(expected.scalar_type(), expected.sizes()) : "none",
+        ", got ", got.defined() ? DescribeTensor(got.scalar_type(), got.sizes()) : "none"));
+  }
+  bool close = expected.is_floating_point()
+                   ? at::allclose(expected, got, rtol, atol, /*equal_nan=*/true)
+                   : at::equal(expected, got);
+  if (!close) {
+    double diff = (expected.to(at::kDouble) - got.to(at::kDouble)).abs().max().item<double>();
+    return absl::InternalError(absl::StrCat("split verification: ", what,
+                                            " differs from the whole model by up to ", diff));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end) {
+  if (begin < 0 || end > static_cast<int>(ir.nodes.size()) || begin >= end) {
+    return absl::InvalidArgumentError(absl::StrCat("bad atomic node range [", begin, ", ", end,
+                                                   ") of ", ir.nodes.size()));
+  }
+  Subgraph sub;
+  sub.begin = begin;
+  sub.end = end;
+  std::unordered_set<Node*> anchors, in_range;
+  for (int i = 0; i < static_cast<int>(ir.nodes.size()); ++i) {
+    for (Node* op : ir.nodes[i].ops) {
+      anchors.insert(op);
+      if (i >= begin && i < end) in_range.insert(op);
+    }
+  }
+  std::set<int> inputs, produced;
+  for (int i = begin; i < end; ++i) {
+    for (int v : ir.nodes[i].inputs) {
+      if (!produced.count(v)) inputs.insert(v);
+    }
+    for (Node* op : ir.nodes[i].ops) {
+      for (Value* o : op->outputs()) produced.insert(ir.ValueOf(o));
+    }
+  }
+  for (int v : produced) {
+    const IrValue& value = ir.values[v];
+    bool needed_later = value.is_output;
+    for (int c : value.consumers) needed_later = needed_later || c >= end;
+    if (needed_later) sub.outputs.push_back(v);
+  }
+  sub.inputs.assign(inputs.begin(), inputs.end());
+
+  // The helpers the range reads, found backwards from its ops.
+  std::unordered_set<Node*> helpers;
+  std::vector<Node*> work(in_range.begin(), in_range.end());
+  while (!work.empty()) {
+    Node* n = work.back();
+    work.pop_back();
+    for (Value* in : ExternalInputs(n)) {
+      Node* p = in->node();
+      if (p->kind() == c10::prim::Param || anchors.count(p) || helpers.count(p)) continue;
+      helpers.insert(p);
+      work.push_back(p);
+    }
+  }
+
+  absl::Status status = TorchCall(absl::StatusCode::kInternal, "building a stage graph", [&] {
+    sub.graph = std::make_shared<torch::jit::Graph>();
+    std::unordered_map<const Value*, Value*> env;
+    for (int v : sub.inputs) {
+      const IrValue& value = ir.values[v];
+      Value* input = sub.graph->addInput()->setType(value.jit->type());
+      if (value.jit->hasDebugName()) input->setDebugName(value.jit->debugName());
+      env[value.jit] = input;
+    }
+    auto lookup = [&](Value* v) -> Value* {
+      auto it = env.find(v);
+      if (it == env.end()) {
+        throw std::runtime_error(absl::StrCat("value %", v->debugName(),
+                                              " is not available to the stage"));
+      }
+      return it->second;
+    };
+    for (Node* n : ir.graph->nodes()) {
+      if (!in_range.count(n) && !helpers.count(n)) continue;
+      Node* clone = sub.graph->insertNode(sub.graph->createClone(n, lookup));
+      for (size_t i = 0; i < n->outputs().size(); ++i) env[n->output(i)] = clone->output(i);
+    }
+    for (int v : sub.outputs) sub.graph->registerOutput(lookup(ir.values[v].jit));
+    sub.graph->lint();
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return sub;
+}
+
+absl::StatusOr<std::vector<c10::IValue>> RunGraph(const std::shared_ptr<torch::jit::Graph>& graph,
+                                                  std::vector<c10::IValue> inputs) {
+  absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "running a graph", [&] {
+    torch::jit::Code code(graph, "stage");
+    torch::jit::InterpreterState(code).run(inputs);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return inputs;
+}
+
+absl::Status VerifySplit(const IrGraph& ir, const std::vector<int>& stage_starts,
+                         const std::vector<at::Tensor>& tensors,
+                         const std::vector<at::Tensor>& inputs, double rtol, double atol) {
+  if (stage_starts.empty() || stage_starts[0] != 0) {
+    return absl::InvalidArgumentError("stage starts must begin with 0");
+  }
+  // Whole model.
+  std::vector<at::Tensor> whole_leaves = Leaves(ir, tensors);
+  std::vector<c10::IValue> stack(inputs.begin(), inputs.end());
+  for (const at::Tensor& t : whole_leaves) stack.emplace_back(t);
+  absl::StatusOr<std::vector<c10::IValue>> whole = RunGraph(ir.graph, stack);
+  if (!whole.ok()) return whole.status();
+  absl::Status s = Backward(*whole);
+  if (!s.ok()) return s;
+
+  // Stages in sequence; autograd links them through the tensors they pass.
+  std::vector<at::Tensor> split_leaves = Leaves(ir, tensors);
+  std::unordered_map<int, c10::IValue> env;
+  for (size_t i = 0; i < inputs.size(); ++i) env[ir.inputs[i]] = inputs[i];
+  for (size_t i = 0; i < split_leaves.size(); ++i) {
+    env[ir.inputs[ir.num_user_inputs + i]] = split_leaves[i];
+  }
+  for (size_t st = 0; st < stage_starts.size(); ++st) {
+    int end = st + 1 < stage_starts.size() ? stage_starts[st + 1]
+                                           : static_cast<int>(ir.nodes.size());
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stage_starts[st], end);
+    if (!sub.ok()) return sub.status();
+    std::vector<c10::IValue> in;
+    for (int v : sub->inputs) {
+      auto it = env.find(v);
+      if (it == env.end()) {
+        return absl::InternalError(absl::StrCat("split verification: stage ", st,
+                                                " reads %", ir.values[v].name,
+                                                ", which no earlier stage produced"));
+      }
+      in.push_back(it->second);
+    }
+    absl::StatusOr<std::vector<c10::IValue>> out = RunGraph(sub->graph, std::move(in));
+    if (!out.ok()) return Annotate(out.status(), absl::StrCat("stage ", st));
+    for (size_t i = 0; i < sub->outputs.size(); ++i) env[sub->outputs[i]] = (*out)[i];
+  }
+  std::vector<c10::IValue> split_outputs;
+  for (int v : ir.outputs) split_outputs.push_back(env.at(v));
+  s = Backward(split_outputs);
+  if (!s.ok()) return s;
+
+  for (size_t i = 0; i < ir.outputs.size(); ++i) {
+    s = Compare(absl::StrCat("output #", i), (*whole)[i].toTensor().detach(),
+                split_outputs[i].toTensor().detach(), rtol, atol);
+    if (!s.ok()) return s;
+  }
+  for (size_t i = 0; i < whole_leaves.size(); ++i) {
+    s = Compare(absl::StrCat("gradient of '", ir.tensor_names[i], "'"), whole_leaves[i].grad(),
+                split_leaves[i].grad(), rtol, atol);
+    if (!s.ok()) return s;
+    if (ir.values[ir.num_user_inputs + i].role == ValueRole::kBuffer) {
+      s = Compare(absl::StrCat("buffer '", ir.tensor_names[i], "' after forward"),
+                  whole_leaves[i], split_leaves[i], rtol, atol);
+      if (!s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace rannc

@@ -1,0 +1,54 @@
+// Turns a contiguous range of an IrGraph's atomic nodes (always convex) back into a runnable
+// torch::jit::Graph with explicit inputs and outputs: the range's ops plus every helper they
+// need (parameter-only ops, constants, size computations), recomputed locally. This is what a
+// pipeline stage runs, and what the profiler times.
+//
+// VerifySplit runs the stages of a split in sequence on one device and compares the outputs,
+// and the parameter gradients of their sum, with the whole model: the check behind the
+// `verify_partitioning` config key and the split tests.
+//
+//   absl::StatusOr<Subgraph> stage = BuildSubgraph(ir, /*begin=*/0, /*end=*/3);
+//   // run: one stack value per stage->inputs[i] (IR value ids), returns stage->outputs.
+//
+// Pure functions of the IrGraph; safe from any thread. A Subgraph owns its graph.
+#ifndef RANNC_DAEMON_GRAPH_SUBGRAPH_H_
+#define RANNC_DAEMON_GRAPH_SUBGRAPH_H_
+
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/graph/ir.h"
+
+namespace rannc {
+
+struct Subgraph {
+  int begin = 0;  // atomic nodes [begin, end)
+  int end = 0;
+  std::shared_ptr<torch::jit::Graph> graph;
+  std::vector<int> inputs;   // IrGraph value ids, in the graph's input order
+  std::vector<int> outputs;  // IrGraph value ids, in the graph's output order
+};
+
+// INVALID_ARGUMENT for an empty or out-of-range range.
+absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end);
+
+// Runs `graph` (any graph whose outputs are values, e.g. a Subgraph's) on `inputs`.
+absl::StatusOr<std::vector<c10::IValue>> RunGraph(const std::shared_ptr<torch::jit::Graph>& graph,
+                                                  std::vector<c10::IValue> inputs);
+
+// Splits `ir` at `stage_starts` (the first atomic node of each stage; must start with 0 and
+// increase) and checks, on copies of `tensors` (the lifted inputs), that running the stages in
+// sequence gives the whole model's outputs, and the same gradients of the sum of its floating
+// outputs, within rtol/atol. INTERNAL with the first mismatch otherwise.
+absl::Status VerifySplit(const IrGraph& ir, const std::vector<int>& stage_starts,
+                         const std::vector<at::Tensor>& tensors,
+                         const std::vector<at::Tensor>& inputs, double rtol = 1e-5,
+                         double atol = 1e-6);
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_GRAPH_SUBGRAPH_H_
