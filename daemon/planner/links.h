@@ -35,7 +35,8 @@ namespace planner {
 
 struct LinkProbeOptions {
   // Devices of this daemon (>= 1). All-reduce is measured for k = 2..num_devices; with one
-  // device there is nothing to all-reduce and allreduce_bytes_per_s stays empty.
+  // device there is nothing to all-reduce and allreduce_bytes_per_s stays empty (p2p is still
+  // measured: it is the host's copy speed, which transfers to other daemons also pay).
   int num_devices = 1;
   // Bytes of the copy that measures p2p bandwidth. Large enough (32 MiB) to overflow the caches,
   // like the activations a stage boundary carries.

@@ -149,7 +149,8 @@ TEST_CASE("LinksFromString keeps defaults for missing fields") {
   CHECK(some->p2p_bytes_per_s == Links().p2p_bytes_per_s);
   CHECK(some->p2p_latency_s == Links().p2p_latency_s);
   // The documented example spells the struct's defaults.
-  absl::StatusOr<Links> defaults = LinksFromString("p2p=10GB/s,p2p_latency=10us,allreduce_latency=20us");
+  absl::StatusOr<Links> defaults =
+      LinksFromString("p2p=10GB/s,p2p_latency=10us,allreduce_latency=20us");
   REQUIRE(defaults.ok());
   CHECK(defaults->p2p_bytes_per_s == Links().p2p_bytes_per_s);
   CHECK(defaults->p2p_latency_s == Links().p2p_latency_s);
