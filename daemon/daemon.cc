@@ -64,6 +64,34 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   facts.shm_dir = options.shm_dir;
   facts.devices = *devices;
 
+  // The planner's link speeds: given, or measured now while nothing else runs. Small transfers
+  // keep the start fast; they still run long enough to leave the caches.
+  if (!options.links.empty()) {
+    absl::StatusOr<planner::Links> links = planner::LinksFromString(options.links);
+    if (!links.ok()) return Annotate(links.status(), "--links");
+    facts.links = *links;
+  } else {
+    planner::LinkProbeOptions probe;
+    probe.num_devices = static_cast<int>(facts.devices.size());
+    probe.p2p_bytes = 16 << 20;
+    probe.allreduce_bytes = 4 << 20;
+    probe.repeats = 2;
+    probe.time_budget_s = 0.5;
+    absl::StatusOr<planner::Links> links = planner::MeasureCpuLinks(probe);
+    if (!links.ok()) return Annotate(links.status(), "measuring the links between devices");
+    facts.links = *links;
+  }
+  spdlog::info("links: {}", planner::DescribeLinks(facts.links));
+
+  const std::string cache_path = options.profile_cache == "none" ? ""
+                                 : options.profile_cache.empty() ? planner::DefaultProfileCachePath()
+                                                                 : options.profile_cache;
+  daemon->profile_cache_ = std::make_unique<planner::ProfileCache>(cache_path);
+  if (absl::Status loaded = daemon->profile_cache_->Load(); !loaded.ok()) {
+    spdlog::warn("{}; starting with an empty profile cache", loaded.message());
+  }
+  facts.profile_cache = daemon->profile_cache_.get();
+
   daemon->jobs_ = std::make_unique<JobManager>();
 
   grpc::EnableDefaultHealthCheckService(true);

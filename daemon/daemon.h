@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/config/options.h"
+#include "daemon/planner/profile_cache.h"
 
 namespace grpc {
 class Server;
@@ -45,6 +46,7 @@ class Daemon {
   Daemon();
 
   std::string address_;
+  std::unique_ptr<planner::ProfileCache> profile_cache_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<TrainingServiceImpl> training_;
   std::unique_ptr<grpc::Server> server_;

@@ -177,6 +177,8 @@ const std::vector<Key>& Keys() {
       {"max_message_size", nullptr, &DaemonOptions::max_message_size, nullptr,
        &CheckMaxMessageSize},
       {"shm_dir", &DaemonOptions::shm_dir, nullptr, &CheckShmDir, nullptr},
+      {"links", &DaemonOptions::links, nullptr, nullptr, nullptr},
+      {"profile_cache", &DaemonOptions::profile_cache, nullptr, nullptr, nullptr},
   };
   return *keys;
 }
@@ -447,10 +449,15 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"log_level", "trace, debug, info, warn or error (default info)"},
       {"max_message_size", "largest client message, e.g. 64MiB (default 64MiB)"},
       {"shm_dir", "directory for same-host tensor transfer, \"\" disables (default /dev/shm)"},
+      {"links", "link speeds for the planner, e.g. p2p=5GB/s,allreduce=2:3GB/s (default: "
+                "measured at start)"},
+      {"profile_cache", "file keeping profiles between runs; none disables (default "
+                        "~/.cache/rannc/profiles.tsv)"},
   };
   const std::map<std::string, std::string> type_names = {
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
       {"log_level", "LEVEL"}, {"max_message_size", "SIZE"}, {"shm_dir", "DIR"},
+      {"links", "SPEEDS"},    {"profile_cache", "FILE"},
   };
   std::vector<FlagValue> flags;
   flags.reserve(Keys().size());
@@ -461,7 +468,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                       ->type_name(type_names.at(key.name));
     // "" is a meaningful value for these (disable, automatic); CLI11 would otherwise reject
     // the `--shm-dir=` spelling of it.
-    if (key.text == &DaemonOptions::shm_dir || key.text == &DaemonOptions::devices) {
+    if (key.text == &DaemonOptions::shm_dir || key.text == &DaemonOptions::devices ||
+        key.text == &DaemonOptions::links || key.text == &DaemonOptions::profile_cache) {
       flag.option->expected(0, 1);
     }
   }
@@ -475,7 +483,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       "--version", absl::StrCat("ranncd ", version.empty() ? "(unversioned)" : ToAbsl(version)));
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
-      "log_level, max_message_size, shm_dir) and in the environment as RANNC_<KEY> (e.g. "
+      "log_level, max_message_size, shm_dir, links, profile_cache) and in the environment as RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");
 
   try {

@@ -81,6 +81,15 @@ struct DaemonOptions {
   // disables it.
   std::string shm_dir = "/dev/shm";
 
+  // Link speeds for the planner's cost model, e.g. "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s"
+  // (planner/links.h). Default "": measured between the devices at start.
+  std::string links = "";
+
+  // File that keeps profiling results between runs, so a model re-plans in seconds. Default "":
+  // $RANNC_PROFILE_CACHE, else $XDG_CACHE_HOME/rannc/profiles.tsv, else
+  // ~/.cache/rannc/profiles.tsv; "none" keeps them in memory only.
+  std::string profile_cache = "";
+
   // The TOML file the options were read from; "" when none was found. Output only: the file is
   // chosen by --config or RANNC_CONF_DIR, never by a key.
   std::string config_file;

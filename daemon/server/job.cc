@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/status.h"
+#include "daemon/graph/ir.h"
+#include "daemon/planner/deployment.h"
 
 namespace rannc {
 
@@ -86,22 +88,67 @@ absl::StatusOr<std::unique_ptr<Optimizer>> BuildOptimizer(const OptimizerConfig&
 
 uint64_t Bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
+// Optimizer state in multiples of the trainable parameters' size.
+planner::MemoryModel MemoryModelFor(const OptimizerConfig& config) {
+  planner::MemoryModel m;
+  if (!config.enabled) return m;
+  bool momentum = false, amsgrad = false;
+  for (const HyperParams& h : config.group_hyper) {
+    momentum = momentum || h.momentum != 0;
+    amsgrad = amsgrad || h.amsgrad;
+  }
+  switch (config.kind) {
+    case OptimizerKind::kSgd:
+      m.optimizer = "sgd";
+      m.optimizer_state_factor = momentum ? 1 : 0;
+      break;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      m.optimizer = config.kind == OptimizerKind::kAdam ? "adam" : "adamw";
+      m.optimizer_state_factor = amsgrad ? 3 : 2;
+      break;
+  }
+  return m;
+}
+
+// The model's IR and its plan: planned for config.plan_target, or the deployment the client
+// loaded, checked against this model and these devices.
+absl::StatusOr<v1::Deployment> PlanJobModel(const JobConfig& config, const ImportedModel& model,
+                                            const ParamStore& store,
+                                            const std::vector<at::Tensor>& example_inputs) {
+  std::vector<at::Tensor> tensors;
+  for (const std::string& name : model.graph_tensor_names) tensors.push_back(store.Find(name)->tensor);
+  absl::StatusOr<IrGraph> ir = BuildIr(model, tensors, example_inputs);
+  if (!ir.ok()) return Annotate(ir.status(), "building the model's IR");
+  if (!config.load_deployment.empty()) {
+    v1::Deployment loaded;
+    if (!loaded.ParseFromString(config.load_deployment)) {
+      return absl::InvalidArgumentError(
+          "load_deployment: the file is not a deployment (a serialized rannc.v1.Deployment)");
+    }
+    planner::PlanTarget target = config.plan_target;
+    target.batch_size = ir->example_batch;
+    absl::Status fits = planner::CheckDeployment(loaded, *ir, target);
+    if (!fits.ok()) return Annotate(fits, "load_deployment");
+    loaded.set_loaded(true);
+    return loaded;
+  }
+  absl::StatusOr<v1::Deployment> plan =
+      planner::PlanModel(*ir, tensors, example_inputs, config.plan_target,
+                         MemoryModelFor(config.optimizer), config.planner, config.profile_cache,
+                         config.created_by);
+  if (!plan.ok()) return Annotate(plan.status(), "planning the model");
+  return plan;
+}
+
 // What a job holds on its device besides activations: parameters, their gradients, optimizer
 // state and buffers. RESOURCE_EXHAUSTED when that alone exceeds the device's budget.
 absl::Status CheckMemoryBudget(const JobConfig& config, const ParamStore& store) {
   if (config.device_memory_bytes == 0) return absl::OkStatus();
   uint64_t params = 0, buffers = 0;
   for (const ParamStore::Entry& e : store.entries()) (e.is_parameter ? params : buffers) += Bytes(e.tensor);
-  uint64_t state_per_param = 0;  // optimizer state, in multiples of the parameters' size
-  if (config.optimizer.enabled) {
-    bool momentum = false, amsgrad = false;
-    for (const HyperParams& h : config.optimizer.group_hyper) {
-      momentum = momentum || h.momentum != 0;
-      amsgrad = amsgrad || h.amsgrad;
-    }
-    state_per_param = config.optimizer.kind == OptimizerKind::kSgd ? (momentum ? 1 : 0)
-                                                                    : (amsgrad ? 3 : 2);
-  }
+  const uint64_t state_per_param =
+      static_cast<uint64_t>(MemoryModelFor(config.optimizer).optimizer_state_factor);
   const uint64_t need = params * (2 + state_per_param) + buffers;
   if (need <= config.device_memory_bytes) return absl::OkStatus();
   auto mib = [](uint64_t b) { return absl::StrCat(b >> 20, " MiB"); };
@@ -169,12 +216,37 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
     return Annotate(outputs.status(), "checking the model on the example inputs");
   }
   job->example_outputs_ = std::move(*outputs);
-  size_t b = 0;
-  at::NoGradGuard no_grad;
-  for (const ParamStore::Entry& e : job->store_.entries()) {
-    if (!e.is_parameter) e.tensor.copy_(saved_buffers[b++]);
+  {
+    size_t b = 0;
+    at::NoGradGuard no_grad;
+    for (const ParamStore::Entry& e : job->store_.entries()) {
+      if (!e.is_parameter) e.tensor.copy_(saved_buffers[b++]);
+    }
   }
+  absl::StatusOr<v1::Deployment> plan =
+      PlanJobModel(job->config_, *model, job->store_, example_inputs);
+  if (!plan.ok()) return plan.status();
+  job->deployment_ = std::move(*plan);
   return job;
+}
+
+absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
+                                              const std::string& model_bytes,
+                                              const std::vector<at::Tensor>& example_inputs) {
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes);
+  if (!model.ok()) return model.status();
+  if (model->input_names.size() != example_inputs.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model's forward takes ", model->input_names.size(), " inputs (",
+        absl::StrJoin(model->input_names, ", "), "), but ", example_inputs.size(),
+        " example inputs were given"));
+  }
+  ParamStore store = ParamStore::FromModuleTensors(model->tensors);
+  if (config.check_unused_values) {
+    absl::Status unused = CheckUnusedValues(*model, store);
+    if (!unused.ok()) return unused;
+  }
+  return PlanJobModel(config, *model, store, example_inputs);
 }
 
 absl::Status Job::AddMode(const ModelMode& mode, const std::string& model_bytes) {

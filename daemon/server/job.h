@@ -25,6 +25,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/optim/optimizer.h"
+#include "daemon/planner/planner.h"
+#include "daemon/planner/profile_cache.h"
 #include "daemon/runtime/model_runner.h"
 #include "daemon/runtime/param_store.h"
 
@@ -51,6 +53,15 @@ struct JobConfig {
   std::string device = "cpu:0";
   // The device's memory budget in bytes (--device-memory); 0 = unchecked.
   uint64_t device_memory_bytes = 0;
+
+  // Planning: the devices to plan for (the daemon's, or any for a dry run), the job's planner
+  // keys, and the daemon's profile cache (not owned; null: no caching). Until the runtime
+  // spreads stages over devices, the job executes whole on `device` and keeps the plan.
+  planner::PlanTarget plan_target;
+  planner::PlannerConfig planner;
+  planner::ProfileCache* profile_cache = nullptr;
+  std::string load_deployment;  // a serialized Deployment to use instead of planning
+  std::string created_by;       // recorded in deployments, e.g. "ranncd 0.1.0"
 };
 
 struct JobSummary {
@@ -75,15 +86,24 @@ class Job {
   // Imports `model_bytes`, checks it against `config`, and runs it once on `example_inputs`
   // (no gradients, buffers restored afterwards) to validate it and learn its outputs.
   // INVALID_ARGUMENT for a bad model or one that fails on the example inputs.
+  // Then builds the model's IR and plans it for config.plan_target (or checks and adopts
+  // config.load_deployment): RESOURCE_EXHAUSTED when no plan fits the devices.
   static absl::StatusOr<std::unique_ptr<Job>> Create(std::string id, JobConfig config,
                                                      const std::string& model_bytes,
                                                      const std::vector<at::Tensor>& example_inputs);
+
+  // A dry run: the same checks and planning as Create, for config.plan_target, with no job.
+  static absl::StatusOr<v1::Deployment> PlanOnly(const JobConfig& config,
+                                                 const std::string& model_bytes,
+                                                 const std::vector<at::Tensor>& example_inputs);
 
   const std::string& id() const { return id_; }
   // The outputs of the validation run; parameters and buffers with their aliases.
   const std::vector<at::Tensor>& example_outputs() const { return example_outputs_; }
   const ParamStore& params() const { return store_; }
   const std::vector<std::string>& devices() const { return devices_; }
+  // The job's plan (planned at creation or loaded from a deployment file).
+  const v1::Deployment& deployment() const { return deployment_; }
 
   absl::Status AddMode(const ModelMode& mode, const std::string& model_bytes);
   // Returns whether the job has a graph for `mode`.
@@ -116,6 +136,7 @@ class Job {
   const std::chrono::system_clock::time_point created_;
   std::vector<std::string> devices_;
   std::vector<InputSignature> signature_;
+  v1::Deployment deployment_;
 
   std::mutex mu_;
   JobState state_ = JobState::kDeployed;

@@ -30,6 +30,8 @@ struct DaemonFacts {
     uint64_t memory_bytes = 0;
   };
   std::vector<Device> devices;
+  planner::Links links;                             // for the planner's cost model
+  planner::ProfileCache* profile_cache = nullptr;   // owned by the Daemon
 };
 
 grpc::Status ToGrpcStatus(const absl::Status& status);

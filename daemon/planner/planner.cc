@@ -1,0 +1,248 @@
+#include "daemon/planner/planner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+#include <unordered_map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/graph/subgraph.h"
+#include "daemon/planner/coarsen.h"
+#include "daemon/planner/links.h"
+#include "daemon/planner/search.h"
+
+namespace rannc {
+namespace planner {
+namespace {
+
+absl::Status BadKey(const std::string& key, const std::string& value, const std::string& want) {
+  return absl::InvalidArgumentError(absl::StrCat("config key ", key, "='", value, "': expected ",
+                                                 want));
+}
+
+absl::Status ReadInt(const std::map<std::string, std::string>& keys, const std::string& key,
+                     int min, int* out) {
+  auto it = keys.find(key);
+  if (it == keys.end()) return absl::OkStatus();
+  if (!absl::SimpleAtoi(it->second, out) || *out < min) {
+    return BadKey(key, it->second, absl::StrCat("an integer >= ", min));
+  }
+  return absl::OkStatus();
+}
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+// The per-device micro-batch sizes to profile: powers of two from just below the smallest the
+// search can ask for up to the largest, and the largest itself. Between them cost_eval
+// interpolates.
+std::vector<int64_t> ProfileSizes(int64_t batch, const SearchOptions& o) {
+  const int64_t max_m = o.pipeline_num > 0 ? o.pipeline_num : std::min<int64_t>(o.max_pipeline, batch);
+  const int64_t max_r = o.replica_num > 0 ? o.replica_num : o.num_devices;
+  const int64_t min_r = o.replica_num > 0 ? o.replica_num : 1;
+  const int64_t min_m = o.pipeline_num > 0 ? o.pipeline_num : 1;
+  const int64_t smallest = std::max<int64_t>(1, batch / (max_m * max_r));
+  const int64_t largest = std::max<int64_t>(1, (batch + min_m * min_r - 1) / (min_m * min_r));
+  std::vector<int64_t> sizes;
+  int64_t p = 1;
+  while (p * 2 <= smallest) p *= 2;
+  for (; p < largest; p *= 2) sizes.push_back(p);
+  sizes.push_back(largest);
+  return sizes;
+}
+
+}  // namespace
+
+absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
+    const std::map<std::string, std::string>& keys) {
+  PlannerConfig c;
+  for (auto [key, field] : std::vector<std::pair<std::string, int*>>{
+           {"partition_num", &c.partition_num}, {"pipeline_num", &c.pipeline_num},
+           {"replica_num", &c.replica_num}}) {
+    absl::Status s = ReadInt(keys, key, 0, field);
+    if (!s.ok()) return s;
+  }
+  absl::Status s = ReadInt(keys, "max_pipeline", 1, &c.max_pipeline);
+  if (!s.ok()) return s;
+  s = ReadInt(keys, "coarsen_blocks", 1, &c.max_blocks);
+  if (!s.ok()) return s;
+  s = ReadInt(keys, "profile_repeats", 1, &c.profiling.repeats);
+  if (!s.ok()) return s;
+  if (auto it = keys.find("mem_margin"); it != keys.end()) {
+    if (!absl::SimpleAtod(it->second, &c.mem_margin) || c.mem_margin < 0 || c.mem_margin >= 1) {
+      return BadKey("mem_margin", it->second, "a fraction in [0, 1)");
+    }
+  }
+  if (auto it = keys.find("schedule"); it != keys.end()) {
+    std::string v = it->second;
+    std::transform(v.begin(), v.end(), v.begin(), ::tolower);
+    if (v == "1f1b") {
+      c.schedule = Schedule::k1F1B;
+    } else if (v == "gpipe") {
+      c.schedule = Schedule::kGPipe;
+    } else {
+      return BadKey("schedule", it->second, "1f1b or gpipe");
+    }
+  }
+  if (auto it = keys.find("verify_partitioning"); it != keys.end()) {
+    if (!absl::SimpleAtob(it->second, &c.verify_partitioning)) {
+      return BadKey("verify_partitioning", it->second, "true or false");
+    }
+  }
+  return c;
+}
+
+absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at::Tensor>& tensors,
+                                         const std::vector<at::Tensor>& example_inputs,
+                                         const PlanTarget& target, const MemoryModel& memory,
+                                         const PlannerConfig& config, ProfileCache* cache,
+                                         const std::string& created_by) {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t batch = target.batch_size > 0 ? target.batch_size : ir.example_batch;
+  const int num_nodes = static_cast<int>(ir.nodes.size());
+
+  SearchOptions options;
+  options.batch_size = batch;
+  options.num_devices = target.num_devices;
+  options.device_memory_bytes = target.device_memory_bytes;
+  options.mem_margin = config.mem_margin;
+  options.schedule = config.schedule;
+  options.optimizer_state_factor = memory.optimizer_state_factor;
+  options.zero = memory.zero;
+  options.partition_num = config.partition_num;
+  options.pipeline_num = config.pipeline_num;
+  options.replica_num = config.replica_num;
+  options.max_pipeline = config.max_pipeline;
+  if (config.partition_num > num_nodes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partition_num=", config.partition_num, " but the model has only ", num_nodes,
+        " atomic nodes to split between stages"));
+  }
+
+  // Blocks: balanced by forward time, cut where little crosses.
+  ProfilerOptions profiling = config.profiling;
+  profiling.device_type = target.device_type;
+  Profiler profiler(ir, tensors, example_inputs, cache, profiling);
+  const auto profile_start = std::chrono::steady_clock::now();
+  std::vector<int> starts;
+  const int max_blocks = std::max(config.max_blocks, config.partition_num);
+  if (num_nodes <= max_blocks) {
+    for (int i = 0; i < num_nodes; ++i) starts.push_back(i);
+  } else {
+    absl::StatusOr<std::vector<double>> node_ms = profiler.AtomicForwardMs();
+    if (!node_ms.ok()) return node_ms.status();
+    std::vector<double> cut(num_nodes, 0.0);
+    for (int i = 1; i < num_nodes; ++i) cut[i] = CutBytesPerSample(ir, i);
+    starts = CoarsenToBlocks(*node_ms, cut, max_blocks);
+  }
+  const int num_blocks = static_cast<int>(starts.size());
+  auto block_end = [&](int b) { return b + 1 < num_blocks ? starts[b + 1] : num_nodes; };
+
+  // The cost table: parameters (each distinct tensor once), profiles, boundaries.
+  CostTable table;
+  std::unordered_map<const void*, int> param_index;  // tied tensors share one entry
+  std::vector<int> lifted_param(tensors.size(), -1);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const void* key = tensors[i].unsafeGetTensorImpl();
+    auto [it, added] = param_index.emplace(key, static_cast<int>(table.param_bytes.size()));
+    if (added) {
+      table.param_bytes.push_back(tensors[i].numel() * tensors[i].element_size());
+      table.param_trainable.push_back(tensors[i].requires_grad());
+    }
+    lifted_param[i] = it->second;
+  }
+  table.blocks.resize(num_blocks);
+  table.cut_bytes_per_sample.assign(num_blocks, 0.0);
+  for (int b = 0; b < num_blocks; ++b) {
+    std::set<int> params;
+    for (int n = starts[b]; n < block_end(b); ++n) {
+      for (int v : ir.nodes[n].inputs) {
+        if (v >= static_cast<int>(ir.num_user_inputs) && v < static_cast<int>(ir.inputs.size())) {
+          params.insert(lifted_param[v - ir.num_user_inputs]);
+        }
+      }
+    }
+    table.blocks[b].params.assign(params.begin(), params.end());
+    if (b > 0) table.cut_bytes_per_sample[b] = CutBytesPerSample(ir, starts[b]);
+  }
+  for (int64_t mb : ProfileSizes(batch, options)) {
+    absl::StatusOr<std::vector<ProfileRecord>> records = profiler.ProfileBlocks(starts, mb);
+    if (!records.ok()) return records.status();
+    for (int b = 0; b < num_blocks; ++b) {
+      const ProfileRecord& r = (*records)[b];
+      table.blocks[b].by_mb[mb] = {r.fwd_ms, r.bwd_ms, r.act_bytes, r.peak_bytes};
+    }
+  }
+  const double profiling_s = Seconds(profile_start);
+  if (cache != nullptr) (void)cache->Flush();  // a failed write only costs a re-profile
+
+  absl::StatusOr<Plan> plan = SearchPlan(table, target.links, options);
+  if (!plan.ok()) return plan.status();
+
+  v1::Deployment d;
+  d.set_format_version(1);
+  d.set_model_hash(ir.hash);
+  d.set_num_nodes(num_nodes);
+  d.set_batch_size(batch);
+  d.set_device_type(target.device_type);
+  d.set_num_devices(target.num_devices);
+  d.set_device_memory_bytes(target.device_memory_bytes);
+  d.set_mem_margin(config.mem_margin);
+  d.set_schedule(plan->schedule == Schedule::kGPipe ? v1::SCHEDULE_GPIPE : v1::SCHEDULE_1F1B);
+  d.set_micro_batches(plan->micro_batches);
+  d.set_estimated_step_ms(plan->simulated_ms);
+  d.set_objective_ms(plan->objective_ms);
+  d.set_optimizer(memory.optimizer);
+  d.set_zero(memory.zero);
+  d.set_created_by(created_by);
+  d.set_links(DescribeLinks(target.links));
+  uint32_t device = 0;
+  for (size_t s = 0; s < plan->stages.size(); ++s) {
+    const StagePlan& st = plan->stages[s];
+    const StageEval& e = st.eval;
+    v1::DeploymentStage* stage = d.add_stages();
+    stage->set_index(s);
+    stage->set_first_node(starts[st.begin]);
+    stage->set_end_node(block_end(st.end - 1));
+    for (int r = 0; r < st.replicas; ++r) stage->add_devices(device++);
+    stage->set_recompute(e.recompute);
+    stage->set_memory_bytes(e.memory_bytes);
+    const double state_share = memory.zero ? 1.0 / st.replicas : 1.0;
+    const uint64_t fixed = e.param_bytes + static_cast<uint64_t>(
+        e.trainable_bytes * (1 + memory.optimizer_state_factor) * state_share);
+    stage->set_fixed_bytes(std::min(fixed, e.memory_bytes));
+    stage->set_param_bytes(e.param_bytes);
+    stage->set_activation_bytes(e.memory_bytes - stage->fixed_bytes());
+    stage->set_fwd_ms(e.fwd_ms);
+    stage->set_bwd_ms(e.bwd_ms);
+    stage->set_comm_ms(e.comm_ms);
+    stage->set_allreduce_ms(e.allreduce_ms);
+    stage->set_micro_batch(e.micro_batch);
+    std::set<int> params;
+    for (int n = stage->first_node(); n < static_cast<int>(stage->end_node()); ++n) {
+      stage->add_ops(ir.nodes[n].label);
+      for (int v : ir.nodes[n].inputs) {
+        if (v >= static_cast<int>(ir.num_user_inputs) && v < static_cast<int>(ir.inputs.size())) {
+          params.insert(v - static_cast<int>(ir.num_user_inputs));
+        }
+      }
+    }
+    for (int p : params) stage->add_params(ir.tensor_names[p]);
+  }
+
+  if (config.verify_partitioning) {
+    std::vector<int> stage_starts;
+    for (const v1::DeploymentStage& st : d.stages()) stage_starts.push_back(st.first_node());
+    absl::Status verified = VerifySplit(ir, stage_starts, tensors, example_inputs);
+    if (!verified.ok()) return verified;
+  }
+  d.set_profiling_seconds(profiling_s);
+  d.set_planning_seconds(Seconds(start));
+  return d;
+}
+
+}  // namespace planner
+}  // namespace rannc

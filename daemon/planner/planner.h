@@ -1,0 +1,77 @@
+// Plans a model end to end: IR -> forward time of every atomic node -> blocks (coarsening,
+// balanced by time, cut where little crosses) -> each block profiled at the micro-batch sizes
+// the search may use -> CostTable -> SearchPlan (exact DP over stages x replicas x
+// micro-batches under each device's memory) -> a Deployment (proto/rannc/v1/deployment.proto).
+//
+// The devices need not exist (dry runs): costs are measured on the daemon's own device type,
+// memory limits and link speeds come from the PlanTarget.
+//
+//   absl::StatusOr<PlannerConfig> config = PlannerConfigFromKeys(job_options.config());
+//   absl::StatusOr<v1::Deployment> plan =
+//       PlanModel(ir, tensors, example_inputs, target, memory, *config, &cache, "ranncd 0.1.0");
+//
+// PlanModel runs the model many times on the calling thread; it never changes `tensors`.
+#ifndef RANNC_DAEMON_PLANNER_PLANNER_H_
+#define RANNC_DAEMON_PLANNER_PLANNER_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "daemon/graph/ir.h"
+#include "daemon/planner/cost_eval.h"
+#include "daemon/planner/cost_table.h"
+#include "daemon/planner/profile_cache.h"
+#include "daemon/planner/profiler.h"
+#include "rannc/v1/deployment.pb.h"
+
+namespace rannc {
+namespace planner {
+
+// A job's planning knobs: the config keys a client sends (RANNC_<KEY> / rannc.toml).
+struct PlannerConfig {
+  int partition_num = 0;    // "partition_num": stages; 0 = the planner decides
+  int pipeline_num = 0;     // "pipeline_num": micro-batches per step; 0 = the planner decides
+  int replica_num = 0;      // "replica_num": replicas of every stage; 0 = the planner decides
+  int max_pipeline = 32;    // "max_pipeline": the most micro-batches searched
+  double mem_margin = 0.1;  // "mem_margin": fraction of each device's memory kept free
+  Schedule schedule = Schedule::k1F1B;  // "schedule": "1f1b" or "gpipe"
+  int max_blocks = 32;      // "coarsen_blocks": blocks the search splits between
+  bool verify_partitioning = false;  // "verify_partitioning": check the split at job creation
+  ProfilerOptions profiling;         // "profile_repeats": timed runs per measurement (3)
+};
+
+// Reads the keys above from `keys` (other keys are ignored: clients send every RANNC_*
+// variable). INVALID_ARGUMENT naming the key for a value that does not parse or is out of
+// range.
+absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(const std::map<std::string, std::string>& keys);
+
+// The devices to plan for.
+struct PlanTarget {
+  int num_devices = 1;
+  uint64_t device_memory_bytes = 0;  // per device
+  std::string device_type = "cpu";
+  int64_t batch_size = 0;            // global batch; 0 = the example batch
+  Links links;
+};
+
+// What the job keeps per trainable parameter byte besides the parameter and its gradient.
+struct MemoryModel {
+  double optimizer_state_factor = 0;  // SGD 0, SGD with momentum 1, Adam 2, amsgrad 3
+  std::string optimizer = "none";
+  bool zero = false;
+};
+
+absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at::Tensor>& tensors,
+                                         const std::vector<at::Tensor>& example_inputs,
+                                         const PlanTarget& target, const MemoryModel& memory,
+                                         const PlannerConfig& config, ProfileCache* cache,
+                                         const std::string& created_by);
+
+}  // namespace planner
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_PLANNER_PLANNER_H_
