@@ -173,7 +173,15 @@ TEST_CASE("LinksToString round trips exactly") {
   options.allreduce_bytes = 1 << 20;
   Links measured;
   ProbeSeconds(options, &measured);
-  for (const Links& links : {fixed, measured, Links()}) {
+  Links extreme;
+  extreme.p2p_bytes_per_s = 1;
+  extreme.p2p_latency_s = 1e-12;
+  extreme.allreduce_bytes_per_s = {{2, 1e15}, {3, 123456789.123456789}, {5, 1e-3}};
+  extreme.allreduce_latency_s = 3600;
+  CHECK(LinksToString(extreme) ==
+        "p2p=0.000000001GB/s,p2p_latency=0.000001us,allreduce=2:1000000GB/s;"
+        "3:0.12345678912345679GB/s;5:0.000000000001GB/s,allreduce_latency=3600000000us");
+  for (const Links& links : {fixed, measured, extreme, Links()}) {
     const std::string text = LinksToString(links);
     INFO(text);
     absl::StatusOr<Links> back = LinksFromString(text);
