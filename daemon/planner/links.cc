@@ -456,8 +456,9 @@ absl::StatusOr<Links> MeasureCpuLinks(const LinkProbeOptions& options) {
     if (!wall_n.ok()) return wall_n.status();
   }
 
-  // Latency: a tiny all-reduce over every device is nearly all barrier handoffs.
-  const size_t tiny = std::max<size_t>(kHandoffBytes / sizeof(float), n);
+  // Latency: a tiny all-reduce over every device is nearly all barrier handoffs. (Devices 2..n-1
+  // have only `floats` elements.)
+  const size_t tiny = std::min<size_t>(std::max<size_t>(kHandoffBytes / sizeof(float), n), floats);
   absl::StatusOr<double> tiny_s = BestRingAllReduceSeconds(
       std::vector<float*>(floats_of.begin(), floats_of.begin() + n), tiny,
       std::max(options.repeats, 5));
