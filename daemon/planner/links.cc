@@ -376,24 +376,35 @@ absl::StatusOr<double> ParseLatency(absl::string_view token, absl::string_view v
   return v;
 }
 
-// The shortest "%g" form of value / 10^exp10 that parses back to exactly `value`, preferring
-// one without an exponent; the base unit at full precision when none does.
-std::string FormatExact(double value, int exp10, absl::string_view unit,
-                        absl::string_view base_unit) {
-  const double scaled = value / std::pow(10.0, exp10);
-  for (bool allow_exponent : {false, true}) {
-    for (int precision = 1; precision <= 17; ++precision) {
-      std::string s = absl::StrFormat("%.*g", precision, scaled);
-      if (!allow_exponent && s.find_first_of("eE") != std::string::npos) continue;
-      double back;
-      if (ParseScaled(s, exp10, &back) && back == value) return absl::StrCat(s, unit);
-    }
+// `value` / 10^exp10 in plain decimal notation, with the fewest significant digits that parse
+// back (by ParseScaled) to exactly `value`. A double is a finite decimal, so scaling by a power
+// of ten is only a shift of its decimal point: done on the digits, not by a rounding division.
+std::string FormatExact(double value, int exp10) {
+  if (value == 0 || !std::isfinite(value)) return absl::StrFormat("%g", value);
+  std::string sci;
+  for (int precision = 1; precision <= 17; ++precision) {
+    sci = absl::StrFormat("%.*e", precision - 1, value);
+    double back;
+    if (absl::SimpleAtod(sci, &back) && back == value) break;
   }
-  return absl::StrCat(absl::StrFormat("%.17g", value), base_unit);
+  // sci is "[-]d.ddde[+-]xx": value = digits * 10^(x - (digits.size() - 1)).
+  const size_t e = sci.find('e');
+  std::string sign = sci[0] == '-' ? "-" : "";
+  std::string digits;
+  for (char c : sci.substr(sign.size(), e - sign.size())) {
+    if (c != '.') digits.push_back(c);
+  }
+  int x = 0;
+  absl::SimpleAtoi(sci.substr(e + 1), &x);
+  const int shift = x - static_cast<int>(digits.size() - 1) - exp10;  // digits * 10^shift
+  if (shift >= 0) return sign + digits + std::string(shift, '0');
+  const int point = static_cast<int>(digits.size()) + shift;  // digits before the point
+  if (point > 0) return absl::StrCat(sign, digits.substr(0, point), ".", digits.substr(point));
+  return absl::StrCat(sign, "0.", std::string(-point, '0'), digits);
 }
 
-std::string FormatBandwidth(double v) { return FormatExact(v, 9, "GB/s", "B/s"); }
-std::string FormatLatency(double v) { return FormatExact(v, -6, "us", "s"); }
+std::string FormatBandwidth(double v) { return FormatExact(v, 9) + "GB/s"; }
+std::string FormatLatency(double v) { return FormatExact(v, -6) + "us"; }
 
 }  // namespace
 
@@ -445,8 +456,9 @@ absl::StatusOr<Links> MeasureCpuLinks(const LinkProbeOptions& options) {
     if (!wall_n.ok()) return wall_n.status();
   }
 
-  // Latency: a tiny all-reduce over every device is nearly all barrier handoffs.
-  const size_t tiny = std::max<size_t>(kHandoffBytes / sizeof(float), n);
+  // Latency: a tiny all-reduce over every device is nearly all barrier handoffs. (Devices 2..n-1
+  // have only `floats` elements.)
+  const size_t tiny = std::min<size_t>(std::max<size_t>(kHandoffBytes / sizeof(float), n), floats);
   absl::StatusOr<double> tiny_s = BestRingAllReduceSeconds(
       std::vector<float*>(floats_of.begin(), floats_of.begin() + n), tiny,
       std::max(options.repeats, 5));
