@@ -8,6 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/planner/deployment.h"
+#include "daemon/planner/links.h"
+#include "daemon/planner/planner.h"
 
 namespace rannc {
 namespace {
@@ -50,10 +53,6 @@ absl::Status CheckSupported(const v1::JobOptions& options) {
   }
   if (options.enable_zero()) return refuse("enable_zero", "ZeRO sharding");
   if (options.offload_params()) return refuse("offload_params", "parameter offload");
-  if (!options.load_deployment().empty()) {
-    return absl::UnimplementedError(
-        "load_deployment: deployment files are not supported by this daemon yet");
-  }
   return absl::OkStatus();
 }
 
@@ -204,6 +203,7 @@ grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInf
   info->set_hostname(facts_.hostname);
   info->set_max_message_bytes(facts_.max_message_bytes);
   info->set_shm_dir(facts_.shm_dir);
+  info->set_links(planner::DescribeLinks(facts_.links));
   info->set_num_jobs(jobs_->size());
   for (const DaemonFacts::Device& d : facts_.devices) {
     v1::DeviceInfo* device = info->add_devices();
@@ -255,6 +255,39 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (!facts_.devices.empty()) {
     config.device = facts_.devices[0].name;
     config.device_memory_bytes = facts_.devices[0].memory_bytes;
+    config.plan_target.device_type = facts_.devices[0].type;
+    config.plan_target.device_memory_bytes = facts_.devices[0].memory_bytes;
+  }
+  config.plan_target.num_devices = static_cast<int>(facts_.devices.size());
+  config.plan_target.links = facts_.links;
+  config.profile_cache = facts_.profile_cache;
+  config.created_by = absl::StrCat("ranncd ", facts_.version, " (LibTorch ", facts_.torch_version,
+                                   ")");
+  config.load_deployment = spec.options().load_deployment();
+  absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(
+      {spec.options().config().begin(), spec.options().config().end()});
+  if (!planner.ok()) return Fail("CreateJob", planner.status());
+  config.planner = *planner;
+
+  if (spec.dry_run().num_devices() > 0) {
+    const v1::PlanTarget& dry = spec.dry_run();
+    config.plan_target.num_devices = static_cast<int>(dry.num_devices());
+    if (dry.device_memory_bytes() != 0) {
+      config.plan_target.device_memory_bytes = dry.device_memory_bytes();
+    }
+    config.plan_target.batch_size = dry.batch_size();
+    if (!dry.links().empty()) {
+      absl::StatusOr<planner::Links> links = planner::LinksFromString(dry.links());
+      if (!links.ok()) return Fail("CreateJob", Annotate(links.status(), "dry_run.links"));
+      config.plan_target.links = *links;
+    }
+    absl::StatusOr<v1::Deployment> plan = Job::PlanOnly(config, model, *examples);
+    if (!plan.ok()) return Fail("CreateJob", plan.status());
+    response->set_plan_summary(planner::DescribeDeployment(*plan));
+    *response->mutable_deployment() = std::move(*plan);
+    spdlog::info("planned '{}' for {} devices (dry run, {:.2f} s)", spec.name(),
+                 dry.num_devices(), response->deployment().planning_seconds());
+    return grpc::Status::OK;
   }
 
   const std::string id = jobs_->NewJobId();
@@ -262,13 +295,16 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (!job.ok()) return Fail("CreateJob", job.status());
 
   response->set_job_id(id);
+  *response->mutable_deployment() = (*job)->deployment();
+  response->set_plan_summary(planner::DescribeDeployment((*job)->deployment()));
   for (const ParamStore::Entry& e : (*job)->params().entries()) {
     FillParamInfo(e, e.is_parameter ? response->add_params() : response->add_buffers());
   }
   for (const at::Tensor& out : (*job)->example_outputs()) EncodeSpec(out, response->add_outputs());
   for (const std::string& d : (*job)->devices()) response->add_devices(d);
-  spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript)", id, spec.name(),
-               (*job)->params().NumParameterElements(), model.size());
+  spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}", id,
+               spec.name(), (*job)->params().NumParameterElements(), model.size(),
+               response->plan_summary());
   jobs_->Add(std::move(*job));
   return grpc::Status::OK;
 }

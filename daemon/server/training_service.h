@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "daemon/common/shm_transfer.h"
+#include "daemon/planner/cost_table.h"
+#include "daemon/planner/profile_cache.h"
 #include "daemon/server/job_manager.h"
 #include "rannc/v1/training.grpc.pb.h"
 

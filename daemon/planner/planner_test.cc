@@ -1,0 +1,193 @@
+#include "daemon/planner/planner.h"
+
+// LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
+#include <ATen/ATen.h>
+#include <catch2/catch.hpp>
+
+#include "daemon/graph/ir_testing.h"
+#include "daemon/planner/deployment.h"
+#include "daemon/planner/links.h"
+
+namespace rannc {
+namespace planner {
+namespace {
+
+using testing::BuildFixtureIr;
+using testing::FixtureIr;
+
+PlanTarget Target(int devices, uint64_t memory) {
+  PlanTarget t;
+  t.num_devices = devices;
+  t.device_memory_bytes = memory;
+  t.links = *LinksFromString("p2p=10GB/s,allreduce=2:5GB/s;3:4GB/s;4:3GB/s");
+  return t;
+}
+
+PlannerConfig Config(std::map<std::string, std::string> keys) {
+  absl::StatusOr<PlannerConfig> c = PlannerConfigFromKeys(keys);
+  REQUIRE(c.ok());
+  c->profiling.repeats = 1;
+  return *c;
+}
+
+uint64_t ParamBytes(const FixtureIr& f) {
+  uint64_t bytes = 0;
+  for (const at::Tensor& t : f.tensors) bytes += t.numel() * t.element_size();
+  return bytes;
+}
+
+void CheckCoversModel(const v1::Deployment& d, const IrGraph& ir, int devices) {
+  uint32_t next = 0;
+  std::set<uint32_t> used;
+  for (const v1::DeploymentStage& s : d.stages()) {
+    CHECK(s.first_node() == next);
+    CHECK(s.end_node() > s.first_node());
+    next = s.end_node();
+    for (uint32_t dev : s.devices()) {
+      CHECK(dev < static_cast<uint32_t>(devices));
+      CHECK(used.insert(dev).second);  // a device holds one stage
+    }
+    CHECK(s.memory_bytes() <= d.device_memory_bytes() * (1 - d.mem_margin()));
+  }
+  CHECK(next == ir.nodes.size());
+  CHECK(d.model_hash() == ir.hash);
+  CHECK(d.estimated_step_ms() > 0);
+}
+
+TEST_CASE("PlanModel gives a model that fits one device a plan covering every node", "[planner]") {
+  FixtureIr f = BuildFixtureIr("mlp");
+  REQUIRE(f.ir.ok());
+  absl::StatusOr<v1::Deployment> d = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                               Target(1, 1ull << 30), {}, Config({}), nullptr, "test");
+  REQUIRE(d.ok());
+  REQUIRE(d->stages_size() == 1);
+  CheckCoversModel(*d, *f.ir, 1);
+  CHECK(d->micro_batches() == 1);
+  CHECK(d->stages(0).micro_batch() == 5);
+  CHECK(d->created_by() == "test");
+  CHECK_THAT(DescribeDeployment(*d), Catch::Contains("stage 0: nodes [0, "));
+}
+
+TEST_CASE("PlanModel honours forced stage, replica and micro-batch counts", "[planner]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  absl::StatusOr<v1::Deployment> d = PlanModel(
+      *f.ir, f.tensors, f.fixture.inputs, Target(4, 1ull << 30), {},
+      Config({{"partition_num", "2"}, {"replica_num", "2"}, {"pipeline_num", "2"},
+              {"verify_partitioning", "true"}}),
+      nullptr, "test");
+  REQUIRE(d.ok());
+  CHECK(d->stages_size() == 2);
+  CHECK(d->micro_batches() == 2);
+  for (const v1::DeploymentStage& s : d->stages()) CHECK(s.devices_size() == 2);
+  CheckCoversModel(*d, *f.ir, 4);
+
+  absl::StatusOr<v1::Deployment> gpipe = PlanModel(
+      *f.ir, f.tensors, f.fixture.inputs, Target(2, 1ull << 30), {},
+      Config({{"partition_num", "2"}, {"schedule", "gpipe"}}), nullptr, "test");
+  REQUIRE(gpipe.ok());
+  CHECK(gpipe->schedule() == v1::SCHEDULE_GPIPE);
+  CHECK(gpipe->stages_size() == 2);
+}
+
+TEST_CASE("PlanModel splits a model too large for one device, and refuses one too large for all",
+          "[planner]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  const uint64_t params = ParamBytes(f);
+  MemoryModel adam;
+  adam.optimizer = "adam";
+  adam.optimizer_state_factor = 2;
+  // Whole, the model needs 4x its parameters (param, grad, two Adam moments) plus
+  // activations; each device gets about 2.5x.
+  const uint64_t memory = params * 5 / 2 + (64 << 10);
+  absl::StatusOr<v1::Deployment> one = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                 Target(1, memory), adam, Config({}), nullptr, "t");
+  CHECK(one.status().code() == absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<v1::Deployment> two = PlanModel(
+      *f.ir, f.tensors, f.fixture.inputs, Target(2, memory), adam,
+      Config({{"verify_partitioning", "true"}}), nullptr, "t");
+  REQUIRE(two.ok());
+  CHECK(two->stages_size() == 2);
+  CheckCoversModel(*two, *f.ir, 2);
+}
+
+TEST_CASE("Deployments round-trip and stay valid while they fit", "[planner]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  PlanTarget target = Target(2, 256ull << 20);
+  absl::StatusOr<v1::Deployment> d = PlanModel(*f.ir, f.tensors, f.fixture.inputs, target, {},
+                                               Config({{"partition_num", "2"}}), nullptr, "t");
+  REQUIRE(d.ok());
+  v1::Deployment loaded;
+  REQUIRE(loaded.ParseFromString(d->SerializeAsString()));
+  CHECK(loaded.SerializeAsString() == d->SerializeAsString());
+  CHECK(CheckDeployment(loaded, *f.ir, target).ok());
+
+  PlanTarget smaller = target;
+  smaller.device_memory_bytes = 64ull << 20;  // still far more than this model needs
+  CHECK(CheckDeployment(loaded, *f.ir, smaller).ok());
+
+  PlanTarget tiny = target;
+  tiny.device_memory_bytes = 4096;
+  absl::Status no_fit = CheckDeployment(loaded, *f.ir, tiny);
+  CHECK(no_fit.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(no_fit.message()), Catch::Contains("stage 0 needs"));
+
+  PlanTarget fewer = target;
+  fewer.num_devices = 1;
+  CHECK(CheckDeployment(loaded, *f.ir, fewer).code() == absl::StatusCode::kFailedPrecondition);
+
+  PlanTarget gpu = target;
+  gpu.device_type = "cuda";
+  CHECK(CheckDeployment(loaded, *f.ir, gpu).code() == absl::StatusCode::kInvalidArgument);
+
+  FixtureIr other = BuildFixtureIr("mlp");
+  REQUIRE(other.ir.ok());
+  absl::Status wrong_model = CheckDeployment(loaded, *other.ir, target);
+  CHECK(wrong_model.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(wrong_model.message()), Catch::Contains("another model"));
+
+  v1::Deployment future = loaded;
+  future.set_format_version(2);
+  CHECK(CheckDeployment(future, *f.ir, target).code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("A second plan of the same model reads its profiles from the cache", "[planner]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  ProfileCache cache("");
+  absl::StatusOr<v1::Deployment> first = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                   Target(2, 1ull << 30), {}, Config({}), &cache, "t");
+  REQUIRE(first.ok());
+  const size_t entries = cache.size();
+  CHECK(entries > 0);
+  absl::StatusOr<v1::Deployment> second = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                    Target(2, 1ull << 30), {}, Config({}), &cache, "t");
+  REQUIRE(second.ok());
+  CHECK(cache.size() == entries);
+  CHECK(second->stages_size() == first->stages_size());
+  CHECK(second->micro_batches() == first->micro_batches());
+}
+
+TEST_CASE("PlannerConfigFromKeys reads the planner keys and names a bad one", "[planner]") {
+  absl::StatusOr<PlannerConfig> c = PlannerConfigFromKeys(
+      {{"partition_num", "2"}, {"mem_margin", "0.25"}, {"schedule", "GPipe"},
+       {"max_pipeline", "8"}, {"unrelated", "x"}});
+  REQUIRE(c.ok());
+  CHECK(c->partition_num == 2);
+  CHECK(c->mem_margin == 0.25);
+  CHECK(c->schedule == Schedule::kGPipe);
+  CHECK(c->max_pipeline == 8);
+  for (auto [key, value] : std::vector<std::pair<std::string, std::string>>{
+           {"partition_num", "two"}, {"replica_num", "-1"}, {"mem_margin", "1.5"},
+           {"schedule", "zigzag"}, {"verify_partitioning", "maybe"}, {"max_pipeline", "0"}}) {
+    absl::StatusOr<PlannerConfig> bad = PlannerConfigFromKeys({{key, value}});
+    CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(bad.status().message()), Catch::Contains(key));
+  }
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace rannc
