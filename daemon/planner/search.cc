@@ -207,20 +207,25 @@ class StateIndex {
   size_t d_, k_, size_;
 };
 
-// A suffix of the pipeline: its stage maxima and sum, and how it was built (the first stage is
-// blocks [begin, end) on `replicas` devices, followed by entry `child` of state (end, d - r, k - 1)).
+// A suffix of the pipeline: its slowest stage time, sum of stage times, slowest all-reduce and
+// stage count, and how it was built (its first stage is blocks [b, end) on `replicas` devices,
+// followed by entry `child` of the state (end, d - replicas, ...)).
 struct Entry {
   double max_t, sum_t, max_ar;
+  int stages;
   int end, replicas, child;
 };
 
 bool Dominates(const Entry& a, const Entry& b) {
-  return a.max_t <= b.max_t && a.sum_t <= b.sum_t && a.max_ar <= b.max_ar;
+  return a.max_t <= b.max_t && a.sum_t <= b.sum_t && a.max_ar <= b.max_ar &&
+         a.stages <= b.stages;
 }
 
-// The objective is non-decreasing in each of the three values, and prepending a stage keeps
-// that order, so a suffix dominated by another with the same state can never be part of a
-// better plan: dropping it is exact.
+// Why dropping a dominated suffix is exact: the objective is non-decreasing in max_t, sum_t
+// and max_ar, and fewer stages win ties. Prepending the same stage to both keeps the order:
+// fewer stages after it mean fewer micro-batches in flight (1F1B), so the stage needs no more
+// memory and recomputes no more often. So whatever plan the dominated suffix completes, the
+// dominating one completes at least as well.
 void InsertPareto(std::vector<Entry>* front, const Entry& x) {
   for (const Entry& y : *front) {
     if (Dominates(y, x)) return;
@@ -438,27 +443,39 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
                                 const SearchOptions& options) {
   Limits lim;
   if (absl::Status s = Validate(table, options, &lim); !s.ok()) return s;
-  const int n = lim.n, D = lim.devices, K = lim.max_stages;
+  const int n = lim.n, D = lim.devices;
   const SearchOptions& o = options;
 
   ProfileCache cache(table);
   StageGrower grower(table);
-  StateIndex idx(n, D, K);
+  // With a forced stage count the fronts are kept per exact count (k = stages in the suffix);
+  // otherwise the count is one more Pareto dimension and every suffix shares k = 0.
+  const bool by_count = o.partition_num > 0;
+  const int P = o.partition_num;
+  StateIndex idx(n, D, by_count ? P : 0);
   std::vector<std::vector<Entry>> fronts(idx.size());
   Best best;
   const double initial_bound = SimplePlansBound(table, links, o, lim, &cache);
+  // Evaluations of the stage being grown, per in-flight count, computed on first use.
+  std::vector<StageEval> evals;
+  std::vector<uint64_t> eval_stamp;
+  uint64_t stamp = 0;
 
   for (int m : lim.micro_batches) {
     for (auto& f : fronts) f.clear();
-    fronts[idx(n, 0, 0)].push_back(Entry{0, 0, 0, -1, -1, -1});
-
+    fronts[idx(n, 0, 0)].push_back(Entry{0, 0, 0, 0, -1, -1, -1});
     const PrefixBounds lb(o, lim, m, &cache);
     if (!lb.Possible(n, D)) continue;  // this m leaves a device without samples
     const double bound = (best.found ? best.objective : initial_bound) * (1 + kPruneTol);
     const int min_inflight = internal::Inflight(o.schedule, 0, m);
+    evals.assign(m + 1, StageEval{});
+    eval_stamp.assign(m + 1, 0);
+    // The part of the objective a suffix already fixes; fronts are sorted by it so that the
+    // scan over a child front can stop at the first entry that cannot lead below the bound.
+    auto key = [m](const Entry& c) { return (m - 1) * c.max_t + c.sum_t + c.max_ar; };
 
-    // Suffixes are built from the last stage backwards, so when a stage is added in front of
-    // a suffix of k - 1 stages, its stages_after (and so its in-flight micro-batches) is known.
+    // Suffixes are built from the last stage backwards, so when a stage is put in front of a
+    // suffix, its stages_after (and so its in-flight micro-batches) is known.
     for (int b = n - 1; b >= 0; --b) {
       // Devices that must stay free for the stages before b.
       const int reserve = b > 0 ? lim.r_min : 0;
@@ -478,37 +495,43 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
               bound) {
             break;
           }
-          const int k_lo = e == n ? 1 : 2;
-          const int k_hi =
-              e == n ? 1 : std::min({K, 1 + (n - e), 1 + (D - r - reserve) / lim.r_min});
-          StageEval ev;
-          int ev_inflight = -1;
-          bool any_fits = false;
-          for (int k = k_lo; k <= k_hi; ++k) {
-            const int inflight = internal::Inflight(o.schedule, k - 1, m);
-            if (inflight != ev_inflight) {
-              ev = internal::FinishStage(table, links, o, b, e, r, inflight, mb, sums);
-              ev_inflight = inflight;
+          ++stamp;
+          auto eval_at = [&](int inflight) -> const StageEval& {
+            if (eval_stamp[inflight] != stamp) {
+              evals[inflight] = internal::FinishStage(table, links, o, b, e, r, inflight, mb, sums);
+              eval_stamp[inflight] = stamp;
             }
-            // More stages after this one only add in-flight micro-batches (memory, and maybe
-            // recompute time), so once one k fails, larger k fail too.
-            if (!ev.feasible) break;
-            any_fits = true;
-            const double t = ev.time_ms, ar = ev.allreduce_ms;
-            if ((m - 1) * std::max(t, pre_max) + t + ar + pre_sum + lb.SuffixTime(e) > bound) {
-              break;
-            }
-            for (int dc = (k - 1) * lim.r_min; dc + r + reserve <= D; ++dc) {
-              const std::vector<Entry>& child = fronts[idx(e, dc, k - 1)];
+            return evals[inflight];
+          };
+          // The fewest micro-batches in flight: the least memory and time this stage can have.
+          const StageEval& first = eval_at(min_inflight);
+          // A stage's memory never shrinks as it grows, so no longer stage from b fits either.
+          if (!first.feasible) break;
+          const double t_min = first.time_ms;
+          if ((m - 1) * std::max(t_min, pre_max) + t_min + first.allreduce_ms + pre_sum +
+                  lb.SuffixTime(e) >
+              bound) {
+            continue;
+          }
+          const int k_lo = by_count ? (e == n ? 1 : 2) : 0;
+          const int k_hi = by_count ? (e == n ? 1 : P) : 0;
+          for (int kp = k_lo; kp <= k_hi; ++kp) {
+            const int kc = by_count ? kp - 1 : 0;
+            for (int dc = 0; dc + r + reserve <= D; ++dc) {
+              const std::vector<Entry>& child = fronts[idx(e, dc, kc)];
               if (child.empty()) continue;
               const int q = D - dc - r;  // devices left for the stages before b
               if (!lb.Possible(b, q)) continue;
               const double q_sum = lb.SumTime(b, q), q_max = lb.MaxTime(b, q);
-              std::vector<Entry>& parent = fronts[idx(b, dc + r, k)];
+              std::vector<Entry>& parent = fronts[idx(b, dc + r, kp)];
               for (size_t ci = 0; ci < child.size(); ++ci) {
                 const Entry& c = child[ci];
-                Entry x{std::max(t, c.max_t), t + c.sum_t, std::max(ar, c.max_ar), e, r,
-                        static_cast<int>(ci)};
+                if (key(c) + t_min + q_sum > bound) break;
+                const StageEval& ev = eval_at(internal::Inflight(o.schedule, c.stages, m));
+                if (!ev.feasible) continue;
+                const double t = ev.time_ms, ar = ev.allreduce_ms;
+                Entry x{std::max(t, c.max_t), t + c.sum_t, std::max(ar, c.max_ar), c.stages + 1,
+                        e, r, static_cast<int>(ci)};
                 if ((m - 1) * std::max(x.max_t, q_max) + x.sum_t + q_sum + x.max_ar > bound) {
                   continue;
                 }
@@ -516,46 +539,44 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
               }
             }
           }
-          // A stage's memory never shrinks as it grows, so if it does not fit even as the
-          // last stage (fewest micro-batches in flight), no longer stage from b fits either.
-          if (!any_fits) {
-            if (ev_inflight != min_inflight) {
-              ev = internal::FinishStage(table, links, o, b, e, r, min_inflight, mb, sums);
-            }
-            if (!ev.feasible) break;
-          }
+        }
+      }
+      // Block b's fronts are complete; sort them for the scans above (b's parents only refer
+      // to them by index after this).
+      for (int d = 0; d <= D; ++d) {
+        for (int k = 0; k <= (by_count ? P : 0); ++k) {
+          std::vector<Entry>& f = fronts[idx(b, d, k)];
+          std::sort(f.begin(), f.end(),
+                    [&key](const Entry& x, const Entry& y) { return key(x) < key(y); });
         }
       }
     }
 
-    for (int k = 1; k <= K; ++k) {
-      if (o.partition_num > 0 && k != o.partition_num) continue;
-      for (int d = 1; d <= D; ++d) {
-        if (o.use_all_devices && d != D) continue;
-        const std::vector<Entry>& front = fronts[idx(0, d, k)];
-        for (size_t i = 0; i < front.size(); ++i) {
-          const Entry& en = front[i];
-          const double obj = (m - 1) * en.max_t + en.sum_t + en.max_ar;
-          if (!Better(obj, k, m, d, best)) continue;
-          best.found = true;
-          best.objective = obj;
-          best.stages = k;
-          best.micro_batches = m;
-          best.devices = d;
-          best.plan.clear();
-          int b = 0, dd = d, kk = k, at = static_cast<int>(i);
-          while (kk > 0) {
-            const Entry& step = fronts[idx(b, dd, kk)][at];
-            StagePlan sp;
-            sp.begin = b;
-            sp.end = step.end;
-            sp.replicas = step.replicas;
-            best.plan.push_back(sp);
-            b = step.end;
-            dd -= step.replicas;
-            --kk;
-            at = step.child;
-          }
+    for (int d = 1; d <= D; ++d) {
+      if (o.use_all_devices && d != D) continue;
+      const std::vector<Entry>& front = fronts[idx(0, d, by_count ? P : 0)];
+      for (size_t i = 0; i < front.size(); ++i) {
+        const Entry& en = front[i];
+        const double obj = key(en);
+        if (!Better(obj, en.stages, m, d, best)) continue;
+        best.found = true;
+        best.objective = obj;
+        best.stages = en.stages;
+        best.micro_batches = m;
+        best.devices = d;
+        best.plan.clear();
+        int at_b = 0, at_d = d, at_k = by_count ? P : 0, at = static_cast<int>(i);
+        while (at_b < n) {
+          const Entry& step = fronts[idx(at_b, at_d, at_k)][at];
+          StagePlan sp;
+          sp.begin = at_b;
+          sp.end = step.end;
+          sp.replicas = step.replicas;
+          best.plan.push_back(sp);
+          at_b = step.end;
+          at_d -= step.replicas;
+          if (by_count) --at_k;
+          at = step.child;
         }
       }
     }
@@ -567,17 +588,17 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
   plan.micro_batches = best.micro_batches;
   plan.schedule = o.schedule;
   plan.stages = best.plan;
-  std::vector<StageEval> evals;
+  std::vector<StageEval> stage_evals;
   const int S = static_cast<int>(plan.stages.size());
   for (int s = 0; s < S; ++s) {
     StagePlan& sp = plan.stages[s];
     sp.eval = EvaluateStage(table, links, o, sp.begin, sp.end, sp.replicas, S - 1 - s,
                             plan.micro_batches);
-    evals.push_back(sp.eval);
+    stage_evals.push_back(sp.eval);
     plan.devices_used += sp.replicas;
   }
-  plan.objective_ms = Objective(evals, plan.micro_batches);
-  plan.simulated_ms = SimulateStep(evals, plan.micro_batches, plan.schedule);
+  plan.objective_ms = Objective(stage_evals, plan.micro_batches);
+  plan.simulated_ms = SimulateStep(stage_evals, plan.micro_batches, plan.schedule);
   return plan;
 }
 
