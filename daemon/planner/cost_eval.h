@@ -1,0 +1,111 @@
+// The planner's cost model: what one pipeline stage (a contiguous range of blocks run on a
+// group of data-parallel replicas) costs in time and memory, and the step time of a pipeline
+// made of such stages. The search (planner/search.h) minimises Objective(); the simulator
+// (planner/schedule_sim.h) checks it.
+//
+// Pure functions of their arguments; safe to call from any thread.
+//
+//   SearchOptions opt;
+//   opt.batch_size = 64;  opt.num_devices = 8;  opt.device_memory_bytes = 80ull << 30;
+//   StageEval s0 = EvaluateStage(table, links, opt, /*begin=*/0, /*end=*/3, /*replicas=*/4,
+//                                /*stages_after=*/1, /*micro_batches=*/8);
+//   StageEval s1 = EvaluateStage(table, links, opt, 3, 6, 4, 0, 8);
+//   if (s0.feasible && s1.feasible) double ms = Objective({s0, s1}, 8);
+#ifndef RANNC_DAEMON_PLANNER_COST_EVAL_H_
+#define RANNC_DAEMON_PLANNER_COST_EVAL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "daemon/planner/cost_table.h"
+
+namespace rannc {
+namespace planner {
+
+// The order in which a stage runs the forwards (F) and backwards (B) of a step's micro-batches.
+enum class Schedule {
+  // PipeDream-flush: a few warm-up forwards, then alternate F and B. A stage holds at most
+  // (stages after it + 1) micro-batches' activations.
+  k1F1B,
+  // All forwards, then all backwards: every stage holds all micro-batches' activations.
+  kGPipe,
+};
+
+struct SearchOptions {
+  int64_t batch_size = 0;              // samples per training step (global batch); required
+  int num_devices = 0;                 // devices the plan may use; required
+  uint64_t device_memory_bytes = 0;    // memory of one device in bytes; required
+  double mem_margin = 0.1;             // fraction of device memory kept free for what the
+                                       // estimate misses (allocator fragmentation, workspace)
+  Schedule schedule = Schedule::k1F1B;
+  // Optimizer state bytes per trainable parameter byte: SGD 0, SGD+momentum 1, Adam 2,
+  // Adam with amsgrad 3. Default 2 (Adam).
+  double optimizer_state_factor = 2.0;
+  bool zero = false;        // gradients and optimizer state sharded over the stage's replicas
+  int partition_num = 0;    // forced number of stages; 0 = search
+  int pipeline_num = 0;     // forced number of micro-batches per step; 0 = search
+  int replica_num = 0;      // forced replicas per stage (every stage); 0 = search
+  int max_pipeline = 32;    // largest micro-batch count searched (ignored if pipeline_num set)
+  bool allow_recompute = true;   // a stage that does not fit may recompute its forward
+  bool use_all_devices = false;  // plans must use exactly num_devices devices
+};
+
+struct StageEval {
+  bool feasible = false;    // fits in device_memory_bytes * (1 - mem_margin) with valid sizes
+  bool recompute = false;   // activations are recomputed in backward (only if needed to fit)
+  int64_t micro_batch = 0;  // samples per micro-batch on one device (0 if the batch is too small)
+  double fwd_ms = 0;        // per micro-batch on one device
+  double bwd_ms = 0;        // per micro-batch on one device; includes the recomputed forward
+  // Per micro-batch: receiving inputs and sending outputs forward, and the gradients of both
+  // backward.
+  double comm_ms = 0;
+  double time_ms = 0;       // fwd_ms + bwd_ms + comm_ms: the stage's time per micro-batch
+  double allreduce_ms = 0;  // gradient all-reduce over the replicas once per step; 0 if 1 replica
+  uint64_t memory_bytes = 0;     // estimated peak per device
+  uint64_t param_bytes = 0;      // parameters and buffers the stage holds (tied ones once)
+  uint64_t trainable_bytes = 0;  // the trainable part of param_bytes
+  uint64_t act_bytes = 0;        // activations kept per micro-batch (all blocks, without recompute)
+  uint64_t peak_bytes = 0;       // largest transient working memory of one block
+  int inflight = 0;              // micro-batches whose activations the stage holds at once
+};
+
+// The profile of `block` at per-device micro-batch size `mb` (> 0):
+//  - between two measured sizes: linear interpolation;
+//  - above the largest: linear extrapolation from the two largest measured sizes (or
+//    proportional to mb from the largest when only one size is measured);
+//  - below the smallest: proportional scaling from the smallest (times and bytes times
+//    mb/smallest), since a fixed per-call overhead cannot be told apart from one point.
+// Values are clamped at 0 (extrapolating a decreasing curve). An empty profile is all zero.
+BlockProfile ProfileAt(const Block& block, int64_t mb);
+
+// Blocks [begin, end) of `table` as one stage on `replicas` devices, with `stages_after` stages
+// after it in the pipeline and `micro_batches` micro-batches per step. Requires
+// 0 <= begin < end <= blocks.size(), replicas >= 1, micro_batches >= 1, stages_after >= 0.
+//
+// Per-device micro-batch: ceil(batch_size / (micro_batches * replicas)); infeasible when
+// batch_size < micro_batches * replicas. Memory per device:
+//   params + (grads + optimizer state) [the latter two divided by replicas with zero]
+//   + act * inflight + peak + input boundary bytes * inflight
+// and, with recompute (used only when allowed and the stage does not fit otherwise), only the
+// stage's input is kept per in-flight micro-batch but backward rebuilds one micro-batch's
+// activations: params + grads + state + input * inflight + act + peak, and bwd_ms += fwd_ms.
+// An infeasible result reports the smallest memory of its options (recompute if allowed).
+StageEval EvaluateStage(const CostTable& table, const Links& links,
+                        const SearchOptions& options, int begin, int end, int replicas,
+                        int stages_after, int micro_batches);
+
+// All-reduce bandwidth (bytes/s) over k devices per Links: the nearest measured k below, else
+// above; with nothing measured, a ring estimate p2p_bytes_per_s * k / (2 * (k - 1)).
+double AllreduceBandwidth(const Links& links, int k);
+
+// The step time in ms of a pipeline of `stages` (in order) with m = `micro_batches`:
+//   (m - 1) * max_s time_ms + sum_s time_ms + max_s allreduce_ms.
+// The slowest stage paces the steady state; filling and draining the pipeline costs one pass
+// through all stages; the all-reduces of different stages overlap each other (they use
+// different devices) but not the pipeline, as they start once the stage's last backward ends.
+double Objective(const std::vector<StageEval>& stages, int micro_batches);
+
+}  // namespace planner
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_PLANNER_COST_EVAL_H_
