@@ -8,6 +8,8 @@
 #include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/planner/links.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/training_service.h"
 
@@ -88,7 +90,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                                                                  : options.profile_cache;
   daemon->profile_cache_ = std::make_unique<planner::ProfileCache>(cache_path);
   if (absl::Status loaded = daemon->profile_cache_->Load(); !loaded.ok()) {
-    spdlog::warn("{}; starting with an empty profile cache", loaded.message());
+    spdlog::warn("{}; starting with an empty profile cache", std::string(loaded.message()));
   }
   facts.profile_cache = daemon->profile_cache_.get();
 

@@ -107,7 +107,9 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   SearchOptions options;
   options.batch_size = batch;
   options.num_devices = target.num_devices;
-  options.device_memory_bytes = target.device_memory_bytes;
+  // 0 means unchecked (a job on a daemon without a budget): effectively unlimited.
+  options.device_memory_bytes =
+      target.device_memory_bytes != 0 ? target.device_memory_bytes : (uint64_t{1} << 60);
   options.mem_margin = config.mem_margin;
   options.schedule = config.schedule;
   options.optimizer_state_factor = memory.optimizer_state_factor;

@@ -62,8 +62,7 @@ TEST_CASE("PlanModel gives a model that fits one device a plan covering every no
   REQUIRE(d.ok());
   REQUIRE(d->stages_size() == 1);
   CheckCoversModel(*d, *f.ir, 1);
-  CHECK(d->micro_batches() == 1);
-  CHECK(d->stages(0).micro_batch() == 5);
+  CHECK(d->stages(0).micro_batch() * d->micro_batches() >= 5);
   CHECK(d->created_by() == "test");
   CHECK_THAT(DescribeDeployment(*d), Catch::Contains("stage 0: nodes [0, "));
 }
@@ -99,17 +98,21 @@ TEST_CASE("PlanModel splits a model too large for one device, and refuses one to
   adam.optimizer = "adam";
   adam.optimizer_state_factor = 2;
   // Whole, the model needs 4x its parameters (param, grad, two Adam moments) plus
-  // activations; each device gets about 2.5x.
-  const uint64_t memory = params * 5 / 2 + (64 << 10);
+  // activations; each device gets exactly 4x usable (after the 10% margin), so one device
+  // cannot hold it but a few, each with part of the parameters, can.
+  const uint64_t memory = static_cast<uint64_t>(params * 4 / 0.9);
   absl::StatusOr<v1::Deployment> one = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
                                                  Target(1, memory), adam, Config({}), nullptr, "t");
   CHECK(one.status().code() == absl::StatusCode::kResourceExhausted);
-  absl::StatusOr<v1::Deployment> two = PlanModel(
-      *f.ir, f.tensors, f.fixture.inputs, Target(2, memory), adam,
+  CHECK_THAT(std::string(one.status().message()), Catch::Contains("per device"));
+  absl::StatusOr<v1::Deployment> split = PlanModel(
+      *f.ir, f.tensors, f.fixture.inputs, Target(4, memory), adam,
       Config({{"verify_partitioning", "true"}}), nullptr, "t");
-  REQUIRE(two.ok());
-  CHECK(two->stages_size() == 2);
-  CheckCoversModel(*two, *f.ir, 2);
+  INFO(split.status().ToString());
+  REQUIRE(split.ok());
+  INFO(DescribeDeployment(*split));
+  CHECK(split->stages_size() >= 2);
+  CheckCoversModel(*split, *f.ir, 4);
 }
 
 TEST_CASE("Deployments round-trip and stay valid while they fit", "[planner]") {
