@@ -463,9 +463,11 @@ int Main(int argc, char** argv) {
   plan->add_option("--input", plan_flags.inputs,
                    "one model input as DTYPE:SHAPE, e.g. int64:64x1024, in forward's order; "
                    "floating inputs are standard normal, integer inputs zeros (valid token ids "
-                   "and class targets)");
+                   "and class targets)")
+      ->allow_extra_args(false);  // one value per --input, so MODEL.pt may follow it
   plan->add_option("--config", plan_flags.config,
-                   "planner config KEY=VALUE, e.g. partition_num=2 (see docs/planner.md)");
+                   "planner config KEY=VALUE, e.g. partition_num=2 (see docs/planner.md)")
+      ->allow_extra_args(false);
   plan->add_option("--links", plan_flags.links,
                    "link speeds to assume, e.g. \"p2p=300GB/s,allreduce=2:150GB/s\"");
   plan->add_option("--schedule", plan_flags.schedule, "pipeline schedule (config key schedule)")
