@@ -4,6 +4,10 @@
 //   rannc jobs                            a table of the daemon's jobs
 //   rannc train  MODEL.pt --tokens FILE --batch B --seq T --steps N [...]
 //   rannc delete JOB_ID
+//   rannc plan   MODEL.pt --devices N [--device-memory 80GiB] [--batch B] --input DTYPE:SHAPE
+//                [--input ...] [--config KEY=VALUE ...] [--links SPEC] [--schedule 1f1b|gpipe]
+//                [--save FILE]                 plan only (a dry run): no job is created
+//   rannc plan   --show FILE [--batch B]      print a saved deployment; no daemon involved
 //
 // The daemon address comes from --daemon, else $RANNC_DAEMON, else 127.0.0.1:7411. Errors print
 // the daemon's message and exit non-zero.
@@ -18,12 +22,16 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/planning.h"
 #include "client/rannc_client.h"
 #include "client/token_data.h"
 
@@ -57,17 +65,6 @@ int Fail(const absl::Status& status) {
 int Fail(const std::string& message) {
   std::cerr << "rannc: " << message << "\n";
   return 1;
-}
-
-std::string HumanBytes(uint64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024 && unit < 4) {
-    value /= 1024;
-    ++unit;
-  }
-  return unit == 0 ? absl::StrFormat("%d B", bytes) : absl::StrFormat("%.1f %s", value, units[unit]);
 }
 
 std::string HumanCount(uint64_t n) {
@@ -306,6 +303,103 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   return finish(0, absl::OkStatus());
 }
 
+struct PlanFlags {
+  std::string model;
+  std::string show;          // a deployment file to print instead of planning
+  uint32_t devices = 0;
+  std::string device_memory;  // empty: the daemon's own devices' budget
+  int64_t batch = 0;          // 0: the inputs' dim 0 (or, with --show, the planned batch)
+  std::vector<std::string> inputs;
+  std::vector<std::string> config;
+  std::string links;
+  std::string schedule;
+  std::string optimizer = "adamw";
+  std::string save;
+  uint64_t seed = 0;
+};
+
+int RunShow(const PlanFlags& flags) {
+  absl::StatusOr<std::string> bytes = ReadFile(flags.show);
+  if (!bytes.ok()) return Fail(bytes.status());
+  absl::StatusOr<v1::Deployment> deployment = ParseDeployment(*bytes, flags.show);
+  if (!deployment.ok()) return Fail(deployment.status());
+  const int64_t batch = flags.batch > 0 ? flags.batch : deployment->batch_size();
+  absl::StatusOr<std::string> text = FormatDeployment(*deployment, batch);
+  if (!text.ok()) return Fail(text.status());
+  std::cout << *text;
+  return 0;
+}
+
+int RunPlan(const Client& client, const PlanFlags& flags) {
+  if (flags.model.empty()) return Fail("rannc plan needs MODEL.pt (or --show FILE)");
+  if (flags.devices == 0) return Fail("--devices must be at least 1");
+  if (flags.inputs.empty()) {
+    return Fail("rannc plan needs the model's inputs: --input DTYPE:SHAPE for each, in order "
+                "(e.g. --input int64:64x1024)");
+  }
+  absl::StatusOr<std::string> model = ReadFile(flags.model);
+  if (!model.ok()) return Fail(model.status());
+
+  JobConfig config;
+  config.name = "rannc-plan";
+  // Plans are for training: the memory estimate counts gradients and optimizer state.
+  config.mode.set_training(true);
+  config.optimizer.set_type(flags.optimizer == "sgd"    ? v1::SGD
+                            : flags.optimizer == "adam" ? v1::ADAM
+                                                        : v1::ADAMW);
+  std::mt19937_64 rng(flags.seed);
+  for (size_t i = 0; i < flags.inputs.size(); ++i) {
+    absl::StatusOr<InputSpec> spec = ParseInputSpec(flags.inputs[i]);
+    if (!spec.ok()) return Fail(spec.status());
+    config.example_inputs.push_back(MakeExampleInput(*spec, flags.batch, rng));
+    config.input_names.push_back("input" + std::to_string(i));
+  }
+  for (const std::string& entry : flags.config) {
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return Fail("--config takes KEY=VALUE (e.g. partition_num=2), got '" + entry + "'");
+    }
+    config.config[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  if (!flags.schedule.empty()) config.config["schedule"] = flags.schedule;
+  config.dry_run.set_num_devices(flags.devices);
+  if (!flags.device_memory.empty()) {
+    absl::StatusOr<uint64_t> memory = ParseByteSize(flags.device_memory);
+    if (!memory.ok()) return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--device-memory: ", memory.status().message())));
+    config.dry_run.set_device_memory_bytes(*memory);
+  }
+  config.dry_run.set_batch_size(flags.batch);
+  config.dry_run.set_links(flags.links);
+
+  absl::StatusOr<v1::CreateJobResponse> plan = client.CreateJob(*model, config);
+  if (!plan.ok()) return Fail(plan.status());
+  if (!plan->job_id().empty()) {
+    // A daemon without dry runs made a real job; it must not linger.
+    (void)client.DeleteJob(plan->job_id());
+    return Fail("ranncd created job " + plan->job_id() + " (now deleted) instead of only "
+                "planning: it does not support dry runs (rannc plan needs a newer ranncd)");
+  }
+  if (!plan->has_deployment()) return Fail("ranncd returned no deployment");
+  if (!plan->plan_summary().empty()) {
+    std::cout << plan->plan_summary();
+    if (plan->plan_summary().back() != '\n') std::cout << "\n";
+  } else {
+    absl::StatusOr<std::string> text =
+        FormatDeployment(plan->deployment(), plan->deployment().batch_size());
+    if (!text.ok()) return Fail(text.status());
+    std::cout << *text;
+  }
+  if (!flags.save.empty()) {
+    std::ofstream out(flags.save, std::ios::binary | std::ios::trunc);
+    out << plan->deployment().SerializeAsString();
+    out.close();
+    if (!out) return Fail("cannot write " + flags.save);
+    std::cout << "saved the deployment to " << flags.save << "\n";
+  }
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   CLI::App app{"rannc: the command-line client of the ranncd training daemon"};
   app.require_subcommand(1);
@@ -350,13 +444,52 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--name", flags.name, "job name shown by `rannc jobs`");
 
+  CLI::App* plan = app.add_subcommand(
+      "plan", "plan a TorchScript model for N devices without creating a job (a dry run), or "
+              "print a saved deployment with --show");
+  PlanFlags plan_flags;
+  plan->add_option("model", plan_flags.model,
+                   "TorchScript file (torch.jit.save of a model traced in training mode)")
+      ->check(CLI::ExistingFile);
+  plan->add_option("--show", plan_flags.show,
+                   "print this deployment file (for --batch) instead of planning; no daemon")
+      ->check(CLI::ExistingFile);
+  plan->add_option("--devices", plan_flags.devices, "devices to plan for (need not exist)");
+  plan->add_option("--device-memory", plan_flags.device_memory,
+                   "memory per device, e.g. 80GiB, 512MiB, 1e9 (default: the daemon's devices')");
+  plan->add_option("--batch", plan_flags.batch,
+                   "global batch size; replaces dim 0 of every --input (default: the inputs' "
+                   "dim 0; with --show, the planned batch)");
+  plan->add_option("--input", plan_flags.inputs,
+                   "one model input as DTYPE:SHAPE, e.g. int64:64x1024, in forward's order; "
+                   "floating inputs are standard normal, integer inputs zeros (valid token ids "
+                   "and class targets)")
+      ->allow_extra_args(false);  // one value per --input, so MODEL.pt may follow it
+  plan->add_option("--config", plan_flags.config,
+                   "planner config KEY=VALUE, e.g. partition_num=2 (see docs/planner.md)")
+      ->allow_extra_args(false);
+  plan->add_option("--links", plan_flags.links,
+                   "link speeds to assume, e.g. \"p2p=300GB/s,allreduce=2:150GB/s\"");
+  plan->add_option("--schedule", plan_flags.schedule, "pipeline schedule (config key schedule)")
+      ->check(CLI::IsMember({"1f1b", "gpipe"}));
+  plan->add_option("--optimizer", plan_flags.optimizer,
+                   "optimizer whose state the memory estimate counts")
+      ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
+      ->capture_default_str();
+  plan->add_option("--save", plan_flags.save, "write the deployment to this file");
+  plan->add_option("--seed", plan_flags.seed, "seed of the random example inputs")
+      ->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
+
+  if (*plan && !plan_flags.show.empty()) return RunShow(plan_flags);
 
   Client client(daemon);
   if (*info) return RunInfo(client);
   if (*jobs) return RunJobs(client);
   if (*del) return RunDelete(client, delete_id);
   if (*train) return RunTrain(client, flags);
+  if (*plan) return RunPlan(client, plan_flags);
   return 2;
 }
 

@@ -118,6 +118,14 @@ absl::StatusOr<v1::CreateJobResponse> Client::CreateJob(std::string_view model_b
   *spec.mutable_mode() = config.mode;
   *spec.mutable_optimizer() = config.optimizer;
   *spec.mutable_options() = config.options;
+  if (!config.load_deployment.empty()) {
+    spec.mutable_options()->set_load_deployment(config.load_deployment);
+  }
+  for (const auto& [key, value] : config.config) {
+    (*spec.mutable_options()->mutable_config())[key] = value;
+  }
+  // Left unset when empty, so a daemon that predates dry runs sees exactly the old spec.
+  if (config.dry_run.ByteSizeLong() > 0) *spec.mutable_dry_run() = config.dry_run;
   for (const HostTensor& input : config.example_inputs) {
     if (absl::Status s = input.Validate(); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("CreateJob: example input #",

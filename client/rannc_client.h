@@ -20,6 +20,7 @@
 //   config.optimizer.set_type(rannc::v1::SGD);  // no groups: one group of all parameters
 //   config.example_inputs = {rannc::HostTensor::FromVector<float>(x, {4, 8})};
 //   absl::StatusOr<rannc::v1::CreateJobResponse> job = client.CreateJob(model_bytes, config);
+//   std::cout << job->plan_summary();  // the daemon's plan: pipeline stages and devices
 //   absl::StatusOr<rannc::ForwardResult> out = client.Forward(job->job_id(), inputs);
 //   RETURN_IF_ERROR(client.Backward(job->job_id(), {{0, rannc::HostTensor::Scalar(1.0f)}}));
 //   rannc::v1::HyperParams sgd;
@@ -30,6 +31,7 @@
 #define RANNC_CLIENT_RANNC_CLIENT_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -65,12 +67,24 @@ struct ClientOptions {
 
 // What CreateJob needs besides the model bytes: JobSpec with HostTensor example inputs.
 struct JobConfig {
-  std::string name;
+  std::string name;                   // label for `rannc jobs`; default empty
   v1::Mode mode;                      // set_training(true) etc.; all false by default (eval)
   v1::OptimizerSpec optimizer;        // OPTIMIZER_NONE by default: forward/backward only
-  v1::JobOptions options;
+  v1::JobOptions options;             // default: all off; the fields below override its own
   std::vector<HostTensor> example_inputs;  // the first batch
   std::vector<std::string> input_names;    // optional, for the daemon's error messages
+  // A serialized v1::Deployment (a deployment file's bytes) to run instead of planning.
+  // Default empty: the daemon plans. Non-empty replaces options.load_deployment.
+  std::string load_deployment;
+  // Planner and job config keys (JobOptions.config), e.g. {"partition_num", "2"},
+  // {"schedule", "gpipe"}; see docs/planner.md. Default empty: the daemon's defaults. Merged
+  // over options.config, these winning.
+  std::map<std::string, std::string> config;
+  // Plan only: with dry_run.num_devices() > 0 the daemon plans for that many devices of
+  // dry_run.device_memory_bytes() each (0: its own devices' budget) at batch_size() (0: the
+  // example batch), creates no job, and answers with deployment and plan_summary and an empty
+  // job_id. Default: num_devices 0, a normal job.
+  v1::PlanTarget dry_run;
 };
 
 struct ForwardResult {
@@ -109,7 +123,9 @@ class Client {
   absl::StatusOr<v1::DaemonInfo> GetInfo() const;
   absl::StatusOr<std::vector<v1::JobSummary>> ListJobs() const;
 
-  // Uploads a TorchScript module (torch.jit.save's bytes) with its spec, in chunks.
+  // Uploads a TorchScript module (torch.jit.save's bytes) with its spec, in chunks. The
+  // response carries the job's plan (deployment, plan_summary); with config.dry_run it carries
+  // only the plan and no job is created.
   absl::StatusOr<v1::CreateJobResponse> CreateJob(std::string_view model_bytes,
                                                   const JobConfig& config) const;
   // The same with a ready-made proto spec; model_bytes in `spec` is filled in here.

@@ -41,6 +41,8 @@ class FakeTrainingService final : public v1::TrainingService::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec must come first");
     }
     spec = request.spec();
+    model.clear();
+    model_chunk_sizes.clear();
     while (reader->Read(&request)) {
       if (request.part_case() != v1::CreateJobRequest::kModelChunk) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "second spec");
@@ -164,6 +166,42 @@ TEST_CASE("Client::CreateJob sends the spec, then the model in bounded chunks", 
   config.example_inputs[0].shape = {3, 3};  // inconsistent with its bytes
   CHECK(fake.client->CreateJob(model, config).status().code() ==
         absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Client::CreateJob maps load_deployment, config and dry_run into the spec",
+          "[client]") {
+  FakeDaemon fake;
+  JobConfig config;
+  config.example_inputs = {HostTensor::FromVector<float>({1, 2}, {1, 2})};
+  (*config.options.mutable_config())["schedule"] = "gpipe";
+  (*config.options.mutable_config())["mem_margin"] = "0.2";
+  config.options.set_gather_inputs(true);
+  config.config = {{"partition_num", "2"}, {"schedule", "1f1b"}};
+  config.load_deployment = std::string("\x08\x01\0binary", 9);
+  config.dry_run.set_num_devices(4);
+  config.dry_run.set_device_memory_bytes(80ull << 30);
+  config.dry_run.set_batch_size(64);
+  config.dry_run.set_links("p2p=300GB/s");
+  REQUIRE(fake.client->CreateJob("model", config).ok());
+  const v1::JobSpec& spec = fake.service.spec;
+  CHECK(spec.options().gather_inputs());
+  CHECK(spec.options().load_deployment() == config.load_deployment);
+  CHECK(spec.options().config().size() == 3);
+  CHECK(spec.options().config().at("partition_num") == "2");
+  CHECK(spec.options().config().at("schedule") == "1f1b");  // JobConfig::config wins
+  CHECK(spec.options().config().at("mem_margin") == "0.2");
+  CHECK(spec.dry_run().num_devices() == 4);
+  CHECK(spec.dry_run().device_memory_bytes() == (80ull << 30));
+  CHECK(spec.dry_run().batch_size() == 64);
+  CHECK(spec.dry_run().links() == "p2p=300GB/s");
+
+  // Left empty, they leave the options alone and ask for no dry run.
+  JobConfig plain;
+  plain.options.set_load_deployment("from options");
+  REQUIRE(fake.client->CreateJob("model", plain).ok());
+  CHECK(fake.service.spec.options().load_deployment() == "from options");
+  CHECK(fake.service.spec.options().config().empty());
+  CHECK(!fake.service.spec.has_dry_run());
 }
 
 TEST_CASE("Client::CreateJob with an empty model sends only the spec", "[client]") {

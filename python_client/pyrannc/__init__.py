@@ -6,10 +6,13 @@
 
 The daemon is `RANNC_DAEMON=host:port`, or an embedded ranncd that pyrannc starts on first use
 and stops at exit (see pyrannc._daemon). Job-level config comes from `$RANNC_CONF_DIR/rannc.toml`
-and `RANNC_<KEY>` environment variables (see pyrannc._config).
+and `RANNC_<KEY>` environment variables (see pyrannc._config). The daemon plans each job at its
+first forward; RaNNCModule.save_deployment / load_deployment and show_deployment work with the
+saved plans (see pyrannc._deployment and docs/planner.md).
 """
 
 from pyrannc import _daemon, _runtime
+from pyrannc._deployment import show_deployment
 from pyrannc._runtime import get_rank, get_world_size
 from pyrannc.errors import RanncError
 from pyrannc.module import RaNNCModule
@@ -48,11 +51,6 @@ def recreate_all_communicators() -> None:
     """Rebuilds the data-plane communicators of every job of this process."""
     for module in _runtime.live_modules():
         module.recreate_communicators()
-
-
-def show_deployment(path, batch_size) -> None:
-    raise NotImplementedError("show_deployment: reading deployment files is not implemented in "
-                              "pyrannc/ranncd yet")
 
 
 def sync_params_on_init(sync: bool) -> None:

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from pyrannc import _codec, _config, _daemon, _optim, _outputs, _runtime, _shm
+from pyrannc import _codec, _config, _daemon, _deployment, _optim, _outputs, _runtime, _shm
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
@@ -97,9 +97,12 @@ class _RemoteForward(torch.autograd.Function):
 class RaNNCModule(torch.nn.Module):
     """Trains `model` in ranncd; a drop-in for RaNNC's pyrannc.RaNNCModule.
 
-    The first call traces `model` on its inputs and submits it. Later-issue features
-    (enable_apex_amp, allreduce_amp_master_params, enable_zero, offload_params,
-    load_deployment) raise NotImplementedError rather than being ignored.
+    The first call traces `model` on its inputs and submits it; the daemon plans it (pipeline
+    stages, replicas, micro-batches) unless `load_deployment` names a deployment file written by
+    save_deployment, which is checked here and sent instead (ValueError now if it is not a
+    deployment; the daemon refuses one made for another model or that no longer fits).
+    Later-issue features (enable_apex_amp, allreduce_amp_master_params, enable_zero,
+    offload_params) raise NotImplementedError rather than being ignored.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, gather_inputs=True,
@@ -116,9 +119,13 @@ class RaNNCModule(torch.nn.Module):
         if offload_params:
             _later_feature("RaNNCModule(offload_params=True)",
                            "parameter offloading to host memory")
-        if load_deployment is not None:
-            _later_feature("RaNNCModule(load_deployment=...)", "loading a saved deployment")
         _runtime.require_single_client("RaNNCModule")
+        # Read now, so a bad file fails here rather than at the first forward.
+        deployment_bytes = b""
+        deployment_path = None
+        if load_deployment is not None:
+            deployment_path = os.fspath(load_deployment)
+            deployment_bytes = _deployment.read_deployment_bytes(deployment_path)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"RaNNCModule wraps a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, torch.jit.ScriptModule):
@@ -133,6 +140,11 @@ class RaNNCModule(torch.nn.Module):
         self._gather_inputs = bool(gather_inputs)
         self._check_unused_values = bool(check_unused_values)
         self._job: Optional[_Job] = None
+        self._deployment_bytes = deployment_bytes
+        self._deployment_path = deployment_path
+        # The plan of the latest job; kept past clear()/undeploy so it can still be saved.
+        self._deployment = None
+        self._plan_summary: Optional[str] = None
         self._dropout: Optional[bool] = None  # enable_dropout(); None: follows training
         self._state_dirty = False
         # A leaf that makes forward's outputs require grad; never receives a gradient.
@@ -259,7 +271,8 @@ class RaNNCModule(torch.nn.Module):
         optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
-                                config=_config.job_config())
+                                config=_config.job_config(),
+                                load_deployment=self._deployment_bytes)
         with _shm.session(conn.shm) as wire:
             job_spec = pb.JobSpec(
                 name=_config.client_setting("job_name") or type(self.model).__name__,
@@ -274,7 +287,17 @@ class RaNNCModule(torch.nn.Module):
                 for off in range(0, len(model_bytes), step):
                     yield pb.CreateJobRequest(model_chunk=model_bytes[off:off + step])
 
-            resp = conn.call_streaming_request("CreateJob", requests())
+            try:
+                resp = conn.call_streaming_request("CreateJob", requests())
+            except RanncError as err:
+                if self._deployment_path is not None and err.code in (
+                        grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise RanncError(
+                        f"{err}\n(the deployment came from load_deployment="
+                        f"{self._deployment_path}; a deployment only fits the model it was "
+                        "planned for and devices it still fits on; drop load_deployment to "
+                        "plan again)", code=err.code, details=err.details) from None
+                raise
         expected = len(_outputs.leaves(spec))
         if len(resp.outputs) != expected:
             conn.call("DeleteJob", pb.JobRef(job_id=resp.job_id))
@@ -282,6 +305,8 @@ class RaNNCModule(torch.nn.Module):
                                f"the trace returned {expected}")
         group_ids = _optim.group_param_ids(self._optimizer) if self._optimizer else []
         self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices))
+        self._deployment = resp.deployment if resp.HasField("deployment") else None
+        self._plan_summary = resp.plan_summary or None
         logger.info("pyrannc: job %s on %s", resp.job_id, ", ".join(resp.devices))
 
     def _switch_mode(self, inputs, mode: pb.Mode) -> None:
@@ -591,8 +616,27 @@ class RaNNCModule(torch.nn.Module):
     # ------------------------------------------------------------------------------------------
     # Deployment.
 
+    @property
+    def deployment(self):
+        """The job's plan (a rannc.v1.Deployment), or None before the first forward."""
+        return self._deployment
+
+    @property
+    def plan_summary(self) -> Optional[str]:
+        """The daemon's description of the plan for people, or None before the first forward."""
+        return self._plan_summary
+
     def save_deployment(self, file) -> None:
-        _later_feature("save_deployment()", "saving a deployment")
+        """Writes the job's deployment to `file`, for RaNNCModule(load_deployment=file) and
+        pyrannc.show_deployment. The plan is made at the first forward, so call this after it."""
+        if self._deployment is None:
+            if self._job is None:
+                raise RuntimeError(
+                    "save_deployment: there is no deployment yet; RaNNC plans the model at the "
+                    "first forward, so call save_deployment after the first forward")
+            raise RuntimeError("save_deployment: ranncd returned no deployment for this job "
+                               "(a daemon older than the planner?)")
+        _deployment.save_deployment_file(self._deployment, file)
 
     def undeploy(self, sync: bool = True) -> None:
         """Copies the daemon's state into the local model and frees the job's device memory.

@@ -303,7 +303,7 @@ def test_optimizer_closure():
 
 @pytest.mark.parametrize("flag,value", [
     ("enable_zero", True), ("offload_params", True), ("enable_apex_amp", True),
-    ("allreduce_amp_master_params", True), ("load_deployment", "deployment.bin"),
+    ("allreduce_amp_master_params", True),
 ])
 def test_later_issue_flags_raise(flag, value):
     with pytest.raises(NotImplementedError, match=flag):
@@ -312,10 +312,6 @@ def test_later_issue_flags_raise(flag, value):
 
 def test_later_issue_functions_raise():
     rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
-    with pytest.raises(NotImplementedError, match="save_deployment"):
-        rmod.save_deployment("/tmp/deployment.bin")
-    with pytest.raises(NotImplementedError, match="show_deployment"):
-        pyrannc.show_deployment("/tmp/deployment.bin", 32)
     with pytest.raises(NotImplementedError, match="amp_master_param"):
         rmod.get_param("l1.weight", amp_master_param=True)
     with pytest.raises(NotImplementedError, match="RMSprop"):
