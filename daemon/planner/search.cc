@@ -254,8 +254,45 @@ bool Better(double obj, int stages, int m, int devices, const Best& best) {
   return devices > best.devices;
 }
 
-// The smallest memory per device of any plan (the largest stage estimate of the plan), for the
-// message when nothing fits. Exact when affordable, else a lower bound from single blocks.
+// Param and trainable bytes of each block alone (a tensor it reads twice counts once).
+struct BlockParams {
+  double params = 0, trainable = 0;
+};
+
+std::vector<BlockParams> ParamsPerBlock(const CostTable& table) {
+  std::vector<BlockParams> out(table.blocks.size());
+  std::vector<int> seen(table.param_bytes.size(), -1);
+  for (size_t j = 0; j < table.blocks.size(); ++j) {
+    for (int p : table.blocks[j].params) {
+      if (seen[p] == static_cast<int>(j)) continue;
+      seen[p] = static_cast<int>(j);
+      out[j].params += static_cast<double>(table.param_bytes[p]);
+      if (table.param_trainable[p]) out[j].trainable += static_cast<double>(table.param_bytes[p]);
+    }
+  }
+  return out;
+}
+
+// What any stage holding a block needs at least, on r replicas with `inflight` micro-batches
+// in flight: the block's params, grads and optimizer state, its peak, and its activations for
+// every micro-batch in flight (`keep`) or, recomputing, for one (`recompute`). A stage adds
+// other blocks' bytes and its input to these, never less.
+struct BlockMemory {
+  double keep, recompute;
+};
+
+BlockMemory LeastBlockMemory(const SearchOptions& o, const BlockParams& bp,
+                             const BlockProfile& prof, int r, int inflight) {
+  double state = bp.trainable * (1.0 + o.optimizer_state_factor);
+  if (o.zero) state /= r;
+  const double fixed = bp.params + state + static_cast<double>(prof.peak_bytes);
+  const double act = static_cast<double>(prof.act_bytes);
+  return {fixed + act * inflight, fixed + act};
+}
+
+// The smallest usable memory per device with which some plan would fit (the least, over plans,
+// of their largest stage estimate), for the message when nothing fits. Exact when affordable,
+// else a lower bound from single blocks.
 // Returns kInf when no plan shape exists at all.
 double LeastMemoryNeeded(const CostTable& table, const Links& links, const SearchOptions& o,
                          const Limits& lim) {
@@ -266,6 +303,7 @@ double LeastMemoryNeeded(const CostTable& table, const Links& links, const Searc
                       (lim.r_max - lim.r_min + 1) * K * (D + 1);
   if (work > kMaxMemorySearchWork) {
     // Every plan holds each block in some stage, which needs at least that block alone.
+    const std::vector<BlockParams> bp = ParamsPerBlock(table);
     double need = 0;
     for (int b = 0; b < n; ++b) {
       double least = kInf;
@@ -273,12 +311,9 @@ double LeastMemoryNeeded(const CostTable& table, const Links& links, const Searc
         for (int r = lim.r_min; r <= lim.r_max; ++r) {
           const int64_t mb = internal::MicroBatchPerDevice(o.batch_size, m, r);
           if (mb == 0) break;
-          grower.Start();
-          grower.Add(b, cache.At(mb)[b]);
-          const StageEval e = internal::FinishStage(table, links, o, b, b + 1, r,
-                                                    internal::Inflight(o.schedule, 0, m), mb,
-                                                    grower.sums());
-          least = std::min(least, static_cast<double>(e.memory_bytes));
+          const BlockMemory mem = LeastBlockMemory(o, bp[b], cache.At(mb)[b], r,
+                                                   internal::Inflight(o.schedule, 0, m));
+          least = std::min(least, o.allow_recompute ? mem.recompute : mem.keep);
         }
       }
       need = std::max(need, least);
@@ -339,24 +374,36 @@ absl::Status NothingFits(const CostTable& table, const Links& links, const Searc
   }
   return absl::ResourceExhaustedError(absl::StrFormat(
       "no plan fits in device memory: the model needs at least %.3f GiB per device but only "
-      "%.3f GiB is usable (device_memory_bytes %.3f GiB less mem_margin %.0f%%); raise "
-      "device_memory_bytes, add devices, lower batch_size or mem_margin%s%s",
+      "%.3f GiB is usable (device_memory_bytes %.3f GiB less mem_margin %.0f%%; it would take "
+      "device_memory_bytes >= %.3f GiB); raise device_memory_bytes, add devices, lower "
+      "batch_size or mem_margin%s%s",
       GiB(need), GiB(usable), GiB(static_cast<double>(o.device_memory_bytes)),
-      100 * o.mem_margin, o.allow_recompute ? "" : ", allow recompute",
+      100 * o.mem_margin, GiB(need / (1 - o.mem_margin)),
+      o.allow_recompute ? "" : ", allow recompute",
       o.zero ? "" : ", or shard optimizer state (zero)"));
 }
 
 // Lower bounds, for one micro-batch count m, on what the blocks before b add to a plan when the
 // stages holding them have q devices in all. Each such block costs at least least_j(q), its
-// cheapest forward + backward over the replica counts r <= q, and occupies r devices for at
-// least r * time: its least "work" w_j(q). So the stages before b add at least
-// time[q][b] = sum_{j<b} least_j(q) to the sum of stage times, and the slowest of them takes
-// at least work[q][b] / q (the devices are shared out) and time[q][b] / (their stage count).
+// cheapest time over the replica counts r <= q, and occupies r devices for at least r * time:
+// its least "work" w_j(q). So the stages before b add at least time[q][b] = sum_{j<b}
+// least_j(q) to the sum of stage times, and the slowest of them takes at least
+// work[q][b] / q (the devices are shared out) and time[q][b] / (their stage count).
+//
+// A block's time with r replicas is forward + backward, plus the forward again when even the
+// block alone would not fit without recompute, and infinite when it would not fit at all:
+// any stage holding the block holds at least its params, grads, optimizer state, activations
+// and peak, so it fails (or must recompute) whenever the block alone does.
 class PrefixBounds {
  public:
-  PrefixBounds(const SearchOptions& o, const Limits& lim, int m, ProfileCache* cache)
+  PrefixBounds(const CostTable& table, const SearchOptions& o, const Limits& lim, int m,
+               ProfileCache* cache)
       : n_(lim.n), r_min_(lim.r_min) {
     const int D = lim.devices;
+    const double limit =
+        static_cast<double>(o.device_memory_bytes) * (1.0 - o.mem_margin);
+    const int min_inflight = internal::Inflight(o.schedule, 0, m);
+    const std::vector<BlockParams> bp = ParamsPerBlock(table);
     time_.assign(D + 1, std::vector<double>(n_ + 1, kInf));
     work_.assign(D + 1, std::vector<double>(n_ + 1, kInf));
     std::vector<double> least(n_, kInf), least_work(n_, kInf);
@@ -367,7 +414,11 @@ class PrefixBounds {
         if (mb > 0) {
           const std::vector<BlockProfile>& prof = cache->At(mb);
           for (int j = 0; j < n_; ++j) {
-            const double t = prof[j].fwd_ms + prof[j].bwd_ms;
+            const BlockMemory mem = LeastBlockMemory(o, bp[j], prof[j], r, min_inflight);
+            const bool keeps = mem.keep <= limit;
+            const bool recomputes = o.allow_recompute && mem.recompute <= limit;
+            if (!keeps && !recomputes) continue;
+            const double t = prof[j].fwd_ms + prof[j].bwd_ms + (keeps ? 0.0 : prof[j].fwd_ms);
             least[j] = std::min(least[j], t);
             least_work[j] = std::min(least_work[j], r * t);
           }
@@ -396,15 +447,18 @@ class PrefixBounds {
   std::vector<std::vector<double>> time_, work_;  // [q][b]
 };
 
-// The objective of a few simple plans (balanced stages, devices shared out evenly) that meet
-// every constraint, as a starting bound for the pruning: the search then only explores plans
-// that could beat it. kInf when none is feasible.
-double SimplePlansBound(const CostTable& table, const Links& links, const SearchOptions& o,
-                        const Limits& lim, ProfileCache* cache) {
+// For each micro-batch count in lim.micro_batches, the best objective of a few simple plans
+// (balanced stages, devices shared out evenly) that meet every constraint; kInf where none is
+// feasible. They give the pruning a starting bound (the search then only explores plans that
+// could beat it) and the order in which to try the micro-batch counts.
+std::vector<double> SimplePlansBound(const CostTable& table, const Links& links,
+                                     const SearchOptions& o, const Limits& lim,
+                                     ProfileCache* cache) {
   const int n = lim.n, D = lim.devices;
-  double bound = kInf;
+  std::vector<double> bounds;
   std::vector<StageEval> evals;
   for (int m : lim.micro_batches) {
+    double& bound = bounds.emplace_back(kInf);
     for (int S = 1; S <= lim.max_stages; ++S) {
       if (o.partition_num > 0 && S != o.partition_num) continue;
       std::vector<int> reps(S);
@@ -434,7 +488,7 @@ double SimplePlansBound(const CostTable& table, const Links& links, const Search
       if (ok) bound = std::min(bound, Objective(evals, m));
     }
   }
-  return bound;
+  return bounds;
 }
 
 }  // namespace
@@ -455,16 +509,24 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
   StateIndex idx(n, D, by_count ? P : 0);
   std::vector<std::vector<Entry>> fronts(idx.size());
   Best best;
-  const double initial_bound = SimplePlansBound(table, links, o, lim, &cache);
+  // Try the micro-batch counts whose simple plans are best first: a good plan found early
+  // tightens the bound for all the others.
+  const std::vector<double> simple = SimplePlansBound(table, links, o, lim, &cache);
+  const double initial_bound = *std::min_element(simple.begin(), simple.end());
+  std::vector<int> order(lim.micro_batches.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&simple](int x, int y) { return simple[x] < simple[y]; });
   // Evaluations of the stage being grown, per in-flight count, computed on first use.
   std::vector<StageEval> evals;
   std::vector<uint64_t> eval_stamp;
   uint64_t stamp = 0;
 
-  for (int m : lim.micro_batches) {
+  for (int mi : order) {
+    const int m = lim.micro_batches[mi];
     for (auto& f : fronts) f.clear();
     fronts[idx(n, 0, 0)].push_back(Entry{0, 0, 0, 0, -1, -1, -1});
-    const PrefixBounds lb(o, lim, m, &cache);
+    const PrefixBounds lb(table, o, lim, m, &cache);
     if (!lb.Possible(n, D)) continue;  // this m leaves a device without samples
     const double bound = (best.found ? best.objective : initial_bound) * (1 + kPruneTol);
     const int min_inflight = internal::Inflight(o.schedule, 0, m);

@@ -1,9 +1,14 @@
 // The partition search: splits a model's blocks into contiguous pipeline stages, gives each
 // stage a number of data-parallel replicas, and picks the micro-batch count, minimising the
 // step time of the cost model in cost_eval.h (Objective()) over every plan whose stages fit
-// in device memory. The search is exact for that objective: a dynamic program over suffixes
-// of the block list with Pareto fronts of (slowest stage time, sum of stage times, slowest
-// all-reduce), pruned by a lower bound against the best plan found so far.
+// in device memory. The search is exact for that objective: for each micro-batch count, a
+// dynamic program over suffixes of the block list (built from the last stage backwards, so
+// each stage knows how many stages follow it) keeps, per (first block, devices used), the
+// Pareto front of (slowest stage time, sum of stage times, slowest all-reduce, stage count);
+// a suffix that cannot beat the best plan found so far, by a lower bound on what the blocks
+// before it must add, is dropped. Typical cost on one core: 48 blocks / 16 devices in a few
+// tens of ms; 64 blocks / 64 devices well under a second with 1F1B, a few seconds with GPipe
+// when memory is tight.
 //
 // Pure function of its arguments; safe to call from any thread.
 //

@@ -536,6 +536,26 @@ CostTable LargeModel(int n) {
   return t;
 }
 
+TEST_CASE("Nothing fitting a large model and machine still answers fast", "[search]") {
+  // 64 blocks on 64 devices: the exact least-memory search would be too slow, so the message
+  // reports the lower bound from single blocks. The largest is block 0: the 200 MiB tied
+  // embedding and its own 100 MiB, with grads and Adam state 1200 MiB, plus 60 MiB of
+  // activations and 1 MiB peak for one sample: 1261 MiB = 1.231 GiB.
+  CostTable t = LargeModel(64);
+  SearchOptions o;
+  o.batch_size = 256;
+  o.num_devices = 64;
+  o.device_memory_bytes = 256ull << 20;
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<Plan> plan = SearchPlan(t, Links{}, o);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  REQUIRE(!plan.ok());
+  CHECK(plan.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(plan.status().message()), Contains("needs at least 1.231 GiB"));
+  CHECK(seconds < 2.0);
+}
+
 TEST_CASE("A 48-block, 16-device search finishes in well under two seconds", "[search]") {
   CostTable t = LargeModel(48);
   Links l;
