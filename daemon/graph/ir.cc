@@ -194,13 +194,19 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   if (!prepared.ok()) return prepared;
   Graph& graph = *ir.graph;
 
-  // Record every value at the example batch and at one sample more; buffers are restored.
+  // Record every value at two small batches (the example's samples, repeated as needed): the
+  // dimension that changes is the batch, and shapes at the example batch follow by
+  // extrapolation, without running the model at full size. Buffers are restored.
+  constexpr int64_t kProbeA = 2, kProbeB = 3;
   std::vector<at::Tensor> saved;
   for (const at::Tensor& t : tensors) saved.push_back(t.clone());
   std::vector<c10::IValue> inputs_a, inputs_b;
+  auto samples = [](const at::Tensor& t, int64_t n) {
+    return t.index_select(0, at::arange(n, at::kLong).remainder(t.size(0)));
+  };
   for (const at::Tensor& t : example_inputs) {
-    inputs_a.emplace_back(t);
-    inputs_b.emplace_back(at::cat({t, t.narrow(0, 0, 1)}));
+    inputs_a.emplace_back(samples(t, kProbeA));
+    inputs_b.emplace_back(samples(t, kProbeB));
   }
   for (const at::Tensor& t : tensors) {
     inputs_a.emplace_back(t);
@@ -213,13 +219,14 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     if (run_a.ok()) run_b = RecordValues(graph, inputs_b);
     for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
   }
-  if (!run_a.ok()) return Annotate(run_a.status(), "running the model on the example inputs");
-  if (!run_b.ok()) {
+  for (const auto* run : {&run_a, &run_b}) {
+    if (run->ok()) continue;
+    const int64_t probe = run == &run_a ? kProbeA : kProbeB;
     return absl::InvalidArgumentError(absl::StrCat(
-        "the model fails with a batch of ", ir.example_batch + 1, " samples (the example has ",
+        "the model fails with a batch of ", probe, " samples (the example has ",
         ir.example_batch, "), so it cannot be split into micro-batches; the trace probably "
         "fixed the batch size (e.g. x.view(", ir.example_batch, ", ...)): use x.size(0) or -1 "
-        "instead. The error: ", run_b.status().message()));
+        "instead. The error: ", run->status().message()));
   }
 
   // Values, roles and batch dimensions.
@@ -259,7 +266,6 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
       const at::Tensor& tb = b.toTensor();
       value.dtype = ta.scalar_type();
       value.shape = ta.sizes().vec();
-      value.bytes = ta.numel() * ta.element_size();
       if (value.role == ValueRole::kActivation || value.role == ValueRole::kInput) {
         if (ta.dim() != tb.dim()) {
           return absl::InvalidArgumentError(absl::StrCat(
@@ -270,10 +276,15 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
         for (int64_t d = 0; d < ta.dim(); ++d) {
           if (ta.size(d) != tb.size(d)) {
             value.batch_dim = static_cast<int>(d);
+            // Sizes along the batch are affine in it (b, b * seq, ...).
+            value.shape[d] = ta.size(d) + (tb.size(d) - ta.size(d)) * (ir.example_batch - kProbeA);
             break;
           }
         }
       }
+      int64_t numel = 1;
+      for (int64_t s : value.shape) numel *= s;
+      value.bytes = numel * static_cast<int64_t>(ta.element_size());
     }
     ir.value_index[v] = static_cast<int>(ir.values.size());
     ir.values.push_back(std::move(value));

@@ -94,8 +94,9 @@ struct IrGraph {
 };
 
 // Builds the IR. `tensors` are the lifted inputs' values in model.graph_tensor_names order.
-// The model runs twice without gradients (at the example batch and one sample more, to find
-// each value's batch dimension); buffers are restored afterwards. INVALID_ARGUMENT when the
+// The model runs twice without gradients, at batches of 2 and 3 samples made from the example's,
+// to find each value's batch dimension (shapes at the example batch are extrapolated); buffers
+// are restored afterwards. INVALID_ARGUMENT when the
 // model fails, returns something other than tensors, or bakes the batch size in.
 absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
                                 const std::vector<at::Tensor>& example_inputs);

@@ -10,6 +10,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/version.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/runtime/interpreter.h>
@@ -26,8 +27,13 @@ namespace {
 // allocation to the thread's PROFILER_STATE debug info when it enables memory profiling).
 class MemoryTracker final : public c10::MemoryReportingInfoBase {
  public:
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, int64_t /*total_allocated*/,
-                         int64_t /*total_reserved*/, c10::Device /*device*/) override {
+#if TORCH_VERSION_MAJOR >= 2
+  using Total = size_t;  // LibTorch 2.x reports totals unsigned
+#else
+  using Total = int64_t;
+#endif
+  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, Total /*total_allocated*/,
+                         Total /*total_reserved*/, c10::Device /*device*/) override {
     current_ += alloc_size;
     peak_ = std::max(peak_, current_);
   }
@@ -87,47 +93,71 @@ Profiler::Profiler(const IrGraph& ir, std::vector<at::Tensor> tensors,
       options_(std::move(options)) {}
 
 absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
-  std::vector<double> node_ms;
+  const int n = static_cast<int>(ir_.nodes.size());
   const std::string options = absl::StrCat("atomic-fwd,r", options_.repeats);
+  std::vector<Subgraph> subs;
+  std::vector<ProfileKey> keys;
+  std::vector<std::optional<ProfileRecord>> cached;
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, i, i + 1);
+    if (!sub.ok()) return sub.status();
+    keys.push_back({GraphKey(ir_, *sub), ir_.example_batch, options_.device_type, options});
+    cached.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
+    subs.push_back(std::move(*sub));
+  }
+  std::vector<double> node_ms(n);
+  bool all_cached = true;
+  for (int i = 0; i < n; ++i) {
+    all_cached = all_cached && cached[i].has_value();
+    if (cached[i]) node_ms[i] = cached[i]->fwd_ms;
+  }
+  if (all_cached) {
+    cache_hits_ += n;
+    return node_ms;
+  }
+
   std::unordered_map<int, c10::IValue> env;
   for (size_t i = 0; i < example_inputs_.size(); ++i) env[ir_.inputs[i]] = example_inputs_[i];
   for (size_t i = 0; i < tensors_.size(); ++i) {
     env[ir_.inputs[ir_.num_user_inputs + i]] = tensors_[i].clone();  // buffers may be mutated
   }
   at::NoGradGuard no_grad;
-  for (int n = 0; n < static_cast<int>(ir_.nodes.size()); ++n) {
-    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, n, n + 1);
-    if (!sub.ok()) return sub.status();
+  for (int i = 0; i < n; ++i) {
+    const Subgraph& sub = subs[i];
+    // An identical node measured earlier in this pass: use its time, so a plan from the cache
+    // later sees exactly the times this one did.
+    if (!cached[i] && cache_) cached[i] = cache_->Find(keys[i]);
+    if (cached[i]) node_ms[i] = cached[i]->fwd_ms;
     std::vector<c10::IValue> inputs;
-    for (int v : sub->inputs) inputs.push_back(env.at(v));
-    ProfileKey key{GraphKey(ir_, *sub), ir_.example_batch, options_.device_type, options};
-    std::optional<ProfileRecord> cached = cache_ ? cache_->Find(key) : std::nullopt;
+    for (int v : sub.inputs) inputs.push_back(env.at(v));
     std::vector<c10::IValue> outputs;
     absl::Status status = TorchCall(absl::StatusCode::kInternal, "profiling a node", [&] {
-      torch::jit::Code code(sub->graph, "node");
+      torch::jit::Code code(sub.graph, "node");
+      // No warm-up: the whole pass warms the process, and coarsening needs relative times.
       std::vector<double> times;
-      const int runs = cached ? 1 : options_.warmup + options_.repeats;
-      for (int r = 0; r < runs; ++r) {
+      double total = 0;
+      do {
         torch::jit::Stack stack = inputs;
         auto start = std::chrono::steady_clock::now();
         torch::jit::InterpreterState(code).run(stack);
-        if (r >= options_.warmup) times.push_back(Ms(std::chrono::steady_clock::now() - start));
+        times.push_back(Ms(std::chrono::steady_clock::now() - start));
+        total += times.back();
         outputs = std::move(stack);
-      }
-      if (!cached) {
+      } while (!cached[i] && static_cast<int>(times.size()) < options_.repeats &&
+               total < options_.min_time_ms);
+      if (cached[i]) {
+        ++cache_hits_;
+      } else {
         ProfileRecord record;
         record.fwd_ms = Median(times);
-        if (cache_) cache_->Insert(key, record);
-        cached = record;
+        if (cache_) cache_->Insert(keys[i], record);
+        node_ms[i] = record.fwd_ms;
         ++measured_;
-      } else {
-        ++cache_hits_;
       }
       return absl::OkStatus();
     });
     if (!status.ok()) return status;
-    for (size_t i = 0; i < sub->outputs.size(); ++i) env[sub->outputs[i]] = outputs[i];
-    node_ms.push_back(cached->fwd_ms);
+    for (size_t o = 0; o < sub.outputs.size(); ++o) env[sub.outputs[o]] = outputs[o];
   }
   return node_ms;
 }
@@ -137,9 +167,27 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
   if (starts.empty() || starts[0] != 0 || micro_batch < 1) {
     return absl::InvalidArgumentError("ProfileBlocks: blocks must start at node 0, batch >= 1");
   }
-  const std::string options =
-      absl::StrCat("fwd+bwd,w", options_.warmup, ",r", options_.repeats);
+  const std::string options = absl::StrCat("fwd+bwd,w", options_.warmup, ",r", options_.repeats,
+                                           ",t", options_.min_time_ms);
   std::vector<ProfileRecord> records;
+  std::vector<Subgraph> subs;
+  std::vector<ProfileKey> keys;
+  std::vector<std::optional<ProfileRecord>> hits;
+  bool all_cached = true;
+  for (size_t b = 0; b < starts.size(); ++b) {
+    const int end = b + 1 < starts.size() ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, starts[b], end);
+    if (!sub.ok()) return sub.status();
+    keys.push_back({GraphKey(ir_, *sub), micro_batch, options_.device_type, options});
+    hits.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
+    all_cached = all_cached && hits.back().has_value();
+    subs.push_back(std::move(*sub));
+  }
+  if (all_cached) {
+    for (const auto& hit : hits) records.push_back(*hit);
+    cache_hits_ += static_cast<int>(hits.size());
+    return records;
+  }
   // Values passed between blocks, detached: each block is profiled as a stage that receives
   // activations and returns their gradients.
   std::unordered_map<int, at::Tensor> env;
@@ -148,10 +196,11 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
   }
   for (size_t b = 0; b < starts.size(); ++b) {
     const int end = b + 1 < starts.size() ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
-    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, starts[b], end);
-    if (!sub.ok()) return sub.status();
-    ProfileKey key{GraphKey(ir_, *sub), micro_batch, options_.device_type, options};
-    std::optional<ProfileRecord> cached = cache_ ? cache_->Find(key) : std::nullopt;
+    const Subgraph* sub = &subs[b];
+    const ProfileKey& key = keys[b];
+    // An identical block measured earlier in this pass counts as cached (see AtomicForwardMs).
+    if (!hits[b] && cache_) hits[b] = cache_->Find(key);
+    const std::optional<ProfileRecord>& cached = hits[b];
 
     ProfileRecord record;
     std::vector<at::Tensor> outputs;
@@ -196,9 +245,11 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
         return absl::OkStatus();
       }
       std::vector<double> fwd_times, bwd_times;
+      double timed_ms = 0;
       auto tracker = std::make_shared<MemoryTracker>();
       for (int r = 0; r < options_.warmup + options_.repeats; ++r) {
         const bool measure = r >= options_.warmup;
+        if (measure && !fwd_times.empty() && timed_ms >= options_.min_time_ms) break;
         outputs.clear();  // the last run's, so the tracker sees this run's memory alone
         c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, tracker);
         const int64_t base = tracker->current();
@@ -224,6 +275,7 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
         if (measure) {
           fwd_times.push_back(Ms(fwd_end - start));
           bwd_times.push_back(Ms(bwd_end - bwd_start));
+          timed_ms += fwd_times.back() + bwd_times.back();
           record.act_bytes = static_cast<uint64_t>(std::max<int64_t>(kept, 0));
           record.peak_bytes = static_cast<uint64_t>(
               std::max<int64_t>({fwd_peak - kept, bwd_peak, int64_t{0}}));

@@ -36,8 +36,11 @@ namespace planner {
 
 struct ProfilerOptions {
   std::string device_type = "cpu";  // cache key part: profiles of one device type only
-  int warmup = 1;                   // untimed runs before measuring
-  int repeats = 3;                  // timed runs; the median is kept
+  int warmup = 1;                   // untimed runs of a block before measuring it
+  int repeats = 3;                  // timed runs at most; the median is kept
+  // Timed runs stop early once they add up to this (ms): a block that takes long is measured
+  // precisely enough by one run, and profiling a large model stays affordable.
+  double min_time_ms = 50;
 };
 
 class Profiler {
@@ -47,11 +50,11 @@ class Profiler {
            std::vector<at::Tensor> example_inputs, ProfileCache* cache, ProfilerOptions options);
 
   // The forward time of every atomic node, alone, at the example batch size (what coarsening
-  // balances).
+  // balances). Nothing runs when every node's time is cached.
   absl::StatusOr<std::vector<double>> AtomicForwardMs();
 
   // Forward and backward of each block [starts[i], starts[i+1]) (the last ends at the last
-  // node) at `micro_batch` samples, in sequence.
+  // node) at `micro_batch` samples, in sequence. Nothing runs when every block is cached.
   absl::StatusOr<std::vector<ProfileRecord>> ProfileBlocks(const std::vector<int>& starts,
                                                            int64_t micro_batch);
 
