@@ -65,7 +65,20 @@ TEST_CASE("LoadDaemonOptions: defaults without file, environment or flags", "[co
   CHECK(options->log_level == "info");
   CHECK(options->max_message_size == 64u << 20);
   CHECK(options->shm_dir == "/dev/shm");
+  CHECK(options->links == "");
+  CHECK(options->profile_cache == "");
   CHECK(options->config_file == "");
+}
+
+TEST_CASE("LoadDaemonOptions: the planner's links and profile cache", "[config]") {
+  auto flags = Load({"--links", "p2p=5GB/s", "--profile-cache", "none"}, {});
+  REQUIRE_OK(flags);
+  CHECK(flags->links == "p2p=5GB/s");
+  CHECK(flags->profile_cache == "none");
+  auto env = Load({}, {{"RANNC_LINKS", "allreduce=2:1GB/s"}, {"RANNC_PROFILE_CACHE", "/tmp/p.tsv"}});
+  REQUIRE_OK(env);
+  CHECK(env->links == "allreduce=2:1GB/s");
+  CHECK(env->profile_cache == "/tmp/p.tsv");
 }
 
 const char kFullToml[] = R"(

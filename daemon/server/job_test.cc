@@ -269,3 +269,73 @@ TEST_CASE("Job refuses a model whose state exceeds the device budget", "[job]") 
 
 }  // namespace
 }  // namespace rannc
+
+namespace rannc {
+namespace {
+
+JobConfig PlannedConfig(int devices) {
+  JobConfig config = SgdConfig();
+  config.plan_target.num_devices = devices;
+  config.plan_target.device_memory_bytes = 256ull << 20;
+  config.planner.profiling.repeats = 1;
+  return config;
+}
+
+TEST_CASE("Job plans its model at creation and adopts a saved deployment", "[job]") {
+  testing::Fixture f = testing::LoadFixture("tiny_gpt");
+  JobConfig config = PlannedConfig(2);
+  config.planner.partition_num = 2;
+  absl::StatusOr<std::unique_ptr<Job>> planned =
+      Job::Create("job-1", config, f.model_bytes, f.inputs);
+  REQUIRE(planned.ok());
+  const v1::Deployment& d = (*planned)->deployment();
+  REQUIRE(d.stages_size() == 2);
+  CHECK(d.stages(0).first_node() == 0);
+  CHECK(d.stages(1).first_node() == d.stages(0).end_node());
+  CHECK_FALSE(d.loaded());
+
+  JobConfig reload = PlannedConfig(2);
+  reload.load_deployment = d.SerializeAsString();
+  absl::StatusOr<std::unique_ptr<Job>> loaded =
+      Job::Create("job-2", reload, f.model_bytes, f.inputs);
+  REQUIRE(loaded.ok());
+  CHECK((*loaded)->deployment().loaded());
+  CHECK((*loaded)->deployment().stages(1).first_node() == d.stages(1).first_node());
+  // The loaded job trains like PyTorch all the same.
+  absl::StatusOr<std::vector<at::Tensor>> out = (*loaded)->Forward(f.inputs, false);
+  REQUIRE(out.ok());
+  CHECK(Close((*out)[0], f.ref.at("out_0")));
+
+  // Another model's deployment, and bytes that are no deployment at all, are refused.
+  testing::Fixture mlp = testing::LoadFixture("mlp");
+  absl::StatusOr<std::unique_ptr<Job>> other = Job::Create("job-3", reload, mlp.model_bytes, mlp.inputs);
+  CHECK(other.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(other.status().message()), Catch::Contains("another model"));
+  reload.load_deployment = "not a deployment";
+  CHECK(Job::Create("job-4", reload, f.model_bytes, f.inputs).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  // A deployment that places stages on more devices than the daemon has.
+  JobConfig fewer = PlannedConfig(1);
+  fewer.load_deployment = d.SerializeAsString();
+  CHECK(Job::Create("job-5", fewer, f.model_bytes, f.inputs).status().code() ==
+        absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("Job::PlanOnly plans for devices that are not there, and refuses what cannot fit",
+          "[job]") {
+  testing::Fixture f = testing::LoadFixture("tiny_gpt");
+  JobConfig config = PlannedConfig(8);
+  absl::StatusOr<v1::Deployment> d = Job::PlanOnly(config, f.model_bytes, f.inputs);
+  REQUIRE(d.ok());
+  CHECK(d->num_devices() == 8);
+  int devices = 0;
+  for (const v1::DeploymentStage& s : d->stages()) devices += s.devices_size();
+  CHECK(devices <= 8);
+  config.plan_target.device_memory_bytes = 1024;
+  absl::StatusOr<v1::Deployment> none = Job::PlanOnly(config, f.model_bytes, f.inputs);
+  CHECK(none.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(none.status().message()), Catch::Contains("planning the model"));
+}
+
+}  // namespace
+}  // namespace rannc
