@@ -1,5 +1,6 @@
 #include "daemon/graph/subgraph.h"
 
+#include <algorithm>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -75,30 +76,62 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end) {
     return absl::InvalidArgumentError(absl::StrCat("bad atomic node range [", begin, ", ", end,
                                                    ") of ", ir.nodes.size()));
   }
+  std::vector<int> nodes;
+  for (int i = begin; i < end; ++i) nodes.push_back(i);
+  return BuildSubgraph(ir, std::move(nodes));
+}
+
+absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes) {
+  const int n = static_cast<int>(ir.nodes.size());
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  if (nodes.empty() || nodes.front() < 0 || nodes.back() >= n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a stage needs at least one atomic node, each in [0, ", n, ")"));
+  }
+  std::vector<bool> member(n, false);
+  for (int i : nodes) member[i] = true;
+  // Convex: no node outside the set lies on a path between two of its nodes. Nodes are in
+  // topological order, so one forward pass finds everything downstream of the set.
+  std::vector<bool> downstream(n, false);
+  for (int i = nodes.front(); i < n; ++i) {
+    for (int v : ir.nodes[i].inputs) {
+      const int p = ir.values[v].producer;
+      if (p < 0 || !(member[p] || downstream[p])) continue;
+      if (member[i] && !member[p]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "atomic nodes ", nodes.front(), "..", nodes.back(), " are not a convex set: node ",
+            p, " outside it depends on the set and feeds node ", i, " in it"));
+      }
+      if (!member[i]) downstream[i] = true;
+    }
+  }
+
   Subgraph sub;
-  sub.begin = begin;
-  sub.end = end;
+  sub.nodes = nodes;
   std::unordered_set<Node*> anchors, in_range;
-  for (int i = 0; i < static_cast<int>(ir.nodes.size()); ++i) {
+  for (int i = 0; i < n; ++i) {
     for (Node* op : ir.nodes[i].ops) {
       anchors.insert(op);
-      if (i >= begin && i < end) in_range.insert(op);
+      if (member[i]) in_range.insert(op);
     }
   }
   std::set<int> inputs, produced;
-  for (int i = begin; i < end; ++i) {
-    for (int v : ir.nodes[i].inputs) {
-      if (!produced.count(v)) inputs.insert(v);
-    }
+  for (int i : nodes) {
     for (Node* op : ir.nodes[i].ops) {
       for (Value* o : op->outputs()) produced.insert(ir.ValueOf(o));
     }
   }
+  for (int i : nodes) {
+    for (int v : ir.nodes[i].inputs) {
+      if (!produced.count(v)) inputs.insert(v);
+    }
+  }
   for (int v : produced) {
     const IrValue& value = ir.values[v];
-    bool needed_later = value.is_output;
-    for (int c : value.consumers) needed_later = needed_later || c >= end;
-    if (needed_later) sub.outputs.push_back(v);
+    bool needed_outside = value.is_output;
+    for (int c : value.consumers) needed_outside = needed_outside || !member[c];
+    if (needed_outside) sub.outputs.push_back(v);
   }
   sub.inputs.assign(inputs.begin(), inputs.end());
 
@@ -163,6 +196,34 @@ absl::Status VerifySplit(const IrGraph& ir, const std::vector<int>& stage_starts
   if (stage_starts.empty() || stage_starts[0] != 0) {
     return absl::InvalidArgumentError("stage starts must begin with 0");
   }
+  std::vector<std::vector<int>> stages;
+  for (size_t st = 0; st < stage_starts.size(); ++st) {
+    const int end = st + 1 < stage_starts.size() ? stage_starts[st + 1]
+                                                 : static_cast<int>(ir.nodes.size());
+    stages.emplace_back();
+    for (int i = stage_starts[st]; i < end; ++i) stages.back().push_back(i);
+  }
+  return VerifyPartition(ir, stages, tensors, inputs, rtol, atol);
+}
+
+absl::Status VerifyPartition(const IrGraph& ir, const std::vector<std::vector<int>>& stages,
+                             const std::vector<at::Tensor>& tensors,
+                             const std::vector<at::Tensor>& inputs, double rtol, double atol) {
+  std::vector<int> covered(ir.nodes.size(), 0);
+  for (const std::vector<int>& stage : stages) {
+    for (int i : stage) {
+      if (i < 0 || i >= static_cast<int>(ir.nodes.size())) {
+        return absl::InvalidArgumentError(absl::StrCat("no atomic node ", i));
+      }
+      ++covered[i];
+    }
+  }
+  for (size_t i = 0; i < covered.size(); ++i) {
+    if (covered[i] != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the stages must hold every atomic node once; node ", i, " is in ", covered[i]));
+    }
+  }
   // Whole model.
   std::vector<at::Tensor> whole_leaves = Leaves(ir, tensors);
   std::vector<c10::IValue> stack(inputs.begin(), inputs.end());
@@ -179,10 +240,8 @@ absl::Status VerifySplit(const IrGraph& ir, const std::vector<int>& stage_starts
   for (size_t i = 0; i < split_leaves.size(); ++i) {
     env[ir.inputs[ir.num_user_inputs + i]] = split_leaves[i];
   }
-  for (size_t st = 0; st < stage_starts.size(); ++st) {
-    int end = st + 1 < stage_starts.size() ? stage_starts[st + 1]
-                                           : static_cast<int>(ir.nodes.size());
-    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stage_starts[st], end);
+  for (size_t st = 0; st < stages.size(); ++st) {
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stages[st]);
     if (!sub.ok()) return sub.status();
     std::vector<c10::IValue> in;
     for (int v : sub->inputs) {

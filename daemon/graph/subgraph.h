@@ -1,7 +1,7 @@
-// Turns a contiguous range of an IrGraph's atomic nodes (always convex) back into a runnable
-// torch::jit::Graph with explicit inputs and outputs: the range's ops plus every helper they
-// need (parameter-only ops, constants, size computations), recomputed locally. This is what a
-// pipeline stage runs, and what the profiler times.
+// Turns a convex set of an IrGraph's atomic nodes (for instance a contiguous range, which is
+// always convex) back into a runnable torch::jit::Graph with explicit inputs and outputs: the
+// set's ops plus every helper they need (parameter-only ops, constants, size computations),
+// recomputed locally. This is what a pipeline stage runs, and what the profiler times.
 //
 // VerifySplit runs the stages of a split in sequence on one device and compares the outputs,
 // and the parameter gradients of their sum, with the whole model: the check behind the
@@ -26,14 +26,16 @@
 namespace rannc {
 
 struct Subgraph {
-  int begin = 0;  // atomic nodes [begin, end)
-  int end = 0;
+  std::vector<int> nodes;  // the atomic nodes it runs, ascending
   std::shared_ptr<torch::jit::Graph> graph;
   std::vector<int> inputs;   // IrGraph value ids, in the graph's input order
   std::vector<int> outputs;  // IrGraph value ids, in the graph's output order
 };
 
-// INVALID_ARGUMENT for an empty or out-of-range range.
+// INVALID_ARGUMENT for an empty or out-of-range set, or one that is not convex (a node outside
+// it both depends on the set and feeds it, so no stage could run the set at once).
+absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes);
+// The nodes [begin, end).
 absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end);
 
 // Runs `graph` (any graph whose outputs are values, e.g. a Subgraph's) on `inputs`.
@@ -48,6 +50,13 @@ absl::Status VerifySplit(const IrGraph& ir, const std::vector<int>& stage_starts
                          const std::vector<at::Tensor>& tensors,
                          const std::vector<at::Tensor>& inputs, double rtol = 1e-5,
                          double atol = 1e-6);
+
+// The same for any partition of the atomic nodes into convex sets, run in the order given
+// (each set may read only what earlier sets produced).
+absl::Status VerifyPartition(const IrGraph& ir, const std::vector<std::vector<int>>& stages,
+                             const std::vector<at::Tensor>& tensors,
+                             const std::vector<at::Tensor>& inputs, double rtol = 1e-5,
+                             double atol = 1e-6);
 
 }  // namespace rannc
 

@@ -63,6 +63,44 @@ TEST_CASE("A stage graph has explicit inputs and outputs", "[graph]") {
   CHECK_FALSE(BuildSubgraph(*f.ir, 0, 99).ok());
 }
 
+TEST_CASE("Any convex set of nodes becomes a stage; a set that is not convex is refused",
+          "[graph]") {
+  FixtureIr f = BuildFixtureIr("multi_io");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  // The branch computed from input `b` alone (sigmoid(b @ w) * 0.5) against everything else:
+  // two convex sets, which interleave in graph order.
+  std::vector<bool> from_a(ir.nodes.size(), false);
+  std::vector<int> branch_b, rest;
+  for (size_t i = 0; i < ir.nodes.size(); ++i) {
+    for (int v : ir.nodes[i].inputs) {
+      const int p = ir.values[v].producer;
+      from_a[i] = from_a[i] || v == ir.inputs[0] || (p >= 0 && from_a[p]);
+    }
+    (from_a[i] ? rest : branch_b).push_back(static_cast<int>(i));
+  }
+  REQUIRE_FALSE(branch_b.empty());
+  REQUIRE_FALSE(rest.empty());
+  absl::Status s = VerifyPartition(ir, {branch_b, rest}, f.tensors, f.fixture.inputs);
+  CHECK(s.ok());
+  if (!s.ok()) WARN(s.message());
+  // The other order cannot run: `rest` reads the branch's result.
+  CHECK(VerifyPartition(ir, {rest, branch_b}, f.tensors, f.fixture.inputs).code() ==
+        absl::StatusCode::kInternal);
+  // A node listed twice, or missing, is not a partition.
+  CHECK(VerifyPartition(ir, {branch_b, branch_b}, f.tensors, f.fixture.inputs).code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  // fc1 -> relu -> fc2: {fc1, fc2} without the relu between them is not convex.
+  FixtureIr mlp = BuildFixtureIr("mlp");
+  REQUIRE(mlp.ir.ok());
+  REQUIRE(mlp.ir->nodes.size() >= 3);
+  absl::StatusOr<Subgraph> gap = BuildSubgraph(*mlp.ir, std::vector<int>{0, 2});
+  CHECK(gap.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(gap.status().message()), Catch::Contains("not a convex set"));
+  CHECK(BuildSubgraph(*mlp.ir, std::vector<int>{0, 1}).ok());
+}
+
 TEST_CASE("VerifySplit catches a split whose result differs", "[graph]") {
   // Dropout draws new random numbers in each run, so the split cannot match the whole model.
   FixtureIr f = BuildFixtureIr("dropout_net");
