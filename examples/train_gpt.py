@@ -158,6 +158,7 @@ def main():
         elapsed = time.monotonic() - start
         bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{step * tokens_per_step / elapsed:,.0f}")
 
+    print(model.plan_summary.rstrip())
     model.eval()
     val_batches = batches(val_data, args.batch, args.seq, torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -31,3 +31,6 @@ def test_train_gpt_loss_goes_down():
     assert last < first - 1.5, out.stdout
     assert held_out < first - 1.0, out.stdout
     assert "tok_s" in out.stderr, "the progress bar reports tokens/s"
+    # The daemon planned the job for its devices (the embedded default is cpu:2).
+    assert re.search(r"plan for 2 x cpu .*\n  stage 0: nodes \[0, \d+\) on cpu:0", out.stdout), \
+        out.stdout
