@@ -4,32 +4,16 @@
 #include <cstddef>
 #include <limits>
 
+#include "daemon/runtime/schedule.h"
+
 namespace rannc {
 namespace planner {
 namespace {
 
-struct Op {
-  bool backward;
-  int micro_batch;
-};
-
-std::vector<Op> StageOrder(Schedule schedule, int stage, int num_stages, int m) {
-  std::vector<Op> ops;
-  ops.reserve(2 * m);
-  if (schedule == Schedule::kGPipe) {
-    for (int i = 0; i < m; ++i) ops.push_back({false, i});
-    for (int i = m - 1; i >= 0; --i) ops.push_back({true, i});
-    return ops;
-  }
-  const int warmup = std::min(num_stages - stage - 1, m);
-  int next_f = 0, next_b = 0;
-  for (; next_f < warmup; ++next_f) ops.push_back({false, next_f});
-  while (next_f < m) {
-    ops.push_back({false, next_f++});
-    ops.push_back({true, next_b++});
-  }
-  while (next_b < m) ops.push_back({true, next_b++});
-  return ops;
+// The runtime's own order, so the estimate replays what the stage workers execute.
+std::vector<PipelineOp> StageOrder(Schedule schedule, int stage, int num_stages, int m) {
+  return StageOps(schedule == Schedule::kGPipe ? ScheduleKind::kGPipe : ScheduleKind::k1F1B,
+                  stage, num_stages, m);
 }
 
 }  // namespace
@@ -43,7 +27,7 @@ SimResult Simulate(const std::vector<StageEval>& stages, int micro_batches, Sche
   // f_end[s][i], b_end[s][i]: when F(s, i) / B(s, i) finished, kNotDone until then.
   std::vector<std::vector<double>> f_end(S, std::vector<double>(m, kNotDone));
   std::vector<std::vector<double>> b_end(S, std::vector<double>(m, kNotDone));
-  std::vector<std::vector<Op>> order(S);
+  std::vector<std::vector<PipelineOp>> order(S);
   for (int s = 0; s < S; ++s) order[s] = StageOrder(schedule, s, S, m);
   std::vector<size_t> next(S, 0);
   std::vector<double> free_at(S, 0);
@@ -57,7 +41,7 @@ SimResult Simulate(const std::vector<StageEval>& stages, int micro_batches, Sche
     bool progressed = false;
     for (int s = 0; s < S; ++s) {
       while (next[s] < order[s].size()) {
-        const Op& op = order[s][next[s]];
+        const PipelineOp& op = order[s][next[s]];
         const int i = op.micro_batch;
         double ready = free_at[s];
         double duration;

@@ -10,10 +10,9 @@
 //    fwd_ms + comm_ms/2, B lasts bwd_ms + comm_ms/2), and a transfer adds no separate delay.
 //    This mirrors how Objective() charges communication (inside time_ms) so the two agree
 //    exactly for uniform stages; it models blocking sends and receives that occupy the stage.
-//  - 1F1B: stage s of S runs w = min(S-s-1, m) warm-up forwards, then alternates one F and one
-//    B until the forwards run out, then the remaining Bs.
-//  - GPipe: all m forwards in order, then all m backwards in reverse micro-batch order (the
-//    last forward's backward can start at once on the last stage, as autograd would do it).
+//  - Each stage's op order is the runtime's own (runtime/schedule.h): 1F1B runs
+//    w = min(S-s-1, m) warm-up forwards, then alternates one F and one B, then the remaining
+//    Bs; GPipe runs all m forwards, then all m backwards in reverse micro-batch order.
 //  - A stage's all-reduce starts after its last backward; the step ends when every stage's
 //    all-reduce has ended.
 //
