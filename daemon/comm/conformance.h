@@ -10,8 +10,9 @@
 //   }
 //
 // What it runs, for groups of 1, 2, 3 and 4 ranks (3 is there for ring algorithms), each in
-// its own Catch2 SECTION with a freshly made group: send/recv of 0, 1, 1000 elements and 4 MiB
-// in every dtype between every pair; matching by tag and issue order; a ring of sends; all_reduce
+// its own Catch2 SECTION with a freshly made group: send/recv of 0, 1 and 1000 elements in every
+// dtype and of 4 MiB (float32, uint8) between every pair at once; matching by tag and issue
+// order (several messages per tag, receives posted in another order); a ring of sends; all_reduce
 // for every ReduceOp and DataType at 0, 1, 7 and 1025 elements and of 8M float32; reduce_scatter;
 // all_gather; broadcast from every root; barrier; 40 collectives issued before any is waited on;
 // two groups driven concurrently by the same threads. Point-to-point sections need two ranks

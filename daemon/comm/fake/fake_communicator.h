@@ -28,7 +28,8 @@
 // (MakeFakeCommunicator) blocks until all `options.size` ranks of the group have called it, up
 // to options.setup_timeout. A group name may be reused once every communicator of the previous
 // group with that name is destroyed (or while it lives, when the same store is used: the store
-// numbers the group's incarnations).
+// numbers the group's incarnations). After a failed setup, retry under a new group name or with
+// a fresh store: the failed attempt's join still counts in the store.
 #ifndef RANNC_DAEMON_COMM_FAKE_FAKE_COMMUNICATOR_H_
 #define RANNC_DAEMON_COMM_FAKE_FAKE_COMMUNICATOR_H_
 
