@@ -1,0 +1,57 @@
+#include "daemon/comm/factory.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/comm/fake/fake_communicator.h"
+
+namespace rannc {
+namespace comm {
+namespace {
+
+absl::Status Validate(const GroupOptions& options) {
+  if (options.store == nullptr) {
+    return absl::InvalidArgumentError(
+        "MakeCommunicator: GroupOptions.store is null; pass the rendezvous store every rank "
+        "of the group shares (e.g. MakeInMemoryStore() within one daemon)");
+  }
+  if (options.group.empty()) {
+    return absl::InvalidArgumentError(
+        "MakeCommunicator: GroupOptions.group is empty; name the group (e.g. "
+        "\"job1/stage0/replicas\"), it prefixes the group's store keys");
+  }
+  if (options.size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MakeCommunicator: group ", options.group, " has size ", options.size,
+        "; a group has at least one rank"));
+  }
+  if (options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MakeCommunicator: rank ", options.rank, " is outside group ", options.group,
+        " of size ", options.size, " (need 0 <= rank < size)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(Backend backend,
+                                                               const GroupOptions& options) {
+  absl::Status valid = Validate(options);
+  if (!valid.ok()) return valid;
+  switch (backend) {
+    case Backend::kFake:
+      return MakeFakeCommunicator(options);
+    case Backend::kUcx:
+      // The one place to wire the UCX backend in (return MakeUcxCommunicator(options); and a
+      // dependency on //daemon/comm/ucx in the factory's BUILD target).
+      return absl::UnimplementedError(
+          "MakeCommunicator: the UCX backend is not linked into this build");
+    case Backend::kNccl:
+      return absl::UnimplementedError(
+          "MakeCommunicator: the NCCL backend needs a CUDA build; this build has none");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("MakeCommunicator: unknown backend ", static_cast<int>(backend)));
+}
+
+}  // namespace comm
+}  // namespace rannc
