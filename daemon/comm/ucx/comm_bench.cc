@@ -22,6 +22,7 @@ using Clock = std::chrono::steady_clock;
 int main(int argc, char** argv) {
   int ranks = 4, reps = 5, warmup = 2;
   size_t chunk = size_t(1) << 20;
+  bool peer_errors = false;
   std::vector<size_t> sizes_mib = {1, 4, 16, 64, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
@@ -29,6 +30,7 @@ int main(int argc, char** argv) {
     else if (flag == "--reps") reps = std::stoi(value);
     else if (flag == "--warmup") warmup = std::stoi(value);
     else if (flag == "--chunk_kib") chunk = std::stoul(value) << 10;
+    else if (flag == "--peer_errors") peer_errors = value != "0";
     else if (flag == "--sizes_mib") {
       sizes_mib.clear();
       size_t start = 0;
@@ -46,6 +48,7 @@ int main(int argc, char** argv) {
   auto store = MakeInMemoryStore();
   UcxOptions ucx;
   ucx.chunk_bytes = chunk;
+  ucx.peer_error_handling = peer_errors;
   std::vector<std::unique_ptr<Communicator>> comms(ranks);
   {
     std::vector<std::thread> threads;

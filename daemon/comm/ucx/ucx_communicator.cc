@@ -118,6 +118,8 @@ class Engine {
       stop_.store(true);
       ucp_worker_signal(worker_);
       thread_.join();
+    } else if (worker_ != nullptr) {
+      Shutdown();  // Init failed before the engine started: still close its endpoints
     }
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
     if (context_ != nullptr) ucp_cleanup(context_);
@@ -325,7 +327,10 @@ Op* Engine::PostSend(const void* data, size_t bytes, int dst, uint64_t tag,
   op->bytes = bytes;
   op->work = std::move(work);
   op->held = held;
-  if (absl::Status blocked = Blocked(dst); !blocked.ok() || eps_[dst] == nullptr) {
+  // The goodbye goes out while stopping; nothing else may.
+  const bool goodbye = tag == GoodbyeTag(rank_);
+  absl::Status blocked = goodbye ? absl::OkStatus() : Blocked(dst);
+  if (!blocked.ok() || eps_[dst] == nullptr || !gone_[dst].empty()) {
     op->done = true;
     op->status = blocked.ok() ? PeerGone(dst) : blocked;
     if (op->work) op->work->Complete(op->status);

@@ -48,9 +48,12 @@ namespace comm {
 struct UcxOptions {
   // Bytes per pipelined message of a collective (ring.h's RingConfig::chunk_bytes).
   size_t chunk_bytes = size_t{1} << 20;
-  // UCP_ERR_HANDLING_MODE_PEER on endpoints: a lost peer becomes an error rather than a hang,
-  // at the cost of transports that cannot detect peer failure.
-  bool peer_error_handling = true;
+  // UCP_ERR_HANDLING_MODE_PEER on endpoints: a crashed peer process becomes an endpoint error
+  // rather than a hang. Off by default because UCX 1.13 then refuses the shared-memory
+  // transports (posix/sysv lack peer-failure support) and falls back to TCP: 3-4x slower
+  // between ranks of one process, which cannot crash apart anyway (a destroyed communicator
+  // still says goodbye). Turn it on for groups spanning daemons (the cluster issue).
+  bool peer_error_handling = false;
 };
 
 // Creates rank `rank` of the group of `size` named `group`, meeting the others through `store`
