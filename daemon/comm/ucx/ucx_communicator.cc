@@ -525,6 +525,7 @@ void Engine::Loop() {
 
 void Engine::Shutdown() {
   Drain();
+  if (eps_.size() != size_t(size_)) return;  // setup failed before connecting
   for (Task& task : collectives_) task.work->Complete(Destroyed());
   collectives_.clear();
   // Tell live peers first, so their operations with this rank fail now rather than time out.
