@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/comm/fake/fake_communicator.h"
+#include "daemon/comm/ucx/ucx_communicator.h"
 
 namespace rannc {
 namespace comm {
@@ -41,10 +42,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(Backend backend,
     case Backend::kFake:
       return MakeFakeCommunicator(options);
     case Backend::kUcx:
-      // The one place to wire the UCX backend in (return MakeUcxCommunicator(options); and a
-      // dependency on //daemon/comm/ucx in the factory's BUILD target).
-      return absl::UnimplementedError(
-          "MakeCommunicator: the UCX backend is not linked into this build");
+      return MakeUcxCommunicator(options);
     case Backend::kNccl:
       return absl::UnimplementedError(
           "MakeCommunicator: the NCCL backend needs a CUDA build; this build has none");

@@ -724,5 +724,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicator(
   return std::unique_ptr<Communicator>(new UcxCommunicator(std::move(engine)));
 }
 
+absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicator(const GroupOptions& options,
+                                                                  const UcxOptions& ucx) {
+  return MakeUcxCommunicator(options.store, options.group, options.rank, options.size,
+                             options.setup_timeout, ucx);
+}
+
 }  // namespace comm
 }  // namespace rannc

@@ -40,6 +40,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/comm/communicator.h"
+#include "daemon/comm/factory.h"
 #include "daemon/comm/store.h"
 
 namespace rannc {
@@ -63,14 +64,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicator(
     Store* store, const std::string& group, int rank, int size,
     std::chrono::milliseconds setup_timeout, const UcxOptions& ucx = {});
 
-// The same from factory.h's GroupOptions ({store, group, rank, size, setup_timeout}). A template
-// so that this library need not depend on the factory's, which depends on every backend.
-template <typename GroupOptions>
+// The same from the factory's GroupOptions (what MakeCommunicator(Backend::kUcx, ...) calls).
 absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicator(const GroupOptions& options,
-                                                                  const UcxOptions& ucx = {}) {
-  return MakeUcxCommunicator(options.store, options.group, options.rank, options.size,
-                             options.setup_timeout, ucx);
-}
+                                                                  const UcxOptions& ucx = {});
 
 }  // namespace comm
 }  // namespace rannc

@@ -7,21 +7,14 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/comm/conformance.h"
+
 namespace rannc {
 namespace comm {
 namespace {
 
 using std::chrono::milliseconds;
 using std::chrono::seconds;
-
-// factory.h's shape; MakeUcxCommunicator accepts any struct with these fields.
-struct Group {
-  Store* store;
-  std::string group;
-  int rank;
-  int size;
-  milliseconds setup_timeout;
-};
 
 std::vector<std::unique_ptr<Communicator>> MakeGroup(Store* store, const std::string& name,
                                                      int n) {
@@ -30,7 +23,7 @@ std::vector<std::unique_ptr<Communicator>> MakeGroup(Store* store, const std::st
   std::mutex mu;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
-      auto c = MakeUcxCommunicator(Group{store, name, r, n, seconds(30)});
+      auto c = MakeUcxCommunicator(GroupOptions{store, name, r, n, seconds(30)});
       std::lock_guard<std::mutex> lock(mu);
       REQUIRE(c.ok());
       comms[r] = std::move(*c);
@@ -61,6 +54,13 @@ std::mutex check_mu;  // Catch2 assertions are not thread-safe
     INFO(_s.ToString());                                 \
     REQUIRE(_s.ok());                                    \
   } while (0)
+
+TEST_CASE("ucx passes the backend conformance suite", "[comm]") {
+  std::unique_ptr<Store> store = MakeInMemoryStore();
+  RunConformanceSuite([&](int n, const std::string& group) {
+    return MakeGroupConcurrently(Backend::kUcx, n, group, store.get());
+  });
+}
 
 TEST_CASE("send/recv of 0, small, 4 MiB and 64 MiB, in order") {
   auto store = MakeInMemoryStore();
