@@ -1,0 +1,815 @@
+#include "daemon/runtime/pipeline_engine.h"
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/graph/subgraph.h"
+#include "daemon/runtime/micro_batch.h"
+#include "daemon/runtime/schedule.h"
+#include "daemon/runtime/stage_executor.h"
+
+namespace rannc {
+namespace {
+
+using std::chrono::milliseconds;
+
+// Point-to-point tags on the all-devices group: bit 31 = gradient (backward), bits 30..20 the
+// micro-batch, bits 19..0 the IR value. One transfer per (direction, micro-batch, value) between
+// a pair of devices per step, so (tag, issue order) matching is unambiguous.
+constexpr int kMaxMicroBatches = 1 << 11;
+constexpr int kMaxValues = 1 << 20;
+uint32_t Tag(bool backward, int micro_batch, int value) {
+  return (backward ? (1u << 31) : 0u) | (static_cast<uint32_t>(micro_batch) << 20) |
+         static_cast<uint32_t>(value);
+}
+
+absl::StatusOr<comm::DataType> CommType(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return comm::DataType::kFloat32;
+    case at::kDouble: return comm::DataType::kFloat64;
+    case at::kHalf: return comm::DataType::kFloat16;
+    case at::kBFloat16: return comm::DataType::kBFloat16;
+    case at::kLong: return comm::DataType::kInt64;
+    case at::kInt: return comm::DataType::kInt32;
+    case at::kChar: return comm::DataType::kInt8;
+    case at::kByte: return comm::DataType::kUInt8;
+    case at::kBool: return comm::DataType::kUInt8;
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat("no communicator dtype for ", c10::toString(t)));
+  }
+}
+
+absl::StatusOr<comm::Buffer> BufferOf(const at::Tensor& t) {
+  absl::StatusOr<comm::DataType> type = CommType(t.scalar_type());
+  if (!type.ok()) return type.status();
+  if (!t.is_contiguous()) return absl::InternalError("communicating a non-contiguous tensor");
+  return comm::Buffer{t.data_ptr(), static_cast<size_t>(t.numel()), *type};
+}
+
+// A thread running posted tasks in order.
+class Worker {
+ public:
+  Worker() : thread_([this] { Loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  std::future<absl::Status> Post(std::function<absl::Status()> fn) {
+    auto task = std::make_shared<std::packaged_task<absl::Status()>>(std::move(fn));
+    std::future<absl::Status> done = task->get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back([task] { (*task)(); });
+    }
+    cv_.notify_one();
+    return done;
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the rest is constructed
+};
+
+struct StageInfo {
+  int first = 0, end = 0;
+  std::vector<int> devices;  // global device index per replica
+  std::vector<int> data_inputs, outputs;
+  // Per data input: the stage producing it, or -1 - i for user input i.
+  std::vector<int> source;
+  // Per data input: > 0 for a batch-size scalar (see BatchSizeScalar), recomputed locally as
+  // shard samples x this, never transferred.
+  std::vector<int64_t> local_size;
+  // Per output: the later stages that read it.
+  std::vector<std::vector<int>> consumers;
+  std::vector<int> params;  // lifted indices of the parameters it reads
+  std::vector<int> lifted;  // lifted indices it reads (parameters and buffers)
+};
+
+struct Device {
+  int index = 0, stage = 0, replica = 0, world_rank = 0;
+  std::vector<at::Tensor> lifted;  // per IR lifted input; undefined where the stage reads none
+  std::unique_ptr<StageExecutor> exec;
+  std::unique_ptr<comm::Communicator> world, replicas;
+  // Operations abandoned by a failed step, with the memory they may still write.
+  std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>> abandoned;
+  std::unique_ptr<Worker> worker;
+};
+
+std::atomic<int> engine_count{0};
+
+}  // namespace
+
+class PipelineEngine::Impl {
+ public:
+  ~Impl() {
+    for (Device& d : devices_) d.worker.reset();  // joins
+    for (Device& d : devices_) {
+      d.exec.reset();
+      d.replicas.reset();
+      d.world.reset();
+    }
+  }
+
+  absl::Status Init(const IrGraph& ir, const v1::Deployment& plan,
+                    const std::vector<at::Tensor>& lifted, comm::Backend backend,
+                    int num_devices);
+  absl::StatusOr<StepResult> TrainStep(const std::vector<at::Tensor>& inputs);
+  absl::StatusOr<const at::Tensor*> Find(const std::string& name) const;
+  void ZeroGrad();
+  void ApplySgd(double lr);
+  void SetTimeout(milliseconds timeout) { timeout_ = timeout; }
+
+ private:
+  using Pending = std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>>;
+  struct StepPlan {
+    int64_t batch = 0;
+    std::vector<int64_t> mb_sizes, mb_offsets;
+    const std::vector<at::Tensor>* inputs = nullptr;
+  };
+
+  int64_t PerSample(int v) const {
+    const IrValue& val = ir_->values[v];
+    return val.batch_dim < 0 ? 0 : val.shape[val.batch_dim] / ir_->example_batch;
+  }
+  std::vector<int64_t> ShapeFor(int v, int64_t count) const {
+    const IrValue& val = ir_->values[v];
+    std::vector<int64_t> shape = val.shape;
+    if (val.batch_dim >= 0) shape[val.batch_dim] = count * PerSample(v);
+    return shape;
+  }
+  at::Tensor Rows(const at::Tensor& t, int v, int64_t offset, int64_t count) const {
+    const int bd = ir_->values[v].batch_dim;
+    if (bd < 0) return t;
+    const int64_t ps = PerSample(v);
+    return t.narrow(bd, offset * ps, count * ps);
+  }
+  // For a 0-dim value that is the batch size of a batched value x, as traces record
+  // `B = x.size(0)` (prim::NumToTensor of aten::size(x, batch_dim)): x's rows per sample, so a
+  // stage computes it from its own shard even when replica counts differ. 0 otherwise.
+  int64_t BatchSizeScalar(int v) const {
+    torch::jit::Value* jv = ir_->values[v].jit;
+    if (jv == nullptr || !ir_->values[v].shape.empty()) return 0;
+    torch::jit::Node* n = jv->node();
+    if (n->kind() != c10::prim::NumToTensor) return 0;
+    torch::jit::Value* size_out = n->input(0);
+    torch::jit::Node* s = size_out->node();
+    torch::jit::Value* x = nullptr;
+    int64_t dim = 0;
+    if (s->kind() == c10::aten::size && s->inputs().size() == 2) {
+      c10::optional<c10::IValue> d = torch::jit::toIValue(s->input(1));
+      if (!d || !d->isInt()) return 0;
+      dim = d->toInt();
+      x = s->input(0);
+    } else if (s->kind() == c10::prim::ListUnpack &&
+               s->input(0)->node()->kind() == c10::aten::size &&
+               s->input(0)->node()->inputs().size() == 1) {
+      for (size_t i = 0; i < s->outputs().size(); ++i) {
+        if (s->output(i) == size_out) dim = static_cast<int64_t>(i);
+      }
+      x = s->input(0)->node()->input(0);
+    } else {
+      return 0;
+    }
+    auto it = ir_->value_index.find(x);
+    if (it == ir_->value_index.end()) return 0;
+    const IrValue& xv = ir_->values[it->second];
+    if (xv.batch_dim < 0) return 0;
+    if (dim < 0) dim += static_cast<int64_t>(xv.shape.size());
+    if (dim != xv.batch_dim) return 0;
+    return PerSample(it->second);
+  }
+
+  // The transfers of value `v` (of a micro-batch of `n` samples) from stage p to stage q.
+  std::vector<Transfer> Transfers(int v, int64_t n, int p, int q) const {
+    const int rp = static_cast<int>(stages_[p].devices.size());
+    const int rq = static_cast<int>(stages_[q].devices.size());
+    if (ir_->values[v].batch_dim < 0) {
+      // Whole values, assumed the same on every replica (sizes, masks): consumer replica k
+      // reads producer replica k % rp's.
+      std::vector<Transfer> out;
+      for (int k = 0; k < rq; ++k) out.push_back({k % rp, k, 0, 0, 0});
+      return out;
+    }
+    return Reshard(SplitSizes(n, rp), SplitSizes(n, rq));
+  }
+
+  absl::Status Wait(Device& d, std::unique_ptr<comm::Work> work, at::Tensor keep,
+                    const std::string& what);
+  absl::Status WaitAll(Device& d, Pending& pending);
+  absl::Status Send(Device& d, const at::Tensor& t, int dst_device, uint32_t tag,
+                    Pending& pending);
+  absl::Status Recv(Device& d, const at::Tensor& t, int src_device, uint32_t tag,
+                    const std::string& what);
+  absl::Status RunDevice(Device& d, const StepPlan& step, at::Tensor* loss);
+  absl::Status ReduceGrads(Device& d);
+
+  const IrGraph* ir_ = nullptr;
+  std::string id_;
+  ScheduleKind schedule_ = ScheduleKind::k1F1B;
+  int micro_batches_ = 1;
+  milliseconds timeout_{120000};
+  std::unique_ptr<comm::Store> store_;
+  std::vector<StageInfo> stages_;
+  std::vector<Device> devices_;                 // the plan's devices, ascending index
+  std::vector<int> world_rank_;                 // per global device index (-1: unused)
+  std::vector<int> tied_;                       // parameters read by several stages
+  std::vector<std::vector<int64_t>> lifted_shapes_;
+  std::vector<at::ScalarType> lifted_types_;
+  std::atomic<bool> aborted_{false};
+  bool broken_ = false;
+  std::mutex error_mu_;
+  absl::Status first_error_;
+};
+
+absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment& plan,
+                                        const std::vector<at::Tensor>& lifted,
+                                        comm::Backend backend, int num_devices) {
+  ir_ = &ir;
+  id_ = absl::StrCat("pipeline_engine", engine_count.fetch_add(1));
+  const int num_nodes = static_cast<int>(ir.nodes.size());
+  if (lifted.size() != ir.tensor_names.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(lifted.size(), " lifted tensors for ",
+                                                   ir.tensor_names.size()));
+  }
+  if (plan.model_hash() != ir.hash) {
+    return absl::InvalidArgumentError("the deployment was planned for another model");
+  }
+  if (static_cast<int>(plan.num_nodes()) != num_nodes) {
+    return absl::InvalidArgumentError(absl::StrCat("the deployment has ", plan.num_nodes(),
+                                                   " atomic nodes, the model ", num_nodes));
+  }
+  if (plan.stages_size() == 0) return absl::InvalidArgumentError("the deployment has no stages");
+  if (plan.micro_batches() < 1 || plan.micro_batches() >= kMaxMicroBatches) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported micro-batch count ", plan.micro_batches()));
+  }
+  if (ir.values.size() >= static_cast<size_t>(kMaxValues)) {
+    return absl::UnimplementedError("too many IR values for the transfer tags");
+  }
+  if (ir.outputs.empty() || !ir.values[ir.outputs[0]].is_loss) {
+    return absl::UnimplementedError(
+        "the pipeline engine needs the model's first output to be a loss");
+  }
+  micro_batches_ = static_cast<int>(plan.micro_batches());
+  schedule_ = plan.schedule() == v1::SCHEDULE_GPIPE ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+
+  // Stages: contiguous, covering every node; devices valid and used once.
+  world_rank_.assign(std::max(num_devices, 0), -1);
+  std::vector<int> stage_of_node(num_nodes, -1);
+  int next = 0;
+  std::set<int> used;
+  for (int s = 0; s < plan.stages_size(); ++s) {
+    const v1::DeploymentStage& ps = plan.stages(s);
+    StageInfo st;
+    st.first = static_cast<int>(ps.first_node());
+    st.end = static_cast<int>(ps.end_node());
+    if (st.first != next || st.end <= st.first || st.end > num_nodes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stage ", s, " runs nodes [", st.first, ", ", st.end, "); expected to start at ", next,
+          " and end by ", num_nodes));
+    }
+    next = st.end;
+    if (ps.devices_size() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("stage ", s, " has no devices"));
+    }
+    for (uint32_t dev : ps.devices()) {
+      if (static_cast<int>(dev) >= num_devices) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("stage ", s, " uses device ", dev, " of ", num_devices));
+      }
+      if (!used.insert(static_cast<int>(dev)).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("device ", dev, " appears more than once in the deployment"));
+      }
+      st.devices.push_back(static_cast<int>(dev));
+    }
+    for (int n = st.first; n < st.end; ++n) stage_of_node[n] = s;
+    stages_.push_back(std::move(st));
+  }
+  if (next != num_nodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the stages cover nodes [0, ", next, ") of ", num_nodes));
+  }
+
+  // Routing: where each stage's data inputs come from, where its outputs go.
+  const int S = static_cast<int>(stages_.size());
+  std::vector<int> holders(lifted.size(), 0);
+  for (int s = 0; s < S; ++s) {
+    StageInfo& st = stages_[s];
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, st.first, st.end);
+    if (!sub.ok()) return Annotate(sub.status(), absl::StrCat("stage ", s));
+    for (int v : sub->inputs) {
+      const int li = v - static_cast<int>(ir.num_user_inputs);
+      if (v < static_cast<int>(ir.inputs.size()) && li >= 0) {
+        st.lifted.push_back(li);
+        if (ir.values[v].role == ValueRole::kParam) {
+          st.params.push_back(li);
+          ++holders[li];
+        }
+      } else {
+        st.data_inputs.push_back(v);
+        int user = -1;
+        for (size_t i = 0; i < ir.num_user_inputs; ++i) {
+          if (ir.inputs[i] == v) user = static_cast<int>(i);
+        }
+        if (user >= 0) {
+          st.source.push_back(-1 - user);
+          st.local_size.push_back(0);
+        } else {
+          const int producer = ir.values[v].producer;
+          if (producer < 0 || stage_of_node[producer] >= s) {
+            return absl::InternalError(absl::StrCat("stage ", s, " reads value ",
+                                                    ir.values[v].name,
+                                                    " that no earlier stage produces"));
+          }
+          const int p = stage_of_node[producer];
+          if (!ir.values[v].is_tensor) {
+            return absl::InternalError(
+                absl::StrCat("non-tensor value ", ir.values[v].name, " crosses stages"));
+          }
+          st.source.push_back(p);
+          st.local_size.push_back(BatchSizeScalar(v));
+        }
+      }
+    }
+    st.outputs = sub->outputs;
+    st.consumers.assign(st.outputs.size(), {});
+  }
+  for (int q = 0; q < S; ++q) {
+    for (size_t j = 0; j < stages_[q].data_inputs.size(); ++j) {
+      const int p = stages_[q].source[j];
+      if (p < 0 || stages_[q].local_size[j] > 0) continue;
+      const int v = stages_[q].data_inputs[j];
+      bool found = false;
+      for (size_t k = 0; k < stages_[p].outputs.size(); ++k) {
+        if (stages_[p].outputs[k] == v) {
+          stages_[p].consumers[k].push_back(q);
+          found = true;
+        }
+      }
+      if (!found) {
+        return absl::InternalError(absl::StrCat("stage ", p, " does not output ",
+                                                ir.values[v].name, " that stage ", q, " reads"));
+      }
+    }
+  }
+  for (size_t i = 0; i < lifted.size(); ++i) {
+    lifted_shapes_.push_back(lifted[i].sizes().vec());
+    lifted_types_.push_back(lifted[i].scalar_type());
+    if (holders[i] > 1) tied_.push_back(static_cast<int>(i));
+  }
+
+  // Devices: own copies of the stage's tensors, an executor, a worker.
+  for (int dev : used) {
+    world_rank_[dev] = static_cast<int>(devices_.size());
+    devices_.emplace_back();
+    devices_.back().index = dev;
+  }
+  for (int s = 0; s < S; ++s) {
+    for (size_t r = 0; r < stages_[s].devices.size(); ++r) {
+      Device& d = devices_[world_rank_[stages_[s].devices[r]]];
+      d.stage = s;
+      d.replica = static_cast<int>(r);
+      d.world_rank = world_rank_[d.index];
+      d.lifted.assign(lifted.size(), at::Tensor());
+      absl::Status copied = TorchCall(absl::StatusCode::kInternal, "copying tensors", [&] {
+        for (int li : stages_[s].lifted) {
+          at::Tensor t = lifted[li].detach().clone();
+          if (ir.values[ir.inputs[ir.num_user_inputs + li]].role == ValueRole::kParam) {
+            t.requires_grad_(true);
+          }
+          d.lifted[li] = t;
+        }
+        return absl::OkStatus();
+      });
+      if (!copied.ok()) return copied;
+      absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stages_[s].first, stages_[s].end);
+      if (!sub.ok()) return sub.status();
+      absl::StatusOr<std::unique_ptr<StageExecutor>> exec =
+          StageExecutor::Create(ir, std::move(*sub), d.lifted);
+      if (!exec.ok()) return Annotate(exec.status(), absl::StrCat("stage ", s));
+      d.exec = std::move(*exec);
+      if (d.exec->data_inputs() != stages_[s].data_inputs) {
+        return absl::InternalError("stage executor's data inputs differ from the subgraph's");
+      }
+      d.worker = std::make_unique<Worker>();
+    }
+  }
+
+  // Communicators, created concurrently on the devices' threads (each blocks for its group).
+  store_ = comm::MakeInMemoryStore();
+  const int W = static_cast<int>(devices_.size());
+  std::vector<std::future<absl::Status>> done;
+  for (Device& d : devices_) {
+    done.push_back(d.worker->Post([this, &d, backend, W]() -> absl::Status {
+      absl::StatusOr<std::unique_ptr<comm::Communicator>> world = comm::MakeCommunicator(
+          backend, {store_.get(), absl::StrCat(id_, "/world"), d.world_rank, W, timeout_});
+      if (!world.ok()) return Annotate(world.status(), absl::StrCat("device ", d.index));
+      d.world = std::move(*world);
+      const int R = static_cast<int>(stages_[d.stage].devices.size());
+      if (R > 1) {
+        absl::StatusOr<std::unique_ptr<comm::Communicator>> reps = comm::MakeCommunicator(
+            backend, {store_.get(), absl::StrCat(id_, "/stage", d.stage), d.replica, R,
+                      timeout_});
+        if (!reps.ok()) return Annotate(reps.status(), absl::StrCat("device ", d.index));
+        d.replicas = std::move(*reps);
+      }
+      return absl::OkStatus();
+    }));
+  }
+  absl::Status status = absl::OkStatus();
+  for (auto& f : done) {
+    absl::Status s = f.get();
+    if (status.ok() && !s.ok()) status = s;
+  }
+  return status;
+}
+
+absl::Status PipelineEngine::Impl::Wait(Device& d, std::unique_ptr<comm::Work> work,
+                                        at::Tensor keep, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    absl::Status s = work->Wait(milliseconds(20));
+    if (s.code() != absl::StatusCode::kDeadlineExceeded) {
+      if (s.ok()) return s;
+      return Annotate(s, what);
+    }
+    const bool late = std::chrono::steady_clock::now() >= deadline;
+    if (late || aborted_.load()) {
+      d.abandoned.emplace_back(std::move(work), std::move(keep));
+      if (late) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            what, ": not done after ", timeout_.count(), " ms"));
+      }
+      return absl::AbortedError(absl::StrCat(what, ": abandoned, another device failed"));
+    }
+  }
+}
+
+absl::Status PipelineEngine::Impl::WaitAll(Device& d, Pending& pending) {
+  absl::Status status = absl::OkStatus();
+  for (auto& [work, keep] : pending) {
+    if (!status.ok()) {
+      d.abandoned.emplace_back(std::move(work), std::move(keep));
+      continue;
+    }
+    status = Wait(d, std::move(work), std::move(keep), "a send");
+  }
+  pending.clear();
+  return status;
+}
+
+absl::Status PipelineEngine::Impl::Send(Device& d, const at::Tensor& t, int dst_device,
+                                        uint32_t tag, Pending& pending) {
+  at::Tensor data = t.detach().contiguous();
+  absl::StatusOr<comm::Buffer> buf = BufferOf(data);
+  if (!buf.ok()) return buf.status();
+  pending.emplace_back(d.world->Send(*buf, world_rank_[dst_device], {tag}), data);
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::Recv(Device& d, const at::Tensor& t, int src_device,
+                                        uint32_t tag, const std::string& what) {
+  absl::StatusOr<comm::Buffer> buf = BufferOf(t);
+  if (!buf.ok()) return buf.status();
+  return Wait(d, d.world->Recv(*buf, world_rank_[src_device], {tag}), t,
+              absl::StrCat(what, " from device ", src_device));
+}
+
+absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step, at::Tensor* loss) {
+  const IrGraph& ir = *ir_;
+  const StageInfo& st = stages_[d.stage];
+  const int S = static_cast<int>(stages_.size());
+  const int R = static_cast<int>(st.devices.size());
+  const int loss_value = ir.outputs[0];
+  Pending pending;
+  std::vector<at::Tensor> params;
+  for (int li : st.params) params.push_back(d.lifted[li]);
+  // This step's gradients are kept apart until they are reduced.
+  std::vector<at::Tensor> saved;
+  for (at::Tensor& p : params) {
+    saved.push_back(p.grad());
+    p.mutable_grad() = at::Tensor();
+  }
+  at::Tensor loss_sum = at::zeros({}, at::kDouble);
+  bool has_loss = false;
+
+  for (const PipelineOp& op : StageOps(schedule_, d.stage, S, micro_batches_)) {
+    const int mb = op.micro_batch;
+    const int64_t n = step.mb_sizes[mb];
+    const std::vector<int64_t> shards = SplitSizes(n, R);
+    const int64_t my_off = Offsets(shards)[d.replica];
+    const int64_t my_count = shards[d.replica];
+    const double weight = static_cast<double>(my_count) / step.batch;
+    if (!op.backward) {
+      std::vector<at::Tensor> in;
+      for (size_t j = 0; j < st.data_inputs.size(); ++j) {
+        const int v = st.data_inputs[j];
+        const int p = st.source[j];
+        if (st.local_size[j] > 0) {
+          in.push_back(at::scalar_tensor(my_count * st.local_size[j],
+                                         at::TensorOptions().dtype(ir.values[v].dtype)));
+          continue;
+        }
+        if (p < 0) {
+          in.push_back(Rows((*step.inputs)[-1 - p], v, step.mb_offsets[mb] + my_off, my_count));
+          continue;
+        }
+        const IrValue& val = ir.values[v];
+        at::Tensor x = at::empty(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+        for (const Transfer& t : Transfers(v, n, p, d.stage)) {
+          if (t.dst != d.replica) continue;
+          const bool whole = val.batch_dim < 0 || (t.dst_offset == 0 && t.count == my_count);
+          at::Tensor piece = whole ? x : at::empty(ShapeFor(v, t.count), x.options());
+          absl::Status s = Recv(d, piece, stages_[p].devices[t.src], Tag(false, mb, v),
+                                absl::StrCat("activation ", val.name, " of micro-batch ", mb));
+          if (!s.ok()) return s;
+          if (!whole) Rows(x, v, t.dst_offset, t.count).copy_(piece);
+        }
+        in.push_back(x);
+      }
+      absl::StatusOr<std::vector<at::Tensor>> out = d.exec->Forward(mb, in, true);
+      if (!out.ok()) return Annotate(out.status(), absl::StrCat("micro-batch ", mb));
+      for (size_t k = 0; k < st.outputs.size(); ++k) {
+        const int v = st.outputs[k];
+        if (v == loss_value) {
+          loss_sum = loss_sum + (*out)[k].detach().to(at::kDouble) * weight;
+          has_loss = true;
+        }
+        for (int q : st.consumers[k]) {
+          for (const Transfer& t : Transfers(v, n, d.stage, q)) {
+            if (t.src != d.replica) continue;
+            absl::Status s = Send(d, Rows((*out)[k], v, t.src_offset, t.count),
+                                  stages_[q].devices[t.dst], Tag(false, mb, v), pending);
+            if (!s.ok()) return s;
+          }
+        }
+      }
+    } else {
+      std::vector<at::Tensor> out_grads;
+      for (size_t k = 0; k < st.outputs.size(); ++k) {
+        const int v = st.outputs[k];
+        const IrValue& val = ir.values[v];
+        at::Tensor g;
+        if (v == loss_value) g = at::full({}, weight, at::TensorOptions().dtype(val.dtype));
+        if (!st.consumers[k].empty() && at::isFloatingType(val.dtype)) {
+          at::Tensor sum = at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+          for (int q : st.consumers[k]) {
+            for (const Transfer& t : Transfers(v, n, d.stage, q)) {
+              if (t.src != d.replica) continue;
+              at::Tensor piece = at::empty(ShapeFor(v, val.batch_dim < 0 ? 0 : t.count),
+                                           sum.options());
+              absl::Status s = Recv(d, piece, stages_[q].devices[t.dst], Tag(true, mb, v),
+                                    absl::StrCat("gradient of ", val.name, " of micro-batch ", mb));
+              if (!s.ok()) return s;
+              Rows(sum, v, t.src_offset, t.count).add_(piece);
+            }
+          }
+          g = g.defined() ? g + sum : sum;
+        }
+        out_grads.push_back(g);
+      }
+      absl::StatusOr<std::vector<at::Tensor>> in_grads = d.exec->Backward(mb, out_grads);
+      if (!in_grads.ok()) return Annotate(in_grads.status(), absl::StrCat("micro-batch ", mb));
+      for (size_t j = 0; j < st.data_inputs.size(); ++j) {
+        const int p = st.source[j];
+        const int v = st.data_inputs[j];
+        const IrValue& val = ir.values[v];
+        if (p < 0 || st.local_size[j] > 0 || !at::isFloatingType(val.dtype)) continue;
+        at::Tensor g = (*in_grads)[j];
+        g = g.defined() ? g.to(val.dtype)
+                        : at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+        for (const Transfer& t : Transfers(v, n, p, d.stage)) {
+          if (t.dst != d.replica) continue;
+          absl::Status s = Send(d, Rows(g, v, t.dst_offset, t.count), stages_[p].devices[t.src],
+                                Tag(true, mb, v), pending);
+          if (!s.ok()) return s;
+        }
+      }
+    }
+  }
+  absl::Status sent = WaitAll(d, pending);
+  if (!sent.ok()) return sent;
+  absl::Status reduced = ReduceGrads(d);
+  if (!reduced.ok()) return reduced;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!saved[i].defined()) continue;
+    if (params[i].grad().defined()) {
+      params[i].mutable_grad().add_(saved[i]);
+    } else {
+      params[i].mutable_grad() = saved[i];
+    }
+  }
+  if (has_loss) *loss = loss_sum;
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
+  const StageInfo& st = stages_[d.stage];
+  auto grad_of = [&](int li) -> at::Tensor {
+    at::Tensor& p = d.lifted[li];
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    if (!p.grad().is_contiguous()) p.mutable_grad() = p.grad().contiguous();
+    return p.grad();
+  };
+  std::set<int> tied(tied_.begin(), tied_.end());
+  // Tied parameters: over every device, the non-holders contributing zeros (this step's local
+  // gradients, so the sum over all devices is the full gradient; no replica reduction).
+  for (int li : tied_) {
+    const bool holds = d.lifted[li].defined();
+    at::Tensor g = holds ? grad_of(li)
+                         : at::zeros(lifted_shapes_[li],
+                                     at::TensorOptions().dtype(lifted_types_[li]));
+    absl::StatusOr<comm::Buffer> buf = BufferOf(g);
+    if (!buf.ok()) return buf.status();
+    absl::Status s = Wait(d, d.world->AllReduce(*buf, {comm::ReduceOp::kSum}), g,
+                          absl::StrCat("all-reducing the tied ", ir_->tensor_names[li]));
+    if (!s.ok()) return s;
+  }
+  if (!d.replicas) return absl::OkStatus();
+  for (int li : st.params) {
+    if (tied.count(li)) continue;
+    at::Tensor g = grad_of(li);
+    absl::StatusOr<comm::Buffer> buf = BufferOf(g);
+    if (!buf.ok()) return buf.status();
+    absl::Status s = Wait(d, d.replicas->AllReduce(*buf, {comm::ReduceOp::kSum}), g,
+                          absl::StrCat("all-reducing ", ir_->tensor_names[li]));
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> PipelineEngine::Impl::TrainStep(const std::vector<at::Tensor>& inputs) {
+  if (broken_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("an earlier step failed: ", first_error_.message()));
+  }
+  const IrGraph& ir = *ir_;
+  if (inputs.size() != ir.num_user_inputs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(inputs.size(), " inputs for ", ir.num_user_inputs));
+  }
+  StepPlan step;
+  step.inputs = &inputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int v = ir.inputs[i];
+    const int bd = ir.values[v].batch_dim;
+    if (bd < 0) continue;
+    if (!inputs[i].defined() || inputs[i].dim() <= bd) {
+      return absl::InvalidArgumentError(absl::StrCat("input ", i, " has no batch dimension"));
+    }
+    const int64_t ps = PerSample(v);
+    const int64_t b = ps > 0 ? inputs[i].size(bd) / ps : 0;
+    if (step.batch == 0) step.batch = b;
+    if (b != step.batch || b * ps != inputs[i].size(bd)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("input ", i, "'s batch does not match the others' (", step.batch, ")"));
+    }
+  }
+  if (step.batch <= 0) return absl::InvalidArgumentError("the inputs have no batch");
+  step.mb_sizes = SplitSizes(step.batch, micro_batches_);
+  step.mb_offsets = Offsets(step.mb_sizes);
+  for (size_t s = 0; s < stages_.size(); ++s) {
+    if (step.mb_sizes.back() < static_cast<int64_t>(stages_[s].devices.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a batch of ", step.batch, " is too small for ", micro_batches_,
+          " micro-batches over stage ", s, "'s ", stages_[s].devices.size(), " replicas"));
+    }
+  }
+
+  std::vector<at::Tensor> losses(devices_.size());
+  std::vector<std::future<absl::Status>> done;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    Device& d = devices_[i];
+    at::Tensor* loss = &losses[i];
+    done.push_back(d.worker->Post([this, &d, &step, loss]() -> absl::Status {
+      absl::Status s = TorchCall(absl::StatusCode::kInternal, "step", [&] {
+        return RunDevice(d, step, loss);
+      });
+      if (!s.ok()) {
+        s = Annotate(s, absl::StrCat("device ", d.index, " (stage ", d.stage, ", replica ",
+                                     d.replica, ")"));
+        std::lock_guard<std::mutex> lock(error_mu_);
+        if (first_error_.ok()) first_error_ = s;
+        aborted_ = true;
+      }
+      return s;
+    }));
+  }
+  for (auto& f : done) f.get().IgnoreError();  // the first error is kept in first_error_
+  if (aborted_) {
+    broken_ = true;
+    std::lock_guard<std::mutex> lock(error_mu_);
+    return first_error_;
+  }
+  StepResult result;
+  at::Tensor total = at::zeros({}, at::kDouble);
+  for (const at::Tensor& l : losses) {
+    if (l.defined()) total = total + l;
+  }
+  result.loss = total.to(ir.values[ir.outputs[0]].dtype);
+  return result;
+}
+
+absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& name) const {
+  for (size_t li = 0; li < ir_->tensor_names.size(); ++li) {
+    if (ir_->tensor_names[li] != name) continue;
+    for (const StageInfo& st : stages_) {
+      for (int p : st.lifted) {
+        if (p == static_cast<int>(li)) {
+          return &devices_[world_rank_[st.devices[0]]].lifted[li];
+        }
+      }
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("no stage holds a tensor named ", name));
+}
+
+void PipelineEngine::Impl::ZeroGrad() {
+  for (Device& d : devices_) {
+    for (at::Tensor& t : d.lifted) {
+      if (t.defined() && t.grad().defined()) t.mutable_grad().zero_();
+    }
+  }
+}
+
+void PipelineEngine::Impl::ApplySgd(double lr) {
+  at::NoGradGuard no_grad;
+  for (Device& d : devices_) {
+    for (at::Tensor& t : d.lifted) {
+      if (t.defined() && t.requires_grad() && t.grad().defined()) t.sub_(t.grad(), lr);
+    }
+  }
+}
+
+PipelineEngine::PipelineEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PipelineEngine::~PipelineEngine() = default;
+
+absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
+    const IrGraph& ir, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
+    comm::Backend backend, int num_devices, std::chrono::milliseconds timeout) {
+  auto impl = std::make_unique<Impl>();
+  impl->SetTimeout(timeout);
+  absl::Status s = impl->Init(ir, plan, lifted, backend, num_devices);
+  if (!s.ok()) return s;
+  return std::unique_ptr<PipelineEngine>(new PipelineEngine(std::move(impl)));
+}
+
+absl::StatusOr<StepResult> PipelineEngine::TrainStep(const std::vector<at::Tensor>& inputs) {
+  return impl_->TrainStep(inputs);
+}
+
+absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name) const {
+  absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name);
+  if (!t.ok()) return t.status();
+  if (!(*t)->requires_grad()) {
+    return absl::NotFoundError(absl::StrCat(tensor_name, " is not a parameter"));
+  }
+  const at::Tensor g = (*t)->grad();
+  return g.defined() ? g.detach().clone() : at::Tensor();
+}
+
+absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name) const {
+  absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name);
+  if (!t.ok()) return t.status();
+  return (*t)->detach().clone();
+}
+
+void PipelineEngine::ZeroGrad() { impl_->ZeroGrad(); }
+void PipelineEngine::ApplySgd(double lr) { impl_->ApplySgd(lr); }
+
+}  // namespace rannc

@@ -1,0 +1,217 @@
+#include "daemon/runtime/pipeline_engine.h"
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+// LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <catch2/catch.hpp>
+
+#include "daemon/graph/ir_testing.h"
+#include "daemon/graph/subgraph.h"
+#include "daemon/runtime/stage_executor.h"
+
+namespace rannc {
+namespace {
+
+using testing::BuildFixtureIr;
+using testing::FixtureIr;
+
+constexpr double kRtol = 1e-5;
+constexpr double kAtol = 1e-6;
+
+// `devices[s]`: stage s's devices (one per replica); nodes split evenly over the stages.
+v1::Deployment MakePlan(const IrGraph& ir, const std::vector<std::vector<int>>& devices, int m,
+                        v1::PipelineSchedule schedule) {
+  v1::Deployment plan;
+  plan.set_format_version(1);
+  plan.set_model_hash(ir.hash);
+  const int n = static_cast<int>(ir.nodes.size());
+  const int S = static_cast<int>(devices.size());
+  plan.set_num_nodes(n);
+  plan.set_micro_batches(m);
+  plan.set_schedule(schedule);
+  plan.set_num_devices(4);
+  plan.set_device_type("cpu");
+  for (int s = 0; s < S; ++s) {
+    v1::DeploymentStage* st = plan.add_stages();
+    st->set_index(s);
+    st->set_first_node(s * n / S);
+    st->set_end_node((s + 1) * n / S);
+    for (int d : devices[s]) st->add_devices(d);
+  }
+  return plan;
+}
+
+bool IsParam(const IrGraph& ir, size_t lifted_index) {
+  return ir.values[ir.inputs[ir.num_user_inputs + lifted_index]].role == ValueRole::kParam;
+}
+
+const char* BackendName(comm::Backend b) { return b == comm::Backend::kUcx ? "ucx" : "fake"; }
+
+struct Shape {
+  std::vector<std::vector<int>> devices;
+  int m;
+};
+
+TEST_CASE("The engine gives PyTorch's loss and gradients over stages, replicas, micro-batches",
+          "[runtime]") {
+  const auto start = std::chrono::steady_clock::now();
+  for (const char* name : {"mlp", "tiny_gpt", "multi_io"}) {
+    FixtureIr f = BuildFixtureIr(name);
+    REQUIRE(f.ir.ok());
+    const IrGraph& ir = *f.ir;
+    const int64_t batch = ir.example_batch;
+    REQUIRE(ir.nodes.size() >= 4);
+    // Re-splitting between 1 and 3 replicas needs m * 3 <= batch.
+    const int m13 = batch >= 6 ? 2 : 1;
+    const std::vector<Shape> shapes = {
+        {{{0, 1, 2, 3}}, 1},
+        {{{0}, {1}}, 2},
+        {{{0, 1}, {2, 3}}, 2},
+        {{{0}, {1}, {2}, {3}}, 4},
+        {{{0}, {1, 2, 3}}, m13},
+        {{{3, 1, 2}, {0}}, m13},
+    };
+    for (comm::Backend backend : {comm::Backend::kFake, comm::Backend::kUcx}) {
+      for (v1::PipelineSchedule schedule : {v1::SCHEDULE_1F1B, v1::SCHEDULE_GPIPE}) {
+        for (size_t k = 0; k < shapes.size(); ++k) {
+          INFO(name << ", " << BackendName(backend) << ", "
+                    << (schedule == v1::SCHEDULE_GPIPE ? "gpipe" : "1f1b") << ", shape " << k
+                    << " (" << shapes[k].devices.size() << " stages, m=" << shapes[k].m << ")");
+          v1::Deployment plan = MakePlan(ir, shapes[k].devices, shapes[k].m, schedule);
+          absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+              PipelineEngine::Create(ir, plan, f.tensors, backend, 4);
+          INFO(engine.status().ToString());
+          REQUIRE(engine.ok());
+          absl::StatusOr<StepResult> step = (*engine)->TrainStep(f.fixture.inputs);
+          INFO(step.status().ToString());
+          REQUIRE(step.ok());
+          CHECK(at::allclose(step->loss, f.fixture.ref.at("out_0"), kRtol, kAtol));
+          for (size_t i = 0; i < f.tensors.size(); ++i) {
+            if (!IsParam(ir, i)) continue;
+            const std::string& param = ir.tensor_names[i];
+            INFO(param);
+            absl::StatusOr<at::Tensor> grad = (*engine)->Grad(param);
+            REQUIRE(grad.ok());
+            REQUIRE(grad->defined());
+            CHECK(at::allclose(*grad, f.fixture.Ref("grad", param), kRtol, kAtol));
+          }
+        }
+      }
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WARN("engine conformance took " << seconds << " s");
+}
+
+// Plain SGD on one device: a whole-model StageExecutor.
+TEST_CASE("Three SGD steps keep every replica equal to single-device SGD", "[runtime]") {
+  FixtureIr f = BuildFixtureIr("mlp");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  std::vector<at::Tensor> leaves;
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    at::Tensor t = f.tensors[i].detach().clone();
+    if (IsParam(ir, i)) t.requires_grad_(true);
+    leaves.push_back(t);
+  }
+  absl::StatusOr<Subgraph> whole = BuildSubgraph(ir, 0, static_cast<int>(ir.nodes.size()));
+  REQUIRE(whole.ok());
+  absl::StatusOr<std::unique_ptr<StageExecutor>> ref =
+      StageExecutor::Create(ir, std::move(*whole), leaves);
+  REQUIRE(ref.ok());
+
+  for (comm::Backend backend : {comm::Backend::kFake, comm::Backend::kUcx}) {
+    for (const auto& devices : std::vector<std::vector<std::vector<int>>>{
+             {{0, 1}, {2, 3}}, {{0}, {1, 2, 3}}}) {
+      INFO(BackendName(backend) << ", " << devices.size() << " stages");
+      // Fresh reference parameters.
+      {
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < leaves.size(); ++i) {
+          leaves[i].copy_(f.tensors[i]);
+          if (leaves[i].grad().defined()) leaves[i].mutable_grad().zero_();
+        }
+      }
+      v1::Deployment plan = MakePlan(ir, devices, 1, v1::SCHEDULE_1F1B);
+      absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+          PipelineEngine::Create(ir, plan, f.tensors, backend, 4);
+      REQUIRE(engine.ok());
+      for (int it = 0; it < 3; ++it) {
+        INFO("step " << it);
+        // Reference step.
+        std::vector<at::Tensor> in;
+        for (int v : (*ref)->data_inputs()) in.push_back(f.fixture.inputs[v]);
+        absl::StatusOr<std::vector<at::Tensor>> out = (*ref)->Forward(0, in, true);
+        REQUIRE(out.ok());
+        std::vector<at::Tensor> out_grads((*ref)->outputs().size());
+        for (size_t k = 0; k < out_grads.size(); ++k) {
+          if ((*ref)->outputs()[k] == ir.outputs[0]) out_grads[k] = at::ones({});
+        }
+        REQUIRE((*ref)->Backward(0, out_grads).ok());
+        const at::Tensor ref_loss = (*out)[0].detach();
+        {
+          at::NoGradGuard no_grad;
+          for (at::Tensor& p : leaves) {
+            if (p.requires_grad()) {
+              p.sub_(p.grad(), 0.1);
+              p.mutable_grad().zero_();
+            }
+          }
+        }
+        // Engine step.
+        (*engine)->ZeroGrad();
+        absl::StatusOr<StepResult> step = (*engine)->TrainStep(f.fixture.inputs);
+        INFO(step.status().ToString());
+        REQUIRE(step.ok());
+        CHECK(at::allclose(step->loss, ref_loss, kRtol, kAtol));
+        (*engine)->ApplySgd(0.1);
+        for (size_t i = 0; i < leaves.size(); ++i) {
+          if (!IsParam(ir, i)) continue;
+          INFO(ir.tensor_names[i]);
+          absl::StatusOr<at::Tensor> p = (*engine)->Param(ir.tensor_names[i]);
+          REQUIRE(p.ok());
+          CHECK(at::allclose(*p, leaves[i].detach(), kRtol, kAtol));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("The engine refuses plans that do not fit the model or the devices", "[runtime]") {
+  FixtureIr f = BuildFixtureIr("mlp");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  auto create = [&](const v1::Deployment& plan) {
+    return PipelineEngine::Create(ir, plan, f.tensors, comm::Backend::kFake, 4).status().code();
+  };
+  v1::Deployment plan = MakePlan(ir, {{0}, {1}}, 1, v1::SCHEDULE_1F1B);
+  v1::Deployment gap = plan;
+  gap.mutable_stages(1)->set_first_node(plan.stages(1).first_node() + 1);
+  CHECK(create(gap) == absl::StatusCode::kInvalidArgument);
+  v1::Deployment short_plan = plan;
+  short_plan.mutable_stages(1)->set_end_node(plan.stages(1).end_node() - 1);
+  CHECK(create(short_plan) == absl::StatusCode::kInvalidArgument);
+  v1::Deployment far = MakePlan(ir, {{0}, {4}}, 1, v1::SCHEDULE_1F1B);
+  CHECK(create(far) == absl::StatusCode::kInvalidArgument);
+  v1::Deployment twice = MakePlan(ir, {{0, 1}, {1}}, 1, v1::SCHEDULE_1F1B);
+  CHECK(create(twice) == absl::StatusCode::kInvalidArgument);
+  v1::Deployment other = plan;
+  other.set_model_hash("another model");
+  CHECK(create(other) == absl::StatusCode::kInvalidArgument);
+
+  // A batch too small for the micro-batches and replicas.
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
+      ir, MakePlan(ir, {{0, 1, 2, 3}}, 2, v1::SCHEDULE_1F1B), f.tensors, comm::Backend::kFake, 4);
+  REQUIRE(engine.ok());
+  CHECK((*engine)->TrainStep(f.fixture.inputs).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK((*engine)->Grad("no.such.param").status().code() == absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace rannc
