@@ -148,7 +148,7 @@ class PipelineEngine::Impl {
                     const std::vector<at::Tensor>& lifted, comm::Backend backend,
                     int num_devices);
   absl::StatusOr<StepResult> TrainStep(const std::vector<at::Tensor>& inputs);
-  absl::StatusOr<const at::Tensor*> Find(const std::string& name) const;
+  absl::StatusOr<const at::Tensor*> Find(const std::string& name, int device) const;
   void ZeroGrad();
   void ApplySgd(double lr);
   void SetTimeout(milliseconds timeout) { timeout_ = timeout; }
@@ -745,9 +745,17 @@ absl::StatusOr<StepResult> PipelineEngine::Impl::TrainStep(const std::vector<at:
   return result;
 }
 
-absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& name) const {
+absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& name,
+                                                             int device) const {
   for (size_t li = 0; li < ir_->tensor_names.size(); ++li) {
     if (ir_->tensor_names[li] != name) continue;
+    if (device >= 0) {
+      if (device < static_cast<int>(world_rank_.size()) && world_rank_[device] >= 0 &&
+          devices_[world_rank_[device]].lifted[li].defined()) {
+        return &devices_[world_rank_[device]].lifted[li];
+      }
+      break;
+    }
     for (const StageInfo& st : stages_) {
       for (int p : st.lifted) {
         if (p == static_cast<int>(li)) {
@@ -756,7 +764,8 @@ absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& 
       }
     }
   }
-  return absl::NotFoundError(absl::StrCat("no stage holds a tensor named ", name));
+  return absl::NotFoundError(absl::StrCat("no stage", device >= 0 ? " on that device" : "",
+                                          " holds a tensor named ", name));
 }
 
 void PipelineEngine::Impl::ZeroGrad() {
@@ -793,8 +802,9 @@ absl::StatusOr<StepResult> PipelineEngine::TrainStep(const std::vector<at::Tenso
   return impl_->TrainStep(inputs);
 }
 
-absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name) const {
-  absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name);
+absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name,
+                                                int device) const {
+  absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name, device);
   if (!t.ok()) return t.status();
   if (!(*t)->requires_grad()) {
     return absl::NotFoundError(absl::StrCat(tensor_name, " is not a parameter"));
@@ -803,8 +813,9 @@ absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name) 
   return g.defined() ? g.detach().clone() : at::Tensor();
 }
 
-absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name) const {
-  absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name);
+absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
+                                                 int device) const {
+  absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name, device);
   if (!t.ok()) return t.status();
   return (*t)->detach().clone();
 }

@@ -56,10 +56,11 @@ class PipelineEngine {
   // Parameter gradients accumulate (as PyTorch's do) until ZeroGrad.
   absl::StatusOr<StepResult> TrainStep(const std::vector<at::Tensor>& inputs);
 
-  // Replica 0's gradient (undefined tensor: none yet) / value of a parameter, from the first
-  // stage holding it. NOT_FOUND for a name that is not a parameter any stage reads.
-  absl::StatusOr<at::Tensor> Grad(const std::string& tensor_name) const;
-  absl::StatusOr<at::Tensor> Param(const std::string& tensor_name) const;
+  // A copy of the gradient (undefined tensor: none yet) / value of a parameter: replica 0's of
+  // the first stage holding it, or `device`'s (after a step every holder has the same).
+  // NOT_FOUND for a name no stage (or `device`) holds; Grad also for a buffer.
+  absl::StatusOr<at::Tensor> Grad(const std::string& tensor_name, int device = -1) const;
+  absl::StatusOr<at::Tensor> Param(const std::string& tensor_name, int device = -1) const;
 
   void ZeroGrad();
   // p -= lr * grad on every device's copy of every parameter that has a gradient.

@@ -98,6 +98,12 @@ TEST_CASE("The engine gives PyTorch's loss and gradients over stages, replicas, 
             REQUIRE(grad.ok());
             REQUIRE(grad->defined());
             CHECK(at::allclose(*grad, f.fixture.Ref("grad", param), kRtol, kAtol));
+            // Every holder (replicas, and stages sharing a tied weight) agrees.
+            for (int dev = 0; dev < 4; ++dev) {
+              absl::StatusOr<at::Tensor> g = (*engine)->Grad(param, dev);
+              if (!g.ok()) continue;
+              CHECK(at::allclose(*g, *grad, kRtol, kAtol));
+            }
           }
         }
       }
@@ -179,6 +185,35 @@ TEST_CASE("Three SGD steps keep every replica equal to single-device SGD", "[run
         }
       }
     }
+  }
+}
+
+TEST_CASE("A worker's failure fails the step promptly with its device, and breaks the engine",
+          "[runtime]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  for (comm::Backend backend : {comm::Backend::kFake, comm::Backend::kUcx}) {
+    INFO(BackendName(backend));
+    absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
+        ir, MakePlan(ir, {{0}, {1, 2}}, 2, v1::SCHEDULE_1F1B), f.tensors, backend, 4,
+        std::chrono::seconds(30));
+    REQUIRE(engine.ok());
+    std::vector<at::Tensor> inputs = f.fixture.inputs;
+    inputs[0] = inputs[0].clone();
+    inputs[0][3][0] = 1000;  // out of the vocabulary: the embedding of micro-batch 1 fails
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<StepResult> step = (*engine)->TrainStep(inputs);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    INFO(step.status().ToString());
+    REQUIRE(!step.ok());
+    CHECK(step.status().message().find("device 0 (stage 0, replica 0)") != std::string::npos);
+    CHECK(step.status().message().find("micro-batch 1") != std::string::npos);
+    CHECK(seconds < 10);
+    CHECK((*engine)->TrainStep(f.fixture.inputs).status().code() ==
+          absl::StatusCode::kFailedPrecondition);
+    engine->reset();  // stops the workers with transfers abandoned
   }
 }
 
