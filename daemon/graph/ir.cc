@@ -233,14 +233,28 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   std::map<std::string, bool> is_param;
   for (const ModuleTensor& t : model.tensors) is_param[t.name] = t.is_parameter;
   std::vector<Value*> top = TopLevelValues(graph);
-  std::unordered_set<const Value*> batch_dependent;
-  for (size_t i = 0; i < ir.num_user_inputs; ++i) batch_dependent.insert(graph.inputs()[i]);
+  // Batch-dependent: computed from the inputs at all. Data-dependent: computed from their
+  // values, not only their shapes. A tensor made from shapes alone (a traced `x.size(0)` becomes
+  // a 0-dim tensor; a causal mask built from the sequence length) is a helper: each stage
+  // recomputes it from its own inputs, so it is right for that stage's shard of the batch and
+  // never travels.
+  std::unordered_set<const Value*> batch_dependent, data_dependent;
+  for (size_t i = 0; i < ir.num_user_inputs; ++i) {
+    batch_dependent.insert(graph.inputs()[i]);
+    data_dependent.insert(graph.inputs()[i]);
+  }
   for (Node* n : graph.nodes()) {
+    static const std::unordered_set<std::string> kShapeOps = {
+        "aten::size", "aten::dim", "aten::numel", "prim::shape", "aten::len"};
+    const bool shape_only = kShapeOps.count(n->kind().toQualString()) > 0;
+    bool batch = false, data = false;
     for (Value* in : ExternalInputs(n)) {
-      if (batch_dependent.count(in)) {
-        for (Value* o : n->outputs()) batch_dependent.insert(o);
-        break;
-      }
+      batch = batch || batch_dependent.count(in) > 0;
+      data = data || data_dependent.count(in) > 0;
+    }
+    for (Value* o : n->outputs()) {
+      if (batch) batch_dependent.insert(o);
+      if (data && !shape_only) data_dependent.insert(o);
     }
   }
   for (size_t i = 0; i < top.size(); ++i) {
@@ -311,7 +325,7 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   std::vector<Node*> anchors;
   std::unordered_map<const Node*, int> anchor_index;
   for (Node* n : graph.nodes()) {
-    bool batch = n->outputs().size() > 0 && batch_dependent.count(n->output(0)) > 0;
+    bool batch = n->outputs().size() > 0 && data_dependent.count(n->output(0)) > 0;
     bool tensor_out = false, returned = false;
     for (Value* o : n->outputs()) {
       tensor_out = tensor_out || IsTensor(o);

@@ -4,10 +4,12 @@
 // topological order. A contiguous range of atomic nodes is convex, so any range can become a
 // pipeline stage (graph/subgraph.h turns a range back into a runnable graph).
 //
-// Atomic nodes follow RaNNC: every op that produces a tensor from the batch is (part of) a
-// node; ops that only touch parameters and constants, and ops that produce non-tensor values
-// (sizes, lists, tuples), are "helpers" that join every node that consumes them, so they are
-// recomputed in each stage that needs them and never cross a stage boundary. In-place ops on
+// Atomic nodes follow RaNNC: every op that computes a tensor from the batch's values is (part
+// of) a node; ops that only touch parameters and constants, ops that produce non-tensor values
+// (sizes, lists, tuples), and tensors made from shapes alone (a traced x.size(0), a causal mask
+// of the sequence length) are "helpers" that join every node that consumes them, so they are
+// recomputed in each stage that needs them, for its own shard of the batch, and never cross a
+// stage boundary. In-place ops on
 // batch values, and non-tensor outputs of a batch op, force their producer and consumers into
 // one atomic node, so a cut can never separate a write from a read.
 //

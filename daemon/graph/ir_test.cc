@@ -123,6 +123,11 @@ TEST_CASE("BuildIr finds batch dimensions through views in attention", "[graph]"
     if (v.role == ValueRole::kActivation && v.shape.size() == 4 && v.batch_dim == 0) ++batched_4d;
   }
   CHECK(batched_4d > 0);  // [B, heads, T, T] attention scores
+  // `B, T = ids.size()` and the causal mask come from shapes alone: helpers, recomputed per
+  // stage for its own shard, never atomic nodes whose results would travel.
+  for (const IrNode& node : f.ir->nodes) {
+    for (torch::jit::Node* op : node.ops) CHECK(op->kind() != c10::prim::NumToTensor);
+  }
   CHECK(f.ir->values[f.ir->outputs[0]].is_loss);
   CHECK(f.ir->nodes.size() > 20);
 }

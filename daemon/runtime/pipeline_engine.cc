@@ -110,9 +110,6 @@ struct StageInfo {
   std::vector<int> data_inputs, outputs;
   // Per data input: the stage producing it, or -1 - i for user input i.
   std::vector<int> source;
-  // Per data input: > 0 for a batch-size scalar (see BatchSizeScalar), recomputed locally as
-  // shard samples x this, never transferred.
-  std::vector<int64_t> local_size;
   // Per output: the later stages that read it.
   std::vector<std::vector<int>> consumers;
   std::vector<int> params;  // lifted indices of the parameters it reads
@@ -176,41 +173,6 @@ class PipelineEngine::Impl {
     if (bd < 0) return t;
     const int64_t ps = PerSample(v);
     return t.narrow(bd, offset * ps, count * ps);
-  }
-  // For a 0-dim value that is the batch size of a batched value x, as traces record
-  // `B = x.size(0)` (prim::NumToTensor of aten::size(x, batch_dim)): x's rows per sample, so a
-  // stage computes it from its own shard even when replica counts differ. 0 otherwise.
-  int64_t BatchSizeScalar(int v) const {
-    torch::jit::Value* jv = ir_->values[v].jit;
-    if (jv == nullptr || !ir_->values[v].shape.empty()) return 0;
-    torch::jit::Node* n = jv->node();
-    if (n->kind() != c10::prim::NumToTensor) return 0;
-    torch::jit::Value* size_out = n->input(0);
-    torch::jit::Node* s = size_out->node();
-    torch::jit::Value* x = nullptr;
-    int64_t dim = 0;
-    if (s->kind() == c10::aten::size && s->inputs().size() == 2) {
-      c10::optional<c10::IValue> d = torch::jit::toIValue(s->input(1));
-      if (!d || !d->isInt()) return 0;
-      dim = d->toInt();
-      x = s->input(0);
-    } else if (s->kind() == c10::prim::ListUnpack &&
-               s->input(0)->node()->kind() == c10::aten::size &&
-               s->input(0)->node()->inputs().size() == 1) {
-      for (size_t i = 0; i < s->outputs().size(); ++i) {
-        if (s->output(i) == size_out) dim = static_cast<int64_t>(i);
-      }
-      x = s->input(0)->node()->input(0);
-    } else {
-      return 0;
-    }
-    auto it = ir_->value_index.find(x);
-    if (it == ir_->value_index.end()) return 0;
-    const IrValue& xv = ir_->values[it->second];
-    if (xv.batch_dim < 0) return 0;
-    if (dim < 0) dim += static_cast<int64_t>(xv.shape.size());
-    if (dim != xv.batch_dim) return 0;
-    return PerSample(it->second);
   }
 
   // The transfers of value `v` (of a micro-batch of `n` samples) from stage p to stage q.
@@ -348,7 +310,6 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
         }
         if (user >= 0) {
           st.source.push_back(-1 - user);
-          st.local_size.push_back(0);
         } else {
           const int producer = ir.values[v].producer;
           if (producer < 0 || stage_of_node[producer] >= s) {
@@ -362,7 +323,6 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                 absl::StrCat("non-tensor value ", ir.values[v].name, " crosses stages"));
           }
           st.source.push_back(p);
-          st.local_size.push_back(BatchSizeScalar(v));
         }
       }
     }
@@ -372,7 +332,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   for (int q = 0; q < S; ++q) {
     for (size_t j = 0; j < stages_[q].data_inputs.size(); ++j) {
       const int p = stages_[q].source[j];
-      if (p < 0 || stages_[q].local_size[j] > 0) continue;
+      if (p < 0) continue;
       const int v = stages_[q].data_inputs[j];
       bool found = false;
       for (size_t k = 0; k < stages_[p].outputs.size(); ++k) {
@@ -540,11 +500,6 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step, at
       for (size_t j = 0; j < st.data_inputs.size(); ++j) {
         const int v = st.data_inputs[j];
         const int p = st.source[j];
-        if (st.local_size[j] > 0) {
-          in.push_back(at::scalar_tensor(my_count * st.local_size[j],
-                                         at::TensorOptions().dtype(ir.values[v].dtype)));
-          continue;
-        }
         if (p < 0) {
           in.push_back(Rows((*step.inputs)[-1 - p], v, step.mb_offsets[mb] + my_off, my_count));
           continue;
@@ -609,7 +564,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step, at
         const int p = st.source[j];
         const int v = st.data_inputs[j];
         const IrValue& val = ir.values[v];
-        if (p < 0 || st.local_size[j] > 0 || !at::isFloatingType(val.dtype)) continue;
+        if (p < 0 || !at::isFloatingType(val.dtype)) continue;
         at::Tensor g = (*in_grads)[j];
         g = g.defined() ? g.to(val.dtype)
                         : at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
