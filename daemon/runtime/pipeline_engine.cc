@@ -11,8 +11,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/csrc/jit/ir/constants.h>
-#include <torch/csrc/jit/ir/ir.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
