@@ -16,9 +16,10 @@
 // backward is fused with forward, assuming the client's output gradient is 1. Outputs other than
 // the loss are computed but not returned yet.
 //
-// The IrGraph must outlive the engine. Methods must be called from one thread at a time. A step that fails (any worker's first error,
-// annotated with the device and stage; a transfer that does not complete within the timeout)
-// leaves the engine broken: later steps fail with FAILED_PRECONDITION.
+// The IrGraph must outlive the engine. Methods must be called from one thread at a time. A step
+// that fails (any worker's first error, annotated with the device and stage; a transfer that
+// does not complete within the timeout) leaves the engine broken: later steps fail with
+// FAILED_PRECONDITION.
 #ifndef RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_H_
 #define RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_H_
 
