@@ -90,15 +90,6 @@ absl::StatusOr<std::vector<c10::IValue>> RecordValues(Graph& graph,
   return stack;
 }
 
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 // Merges overlapping [first, last] ranges over `count` anchors; returns group start indices.
 std::vector<int> MergeRanges(int count, std::vector<std::pair<int, int>> ranges) {
   std::vector<int> reach(count);
@@ -138,6 +129,21 @@ std::vector<Value*> ExternalInputs(Node* n) {
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
+}
+
+std::string StableHash(const std::string& bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
+at::Tensor RepeatSamples(const at::Tensor& t, int64_t n) {
+  return t.index_select(0, at::arange(n, at::kLong).remainder(t.size(0)));
 }
 
 const char* ValueRoleName(ValueRole role) {
@@ -201,12 +207,9 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   std::vector<at::Tensor> saved;
   for (const at::Tensor& t : tensors) saved.push_back(t.clone());
   std::vector<c10::IValue> inputs_a, inputs_b;
-  auto samples = [](const at::Tensor& t, int64_t n) {
-    return t.index_select(0, at::arange(n, at::kLong).remainder(t.size(0)));
-  };
   for (const at::Tensor& t : example_inputs) {
-    inputs_a.emplace_back(samples(t, kProbeA));
-    inputs_b.emplace_back(samples(t, kProbeB));
+    inputs_a.emplace_back(RepeatSamples(t, kProbeA));
+    inputs_b.emplace_back(RepeatSamples(t, kProbeB));
   }
   for (const at::Tensor& t : tensors) {
     inputs_a.emplace_back(t);
@@ -461,9 +464,7 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     const IrValue& v = ir.values[i];
     sig << "in" << i << c10::toString(v.dtype) << v.shape.size() << ';';
   }
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(Fnv1a(sig.str())));
-  ir.hash = hex;
+  ir.hash = StableHash(sig.str());
   return ir;
 }
 

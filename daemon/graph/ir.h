@@ -107,6 +107,13 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
 // `boundary` (1..nodes.size()-1): what a stage cut there sends forward.
 double CutBytesPerSample(const IrGraph& ir, int boundary);
 
+// A stable 64-bit hash (FNV-1a) of `bytes` as 16 hex digits: the same in every process and
+// build, so it can name things in files (IR hashes in deployments, profile cache keys).
+std::string StableHash(const std::string& bytes);
+
+// `t` with `n` samples along dim 0: its first n, or its samples repeated in order.
+at::Tensor RepeatSamples(const at::Tensor& t, int64_t n);
+
 // Inputs of `n` and of the nodes nested in its blocks that are defined outside `n`, each once.
 std::vector<torch::jit::Value*> ExternalInputs(torch::jit::Node* n);
 

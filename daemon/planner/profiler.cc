@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <unordered_map>
 
@@ -47,20 +46,8 @@ class MemoryTracker final : public c10::MemoryReportingInfoBase {
   int64_t peak_ = 0;
 };
 
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 std::string GraphKey(const IrGraph& ir, const Subgraph& sub) {
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx",
-                static_cast<unsigned long long>(Fnv1a(ir.hash + sub.graph->toString())));
-  return absl::StrCat(ir.hash, "/", hex);
+  return absl::StrCat(ir.hash, "/", StableHash(ir.hash + sub.graph->toString()));
 }
 
 double Ms(std::chrono::steady_clock::duration d) {
@@ -73,13 +60,6 @@ double Median(std::vector<double> v) {
 }
 
 uint64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
-
-// `t` with `n` samples along dim 0: its first n, or its samples repeated.
-at::Tensor Resize(const at::Tensor& t, int64_t n) {
-  if (n <= t.size(0)) return t.narrow(0, 0, n).clone();
-  at::Tensor index = at::arange(n, at::kLong).remainder(t.size(0));
-  return t.index_select(0, index);
-}
 
 }  // namespace
 
@@ -192,7 +172,7 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
   // activations and returns their gradients.
   std::unordered_map<int, at::Tensor> env;
   for (size_t i = 0; i < example_inputs_.size(); ++i) {
-    env[ir_.inputs[i]] = Resize(example_inputs_[i], micro_batch);
+    env[ir_.inputs[i]] = RepeatSamples(example_inputs_[i], micro_batch);
   }
   for (size_t b = 0; b < starts.size(); ++b) {
     const int end = b + 1 < starts.size() ? starts[b + 1] : static_cast<int>(ir_.nodes.size());

@@ -88,6 +88,15 @@ absl::StatusOr<std::unique_ptr<Optimizer>> BuildOptimizer(const OptimizerConfig&
 
 uint64_t Bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
+absl::Status CheckExampleCount(const ImportedModel& model,
+                               const std::vector<at::Tensor>& example_inputs) {
+  if (model.input_names.size() == example_inputs.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the model's forward takes ", model.input_names.size(), " inputs (",
+      absl::StrJoin(model.input_names, ", "), "), but ", example_inputs.size(),
+      " example inputs were given"));
+}
+
 // Optimizer state in multiples of the trainable parameters' size.
 planner::MemoryModel MemoryModelFor(const OptimizerConfig& config) {
   planner::MemoryModel m;
@@ -173,12 +182,8 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
                                                  const std::vector<at::Tensor>& example_inputs) {
   absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes);
   if (!model.ok()) return model.status();
-  if (model->input_names.size() != example_inputs.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the model's forward takes ", model->input_names.size(), " inputs (",
-        absl::StrJoin(model->input_names, ", "), "), but ", example_inputs.size(),
-        " example inputs were given"));
-  }
+  absl::Status counted = CheckExampleCount(*model, example_inputs);
+  if (!counted.ok()) return counted;
   std::unique_ptr<Job> job(new Job(std::move(id), std::move(config)));
   job->store_ = ParamStore::FromModuleTensors(model->tensors);
   absl::Status fits = CheckMemoryBudget(job->config_, job->store_);
@@ -235,12 +240,8 @@ absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
                                               const std::vector<at::Tensor>& example_inputs) {
   absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes);
   if (!model.ok()) return model.status();
-  if (model->input_names.size() != example_inputs.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the model's forward takes ", model->input_names.size(), " inputs (",
-        absl::StrJoin(model->input_names, ", "), "), but ", example_inputs.size(),
-        " example inputs were given"));
-  }
+  absl::Status counted = CheckExampleCount(*model, example_inputs);
+  if (!counted.ok()) return counted;
   ParamStore store = ParamStore::FromModuleTensors(model->tensors);
   if (config.check_unused_values) {
     absl::Status unused = CheckUnusedValues(*model, store);
