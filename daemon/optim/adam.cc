@@ -112,4 +112,34 @@ std::vector<std::pair<std::string, at::Tensor>> Adam::NamedState() const {
   return named;
 }
 
+absl::Status Adam::LoadNamedState(const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  std::vector<std::vector<ParamState>> states;
+  for (const ParamGroup& group : groups_) states.emplace_back(group.params.size());
+  for (const auto& [name, value] : state) {
+    absl::StatusOr<optim_internal::StateEntryRef> ref = optim_internal::ParseStateEntry(
+        groups_, name, value, {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"});
+    if (!ref.ok()) return ref.status();
+    ParamState& s = states[ref->group][ref->param];
+    const at::Tensor& param = groups_[ref->group].params[ref->param];
+    if (ref->key == "step") {
+      s.step = static_cast<int64_t>(value.item<double>());
+      continue;
+    }
+    at::Tensor copy = value.detach().to(param.options()).clone();
+    if (ref->key == "exp_avg") s.exp_avg = copy;
+    if (ref->key == "exp_avg_sq") s.exp_avg_sq = copy;
+    if (ref->key == "max_exp_avg_sq") s.max_exp_avg_sq = copy;
+  }
+  for (const auto& group : states) {
+    for (const ParamState& s : group) {
+      if (s.exp_avg.defined() != s.exp_avg_sq.defined()) {
+        return absl::InvalidArgumentError("optimizer state has exp_avg without exp_avg_sq or "
+                                          "the reverse");
+      }
+    }
+  }
+  states_ = std::move(states);
+  return absl::OkStatus();
+}
+
 }  // namespace rannc

@@ -28,6 +28,8 @@ class Adam final : public Optimizer {
   int64_t StateBytes() const override;
   OptimizerKind kind() const override { return kind_; }
   std::vector<std::pair<std::string, at::Tensor>> NamedState() const override;
+  absl::Status LoadNamedState(
+      const std::vector<std::pair<std::string, at::Tensor>>& state) override;
 
  private:
   // PyTorch's per-param state dict. Empty (exp_avg undefined) until the param's first grad.

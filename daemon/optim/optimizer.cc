@@ -1,5 +1,6 @@
 #include "daemon/optim/optimizer.h"
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
@@ -155,4 +156,47 @@ absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(OptimizerKind kind,
       absl::StrCat("unknown optimizer kind ", static_cast<int>(kind)));
 }
 
+namespace optim_internal {
+
+absl::StatusOr<StateEntryRef> ParseStateEntry(const std::vector<ParamGroup>& groups,
+                                              const std::string& name, const at::Tensor& value,
+                                              const std::vector<std::string>& keys) {
+  const size_t dot = name.find('.');
+  size_t index = 0;
+  bool numeric = dot != std::string::npos && dot > 0;
+  for (size_t i = 0; numeric && i < dot; ++i) {
+    numeric = name[i] >= '0' && name[i] <= '9';
+    index = index * 10 + (name[i] - '0');
+  }
+  if (!numeric) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer state key '", name, "' is not <param index>.<key>"));
+  }
+  StateEntryRef ref;
+  ref.key = name.substr(dot + 1);
+  if (std::find(keys.begin(), keys.end(), ref.key) == keys.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown optimizer state key '", ref.key,
+                                                   "' (expected one of ",
+                                                   absl::StrJoin(keys, ", "), ")"));
+  }
+  size_t rest = index;
+  for (ref.group = 0; ref.group < groups.size(); ++ref.group) {
+    if (rest < groups[ref.group].params.size()) break;
+    rest -= groups[ref.group].params.size();
+  }
+  if (ref.group == groups.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer state for param ", index, " of fewer params"));
+  }
+  ref.param = rest;
+  const at::Tensor& param = groups[ref.group].params[ref.param];
+  if (ref.key != "step" && !value.sizes().equals(param.sizes())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer state '", name, "' has shape [", absl::StrJoin(value.sizes(), ", "),
+        "], its param [", absl::StrJoin(param.sizes(), ", "), "]"));
+  }
+  return ref;
+}
+
+}  // namespace optim_internal
 }  // namespace rannc

@@ -96,6 +96,12 @@ class Optimizer {
   // as in PyTorch 1.13. The tensors are the live state, not copies: clone them before the next
   // Step if they must not change.
   virtual std::vector<std::pair<std::string, at::Tensor>> NamedState() const = 0;
+
+  // Replaces the state with `state`, in NamedState's naming (params without entries start
+  // afresh). The tensors are copied. INVALID_ARGUMENT, before anything changes, for an unknown
+  // key, an index past the params, or a shape that differs from its param's.
+  virtual absl::Status LoadNamedState(
+      const std::vector<std::pair<std::string, at::Tensor>>& state) = 0;
 };
 
 // Creates an optimizer over `groups`. INVALID_ARGUMENT, naming the group and param index, if a

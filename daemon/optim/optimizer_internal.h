@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "daemon/optim/optimizer.h"
 
 namespace rannc {
@@ -18,6 +19,16 @@ namespace optim_internal {
 // dtype, device and layout against its param.
 absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& groups,
                            const std::vector<HyperParams>& hypers);
+
+// One entry of a NamedState list, checked against the params (numbered across groups):
+// `<index>.<key>` with a known key (`keys`) and, for every key but "step", the param's shape.
+struct StateEntryRef {
+  size_t group = 0, param = 0;
+  std::string key;
+};
+absl::StatusOr<StateEntryRef> ParseStateEntry(const std::vector<ParamGroup>& groups,
+                                              const std::string& name, const at::Tensor& value,
+                                              const std::vector<std::string>& keys);
 
 }  // namespace optim_internal
 }  // namespace rannc

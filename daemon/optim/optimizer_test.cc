@@ -371,5 +371,59 @@ TEST_CASE("Step rejects bad arguments without changing anything", "[optim]") {
   CHECK_FALSE(a.equal(a0));
 }
 
+TEST_CASE("LoadNamedState continues from saved state exactly", "[optim]") {
+  // Two steps on one optimizer equal one step, save, load into a fresh optimizer over copies of
+  // the params, and one step there (what a job's undeploy and redeploy do).
+  for (auto [kind, hyper] : {std::pair{OptimizerKind::kSgd, Sgd(0.1, 0.9)},
+                             std::pair{OptimizerKind::kAdamW, AdamHyper(0.1, 0.01, true)}}) {
+    torch::manual_seed(3);
+    at::Tensor a = torch::randn({4}).requires_grad_(true);
+    at::Tensor b = torch::randn({2, 3}).requires_grad_(true);
+    at::Tensor g1a = torch::randn({4}), g1b = torch::randn({2, 3});
+    at::Tensor g2a = torch::randn({4}), g2b = torch::randn({2, 3});
+    at::Tensor ra = a.detach().clone().requires_grad_(true);
+    at::Tensor rb = b.detach().clone().requires_grad_(true);
+    auto ref = MakeOptimizer(kind, {{{ra}, hyper}, {{rb}, hyper}});
+    auto first = MakeOptimizer(kind, {{{a}, hyper}, {{b}, hyper}});
+    REQUIRE(ref.ok());
+    REQUIRE(first.ok());
+    ra.mutable_grad() = g1a; rb.mutable_grad() = g1b;
+    a.mutable_grad() = g1a; b.mutable_grad() = g1b;
+    REQUIRE((*ref)->Step({hyper, hyper}).ok());
+    REQUIRE((*first)->Step({hyper, hyper}).ok());
+    auto saved = (*first)->NamedState();
+    for (auto& [name, t] : saved) t = t.clone();
+    at::Tensor a2 = a.detach().clone().requires_grad_(true);
+    at::Tensor b2 = b.detach().clone().requires_grad_(true);
+    auto second = MakeOptimizer(kind, {{{a2}, hyper}, {{b2}, hyper}});
+    REQUIRE(second.ok());
+    REQUIRE((*second)->LoadNamedState(saved).ok());
+    CHECK((*second)->StateBytes() == (*first)->StateBytes());
+    ra.mutable_grad() = g2a; rb.mutable_grad() = g2b;
+    a2.mutable_grad() = g2a; b2.mutable_grad() = g2b;
+    REQUIRE((*ref)->Step({hyper, hyper}).ok());
+    REQUIRE((*second)->Step({hyper, hyper}).ok());
+    CHECK(a2.equal(ra));
+    CHECK(b2.equal(rb));
+  }
+}
+
+TEST_CASE("LoadNamedState rejects bad entries and changes nothing", "[optim]") {
+  at::Tensor a = torch::randn({4}).requires_grad_(true);
+  auto opt = MakeOptimizer(OptimizerKind::kAdam, {{{a}, AdamHyper(0.1)}});
+  REQUIRE(opt.ok());
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  CHECK_THAT(MessageIf((*opt)->LoadNamedState({{"0.momentum_buffer", torch::zeros({4})}}),
+                       kInvalid),
+             Catch::Contains("unknown optimizer state key"));
+  CHECK_THAT(MessageIf((*opt)->LoadNamedState({{"1.exp_avg", torch::zeros({4})}}), kInvalid),
+             Catch::Contains("param 1"));
+  CHECK_THAT(MessageIf((*opt)->LoadNamedState({{"0.exp_avg", torch::zeros({3})}}), kInvalid),
+             Catch::Contains("[3]") && Catch::Contains("[4]"));
+  CHECK_THAT(MessageIf((*opt)->LoadNamedState({{"x.exp_avg", torch::zeros({4})}}), kInvalid),
+             Catch::Contains("<param index>.<key>"));
+  CHECK((*opt)->StateBytes() == 0);
+}
+
 }  // namespace
 }  // namespace rannc

@@ -82,4 +82,18 @@ std::vector<std::pair<std::string, at::Tensor>> Sgd::NamedState() const {
   return state;
 }
 
+absl::Status Sgd::LoadNamedState(const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  std::vector<std::vector<at::Tensor>> buffers;
+  for (const ParamGroup& group : groups_) buffers.emplace_back(group.params.size());
+  for (const auto& [name, value] : state) {
+    absl::StatusOr<optim_internal::StateEntryRef> ref =
+        optim_internal::ParseStateEntry(groups_, name, value, {"momentum_buffer"});
+    if (!ref.ok()) return ref.status();
+    const at::Tensor& param = groups_[ref->group].params[ref->param];
+    buffers[ref->group][ref->param] = value.detach().to(param.options()).clone();
+  }
+  momentum_buffers_ = std::move(buffers);
+  return absl::OkStatus();
+}
+
 }  // namespace rannc

@@ -22,6 +22,8 @@ class Sgd final : public Optimizer {
   int64_t StateBytes() const override;
   OptimizerKind kind() const override { return OptimizerKind::kSgd; }
   std::vector<std::pair<std::string, at::Tensor>> NamedState() const override;
+  absl::Status LoadNamedState(
+      const std::vector<std::pair<std::string, at::Tensor>>& state) override;
 
  private:
   absl::Status StepGroup(ParamGroup& group, std::vector<at::Tensor>& buffers,

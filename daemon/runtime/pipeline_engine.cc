@@ -1,9 +1,12 @@
 #include "daemon/runtime/pipeline_engine.h"
 
+#include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <future>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -14,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
+#include "daemon/common/tensor_codec.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/runtime/micro_batch.h"
 #include "daemon/runtime/schedule.h"
@@ -121,7 +125,22 @@ struct Device {
   std::unique_ptr<comm::Communicator> world, replicas;
   // Operations abandoned by a failed step, with the memory they may still write.
   std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>> abandoned;
+  // Per StageInfo::params: the gradients of a fused forward, waiting for the client's Backward.
+  std::vector<at::Tensor> fused_grads;
+  // This step's outputs without a batch dimension (IR value -> sum or first shard's).
+  std::map<int, at::Tensor> partial;
+  std::unique_ptr<Optimizer> optimizer;
+  std::vector<int> optimizer_params;  // lifted index per optimizer param (across groups)
   std::unique_ptr<Worker> worker;
+};
+
+// How a model output is assembled from the shards that compute it (see the header).
+enum class OutputKind { kBatched, kMean, kSum, kFirst, kUserInput, kLifted };
+
+enum class Phase {
+  kFused,     // forwards and backwards in the plan's schedule, output gradient 1 for the loss
+  kForward,   // every micro-batch's forward (keeping graphs when the step requires grad)
+  kBackward,  // every micro-batch's backward, GPipe order, with the client's output gradients
 };
 
 std::atomic<int> engine_count{0};
@@ -133,6 +152,7 @@ class PipelineEngine::Impl {
   ~Impl() {
     for (Device& d : devices_) d.worker.reset();  // joins
     for (Device& d : devices_) {
+      d.optimizer.reset();
       d.exec.reset();
       d.replicas.reset();
       d.world.reset();
@@ -142,19 +162,47 @@ class PipelineEngine::Impl {
   absl::Status Init(const IrGraph& ir, const v1::Deployment& plan,
                     const std::vector<at::Tensor>& lifted, comm::Backend backend,
                     int num_devices);
-  absl::StatusOr<StepResult> TrainStep(const std::vector<at::Tensor>& inputs);
+  bool fused() const { return fused_; }
+  std::vector<int> device_indices() const {
+    std::vector<int> out;
+    for (const Device& d : devices_) out.push_back(d.index);
+    return out;
+  }
+  absl::StatusOr<std::vector<at::Tensor>> Forward(const std::vector<at::Tensor>& inputs,
+                                                  bool requires_grad);
+  absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
+                        bool retain_graph);
   absl::StatusOr<const at::Tensor*> Find(const std::string& name, int device) const;
-  void ZeroGrad();
+  at::Tensor OwnerTensor(int lifted) const {
+    return owner_[lifted] < 0 ? at::Tensor() : devices_[owner_[lifted]].lifted[lifted];
+  }
+  void SetParam(int lifted, const at::Tensor& value);
+  void AddGrad(int lifted, const at::Tensor& grad);
+  void ZeroGrad(bool set_to_none);
+  absl::StatusOr<double> ClipGradNorm(const std::vector<int>& params, double max_norm,
+                                      double norm_type);
+  absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
+  absl::Status Step(const std::vector<HyperParams>& hypers);
+  std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;
+  absl::Status LoadOptimizerState(
+      const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);
+  int64_t DeviceBytes(int device) const;
   void SetTimeout(milliseconds timeout) { timeout_ = timeout; }
 
  private:
   using Pending = std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>>;
   struct StepPlan {
+    Phase phase = Phase::kForward;
+    bool requires_grad = false;
     int64_t batch = 0;
     std::vector<int64_t> mb_sizes, mb_offsets;
-    const std::vector<at::Tensor>* inputs = nullptr;
+    const std::vector<at::Tensor>* inputs = nullptr;      // forward phases
+    std::map<int, at::Tensor>* batched = nullptr;         // forward: full-batch outputs
+    const std::map<int, at::Tensor>* grads = nullptr;     // backward: client output gradients
   };
+  // What the last forward left for Backward.
+  enum class Held { kNothing, kFusedGrads, kGraphs };
 
   int64_t PerSample(int v) const {
     const IrValue& val = ir_->values[v];
@@ -187,6 +235,14 @@ class PipelineEngine::Impl {
     return Reshard(SplitSizes(n, rp), SplitSizes(n, rq));
   }
 
+  absl::Status CheckUsable() const {
+    if (!broken_) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("an earlier step failed: ", first_error_.message()));
+  }
+  // Runs `fn` on every device's worker at once; the first error (annotated with the device)
+  // breaks the engine when `breaks`.
+  absl::Status OnEveryDevice(const std::function<absl::Status(Device&)>& fn, bool breaks);
   absl::Status Wait(Device& d, std::unique_ptr<comm::Work> work, at::Tensor keep,
                     const std::string& what);
   absl::Status WaitAll(Device& d, Pending& pending);
@@ -194,25 +250,37 @@ class PipelineEngine::Impl {
                     Pending& pending);
   absl::Status Recv(Device& d, const at::Tensor& t, int src_device, uint32_t tag,
                     const std::string& what);
-  absl::Status RunDevice(Device& d, const StepPlan& step, at::Tensor* loss);
+  absl::Status RunDevice(Device& d, const StepPlan& step);
+  absl::Status RunForward(Device& d, const StepPlan& step, int mb, Pending& pending);
+  absl::Status RunBackward(Device& d, const StepPlan& step, int mb, Pending& pending);
   absl::Status ReduceGrads(Device& d);
 
   const IrGraph* ir_ = nullptr;
   std::string id_;
   ScheduleKind schedule_ = ScheduleKind::k1F1B;
   int micro_batches_ = 1;
+  bool fused_ = false;
   milliseconds timeout_{120000};
   std::unique_ptr<comm::Store> store_;
   std::vector<StageInfo> stages_;
   std::vector<Device> devices_;                 // the plan's devices, ascending index
   std::vector<int> world_rank_;                 // per global device index (-1: unused)
+  std::vector<int> owner_;                      // per lifted tensor: world rank of its owner
   std::vector<int> tied_;                       // parameters read by several stages
   std::vector<std::vector<int64_t>> lifted_shapes_;
   std::vector<at::ScalarType> lifted_types_;
+  std::vector<OutputKind> output_kinds_;        // per IR output
+  std::map<int, OutputKind> stage_outputs_;     // IR value -> kind, for values stages produce
   std::atomic<bool> aborted_{false};
   bool broken_ = false;
   std::mutex error_mu_;
   absl::Status first_error_;
+
+  // The last forward: its sizes, outputs' shapes and dtypes, what it left for Backward.
+  StepPlan last_;
+  int last_micro_batches_ = 0;
+  std::vector<std::pair<at::ScalarType, std::vector<int64_t>>> last_outputs_;
+  Held held_ = Held::kNothing;
 };
 
 absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment& plan,
@@ -240,10 +308,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   if (ir.values.size() >= static_cast<size_t>(kMaxValues)) {
     return absl::UnimplementedError("too many IR values for the transfer tags");
   }
-  if (ir.outputs.empty() || !ir.values[ir.outputs[0]].is_loss) {
-    return absl::UnimplementedError(
-        "the pipeline engine needs the model's first output to be a loss");
-  }
+  if (ir.outputs.empty()) return absl::InvalidArgumentError("the model has no outputs");
   micro_batches_ = static_cast<int>(plan.micro_batches());
   schedule_ = plan.schedule() == v1::SCHEDULE_GPIPE ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
 
@@ -345,6 +410,39 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       }
     }
   }
+  // Outputs: how each is assembled, and whether forward and backward can be fused.
+  for (const StageInfo& st : stages_) {
+    for (int v : st.outputs) {
+      const IrValue& val = ir.values[v];
+      if (!val.is_output) continue;
+      OutputKind kind = OutputKind::kFirst;
+      if (val.batch_dim >= 0) {
+        kind = OutputKind::kBatched;
+      } else if (val.role == ValueRole::kActivation) {
+        kind = at::isFloatingType(val.dtype) ? OutputKind::kMean : OutputKind::kSum;
+      }
+      stage_outputs_[v] = kind;
+    }
+  }
+  for (int v : ir.outputs) {
+    const int index = static_cast<int>(std::find(ir.inputs.begin(), ir.inputs.end(), v) -
+                                       ir.inputs.begin());
+    if (stage_outputs_.count(v)) {
+      output_kinds_.push_back(stage_outputs_[v]);
+    } else if (index < static_cast<int>(ir.num_user_inputs)) {
+      output_kinds_.push_back(OutputKind::kUserInput);
+    } else if (index < static_cast<int>(ir.inputs.size())) {
+      output_kinds_.push_back(OutputKind::kLifted);
+    } else {
+      return absl::UnimplementedError(absl::StrCat(
+          "model output ", ir.values[v].name, " is computed by no stage"));
+    }
+  }
+  fused_ = output_kinds_[0] == OutputKind::kMean;
+  for (size_t i = 1; i < ir.outputs.size(); ++i) {
+    if (at::isFloatingType(ir.values[ir.outputs[i]].dtype)) fused_ = false;
+  }
+
   for (size_t i = 0; i < lifted.size(); ++i) {
     lifted_shapes_.push_back(lifted[i].sizes().vec());
     lifted_types_.push_back(lifted[i].scalar_type());
@@ -356,6 +454,12 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     world_rank_[dev] = static_cast<int>(devices_.size());
     devices_.emplace_back();
     devices_.back().index = dev;
+  }
+  owner_.assign(lifted.size(), -1);
+  for (int s = 0; s < S; ++s) {
+    for (int li : stages_[s].lifted) {
+      if (owner_[li] < 0) owner_[li] = world_rank_[stages_[s].devices[0]];
+    }
   }
   for (int s = 0; s < S; ++s) {
     for (size_t r = 0; r < stages_[s].devices.size(); ++r) {
@@ -394,6 +498,8 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   std::vector<std::future<absl::Status>> done;
   for (Device& d : devices_) {
     done.push_back(d.worker->Post([this, &d, backend, W]() -> absl::Status {
+      // One device: nothing to exchange.
+      if (W == 1) return absl::OkStatus();
       absl::StatusOr<std::unique_ptr<comm::Communicator>> world = comm::MakeCommunicator(
           backend, {store_.get(), absl::StrCat(id_, "/world"), d.world_rank, W, timeout_});
       if (!world.ok()) return Annotate(world.status(), absl::StrCat("device ", d.index));
@@ -468,126 +574,230 @@ absl::Status PipelineEngine::Impl::Recv(Device& d, const at::Tensor& t, int src_
               absl::StrCat(what, " from device ", src_device));
 }
 
-absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step, at::Tensor* loss) {
+absl::Status PipelineEngine::Impl::OnEveryDevice(const std::function<absl::Status(Device&)>& fn,
+                                                 bool breaks) {
+  aborted_ = false;
+  std::vector<std::future<absl::Status>> done;
+  for (Device& d : devices_) {
+    done.push_back(d.worker->Post([this, &d, &fn]() -> absl::Status {
+      absl::Status s = TorchCall(absl::StatusCode::kInternal, "step", [&] { return fn(d); });
+      if (!s.ok()) {
+        s = Annotate(s, absl::StrCat("device ", d.index, " (stage ", d.stage, ", replica ",
+                                     d.replica, ")"));
+        aborted_ = true;
+      }
+      return s;
+    }));
+  }
+  absl::Status first = absl::OkStatus();
+  for (auto& f : done) {
+    absl::Status s = f.get();
+    // An abandoned wait is the consequence of another device's error, not the cause.
+    if (!s.ok() && (first.ok() || (first.code() == absl::StatusCode::kAborted &&
+                                   s.code() != absl::StatusCode::kAborted))) {
+      first = s;
+    }
+  }
+  if (!first.ok() && breaks) {
+    broken_ = true;
+    std::lock_guard<std::mutex> lock(error_mu_);
+    first_error_ = first;
+  }
+  return first;
+}
+
+absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, int mb,
+                                              Pending& pending) {
   const IrGraph& ir = *ir_;
   const StageInfo& st = stages_[d.stage];
-  const int S = static_cast<int>(stages_.size());
   const int R = static_cast<int>(st.devices.size());
-  const int loss_value = ir.outputs[0];
-  Pending pending;
+  const int64_t n = step.mb_sizes[mb];
+  const std::vector<int64_t> shards = SplitSizes(n, R);
+  const int64_t my_off = Offsets(shards)[d.replica];
+  const int64_t my_count = shards[d.replica];
+  const double weight = static_cast<double>(my_count) / step.batch;
+  std::vector<at::Tensor> in;
+  for (size_t j = 0; j < st.data_inputs.size(); ++j) {
+    const int v = st.data_inputs[j];
+    const int p = st.source[j];
+    if (p < 0) {
+      in.push_back(Rows((*step.inputs)[-1 - p], v, step.mb_offsets[mb] + my_off, my_count));
+      continue;
+    }
+    const IrValue& val = ir.values[v];
+    at::Tensor x = at::empty(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+    for (const Transfer& t : Transfers(v, n, p, d.stage)) {
+      if (t.dst != d.replica) continue;
+      const bool whole = val.batch_dim < 0 || (t.dst_offset == 0 && t.count == my_count);
+      at::Tensor piece = whole ? x : at::empty(ShapeFor(v, t.count), x.options());
+      absl::Status s = Recv(d, piece, stages_[p].devices[t.src], Tag(false, mb, v),
+                            absl::StrCat("activation ", val.name, " of micro-batch ", mb));
+      if (!s.ok()) return s;
+      if (!whole) Rows(x, v, t.dst_offset, t.count).copy_(piece);
+    }
+    in.push_back(x);
+  }
+  absl::StatusOr<std::vector<at::Tensor>> out = d.exec->Forward(mb, in, step.requires_grad);
+  if (!out.ok()) return Annotate(out.status(), absl::StrCat("micro-batch ", mb));
+  for (size_t k = 0; k < st.outputs.size(); ++k) {
+    const int v = st.outputs[k];
+    auto kind = stage_outputs_.find(v);
+    if (kind != stage_outputs_.end()) {
+      at::Tensor value = (*out)[k].detach();
+      at::Tensor& partial = d.partial[v];
+      switch (kind->second) {
+        case OutputKind::kBatched:
+          Rows(step.batched->at(v), v, step.mb_offsets[mb] + my_off, my_count).copy_(value);
+          break;
+        case OutputKind::kMean:
+          value = value.to(at::kDouble) * weight;
+          partial = partial.defined() ? partial + value : value;
+          break;
+        case OutputKind::kSum:
+          partial = partial.defined() ? partial + value : value.clone();
+          break;
+        default:
+          if (mb == 0 && d.replica == 0) partial = value.clone();
+          break;
+      }
+    }
+    for (int q : st.consumers[k]) {
+      for (const Transfer& t : Transfers(v, n, d.stage, q)) {
+        if (t.src != d.replica) continue;
+        absl::Status s = Send(d, Rows((*out)[k], v, t.src_offset, t.count),
+                              stages_[q].devices[t.dst], Tag(false, mb, v), pending);
+        if (!s.ok()) return s;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, int mb,
+                                               Pending& pending) {
+  const IrGraph& ir = *ir_;
+  const StageInfo& st = stages_[d.stage];
+  const int R = static_cast<int>(st.devices.size());
+  const int64_t n = step.mb_sizes[mb];
+  const std::vector<int64_t> shards = SplitSizes(n, R);
+  const int64_t my_off = Offsets(shards)[d.replica];
+  const int64_t my_count = shards[d.replica];
+  const double weight = static_cast<double>(my_count) / step.batch;
+  std::vector<at::Tensor> out_grads;
+  for (size_t k = 0; k < st.outputs.size(); ++k) {
+    const int v = st.outputs[k];
+    const IrValue& val = ir.values[v];
+    at::Tensor g;
+    if (step.phase == Phase::kFused) {
+      if (v == ir.outputs[0]) g = at::full({}, weight, at::TensorOptions().dtype(val.dtype));
+    } else if (auto client = step.grads->find(v); client != step.grads->end()) {
+      switch (stage_outputs_.at(v)) {
+        case OutputKind::kBatched:
+          g = Rows(client->second, v, step.mb_offsets[mb] + my_off, my_count);
+          break;
+        case OutputKind::kMean:
+          g = client->second * weight;
+          break;
+        case OutputKind::kFirst:
+          if (mb == 0 && d.replica == 0) g = client->second;
+          break;
+        default:
+          break;
+      }
+    }
+    if (!st.consumers[k].empty() && at::isFloatingType(val.dtype)) {
+      at::Tensor sum = at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+      for (int q : st.consumers[k]) {
+        for (const Transfer& t : Transfers(v, n, d.stage, q)) {
+          if (t.src != d.replica) continue;
+          at::Tensor piece = at::empty(ShapeFor(v, val.batch_dim < 0 ? 0 : t.count),
+                                       sum.options());
+          absl::Status s = Recv(d, piece, stages_[q].devices[t.dst], Tag(true, mb, v),
+                                absl::StrCat("gradient of ", val.name, " of micro-batch ", mb));
+          if (!s.ok()) return s;
+          Rows(sum, v, t.src_offset, t.count).add_(piece);
+        }
+      }
+      g = g.defined() ? g + sum : sum;
+    }
+    out_grads.push_back(g);
+  }
+  absl::StatusOr<std::vector<at::Tensor>> in_grads = d.exec->Backward(mb, out_grads);
+  if (!in_grads.ok()) return Annotate(in_grads.status(), absl::StrCat("micro-batch ", mb));
+  for (size_t j = 0; j < st.data_inputs.size(); ++j) {
+    const int p = st.source[j];
+    const int v = st.data_inputs[j];
+    const IrValue& val = ir.values[v];
+    if (p < 0 || !at::isFloatingType(val.dtype)) continue;
+    at::Tensor g = (*in_grads)[j];
+    g = g.defined() ? g.to(val.dtype)
+                    : at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+    for (const Transfer& t : Transfers(v, n, p, d.stage)) {
+      if (t.dst != d.replica) continue;
+      absl::Status s = Send(d, Rows(g, v, t.dst_offset, t.count), stages_[p].devices[t.src],
+                            Tag(true, mb, v), pending);
+      if (!s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
+  const StageInfo& st = stages_[d.stage];
+  const int S = static_cast<int>(stages_.size());
+  const int m = static_cast<int>(step.mb_sizes.size());
+  std::vector<PipelineOp> ops;
+  switch (step.phase) {
+    case Phase::kFused:
+      ops = StageOps(schedule_, d.stage, S, m);
+      break;
+    case Phase::kForward:
+      for (int mb = 0; mb < m; ++mb) ops.push_back({false, mb});
+      break;
+    case Phase::kBackward:
+      for (int mb = m - 1; mb >= 0; --mb) ops.push_back({true, mb});
+      break;
+  }
+  if (step.phase != Phase::kBackward) {
+    // A new forward replaces whatever the previous one kept, as re-running a model does.
+    for (int mb = 0; mb < last_micro_batches_; ++mb) d.exec->Release(mb);
+    d.fused_grads.clear();
+    d.partial.clear();
+  }
+  const bool backward = step.phase != Phase::kForward;
   std::vector<at::Tensor> params;
   for (int li : st.params) params.push_back(d.lifted[li]);
   // This step's gradients are kept apart until they are reduced.
   std::vector<at::Tensor> saved;
-  for (at::Tensor& p : params) {
-    saved.push_back(p.grad());
-    p.mutable_grad() = at::Tensor();
+  if (backward) {
+    for (at::Tensor& p : params) {
+      saved.push_back(p.grad());
+      p.mutable_grad() = at::Tensor();
+    }
   }
-  at::Tensor loss_sum = at::zeros({}, at::kDouble);
-  bool has_loss = false;
-
-  for (const PipelineOp& op : StageOps(schedule_, d.stage, S, micro_batches_)) {
-    const int mb = op.micro_batch;
-    const int64_t n = step.mb_sizes[mb];
-    const std::vector<int64_t> shards = SplitSizes(n, R);
-    const int64_t my_off = Offsets(shards)[d.replica];
-    const int64_t my_count = shards[d.replica];
-    const double weight = static_cast<double>(my_count) / step.batch;
-    if (!op.backward) {
-      std::vector<at::Tensor> in;
-      for (size_t j = 0; j < st.data_inputs.size(); ++j) {
-        const int v = st.data_inputs[j];
-        const int p = st.source[j];
-        if (p < 0) {
-          in.push_back(Rows((*step.inputs)[-1 - p], v, step.mb_offsets[mb] + my_off, my_count));
-          continue;
-        }
-        const IrValue& val = ir.values[v];
-        at::Tensor x = at::empty(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
-        for (const Transfer& t : Transfers(v, n, p, d.stage)) {
-          if (t.dst != d.replica) continue;
-          const bool whole = val.batch_dim < 0 || (t.dst_offset == 0 && t.count == my_count);
-          at::Tensor piece = whole ? x : at::empty(ShapeFor(v, t.count), x.options());
-          absl::Status s = Recv(d, piece, stages_[p].devices[t.src], Tag(false, mb, v),
-                                absl::StrCat("activation ", val.name, " of micro-batch ", mb));
-          if (!s.ok()) return s;
-          if (!whole) Rows(x, v, t.dst_offset, t.count).copy_(piece);
-        }
-        in.push_back(x);
-      }
-      absl::StatusOr<std::vector<at::Tensor>> out = d.exec->Forward(mb, in, true);
-      if (!out.ok()) return Annotate(out.status(), absl::StrCat("micro-batch ", mb));
-      for (size_t k = 0; k < st.outputs.size(); ++k) {
-        const int v = st.outputs[k];
-        if (v == loss_value) {
-          loss_sum = loss_sum + (*out)[k].detach().to(at::kDouble) * weight;
-          has_loss = true;
-        }
-        for (int q : st.consumers[k]) {
-          for (const Transfer& t : Transfers(v, n, d.stage, q)) {
-            if (t.src != d.replica) continue;
-            absl::Status s = Send(d, Rows((*out)[k], v, t.src_offset, t.count),
-                                  stages_[q].devices[t.dst], Tag(false, mb, v), pending);
-            if (!s.ok()) return s;
-          }
-        }
-      }
-    } else {
-      std::vector<at::Tensor> out_grads;
-      for (size_t k = 0; k < st.outputs.size(); ++k) {
-        const int v = st.outputs[k];
-        const IrValue& val = ir.values[v];
-        at::Tensor g;
-        if (v == loss_value) g = at::full({}, weight, at::TensorOptions().dtype(val.dtype));
-        if (!st.consumers[k].empty() && at::isFloatingType(val.dtype)) {
-          at::Tensor sum = at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
-          for (int q : st.consumers[k]) {
-            for (const Transfer& t : Transfers(v, n, d.stage, q)) {
-              if (t.src != d.replica) continue;
-              at::Tensor piece = at::empty(ShapeFor(v, val.batch_dim < 0 ? 0 : t.count),
-                                           sum.options());
-              absl::Status s = Recv(d, piece, stages_[q].devices[t.dst], Tag(true, mb, v),
-                                    absl::StrCat("gradient of ", val.name, " of micro-batch ", mb));
-              if (!s.ok()) return s;
-              Rows(sum, v, t.src_offset, t.count).add_(piece);
-            }
-          }
-          g = g.defined() ? g + sum : sum;
-        }
-        out_grads.push_back(g);
-      }
-      absl::StatusOr<std::vector<at::Tensor>> in_grads = d.exec->Backward(mb, out_grads);
-      if (!in_grads.ok()) return Annotate(in_grads.status(), absl::StrCat("micro-batch ", mb));
-      for (size_t j = 0; j < st.data_inputs.size(); ++j) {
-        const int p = st.source[j];
-        const int v = st.data_inputs[j];
-        const IrValue& val = ir.values[v];
-        if (p < 0 || !at::isFloatingType(val.dtype)) continue;
-        at::Tensor g = (*in_grads)[j];
-        g = g.defined() ? g.to(val.dtype)
-                        : at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
-        for (const Transfer& t : Transfers(v, n, p, d.stage)) {
-          if (t.dst != d.replica) continue;
-          absl::Status s = Send(d, Rows(g, v, t.dst_offset, t.count), stages_[p].devices[t.src],
-                                Tag(true, mb, v), pending);
-          if (!s.ok()) return s;
-        }
-      }
+  Pending pending;
+  for (const PipelineOp& op : ops) {
+    absl::Status s = op.backward ? RunBackward(d, step, op.micro_batch, pending)
+                                 : RunForward(d, step, op.micro_batch, pending);
+    if (!s.ok()) {
+      WaitAll(d, pending).IgnoreError();
+      return s;
     }
   }
   absl::Status sent = WaitAll(d, pending);
   if (!sent.ok()) return sent;
+  if (!backward) return absl::OkStatus();
   absl::Status reduced = ReduceGrads(d);
   if (!reduced.ok()) return reduced;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!saved[i].defined()) continue;
-    if (params[i].grad().defined()) {
-      params[i].mutable_grad().add_(saved[i]);
-    } else {
+    at::Tensor step_grad = params[i].grad();
+    if (step.phase == Phase::kFused) {
+      d.fused_grads.push_back(step_grad);
       params[i].mutable_grad() = saved[i];
+    } else if (saved[i].defined()) {
+      params[i].mutable_grad() = step_grad.defined() ? saved[i].add_(step_grad) : saved[i];
     }
   }
-  if (has_loss) *loss = loss_sum;
   return absl::OkStatus();
 }
 
@@ -607,16 +817,17 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
     at::Tensor g = holds ? grad_of(li)
                          : at::zeros(lifted_shapes_[li],
                                      at::TensorOptions().dtype(lifted_types_[li]));
+    if (!d.world) continue;
     absl::StatusOr<comm::Buffer> buf = BufferOf(g);
     if (!buf.ok()) return buf.status();
     absl::Status s = Wait(d, d.world->AllReduce(*buf, {comm::ReduceOp::kSum}), g,
                           absl::StrCat("all-reducing the tied ", ir_->tensor_names[li]));
     if (!s.ok()) return s;
   }
-  if (!d.replicas) return absl::OkStatus();
   for (int li : st.params) {
     if (tied.count(li)) continue;
     at::Tensor g = grad_of(li);
+    if (!d.replicas) continue;
     absl::StatusOr<comm::Buffer> buf = BufferOf(g);
     if (!buf.ok()) return buf.status();
     absl::Status s = Wait(d, d.replicas->AllReduce(*buf, {comm::ReduceOp::kSum}), g,
@@ -626,11 +837,10 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepResult> PipelineEngine::Impl::TrainStep(const std::vector<at::Tensor>& inputs) {
-  if (broken_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("an earlier step failed: ", first_error_.message()));
-  }
+absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
+    const std::vector<at::Tensor>& inputs, bool requires_grad) {
+  absl::Status usable = CheckUsable();
+  if (!usable.ok()) return usable;
   const IrGraph& ir = *ir_;
   if (inputs.size() != ir.num_user_inputs) {
     return absl::InvalidArgumentError(
@@ -638,6 +848,8 @@ absl::StatusOr<StepResult> PipelineEngine::Impl::TrainStep(const std::vector<at:
   }
   StepPlan step;
   step.inputs = &inputs;
+  step.requires_grad = requires_grad;
+  step.phase = requires_grad && fused_ ? Phase::kFused : Phase::kForward;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const int v = ir.inputs[i];
     const int bd = ir.values[v].batch_dim;
@@ -654,48 +866,137 @@ absl::StatusOr<StepResult> PipelineEngine::Impl::TrainStep(const std::vector<at:
     }
   }
   if (step.batch <= 0) return absl::InvalidArgumentError("the inputs have no batch");
-  step.mb_sizes = SplitSizes(step.batch, micro_batches_);
+  // A batch smaller than the plan's (an epoch's last) runs in fewer micro-batches; every
+  // replica of every stage needs at least one sample of each.
+  int64_t max_replicas = 1;
+  for (const StageInfo& st : stages_) {
+    max_replicas = std::max<int64_t>(max_replicas, st.devices.size());
+  }
+  if (step.batch < max_replicas) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a batch of ", step.batch, " samples is smaller than the plan's ", max_replicas,
+        " data-parallel replicas; pass at least ", max_replicas, " samples"));
+  }
+  const int m = static_cast<int>(std::min<int64_t>(micro_batches_, step.batch / max_replicas));
+  step.mb_sizes = SplitSizes(step.batch, m);
   step.mb_offsets = Offsets(step.mb_sizes);
-  for (size_t s = 0; s < stages_.size(); ++s) {
-    if (step.mb_sizes.back() < static_cast<int64_t>(stages_[s].devices.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a batch of ", step.batch, " is too small for ", micro_batches_,
-          " micro-batches over stage ", s, "'s ", stages_[s].devices.size(), " replicas"));
+
+  std::map<int, at::Tensor> batched;
+  for (const auto& [v, kind] : stage_outputs_) {
+    if (kind == OutputKind::kBatched) {
+      batched[v] = at::empty(ShapeFor(v, step.batch),
+                             at::TensorOptions().dtype(ir.values[v].dtype));
     }
   }
+  step.batched = &batched;
+  held_ = Held::kNothing;
+  absl::Status ran = OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
+  last_micro_batches_ = m;
+  if (!ran.ok()) return ran;
 
-  std::vector<at::Tensor> losses(devices_.size());
-  std::vector<std::future<absl::Status>> done;
-  for (size_t i = 0; i < devices_.size(); ++i) {
-    Device& d = devices_[i];
-    at::Tensor* loss = &losses[i];
-    done.push_back(d.worker->Post([this, &d, &step, loss]() -> absl::Status {
-      absl::Status s = TorchCall(absl::StatusCode::kInternal, "step", [&] {
-        return RunDevice(d, step, loss);
-      });
-      if (!s.ok()) {
-        s = Annotate(s, absl::StrCat("device ", d.index, " (stage ", d.stage, ", replica ",
-                                     d.replica, ")"));
-        std::lock_guard<std::mutex> lock(error_mu_);
-        if (first_error_.ok()) first_error_ = s;
-        aborted_ = true;
+  std::vector<at::Tensor> outputs;
+  for (size_t i = 0; i < ir.outputs.size(); ++i) {
+    const int v = ir.outputs[i];
+    const IrValue& val = ir.values[v];
+    at::Tensor out;
+    switch (output_kinds_[i]) {
+      case OutputKind::kBatched:
+        out = batched.at(v);
+        break;
+      case OutputKind::kUserInput:
+        out = inputs[std::find(ir.inputs.begin(), ir.inputs.end(), v) - ir.inputs.begin()];
+        break;
+      case OutputKind::kLifted:
+        out = OwnerTensor(static_cast<int>(
+                              std::find(ir.inputs.begin(), ir.inputs.end(), v) -
+                              ir.inputs.begin() - ir.num_user_inputs))
+                  .detach()
+                  .clone();
+        break;
+      default:
+        for (const Device& d : devices_) {
+          auto p = d.partial.find(v);
+          if (p == d.partial.end()) continue;
+          if (output_kinds_[i] == OutputKind::kFirst) {
+            out = p->second;
+            break;
+          }
+          out = out.defined() ? out + p->second : p->second;
+        }
+        if (!out.defined()) return absl::InternalError(absl::StrCat("no shard computed ", val.name));
+        out = out.to(val.dtype);
+        break;
+    }
+    outputs.push_back(out);
+  }
+  last_ = step;
+  last_.inputs = nullptr;
+  last_.batched = nullptr;
+  last_outputs_.clear();
+  for (const at::Tensor& o : outputs) last_outputs_.push_back({o.scalar_type(), o.sizes().vec()});
+  if (requires_grad) held_ = fused_ ? Held::kFusedGrads : Held::kGraphs;
+  return outputs;
+}
+
+absl::Status PipelineEngine::Impl::Backward(
+    const std::vector<std::pair<size_t, at::Tensor>>& output_grads, bool retain_graph) {
+  absl::Status usable = CheckUsable();
+  if (!usable.ok()) return usable;
+  if (held_ == Held::kNothing) {
+    return absl::FailedPreconditionError(
+        "backward called with no forward pending: call forward (with gradients enabled) first, "
+        "or keep_graph(True) to run backward twice over one forward");
+  }
+  std::map<int, at::Tensor> grads;
+  for (const auto& [index, grad] : output_grads) {
+    if (index >= last_outputs_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient for output #", index, ", but the model has ", last_outputs_.size(),
+          " outputs"));
+    }
+    const auto& [dtype, shape] = last_outputs_[index];
+    if (!grad.defined() || !grad.sizes().equals(shape) || grad.scalar_type() != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient for output #", index, ": expected ", DescribeTensor(dtype, shape), ", got ",
+          grad.defined() ? DescribeTensor(grad.scalar_type(), grad.sizes()) : "none"));
+    }
+    if (!at::isFloatingType(grad.scalar_type())) continue;
+    const int v = ir_->outputs[index];
+    at::Tensor& slot = grads[v];
+    slot = slot.defined() ? slot + grad : grad.contiguous();
+  }
+  if (held_ == Held::kFusedGrads) {
+    // Gradients are linear in the output gradient: add g x the fused forward's.
+    auto loss_grad = grads.find(ir_->outputs[0]);
+    const double g = loss_grad == grads.end() ? 0.0 : loss_grad->second.item<double>();
+    at::NoGradGuard no_grad;
+    for (Device& d : devices_) {
+      const StageInfo& st = stages_[d.stage];
+      for (size_t i = 0; i < d.fused_grads.size() && g != 0.0; ++i) {
+        at::Tensor& grad = d.lifted[st.params[i]].mutable_grad();
+        const at::Tensor& step = d.fused_grads[i];
+        if (!step.defined()) continue;
+        if (grad.defined()) {
+          grad.add_(step, g);
+        } else {
+          grad = g == 1.0 && !retain_graph ? step : step * g;
+        }
       }
-      return s;
-    }));
+      if (!retain_graph) d.fused_grads.clear();
+    }
+    if (!retain_graph) held_ = Held::kNothing;
+    return absl::OkStatus();
   }
-  for (auto& f : done) f.get().IgnoreError();  // the first error is kept in first_error_
-  if (aborted_) {
-    broken_ = true;
-    std::lock_guard<std::mutex> lock(error_mu_);
-    return first_error_;
+  if (retain_graph) {
+    return absl::UnimplementedError(
+        "keep_graph (retain_graph) is not supported yet for a model whose outputs other than a "
+        "loss need gradients");
   }
-  StepResult result;
-  at::Tensor total = at::zeros({}, at::kDouble);
-  for (const at::Tensor& l : losses) {
-    if (l.defined()) total = total + l;
-  }
-  result.loss = total.to(ir.values[ir.outputs[0]].dtype);
-  return result;
+  StepPlan step = last_;
+  step.phase = Phase::kBackward;
+  step.grads = &grads;
+  held_ = Held::kNothing;
+  return OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
 }
 
 absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& name,
@@ -709,24 +1010,140 @@ absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& 
       }
       break;
     }
-    for (const StageInfo& st : stages_) {
-      for (int p : st.lifted) {
-        if (p == static_cast<int>(li)) {
-          return &devices_[world_rank_[st.devices[0]]].lifted[li];
-        }
-      }
-    }
+    if (owner_[li] >= 0) return &devices_[owner_[li]].lifted[li];
   }
   return absl::NotFoundError(absl::StrCat("no stage", device >= 0 ? " on that device" : "",
                                           " holds a tensor named ", name));
 }
 
-void PipelineEngine::Impl::ZeroGrad() {
+void PipelineEngine::Impl::SetParam(int lifted, const at::Tensor& value) {
+  at::NoGradGuard no_grad;
   for (Device& d : devices_) {
-    for (at::Tensor& t : d.lifted) {
-      if (t.defined() && t.grad().defined()) t.mutable_grad().zero_();
+    if (d.lifted[lifted].defined()) d.lifted[lifted].copy_(value);
+  }
+}
+
+void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
+  at::NoGradGuard no_grad;
+  for (Device& d : devices_) {
+    at::Tensor& p = d.lifted[lifted];
+    if (!p.defined() || !p.requires_grad()) continue;
+    if (p.grad().defined()) {
+      p.mutable_grad().add_(grad);
+    } else {
+      p.mutable_grad() = grad.to(p.options()).clone();
     }
   }
+}
+
+void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
+  for (Device& d : devices_) {
+    for (at::Tensor& t : d.lifted) {
+      if (!t.defined() || !t.grad().defined()) continue;
+      if (set_to_none) {
+        t.mutable_grad().reset();
+      } else {
+        t.mutable_grad().zero_();
+      }
+    }
+  }
+}
+
+absl::StatusOr<double> PipelineEngine::Impl::ClipGradNorm(const std::vector<int>& params,
+                                                          double max_norm, double norm_type) {
+  at::NoGradGuard no_grad;
+  // The same reductions, in the same order, as torch.nn.utils.clip_grad_norm_ (1.13), each
+  // parameter's norm taken once, on its owner.
+  std::vector<at::Tensor> norms;
+  for (int li : params) {
+    const at::Tensor t = OwnerTensor(li);
+    if (!t.defined() || !t.grad().defined()) continue;
+    norms.push_back(std::isinf(norm_type) ? t.grad().abs().max() : at::norm(t.grad(), norm_type));
+  }
+  if (norms.empty()) return 0.0;
+  at::Tensor total;
+  if (std::isinf(norm_type)) {
+    total = norms.size() == 1 ? norms[0] : at::stack(norms).max();
+  } else {
+    total = at::norm(at::stack(norms), norm_type);
+  }
+  const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
+  std::set<int> selected(params.begin(), params.end());
+  for (Device& d : devices_) {
+    for (int li : selected) {
+      at::Tensor& p = d.lifted[li];
+      if (p.defined() && p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  return total.item<double>();
+}
+
+absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
+                                                const std::vector<std::vector<int>>& groups) {
+  for (Device& d : devices_) {
+    std::vector<ParamGroup> device_groups;
+    std::vector<int> order;
+    for (const std::vector<int>& group : groups) {
+      device_groups.emplace_back();
+      for (int li : group) {
+        if (li < 0 || li >= static_cast<int>(d.lifted.size())) {
+          return absl::InvalidArgumentError(absl::StrCat("no lifted tensor ", li));
+        }
+        const at::Tensor& p = d.lifted[li];
+        if (!p.defined() || !p.requires_grad()) continue;
+        device_groups.back().params.push_back(p);
+        order.push_back(li);
+      }
+    }
+    absl::StatusOr<std::unique_ptr<Optimizer>> opt = MakeOptimizer(kind, std::move(device_groups));
+    if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("device ", d.index));
+    d.optimizer = std::move(*opt);
+    d.optimizer_params = std::move(order);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) {
+  absl::Status usable = CheckUsable();
+  if (!usable.ok()) return usable;
+  for (const Device& d : devices_) {
+    if (!d.optimizer) return absl::FailedPreconditionError("the engine has no optimizer");
+  }
+  // Every device checks the same hypers against the same groups: all fail or none does.
+  return OnEveryDevice([&](Device& d) { return d.optimizer->Step(hypers); }, false);
+}
+
+std::map<int, std::vector<std::pair<std::string, at::Tensor>>>
+PipelineEngine::Impl::OptimizerState() const {
+  std::map<int, std::vector<std::pair<std::string, at::Tensor>>> out;
+  for (const Device& d : devices_) {
+    if (!d.optimizer) continue;
+    for (const auto& [name, value] : d.optimizer->NamedState()) {
+      const size_t dot = name.find('.');
+      const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
+      if (owner_[li] != d.world_rank) continue;
+      out[li].emplace_back(name.substr(dot + 1), value.detach().clone());
+    }
+  }
+  return out;
+}
+
+absl::Status PipelineEngine::Impl::LoadOptimizerState(
+    const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state) {
+  for (Device& d : devices_) {
+    if (!d.optimizer) return absl::FailedPreconditionError("the engine has no optimizer");
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (size_t i = 0; i < d.optimizer_params.size(); ++i) {
+      auto it = state.find(d.optimizer_params[i]);
+      if (it == state.end()) continue;
+      for (const auto& [key, value] : it->second) {
+        named.emplace_back(absl::StrCat(i, ".", key), value);
+      }
+    }
+    absl::Status s = d.optimizer->LoadNamedState(named);
+    if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
+  }
+  return absl::OkStatus();
 }
 
 void PipelineEngine::Impl::ApplySgd(double lr) {
@@ -736,6 +1153,24 @@ void PipelineEngine::Impl::ApplySgd(double lr) {
       if (t.defined() && t.requires_grad() && t.grad().defined()) t.sub_(t.grad(), lr);
     }
   }
+}
+
+int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return 0;
+  }
+  const Device& d = devices_[world_rank_[device]];
+  int64_t bytes = 0;
+  for (const at::Tensor& t : d.lifted) {
+    if (!t.defined()) continue;
+    bytes += t.nbytes();
+    if (t.grad().defined()) bytes += t.grad().nbytes();
+  }
+  for (const at::Tensor& t : d.fused_grads) {
+    if (t.defined()) bytes += t.nbytes();
+  }
+  if (d.optimizer) bytes += d.optimizer->StateBytes();
+  return bytes;
 }
 
 PipelineEngine::PipelineEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -751,8 +1186,25 @@ absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
   return std::unique_ptr<PipelineEngine>(new PipelineEngine(std::move(impl)));
 }
 
+bool PipelineEngine::fused() const { return impl_->fused(); }
+std::vector<int> PipelineEngine::devices() const { return impl_->device_indices(); }
+
+absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Forward(
+    const std::vector<at::Tensor>& inputs, bool requires_grad) {
+  return impl_->Forward(inputs, requires_grad);
+}
+
+absl::Status PipelineEngine::Backward(
+    const std::vector<std::pair<size_t, at::Tensor>>& output_grads, bool retain_graph) {
+  return impl_->Backward(output_grads, retain_graph);
+}
+
 absl::StatusOr<StepResult> PipelineEngine::TrainStep(const std::vector<at::Tensor>& inputs) {
-  return impl_->TrainStep(inputs);
+  absl::StatusOr<std::vector<at::Tensor>> out = impl_->Forward(inputs, true);
+  if (!out.ok()) return out.status();
+  absl::Status back = impl_->Backward({{0, at::ones_like((*out)[0])}}, false);
+  if (!back.ok()) return back;
+  return StepResult{(*out)[0]};
 }
 
 absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name,
@@ -773,7 +1225,41 @@ absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
   return (*t)->detach().clone();
 }
 
-void PipelineEngine::ZeroGrad() { impl_->ZeroGrad(); }
+at::Tensor PipelineEngine::GradAt(int lifted) const {
+  const at::Tensor t = impl_->OwnerTensor(lifted);
+  return t.defined() && t.grad().defined() ? t.grad().detach().clone() : at::Tensor();
+}
+
+at::Tensor PipelineEngine::ParamAt(int lifted) const {
+  const at::Tensor t = impl_->OwnerTensor(lifted);
+  return t.defined() ? t.detach().clone() : at::Tensor();
+}
+
+void PipelineEngine::SetParam(int lifted, const at::Tensor& value) {
+  impl_->SetParam(lifted, value);
+}
+void PipelineEngine::AddGrad(int lifted, const at::Tensor& grad) { impl_->AddGrad(lifted, grad); }
+void PipelineEngine::ZeroGrad(bool set_to_none) { impl_->ZeroGrad(set_to_none); }
+absl::StatusOr<double> PipelineEngine::ClipGradNorm(const std::vector<int>& params,
+                                                    double max_norm, double norm_type) {
+  return impl_->ClipGradNorm(params, max_norm, norm_type);
+}
+absl::Status PipelineEngine::SetOptimizer(OptimizerKind kind,
+                                          const std::vector<std::vector<int>>& groups) {
+  return impl_->SetOptimizer(kind, groups);
+}
+absl::Status PipelineEngine::Step(const std::vector<HyperParams>& hypers) {
+  return impl_->Step(hypers);
+}
+std::map<int, std::vector<std::pair<std::string, at::Tensor>>> PipelineEngine::OptimizerState()
+    const {
+  return impl_->OptimizerState();
+}
+absl::Status PipelineEngine::LoadOptimizerState(
+    const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state) {
+  return impl_->LoadOptimizerState(state);
+}
 void PipelineEngine::ApplySgd(double lr) { impl_->ApplySgd(lr); }
+int64_t PipelineEngine::DeviceBytes(int device) const { return impl_->DeviceBytes(device); }
 
 }  // namespace rannc

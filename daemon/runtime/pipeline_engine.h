@@ -1,32 +1,47 @@
 // Runs a planned job (a v1::Deployment) on N devices: pipeline stages, each with data-parallel
-// replicas, one worker thread per device. A training step splits the client's batch into the
-// plan's micro-batches and each micro-batch over a stage's replicas; every device runs
+// replicas, one worker thread per device. A step splits the client's batch into the plan's
+// micro-batches and each micro-batch over a stage's replicas; every device runs
 // StageOps(schedule, stage, S, m) on its StageExecutor, exchanging activations and their
 // gradients with the other stages' replicas over a communicator covering all devices (resharded
 // when replica counts differ), and ends by all-reducing its parameter gradients over its stage's
-// replicas (tied parameters, read by several stages, over every device). See docs/runtime.md.
+// replicas (tied parameters, read by several stages, over every device). Each device keeps its
+// own copies of its stage's parameters, buffers and optimizer state. See docs/runtime.md.
 //
 //   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
 //       ir, plan, lifted_tensors, comm::Backend::kUcx, /*num_devices=*/4);
-//   absl::StatusOr<StepResult> step = (*engine)->TrainStep(batch_inputs);
-//   (*engine)->ApplySgd(0.1);
-//   (*engine)->ZeroGrad();
+//   (*engine)->SetOptimizer(OptimizerKind::kAdamW, {all_param_lifted_indices});
+//   absl::StatusOr<std::vector<at::Tensor>> out = (*engine)->Forward(inputs, true);
+//   (*engine)->Backward({{0, at::ones({})}}, /*retain_graph=*/false);
+//   (*engine)->Step({hyper});
 //
-// The loss is the model's first output (IrValue::is_loss), combined as the batch-weighted mean;
-// backward is fused with forward, assuming the client's output gradient is 1. Outputs other than
-// the loss are computed but not returned yet.
+// Outputs: batched outputs are concatenated in sample order; a batch-dependent output without a
+// batch dimension (a loss) is the batch-weighted mean of every shard's, which is what the model
+// computes on the whole batch when it takes a mean over samples (an integer one, a count, is
+// summed); other outputs (made from parameters or constants) come from the first shard.
+//
+// Forward with gradients has two modes (see fused()):
+//  - fused, when the model's first output is a floating loss and no other output is floating:
+//    the forward runs each micro-batch's backward too, in the plan's schedule (1F1B keeps few
+//    micro-batches in flight), as if the client's gradient of the loss were 1, and keeps this
+//    step's parameter gradients apart. Backward with the client's gradient g adds g x them to
+//    the accumulated gradients: exact, since gradients are linear in g. A forward whose backward
+//    never comes costs a backward's compute; the next forward drops its gradients.
+//  - otherwise every micro-batch's forward runs and keeps its autograd graph (GPipe's memory);
+//    Backward splits the client's output gradients over the micro-batches and runs their
+//    backwards.
 //
 // The IrGraph must outlive the engine. Methods must be called from one thread at a time. A step
 // that fails (any worker's first error, annotated with the device and stage; a transfer that
 // does not complete within the timeout) leaves the engine broken: later steps fail with
-// FAILED_PRECONDITION.
+// FAILED_PRECONDITION. Tensors passed in and returned are host tensors.
 #ifndef RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_H_
 #define RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_H_
 
-#include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -34,6 +49,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/comm/factory.h"
 #include "daemon/graph/ir.h"
+#include "daemon/optim/optimizer.h"
 #include "rannc/v1/deployment.pb.h"
 
 namespace rannc {
@@ -53,19 +69,60 @@ class PipelineEngine {
       std::chrono::milliseconds timeout = std::chrono::seconds(120));
   ~PipelineEngine();
 
-  // One forward and backward over `inputs` (the model's user inputs, the whole batch).
-  // Parameter gradients accumulate (as PyTorch's do) until ZeroGrad.
+  bool fused() const;
+  // The plan's devices, ascending.
+  std::vector<int> devices() const;
+
+  // The model's flattened outputs (IrGraph::outputs order) for `inputs`, the model's user inputs
+  // holding the whole batch. Drops whatever the previous forward kept.
+  absl::StatusOr<std::vector<at::Tensor>> Forward(const std::vector<at::Tensor>& inputs,
+                                                  bool requires_grad);
+  // Gradients of the last forward's outputs, by output index (others: none). Parameter
+  // gradients accumulate, as PyTorch's do, until ZeroGrad. Without `retain_graph` the forward
+  // is released: a second Backward is FAILED_PRECONDITION. `retain_graph` is UNIMPLEMENTED
+  // unless fused().
+  absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
+                        bool retain_graph);
+  // Forward with gradients and Backward with the loss's gradient 1.
   absl::StatusOr<StepResult> TrainStep(const std::vector<at::Tensor>& inputs);
 
-  // A copy of the gradient (undefined tensor: none yet) / value of a parameter: replica 0's of
-  // the first stage holding it, or `device`'s (after a step every holder has the same).
-  // NOT_FOUND for a name no stage (or `device`) holds; Grad also for a buffer.
+  // A copy of the gradient (undefined tensor: none yet) / value of a lifted tensor: its owner's
+  // (replica 0 of the first stage holding it), or `device`'s (after a step every holder has the
+  // same). NOT_FOUND for a name no stage (or `device`) holds; Grad also for a buffer.
   absl::StatusOr<at::Tensor> Grad(const std::string& tensor_name, int device = -1) const;
   absl::StatusOr<at::Tensor> Param(const std::string& tensor_name, int device = -1) const;
+  // By lifted index; an undefined tensor when no stage holds it (or, for Grad, it has none).
+  at::Tensor GradAt(int lifted) const;
+  at::Tensor ParamAt(int lifted) const;
 
-  void ZeroGrad();
-  // p -= lr * grad on every device's copy of every parameter that has a gradient.
+  // Copies `value` into every device's copy of lifted tensor `lifted` (load_state_dict).
+  void SetParam(int lifted, const at::Tensor& value);
+  // Adds `grad` to every holder's gradient of parameter `lifted` (a backward that ran outside
+  // the engine, e.g. through another mode's graph).
+  void AddGrad(int lifted, const at::Tensor& grad);
+  void ZeroGrad(bool set_to_none = false);
+  // torch.nn.utils.clip_grad_norm_ over the gradients of `params` (lifted indices, in the
+  // client's parameter order, each counted once however many devices hold it); every copy is
+  // scaled. Returns the total norm (0 when no parameter has a gradient).
+  absl::StatusOr<double> ClipGradNorm(const std::vector<int>& params, double max_norm,
+                                      double norm_type);
+
+  // One optimizer per device over its parameters, `groups` listing lifted indices per param
+  // group (every device has every group, possibly empty). Replaces any previous one.
+  absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
+  // One optimizer step on every device (replicas update identically: their gradients are
+  // all-reduced). FAILED_PRECONDITION without SetOptimizer.
+  absl::Status Step(const std::vector<HyperParams>& hypers);
+  // Per lifted parameter, its optimizer state (keys as Optimizer::NamedState's after the
+  // "<index>."), copied from its owner; and the reverse, into every holder.
+  std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;
+  absl::Status LoadOptimizerState(
+      const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
+  // p -= lr * grad on every device's copy of every parameter that has a gradient (tests).
   void ApplySgd(double lr);
+
+  // Bytes the engine holds on `device`: parameters, gradients, buffers, optimizer state.
+  int64_t DeviceBytes(int device) const;
 
   class Impl;
 

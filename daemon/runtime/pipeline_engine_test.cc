@@ -11,6 +11,7 @@
 
 #include "daemon/graph/ir_testing.h"
 #include "daemon/graph/subgraph.h"
+#include "daemon/optim/optimizer.h"
 #include "daemon/runtime/stage_executor.h"
 
 namespace rannc {
@@ -217,6 +218,169 @@ TEST_CASE("A worker's failure fails the step promptly with its device, and break
   }
 }
 
+// Every output of every fixture, and the gradients of `outputs[0].sum()` sent as the client's
+// output gradient (what the fixtures' references hold): fused for losses, kept graphs otherwise.
+TEST_CASE("Forward returns every output and Backward takes the client's output gradients",
+          "[runtime]") {
+  for (const char* name : {"mlp", "tied_lm", "multi_io", "tiny_gpt"}) {
+    FixtureIr f = BuildFixtureIr(name);
+    REQUIRE(f.ir.ok());
+    const IrGraph& ir = *f.ir;
+    const std::vector<Shape> shapes = {
+        {{{0, 1, 2}}, 1}, {{{0}, {1}}, 3}, {{{0, 1}, {2}}, 1}, {{{0}, {1}, {2, 3}}, 1}};
+    for (size_t k = 0; k < shapes.size(); ++k) {
+      for (comm::Backend backend : {comm::Backend::kFake, comm::Backend::kUcx}) {
+        INFO(name << ", shape " << k << ", " << BackendName(backend));
+        absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
+            ir, MakePlan(ir, shapes[k].devices, shapes[k].m, v1::SCHEDULE_1F1B), f.tensors,
+            backend, 4);
+        REQUIRE(engine.ok());
+        CHECK((*engine)->fused() == (std::string(name) == "mlp" || std::string(name) == "tiny_gpt"));
+        for (bool requires_grad : {false, true}) {
+          absl::StatusOr<std::vector<at::Tensor>> out =
+              (*engine)->Forward(f.fixture.inputs, requires_grad);
+          INFO(out.status().ToString());
+          REQUIRE(out.ok());
+          REQUIRE(out->size() == ir.outputs.size());
+          for (size_t i = 0; i < out->size(); ++i) {
+            INFO("output " << i);
+            CHECK(at::allclose((*out)[i], f.fixture.ref.at("out_" + std::to_string(i)), kRtol,
+                               kAtol));
+          }
+          if (!requires_grad) {
+            CHECK((*engine)->Backward({{0, at::ones_like((*out)[0])}}, false).code() ==
+                  absl::StatusCode::kFailedPrecondition);
+            continue;
+          }
+          absl::Status back = (*engine)->Backward({{0, at::ones_like((*out)[0])}}, false);
+          INFO(back.ToString());
+          REQUIRE(back.ok());
+          CHECK((*engine)->Backward({{0, at::ones_like((*out)[0])}}, false).code() ==
+                absl::StatusCode::kFailedPrecondition);
+          for (size_t i = 0; i < f.tensors.size(); ++i) {
+            if (!IsParam(ir, i)) continue;
+            INFO(ir.tensor_names[i]);
+            absl::StatusOr<at::Tensor> grad = (*engine)->Grad(ir.tensor_names[i]);
+            REQUIRE(grad.ok());
+            REQUIRE(grad->defined());
+            CHECK(at::allclose(*grad, f.fixture.Ref("grad", ir.tensor_names[i]), kRtol, kAtol));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("A fused forward scales by the client's loss gradient and keeps it for retain_graph",
+          "[runtime]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
+      ir, MakePlan(ir, {{0, 1}, {2, 3}}, 2, v1::SCHEDULE_1F1B), f.tensors, comm::Backend::kFake,
+      4);
+  REQUIRE(engine.ok());
+  REQUIRE((*engine)->fused());
+  auto check_grads = [&](double scale) {
+    for (size_t i = 0; i < f.tensors.size(); ++i) {
+      if (!IsParam(ir, i)) continue;
+      INFO(ir.tensor_names[i] << " x " << scale);
+      at::Tensor grad = (*engine)->GradAt(static_cast<int>(i));
+      REQUIRE(grad.defined());
+      CHECK(at::allclose(grad, f.fixture.Ref("grad", ir.tensor_names[i]) * scale, kRtol, kAtol));
+    }
+  };
+  REQUIRE((*engine)->Forward(f.fixture.inputs, true).ok());
+  REQUIRE((*engine)->Backward({{0, at::full({}, 2.5)}}, false).ok());
+  check_grads(2.5);
+  (*engine)->ZeroGrad(/*set_to_none=*/true);
+  CHECK(!(*engine)->GradAt(0).defined());
+  REQUIRE((*engine)->Forward(f.fixture.inputs, true).ok());
+  REQUIRE((*engine)->Backward({{0, at::ones({})}}, /*retain_graph=*/true).ok());
+  REQUIRE((*engine)->Backward({{0, at::ones({})}}, false).ok());
+  check_grads(2.0);
+  // A forward whose backward never came: its gradients are dropped by the next forward.
+  (*engine)->ZeroGrad();
+  REQUIRE((*engine)->Forward(f.fixture.inputs, true).ok());
+  REQUIRE((*engine)->Forward(f.fixture.inputs, true).ok());
+  REQUIRE((*engine)->Backward({{0, at::ones({})}}, false).ok());
+  check_grads(1.0);
+  CHECK((*engine)->Backward({{0, at::ones({2})}}, false).code() ==
+        absl::StatusCode::kFailedPrecondition);
+  REQUIRE((*engine)->Forward(f.fixture.inputs, true).ok());
+  CHECK((*engine)->Backward({{0, at::ones({2})}}, false).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK((*engine)->Backward({{5, at::ones({})}}, false).code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Per-device optimizers match single-device SGD; state moves between engines; clipping",
+          "[runtime]") {
+  FixtureIr f = BuildFixtureIr("multi_io");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  std::vector<int> params;
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
+  }
+  HyperParams sgd;
+  sgd.lr = 0.1;
+  sgd.momentum = 0.9;
+  const v1::Deployment plan = MakePlan(ir, {{0, 1}, {2}, {3}}, 2, v1::SCHEDULE_GPIPE);
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+      PipelineEngine::Create(ir, plan, f.tensors, comm::Backend::kUcx, 4);
+  REQUIRE(engine.ok());
+  CHECK((*engine)->Step({sgd}).code() == absl::StatusCode::kFailedPrecondition);
+  REQUIRE((*engine)->SetOptimizer(OptimizerKind::kSgd, {params}).ok());
+  auto train = [&](PipelineEngine& e) {
+    e.ZeroGrad();
+    absl::StatusOr<std::vector<at::Tensor>> out = e.Forward(f.fixture.inputs, true);
+    REQUIRE(out.ok());
+    REQUIRE(e.Backward({{0, at::ones({})}}, false).ok());
+  };
+  train(**engine);
+  REQUIRE((*engine)->Step({sgd}).ok());
+  // The step's state, moved to a fresh engine built from the updated parameters, continues as
+  // the first one does (what a job's undeploy and redeploy do).
+  std::vector<at::Tensor> now;
+  for (size_t i = 0; i < f.tensors.size(); ++i) now.push_back((*engine)->ParamAt(i));
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> second =
+      PipelineEngine::Create(ir, plan, now, comm::Backend::kFake, 4);
+  REQUIRE(second.ok());
+  REQUIRE((*second)->SetOptimizer(OptimizerKind::kSgd, {params}).ok());
+  REQUIRE((*second)->LoadOptimizerState((*engine)->OptimizerState()).ok());
+  for (PipelineEngine* e : {engine->get(), second->get()}) {
+    train(*e);
+    REQUIRE(e->Step({sgd}).ok());
+    for (int li : params) {
+      INFO(ir.tensor_names[li]);
+      CHECK(at::allclose(e->ParamAt(li), f.fixture.Ref("step2", ir.tensor_names[li]), kRtol,
+                         kAtol));
+    }
+  }
+  CHECK((*engine)->DeviceBytes(0) > 0);
+  CHECK((*engine)->DeviceBytes(7) == 0);
+
+  // Clipping: torch.nn.utils.clip_grad_norm_ over every parameter, each counted once.
+  train(**engine);
+  std::vector<at::Tensor> grads, norms;
+  for (int li : params) {
+    grads.push_back((*engine)->GradAt(li));
+    norms.push_back(at::norm(grads.back(), 2));
+  }
+  const double expected = at::norm(at::stack(norms), 2).item<double>();
+  absl::StatusOr<double> total = (*engine)->ClipGradNorm(params, expected / 4, 2);
+  REQUIRE(total.ok());
+  CHECK(*total == Approx(expected).epsilon(1e-6));
+  for (size_t k = 0; k < params.size(); ++k) {
+    for (int dev = 0; dev < 4; ++dev) {
+      absl::StatusOr<at::Tensor> g = (*engine)->Grad(ir.tensor_names[params[k]], dev);
+      if (!g.ok()) continue;
+      CHECK(at::allclose(*g, grads[k] * (expected / 4) / (expected + 1e-6), kRtol, kAtol));
+    }
+  }
+}
+
 TEST_CASE("The engine refuses plans that do not fit the model or the devices", "[runtime]") {
   FixtureIr f = BuildFixtureIr("mlp");
   REQUIRE(f.ir.ok());
@@ -239,12 +403,16 @@ TEST_CASE("The engine refuses plans that do not fit the model or the devices", "
   other.set_model_hash("another model");
   CHECK(create(other) == absl::StatusCode::kInvalidArgument);
 
-  // A batch too small for the micro-batches and replicas.
+  // A batch smaller than micro-batches x replicas runs in fewer micro-batches; one smaller
+  // than the replicas is refused.
+  REQUIRE(ir.example_batch >= 4);
   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
       ir, MakePlan(ir, {{0, 1, 2, 3}}, 2, v1::SCHEDULE_1F1B), f.tensors, comm::Backend::kFake, 4);
   REQUIRE(engine.ok());
-  CHECK((*engine)->TrainStep(f.fixture.inputs).status().code() ==
-        absl::StatusCode::kInvalidArgument);
+  CHECK((*engine)->TrainStep(f.fixture.inputs).ok());
+  std::vector<at::Tensor> three;
+  for (const at::Tensor& t : f.fixture.inputs) three.push_back(t.narrow(0, 0, 3));
+  CHECK((*engine)->TrainStep(three).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK((*engine)->Grad("no.such.param").status().code() == absl::StatusCode::kNotFound);
 }
 
