@@ -163,6 +163,7 @@ class PipelineEngine::Impl {
                     const std::vector<at::Tensor>& lifted, comm::Backend backend,
                     int num_devices);
   bool fused() const { return fused_; }
+  bool broken() const { return broken_; }
   std::vector<int> device_indices() const {
     std::vector<int> out;
     for (const Device& d : devices_) out.push_back(d.index);
@@ -775,20 +776,25 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
       p.mutable_grad() = at::Tensor();
     }
   }
+  // On failure the gradients accumulated before this step are put back.
+  auto fail = [&](absl::Status s) {
+    for (size_t i = 0; i < saved.size(); ++i) params[i].mutable_grad() = saved[i];
+    return s;
+  };
   Pending pending;
   for (const PipelineOp& op : ops) {
     absl::Status s = op.backward ? RunBackward(d, step, op.micro_batch, pending)
                                  : RunForward(d, step, op.micro_batch, pending);
     if (!s.ok()) {
       WaitAll(d, pending).IgnoreError();
-      return s;
+      return fail(s);
     }
   }
   absl::Status sent = WaitAll(d, pending);
-  if (!sent.ok()) return sent;
+  if (!sent.ok()) return fail(sent);
   if (!backward) return absl::OkStatus();
   absl::Status reduced = ReduceGrads(d);
-  if (!reduced.ok()) return reduced;
+  if (!reduced.ok()) return fail(reduced);
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor step_grad = params[i].grad();
     if (step.phase == Phase::kFused) {
@@ -1187,6 +1193,7 @@ absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
 }
 
 bool PipelineEngine::fused() const { return impl_->fused(); }
+bool PipelineEngine::broken() const { return impl_->broken(); }
 std::vector<int> PipelineEngine::devices() const { return impl_->device_indices(); }
 
 absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Forward(

@@ -70,6 +70,9 @@ class PipelineEngine {
   ~PipelineEngine();
 
   bool fused() const;
+  // A step failed: only the accessors (Param, Grad, OptimizerState, DeviceBytes) still work;
+  // gradients accumulated before the failed step are intact.
+  bool broken() const;
   // The plan's devices, ascending.
   std::vector<int> devices() const;
 

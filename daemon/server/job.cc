@@ -1,5 +1,6 @@
 #include "daemon/server/job.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -86,8 +87,6 @@ absl::StatusOr<std::unique_ptr<Optimizer>> BuildOptimizer(const OptimizerConfig&
   return MakeOptimizer(config.kind, std::move(groups));
 }
 
-uint64_t Bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
-
 absl::Status CheckExampleCount(const ImportedModel& model,
                                const std::vector<at::Tensor>& example_inputs) {
   if (model.input_names.size() == example_inputs.size()) return absl::OkStatus();
@@ -120,15 +119,11 @@ planner::MemoryModel MemoryModelFor(const OptimizerConfig& config) {
   return m;
 }
 
-// The model's IR and its plan: planned for config.plan_target, or the deployment the client
-// loaded, checked against this model and these devices.
-absl::StatusOr<v1::Deployment> PlanJobModel(const JobConfig& config, const ImportedModel& model,
-                                            const ParamStore& store,
-                                            const std::vector<at::Tensor>& example_inputs) {
-  std::vector<at::Tensor> tensors;
-  for (const std::string& name : model.graph_tensor_names) tensors.push_back(store.Find(name)->tensor);
-  absl::StatusOr<IrGraph> ir = BuildIr(model, tensors, example_inputs);
-  if (!ir.ok()) return Annotate(ir.status(), "building the model's IR");
+// The plan for `ir`: planned for config.plan_target, or the deployment the client loaded,
+// checked against this model and these devices.
+absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir,
+                                      const std::vector<at::Tensor>& tensors,
+                                      const std::vector<at::Tensor>& example_inputs) {
   if (!config.load_deployment.empty()) {
     v1::Deployment loaded;
     if (!loaded.ParseFromString(config.load_deployment)) {
@@ -136,36 +131,41 @@ absl::StatusOr<v1::Deployment> PlanJobModel(const JobConfig& config, const Impor
           "load_deployment: the file is not a deployment (a serialized rannc.v1.Deployment)");
     }
     planner::PlanTarget target = config.plan_target;
-    target.batch_size = ir->example_batch;
-    absl::Status fits = planner::CheckDeployment(loaded, *ir, target);
+    target.batch_size = ir.example_batch;
+    absl::Status fits = planner::CheckDeployment(loaded, ir, target);
     if (!fits.ok()) return Annotate(fits, "load_deployment");
     loaded.set_loaded(true);
     return loaded;
   }
   absl::StatusOr<v1::Deployment> plan =
-      planner::PlanModel(*ir, tensors, example_inputs, config.plan_target,
+      planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
                          MemoryModelFor(config.optimizer), config.planner, config.profile_cache,
                          config.created_by);
   if (!plan.ok()) return Annotate(plan.status(), "planning the model");
   return plan;
 }
 
-// What a job holds on its device besides activations: parameters, their gradients, optimizer
-// state and buffers. RESOURCE_EXHAUSTED when that alone exceeds the device's budget.
-absl::Status CheckMemoryBudget(const JobConfig& config, const ParamStore& store) {
-  if (config.device_memory_bytes == 0) return absl::OkStatus();
-  uint64_t params = 0, buffers = 0;
-  for (const ParamStore::Entry& e : store.entries()) (e.is_parameter ? params : buffers) += Bytes(e.tensor);
-  const uint64_t state_per_param =
-      static_cast<uint64_t>(MemoryModelFor(config.optimizer).optimizer_state_factor);
-  const uint64_t need = params * (2 + state_per_param) + buffers;
-  if (need <= config.device_memory_bytes) return absl::OkStatus();
-  auto mib = [](uint64_t b) { return absl::StrCat(b >> 20, " MiB"); };
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "the job needs at least ", mib(need), " on ", config.device, " (parameters ", mib(params),
-      ", gradients ", mib(params), ", optimizer state ", mib(params * state_per_param),
-      ", buffers ", mib(buffers), ") but the device's budget is ",
-      mib(config.device_memory_bytes), "; raise ranncd's --device-memory"));
+struct PlannedModel {
+  std::unique_ptr<IrGraph> ir;
+  v1::Deployment plan;
+};
+
+// The model's IR (for the store's tensors) and its plan.
+absl::StatusOr<PlannedModel> PlanJobModel(const JobConfig& config, const ImportedModel& model,
+                                          const ParamStore& store,
+                                          const std::vector<at::Tensor>& example_inputs) {
+  std::vector<at::Tensor> tensors;
+  for (const std::string& name : model.graph_tensor_names) {
+    tensors.push_back(store.Find(name)->tensor);
+  }
+  absl::StatusOr<IrGraph> ir = BuildIr(model, tensors, example_inputs);
+  if (!ir.ok()) return Annotate(ir.status(), "building the model's IR");
+  PlannedModel out;
+  out.ir = std::make_unique<IrGraph>(std::move(*ir));
+  absl::StatusOr<v1::Deployment> plan = PlanIr(config, *out.ir, tensors, example_inputs);
+  if (!plan.ok()) return plan.status();
+  out.plan = std::move(*plan);
+  return out;
 }
 
 }  // namespace
@@ -174,7 +174,6 @@ Job::Job(std::string id, JobConfig config)
     : id_(std::move(id)),
       config_(std::move(config)),
       created_(std::chrono::system_clock::now()),
-      devices_{config_.device},
       mode_(config_.mode) {}
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig config,
@@ -186,8 +185,6 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   if (!counted.ok()) return counted;
   std::unique_ptr<Job> job(new Job(std::move(id), std::move(config)));
   job->store_ = ParamStore::FromModuleTensors(model->tensors);
-  absl::Status fits = CheckMemoryBudget(job->config_, job->store_);
-  if (!fits.ok()) return fits;
   if (job->config_.check_unused_values) {
     absl::Status unused = CheckUnusedValues(*model, job->store_);
     if (!unused.ok()) return unused;
@@ -203,10 +200,10 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   absl::Status added = job->runner_->AddMode(job->mode_, *model);
   if (!added.ok()) return added;
   if (job->config_.optimizer.enabled) {
+    // Checks the groups and hyper-parameters; the devices' optimizers are made by Deploy.
     absl::StatusOr<std::unique_ptr<Optimizer>> optimizer =
         BuildOptimizer(job->config_.optimizer, job->store_);
     if (!optimizer.ok()) return optimizer.status();
-    job->optimizer_ = std::move(*optimizer);
   }
 
   // The validation run must not advance BatchNorm statistics: the job starts from exactly the
@@ -228,11 +225,114 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
       if (!e.is_parameter) e.tensor.copy_(saved_buffers[b++]);
     }
   }
-  absl::StatusOr<v1::Deployment> plan =
+  absl::StatusOr<PlannedModel> planned =
       PlanJobModel(job->config_, *model, job->store_, example_inputs);
-  if (!plan.ok()) return plan.status();
-  job->deployment_ = std::move(*plan);
+  if (!planned.ok()) return planned.status();
+  job->ir_ = std::move(planned->ir);
+  job->deployment_ = std::move(planned->plan);
+
+  // Where each store entry lives among the IR's lifted tensors (-1: the graph never reads it).
+  const IrGraph& ir = *job->ir_;
+  for (const ParamStore::Entry& e : job->store_.entries()) {
+    int lifted = -1;
+    for (size_t i = 0; i < ir.tensor_names.size() && lifted < 0; ++i) {
+      if (ir.tensor_names[i] == e.name ||
+          std::find(e.aliases.begin(), e.aliases.end(), ir.tensor_names[i]) != e.aliases.end()) {
+        lifted = static_cast<int>(i);
+      }
+    }
+    job->lifted_of_entry_.push_back(lifted);
+  }
+  if (job->config_.optimizer.enabled) {
+    const OptimizerConfig& opt = job->config_.optimizer;
+    auto lifted_of = [&](const std::string& name) {
+      const ParamStore::Entry* e = job->store_.Find(name);
+      return job->lifted_of_entry_[e - job->store_.entries().data()];
+    };
+    if (opt.group_params.empty()) {
+      job->optimizer_groups_.emplace_back();
+      for (const ParamStore::Entry& e : job->store_.entries()) {
+        if (e.is_parameter && lifted_of(e.name) >= 0) {
+          job->optimizer_groups_.back().push_back(lifted_of(e.name));
+        }
+      }
+    } else {
+      for (const std::vector<std::string>& names : opt.group_params) {
+        job->optimizer_groups_.emplace_back();
+        for (const std::string& name : names) {
+          if (lifted_of(name) >= 0) job->optimizer_groups_.back().push_back(lifted_of(name));
+        }
+      }
+    }
+  }
+  for (int d : job->deployment_devices()) {
+    job->devices_.push_back(d < static_cast<int>(job->config_.device_names.size())
+                                ? job->config_.device_names[d]
+                                : absl::StrCat(job->config_.plan_target.device_type, ":", d));
+  }
+  absl::Status deployed = job->Deploy();
+  if (!deployed.ok()) return Annotate(deployed, "deploying the model on its devices");
   return job;
+}
+
+std::vector<int> Job::deployment_devices() const {
+  std::set<int> used;
+  for (const v1::DeploymentStage& s : deployment_.stages()) {
+    used.insert(s.devices().begin(), s.devices().end());
+  }
+  return {used.begin(), used.end()};
+}
+
+absl::Status Job::Deploy() {
+  std::vector<at::Tensor> lifted(ir_->tensor_names.size());
+  for (size_t i = 0; i < lifted.size(); ++i) {
+    lifted[i] = store_.Find(ir_->tensor_names[i])->tensor.detach();
+  }
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
+      *ir_, deployment_, lifted, config_.backend, config_.plan_target.num_devices);
+  if (!engine.ok()) return engine.status();
+  if (config_.optimizer.enabled) {
+    absl::Status s = (*engine)->SetOptimizer(config_.optimizer.kind, optimizer_groups_);
+    if (s.ok()) s = (*engine)->LoadOptimizerState(parked_optimizer_state_);
+    if (!s.ok()) return s;
+  }
+  // Gradients accumulated before an undeploy go back to the devices.
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const at::Tensor& t = entries[e].tensor;
+    if (lifted_of_entry_[e] < 0 || !t.grad().defined()) continue;
+    (*engine)->AddGrad(lifted_of_entry_[e], t.grad());
+    t.mutable_grad().reset();
+  }
+  parked_optimizer_state_.clear();
+  engine_ = std::move(*engine);
+  return absl::OkStatus();
+}
+
+void Job::SyncStore(bool grads) {
+  if (!engine_) return;
+  at::NoGradGuard no_grad;
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const int li = lifted_of_entry_[e];
+    if (li < 0) continue;
+    const at::Tensor& t = entries[e].tensor;
+    t.copy_(engine_->ParamAt(li));
+    if (grads && entries[e].is_parameter) t.mutable_grad() = engine_->GradAt(li);
+  }
+}
+
+void Job::ReleaseEngine() {
+  if (!engine_) return;
+  SyncStore(/*grads=*/true);
+  parked_optimizer_state_ = engine_->OptimizerState();
+  engine_.reset();
+}
+
+absl::Status Job::EnsureDeployed() {
+  state_ = JobState::kDeployed;
+  if (engine_) return absl::OkStatus();
+  return Annotate(Deploy(), "deploying the model on its devices");
 }
 
 absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
@@ -247,7 +347,9 @@ absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
     absl::Status unused = CheckUnusedValues(*model, store);
     if (!unused.ok()) return unused;
   }
-  return PlanJobModel(config, *model, store, example_inputs);
+  absl::StatusOr<PlannedModel> planned = PlanJobModel(config, *model, store, example_inputs);
+  if (!planned.ok()) return planned.status();
+  return std::move(planned->plan);
 }
 
 absl::Status Job::AddMode(const ModelMode& mode, const std::string& model_bytes) {
@@ -271,9 +373,28 @@ bool Job::SetMode(const ModelMode& mode) {
 absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tensor>& inputs,
                                                      bool requires_grad) {
   std::lock_guard<std::mutex> lock(mu_);
-  state_ = JobState::kDeployed;
-  absl::StatusOr<std::vector<at::Tensor>> outputs =
-      runner_->Forward(mode_, signature_, inputs, requires_grad);
+  absl::Status checked = CheckInputs(signature_, inputs);
+  if (!checked.ok()) return checked;
+  absl::Status deployed = EnsureDeployed();
+  if (!deployed.ok()) return deployed;
+  absl::StatusOr<std::vector<at::Tensor>> outputs;
+  if (mode_.training == config_.mode.training && mode_.dropout == config_.mode.dropout) {
+    engine_forward_ = true;
+    outputs = engine_->Forward(inputs, requires_grad);
+  } else {
+    // Another mode's graph runs whole on the host over the devices' current values; buffers it
+    // updates (BatchNorm statistics in train mode) go back to the devices.
+    engine_forward_ = false;
+    SyncStore(/*grads=*/false);
+    outputs = runner_->Forward(mode_, signature_, inputs, requires_grad);
+    const std::vector<ParamStore::Entry>& entries = store_.entries();
+    for (size_t e = 0; e < entries.size(); ++e) {
+      if (!entries[e].is_parameter && lifted_of_entry_[e] >= 0) {
+        engine_->SetParam(lifted_of_entry_[e], entries[e].tensor);
+      }
+    }
+  }
+  if (engine_->broken()) ReleaseEngine();
   if (outputs.ok()) ++forwards_;
   return outputs;
 }
@@ -281,23 +402,44 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
 absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                            bool retain_graph) {
   std::lock_guard<std::mutex> lock(mu_);
-  return runner_->Backward(output_grads, retain_graph);
+  if (!engine_) {
+    return absl::FailedPreconditionError(
+        "backward called with no forward pending (the job was undeployed since)");
+  }
+  if (engine_forward_) {
+    absl::Status status = engine_->Backward(output_grads, retain_graph);
+    if (engine_->broken()) ReleaseEngine();
+    return status;
+  }
+  absl::Status status = runner_->Backward(output_grads, retain_graph);
+  if (!status.ok()) return status;
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const at::Tensor& t = entries[e].tensor;
+    if (lifted_of_entry_[e] < 0 || !t.grad().defined()) continue;
+    engine_->AddGrad(lifted_of_entry_[e], t.grad());
+    t.mutable_grad().reset();
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Job::Step(const std::vector<HyperParams>& hypers) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (optimizer_ == nullptr) {
+  if (!config_.optimizer.enabled) {
     return absl::FailedPreconditionError(
         "the job was created without an optimizer; pass one to RaNNCModule to call step()");
   }
+  absl::Status deployed = EnsureDeployed();
+  if (!deployed.ok()) return deployed;
   absl::Status status = TorchCall(absl::StatusCode::kInternal, "optimizer step",
-                                  [&] { return optimizer_->Step(hypers); });
+                                  [&] { return engine_->Step(hypers); });
   if (status.ok()) ++steps_;
   return status;
 }
 
 void Job::ZeroGrad(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (engine_) engine_->ZeroGrad(set_to_none);
   for (at::Tensor p : store_.Parameters()) {
     at::Tensor& grad = p.mutable_grad();
     if (!grad.defined()) continue;
@@ -317,6 +459,20 @@ void Job::ZeroGrad(bool set_to_none) {
 
 absl::StatusOr<double> Job::ClipGradNorm(double max_norm, double norm_type) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (engine_) {
+    std::vector<int> params;
+    const std::vector<ParamStore::Entry>& entries = store_.entries();
+    for (size_t e = 0; e < entries.size(); ++e) {
+      if (entries[e].is_parameter && lifted_of_entry_[e] >= 0) params.push_back(lifted_of_entry_[e]);
+    }
+    absl::StatusOr<double> total = 0.0;
+    absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
+      total = engine_->ClipGradNorm(params, max_norm, norm_type);
+      return total.status();
+    });
+    if (!status.ok()) return status;
+    return total;
+  }
   double total = 0;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
     at::NoGradGuard no_grad;
@@ -352,10 +508,16 @@ absl::StatusOr<std::optional<at::Tensor>> Job::GetTensor(const std::string& name
     return absl::NotFoundError(absl::StrCat(
         "the model has no parameter or buffer named '", name, "'"));
   }
-  if (!grad) return std::optional<at::Tensor>(entry->tensor.detach().clone());
-  if (!entry->is_parameter) {
+  if (grad && !entry->is_parameter) {
     return absl::InvalidArgumentError(absl::StrCat("'", name, "' is a buffer; it has no gradient"));
   }
+  const int lifted = lifted_of_entry_[entry - store_.entries().data()];
+  if (engine_ && lifted >= 0) {
+    at::Tensor t = grad ? engine_->GradAt(lifted) : engine_->ParamAt(lifted);
+    if (!t.defined()) return std::optional<at::Tensor>();
+    return std::optional<at::Tensor>(t);
+  }
+  if (!grad) return std::optional<at::Tensor>(entry->tensor.detach().clone());
   const at::Tensor& g = entry->tensor.grad();
   if (!g.defined()) return std::optional<at::Tensor>();
   return std::optional<at::Tensor>(g.detach().clone());
@@ -363,6 +525,7 @@ absl::StatusOr<std::optional<at::Tensor>> Job::GetTensor(const std::string& name
 
 std::vector<StateEntry> Job::StateDict() {
   std::lock_guard<std::mutex> lock(mu_);
+  SyncStore(/*grads=*/false);
   std::vector<StateEntry> state;
   for (const std::string& key : store_.state_keys()) {
     const ParamStore::Entry* entry = store_.Find(key);
@@ -375,14 +538,21 @@ absl::Status Job::LoadStateDict(const std::map<std::string, at::Tensor>& state, 
                                 std::vector<std::string>* missing,
                                 std::vector<std::string>* unexpected) {
   std::lock_guard<std::mutex> lock(mu_);
-  return store_.Load(state, strict, missing, unexpected);
+  // Entries the state leaves out keep the devices' values.
+  SyncStore(/*grads=*/false);
+  absl::Status loaded = store_.Load(state, strict, missing, unexpected);
+  if (!loaded.ok() || !engine_) return loaded;
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  for (size_t e = 0; e < entries.size(); ++e) {
+    if (lifted_of_entry_[e] >= 0) engine_->SetParam(lifted_of_entry_[e], entries[e].tensor);
+  }
+  return absl::OkStatus();
 }
 
 void Job::Undeploy() {
   std::lock_guard<std::mutex> lock(mu_);
-  // One host device: parameters already live in host memory; what frees is the autograd graph
-  // of a pending forward. Later issues move device-resident state to the host here.
   runner_->ReleaseOutputs();
+  ReleaseEngine();
   state_ = JobState::kUndeployed;
 }
 
@@ -396,6 +566,7 @@ JobSummary Job::Summary() {
   s.steps = steps_;
   s.forwards = forwards_;
   s.devices = devices_;
+  for (int d : deployment_devices()) s.device_bytes.push_back(engine_ ? engine_->DeviceBytes(d) : 0);
   s.created = created_;
   return s;
 }

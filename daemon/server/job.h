@@ -3,9 +3,18 @@
 // at::Tensors on the host; names, shapes and errors are checked here so every client gets the
 // same answers.
 //
+// Execution: the model is planned at creation (or a saved deployment is adopted) and runs on
+// the plan's devices through a PipelineEngine, which holds the device copies of parameters,
+// gradients, buffers and optimizer state. The ParamStore is the host master: it is brought up
+// to date from the devices when the client reads state and when the job is undeployed, and the
+// engine is rebuilt from it (with the optimizer state kept aside) at the next forward. A graph
+// for another mode than the one planned (eval, say) runs whole on the host over the synced
+// store, its gradients handed to the engine.
+//
 // Lifecycle (JobState): kDeployed -> (Undeploy) -> kUndeployed -> (Forward) -> kDeployed.
-// A LibTorch failure inside a step leaves the job usable: the step's error goes to the caller,
-// nothing else changes state.
+// A failed forward or backward (a bad input, a lost transfer) goes to the caller and loses
+// nothing: parameters, buffers, accumulated gradients and optimizer state are taken back from
+// the devices and the engine is rebuilt at the next forward.
 //
 // Thread-safety: every public method locks the job's mutex, so concurrent RPCs on one job are
 // serialized; different jobs run independently.
@@ -24,11 +33,14 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/comm/factory.h"
+#include "daemon/graph/ir.h"
 #include "daemon/optim/optimizer.h"
 #include "daemon/planner/planner.h"
 #include "daemon/planner/profile_cache.h"
 #include "daemon/runtime/model_runner.h"
 #include "daemon/runtime/param_store.h"
+#include "daemon/runtime/pipeline_engine.h"
 
 namespace rannc {
 
@@ -50,13 +62,13 @@ struct JobConfig {
   OptimizerConfig optimizer;
   bool check_unused_values = true;    // reject unused inputs and parameters, as RaNNC does
   std::vector<std::string> input_names;
-  std::string device = "cpu:0";
-  // The device's memory budget in bytes (--device-memory); 0 = unchecked.
-  uint64_t device_memory_bytes = 0;
+  // The daemon's device names, by the plan's device index; empty: "<type>:<index>" for
+  // plan_target's devices.
+  std::vector<std::string> device_names;
+  comm::Backend backend = comm::Backend::kUcx;
 
   // Planning: the devices to plan for (the daemon's, or any for a dry run), the job's planner
-  // keys, and the daemon's profile cache (not owned; null: no caching). Until the runtime
-  // spreads stages over devices, the job executes whole on `device` and keeps the plan.
+  // keys, and the daemon's profile cache (not owned; null: no caching).
   planner::PlanTarget plan_target;
   planner::PlannerConfig planner;
   planner::ProfileCache* profile_cache = nullptr;
@@ -72,6 +84,9 @@ struct JobSummary {
   int64_t steps = 0;
   int64_t forwards = 0;
   std::vector<std::string> devices;
+  // Per device above: bytes the job holds there (parameters, gradients, buffers, optimizer
+  // state); zeros once undeployed.
+  std::vector<int64_t> device_bytes;
   std::chrono::system_clock::time_point created;
 };
 
@@ -98,7 +113,8 @@ class Job {
                                                  const std::vector<at::Tensor>& example_inputs);
 
   const std::string& id() const { return id_; }
-  // The outputs of the validation run; parameters and buffers with their aliases.
+  // The outputs of the validation run; parameters and buffers with their aliases (names and
+  // shapes: the values live on the devices; read them with GetTensor or StateDict).
   const std::vector<at::Tensor>& example_outputs() const { return example_outputs_; }
   const ParamStore& params() const { return store_; }
   const std::vector<std::string>& devices() const { return devices_; }
@@ -125,11 +141,23 @@ class Job {
   absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& state, bool strict,
                              std::vector<std::string>* missing,
                              std::vector<std::string>* unexpected);
+  // Brings the host master up to date and frees every device's copies (optimizer state is
+  // kept on the host); the next Forward deploys again.
   void Undeploy();
   JobSummary Summary();
 
  private:
   Job(std::string id, JobConfig config);
+
+  // Builds the engine from the host master (parameters, buffers, gradients, optimizer state).
+  absl::Status Deploy();
+  absl::Status EnsureDeployed();
+  // Copies the engine's parameters and buffers (and gradients, with `grads`) into the store.
+  void SyncStore(bool grads);
+  // Takes everything back from the engine into the store and frees the devices.
+  void ReleaseEngine();
+  // The plan's device indices, ascending.
+  std::vector<int> deployment_devices() const;
 
   const std::string id_;
   const JobConfig config_;
@@ -142,8 +170,14 @@ class Job {
   JobState state_ = JobState::kDeployed;
   ModelMode mode_;
   ParamStore store_;
-  std::unique_ptr<ModelRunner> runner_;
-  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<ModelRunner> runner_;  // validation and modes other than the planned one
+  std::unique_ptr<IrGraph> ir_;          // of the planned mode's graph; outlives engine_
+  std::vector<int> lifted_of_entry_;     // per store entry: its IR lifted index, or -1
+  std::unique_ptr<PipelineEngine> engine_;  // null while undeployed
+  bool engine_forward_ = true;           // the last forward ran on the engine (not runner_)
+  std::vector<std::vector<int>> optimizer_groups_;  // lifted indices per param group
+  // Optimizer state while undeployed, by lifted index.
+  std::map<int, std::vector<std::pair<std::string, at::Tensor>>> parked_optimizer_state_;
   std::vector<at::Tensor> example_outputs_;
   int64_t steps_ = 0;
   int64_t forwards_ = 0;

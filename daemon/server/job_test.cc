@@ -28,6 +28,14 @@ JobConfig SgdConfig() {
   return config;
 }
 
+// A parameter's or buffer's current value, wherever the job keeps it.
+at::Tensor Value(Job& job, const std::string& name) {
+  absl::StatusOr<std::optional<at::Tensor>> t = job.GetTensor(name, false);
+  REQUIRE(t.ok());
+  REQUIRE(t->has_value());
+  return **t;
+}
+
 std::unique_ptr<Job> MakeJob(const testing::Fixture& f, JobConfig config = SgdConfig()) {
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create("job-1", config, f.model_bytes, f.inputs);
   INFO(job.status().ToString());
@@ -65,7 +73,7 @@ TEST_CASE("Job matches PyTorch on an MLP: outputs, grads, two SGD steps", "[job]
   TrainTwoSteps(*job, f);
   for (const ParamStore::Entry& e : job->params().entries()) {
     INFO(e.name);
-    CHECK(Close(e.tensor, f.Ref("step2", e.name)));
+    CHECK(Close(Value(*job, e.name), f.Ref("step2", e.name)));
   }
   CHECK(job->Summary().steps == 2);
 }
@@ -78,8 +86,8 @@ TEST_CASE("Job trains a tied weight as one tensor", "[job]") {
   CHECK(job->params().Find("head.weight") == emb);
   CHECK(emb->aliases == std::vector<std::string>{"head.weight"});
   TrainTwoSteps(*job, f);
-  CHECK(Close(emb->tensor, f.Ref("step2", "emb.weight")));
-  CHECK(Close(job->params().Find("mix.weight")->tensor, f.Ref("step2", "mix.weight")));
+  CHECK(Close(Value(*job, "emb.weight"), f.Ref("step2", "emb.weight")));
+  CHECK(Close(Value(*job, "mix.weight"), f.Ref("step2", "mix.weight")));
   // state_dict has both names, like PyTorch's.
   int emb_keys = 0;
   for (const StateEntry& s : job->StateDict()) {
@@ -91,15 +99,15 @@ TEST_CASE("Job trains a tied weight as one tensor", "[job]") {
 TEST_CASE("Job updates BatchNorm buffers as PyTorch, not during validation", "[job]") {
   testing::Fixture f = testing::LoadFixture("bn_net");
   std::unique_ptr<Job> job = MakeJob(f);
-  CHECK(job->params().Find("bn.num_batches_tracked")->tensor.item<int64_t>() == 0);
+  CHECK(Value(*job, "bn.num_batches_tracked").item<int64_t>() == 0);
   TrainTwoSteps(*job, f);
   for (const char* name : {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}) {
     INFO(name);
-    CHECK(Close(job->params().Find(name)->tensor, f.Ref("buf", name)));
+    CHECK(Close(Value(*job, name), f.Ref("buf", name)));
   }
   for (const char* name : {"conv.weight", "bn.weight"}) {
     INFO(name);
-    CHECK(Close(job->params().Find(name)->tensor, f.Ref("step2", name)));
+    CHECK(Close(Value(*job, name), f.Ref("step2", name)));
   }
 }
 
@@ -116,12 +124,12 @@ TEST_CASE("Job rejects unused parameters unless told not to check", "[job]") {
   lenient.check_unused_values = false;
   std::unique_ptr<Job> ok = MakeJob(f, lenient);
   // The unused parameter has no gradient, so the step leaves it alone, as PyTorch does.
-  at::Tensor before = ok->params().Find("unused.weight")->tensor.clone();
+  at::Tensor before = Value(*ok, "unused.weight").clone();
   absl::StatusOr<std::vector<at::Tensor>> out = ok->Forward(f.inputs, true);
   REQUIRE(out.ok());
   REQUIRE(ok->Backward({{0, at::ones_like((*out)[0])}}, false).ok());
   REQUIRE(ok->Step({SgdConfig().optimizer.group_hyper[0]}).ok());
-  CHECK(at::equal(before, ok->params().Find("unused.weight")->tensor));
+  CHECK(at::equal(before, Value(*ok, "unused.weight")));
 }
 
 TEST_CASE("Job names the input and both shapes for a bad input", "[job]") {
@@ -213,7 +221,7 @@ TEST_CASE("Job load_state_dict checks every key before changing anything", "[job
   std::unique_ptr<Job> job = MakeJob(f);
   std::map<std::string, at::Tensor> state;
   for (const StateEntry& s : job->StateDict()) state[s.name] = s.tensor + 1;
-  const at::Tensor before = job->params().Find("fc1.weight")->tensor.clone();
+  const at::Tensor before = Value(*job, "fc1.weight").clone();
   std::vector<std::string> missing, unexpected;
 
   std::map<std::string, at::Tensor> wrong_shape = state;
@@ -221,7 +229,7 @@ TEST_CASE("Job load_state_dict checks every key before changing anything", "[job
   absl::Status shape = job->LoadStateDict(wrong_shape, true, &missing, &unexpected);
   CHECK(shape.code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(shape.message()), Catch::Contains("size mismatch for fc2.bias"));
-  CHECK(at::equal(before, job->params().Find("fc1.weight")->tensor));
+  CHECK(at::equal(before, Value(*job, "fc1.weight")));
 
   std::map<std::string, at::Tensor> partial = state;
   partial.erase("fc2.weight");
@@ -230,12 +238,12 @@ TEST_CASE("Job load_state_dict checks every key before changing anything", "[job
   CHECK(strict.code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(strict.message()),
              Catch::Contains("missing keys: fc2.weight") && Catch::Contains("unexpected keys: extra"));
-  CHECK(at::equal(before, job->params().Find("fc1.weight")->tensor));
+  CHECK(at::equal(before, Value(*job, "fc1.weight")));
 
   REQUIRE(job->LoadStateDict(partial, false, &missing, &unexpected).ok());
   CHECK(missing == std::vector<std::string>{"fc2.weight"});
   CHECK(unexpected == std::vector<std::string>{"extra"});
-  CHECK(at::equal(before + 1, job->params().Find("fc1.weight")->tensor));
+  CHECK(at::equal(before + 1, Value(*job, "fc1.weight")));
 }
 
 TEST_CASE("Job reports a model that fails on its example inputs", "[job]") {
@@ -254,16 +262,16 @@ TEST_CASE("Job reports a model that fails on its example inputs", "[job]") {
 namespace rannc {
 namespace {
 
-TEST_CASE("Job refuses a model whose state exceeds the device budget", "[job]") {
+TEST_CASE("Job refuses a model whose state exceeds the devices' memory", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
   JobConfig config = SgdConfig();  // momentum: one state tensor per parameter
   // fc1 6x8+8, fc2 8x3+3 floats = 83 * 4 bytes; with grads and momentum, 3x that.
-  config.device_memory_bytes = 83 * 4 * 3 - 1;
+  config.plan_target.device_memory_bytes = 83 * 4 * 3 - 1;
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create("job-1", config, f.model_bytes, f.inputs);
   REQUIRE_FALSE(job.ok());
   CHECK(job.status().code() == absl::StatusCode::kResourceExhausted);
-  CHECK_THAT(std::string(job.status().message()), Catch::Contains("--device-memory"));
-  config.device_memory_bytes = 83 * 4 * 3;
+  CHECK_THAT(std::string(job.status().message()), Catch::Contains("planning the model"));
+  config.plan_target.device_memory_bytes = 64 << 20;
   CHECK(Job::Create("job-1", config, f.model_bytes, f.inputs).ok());
 }
 
@@ -335,6 +343,83 @@ TEST_CASE("Job::PlanOnly plans for devices that are not there, and refuses what 
   absl::StatusOr<v1::Deployment> none = Job::PlanOnly(config, f.model_bytes, f.inputs);
   CHECK(none.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(std::string(none.status().message()), Catch::Contains("planning the model"));
+}
+
+}  // namespace
+}  // namespace rannc
+
+namespace rannc {
+namespace {
+
+// A job over 4 CPU devices with a forced plan: PyTorch's gradients and SGD steps, with an
+// undeploy (devices freed, state kept on the host) and a bad input between the two steps.
+TEST_CASE("Job runs its plan over the devices, undeploys and redeploys, survives bad input",
+          "[job]") {
+  for (const char* name : {"tiny_gpt", "multi_io"}) {
+    INFO(name);
+    testing::Fixture f = testing::LoadFixture(name);
+    JobConfig config = PlannedConfig(4);
+    config.planner.partition_num = 2;
+    config.planner.replica_num = 2;
+    config.planner.pipeline_num = 2;
+    std::unique_ptr<Job> job = MakeJob(f, config);
+    const v1::Deployment& d = job->deployment();
+    REQUIRE(d.stages_size() == 2);
+    CHECK(d.micro_batches() == 2);
+    JobSummary before = job->Summary();
+    CHECK(before.devices == std::vector<std::string>{"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
+    for (int64_t bytes : before.device_bytes) CHECK(bytes > 0);
+
+    const HyperParams h = SgdConfig().optimizer.group_hyper[0];
+    for (int step = 0; step < 2; ++step) {
+      INFO("step " << step);
+      if (step == 1) {
+        job->Undeploy();
+        JobSummary undeployed = job->Summary();
+        CHECK(undeployed.state == JobState::kUndeployed);
+        CHECK(undeployed.device_bytes == std::vector<int64_t>(4, 0));
+        // A bad input fails and changes nothing (it also redeploys the job).
+        std::vector<at::Tensor> bad = f.inputs;
+        if (std::string(name) == "tiny_gpt") {
+          bad[0] = bad[0].clone();
+          bad[0][1][0] = 1000;  // out of the vocabulary, on one replica of micro-batch 0
+          absl::StatusOr<std::vector<at::Tensor>> failed = job->Forward(bad, true);
+          CHECK(failed.status().code() == absl::StatusCode::kInvalidArgument);
+        }
+        bad[0] = bad[0].to(at::kDouble);
+        CHECK(job->Forward(bad, true).status().code() == absl::StatusCode::kInvalidArgument);
+      }
+      absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(f.inputs, true);
+      INFO(out.status().ToString());
+      REQUIRE(out.ok());
+      CHECK(Close((*out)[0], step == 0 ? f.ref.at("out_0") : (*out)[0]));
+      REQUIRE(job->Backward({{0, at::ones_like((*out)[0])}}, false).ok());
+      if (step == 0) {
+        for (const ParamStore::Entry& e : job->params().entries()) {
+          if (!e.is_parameter) continue;
+          absl::StatusOr<std::optional<at::Tensor>> grad = job->GetTensor(e.name, true);
+          REQUIRE(grad.ok());
+          REQUIRE(grad->has_value());
+          INFO(e.name);
+          CHECK(Close(**grad, f.Ref("grad", e.name)));
+        }
+      }
+      REQUIRE(job->Step({h}).ok());
+      job->ZeroGrad(false);
+    }
+    CHECK(job->Summary().state == JobState::kDeployed);
+    for (const ParamStore::Entry& e : job->params().entries()) {
+      if (!e.is_parameter) continue;
+      INFO(e.name);
+      CHECK(Close(Value(*job, e.name), f.Ref("step2", e.name)));
+    }
+    // state_dict reads the devices' values.
+    for (const StateEntry& entry : job->StateDict()) {
+      if (entry.is_buffer) continue;
+      INFO(entry.name);
+      CHECK(Close(entry.tensor, f.Ref("step2", job->params().Find(entry.name)->name)));
+    }
+  }
 }
 
 }  // namespace

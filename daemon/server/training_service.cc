@@ -252,9 +252,8 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.optimizer = std::move(*optimizer);
   config.check_unused_values = spec.options().check_unused_values();
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
+  for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
   if (!facts_.devices.empty()) {
-    config.device = facts_.devices[0].name;
-    config.device_memory_bytes = facts_.devices[0].memory_bytes;
     config.plan_target.device_type = facts_.devices[0].type;
     config.plan_target.device_memory_bytes = facts_.devices[0].memory_bytes;
   }
