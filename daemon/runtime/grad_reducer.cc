@@ -1,0 +1,321 @@
+#include "daemon/runtime/grad_reducer.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+
+namespace rannc {
+namespace {
+
+using torch::autograd::variable_list;
+
+// Gradients are floating point; these are the floating dtypes the communicators reduce.
+absl::StatusOr<comm::DataType> GradCommType(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return comm::DataType::kFloat32;
+    case at::kDouble: return comm::DataType::kFloat64;
+    case at::kHalf: return comm::DataType::kFloat16;
+    case at::kBFloat16: return comm::DataType::kBFloat16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("no all-reduce for gradients of dtype ", c10::toString(t)));
+  }
+}
+
+}  // namespace
+
+class GradReducer::Impl {
+ public:
+  ~Impl();
+  absl::Status Init(std::vector<at::Tensor> params, comm::Communicator* comm, Options options);
+  void BeginFinalBackward();
+  absl::Status Finish(const WaitFn& wait);
+  // The AccumulateGrad post-hook of param `index` (the backward's thread).
+  void OnAccumulated(int index);
+
+  int buckets() const { return static_cast<int>(buckets_.size()); }
+  int buckets_started_early() const { return last_started_early_; }
+
+ private:
+  struct Param {
+    at::Tensor tensor;
+    int bucket = 0;
+    int64_t offset = 0;  // elements into the bucket's flat buffer
+    bool ready = false;  // its gradient is in the flat buffer for this step
+    // Held so that every forward links this node (and our hook) to the parameter: autograd
+    // keeps only a weak reference and makes a fresh node once no graph holds the old one.
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    uintptr_t hook_key = 0;
+  };
+  struct Bucket {
+    at::TensorOptions options;  // its params' dtype and device
+    at::Tensor flat;  // before `work`: a work in flight is destroyed before its buffer
+    comm::Buffer buffer;
+    std::vector<int> params;
+    size_t bytes = 0;
+    int pending = 0;  // params not ready yet this step
+    std::unique_ptr<comm::Work> work;
+  };
+
+  // Copies param `index`'s gradient (zeros when undefined) into its bucket. Holds mu_.
+  void MarkReady(int index);
+  // Starts, in bucket order, every bucket whose params are all ready. Holds mu_.
+  void LaunchReady(bool early);
+  std::string Describe(int bucket) const;
+
+  comm::Communicator* comm_ = nullptr;  // null: the reducer is a no-op
+  std::vector<Param> params_;
+  std::vector<Bucket> buckets_;
+
+  std::mutex mu_;
+  bool armed_ = false;     // between BeginFinalBackward and Finish
+  int next_launch_ = 0;    // the first bucket not started this step
+  int started_early_ = 0;  // this step's buckets started by hooks
+  int last_started_early_ = 0;
+  absl::Status hook_error_;  // the first error a hook met this step
+  absl::Status broken_;      // the failure that broke the reducer (OK: usable)
+};
+
+namespace {
+
+class AccumulatedHook : public torch::autograd::FunctionPostHook {
+ public:
+  AccumulatedHook(GradReducer::Impl* impl, int index) : impl_(impl), index_(index) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    impl_->OnAccumulated(index_);
+    return outputs;
+  }
+
+ private:
+  GradReducer::Impl* impl_;
+  int index_;
+};
+
+}  // namespace
+
+GradReducer::Impl::~Impl() {
+  for (Param& p : params_) {
+    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
+  }
+}
+
+absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Communicator* comm,
+                                     Options options) {
+  std::set<const void*> seen;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& t = params[i];
+    if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat("param ", i, " is undefined"));
+    if (!t.requires_grad() || !t.is_leaf()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("param ", i, " is not a leaf that requires grad"));
+    }
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) {
+      return absl::InvalidArgumentError(absl::StrCat("param ", i, " is passed twice"));
+    }
+    absl::StatusOr<comm::DataType> type = GradCommType(t.scalar_type());
+    if (!type.ok()) return Annotate(type.status(), absl::StrCat("param ", i));
+    if (!t.device().is_cpu() && !t.device().is_cuda()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("param ", i, " is on ", t.device().str(), ", neither CPU nor CUDA"));
+    }
+  }
+  if (comm == nullptr || comm->size() == 1) return absl::OkStatus();
+  comm_ = comm;
+
+  // Layout: reverse parameter order, one open bucket per (dtype, device), closed once full.
+  params_.resize(params.size());
+  std::vector<int> open;  // bucket indices still accepting params
+  for (int i = static_cast<int>(params.size()) - 1; i >= 0; --i) {
+    const at::Tensor& t = params[i];
+    const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+    int b = -1;
+    for (auto it = open.begin(); it != open.end(); ++it) {
+      const Bucket& ob = buckets_[*it];
+      if (ob.options.dtype() != t.dtype() || ob.options.device() != t.device()) continue;
+      if (ob.bytes + bytes > options.bucket_bytes) {
+        open.erase(it);
+      } else {
+        b = *it;
+      }
+      break;
+    }
+    if (b < 0) {
+      b = static_cast<int>(buckets_.size());
+      buckets_.emplace_back();
+      buckets_[b].options = at::TensorOptions().dtype(t.dtype()).device(t.device());
+      open.push_back(b);
+    }
+    Bucket& bucket = buckets_[b];
+    params_[i].tensor = t;
+    params_[i].bucket = b;
+    params_[i].offset = static_cast<int64_t>(bucket.bytes / t.element_size());
+    bucket.params.push_back(i);
+    bucket.bytes += bytes;
+    if (bucket.bytes >= options.bucket_bytes) open.erase(std::find(open.begin(), open.end(), b));
+  }
+  for (Bucket& b : buckets_) {
+    const int64_t element_size = static_cast<int64_t>(b.options.dtype().itemsize());
+    b.flat = at::empty({static_cast<int64_t>(b.bytes) / element_size}, b.options);
+    const at::Device device = b.flat.device();
+    b.buffer = comm::Buffer{b.flat.data_ptr(), static_cast<size_t>(b.flat.numel()),
+                            *GradCommType(b.flat.scalar_type()),
+                            device.is_cuda() ? comm::DeviceKind::kCuda : comm::DeviceKind::kCpu,
+                            device.has_index() ? device.index() : 0};
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+    if (!p.accumulator) {
+      return absl::InternalError(absl::StrCat("param ", i, " has no gradient accumulator"));
+    }
+    p.hook_key = p.accumulator->add_post_hook(
+        std::make_unique<AccumulatedHook>(this, static_cast<int>(i)));
+  }
+  return absl::OkStatus();
+}
+
+void GradReducer::Impl::BeginFinalBackward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // A second call before Finish would reset buckets whose all-reduce may be in flight.
+  if (comm_ == nullptr || !broken_.ok() || armed_) return;
+  for (Param& p : params_) p.ready = false;
+  for (Bucket& b : buckets_) b.pending = static_cast<int>(b.params.size());
+  next_launch_ = 0;
+  started_early_ = 0;
+  hook_error_ = absl::OkStatus();
+  armed_ = true;
+}
+
+void GradReducer::Impl::OnAccumulated(int index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_ || params_[index].ready || !hook_error_.ok()) return;
+  // Throwing here would surface as an error of the backward, far from its cause; Finish
+  // reports it instead.
+  hook_error_ = TorchCall(absl::StatusCode::kInternal, "copying a gradient into its bucket", [&] {
+    MarkReady(index);
+    return absl::OkStatus();
+  });
+  if (hook_error_.ok()) LaunchReady(/*early=*/true);
+}
+
+void GradReducer::Impl::MarkReady(int index) {
+  Param& p = params_[index];
+  Bucket& b = buckets_[p.bucket];
+  at::NoGradGuard no_grad;
+  at::Tensor slot = b.flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
+  const at::Tensor& grad = p.tensor.grad();
+  if (grad.defined()) {
+    slot.copy_(grad);  // any layout: copy_ follows the grad's strides
+  } else {
+    slot.zero_();
+  }
+  p.ready = true;
+  --b.pending;
+}
+
+void GradReducer::Impl::LaunchReady(bool early) {
+  // Strictly in bucket order: every rank must issue the group's collectives in the same order,
+  // and autograd's order of parameters may differ between ranks.
+  while (next_launch_ < static_cast<int>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_];
+    b.work = comm_->AllReduce(b.buffer, {comm::ReduceOp::kSum});
+    if (early) ++started_early_;
+    ++next_launch_;
+  }
+}
+
+std::string GradReducer::Impl::Describe(int bucket) const {
+  const Bucket& b = buckets_[bucket];
+  return absl::StrCat("all-reducing gradient bucket ", bucket, " of ", buckets_.size(), " (",
+                      b.params.size(), " params, #", b.params.back(), "..#", b.params.front(),
+                      ", ", b.bytes, " bytes of ", c10::toString(b.flat.scalar_type()), ")");
+}
+
+absl::Status GradReducer::Impl::Finish(const WaitFn& wait) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("an earlier gradient reduction failed: ", broken_.message()));
+    }
+    if (comm_ == nullptr) return absl::OkStatus();
+    if (!armed_) return absl::FailedPreconditionError("Finish without BeginFinalBackward");
+    armed_ = false;
+    absl::Status s = hook_error_;
+    if (s.ok()) {
+      s = TorchCall(absl::StatusCode::kInternal, "copying gradients into their buckets", [&] {
+        for (size_t i = 0; i < params_.size(); ++i) {
+          if (!params_[i].ready) MarkReady(static_cast<int>(i));
+        }
+        return absl::OkStatus();
+      });
+    }
+    if (!s.ok()) {
+      broken_ = s;
+      return s;
+    }
+    LaunchReady(/*early=*/false);
+    last_started_early_ = started_early_;
+  }
+  // Hooks do nothing until the next BeginFinalBackward, so the buckets are ours alone.
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    Bucket& b = buckets_[k];
+    absl::Status s = wait(std::move(b.work), b.flat, Describe(static_cast<int>(k)));
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      broken_ = s;
+      return s;
+    }
+  }
+  absl::Status s = TorchCall(absl::StatusCode::kInternal, "copying reduced gradients back", [&] {
+    at::NoGradGuard no_grad;
+    for (Param& p : params_) {
+      at::Tensor sum =
+          buckets_[p.bucket].flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
+      if (p.tensor.grad().defined()) {
+        p.tensor.mutable_grad().copy_(sum);
+      } else {
+        // A copy: the flat buffer is reused next step.
+        p.tensor.mutable_grad() = at::empty_like(p.tensor).copy_(sum);
+      }
+    }
+    return absl::OkStatus();
+  });
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = s;
+  }
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<GradReducer>> GradReducer::Create(std::vector<at::Tensor> params,
+                                                                 comm::Communicator* comm,
+                                                                 Options options) {
+  auto impl = std::make_unique<Impl>();
+  absl::Status s = TorchCall(absl::StatusCode::kInternal, "creating the gradient reducer", [&] {
+    return impl->Init(std::move(params), comm, options);
+  });
+  if (!s.ok()) return s;
+  return std::unique_ptr<GradReducer>(new GradReducer(std::move(impl)));
+}
+
+GradReducer::GradReducer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GradReducer::~GradReducer() = default;
+
+void GradReducer::BeginFinalBackward() { impl_->BeginFinalBackward(); }
+absl::Status GradReducer::Finish(const WaitFn& wait) { return impl_->Finish(wait); }
+int GradReducer::buckets() const { return impl_->buckets(); }
+int GradReducer::buckets_started_early() const { return impl_->buckets_started_early(); }
+
+}  // namespace rannc

@@ -1,0 +1,323 @@
+#include "daemon/runtime/grad_reducer.h"
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+// LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/comm/conformance.h"
+#include "daemon/comm/factory.h"
+#include "daemon/comm/fake/fake_communicator.h"
+#include "daemon/comm/store.h"
+
+namespace rannc {
+namespace {
+
+using comm::Backend;
+
+// The parameters of one replica, in the order given to the reducer. The ones that the final
+// backward leaves without a gradient come first, so that their buckets come last and every
+// other bucket can start during the backward.
+struct Model {
+  at::Tensor unused;      // float32 [4]: never used, its gradient stays undefined
+  at::Tensor early_only;  // float32 [4]: used by the first backward only
+  at::Tensor w1;          // float32 [8, 5]
+  at::Tensor b1;          // float32 [5]
+  at::Tensor w2;          // float32 [5, 7], non-contiguous (a transposed leaf)
+  at::Tensor w3;          // float64 [7, 3]
+  at::Tensor b3;          // float64 [3]
+
+  std::vector<at::Tensor> params() const { return {unused, early_only, w1, b1, w2, w3, b3}; }
+};
+
+at::Tensor Leaf(at::Tensor t) { return t.detach().requires_grad_(true); }
+
+// Every replica starts from the same values, as data-parallel replicas do. The generator is
+// global: call from the test thread only (rank threads get models and inputs made here).
+Model MakeModel() {
+  at::manual_seed(7);
+  Model m;
+  m.unused = Leaf(at::randn({4}));
+  m.early_only = Leaf(at::randn({4}));
+  m.w1 = Leaf(at::randn({8, 5}));
+  m.b1 = Leaf(at::randn({5}));
+  m.w2 = Leaf(at::randn({7, 5}).t());
+  m.w3 = Leaf(at::randn({7, 3}, at::kDouble));
+  m.b3 = Leaf(at::randn({3}, at::kDouble));
+  return m;
+}
+
+// A replica's input for backward `pass` (0 or 1) on `rank`: each differs. Test thread only.
+at::Tensor Input(int rank, int pass) {
+  at::manual_seed(100 + 10 * rank + pass);
+  return at::randn({6, 8});
+}
+
+// One forward and backward: a chain through every parameter but `unused`, with `early_only`
+// only in pass 0, and a switch from float32 to float64 half-way.
+void Backward(const Model& m, const at::Tensor& x, int pass) {
+  at::Tensor h = at::tanh(x.matmul(m.w1) + m.b1);
+  at::Tensor h2 = at::relu(h.matmul(m.w2));
+  at::Tensor out = h2.to(at::kDouble).matmul(m.w3) + m.b3;
+  at::Tensor loss = out.pow(2).mean();
+  if (pass == 0) loss = loss + (m.early_only * h.mean()).sum().to(at::kDouble);
+  torch::autograd::backward({loss});
+}
+
+// The expected gradients: every rank's two backwards, each on a fresh copy of the model,
+// summed over ranks; an undefined gradient counts as zeros.
+std::vector<at::Tensor> ExpectedGrads(int size) {
+  std::vector<at::Tensor> sum;
+  for (const at::Tensor& p : MakeModel().params()) sum.push_back(at::zeros_like(p));
+  for (int r = 0; r < size; ++r) {
+    Model m = MakeModel();
+    Backward(m, Input(r, 0), 0);
+    Backward(m, Input(r, 1), 1);
+    std::vector<at::Tensor> params = m.params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].grad().defined()) sum[i] += params[i].grad();
+    }
+  }
+  return sum;
+}
+
+// The engine's waiter in small: a deadline, no abort flag.
+absl::Status WaitFor(std::unique_ptr<comm::Work> work, at::Tensor /*keep*/,
+                     const std::string& what) {
+  absl::Status s = work->Wait(std::chrono::seconds(30));
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+struct RankResult {
+  absl::Status created;
+  absl::Status finished;
+  int buckets = -1;
+  int early = -1;
+  std::vector<at::Tensor> grads;
+};
+
+// One replica's step, on its own thread: an unarmed backward, an armed one, Finish.
+RankResult RunRank(comm::Communicator* c, size_t bucket_bytes, const Model& m,
+                   const at::Tensor& x0, const at::Tensor& x1) {
+  RankResult result;
+  absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
+      GradReducer::Create(m.params(), c, {bucket_bytes});
+  result.created = reducer.status();
+  if (!reducer.ok()) return result;
+  Backward(m, x0, 0);
+  (*reducer)->BeginFinalBackward();
+  Backward(m, x1, 1);
+  result.finished = (*reducer)->Finish(WaitFor);
+  result.buckets = (*reducer)->buckets();
+  result.early = (*reducer)->buckets_started_early();
+  for (const at::Tensor& p : m.params()) result.grads.push_back(p.grad());
+  return result;
+}
+
+void CheckReduction(Backend backend, comm::Store* store, int size, size_t bucket_bytes,
+                    int want_buckets, int want_early) {
+  const std::string group =
+      absl::StrCat("grad_reducer/", backend == Backend::kUcx ? "ucx" : "fake", "/", size, "/",
+                   bucket_bytes);
+  std::vector<std::unique_ptr<comm::Communicator>> comms =
+      comm::MakeGroupConcurrently(backend, size, group, store);
+  REQUIRE(comms.size() == static_cast<size_t>(size));
+  std::vector<Model> models;
+  std::vector<at::Tensor> inputs;
+  for (int r = 0; r < size; ++r) {
+    models.push_back(MakeModel());
+    inputs.push_back(Input(r, 0));
+    inputs.push_back(Input(r, 1));
+  }
+  std::vector<RankResult> results(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = RunRank(comms[r].get(), bucket_bytes, models[r], inputs[2 * r],
+                           inputs[2 * r + 1]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  const std::vector<at::Tensor> want = ExpectedGrads(size);
+  for (int r = 0; r < size; ++r) {
+    INFO("rank " << r << " of " << group);
+    REQUIRE(results[r].created.ok());
+    INFO(results[r].finished.ToString());
+    REQUIRE(results[r].finished.ok());
+    CHECK(results[r].buckets == want_buckets);
+    CHECK(results[r].early == want_early);
+    REQUIRE(results[r].grads.size() == want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      INFO("param " << i);
+      REQUIRE(results[r].grads[i].defined());
+      CHECK(results[r].grads[i].scalar_type() == want[i].scalar_type());
+      CHECK(at::allclose(results[r].grads[i], want[i], /*rtol=*/1e-6, /*atol=*/1e-6));
+    }
+  }
+}
+
+// Bucket layouts of the test model (reverse order: b3 w3 | w2 | b1 w1 | early_only unused):
+//  - 1 byte: one bucket per param (7); all but early_only's and unused's start early.
+//  - 100 bytes: [b3] [w3] [w2] [b1] [w1] [early_only unused] (a param that does not fit
+//    closes the bucket; one larger than the cap gets its own); 5 of 6 start early.
+//  - 1 GiB: one bucket per dtype, float64 first; only the float64 one starts early.
+void CheckAllLayouts(Backend backend, comm::Store* store, int size) {
+  CheckReduction(backend, store, size, 1, 7, 5);
+  CheckReduction(backend, store, size, 100, 6, 5);
+  CheckReduction(backend, store, size, size_t{1} << 30, 2, 1);
+}
+
+TEST_CASE("GradReducer sums gradients over a fake group, overlapped with backward",
+          "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  SECTION("2 ranks") { CheckAllLayouts(Backend::kFake, store.get(), 2); }
+  SECTION("3 ranks") { CheckAllLayouts(Backend::kFake, store.get(), 3); }
+}
+
+TEST_CASE("GradReducer sums gradients over a UCX group, overlapped with backward",
+          "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  SECTION("2 ranks") { CheckAllLayouts(Backend::kUcx, store.get(), 2); }
+  SECTION("3 ranks") { CheckAllLayouts(Backend::kUcx, store.get(), 3); }
+}
+
+TEST_CASE("GradReducer reports a failed peer instead of hanging, then stays broken",
+          "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  const std::string group = "grad_reducer/failure";
+  std::vector<std::unique_ptr<comm::Communicator>> comms =
+      comm::MakeGroupConcurrently(Backend::kFake, 2, group, store.get());
+  REQUIRE(comms.size() == 2);
+  Model m0 = MakeModel();
+  Model m1 = MakeModel();
+  const at::Tensor x0 = Input(0, 1);
+  const at::Tensor x1 = Input(1, 1);
+  absl::Status finished;
+  absl::Status again;
+  // Rank 1 arms its reducer and runs the final backward, whose hooks start the buckets that are
+  // complete, then dies instead of finishing; rank 0 must see the failure in Finish.
+  std::thread peer([&] {
+    auto reducer = GradReducer::Create(m1.params(), comms[1].get(), {1});
+    if (!reducer.ok()) return;
+    (*reducer)->BeginFinalBackward();
+    Backward(m1, x1, 1);
+    comm::FailFakeRank(group, 1);
+  });
+  std::thread self([&] {
+    auto reducer = GradReducer::Create(m0.params(), comms[0].get(), {1});
+    if (!reducer.ok()) {
+      finished = reducer.status();
+      return;
+    }
+    (*reducer)->BeginFinalBackward();
+    Backward(m0, x0, 1);
+    finished = (*reducer)->Finish(WaitFor);
+    (*reducer)->BeginFinalBackward();
+    again = (*reducer)->Finish(WaitFor);
+  });
+  peer.join();
+  self.join();
+  INFO(finished.ToString());
+  CHECK(finished.code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(finished.message(), "all-reducing gradient bucket"));
+  CHECK(again.code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("GradReducer gives up when the waiter does, keeping the buffer alive",
+          "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  std::vector<std::unique_ptr<comm::Communicator>> comms =
+      comm::MakeGroupConcurrently(Backend::kFake, 2, "grad_reducer/abandon", store.get());
+  REQUIRE(comms.size() == 2);
+  // Rank 1 never joins the reduction: rank 0's waiter times out at once and keeps the work.
+  Model m = MakeModel();
+  auto reducer = GradReducer::Create(m.params(), comms[0].get(), {1});
+  REQUIRE(reducer.ok());
+  (*reducer)->BeginFinalBackward();
+  Backward(m, Input(0, 1), 1);
+  std::vector<at::Tensor> kept;
+  std::vector<std::unique_ptr<comm::Work>> abandoned;
+  absl::Status s = (*reducer)->Finish(
+      [&](std::unique_ptr<comm::Work> work, at::Tensor keep, const std::string& what) {
+        absl::Status w = work->Wait(std::chrono::milliseconds(1));
+        abandoned.push_back(std::move(work));
+        kept.push_back(keep);
+        return w.ok() ? w : absl::DeadlineExceededError(what);
+      });
+  CHECK(s.code() == absl::StatusCode::kDeadlineExceeded);
+  REQUIRE(kept.size() == 1);
+  CHECK(kept[0].defined());
+  CHECK(kept[0].numel() == 3);  // bucket 0 holds b3 alone
+  // The group's collectives are out of step now: the reducer refuses to go on.
+  CHECK((*reducer)->Finish(WaitFor).code() == absl::StatusCode::kFailedPrecondition);
+  reducer->reset();
+  comms.clear();
+}
+
+TEST_CASE("GradReducer is a no-op without a group", "[runtime]") {
+  Model m = MakeModel();
+  auto no_comm = GradReducer::Create(m.params(), nullptr, {});
+  REQUIRE(no_comm.ok());
+  (*no_comm)->BeginFinalBackward();
+  Backward(m, Input(0, 1), 1);
+  const at::Tensor w1_grad = m.w1.grad().clone();
+  int waits = 0;
+  auto count = [&](std::unique_ptr<comm::Work>, at::Tensor, const std::string&) {
+    ++waits;
+    return absl::OkStatus();
+  };
+  CHECK((*no_comm)->Finish(count).ok());
+  CHECK(waits == 0);
+  CHECK((*no_comm)->buckets() == 0);
+  CHECK(at::equal(m.w1.grad(), w1_grad));
+  CHECK_FALSE(m.unused.grad().defined());  // untouched, not even zeroed
+
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  std::vector<std::unique_ptr<comm::Communicator>> one =
+      comm::MakeGroupConcurrently(Backend::kFake, 1, "grad_reducer/single", store.get());
+  REQUIRE(one.size() == 1);
+  auto single = GradReducer::Create(m.params(), one[0].get(), {});
+  REQUIRE(single.ok());
+  (*single)->BeginFinalBackward();
+  CHECK((*single)->Finish(count).ok());
+  CHECK(waits == 0);
+  CHECK((*single)->buckets() == 0);
+}
+
+TEST_CASE("GradReducer::Finish needs BeginFinalBackward first", "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  std::vector<std::unique_ptr<comm::Communicator>> comms =
+      comm::MakeGroupConcurrently(Backend::kFake, 2, "grad_reducer/unarmed", store.get());
+  REQUIRE(comms.size() == 2);
+  Model m = MakeModel();
+  auto reducer = GradReducer::Create(m.params(), comms[0].get(), {});
+  REQUIRE(reducer.ok());
+  Backward(m, Input(0, 0), 0);  // unarmed: the hooks start nothing
+  CHECK((*reducer)->Finish(WaitFor).code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("GradReducer::Create rejects what it cannot reduce", "[runtime]") {
+  Model m = MakeModel();
+  auto code = [](std::vector<at::Tensor> params) {
+    return GradReducer::Create(std::move(params), nullptr, {}).status().code();
+  };
+  CHECK(code({m.w1, at::Tensor()}) == absl::StatusCode::kInvalidArgument);
+  CHECK(code({at::zeros({2})}) == absl::StatusCode::kInvalidArgument);    // no requires_grad
+  CHECK(code({m.w1 * 2}) == absl::StatusCode::kInvalidArgument);         // not a leaf
+  CHECK(code({m.w1, m.b1, m.w1}) == absl::StatusCode::kInvalidArgument);  // twice
+  CHECK(code({Leaf(at::zeros({2}, at::kComplexFloat))}) == absl::StatusCode::kInvalidArgument);
+  CHECK(code(m.params()) == absl::StatusCode::kOk);
+}
+
+}  // namespace
+}  // namespace rannc
