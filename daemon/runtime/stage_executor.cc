@@ -1,6 +1,10 @@
 #include "daemon/runtime/stage_executor.h"
 
+#include <algorithm>
+#include <mutex>
 #include <optional>
+#include <set>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -13,29 +17,115 @@
 #include "daemon/common/tensor_codec.h"
 
 namespace rannc {
+namespace {
+
+// Held by every random stage for each forward and each replay, in every executor of the process:
+// the default generators are shared by all device threads, and a draw by another stage in the
+// middle of a forward would make that forward's random numbers impossible to replay.
+std::mutex& RngMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// Ops that draw from a generator. Node::isNondeterministic() knows most of them from their
+// schemas; the names also catch ops whose schema it does not list (and are cheap to over-lock).
+bool IsRandomKind(const torch::jit::Node* n) {
+  static const std::set<std::string> kinds = {
+      "aten::dropout",          "aten::dropout_",         "aten::feature_dropout",
+      "aten::feature_dropout_", "aten::alpha_dropout",    "aten::alpha_dropout_",
+      "aten::feature_alpha_dropout", "aten::feature_alpha_dropout_", "aten::native_dropout",
+      "aten::_fused_dropout",   "aten::bernoulli",        "aten::bernoulli_",
+      "aten::rand",             "aten::rand_like",        "aten::randn",
+      "aten::randn_like",       "aten::randint",          "aten::randint_like",
+      "aten::randperm",         "aten::normal",           "aten::normal_",
+      "aten::uniform_",         "aten::multinomial",      "aten::poisson",
+      "aten::binomial",         "aten::exponential_",     "aten::geometric_",
+      "aten::cauchy_",          "aten::log_normal_",      "aten::random_",
+      "aten::rrelu",            "aten::rrelu_",           "aten::rrelu_with_noise",
+      "aten::rrelu_with_noise_", "aten::_standard_gamma", "aten::_sample_dirichlet",
+  };
+  return kinds.count(n->kind().toQualString()) > 0;
+}
+
+bool HasRandomOps(const torch::jit::Block* block) {
+  for (const torch::jit::Node* n : block->nodes()) {
+    if (IsRandomKind(n) || n->isNondeterministic()) return true;
+    for (const torch::jit::Block* b : n->blocks()) {
+      if (HasRandomOps(b)) return true;
+    }
+  }
+  return false;
+}
+
+// Values that some op writes in place: arguments its schema marks as written, and the running
+// statistics of the norms, which update them although their schemas do not say so.
+void CollectWrittenValues(const torch::jit::Block* block,
+                          std::set<const torch::jit::Value*>* written) {
+  static const std::set<std::string> norms = {
+      "aten::batch_norm", "aten::instance_norm", "aten::_batch_norm_impl_index",
+      "aten::native_batch_norm", "aten::_native_batch_norm_legit"};
+  for (const torch::jit::Node* n : block->nodes()) {
+    const bool is_norm = norms.count(n->kind().toQualString()) > 0;
+    const c10::FunctionSchema* schema = n->maybeSchema();
+    for (size_t i = 0; i < n->inputs().size(); ++i) {
+      bool writes = is_norm;
+      if (schema != nullptr && i < schema->arguments().size()) {
+        const auto& alias = schema->arguments()[i].alias_info();
+        writes = writes || (alias && alias->isWrite());
+      }
+      if (writes) written->insert(n->inputs()[i]);
+    }
+    for (const torch::jit::Block* b : n->blocks()) CollectWrittenValues(b, written);
+  }
+}
+
+at::Tensor GetState(at::Generator generator) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void SetState(at::Generator generator, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+int64_t Bytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+}  // namespace
 
 StageExecutor::~StageExecutor() = default;
 
 absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::Create(
-    const IrGraph& ir, Subgraph subgraph, const std::vector<at::Tensor>& lifted) {
+    const IrGraph& ir, Subgraph subgraph, const std::vector<at::Tensor>& lifted,
+    StageOptions options) {
   if (lifted.size() != ir.tensor_names.size()) {
     return absl::InternalError(absl::StrCat("StageExecutor: ", lifted.size(),
                                             " lifted tensors for ", ir.tensor_names.size()));
   }
   std::unique_ptr<StageExecutor> stage(new StageExecutor());
   stage->module_ = ir.module;
-  for (int v : subgraph.inputs) {
+  stage->options_ = options;
+  std::set<const torch::jit::Value*> written;
+  CollectWrittenValues(subgraph.graph->block(), &written);
+  for (size_t i = 0; i < subgraph.inputs.size(); ++i) {
+    const int v = subgraph.inputs[i];
     const int lifted_index = v - static_cast<int>(ir.num_user_inputs);
     const bool is_lifted = v < static_cast<int>(ir.inputs.size()) && lifted_index >= 0;
     if (is_lifted) {
       stage->input_slot_.push_back(-1);
       stage->lifted_.push_back(lifted[lifted_index]);
+      if (ir.values[v].role == ValueRole::kBuffer && written.count(subgraph.graph->inputs()[i])) {
+        stage->mutated_buffers_.push_back(i);
+      }
     } else {
       stage->input_slot_.push_back(static_cast<int>(stage->data_inputs_.size()));
       stage->data_inputs_.push_back(v);
       stage->lifted_.emplace_back();
     }
   }
+  stage->random_ = HasRandomOps(subgraph.graph->block());
   absl::Status compiled = TorchCall(absl::StatusCode::kInternal, "compiling a stage", [&] {
     stage->code_ = std::make_shared<torch::jit::Code>(subgraph.graph, "stage");
     return absl::OkStatus();
@@ -43,6 +133,60 @@ absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::Create(
   if (!compiled.ok()) return compiled;
   stage->subgraph_ = std::move(subgraph);
   return stage;
+}
+
+std::vector<at::Tensor> StageExecutor::Run(const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& buffers) const {
+  torch::jit::Stack stack;
+  stack.reserve(input_slot_.size());
+  for (size_t i = 0; i < input_slot_.size(); ++i) {
+    if (input_slot_[i] < 0) {
+      stack.emplace_back(lifted_[i]);
+    } else {
+      stack.emplace_back(inputs[input_slot_[i]]);
+    }
+  }
+  for (size_t k = 0; k < buffers.size(); ++k) stack[mutated_buffers_[k]] = buffers[k];
+  torch::jit::InterpreterState(*code_).run(stack);
+  std::vector<at::Tensor> outputs;
+  for (const c10::IValue& v : stack) outputs.push_back(v.toTensor());
+  return outputs;
+}
+
+std::vector<at::Tensor> StageExecutor::AsLeaves(const std::vector<at::Tensor>& inputs) {
+  // Inputs become leaves of this stage's autograd graph, so backward can hand their gradients
+  // to the stage that produced them.
+  std::vector<at::Tensor> leaves;
+  for (const at::Tensor& in : inputs) {
+    leaves.push_back(in.is_floating_point() ? in.detach().requires_grad_(true) : in);
+  }
+  return leaves;
+}
+
+std::vector<at::Generator> StageExecutor::Generators(const std::vector<at::Tensor>& inputs) const {
+  // CPU ops may run on any stage (a mask made on the host), so its generator is always replayed.
+  std::vector<at::Generator> generators = {at::globalContext().defaultGenerator(at::kCPU)};
+  std::vector<at::Device> devices;
+  auto add = [&](const at::Tensor& t) {
+    if (!t.defined() || t.device().is_cpu()) return;
+    if (std::find(devices.begin(), devices.end(), t.device()) != devices.end()) return;
+    devices.push_back(t.device());
+    generators.push_back(at::globalContext().defaultGenerator(t.device()));
+  };
+  for (const at::Tensor& t : inputs) add(t);
+  for (const at::Tensor& t : lifted_) add(t);
+  return generators;
+}
+
+int64_t StageExecutor::PendingBytes() const {
+  int64_t total = 0;
+  for (const auto& [micro_batch, pending] : pending_) {
+    for (const at::Tensor& t : pending.inputs) total += Bytes(t);
+    for (const at::Tensor& t : pending.outputs) total += Bytes(t);
+    for (const at::Tensor& t : pending.buffers) total += Bytes(t);
+    for (const RngState& r : pending.rng) total += Bytes(r.state);
+  }
+  return total;
 }
 
 absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Forward(
@@ -55,38 +199,56 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Forward(
     return absl::FailedPreconditionError(absl::StrCat(
         "stage forward: micro-batch ", micro_batch, " already has a forward pending"));
   }
+  const bool recompute = requires_grad && options_.recompute;
   Pending pending;
   std::vector<at::Tensor> outputs;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "the stage's forward failed",
                                   [&] {
+    std::unique_lock<std::mutex> rng_lock;
+    if (random_) rng_lock = std::unique_lock<std::mutex>(RngMutex());
     std::optional<at::NoGradGuard> no_grad;
-    if (!requires_grad) no_grad.emplace();
-    // Inputs become leaves of this stage's autograd graph, so backward can hand their
-    // gradients to the stage that produced them.
-    for (const at::Tensor& in : inputs) {
-      pending.inputs.push_back(requires_grad && in.is_floating_point()
-                                   ? in.detach().requires_grad_(true)
-                                   : in);
-    }
-    torch::jit::Stack stack;
-    stack.reserve(input_slot_.size());
-    for (size_t i = 0; i < input_slot_.size(); ++i) {
-      if (input_slot_[i] < 0) {
-        stack.emplace_back(lifted_[i]);
-      } else {
-        stack.emplace_back(pending.inputs[input_slot_[i]]);
+    if (!requires_grad || recompute) no_grad.emplace();
+    if (recompute) {
+      for (const at::Tensor& in : inputs) pending.inputs.push_back(in.detach());
+      for (size_t slot : mutated_buffers_) pending.buffers.push_back(lifted_[slot].clone());
+      if (random_) {
+        for (const at::Generator& g : Generators(inputs)) pending.rng.push_back({g, GetState(g)});
       }
+    } else {
+      pending.inputs = requires_grad ? AsLeaves(inputs) : inputs;
     }
-    torch::jit::InterpreterState(*code_).run(stack);
-    for (const c10::IValue& v : stack) outputs.push_back(v.toTensor());
+    outputs = Run(pending.inputs);
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
   if (requires_grad) {
-    pending.outputs = outputs;
+    if (!recompute) pending.outputs = outputs;
     pending_.emplace(micro_batch, std::move(pending));
   }
   return outputs;
+}
+
+absl::Status StageExecutor::Recompute(Pending* pending) const {
+  return TorchCall(absl::StatusCode::kInternal, "the stage's recomputed forward failed", [&] {
+    std::unique_lock<std::mutex> rng_lock;
+    if (random_) rng_lock = std::unique_lock<std::mutex>(RngMutex());
+    // Replays the forward's random draws; the generators go back to where they are now even if
+    // the forward throws, so recomputation never shifts the stream other stages draw from.
+    struct Replay {
+      std::vector<RngState> now;
+      ~Replay() {
+        for (RngState& r : now) SetState(r.generator, r.state);
+      }
+    } replay;
+    for (RngState& r : pending->rng) {
+      replay.now.push_back({r.generator, GetState(r.generator)});
+      SetState(r.generator, r.state);
+    }
+    pending->inputs = AsLeaves(pending->inputs);
+    // The replay updates the forward's copies of the buffers it writes, not the device's.
+    pending->outputs = Run(pending->inputs, pending->buffers);
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Backward(
@@ -98,9 +260,14 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Backward(
   }
   Pending pending = std::move(it->second);
   pending_.erase(it);
-  if (output_grads.size() != pending.outputs.size()) {
+  if (output_grads.size() != subgraph_.outputs.size()) {
     return absl::InternalError(absl::StrCat("stage backward: ", output_grads.size(),
-                                            " gradients for ", pending.outputs.size(), " outputs"));
+                                            " gradients for ", subgraph_.outputs.size(),
+                                            " outputs"));
+  }
+  if (options_.recompute) {
+    absl::Status recomputed = Recompute(&pending);
+    if (!recomputed.ok()) return recomputed;
   }
   std::vector<at::Tensor> roots, grads;
   for (size_t i = 0; i < output_grads.size(); ++i) {

@@ -5,13 +5,28 @@
 // device's parameter leaves. Micro-batches are independent, so a schedule may interleave them
 // (1F1B) or run all forwards first (GPipe).
 //
+// With StageOptions::recompute (the plan's `recompute` for the stage), a forward with gradients
+// runs without autograd and keeps only the micro-batch's data inputs; Backward reruns the forward
+// with autograd from them, then backpropagates. Both runs execute the same ops in the same order,
+// so outputs and gradients are bitwise those of a run without recomputation. Buffers the stage
+// updates in place (BatchNorm statistics) are copied before each such forward and the replay
+// runs on the copies, so they are updated once, as without recomputation.
+//
+// Random ops (dropout, bernoulli, rand*, ...): the devices of one daemon share each device's
+// default generator (the CPU one for every CPU device thread). A stage whose subgraph has random
+// ops runs every forward holding one process-wide RNG lock, so no other random stage draws in
+// between; with recompute it saves the generators' state before each forward, and the recomputed
+// forward replays from that state (under the same lock) and then puts the generators back where
+// they were, so the dropout masks match and recomputation leaves the random stream unchanged.
+// Code outside StageExecutor that draws from the same generator concurrently breaks the replay.
+//
 //   absl::StatusOr<std::unique_ptr<StageExecutor>> stage =
-//       StageExecutor::Create(ir, std::move(subgraph), device_tensors);
+//       StageExecutor::Create(ir, std::move(subgraph), device_tensors, {/*recompute=*/true});
 //   auto out = (*stage)->Forward(/*micro_batch=*/0, inputs, /*requires_grad=*/true);
 //   auto input_grads = (*stage)->Backward(0, output_grads);
 //
-// Not thread-safe: the stage's device worker owns it. The tensors it is given (parameters and
-// buffers of the device) must outlive it.
+// Not thread-safe: the stage's device worker owns it (executors on different threads may run at
+// once). The tensors it is given (parameters and buffers of the device) must outlive it.
 #ifndef RANNC_DAEMON_RUNTIME_STAGE_EXECUTOR_H_
 #define RANNC_DAEMON_RUNTIME_STAGE_EXECUTOR_H_
 
@@ -19,6 +34,7 @@
 #include <memory>
 #include <vector>
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
@@ -33,12 +49,19 @@ struct Code;
 
 namespace rannc {
 
+struct StageOptions {
+  // Keep only the data inputs of a micro-batch between its forward and backward, and rerun the
+  // forward in Backward (less memory, one more forward per micro-batch). Default: off.
+  bool recompute = false;
+};
+
 class StageExecutor {
  public:
   // `lifted`: the device's tensor for each of the IR's lifted inputs (IrGraph::tensor_names
   // order); the stage keeps the ones its subgraph reads.
   static absl::StatusOr<std::unique_ptr<StageExecutor>> Create(
-      const IrGraph& ir, Subgraph subgraph, const std::vector<at::Tensor>& lifted);
+      const IrGraph& ir, Subgraph subgraph, const std::vector<at::Tensor>& lifted,
+      StageOptions options = {});
   ~StageExecutor();
 
   // The IR values the stage reads that are not parameters or buffers (client inputs and other
@@ -46,26 +69,58 @@ class StageExecutor {
   const std::vector<int>& data_inputs() const { return data_inputs_; }
   const std::vector<int>& outputs() const { return subgraph_.outputs; }
 
-  // FAILED_PRECONDITION when `micro_batch` already has a forward pending.
+  // Whether the subgraph has random ops (decided once, at Create).
+  bool is_random() const { return random_; }
+
+  // FAILED_PRECONDITION when `micro_batch` already has a forward pending. With recompute, the
+  // outputs of a forward with gradients do not require grad (Backward recomputes them).
   absl::StatusOr<std::vector<at::Tensor>> Forward(int micro_batch,
                                                   const std::vector<at::Tensor>& inputs,
                                                   bool requires_grad);
   // One gradient per output (undefined: the output gets none). Returns one gradient per data
   // input (undefined for inputs that are not differentiable or got none). Releases the
-  // micro-batch.
+  // micro-batch. With recompute, reruns the forward first (replaying its random draws).
   absl::StatusOr<std::vector<at::Tensor>> Backward(int micro_batch,
                                                    const std::vector<at::Tensor>& output_grads);
   // Drops a pending micro-batch (a forward without gradients, or an abandoned step).
   void Release(int micro_batch) { pending_.erase(micro_batch); }
   size_t pending() const { return pending_.size(); }
+  // Bytes (elements x element size; a view counts its own elements, not its storage) of the
+  // tensors this executor holds for pending micro-batches: their data inputs and, with
+  // recompute, the copies of buffers the stage writes and the saved generator states; without
+  // recompute also their outputs. Not counted: the tensors autograd saves inside the outputs'
+  // graph (LibTorch does not expose them), which are what recompute avoids keeping.
+  int64_t PendingBytes() const;
 
  private:
   StageExecutor() = default;
 
-  struct Pending {
-    std::vector<at::Tensor> inputs;   // data inputs, as leaves where differentiable
-    std::vector<at::Tensor> outputs;
+  struct RngState {
+    at::Generator generator;
+    at::Tensor state;  // generator.get_state() before the micro-batch's forward
   };
+  struct Pending {
+    // Data inputs: as leaves where differentiable; with recompute, detached.
+    std::vector<at::Tensor> inputs;
+    std::vector<at::Tensor> outputs;  // empty with recompute
+    // With recompute: the mutated buffers (mutated_buffers_ order) before the forward, and the
+    // generators' states for a random stage.
+    std::vector<at::Tensor> buffers;
+    std::vector<RngState> rng;
+  };
+
+  // Runs the subgraph on `inputs` (data inputs, in data_inputs() order) and, where given, on
+  // `buffers` in place of the device's mutated buffers.
+  std::vector<at::Tensor> Run(const std::vector<at::Tensor>& inputs,
+                              const std::vector<at::Tensor>& buffers = {}) const;
+  // With recompute: reruns `pending`'s forward with autograd from its saved inputs, replaying
+  // its random draws; fills its leaves and outputs.
+  absl::Status Recompute(Pending* pending) const;
+  // Leaves for autograd: differentiable inputs detached and requiring grad.
+  static std::vector<at::Tensor> AsLeaves(const std::vector<at::Tensor>& inputs);
+  // The default generators the stage's ops may draw from: the CPU one, and each accelerator's
+  // that holds one of its tensors.
+  std::vector<at::Generator> Generators(const std::vector<at::Tensor>& inputs) const;
 
   Subgraph subgraph_;
   std::shared_ptr<torch::jit::Module> module_;  // keeps call stacks alive (see ImportedModel)
@@ -74,6 +129,12 @@ class StageExecutor {
   // Per subgraph input: index into the data inputs, or -1 for a lifted tensor.
   std::vector<int> input_slot_;
   std::vector<at::Tensor> lifted_;  // per subgraph input (undefined for data inputs)
+  // Subgraph inputs that are lifted buffers the subgraph updates in place (BatchNorm
+  // statistics). A recomputed forward must neither update them a second time nor read values
+  // that later forwards wrote, so it runs on copies taken before the micro-batch's forward.
+  std::vector<size_t> mutated_buffers_;
+  StageOptions options_;
+  bool random_ = false;
   std::map<int, Pending> pending_;
 };
 
