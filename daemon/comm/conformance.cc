@@ -238,7 +238,7 @@ void SendRecvSizes(const GroupMaker& make, int size) {
   });
 }
 
-void SendRecvOrdering(const GroupMaker& make, int size) {
+void SendRecvOrdering(const GroupMaker& make, int size, bool matches_by_tag) {
   Group g = MakeGroup(make, size, "send_recv_ordering");
   constexpr int kMessages = 12;
   constexpr int kTags = 3;
@@ -260,10 +260,16 @@ void SendRecvOrdering(const GroupMaker& make, int size) {
     for (int m = 0; m < kMessages; ++m) {
       sends.push_back(c.Send(out[m].buffer(), right, {static_cast<uint32_t>(m % kTags)}));
     }
-    // Receives posted tag by tag, highest tag first: a different order than the sends'.
-    for (int tag = kTags - 1; tag >= 0; --tag) {
-      for (int m = tag; m < kMessages; m += kTags) {
-        recvs[m] = c.Recv(in[m].buffer(), left, {static_cast<uint32_t>(tag)});
+    if (matches_by_tag) {
+      // Receives posted tag by tag, highest tag first: a different order than the sends'.
+      for (int tag = kTags - 1; tag >= 0; --tag) {
+        for (int m = tag; m < kMessages; m += kTags) {
+          recvs[m] = c.Recv(in[m].buffer(), left, {static_cast<uint32_t>(tag)});
+        }
+      }
+    } else {
+      for (int m = 0; m < kMessages; ++m) {
+        recvs[m] = c.Recv(in[m].buffer(), left, {static_cast<uint32_t>(m % kTags)});
       }
     }
     for (int m = kMessages - 1; m >= 0; --m) errors.Wait(*recvs[m], absl::StrCat("recv ", m));
@@ -575,15 +581,17 @@ void TwoGroupsConcurrently(const GroupMaker& make, int size) {
 
 }  // namespace
 
-void RunConformanceSuite(const GroupMaker& make) {
-  for (int size : {1, 2, 3, 4}) {
+void RunConformanceSuite(const GroupMaker& make, const ConformanceOptions& options) {
+  for (int size = 1; size <= std::min(options.max_size, 4); ++size) {
     DYNAMIC_SECTION("group of " << size) {
       SECTION("setup") { MakeGroup(make, size, "setup"); }
       if (size >= 2) {
         SECTION("send/recv of 0, 1, 1000 elements and 4 MiB, every dtype, every pair") {
           SendRecvSizes(make, size);
         }
-        SECTION("send/recv match by tag and issue order") { SendRecvOrdering(make, size); }
+        SECTION("send/recv match by tag and issue order") {
+          SendRecvOrdering(make, size, options.matches_by_tag);
+        }
         SECTION("send/recv around a ring") { SendRecvRing(make, size); }
       }
       SECTION("all_reduce: every op and dtype, 0, 1, 7 and 1025 elements") {

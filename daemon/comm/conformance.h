@@ -9,9 +9,9 @@
 //     });
 //   }
 //
-// What it runs, for groups of 1, 2, 3 and 4 ranks (3 is there for ring algorithms), each in
-// its own Catch2 SECTION with a freshly made group: send/recv of 0, 1 and 1000 elements in every
-// dtype and of 4 MiB (float32, uint8) between every pair at once; matching by tag and issue
+// What it runs, for groups of 1, 2, 3 and 4 ranks (3 is there for ring algorithms; up to
+// ConformanceOptions::max_size), each in its own Catch2 SECTION with a freshly made group:
+// send/recv of 0, 1 and 1000 elements in every dtype and of 4 MiB (float32, uint8) between every pair at once; matching by tag and issue
 // order (several messages per tag, receives posted in another order); a ring of sends; all_reduce
 // for every ReduceOp and DataType at 0, 1, 7 and 1025 elements and of 8M float32; reduce_scatter;
 // all_gather; broadcast from every root; barrier; 40 collectives issued before any is waited on;
@@ -21,7 +21,8 @@
 // What a backend must know: each rank is driven by its own std::thread, which issues all of a
 // section's operations (asynchronously, often many before waiting) and then waits on them, in
 // any order, with a 60 s timeout (kConformanceWaitTimeout). Buffers are host memory
-// (DeviceKind::kCpu). Group names are unique per section ("conformance/<section>/<size>/<n>"),
+// (DeviceKind::kCpu): a device backend's test wraps its communicators to stage them through
+// device memory (nccl/nccl_communicator_test.cc). Group names are unique per section ("conformance/<section>/<size>/<n>"),
 // and every communicator of a group is destroyed before the next section starts. Expected
 // values are small integers, exact in every dtype; kAvg of floats is checked to 1e-6 relative
 // (1e-2 for float16 and bfloat16), of integers exactly (the sums divide evenly).
@@ -52,8 +53,18 @@ inline constexpr std::chrono::milliseconds kConformanceWaitTimeout = std::chrono
 using GroupMaker =
     std::function<std::vector<std::unique_ptr<Communicator>>(int size, const std::string& group)>;
 
+// What a backend cannot do, so the suite leaves it out. The defaults ask for everything.
+struct ConformanceOptions {
+  // Largest group to make (the sizes run are 1..max_size, at most 4). NCCL needs one GPU per
+  // rank, so its test passes the machine's GPU count.
+  int max_size = 4;
+  // false: point-to-point messages match by issue order per peer only (NCCL ignores tags);
+  // the ordering section then posts its receives in send order instead of tag by tag.
+  bool matches_by_tag = true;
+};
+
 // Runs every check above inside the calling TEST_CASE (as SECTIONs).
-void RunConformanceSuite(const GroupMaker& make);
+void RunConformanceSuite(const GroupMaker& make, const ConformanceOptions& options = {});
 
 // Creates ranks 0..size-1 of `group` with MakeCommunicator from one thread each, as daemons'
 // device threads would (setup blocks until the group has met). Failed setups are reported as

@@ -3,6 +3,9 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/comm/fake/fake_communicator.h"
 #include "daemon/comm/ucx/ucx_communicator.h"
+#ifdef RANNC_WITH_NCCL
+#include "daemon/comm/nccl/nccl_communicator.h"
+#endif
 
 namespace rannc {
 namespace comm {
@@ -44,8 +47,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(Backend backend,
     case Backend::kUcx:
       return MakeUcxCommunicator(options);
     case Backend::kNccl:
+#ifdef RANNC_WITH_NCCL
+      return MakeNcclCommunicator(options);
+#else
       return absl::UnimplementedError(
-          "MakeCommunicator: the NCCL backend needs a CUDA build; this build has none");
+          "MakeCommunicator: the NCCL backend needs a CUDA build (bazel --define=rannc_nccl=1); "
+          "this build has none");
+#endif
   }
   return absl::InvalidArgumentError(
       absl::StrCat("MakeCommunicator: unknown backend ", static_cast<int>(backend)));

@@ -28,9 +28,13 @@ struct GroupOptions {
   int rank = 0;
   int size = 1;
   std::chrono::milliseconds setup_timeout = std::chrono::seconds(60);
+  // NCCL only (the other backends ignore it): the rank's CUDA device; -1 means the calling
+  // thread's current device.
+  int cuda_device = -1;
 };
 
-// UNIMPLEMENTED for a backend this build lacks (NCCL without CUDA).
+// UNIMPLEMENTED for a backend this build lacks: NCCL is built in only with
+// --define=rannc_nccl=1 (which defines RANNC_WITH_NCCL and needs CUDA and NCCL).
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(Backend backend,
                                                                const GroupOptions& options);
 
