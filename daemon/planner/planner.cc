@@ -92,6 +92,13 @@ absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
       return BadKey("verify_partitioning", it->second, "true or false");
     }
   }
+  if (auto it = keys.find("use_all_devices"); it != keys.end()) {
+    bool all = true;
+    if (!absl::SimpleAtob(it->second, &all)) {
+      return BadKey("use_all_devices", it->second, "true or false");
+    }
+    c.use_all_devices = all;
+  }
   return c;
 }
 
@@ -181,7 +188,12 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   const double profiling_s = Seconds(profile_start);
   if (cache != nullptr) (void)cache->Flush();  // a failed write only costs a re-profile
 
+  options.use_all_devices = config.use_all_devices.value_or(true);
   absl::StatusOr<Plan> plan = SearchPlan(table, target.links, options);
+  if (!plan.ok() && !config.use_all_devices.has_value()) {
+    options.use_all_devices = false;
+    plan = SearchPlan(table, target.links, options);
+  }
   if (!plan.ok()) return plan.status();
 
   v1::Deployment d;

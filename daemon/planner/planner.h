@@ -15,6 +15,7 @@
 #define RANNC_DAEMON_PLANNER_PLANNER_H_
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,11 @@ struct PlannerConfig {
   Schedule schedule = Schedule::k1F1B;  // "schedule": "1f1b" or "gpipe"
   int max_blocks = 32;      // "coarsen_blocks": blocks the search splits between
   bool verify_partitioning = false;  // "verify_partitioning": check the split at job creation
+  // "use_all_devices": plans use every device (the default, as RaNNC: a job gets the whole
+  // daemon); false lets the planner leave devices idle when fewer are faster. Unset, a model
+  // that cannot use every device (too small a batch, a replica_num that does not divide them)
+  // is planned on fewer.
+  std::optional<bool> use_all_devices;
   ProfilerOptions profiling;         // "profile_repeats": timed runs per measurement (3)
 };
 

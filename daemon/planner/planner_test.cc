@@ -83,6 +83,35 @@ TEST_CASE("PlanModel honours forced stage, replica and micro-batch counts", "[pl
   for (const v1::DeploymentStage& s : d->stages()) CHECK(s.devices_size() == 2);
   CheckCoversModel(*d, *f.ir, 4);
 
+  // A forced stage count alone still uses every device by default; use_all_devices=false
+  // lets the planner leave some idle (a tiny model's fastest plan: one device).
+  for (const char* all : {"default", "false"}) {
+    INFO("use_all_devices " << all);
+    std::map<std::string, std::string> keys = {{"partition_num", "2"}};
+    if (std::string(all) != "default") keys["use_all_devices"] = all;
+    absl::StatusOr<v1::Deployment> two = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                   Target(4, 1ull << 30), {}, Config(keys),
+                                                   nullptr, "test");
+    REQUIRE(two.ok());
+    CHECK(two->stages_size() == 2);
+    int used = 0;
+    for (const v1::DeploymentStage& s : two->stages()) used += s.devices_size();
+    if (std::string(all) == "default") CHECK(used == 4);
+    CheckCoversModel(*two, *f.ir, 4);
+  }
+  // Three replicas per stage cannot cover 4 devices: unset, use_all_devices gives way; set,
+  // the plan is refused with the reason.
+  absl::StatusOr<v1::Deployment> fewer =
+      PlanModel(*f.ir, f.tensors, f.fixture.inputs, Target(4, 1ull << 30), {},
+                Config({{"replica_num", "3"}}), nullptr, "test");
+  REQUIRE(fewer.ok());
+  CHECK(fewer->stages(0).devices_size() == 3);
+  absl::StatusOr<v1::Deployment> refused =
+      PlanModel(*f.ir, f.tensors, f.fixture.inputs, Target(4, 1ull << 30), {},
+                Config({{"replica_num", "3"}, {"use_all_devices", "true"}}), nullptr, "test");
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(refused.status().message()), Catch::Contains("use_all_devices"));
+
   absl::StatusOr<v1::Deployment> gpipe = PlanModel(
       *f.ir, f.tensors, f.fixture.inputs, Target(2, 1ull << 30), {},
       Config({{"partition_num", "2"}, {"schedule", "gpipe"}}), nullptr, "test");
@@ -187,7 +216,8 @@ TEST_CASE("PlannerConfigFromKeys reads the planner keys and names a bad one", "[
   CHECK(c->max_pipeline == 8);
   for (auto [key, value] : std::vector<std::pair<std::string, std::string>>{
            {"partition_num", "two"}, {"replica_num", "-1"}, {"mem_margin", "1.5"},
-           {"schedule", "zigzag"}, {"verify_partitioning", "maybe"}, {"max_pipeline", "0"}}) {
+           {"schedule", "zigzag"}, {"verify_partitioning", "maybe"}, {"max_pipeline", "0"},
+           {"use_all_devices", "some"}}) {
     absl::StatusOr<PlannerConfig> bad = PlannerConfigFromKeys({{key, value}});
     CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(std::string(bad.status().message()), Catch::Contains(key));

@@ -19,6 +19,7 @@
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/graph/subgraph.h"
+#include "daemon/runtime/grad_reducer.h"
 #include "daemon/runtime/micro_batch.h"
 #include "daemon/runtime/schedule.h"
 #include "daemon/runtime/stage_executor.h"
@@ -123,6 +124,9 @@ struct Device {
   std::vector<at::Tensor> lifted;  // per IR lifted input; undefined where the stage reads none
   std::unique_ptr<StageExecutor> exec;
   std::unique_ptr<comm::Communicator> world, replicas;
+  // Sums the stage's untied parameters' gradients over `replicas`, overlapped with the
+  // device's last backward.
+  std::unique_ptr<GradReducer> reducer;
   // Operations abandoned by a failed step, with the memory they may still write.
   std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>> abandoned;
   // Per StageInfo::params: the gradients of a fused forward, waiting for the client's Backward.
@@ -153,6 +157,7 @@ class PipelineEngine::Impl {
     for (Device& d : devices_) d.worker.reset();  // joins
     for (Device& d : devices_) {
       d.optimizer.reset();
+      d.reducer.reset();
       d.exec.reset();
       d.replicas.reset();
       d.world.reset();
@@ -482,8 +487,10 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       if (!copied.ok()) return copied;
       absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stages_[s].first, stages_[s].end);
       if (!sub.ok()) return sub.status();
+      StageOptions options;
+      options.recompute = plan.stages(s).recompute();
       absl::StatusOr<std::unique_ptr<StageExecutor>> exec =
-          StageExecutor::Create(ir, std::move(*sub), d.lifted);
+          StageExecutor::Create(ir, std::move(*sub), d.lifted, options);
       if (!exec.ok()) return Annotate(exec.status(), absl::StrCat("stage ", s));
       d.exec = std::move(*exec);
       if (d.exec->data_inputs() != stages_[s].data_inputs) {
@@ -512,6 +519,16 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                       timeout_});
         if (!reps.ok()) return Annotate(reps.status(), absl::StrCat("device ", d.index));
         d.replicas = std::move(*reps);
+        std::vector<at::Tensor> untied;
+        for (int li : stages_[d.stage].params) {
+          if (std::find(tied_.begin(), tied_.end(), li) == tied_.end()) {
+            untied.push_back(d.lifted[li]);
+          }
+        }
+        absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
+            GradReducer::Create(std::move(untied), d.replicas.get(), {});
+        if (!reducer.ok()) return Annotate(reducer.status(), absl::StrCat("device ", d.index));
+        d.reducer = std::move(*reducer);
       }
       return absl::OkStatus();
     }));
@@ -782,7 +799,11 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
     return s;
   };
   Pending pending;
-  for (const PipelineOp& op : ops) {
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const PipelineOp& op = ops[i];
+    // The device's last op is its last backward: the reducer starts each bucket's all-reduce
+    // as soon as autograd has finished that bucket's gradients.
+    if (backward && i + 1 == ops.size() && d.reducer) d.reducer->BeginFinalBackward();
     absl::Status s = op.backward ? RunBackward(d, step, op.micro_batch, pending)
                                  : RunForward(d, step, op.micro_batch, pending);
     if (!s.ok()) {
@@ -830,15 +851,15 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
                           absl::StrCat("all-reducing the tied ", ir_->tensor_names[li]));
     if (!s.ok()) return s;
   }
-  for (int li : st.params) {
-    if (tied.count(li)) continue;
-    at::Tensor g = grad_of(li);
-    if (!d.replicas) continue;
-    absl::StatusOr<comm::Buffer> buf = BufferOf(g);
-    if (!buf.ok()) return buf.status();
-    absl::Status s = Wait(d, d.replicas->AllReduce(*buf, {comm::ReduceOp::kSum}), g,
-                          absl::StrCat("all-reducing ", ir_->tensor_names[li]));
+  if (d.reducer) {
+    absl::Status s = d.reducer->Finish(
+        [&](std::unique_ptr<comm::Work> work, at::Tensor keep, const std::string& what) {
+          return Wait(d, std::move(work), std::move(keep), what);
+        });
     if (!s.ok()) return s;
+  }
+  for (int li : st.params) {
+    if (!tied.count(li)) grad_of(li);
   }
   return absl::OkStatus();
 }

@@ -271,6 +271,33 @@ TEST_CASE("Forward returns every output and Backward takes the client's output g
   }
 }
 
+TEST_CASE("Stages the plan marks for recomputation give the same gradients", "[runtime]") {
+  for (const char* name : {"tiny_gpt", "multi_io"}) {
+    FixtureIr f = BuildFixtureIr(name);
+    REQUIRE(f.ir.ok());
+    const IrGraph& ir = *f.ir;
+    for (v1::PipelineSchedule schedule : {v1::SCHEDULE_1F1B, v1::SCHEDULE_GPIPE}) {
+      INFO(name << (schedule == v1::SCHEDULE_GPIPE ? ", gpipe" : ", 1f1b"));
+      v1::Deployment plan = MakePlan(ir, {{0, 1}, {2}, {3}}, 2, schedule);
+      plan.mutable_stages(0)->set_recompute(true);
+      plan.mutable_stages(2)->set_recompute(true);
+      absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+          PipelineEngine::Create(ir, plan, f.tensors, comm::Backend::kUcx, 4);
+      REQUIRE(engine.ok());
+      absl::StatusOr<StepResult> step = (*engine)->TrainStep(f.fixture.inputs);
+      INFO(step.status().ToString());
+      REQUIRE(step.ok());
+      CHECK(at::allclose(step->loss, f.fixture.ref.at("out_0"), kRtol, kAtol));
+      for (size_t i = 0; i < f.tensors.size(); ++i) {
+        if (!IsParam(ir, i)) continue;
+        INFO(ir.tensor_names[i]);
+        CHECK(at::allclose((*engine)->GradAt(i), f.fixture.Ref("grad", ir.tensor_names[i]),
+                           kRtol, kAtol));
+      }
+    }
+  }
+}
+
 TEST_CASE("A fused forward scales by the client's loss gradient and keeps it for retain_graph",
           "[runtime]") {
   FixtureIr f = BuildFixtureIr("tiny_gpt");

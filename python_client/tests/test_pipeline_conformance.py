@@ -12,8 +12,7 @@ the planner chooses) and each schedule (1F1B, GPipe), a case:
   - after the last step compares every parameter and buffer, and the local module's refreshed
     tensors;
   - checks that the deployment honours the forced plan (stages, micro-batches, replicas when
-    forced, schedule; whether a forced plan uses all four devices is
-    test_forced_plans_use_every_device's question, see there);
+    forced, schedule) and that the job runs on all four devices (use_all_devices, the default);
   - compares one forward under torch.no_grad() (train mode) and one in eval mode;
   - deletes its daemon job, so jobs do not pile up in the session's daemon.
 
@@ -177,7 +176,8 @@ def _set_plan_config(monkeypatch, plan, schedule):
     monkeypatch.setenv("RANNC_SCHEDULE", schedule)
 
 
-def _check_deployment(d, plan, schedule):
+def _check_deployment(rmod, plan, schedule):
+    d = rmod.deployment
     assert d is not None, "the job has no deployment"
     stages = sorted(d.stages, key=lambda s: s.index)
     shape = [(s.first_node, s.end_node, list(s.devices)) for s in stages]
@@ -188,6 +188,8 @@ def _check_deployment(d, plan, schedule):
     assert len(devices) == len(set(devices)), f"a device runs two stages: {shape}"
     assert all(dev < NUM_DEVICES for dev in devices), shape
     assert stages[0].first_node == 0 and stages[-1].end_node == d.num_nodes, shape
+    assert sorted(devices) == list(range(NUM_DEVICES)), f"not every device is used: {shape}"
+    assert rmod._job.devices == [f"cpu:{i}" for i in range(NUM_DEVICES)]
     assert all(a.end_node == b.first_node for a, b in zip(stages, stages[1:])), shape
     if plan is None:
         assert 1 <= len(stages) <= NUM_DEVICES and d.micro_batches >= 1
@@ -197,7 +199,6 @@ def _check_deployment(d, plan, schedule):
     assert d.micro_batches == pipeline_num
     if replica_num is not None:
         assert [len(s.devices) for s in stages] == [replica_num] * partition_num, shape
-    # Whether every device is used is test_forced_plans_use_every_device's question.
 
 
 def _named_params_with_aliases(model):
@@ -233,7 +234,7 @@ def test_pipeline_matches_pytorch(model_name, plan_name, schedule, monkeypatch):
             ref_loss = case.loss(ref, batch)
             ref_loss.backward()
             if step == 0:
-                _check_deployment(rmod.deployment, plan, schedule)
+                _check_deployment(rmod, plan, schedule)
             assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
             _compare_grads(rmod, ref, step)
             opt.step()
@@ -296,35 +297,3 @@ def test_reordered_reductions_stay_within_tolerance(model_name, micro_batches):
         assert_close(q.detach(), p.detach(), f"{name} after {STEPS} steps")
 
 
-# The plans (2,1,-) and (2,4,-) leave replica_num to the planner, whose search
-# (planner/search.h) minimises the estimated step time over plans on *up to* num_devices devices:
-# SearchOptions.use_all_devices exists, but PlanModel (planner/planner.cc) never sets it and no
-# config key reaches it. For these tiny models a replica's all-reduce is estimated to cost more
-# than the compute it saves, so the MLP gets one device per stage on those plans (seen: stages
-# [0,7) on [0], [7,8) on [1]), while the two-input model, of a similar size, got two replicas
-# per stage on 2x4. As the choice follows measured timings it can go either way, so the mark is
-# not strict; remove it once forced plans always use every device.
-_PARTIAL_DEVICES = pytest.mark.xfail(
-    strict=False, reason="partition_num without replica_num: the planner may leave devices idle "
-    "(PlanModel does not set SearchOptions.use_all_devices)")
-
-
-@pytest.mark.parametrize("plan_name", [
-    pytest.param("2x1", marks=_PARTIAL_DEVICES),
-    pytest.param("2x4", marks=_PARTIAL_DEVICES),
-    "4x2",
-    "2x2x2",
-])
-def test_forced_plans_use_every_device(plan_name, monkeypatch):
-    case, plan = MODELS["mlp"], PLANS[plan_name]
-    _set_plan_config(monkeypatch, plan, "1f1b")
-    torch.manual_seed(0)
-    model = case.make()
-    rmod = pyrannc.RaNNCModule(model, case.optimizer(model))
-    try:
-        case.loss(rmod, case.batch(0))
-        stages = rmod.deployment.stages
-        assert sum(len(s.devices) for s in stages) == NUM_DEVICES, [
-            (s.first_node, s.end_node, list(s.devices)) for s in stages]
-    finally:
-        pyrannc.clear()
