@@ -90,6 +90,90 @@ absl::StatusOr<std::vector<c10::IValue>> RecordValues(Graph& graph,
   return stack;
 }
 
+// Ops that draw from a generator. Node::isNondeterministic() knows most of them from their
+// schemas; the names also catch ops whose schema it does not list (and are cheap to over-lock).
+bool IsRandomKind(const torch::jit::Node* n) {
+  static const std::set<std::string> kinds = {
+      "aten::dropout",          "aten::dropout_",         "aten::feature_dropout",
+      "aten::feature_dropout_", "aten::alpha_dropout",    "aten::alpha_dropout_",
+      "aten::feature_alpha_dropout", "aten::feature_alpha_dropout_", "aten::native_dropout",
+      "aten::_fused_dropout",   "aten::bernoulli",        "aten::bernoulli_",
+      "aten::rand",             "aten::rand_like",        "aten::randn",
+      "aten::randn_like",       "aten::randint",          "aten::randint_like",
+      "aten::randperm",         "aten::normal",           "aten::normal_",
+      "aten::uniform_",         "aten::multinomial",      "aten::poisson",
+      "aten::binomial",         "aten::exponential_",     "aten::geometric_",
+      "aten::cauchy_",          "aten::log_normal_",      "aten::random_",
+      "aten::rrelu",            "aten::rrelu_",           "aten::rrelu_with_noise",
+      "aten::rrelu_with_noise_", "aten::_standard_gamma", "aten::_sample_dirichlet",
+  };
+  return kinds.count(n->kind().toQualString()) > 0;
+}
+
+// Runs the model on each of the two samples of `run_pair` apart and compares the outputs with
+// the pair's: sets each loss's reduction and ir.batch_separable. Buffers are restored.
+absl::Status CheckSeparable(Graph& graph, const std::vector<at::Tensor>& example_inputs,
+                            const std::vector<at::Tensor>& tensors,
+                            const std::vector<c10::IValue>& run_pair, IrGraph& ir) {
+  std::vector<at::Tensor> saved;
+  for (const at::Tensor& t : tensors) saved.push_back(t.clone());
+  std::vector<absl::StatusOr<std::vector<c10::IValue>>> single;
+  {
+    at::NoGradGuard no_grad;
+    for (int64_t sample = 0; sample < 2; ++sample) {
+      std::vector<c10::IValue> inputs;
+      for (const at::Tensor& t : example_inputs) {
+        inputs.emplace_back(RepeatSamples(t, 2).narrow(0, sample, 1));
+      }
+      for (const at::Tensor& t : tensors) inputs.emplace_back(t);
+      single.push_back(RecordValues(graph, inputs));
+      for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
+    }
+  }
+  auto not_separable = [&](std::string why) {
+    ir.batch_separable = false;
+    ir.not_separable = std::move(why);
+    return absl::OkStatus();
+  };
+  for (const auto& run : single) {
+    if (!run.ok()) {
+      return not_separable(absl::StrCat("it fails on a single sample: ", run.status().message()));
+    }
+  }
+  auto close = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.sizes().equals(b.sizes()) &&
+           (at::isFloatingType(a.scalar_type())
+                ? at::allclose(a.to(at::kDouble), b.to(at::kDouble), 1e-4, 1e-5)
+                : at::equal(a, b));
+  };
+  return TorchCall(absl::StatusCode::kInternal, "checking samples' independence", [&] {
+    for (int id : ir.outputs) {
+      IrValue& value = ir.values[id];
+      if (!value.is_tensor || value.role != ValueRole::kActivation) continue;
+      const at::Tensor pair = run_pair[id].toTensor();
+      const at::Tensor one = (*single[0])[id].toTensor();
+      const at::Tensor two = (*single[1])[id].toTensor();
+      if (value.batch_dim >= 0) {
+        const int64_t rows = pair.size(value.batch_dim) / 2;
+        if (!close(pair.narrow(value.batch_dim, 0, rows), one) ||
+            !close(pair.narrow(value.batch_dim, rows, rows), two)) {
+          return not_separable(absl::StrCat(
+              "output %", value.name, " of a sample depends on the other samples of the batch "
+              "(e.g. BatchNorm in training mode)"));
+        }
+      } else if (at::isFloatingType(pair.scalar_type()) && close(pair, (one + two) / 2)) {
+        value.reduction = IrValue::Reduction::kMean;
+      } else if (close(pair, one + two)) {
+        value.reduction = IrValue::Reduction::kSum;
+      } else {
+        return not_separable(absl::StrCat("output %", value.name,
+                                          " is neither a mean nor a sum over the samples"));
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
 // Merges overlapping [first, last] ranges over `count` anchors; returns group start indices.
 std::vector<int> MergeRanges(int count, std::vector<std::pair<int, int>> ranges) {
   std::vector<int> reach(count);
@@ -107,6 +191,16 @@ std::vector<int> MergeRanges(int count, std::vector<std::pair<int, int>> ranges)
 }
 
 }  // namespace
+
+bool HasRandomOps(const torch::jit::Block* block) {
+  for (const torch::jit::Node* n : block->nodes()) {
+    if (IsRandomKind(n) || n->isNondeterministic()) return true;
+    for (const torch::jit::Block* b : n->blocks()) {
+      if (HasRandomOps(b)) return true;
+    }
+  }
+  return false;
+}
 
 std::vector<Value*> ExternalInputs(Node* n) {
   std::vector<Value*> out(n->inputs().begin(), n->inputs().end());
@@ -315,6 +409,14 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     IrValue& value = ir.values[id];
     value.is_output = true;
     value.is_loss = value.role == ValueRole::kActivation && value.batch_dim < 0;
+  }
+  if (HasRandomOps(graph.block())) {
+    for (int id : ir.outputs) {
+      if (ir.values[id].is_loss) ir.values[id].reduction = IrValue::Reduction::kMean;
+    }
+  } else {
+    absl::Status checked = CheckSeparable(graph, example_inputs, tensors, *run_a, ir);
+    if (!checked.ok()) return checked;
   }
 
   // Anchors: ops that compute tensors from the batch, ops with side effects, and ops whose

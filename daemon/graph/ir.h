@@ -33,6 +33,7 @@
 
 namespace torch {
 namespace jit {
+struct Block;
 struct Graph;
 struct Node;
 struct Value;
@@ -62,6 +63,9 @@ struct IrValue {
   std::vector<int64_t> shape;
   int batch_dim = -1;
   bool is_loss = false;        // a model output with no batch dimension that depends on the batch
+  // For a loss: how the whole batch's value combines its samples' (found by running the model
+  // on samples apart), so shards of the batch can be combined exactly.
+  enum class Reduction { kUnknown, kMean, kSum } reduction = Reduction::kUnknown;
   int producer = -1;           // the atomic node that computes it; -1 for inputs and helpers
   std::vector<int> consumers;  // atomic nodes that read it (directly or through helpers)
   bool is_output = false;      // one of the model's (flattened) outputs
@@ -88,6 +92,13 @@ struct IrGraph {
   size_t num_user_inputs = 0;
   std::vector<std::string> tensor_names;  // per lifted input, the module tensor's dotted name
   int64_t example_batch = 0;
+  // Whether the model treats samples independently: batched outputs of a batch are its
+  // samples' outputs, and every loss is a mean or a sum of its samples'. BatchNorm in training
+  // mode (statistics over the batch) is not. A model that is not cannot have its batch split
+  // into micro-batches or replicas without changing its results; `not_separable` says why.
+  // Models with random ops (dropout) are not checked and count as separable, losses as means.
+  bool batch_separable = true;
+  std::string not_separable;
   // A stable hash of the graph's structure, dtypes and non-batch shapes: equal for retraces of
   // the same model, different for a different one. Deployment files record it.
   std::string hash;
@@ -97,8 +108,9 @@ struct IrGraph {
 
 // Builds the IR. `tensors` are the lifted inputs' values in model.graph_tensor_names order.
 // The model runs twice without gradients, at batches of 2 and 3 samples made from the example's,
-// to find each value's batch dimension (shapes at the example batch are extrapolated); buffers
-// are restored afterwards. INVALID_ARGUMENT when the
+// to find each value's batch dimension (shapes at the example batch are extrapolated), and on
+// each of the first two samples alone to check that samples are independent (batch_separable);
+// buffers are restored afterwards. INVALID_ARGUMENT when the
 // model fails, returns something other than tensors, or bakes the batch size in.
 absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
                                 const std::vector<at::Tensor>& example_inputs);
@@ -110,6 +122,10 @@ double CutBytesPerSample(const IrGraph& ir, int boundary);
 // A stable 64-bit hash (FNV-1a) of `bytes` as 16 hex digits: the same in every process and
 // build, so it can name things in files (IR hashes in deployments, profile cache keys).
 std::string StableHash(const std::string& bytes);
+
+// Whether `block` (or a block nested in it) has an op that draws from a random generator
+// (dropout, bernoulli, rand*, ...).
+bool HasRandomOps(const torch::jit::Block* block);
 
 // `t` with `n` samples along dim 0: its first n, or its samples repeated in order.
 at::Tensor RepeatSamples(const at::Tensor& t, int64_t n);

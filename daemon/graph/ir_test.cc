@@ -60,6 +60,28 @@ TEST_CASE("BuildIr types an MLP with two inputs and a loss", "[graph]") {
   CHECK(CutBytesPerSample(ir, 1) == Approx(8 * 4));
 }
 
+TEST_CASE("BuildIr finds how losses combine samples, and models whose samples interact",
+          "[graph]") {
+  for (const char* name : {"mlp", "multi_io", "tiny_gpt", "tied_lm"}) {
+    INFO(name);
+    FixtureIr f = BuildFixtureIr(name);
+    REQUIRE(f.ir.ok());
+    CHECK(f.ir->batch_separable);
+    const IrValue& first = f.ir->values[f.ir->outputs[0]];
+    CHECK(first.reduction == (first.is_loss ? IrValue::Reduction::kMean
+                                            : IrValue::Reduction::kUnknown));
+  }
+  // BatchNorm in training mode normalizes over the batch.
+  FixtureIr bn = BuildFixtureIr("bn_net");
+  REQUIRE(bn.ir.ok());
+  CHECK_FALSE(bn.ir->batch_separable);
+  CHECK_THAT(bn.ir->not_separable, Catch::Contains("depends on the other samples"));
+  // Random ops are not checked: the model counts as separable, its losses as means.
+  FixtureIr dropout = BuildFixtureIr("dropout_net");
+  REQUIRE(dropout.ir.ok());
+  CHECK(dropout.ir->batch_separable);
+}
+
 TEST_CASE("BuildIr gives a tied weight to every node that reads it", "[graph]") {
   FixtureIr f = BuildFixtureIr("tied_lm");
   REQUIRE(f.ir.ok());

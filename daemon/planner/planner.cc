@@ -125,6 +125,16 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.pipeline_num = config.pipeline_num;
   options.replica_num = config.replica_num;
   options.max_pipeline = config.max_pipeline;
+  if (!ir.batch_separable) {
+    // Splitting the batch would change the model's results: stages only, one micro-batch.
+    if (config.pipeline_num > 1 || config.replica_num > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pipeline_num/replica_num split the batch, but ", ir.not_separable,
+          "; splitting it would change the results, so only partition_num applies"));
+    }
+    options.pipeline_num = 1;
+    options.replica_num = 1;
+  }
   if (config.partition_num > num_nodes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "partition_num=", config.partition_num, " but the model has only ", num_nodes,
@@ -188,7 +198,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   const double profiling_s = Seconds(profile_start);
   if (cache != nullptr) (void)cache->Flush();  // a failed write only costs a re-profile
 
-  options.use_all_devices = config.use_all_devices.value_or(true);
+  options.use_all_devices = config.use_all_devices.value_or(ir.batch_separable);
   absl::StatusOr<Plan> plan = SearchPlan(table, target.links, options);
   if (!plan.ok() && !config.use_all_devices.has_value()) {
     options.use_all_devices = false;

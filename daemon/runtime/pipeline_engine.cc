@@ -206,6 +206,7 @@ class PipelineEngine::Impl {
     const std::vector<at::Tensor>* inputs = nullptr;      // forward phases
     std::map<int, at::Tensor>* batched = nullptr;         // forward: full-batch outputs
     const std::map<int, at::Tensor>* grads = nullptr;     // backward: client output gradients
+    bool retain_graph = false;                            // backward: keep the graphs
   };
   // What the last forward left for Backward.
   enum class Held { kNothing, kFusedGrads, kGraphs };
@@ -367,7 +368,8 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       const int li = v - static_cast<int>(ir.num_user_inputs);
       if (v < static_cast<int>(ir.inputs.size()) && li >= 0) {
         st.lifted.push_back(li);
-        if (ir.values[v].role == ValueRole::kParam) {
+        // A frozen parameter (requires_grad=False) is a constant here, as in PyTorch.
+        if (ir.values[v].role == ValueRole::kParam && lifted[li].requires_grad()) {
           st.params.push_back(li);
           ++holders[li];
         }
@@ -424,8 +426,10 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       OutputKind kind = OutputKind::kFirst;
       if (val.batch_dim >= 0) {
         kind = OutputKind::kBatched;
-      } else if (val.role == ValueRole::kActivation) {
-        kind = at::isFloatingType(val.dtype) ? OutputKind::kMean : OutputKind::kSum;
+      } else if (val.reduction == IrValue::Reduction::kMean) {
+        kind = OutputKind::kMean;
+      } else if (val.reduction == IrValue::Reduction::kSum) {
+        kind = OutputKind::kSum;
       }
       stage_outputs_[v] = kind;
     }
@@ -444,7 +448,17 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
           "model output ", ir.values[v].name, " is computed by no stage"));
     }
   }
-  fused_ = output_kinds_[0] == OutputKind::kMean;
+  if (!ir.batch_separable) {
+    bool splits = micro_batches_ > 1;
+    for (const StageInfo& st : stages_) splits = splits || st.devices.size() > 1;
+    if (splits) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the plan splits the batch, but ", ir.not_separable,
+          "; plan it with one micro-batch and one replica per stage"));
+    }
+  }
+  const IrValue& first = ir.values[ir.outputs[0]];
+  fused_ = first.is_loss && first.shape.empty() && at::isFloatingType(first.dtype);
   for (size_t i = 1; i < ir.outputs.size(); ++i) {
     if (at::isFloatingType(ir.values[ir.outputs[i]].dtype)) fused_ = false;
   }
@@ -477,7 +491,8 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       absl::Status copied = TorchCall(absl::StatusCode::kInternal, "copying tensors", [&] {
         for (int li : stages_[s].lifted) {
           at::Tensor t = lifted[li].detach().clone();
-          if (ir.values[ir.inputs[ir.num_user_inputs + li]].role == ValueRole::kParam) {
+          if (ir.values[ir.inputs[ir.num_user_inputs + li]].role == ValueRole::kParam &&
+              lifted[li].requires_grad()) {
             t.requires_grad_(true);
           }
           d.lifted[li] = t;
@@ -707,7 +722,11 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
     const IrValue& val = ir.values[v];
     at::Tensor g;
     if (step.phase == Phase::kFused) {
-      if (v == ir.outputs[0]) g = at::full({}, weight, at::TensorOptions().dtype(val.dtype));
+      // The loss's gradient 1, through its combination of the shards.
+      if (v == ir.outputs[0]) {
+        g = at::full(ShapeFor(v, 0), stage_outputs_.at(v) == OutputKind::kMean ? weight : 1.0,
+                     at::TensorOptions().dtype(val.dtype));
+      }
     } else if (auto client = step.grads->find(v); client != step.grads->end()) {
       switch (stage_outputs_.at(v)) {
         case OutputKind::kBatched:
@@ -715,6 +734,9 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
           break;
         case OutputKind::kMean:
           g = client->second * weight;
+          break;
+        case OutputKind::kSum:
+          if (at::isFloatingType(val.dtype)) g = client->second;
           break;
         case OutputKind::kFirst:
           if (mb == 0 && d.replica == 0) g = client->second;
@@ -740,7 +762,8 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
     }
     out_grads.push_back(g);
   }
-  absl::StatusOr<std::vector<at::Tensor>> in_grads = d.exec->Backward(mb, out_grads);
+  absl::StatusOr<std::vector<at::Tensor>> in_grads =
+      d.exec->Backward(mb, out_grads, step.retain_graph);
   if (!in_grads.ok()) return Annotate(in_grads.status(), absl::StrCat("micro-batch ", mb));
   for (size_t j = 0; j < st.data_inputs.size(); ++j) {
     const int p = st.source[j];
@@ -1014,15 +1037,11 @@ absl::Status PipelineEngine::Impl::Backward(
     if (!retain_graph) held_ = Held::kNothing;
     return absl::OkStatus();
   }
-  if (retain_graph) {
-    return absl::UnimplementedError(
-        "keep_graph (retain_graph) is not supported yet for a model whose outputs other than a "
-        "loss need gradients");
-  }
   StepPlan step = last_;
   step.phase = Phase::kBackward;
   step.grads = &grads;
-  held_ = Held::kNothing;
+  step.retain_graph = retain_graph;
+  if (!retain_graph) held_ = Held::kNothing;
   return OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
 }
 

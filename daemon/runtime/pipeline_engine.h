@@ -15,12 +15,15 @@
 //   (*engine)->Step({hyper});
 //
 // Outputs: batched outputs are concatenated in sample order; a batch-dependent output without a
-// batch dimension (a loss) is the batch-weighted mean of every shard's, which is what the model
-// computes on the whole batch when it takes a mean over samples (an integer one, a count, is
-// summed); other outputs (made from parameters or constants) come from the first shard.
+// batch dimension (a loss) combines the shards' as the model combines samples, a batch-weighted
+// mean or a sum (IrValue::reduction, found when the IR is built); other outputs (made from
+// parameters or constants) come from the first shard. A model whose samples are not
+// independent (IrGraph::batch_separable: BatchNorm in training mode) is refused a plan that
+// splits the batch.
 //
 // Forward with gradients has two modes (see fused()):
-//  - fused, when the model's first output is a floating loss and no other output is floating:
+//  - fused, when the model's first output is a floating scalar loss and no other output is
+//    floating:
 //    the forward runs each micro-batch's backward too, in the plan's schedule (1F1B keeps few
 //    micro-batches in flight), as if the client's gradient of the loss were 1, and keeps this
 //    step's parameter gradients apart. Backward with the client's gradient g adds g x them to
@@ -61,8 +64,8 @@ struct StepResult {
 class PipelineEngine {
  public:
   // `lifted`: the host master of each of the IR's lifted inputs (IrGraph::tensor_names order);
-  // each device gets its own copies of the ones its stage reads (parameters become leaves
-  // requiring grad). INVALID_ARGUMENT when the plan does not fit the IR or the devices.
+  // each device gets its own copies of the ones its stage reads (parameters that require grad
+  // become leaves requiring grad; frozen ones stay constants). INVALID_ARGUMENT when the plan does not fit the IR or the devices.
   static absl::StatusOr<std::unique_ptr<PipelineEngine>> Create(
       const IrGraph& ir, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
       comm::Backend backend, int num_devices,
@@ -82,8 +85,7 @@ class PipelineEngine {
                                                   bool requires_grad);
   // Gradients of the last forward's outputs, by output index (others: none). Parameter
   // gradients accumulate, as PyTorch's do, until ZeroGrad. Without `retain_graph` the forward
-  // is released: a second Backward is FAILED_PRECONDITION. `retain_graph` is UNIMPLEMENTED
-  // unless fused().
+  // is released: a second Backward is FAILED_PRECONDITION.
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                         bool retain_graph);
   // Forward with gradients and Backward with the loss's gradient 1.

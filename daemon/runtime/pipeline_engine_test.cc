@@ -298,6 +298,31 @@ TEST_CASE("Stages the plan marks for recomputation give the same gradients", "[r
   }
 }
 
+TEST_CASE("Kept graphs take a second backward with retain_graph", "[runtime]") {
+  for (const char* name : {"multi_io", "tied_lm"}) {
+    INFO(name);
+    FixtureIr f = BuildFixtureIr(name);
+    REQUIRE(f.ir.ok());
+    const IrGraph& ir = *f.ir;
+    absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
+        ir, MakePlan(ir, {{0}, {1, 2}}, 1, v1::SCHEDULE_1F1B), f.tensors, comm::Backend::kFake, 4);
+    REQUIRE(engine.ok());
+    REQUIRE_FALSE((*engine)->fused());
+    absl::StatusOr<std::vector<at::Tensor>> out = (*engine)->Forward(f.fixture.inputs, true);
+    REQUIRE(out.ok());
+    REQUIRE((*engine)->Backward({{0, at::ones_like((*out)[0])}}, true).ok());
+    REQUIRE((*engine)->Backward({{0, at::ones_like((*out)[0])}}, false).ok());
+    CHECK((*engine)->Backward({{0, at::ones_like((*out)[0])}}, false).code() ==
+          absl::StatusCode::kFailedPrecondition);
+    for (size_t i = 0; i < f.tensors.size(); ++i) {
+      if (!IsParam(ir, i)) continue;
+      INFO(ir.tensor_names[i]);
+      CHECK(at::allclose((*engine)->GradAt(i), f.fixture.Ref("grad", ir.tensor_names[i]) * 2,
+                         kRtol, kAtol));
+    }
+  }
+}
+
 TEST_CASE("A fused forward scales by the client's loss gradient and keeps it for retain_graph",
           "[runtime]") {
   FixtureIr f = BuildFixtureIr("tiny_gpt");
@@ -370,7 +395,9 @@ TEST_CASE("Per-device optimizers match single-device SGD; state moves between en
   // The step's state, moved to a fresh engine built from the updated parameters, continues as
   // the first one does (what a job's undeploy and redeploy do).
   std::vector<at::Tensor> now;
-  for (size_t i = 0; i < f.tensors.size(); ++i) now.push_back((*engine)->ParamAt(i));
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    now.push_back((*engine)->ParamAt(i).requires_grad_(IsParam(ir, i)));
+  }
   absl::StatusOr<std::unique_ptr<PipelineEngine>> second =
       PipelineEngine::Create(ir, plan, now, comm::Backend::kFake, 4);
   REQUIRE(second.ok());

@@ -27,36 +27,6 @@ std::mutex& RngMutex() {
   return mutex;
 }
 
-// Ops that draw from a generator. Node::isNondeterministic() knows most of them from their
-// schemas; the names also catch ops whose schema it does not list (and are cheap to over-lock).
-bool IsRandomKind(const torch::jit::Node* n) {
-  static const std::set<std::string> kinds = {
-      "aten::dropout",          "aten::dropout_",         "aten::feature_dropout",
-      "aten::feature_dropout_", "aten::alpha_dropout",    "aten::alpha_dropout_",
-      "aten::feature_alpha_dropout", "aten::feature_alpha_dropout_", "aten::native_dropout",
-      "aten::_fused_dropout",   "aten::bernoulli",        "aten::bernoulli_",
-      "aten::rand",             "aten::rand_like",        "aten::randn",
-      "aten::randn_like",       "aten::randint",          "aten::randint_like",
-      "aten::randperm",         "aten::normal",           "aten::normal_",
-      "aten::uniform_",         "aten::multinomial",      "aten::poisson",
-      "aten::binomial",         "aten::exponential_",     "aten::geometric_",
-      "aten::cauchy_",          "aten::log_normal_",      "aten::random_",
-      "aten::rrelu",            "aten::rrelu_",           "aten::rrelu_with_noise",
-      "aten::rrelu_with_noise_", "aten::_standard_gamma", "aten::_sample_dirichlet",
-  };
-  return kinds.count(n->kind().toQualString()) > 0;
-}
-
-bool HasRandomOps(const torch::jit::Block* block) {
-  for (const torch::jit::Node* n : block->nodes()) {
-    if (IsRandomKind(n) || n->isNondeterministic()) return true;
-    for (const torch::jit::Block* b : n->blocks()) {
-      if (HasRandomOps(b)) return true;
-    }
-  }
-  return false;
-}
-
 // Values that some op writes in place: arguments its schema marks as written, and the running
 // statistics of the norms, which update them although their schemas do not say so.
 void CollectWrittenValues(const torch::jit::Block* block,
@@ -252,14 +222,22 @@ absl::Status StageExecutor::Recompute(Pending* pending) const {
 }
 
 absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Backward(
-    int micro_batch, const std::vector<at::Tensor>& output_grads) {
+    int micro_batch, const std::vector<at::Tensor>& output_grads, bool retain_graph) {
   auto it = pending_.find(micro_batch);
   if (it == pending_.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "stage backward: micro-batch ", micro_batch, " has no forward with gradients pending"));
   }
-  Pending pending = std::move(it->second);
-  pending_.erase(it);
+  Pending released;
+  if (!retain_graph) {
+    released = std::move(it->second);
+    pending_.erase(it);
+  }
+  Pending& pending = retain_graph ? it->second : released;
+  // The inputs' gradients are this backward's alone (a retained graph's leaves keep theirs).
+  for (at::Tensor& in : pending.inputs) {
+    if (in.requires_grad()) in.mutable_grad() = at::Tensor();
+  }
   if (output_grads.size() != subgraph_.outputs.size()) {
     return absl::InternalError(absl::StrCat("stage backward: ", output_grads.size(),
                                             " gradients for ", subgraph_.outputs.size(),
@@ -286,7 +264,7 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Backward(
   absl::Status status = absl::OkStatus();
   if (!roots.empty()) {
     status = TorchCall(absl::StatusCode::kInternal, "the stage's backward failed", [&] {
-      torch::autograd::backward(roots, grads);
+      torch::autograd::backward(roots, grads, retain_graph);
       return absl::OkStatus();
     });
   }

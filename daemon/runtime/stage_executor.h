@@ -79,9 +79,11 @@ class StageExecutor {
                                                   bool requires_grad);
   // One gradient per output (undefined: the output gets none). Returns one gradient per data
   // input (undefined for inputs that are not differentiable or got none). Releases the
-  // micro-batch. With recompute, reruns the forward first (replaying its random draws).
+  // micro-batch unless `retain_graph` (a second backward over the same forward). With
+  // recompute, reruns the forward first (replaying its random draws).
   absl::StatusOr<std::vector<at::Tensor>> Backward(int micro_batch,
-                                                   const std::vector<at::Tensor>& output_grads);
+                                                   const std::vector<at::Tensor>& output_grads,
+                                                   bool retain_graph = false);
   // Drops a pending micro-batch (a forward without gradients, or an abandoned step).
   void Release(int micro_batch) { pending_.erase(micro_batch); }
   size_t pending() const { return pending_.size(); }

@@ -286,7 +286,7 @@ std::vector<int> Job::deployment_devices() const {
 absl::Status Job::Deploy() {
   std::vector<at::Tensor> lifted(ir_->tensor_names.size());
   for (size_t i = 0; i < lifted.size(); ++i) {
-    lifted[i] = store_.Find(ir_->tensor_names[i])->tensor.detach();
+    lifted[i] = store_.Find(ir_->tensor_names[i])->tensor;
   }
   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
       *ir_, deployment_, lifted, config_.backend, config_.plan_target.num_devices);

@@ -92,7 +92,13 @@ def test_mlp_optimizers(opt_name):
     train_both(models.MLP, OPTIMIZERS[opt_name], models.mlp_batch, _model_loss)
 
 
-def test_gpt_tied_embedding():
+def test_gpt_tied_embedding(monkeypatch):
+    # One device, one micro-batch: AdamW turns round-off into lr-sized steps on a parameter whose
+    # true gradient is zero (the attention's key bias: softmax ignores it), so any other order of
+    # fp32 reductions (micro-batches, replicas; PyTorch DDP alike) moves it by ~lr. Exact AdamW
+    # is checked here; test_pipeline_conformance covers this GPT across devices with SGD.
+    for key in ("PARTITION_NUM", "PIPELINE_NUM", "REPLICA_NUM"):
+        monkeypatch.setenv(f"RANNC_{key}", "1")
     rmod, ref = train_both(models.TinyGPT,
                            lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1),
                            models.gpt_batch, _model_loss)
