@@ -232,14 +232,21 @@ class PipelineEngine::Impl {
   std::vector<Transfer> Transfers(int v, int64_t n, int p, int q) const {
     const int rp = static_cast<int>(stages_[p].devices.size());
     const int rq = static_cast<int>(stages_[q].devices.size());
+    std::vector<Transfer> out;
     if (ir_->values[v].batch_dim < 0) {
       // Whole values, assumed the same on every replica (sizes, masks): consumer replica k
-      // reads producer replica k % rp's.
-      std::vector<Transfer> out;
-      for (int k = 0; k < rq; ++k) out.push_back({k % rp, k, 0, 0, 0});
+      // reads producer replica k % rp's. Replicas without samples (a micro-batch smaller than
+      // the replica count) run nothing, so they neither send nor receive.
+      for (int k = 0; k < rq && k < n; ++k) {
+        const int src = k % rp < n ? k % rp : 0;
+        out.push_back({src, k, 0, 0, 0});
+      }
       return out;
     }
-    return Reshard(SplitSizes(n, rp), SplitSizes(n, rq));
+    for (const Transfer& t : Reshard(SplitSizes(n, rp), SplitSizes(n, rq))) {
+      if (t.count > 0) out.push_back(t);
+    }
+    return out;
   }
 
   absl::Status CheckUsable() const {
@@ -649,6 +656,7 @@ absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, i
   const int64_t my_off = Offsets(shards)[d.replica];
   const int64_t my_count = shards[d.replica];
   const double weight = static_cast<double>(my_count) / step.batch;
+  if (my_count == 0) return absl::OkStatus();  // no samples of this micro-batch here
   std::vector<at::Tensor> in;
   for (size_t j = 0; j < st.data_inputs.size(); ++j) {
     const int v = st.data_inputs[j];
@@ -716,6 +724,7 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
   const int64_t my_off = Offsets(shards)[d.replica];
   const int64_t my_count = shards[d.replica];
   const double weight = static_cast<double>(my_count) / step.batch;
+  if (my_count == 0) return absl::OkStatus();  // no samples of this micro-batch here
   std::vector<at::Tensor> out_grads;
   for (size_t k = 0; k < st.outputs.size(); ++k) {
     const int v = st.outputs[k];
@@ -916,18 +925,15 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
     }
   }
   if (step.batch <= 0) return absl::InvalidArgumentError("the inputs have no batch");
-  // A batch smaller than the plan's (an epoch's last) runs in fewer micro-batches; every
-  // replica of every stage needs at least one sample of each.
+  // A batch smaller than the plan's (an epoch's last) runs in fewer micro-batches, as long as
+  // each keeps one sample per replica; below that, replicas without samples sit a micro-batch
+  // out (and all-reduce zeros).
   int64_t max_replicas = 1;
   for (const StageInfo& st : stages_) {
     max_replicas = std::max<int64_t>(max_replicas, st.devices.size());
   }
-  if (step.batch < max_replicas) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a batch of ", step.batch, " samples is smaller than the plan's ", max_replicas,
-        " data-parallel replicas; pass at least ", max_replicas, " samples"));
-  }
-  const int m = static_cast<int>(std::min<int64_t>(micro_batches_, step.batch / max_replicas));
+  const int m = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(micro_batches_, step.batch / max_replicas)));
   step.mb_sizes = SplitSizes(step.batch, m);
   step.mb_offsets = Offsets(step.mb_sizes);
 

@@ -457,16 +457,39 @@ TEST_CASE("The engine refuses plans that do not fit the model or the devices", "
   other.set_model_hash("another model");
   CHECK(create(other) == absl::StatusCode::kInvalidArgument);
 
-  // A batch smaller than micro-batches x replicas runs in fewer micro-batches; one smaller
-  // than the replicas is refused.
+  // A batch smaller than micro-batches x replicas runs in fewer micro-batches, and one smaller
+  // than the replicas leaves some replicas without samples: the same loss and gradients as one
+  // device.
   REQUIRE(ir.example_batch >= 4);
   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
       ir, MakePlan(ir, {{0, 1, 2, 3}}, 2, v1::SCHEDULE_1F1B), f.tensors, comm::Backend::kFake, 4);
   REQUIRE(engine.ok());
   CHECK((*engine)->TrainStep(f.fixture.inputs).ok());
-  std::vector<at::Tensor> three;
-  for (const at::Tensor& t : f.fixture.inputs) three.push_back(t.narrow(0, 0, 3));
-  CHECK((*engine)->TrainStep(three).status().code() == absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> two_stages = PipelineEngine::Create(
+      ir, MakePlan(ir, {{0, 1, 2}, {3}}, 2, v1::SCHEDULE_GPIPE), f.tensors, comm::Backend::kUcx,
+      4);
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> one = PipelineEngine::Create(
+      ir, MakePlan(ir, {{0}}, 1, v1::SCHEDULE_1F1B), f.tensors, comm::Backend::kFake, 4);
+  REQUIRE(two_stages.ok());
+  REQUIRE(one.ok());
+  for (int64_t samples : {3, 1}) {
+    INFO(samples << " samples");
+    std::vector<at::Tensor> few;
+    for (const at::Tensor& t : f.fixture.inputs) few.push_back(t.narrow(0, 0, samples));
+    absl::StatusOr<StepResult> want = (*one)->TrainStep(few);
+    REQUIRE(want.ok());
+    for (PipelineEngine* e : {engine->get(), two_stages->get()}) {
+      e->ZeroGrad();
+      absl::StatusOr<StepResult> got = e->TrainStep(few);
+      INFO(got.status().ToString());
+      REQUIRE(got.ok());
+      CHECK(at::allclose(got->loss, want->loss, kRtol, kAtol));
+      for (size_t i = 0; i < f.tensors.size(); ++i) {
+        if (IsParam(ir, i)) CHECK(at::allclose(e->GradAt(i), (*one)->GradAt(i), kRtol, kAtol));
+      }
+    }
+    (*one)->ZeroGrad();
+  }
   CHECK((*engine)->Grad("no.such.param").status().code() == absl::StatusCode::kNotFound);
 }
 
