@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import pyrannc
+from pyrannc import _daemon
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from conftest import CLIENT_ROOT, assert_close, free_port
 import models
@@ -360,7 +361,17 @@ def test_undeploy_then_forward_again():
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+    # The daemon reports what the job holds on each of its devices, and nothing once undeployed.
+    def held():
+        jobs = _daemon.connection().stub.ListJobs(pb.Empty()).jobs
+        job = next(j for j in jobs if j.job_id == rmod._job.id)
+        assert len(job.device_bytes) == len(job.devices) == len(rmod._job.devices)
+        return list(job.device_bytes)
+
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert all(b > 0 for b in held()) and sum(held()) >= 2 * params  # at least params and grads
     rmod.undeploy()
+    assert held() == [0] * len(rmod._job.devices)
     # undeploy() left the daemon's values in the local model.
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert_close(p.detach(), q.detach(), f"local {name} after undeploy")
