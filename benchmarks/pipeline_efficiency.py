@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Pipeline efficiency of ranncd's engine on this machine's CPU devices (issue 4).
 
-    bazel build -c opt //daemon/runtime:pipeline_bench && /usr/bin/python3 benchmarks/pipeline_efficiency.py
+    bazel build //daemon/runtime:pipeline_bench && /usr/bin/python3 benchmarks/pipeline_efficiency.py
 
 Traces a small GPT (examples/train_gpt.py's ByteGPT; defaults 4 layers, d_model 128, 4 heads,
 seq 64, batch 16, dropout 0) with torch.jit.trace into a temporary .pt and runs
@@ -51,7 +51,7 @@ def main():
     args = p.parse_args()
 
     if not os.path.exists(args.binary):
-        sys.exit(f"{args.binary} not found; run: bazel build -c opt //daemon/runtime:pipeline_bench")
+        sys.exit(f"{args.binary} not found; run: bazel build //daemon/runtime:pipeline_bench")
 
     torch.manual_seed(0)
     model = ByteGPT(args.layers, args.d_model, args.heads, args.seq, 0.0)

@@ -14,24 +14,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
+#include "daemon/runtime/tensor_buffer.h"
 
 namespace rannc {
 namespace {
 
 using torch::autograd::variable_list;
-
-// Gradients are floating point; these are the floating dtypes the communicators reduce.
-absl::StatusOr<comm::DataType> GradCommType(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return comm::DataType::kFloat32;
-    case at::kDouble: return comm::DataType::kFloat64;
-    case at::kHalf: return comm::DataType::kFloat16;
-    case at::kBFloat16: return comm::DataType::kBFloat16;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("no all-reduce for gradients of dtype ", c10::toString(t)));
-  }
-}
 
 }  // namespace
 
@@ -123,8 +111,10 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
     if (!seen.insert(t.unsafeGetTensorImpl()).second) {
       return absl::InvalidArgumentError(absl::StrCat("param ", i, " is passed twice"));
     }
-    absl::StatusOr<comm::DataType> type = GradCommType(t.scalar_type());
-    if (!type.ok()) return Annotate(type.status(), absl::StrCat("param ", i));
+    if (!at::isFloatingType(t.scalar_type()) || !CommDataType(t.scalar_type()).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "param ", i, ": no all-reduce for gradients of dtype ", c10::toString(t.scalar_type())));
+    }
     if (!t.device().is_cpu() && !t.device().is_cuda()) {
       return absl::InvalidArgumentError(
           absl::StrCat("param ", i, " is on ", t.device().str(), ", neither CPU nor CUDA"));
@@ -167,11 +157,7 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
   for (Bucket& b : buckets_) {
     const int64_t element_size = static_cast<int64_t>(b.options.dtype().itemsize());
     b.flat = at::empty({static_cast<int64_t>(b.bytes) / element_size}, b.options);
-    const at::Device device = b.flat.device();
-    b.buffer = comm::Buffer{b.flat.data_ptr(), static_cast<size_t>(b.flat.numel()),
-                            *GradCommType(b.flat.scalar_type()),
-                            device.is_cuda() ? comm::DeviceKind::kCuda : comm::DeviceKind::kCpu,
-                            device.has_index() ? device.index() : 0};
+    b.buffer = *BufferOf(b.flat);  // a dtype and device Create has checked
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];

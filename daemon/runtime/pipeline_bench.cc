@@ -4,7 +4,7 @@
 // devices), for the 1F1B and GPipe schedules at several micro-batch counts, plus the
 // single-stage data-parallel plan as a baseline. Prints a Markdown table on stdout.
 //
-//   bazel build -c opt //daemon/runtime:pipeline_bench
+//   bazel build //daemon/runtime:pipeline_bench
 //   bazel-bin/daemon/runtime/pipeline_bench --model gpt.pt --batch 16 --seq 64 \
 //       --devices 2 --stages 2 --micro-batches 1,2,4,8 --steps 5 --backend ucx
 //
@@ -19,6 +19,8 @@
 //             per-micro-batch profiled costs: the step's compute with no bubble, no transfer
 //             and no all-reduce
 //   bubble    1 - ideal / measured: the fraction of device time not spent computing
+//   schedule bubble  (S - 1) / (m + S - 1): the idle fraction 1F1B and GPipe both have with S
+//             equal stages and free communication, what `bubble` would be on ideal devices
 //   est/meas  estimate / measured
 //
 // LibTorch intra-op threads are set to 1 (at::set_num_threads(1)) before profiling, so every
@@ -247,18 +249,19 @@ int Main(int argc, char** argv) {
             << ", backend " << args.backend << ", " << args.steps
             << " timed steps (median); links: " << planner::DescribeLinks(*links) << "\n\n";
   std::cout << "| schedule | stages x replicas | m | measured ms | estimate ms | ideal ms | bubble "
-               "| est/meas |\n";
-  std::cout << "|---|---|---:|---:|---:|---:|---:|---:|\n";
+               "| schedule bubble | est/meas |\n";
+  std::cout << "|---|---|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Row& r : rows) {
     std::cout << "| " << r.schedule << " | " << r.stages << " x " << r.replicas << " | " << r.m
               << " | ";
     if (!r.error.empty()) {
-      std::cout << "error: " << r.error << " | | | | |\n";
+      std::cout << "error: " << r.error << " | | | | | |\n";
       continue;
     }
     std::cout << Fmt("%.1f", r.measured_ms) << " | " << Fmt("%.1f", r.estimate_ms) << " | "
               << Fmt("%.1f", r.ideal_ms) << " | "
               << Fmt("%.2f", 1.0 - r.ideal_ms / r.measured_ms) << " | "
+              << Fmt("%.2f", static_cast<double>(r.stages - 1) / (r.m + r.stages - 1)) << " | "
               << Fmt("%.2f", r.estimate_ms / r.measured_ms) << " |\n";
   }
   return 0;

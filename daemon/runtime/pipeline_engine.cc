@@ -23,6 +23,7 @@
 #include "daemon/runtime/micro_batch.h"
 #include "daemon/runtime/schedule.h"
 #include "daemon/runtime/stage_executor.h"
+#include "daemon/runtime/tensor_buffer.h"
 
 namespace rannc {
 namespace {
@@ -37,30 +38,6 @@ constexpr int kMaxValues = 1 << 20;
 uint32_t Tag(bool backward, int micro_batch, int value) {
   return (backward ? (1u << 31) : 0u) | (static_cast<uint32_t>(micro_batch) << 20) |
          static_cast<uint32_t>(value);
-}
-
-absl::StatusOr<comm::DataType> CommType(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return comm::DataType::kFloat32;
-    case at::kDouble: return comm::DataType::kFloat64;
-    case at::kHalf: return comm::DataType::kFloat16;
-    case at::kBFloat16: return comm::DataType::kBFloat16;
-    case at::kLong: return comm::DataType::kInt64;
-    case at::kInt: return comm::DataType::kInt32;
-    case at::kChar: return comm::DataType::kInt8;
-    case at::kByte: return comm::DataType::kUInt8;
-    case at::kBool: return comm::DataType::kUInt8;
-    default:
-      return absl::UnimplementedError(
-          absl::StrCat("no communicator dtype for ", c10::toString(t)));
-  }
-}
-
-absl::StatusOr<comm::Buffer> BufferOf(const at::Tensor& t) {
-  absl::StatusOr<comm::DataType> type = CommType(t.scalar_type());
-  if (!type.ok()) return type.status();
-  if (!t.is_contiguous()) return absl::InternalError("communicating a non-contiguous tensor");
-  return comm::Buffer{t.data_ptr(), static_cast<size_t>(t.numel()), *type};
 }
 
 // A thread running posted tasks in order.
