@@ -168,6 +168,48 @@ absl::StatusOr<PlannedModel> PlanJobModel(const JobConfig& config, const Importe
   return out;
 }
 
+// Per store entry, the IR lifted index of its tensor (under its name or an alias), or -1 when
+// the graph never reads it.
+std::vector<int> LiftedOfEntries(const ParamStore& store, const IrGraph& ir) {
+  std::vector<int> out;
+  for (const ParamStore::Entry& e : store.entries()) {
+    int lifted = -1;
+    for (size_t i = 0; i < ir.tensor_names.size() && lifted < 0; ++i) {
+      if (ir.tensor_names[i] == e.name ||
+          std::find(e.aliases.begin(), e.aliases.end(), ir.tensor_names[i]) != e.aliases.end()) {
+        lifted = static_cast<int>(i);
+      }
+    }
+    out.push_back(lifted);
+  }
+  return out;
+}
+
+// The optimizer's param groups as lifted indices (parameters the graph never reads have no
+// gradient, so no optimizer state either, and are left out).
+std::vector<std::vector<int>> OptimizerGroups(const OptimizerConfig& config,
+                                              const ParamStore& store,
+                                              const std::vector<int>& lifted_of_entry) {
+  auto lifted_of = [&](const std::string& name) {
+    return lifted_of_entry[store.Find(name) - store.entries().data()];
+  };
+  std::vector<std::vector<int>> groups;
+  if (config.group_params.empty()) {
+    groups.emplace_back();
+    for (const ParamStore::Entry& e : store.entries()) {
+      if (e.is_parameter && lifted_of(e.name) >= 0) groups.back().push_back(lifted_of(e.name));
+    }
+    return groups;
+  }
+  for (const std::vector<std::string>& names : config.group_params) {
+    groups.emplace_back();
+    for (const std::string& name : names) {
+      if (lifted_of(name) >= 0) groups.back().push_back(lifted_of(name));
+    }
+  }
+  return groups;
+}
+
 }  // namespace
 
 Job::Job(std::string id, JobConfig config)
@@ -231,39 +273,10 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   job->ir_ = std::move(planned->ir);
   job->deployment_ = std::move(planned->plan);
 
-  // Where each store entry lives among the IR's lifted tensors (-1: the graph never reads it).
-  const IrGraph& ir = *job->ir_;
-  for (const ParamStore::Entry& e : job->store_.entries()) {
-    int lifted = -1;
-    for (size_t i = 0; i < ir.tensor_names.size() && lifted < 0; ++i) {
-      if (ir.tensor_names[i] == e.name ||
-          std::find(e.aliases.begin(), e.aliases.end(), ir.tensor_names[i]) != e.aliases.end()) {
-        lifted = static_cast<int>(i);
-      }
-    }
-    job->lifted_of_entry_.push_back(lifted);
-  }
+  job->lifted_of_entry_ = LiftedOfEntries(job->store_, *job->ir_);
   if (job->config_.optimizer.enabled) {
-    const OptimizerConfig& opt = job->config_.optimizer;
-    auto lifted_of = [&](const std::string& name) {
-      const ParamStore::Entry* e = job->store_.Find(name);
-      return job->lifted_of_entry_[e - job->store_.entries().data()];
-    };
-    if (opt.group_params.empty()) {
-      job->optimizer_groups_.emplace_back();
-      for (const ParamStore::Entry& e : job->store_.entries()) {
-        if (e.is_parameter && lifted_of(e.name) >= 0) {
-          job->optimizer_groups_.back().push_back(lifted_of(e.name));
-        }
-      }
-    } else {
-      for (const std::vector<std::string>& names : opt.group_params) {
-        job->optimizer_groups_.emplace_back();
-        for (const std::string& name : names) {
-          if (lifted_of(name) >= 0) job->optimizer_groups_.back().push_back(lifted_of(name));
-        }
-      }
-    }
+    job->optimizer_groups_ =
+        OptimizerGroups(job->config_.optimizer, job->store_, job->lifted_of_entry_);
   }
   for (int d : job->deployment_devices()) {
     job->devices_.push_back(d < static_cast<int>(job->config_.device_names.size())
