@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <shared_mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -19,11 +20,12 @@
 namespace rannc {
 namespace {
 
-// Held by every random stage for each forward and each replay, in every executor of the process:
-// the default generators are shared by all device threads, and a draw by another stage in the
-// middle of a forward would make that forward's random numbers impossible to replay.
-std::mutex& RngMutex() {
-  static std::mutex mutex;
+// The default generators are shared by all device threads, and a draw by another stage in the
+// middle of a forward that will be replayed would make its random numbers impossible to replay.
+// Such forwards, and their replays, hold this lock exclusively; every other forward of a random
+// stage holds it shared, so those still run at once (their draws are never replayed).
+std::shared_mutex& RngMutex() {
+  static std::shared_mutex mutex;
   return mutex;
 }
 
@@ -174,8 +176,10 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Forward(
   std::vector<at::Tensor> outputs;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "the stage's forward failed",
                                   [&] {
-    std::unique_lock<std::mutex> rng_lock;
-    if (random_) rng_lock = std::unique_lock<std::mutex>(RngMutex());
+    std::unique_lock<std::shared_mutex> replayed_lock;
+    std::shared_lock<std::shared_mutex> shared_lock;
+    if (random_ && recompute) replayed_lock = std::unique_lock<std::shared_mutex>(RngMutex());
+    if (random_ && !recompute) shared_lock = std::shared_lock<std::shared_mutex>(RngMutex());
     std::optional<at::NoGradGuard> no_grad;
     if (!requires_grad || recompute) no_grad.emplace();
     if (recompute) {
@@ -200,8 +204,8 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Forward(
 
 absl::Status StageExecutor::Recompute(Pending* pending) const {
   return TorchCall(absl::StatusCode::kInternal, "the stage's recomputed forward failed", [&] {
-    std::unique_lock<std::mutex> rng_lock;
-    if (random_) rng_lock = std::unique_lock<std::mutex>(RngMutex());
+    std::unique_lock<std::shared_mutex> rng_lock;
+    if (random_) rng_lock = std::unique_lock<std::shared_mutex>(RngMutex());
     // Replays the forward's random draws; the generators go back to where they are now even if
     // the forward throws, so recomputation never shifts the stream other stages draw from.
     struct Replay {

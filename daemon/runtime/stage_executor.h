@@ -13,11 +13,12 @@
 // runs on the copies, so they are updated once, as without recomputation.
 //
 // Random ops (dropout, bernoulli, rand*, ...): the devices of one daemon share each device's
-// default generator (the CPU one for every CPU device thread). A stage whose subgraph has random
-// ops runs every forward holding one process-wide RNG lock, so no other random stage draws in
-// between; with recompute it saves the generators' state before each forward, and the recomputed
-// forward replays from that state (under the same lock) and then puts the generators back where
-// they were, so the dropout masks match and recomputation leaves the random stream unchanged.
+// default generator (the CPU one for every CPU device thread). A random stage with recompute
+// runs each forward holding one process-wide RNG lock exclusively, so no other random stage draws
+// in between (other random forwards hold it shared and run at once); it saves the generators'
+// state before the forward, and the recomputed forward replays from that state (under the same
+// lock) and then puts the generators back where they were, so the dropout masks match and
+// recomputation leaves the random stream unchanged.
 // Code outside StageExecutor that draws from the same generator concurrently breaks the replay.
 //
 //   absl::StatusOr<std::unique_ptr<StageExecutor>> stage =
