@@ -192,6 +192,16 @@ std::vector<int> MergeRanges(int count, std::vector<std::pair<int, int>> ranges)
 
 }  // namespace
 
+bool FusesForwardBackward(const IrGraph& ir) {
+  if (ir.outputs.empty()) return false;
+  const IrValue& first = ir.values[ir.outputs[0]];
+  if (!first.is_loss || !first.shape.empty() || !at::isFloatingType(first.dtype)) return false;
+  for (size_t i = 1; i < ir.outputs.size(); ++i) {
+    if (at::isFloatingType(ir.values[ir.outputs[i]].dtype)) return false;
+  }
+  return true;
+}
+
 bool HasRandomOps(const torch::jit::Block* block) {
   for (const torch::jit::Node* n : block->nodes()) {
     if (IsRandomKind(n) || n->isNondeterministic()) return true;

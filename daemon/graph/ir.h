@@ -123,6 +123,13 @@ double CutBytesPerSample(const IrGraph& ir, int boundary);
 // build, so it can name things in files (IR hashes in deployments, profile cache keys).
 std::string StableHash(const std::string& bytes);
 
+// Whether a training step can run each micro-batch's backward right after its forward, in a
+// pipeline schedule, before the client has seen the outputs: true when the first output is a
+// floating scalar loss and no other output is floating (so the client's only gradient is the
+// loss's, a scalar the runtime can apply afterwards). Otherwise every micro-batch's forward
+// must keep its graph until the client's output gradients arrive (GPipe's order and memory).
+bool FusesForwardBackward(const IrGraph& ir);
+
 // Whether `block` (or a block nested in it) has an op that draws from a random generator
 // (dropout, bernoulli, rand*, ...).
 bool HasRandomOps(const torch::jit::Block* block);

@@ -67,6 +67,10 @@ TEST_CASE("BuildIr finds how losses combine samples, and models whose samples in
     FixtureIr f = BuildFixtureIr(name);
     REQUIRE(f.ir.ok());
     CHECK(f.ir->batch_separable);
+    // A scalar loss alone can be differentiated before the client sees it; logits or several
+    // floating outputs cannot.
+    const std::string n = name;
+    CHECK(FusesForwardBackward(*f.ir) == (n == "mlp" || n == "tiny_gpt"));
     const IrValue& first = f.ir->values[f.ir->outputs[0]];
     CHECK(first.reduction == (first.is_loss ? IrValue::Reduction::kMean
                                             : IrValue::Reduction::kUnknown));

@@ -118,7 +118,9 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.device_memory_bytes =
       target.device_memory_bytes != 0 ? target.device_memory_bytes : (uint64_t{1} << 60);
   options.mem_margin = config.mem_margin;
-  options.schedule = config.schedule;
+  // Without fused forward/backward the runtime keeps every micro-batch's graph until the
+  // client's gradients come: GPipe's order and memory, whatever was asked.
+  options.schedule = FusesForwardBackward(ir) ? config.schedule : Schedule::kGPipe;
   options.optimizer_state_factor = memory.optimizer_state_factor;
   options.zero = memory.zero;
   options.partition_num = config.partition_num;

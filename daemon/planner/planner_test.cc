@@ -112,6 +112,15 @@ TEST_CASE("PlanModel honours forced stage, replica and micro-batch counts", "[pl
   CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(refused.status().message()), Catch::Contains("use_all_devices"));
 
+  // A model returning logits runs GPipe's order whatever is asked, and is planned so.
+  FixtureIr logits = BuildFixtureIr("tied_lm");
+  REQUIRE(logits.ir.ok());
+  absl::StatusOr<v1::Deployment> ordered =
+      PlanModel(*logits.ir, logits.tensors, logits.fixture.inputs, Target(2, 1ull << 30), {},
+                Config({{"schedule", "1f1b"}}), nullptr, "test");
+  REQUIRE(ordered.ok());
+  CHECK(ordered->schedule() == v1::SCHEDULE_GPIPE);
+
   absl::StatusOr<v1::Deployment> gpipe = PlanModel(
       *f.ir, f.tensors, f.fixture.inputs, Target(2, 1ull << 30), {},
       Config({{"partition_num", "2"}, {"schedule", "gpipe"}}), nullptr, "test");

@@ -441,11 +441,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
           "; plan it with one micro-batch and one replica per stage"));
     }
   }
-  const IrValue& first = ir.values[ir.outputs[0]];
-  fused_ = first.is_loss && first.shape.empty() && at::isFloatingType(first.dtype);
-  for (size_t i = 1; i < ir.outputs.size(); ++i) {
-    if (at::isFloatingType(ir.values[ir.outputs[i]].dtype)) fused_ = false;
-  }
+  fused_ = FusesForwardBackward(ir);
 
   for (size_t i = 0; i < lifted.size(); ++i) {
     lifted_shapes_.push_back(lifted[i].sizes().vec());
