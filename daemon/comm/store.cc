@@ -13,12 +13,13 @@ namespace {
 
 class InMemoryStore final : public Store {
  public:
-  void Set(const std::string& key, const std::string& value) override {
+  absl::Status Set(const std::string& key, const std::string& value) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       values_[key] = value;
     }
     changed_.notify_all();
+    return absl::OkStatus();
   }
 
   absl::StatusOr<std::string> Get(const std::string& key,
@@ -29,7 +30,7 @@ class InMemoryStore final : public Store {
     return values_.at(key);
   }
 
-  int64_t Add(const std::string& key, int64_t delta) override {
+  absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
     int64_t value = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);

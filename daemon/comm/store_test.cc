@@ -12,16 +12,16 @@ using std::chrono::milliseconds;
 
 TEST_CASE("InMemoryStore: set, get, add, and waiting for another thread", "[comm]") {
   std::unique_ptr<Store> store = MakeInMemoryStore();
-  store->Set("a", "1");
+  REQUIRE(store->Set("a", "1").ok());
   absl::StatusOr<std::string> a = store->Get("a", milliseconds(10));
   REQUIRE(a.ok());
   CHECK(*a == "1");
-  CHECK(store->Add("n", 2) == 2);
-  CHECK(store->Add("n", 3) == 5);
+  CHECK(*store->Add("n", 2) == 2);
+  CHECK(*store->Add("n", 3) == 5);
 
   std::thread later([&] {
     std::this_thread::sleep_for(milliseconds(20));
-    store->Set("b", "late");
+    (void)store->Set("b", "late");
   });
   absl::StatusOr<std::string> b = store->Get("b", std::chrono::seconds(10));
   later.join();

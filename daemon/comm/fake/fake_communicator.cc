@@ -631,8 +631,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeFakeCommunicator(const GroupOp
   const std::string prefix = absl::StrCat(options.group, "/fake");
   // Every `size` joins make one incarnation of the group; keys are per incarnation so that a
   // re-created group does not see the previous one's rendezvous keys in a reused store.
-  const int64_t joins = options.store->Add(absl::StrCat(prefix, "/joins"), 1);
-  const int64_t incarnation = (joins - 1) / options.size;
+  absl::StatusOr<int64_t> joins = options.store->Add(absl::StrCat(prefix, "/joins"), 1);
+  if (!joins.ok()) return joins.status();
+  const int64_t incarnation = (*joins - 1) / options.size;
   const std::pair<std::string, int64_t> key{options.group, incarnation};
 
   std::shared_ptr<GroupState> group;
@@ -658,10 +659,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeFakeCommunicator(const GroupOp
   }
 
   const std::string keys_prefix = absl::StrCat(prefix, "/", incarnation, "/rank/");
-  options.store->Set(absl::StrCat(keys_prefix, options.rank), "joined");
+  absl::Status published = options.store->Set(absl::StrCat(keys_prefix, options.rank), "joined");
   std::vector<std::string> keys;
   for (int r = 0; r < options.size; ++r) keys.push_back(absl::StrCat(keys_prefix, r));
-  absl::Status met = options.store->Wait(keys, options.setup_timeout);
+  absl::Status met =
+      published.ok() ? options.store->Wait(keys, options.setup_timeout) : published;
   if (!met.ok()) {
     std::lock_guard<std::mutex> lock(registry.mu);
     std::vector<int> missing;

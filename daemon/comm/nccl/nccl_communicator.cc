@@ -479,14 +479,16 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const GroupOp
 
   // The k-th creation of this group under this store meets under its own key, so a group
   // re-created after destruction never reads the previous id.
-  const int64_t joined = options.store->Add(absl::StrCat(options.group, "/nccl/joins"), 1);
+  absl::StatusOr<int64_t> joined = options.store->Add(absl::StrCat(options.group, "/nccl/joins"), 1);
+  if (!joined.ok()) return joined.status();
   const std::string id_key =
-      absl::StrCat(options.group, "/nccl/", (joined - 1) / options.size, "/id");
+      absl::StrCat(options.group, "/nccl/", (*joined - 1) / options.size, "/id");
   ncclUniqueId id;
   if (options.rank == 0) {
     s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId", nullptr);
     if (!s.ok()) return s;
-    options.store->Set(id_key, std::string(id.internal, sizeof id.internal));
+    s = options.store->Set(id_key, std::string(id.internal, sizeof id.internal));
+    if (!s.ok()) return s;
   } else {
     absl::StatusOr<std::string> got = options.store->Get(id_key, options.setup_timeout);
     if (!got.ok()) {

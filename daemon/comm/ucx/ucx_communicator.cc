@@ -21,6 +21,11 @@ namespace rannc {
 namespace comm {
 namespace {
 
+// A failed store call during setup, with its code kept.
+absl::Status StoreError(const absl::Status& s, const char* what) {
+  return absl::Status(s.code(), absl::StrCat("ucx: ", what, " through the store: ", s.message()));
+}
+
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kCollectiveBit = uint64_t{1} << 63;
@@ -257,10 +262,14 @@ absl::Status Engine::Init(Store* store, std::chrono::milliseconds timeout) {
 
   // A group re-created under the same store (after a failure, or in a loop) must not read the
   // previous incarnation's addresses.
-  const int64_t incarnation = store->Add(absl::StrCat(group_, "/ucx/incarnation/", rank_), 1);
-  const std::string prefix =
-      incarnation == 1 ? absl::StrCat(group_, "/ucx") : absl::StrCat(group_, "/ucx/", incarnation);
-  store->Set(absl::StrCat(prefix, "/addr/", rank_), mine);
+  absl::StatusOr<int64_t> incarnation =
+      store->Add(absl::StrCat(group_, "/ucx/incarnation/", rank_), 1);
+  if (!incarnation.ok()) return StoreError(incarnation.status(), "rendezvous");
+  const std::string prefix = *incarnation == 1 ? absl::StrCat(group_, "/ucx")
+                                               : absl::StrCat(group_, "/ucx/", *incarnation);
+  if (absl::Status s = store->Set(absl::StrCat(prefix, "/addr/", rank_), mine); !s.ok()) {
+    return StoreError(s, "publishing the worker address");
+  }
 
   eps_.assign(size_, nullptr);
   ep_args_.resize(size_);
@@ -302,7 +311,9 @@ absl::Status Engine::Init(Store* store, std::chrono::milliseconds timeout) {
   }
   thread_ = std::thread([this] { Loop(); });
 
-  store->Set(absl::StrCat(prefix, "/ready/", rank_), "1");
+  if (absl::Status s = store->Set(absl::StrCat(prefix, "/ready/", rank_), "1"); !s.ok()) {
+    return StoreError(s, "rendezvous");
+  }
   std::vector<std::string> missing;
   for (int peer = 0; peer < size_; ++peer) {
     if (!store->Get(absl::StrCat(prefix, "/ready/", peer), left()).ok()) {
