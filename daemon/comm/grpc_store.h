@@ -1,0 +1,51 @@
+// A comm::Store across daemons: one daemon serves its in-memory store over gRPC
+// (StoreServiceImpl, registered on its gRPC server), and ranks on any daemon reach it through
+// MakeGrpcStore. This is how a group that spans daemons meets: UCX worker addresses and NCCL
+// unique ids go through the control plane, never through the data plane they set up.
+//
+//   comm::StoreServiceImpl service(comm::MakeInMemoryStore());   // on the serving daemon
+//   builder.RegisterService(&service);
+//   std::unique_ptr<comm::Store> store = comm::MakeGrpcStore("10.0.0.1:7411");  // anywhere
+//   MakeCommunicator(Backend::kUcx, {store.get(), "job1/world", rank, size});
+//
+// Errors: a store call that cannot reach the server returns UNAVAILABLE naming the address; a
+// Get or Wait that times out returns DEADLINE_EXCEEDED naming the key. Thread-safe.
+#ifndef RANNC_DAEMON_COMM_GRPC_STORE_H_
+#define RANNC_DAEMON_COMM_GRPC_STORE_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "daemon/comm/store.h"
+#include "rannc/v1/store.grpc.pb.h"
+
+namespace rannc {
+namespace comm {
+
+// Serves `store` (owned). A Get waits for its key on the server at most one second per call.
+class StoreServiceImpl final : public v1::StoreService::Service {
+ public:
+  explicit StoreServiceImpl(std::unique_ptr<Store> store);
+
+  grpc::Status Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
+                   v1::StoreSetResponse* response) override;
+  grpc::Status Get(grpc::ServerContext* context, const v1::StoreGetRequest* request,
+                   v1::StoreGetResponse* response) override;
+  grpc::Status Add(grpc::ServerContext* context, const v1::StoreAddRequest* request,
+                   v1::StoreAddResponse* response) override;
+
+ private:
+  std::unique_ptr<Store> store_;
+};
+
+// A client of the StoreService at `address` ("host:port"). Each call has `rpc_timeout` to
+// reach the server (Get and Wait wait longer, up to their own timeouts, by asking again).
+std::unique_ptr<Store> MakeGrpcStore(const std::string& address,
+                                     std::chrono::milliseconds rpc_timeout =
+                                         std::chrono::seconds(5));
+
+}  // namespace comm
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_COMM_GRPC_STORE_H_
