@@ -3,8 +3,7 @@
 #include <chrono>
 #include <thread>
 
-#include <grpcpp/grpcpp.h>
-#include <catch2/catch.hpp>
+#include "daemon/comm/process_testing.h"
 
 namespace rannc {
 namespace comm {
@@ -12,25 +11,10 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// A StoreService on a loopback port of this process.
-struct Server {
-  Server() : service(MakeInMemoryStore()) {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service);
-    server = builder.BuildAndStart();
-    REQUIRE(server != nullptr);
-  }
-  ~Server() { server->Shutdown(std::chrono::system_clock::now()); }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
-
-  StoreServiceImpl service;
-  int port = 0;
-  std::unique_ptr<grpc::Server> server;
-};
+using testing::StoreServer;
 
 TEST_CASE("The gRPC store sets, gets, adds and waits like the in-memory one", "[comm]") {
-  Server server;
+  StoreServer server;
   std::unique_ptr<Store> a = MakeGrpcStore(server.address());
   std::unique_ptr<Store> b = MakeGrpcStore(server.address());
   REQUIRE(a->Set("k", std::string("v\0w", 3)).ok());
@@ -63,7 +47,7 @@ TEST_CASE("The gRPC store sets, gets, adds and waits like the in-memory one", "[
 TEST_CASE("A gRPC store without its server fails with UNAVAILABLE naming the address", "[comm]") {
   std::string address;
   {
-    Server gone;
+    StoreServer gone;
     address = gone.address();
   }
   std::unique_ptr<Store> store = MakeGrpcStore(address, milliseconds(500));

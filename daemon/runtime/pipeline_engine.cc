@@ -98,6 +98,7 @@ struct StageInfo {
 
 struct Device {
   int index = 0, stage = 0, replica = 0, world_rank = 0;
+  bool local = true;  // run by this process (EngineOptions::local_devices)
   std::vector<at::Tensor> lifted;  // per IR lifted input; undefined where the stage reads none
   std::unique_ptr<StageExecutor> exec;
   std::unique_ptr<comm::Communicator> world, replicas;
@@ -142,13 +143,14 @@ class PipelineEngine::Impl {
   }
 
   absl::Status Init(const IrGraph& ir, const v1::Deployment& plan,
-                    const std::vector<at::Tensor>& lifted, comm::Backend backend,
-                    int num_devices);
+                    const std::vector<at::Tensor>& lifted, const EngineOptions& options);
   bool fused() const { return fused_; }
   bool broken() const { return broken_; }
   std::vector<int> device_indices() const {
     std::vector<int> out;
-    for (const Device& d : devices_) out.push_back(d.index);
+    for (const Device& d : devices_) {
+      if (d.local) out.push_back(d.index);
+    }
     return out;
   }
   absl::StatusOr<std::vector<at::Tensor>> Forward(const std::vector<at::Tensor>& inputs,
@@ -171,7 +173,6 @@ class PipelineEngine::Impl {
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);
   int64_t DeviceBytes(int device) const;
-  void SetTimeout(milliseconds timeout) { timeout_ = timeout; }
 
  private:
   using Pending = std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>>;
@@ -252,7 +253,9 @@ class PipelineEngine::Impl {
   int micro_batches_ = 1;
   bool fused_ = false;
   milliseconds timeout_{120000};
-  std::unique_ptr<comm::Store> store_;
+  std::unique_ptr<comm::Store> owned_store_;
+  comm::Store* store_ = nullptr;  // owned_store_, or EngineOptions::store
+  bool partial_ = false;          // some of the plan's devices belong to other processes
   std::vector<StageInfo> stages_;
   std::vector<Device> devices_;                 // the plan's devices, ascending index
   std::vector<int> world_rank_;                 // per global device index (-1: unused)
@@ -276,9 +279,13 @@ class PipelineEngine::Impl {
 
 absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment& plan,
                                         const std::vector<at::Tensor>& lifted,
-                                        comm::Backend backend, int num_devices) {
+                                        const EngineOptions& options) {
   ir_ = &ir;
-  id_ = absl::StrCat("pipeline_engine", engine_count.fetch_add(1));
+  timeout_ = options.timeout;
+  const comm::Backend backend = options.backend;
+  const int num_devices = options.num_devices;
+  id_ = !options.group.empty() ? options.group
+                               : absl::StrCat("pipeline_engine", engine_count.fetch_add(1));
   const int num_nodes = static_cast<int>(ir.nodes.size());
   if (lifted.size() != ir.tensor_names.size()) {
     return absl::InvalidArgumentError(absl::StrCat(lifted.size(), " lifted tensors for ",
@@ -454,11 +461,26 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     world_rank_[dev] = static_cast<int>(devices_.size());
     devices_.emplace_back();
     devices_.back().index = dev;
+    devices_.back().local = options.local_devices.empty() ||
+                            std::find(options.local_devices.begin(), options.local_devices.end(),
+                                      dev) != options.local_devices.end();
+    partial_ = partial_ || !devices_.back().local;
+    devices_.back().lifted.assign(lifted.size(), at::Tensor());
   }
+  for (int dev : options.local_devices) {
+    if (!used.count(dev)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("local device ", dev, " is not one of the plan's devices"));
+    }
+  }
+  // A tensor's owner: the first of this process's devices holding it, by stage then replica.
   owner_.assign(lifted.size(), -1);
   for (int s = 0; s < S; ++s) {
-    for (int li : stages_[s].lifted) {
-      if (owner_[li] < 0) owner_[li] = world_rank_[stages_[s].devices[0]];
+    for (int dev : stages_[s].devices) {
+      if (!devices_[world_rank_[dev]].local) continue;
+      for (int li : stages_[s].lifted) {
+        if (owner_[li] < 0) owner_[li] = world_rank_[dev];
+      }
     }
   }
   for (int s = 0; s < S; ++s) {
@@ -467,7 +489,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       d.stage = s;
       d.replica = static_cast<int>(r);
       d.world_rank = world_rank_[d.index];
-      d.lifted.assign(lifted.size(), at::Tensor());
+      if (!d.local) continue;  // another process runs it
       absl::Status copied = TorchCall(absl::StatusCode::kInternal, "copying tensors", [&] {
         for (int li : stages_[s].lifted) {
           at::Tensor t = lifted[li].detach().clone();
@@ -496,21 +518,27 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   }
 
   // Communicators, created concurrently on the devices' threads (each blocks for its group).
-  store_ = comm::MakeInMemoryStore();
+  if (options.store == nullptr) {
+    owned_store_ = comm::MakeInMemoryStore();
+    store_ = owned_store_.get();
+  } else {
+    store_ = options.store;
+  }
   const int W = static_cast<int>(devices_.size());
   std::vector<std::future<absl::Status>> done;
   for (Device& d : devices_) {
+    if (!d.local) continue;
     done.push_back(d.worker->Post([this, &d, backend, W]() -> absl::Status {
       // One device: nothing to exchange.
       if (W == 1) return absl::OkStatus();
       absl::StatusOr<std::unique_ptr<comm::Communicator>> world = comm::MakeCommunicator(
-          backend, {store_.get(), absl::StrCat(id_, "/world"), d.world_rank, W, timeout_});
+          backend, {store_, absl::StrCat(id_, "/world"), d.world_rank, W, timeout_});
       if (!world.ok()) return Annotate(world.status(), absl::StrCat("device ", d.index));
       d.world = std::move(*world);
       const int R = static_cast<int>(stages_[d.stage].devices.size());
       if (R > 1) {
         absl::StatusOr<std::unique_ptr<comm::Communicator>> reps = comm::MakeCommunicator(
-            backend, {store_.get(), absl::StrCat(id_, "/stage", d.stage), d.replica, R,
+            backend, {store_, absl::StrCat(id_, "/stage", d.stage), d.replica, R,
                       timeout_});
         if (!reps.ok()) return Annotate(reps.status(), absl::StrCat("device ", d.index));
         d.replicas = std::move(*reps);
@@ -592,6 +620,7 @@ absl::Status PipelineEngine::Impl::OnEveryDevice(const std::function<absl::Statu
   aborted_ = false;
   std::vector<std::future<absl::Status>> done;
   for (Device& d : devices_) {
+    if (!d.local) continue;
     done.push_back(d.worker->Post([this, &d, &fn]() -> absl::Status {
       absl::Status s = TorchCall(absl::StatusCode::kInternal, "step", [&] { return fn(d); });
       if (!s.ok()) {
@@ -913,8 +942,10 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
   std::map<int, at::Tensor> batched;
   for (const auto& [v, kind] : stage_outputs_) {
     if (kind == OutputKind::kBatched) {
-      batched[v] = at::empty(ShapeFor(v, step.batch),
-                             at::TensorOptions().dtype(ir.values[v].dtype));
+      // A partial engine's share: other processes' rows stay zeros.
+      const at::TensorOptions type = at::TensorOptions().dtype(ir.values[v].dtype);
+      batched[v] = partial_ ? at::zeros(ShapeFor(v, step.batch), type)
+                            : at::empty(ShapeFor(v, step.batch), type);
     }
   }
   step.batched = &batched;
@@ -933,15 +964,22 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
         out = batched.at(v);
         break;
       case OutputKind::kUserInput:
-        out = inputs[std::find(ir.inputs.begin(), ir.inputs.end(), v) - ir.inputs.begin()];
+      case OutputKind::kLifted: {
+        // Returned as they are; of several partial engines, the one running the plan's first
+        // device returns them (the others zeros, so that members' outputs add up).
+        const int index =
+            static_cast<int>(std::find(ir.inputs.begin(), ir.inputs.end(), v) - ir.inputs.begin());
+        if (partial_ && !devices_[0].local) {
+          out = at::zeros(val.shape, at::TensorOptions().dtype(val.dtype));
+        } else if (output_kinds_[i] == OutputKind::kUserInput) {
+          out = inputs[index];
+        } else {
+          const at::Tensor held = OwnerTensor(index - static_cast<int>(ir.num_user_inputs));
+          out = held.defined() ? held.detach().clone()
+                               : at::zeros(val.shape, at::TensorOptions().dtype(val.dtype));
+        }
         break;
-      case OutputKind::kLifted:
-        out = OwnerTensor(static_cast<int>(
-                              std::find(ir.inputs.begin(), ir.inputs.end(), v) -
-                              ir.inputs.begin() - ir.num_user_inputs))
-                  .detach()
-                  .clone();
-        break;
+      }
       default:
         for (const Device& d : devices_) {
           auto p = d.partial.find(v);
@@ -952,6 +990,7 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
           }
           out = out.defined() ? out + p->second : p->second;
         }
+        if (!out.defined() && partial_) out = at::zeros(val.shape, at::kDouble);
         if (!out.defined()) return absl::InternalError(absl::StrCat("no shard computed ", val.name));
         out = out.to(val.dtype);
         break;
@@ -1204,9 +1243,18 @@ PipelineEngine::~PipelineEngine() = default;
 absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
     const IrGraph& ir, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
     comm::Backend backend, int num_devices, std::chrono::milliseconds timeout) {
+  EngineOptions options;
+  options.backend = backend;
+  options.num_devices = num_devices;
+  options.timeout = timeout;
+  return Create(ir, plan, lifted, options);
+}
+
+absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
+    const IrGraph& ir, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
+    const EngineOptions& options) {
   auto impl = std::make_unique<Impl>();
-  impl->SetTimeout(timeout);
-  absl::Status s = impl->Init(ir, plan, lifted, backend, num_devices);
+  absl::Status s = impl->Init(ir, plan, lifted, options);
   if (!s.ok()) return s;
   return std::unique_ptr<PipelineEngine>(new PipelineEngine(std::move(impl)));
 }

@@ -57,6 +57,26 @@
 
 namespace rannc {
 
+// How an engine runs: its data plane, and for a job spanning several processes (daemons), which
+// of the plan's devices this process runs and where the processes meet.
+struct EngineOptions {
+  comm::Backend backend = comm::Backend::kUcx;
+  int num_devices = 1;  // devices the plan's indices refer to
+  // The plan's devices this process runs; empty: all of them. Each process of a job creates
+  // its engine with the same plan, group and store, and its own local devices; every call
+  // (Forward with the same inputs, Backward, Step, ...) is then made on every process's engine.
+  // A partial engine's outputs are its devices' share (rows computed elsewhere are zeros,
+  // losses are its weighted partial sums): the processes' outputs add up to the model's.
+  std::vector<int> local_devices;
+  // Rendezvous of the communicators (not owned; e.g. a gRPC store for several processes);
+  // null: an in-memory store of this engine.
+  comm::Store* store = nullptr;
+  // Names the engine's communicator groups; must be equal in every process of a job (and
+  // unique per job). Empty: a name unique within this process.
+  std::string group;
+  std::chrono::milliseconds timeout = std::chrono::seconds(120);
+};
+
 struct StepResult {
   at::Tensor loss;  // 0-dim: the batch-weighted mean of every shard's loss
 };
@@ -68,6 +88,10 @@ class PipelineEngine {
   // become leaves requiring grad; frozen ones stay constants). INVALID_ARGUMENT when the plan does not fit the IR or the devices.
   static absl::StatusOr<std::unique_ptr<PipelineEngine>> Create(
       const IrGraph& ir, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
+      const EngineOptions& options);
+  // Every device local, an in-memory store.
+  static absl::StatusOr<std::unique_ptr<PipelineEngine>> Create(
+      const IrGraph& ir, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
       comm::Backend backend, int num_devices,
       std::chrono::milliseconds timeout = std::chrono::seconds(120));
   ~PipelineEngine();
@@ -76,7 +100,7 @@ class PipelineEngine {
   // A step failed: only the accessors (Param, Grad, OptimizerState, DeviceBytes) still work;
   // gradients accumulated before the failed step are intact.
   bool broken() const;
-  // The plan's devices, ascending.
+  // The plan's devices this process runs, ascending.
   std::vector<int> devices() const;
 
   // The model's flattened outputs (IrGraph::outputs order) for `inputs`, the model's user inputs
@@ -92,7 +116,7 @@ class PipelineEngine {
   absl::StatusOr<StepResult> TrainStep(const std::vector<at::Tensor>& inputs);
 
   // A copy of the gradient (undefined tensor: none yet) / value of a lifted tensor: its owner's
-  // (replica 0 of the first stage holding it), or `device`'s (after a step every holder has the
+  // (the first local device holding it, by stage then replica), or `device`'s (after a step every holder has the
   // same). NOT_FOUND for a name no stage (or `device`) holds; Grad also for a buffer.
   absl::StatusOr<at::Tensor> Grad(const std::string& tensor_name, int device = -1) const;
   absl::StatusOr<at::Tensor> Param(const std::string& tensor_name, int device = -1) const;

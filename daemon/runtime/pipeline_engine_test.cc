@@ -12,6 +12,7 @@
 #include "daemon/graph/ir_testing.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/optim/optimizer.h"
+#include "daemon/runtime/plan_testing.h"
 #include "daemon/runtime/stage_executor.h"
 
 namespace rannc {
@@ -19,32 +20,10 @@ namespace {
 
 using testing::BuildFixtureIr;
 using testing::FixtureIr;
+using testing::MakePlan;
 
 constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-6;
-
-// `devices[s]`: stage s's devices (one per replica); nodes split evenly over the stages.
-v1::Deployment MakePlan(const IrGraph& ir, const std::vector<std::vector<int>>& devices, int m,
-                        v1::PipelineSchedule schedule) {
-  v1::Deployment plan;
-  plan.set_format_version(1);
-  plan.set_model_hash(ir.hash);
-  const int n = static_cast<int>(ir.nodes.size());
-  const int S = static_cast<int>(devices.size());
-  plan.set_num_nodes(n);
-  plan.set_micro_batches(m);
-  plan.set_schedule(schedule);
-  plan.set_num_devices(4);
-  plan.set_device_type("cpu");
-  for (int s = 0; s < S; ++s) {
-    v1::DeploymentStage* st = plan.add_stages();
-    st->set_index(s);
-    st->set_first_node(s * n / S);
-    st->set_end_node((s + 1) * n / S);
-    for (int d : devices[s]) st->add_devices(d);
-  }
-  return plan;
-}
 
 bool IsParam(const IrGraph& ir, size_t lifted_index) {
   return ir.values[ir.inputs[ir.num_user_inputs + lifted_index]].role == ValueRole::kParam;
