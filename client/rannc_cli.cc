@@ -83,6 +83,54 @@ const char* StateName(v1::JobState state) {
   }
 }
 
+// Prints rows with each column padded to its widest cell.
+void PrintTable(const std::vector<std::vector<std::string>>& rows, const std::string& indent) {
+  std::vector<size_t> widths(rows.empty() ? 0 : rows[0].size(), 0);
+  for (const auto& row : rows) {
+    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], row[i].size());
+  }
+  for (const auto& row : rows) {
+    std::string line = indent;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line += std::string(widths[i] - row[i].size() + 2, ' ');
+    }
+    std::cout << line << "\n";
+  }
+}
+
+const char* MemberStateName(v1::MemberState state) {
+  switch (state) {
+    case v1::MEMBER_UP: return "UP";
+    case v1::MEMBER_DOWN: return "DOWN";
+    default: return "UNKNOWN";
+  }
+}
+
+// The members table: rank 0 coordinates; "*" marks the daemon that answered.
+void PrintCluster(const v1::DaemonInfo& info) {
+  if (info.cluster_size() == 0) return;
+  int up = 0;
+  for (const v1::ClusterMember& m : info.cluster()) up += m.state() == v1::MEMBER_UP;
+  std::cout << "cluster: " << info.cluster_size() << " daemon"
+            << (info.cluster_size() == 1 ? "" : "s") << ", " << up << " up\n";
+  std::vector<std::vector<std::string>> rows = {
+      {"RANK", "ADDRESS", "STATE", "HOST", "DEVICES", "LAST SEEN", "INCARNATION"}};
+  for (const v1::ClusterMember& m : info.cluster()) {
+    std::vector<std::string> devices;
+    for (const v1::DeviceInfo& d : m.devices()) devices.push_back(d.name());
+    std::string seen = m.self()                   ? "-"
+                       : m.last_seen_ms_ago() < 0 ? "never"
+                       : absl::StrFormat("%.1fs ago", m.last_seen_ms_ago() / 1000.0);
+    rows.push_back({m.rank() < 0 ? "?" : absl::StrCat(m.rank(), m.self() ? "*" : ""),
+                    m.address(), MemberStateName(m.state()),
+                    m.hostname().empty() ? "-" : m.hostname(),
+                    devices.empty() ? "-" : absl::StrJoin(devices, ","), seen,
+                    m.incarnation() == 0 ? "-" : absl::StrFormat("%016x", m.incarnation())});
+  }
+  PrintTable(rows, "  ");
+}
+
 int RunInfo(const Client& client) {
   absl::StatusOr<v1::DaemonInfo> info = client.GetInfo();
   if (!info.ok()) return Fail(info.status());
@@ -96,6 +144,7 @@ int RunInfo(const Client& client) {
                                  HumanBytes(device.memory_bytes()));
   }
   std::cout << "jobs: " << info->num_jobs() << "\n";
+  PrintCluster(*info);
   if (info->max_message_bytes() > 0) {
     std::cout << "max message size: " << HumanBytes(info->max_message_bytes()) << "\n";
   }
@@ -114,18 +163,7 @@ int RunJobs(const Client& client) {
                     HumanCount(job.num_params()), std::to_string(job.steps()),
                     absl::StrJoin(job.devices(), ",")});
   }
-  std::vector<size_t> widths(rows[0].size(), 0);
-  for (const auto& row : rows) {
-    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], row[i].size());
-  }
-  for (const auto& row : rows) {
-    std::string line;
-    for (size_t i = 0; i < row.size(); ++i) {
-      line += row[i];
-      if (i + 1 < row.size()) line += std::string(widths[i] - row[i].size() + 2, ' ');
-    }
-    std::cout << line << "\n";
-  }
+  PrintTable(rows, "");
   for (const v1::JobSummary& job : *jobs) {
     if (!job.error().empty()) std::cout << job.job_id() << " failed: " << job.error() << "\n";
   }

@@ -8,6 +8,9 @@
 #include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/cluster/cluster.h"
+#include "daemon/cluster/cluster_service.h"
+#include "daemon/cluster/peers.h"
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
 #include "daemon/server/job_manager.h"
@@ -45,6 +48,43 @@ absl::StatusOr<std::vector<DaemonFacts::Device>> ResolveDevices(const DaemonOpti
                        options.device_memory != 0 ? options.device_memory : cpu_share});
   }
   return devices;
+}
+
+// The address the other members know this daemon by: --advertise, else the bound address,
+// which is only usable by others when it names a concrete interface and port.
+absl::StatusOr<std::string> AdvertisedAddress(const DaemonOptions& options,
+                                              const std::string& bound) {
+  if (!options.advertise.empty()) return options.advertise;
+  if (options.peers.empty()) return bound;
+  absl::StatusOr<cluster::HostPort> listen = cluster::SplitHostPort(options.listen);
+  if (!listen.ok() || listen->host == "0.0.0.0" || listen->host == "::" ||
+      listen->host.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--listen ", options.listen, " is not an address the other daemons can reach; give "
+        "--advertise HOST:PORT, this daemon's entry in --peers"));
+  }
+  return bound;
+}
+
+absl::StatusOr<std::unique_ptr<cluster::Cluster>> JoinCluster(const DaemonOptions& options,
+                                                              const DaemonFacts& facts,
+                                                              const std::string& advertise) {
+  cluster::ClusterOptions o;
+  if (!options.peers.empty()) {
+    absl::StatusOr<std::vector<std::string>> peers = cluster::ParsePeerList(options.peers);
+    if (!peers.ok()) return Annotate(peers.status(), "--peers");
+    o.peers = *peers;
+  }
+  o.advertise = advertise;
+  o.cluster_size = static_cast<int>(options.cluster_size);
+  o.heartbeat_interval = options.heartbeat_interval;
+  o.peer_timeout = options.peer_timeout;
+  for (const DaemonFacts::Device& d : facts.devices) {
+    o.devices.push_back({d.name, d.type, d.memory_bytes});
+  }
+  o.hostname = facts.hostname;
+  o.version = facts.version;
+  return cluster::Cluster::Create(std::move(o), cluster::MakeGrpcTransport());
 }
 
 }  // namespace
@@ -110,6 +150,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   const std::string host = options.listen.substr(0, options.listen.rfind(':'));
   daemon->training_ = std::make_unique<TrainingServiceImpl>(facts, daemon->jobs_.get());
   builder.RegisterService(daemon->training_.get());
+  // Registered now, attached to the cluster once the bound port (hence this daemon's own
+  // address) is known; until then peers' heartbeats get UNAVAILABLE.
+  daemon->cluster_service_ = std::make_unique<cluster::ClusterServiceImpl>();
+  builder.RegisterService(daemon->cluster_service_.get());
   daemon->server_ = builder.BuildAndStart();
   if (daemon->server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -117,6 +161,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
         "host); pick another with --listen"));
   }
   daemon->address_ = absl::StrCat(host, ":", port);
+  absl::StatusOr<std::string> advertise = AdvertisedAddress(options, daemon->address_);
+  absl::StatusOr<std::unique_ptr<cluster::Cluster>> joined =
+      advertise.ok() ? JoinCluster(options, facts, *advertise)
+                     : absl::StatusOr<std::unique_ptr<cluster::Cluster>>(advertise.status());
+  if (!joined.ok()) {
+    daemon->server_->Shutdown(std::chrono::system_clock::now());
+    return joined.status();
+  }
+  daemon->cluster_ = std::move(*joined);
+  daemon->cluster_service_->Attach(daemon->cluster_.get());
+  daemon->training_->set_cluster(daemon->cluster_.get());
   std::string device_list;
   for (const DaemonFacts::Device& d : facts.devices) {
     absl::StrAppend(&device_list, device_list.empty() ? "" : ", ", d.name, " (",
@@ -124,6 +179,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   spdlog::info("devices: {}", device_list);
   daemon->training_->set_address(daemon->address_);
+  daemon->cluster_->Start();
   spdlog::info("ranncd listening on {} (version {}, LibTorch {})", daemon->address_,
                kRanncVersion, TORCH_VERSION);
   return daemon;
@@ -134,6 +190,7 @@ void Daemon::Wait() {
 }
 
 void Daemon::Shutdown(std::chrono::milliseconds grace) {
+  if (cluster_) cluster_->Stop();
   if (!server_) return;
   server_->Shutdown(std::chrono::system_clock::now() + grace);
 }

@@ -26,12 +26,17 @@ namespace rannc {
 
 class JobManager;
 class TrainingServiceImpl;
+namespace cluster {
+class Cluster;
+class ClusterServiceImpl;
+}  // namespace cluster
 
 inline constexpr char kRanncVersion[] = "0.1.0";
 
 class Daemon {
  public:
-  // Resolves devices, binds the listen address (port 0 picks a free port) and starts serving.
+  // Resolves devices, binds the listen address (port 0 picks a free port), joins the cluster
+  // (--peers; refused when this daemon is not in the list) and starts serving.
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonOptions& options);
   ~Daemon();
 
@@ -39,7 +44,10 @@ class Daemon {
   const std::string& address() const { return address_; }
   // Blocks until Shutdown has completed.
   void Wait();
-  // Stops accepting RPCs; in-flight RPCs get `grace` to finish, then are cancelled.
+  // The cluster this daemon belongs to (a cluster of one without --peers).
+  cluster::Cluster& cluster() const { return *cluster_; }
+  // Stops heartbeating, then stops accepting RPCs; in-flight RPCs get `grace` to finish, then
+  // are cancelled.
   void Shutdown(std::chrono::milliseconds grace);
 
  private:
@@ -48,6 +56,9 @@ class Daemon {
   std::string address_;
   std::unique_ptr<planner::ProfileCache> profile_cache_;
   std::unique_ptr<JobManager> jobs_;
+  // Declared before the services so that it outlives the server, which calls into it.
+  std::unique_ptr<cluster::Cluster> cluster_;
+  std::unique_ptr<cluster::ClusterServiceImpl> cluster_service_;
   std::unique_ptr<TrainingServiceImpl> training_;
   std::unique_ptr<grpc::Server> server_;
 };

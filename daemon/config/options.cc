@@ -20,6 +20,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "daemon/cluster/peers.h"
 
 extern char** environ;
 
@@ -95,13 +97,6 @@ const std::set<std::string, std::less<>>& ClientKeys() {
   return *keys;
 }
 
-// Daemon keys from DESIGN.md that this daemon does not implement yet: rejected rather than
-// ignored, since a silently single-node daemon would be worse than an error.
-const std::set<std::string, std::less<>>& UnsupportedDaemonKeys() {
-  static const auto* keys = new std::set<std::string, std::less<>>{"peers"};
-  return *keys;
-}
-
 // ---- Per-key checks. Each takes the value as given and may normalise it. -------------------
 
 absl::Status CheckListen(std::string& value) {
@@ -159,26 +154,83 @@ absl::Status CheckMaxMessageSize(uint64_t value) {
   return absl::OkStatus();
 }
 
-// One daemon key: its name and where it lives in DaemonOptions. Exactly one of `text`/`size`.
+absl::Status CheckPeers(std::string& value) {
+  if (value.empty()) return absl::OkStatus();
+  absl::StatusOr<std::vector<std::string>> peers = cluster::ParsePeerList(value);
+  if (!peers.ok()) return peers.status();
+  value = absl::StrJoin(*peers, ",");
+  return absl::OkStatus();
+}
+
+absl::Status CheckAdvertise(std::string& value) {
+  if (value.empty()) return absl::OkStatus();
+  return cluster::SplitHostPort(value).status();
+}
+
+absl::Status CheckClusterSize(uint64_t value) {
+  if (value > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cluster_size must be at most 65536 (0: the length of peers), got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// One daemon key: its name and where it lives in DaemonOptions. Exactly one of the member
+// pointers is set; Text/Size/Count/Duration below build them.
 struct Key {
   const char* name;  // TOML key; RANNC_<upper> and --<name with '-'> derive from it
-  std::string DaemonOptions::*text;
-  uint64_t DaemonOptions::*size;
-  absl::Status (*check_text)(std::string&);
-  absl::Status (*check_size)(uint64_t);
+  std::string DaemonOptions::*text = nullptr;
+  uint64_t DaemonOptions::*size = nullptr;   // a byte size ("2GiB")
+  uint64_t DaemonOptions::*count = nullptr;  // a plain non-negative integer
+  std::chrono::milliseconds DaemonOptions::*duration = nullptr;
+  absl::Status (*check_text)(std::string&) = nullptr;
+  absl::Status (*check_number)(uint64_t) = nullptr;  // for size and count
 };
+
+Key Text(const char* name, std::string DaemonOptions::*field,
+         absl::Status (*check)(std::string&) = nullptr) {
+  Key key{name};
+  key.text = field;
+  key.check_text = check;
+  return key;
+}
+
+Key Size(const char* name, uint64_t DaemonOptions::*field,
+         absl::Status (*check)(uint64_t) = nullptr) {
+  Key key{name};
+  key.size = field;
+  key.check_number = check;
+  return key;
+}
+
+Key Count(const char* name, uint64_t DaemonOptions::*field, absl::Status (*check)(uint64_t)) {
+  Key key{name};
+  key.count = field;
+  key.check_number = check;
+  return key;
+}
+
+Key Duration(const char* name, std::chrono::milliseconds DaemonOptions::*field) {
+  Key key{name};
+  key.duration = field;
+  return key;
+}
 
 const std::vector<Key>& Keys() {
   static const auto* keys = new std::vector<Key>{
-      {"listen", &DaemonOptions::listen, nullptr, &CheckListen, nullptr},
-      {"devices", &DaemonOptions::devices, nullptr, &CheckDevicesSyntax, nullptr},
-      {"device_memory", nullptr, &DaemonOptions::device_memory, nullptr, nullptr},
-      {"log_level", &DaemonOptions::log_level, nullptr, &CheckLogLevel, nullptr},
-      {"max_message_size", nullptr, &DaemonOptions::max_message_size, nullptr,
-       &CheckMaxMessageSize},
-      {"shm_dir", &DaemonOptions::shm_dir, nullptr, &CheckShmDir, nullptr},
-      {"links", &DaemonOptions::links, nullptr, nullptr, nullptr},
-      {"profile_cache", &DaemonOptions::profile_cache, nullptr, nullptr, nullptr},
+      Text("listen", &DaemonOptions::listen, &CheckListen),
+      Text("devices", &DaemonOptions::devices, &CheckDevicesSyntax),
+      Size("device_memory", &DaemonOptions::device_memory),
+      Text("log_level", &DaemonOptions::log_level, &CheckLogLevel),
+      Size("max_message_size", &DaemonOptions::max_message_size, &CheckMaxMessageSize),
+      Text("shm_dir", &DaemonOptions::shm_dir, &CheckShmDir),
+      Text("links", &DaemonOptions::links),
+      Text("profile_cache", &DaemonOptions::profile_cache),
+      Text("peers", &DaemonOptions::peers, &CheckPeers),
+      Text("advertise", &DaemonOptions::advertise, &CheckAdvertise),
+      Count("cluster_size", &DaemonOptions::cluster_size, &CheckClusterSize),
+      Duration("heartbeat_interval", &DaemonOptions::heartbeat_interval),
+      Duration("peer_timeout", &DaemonOptions::peer_timeout),
   };
   return *keys;
 }
@@ -197,22 +249,33 @@ std::string EnvName(const Key& key) {
 // errors so the user knows which layer to fix.
 absl::Status ApplyText(const Key& key, std::string value, const std::string& source,
                        DaemonOptions& options) {
-  if (key.size != nullptr) {
-    absl::StatusOr<uint64_t> size = ParseByteSize(value);
-    if (!size.ok())
-      return absl::InvalidArgumentError(absl::StrCat(source, ": ", size.status().message()));
-    if (key.check_size != nullptr) {
-      absl::Status status = key.check_size(*size);
-      if (!status.ok())
-        return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+  auto fail = [&](const absl::Status& status) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+  };
+  if (key.size != nullptr || key.count != nullptr) {
+    uint64_t number = 0;
+    if (key.size != nullptr) {
+      absl::StatusOr<uint64_t> size = ParseByteSize(value);
+      if (!size.ok()) return fail(size.status());
+      number = *size;
+    } else if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(value), &number)) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("'", value, "' is not a whole number >= 0")));
     }
-    options.*key.size = *size;
+    if (key.check_number != nullptr) {
+      if (absl::Status status = key.check_number(number); !status.ok()) return fail(status);
+    }
+    options.*(key.size != nullptr ? key.size : key.count) = number;
+    return absl::OkStatus();
+  }
+  if (key.duration != nullptr) {
+    absl::StatusOr<std::chrono::milliseconds> duration = ParseDuration(value);
+    if (!duration.ok()) return fail(duration.status());
+    options.*key.duration = *duration;
     return absl::OkStatus();
   }
   if (key.check_text != nullptr) {
-    absl::Status status = key.check_text(value);
-    if (!status.ok())
-      return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+    if (absl::Status status = key.check_text(value); !status.ok()) return fail(status);
   }
   options.*key.text = std::move(value);
   return absl::OkStatus();
@@ -288,36 +351,44 @@ absl::Status ApplyTomlFile(const std::string& path, DaemonOptions& options) {
         std::find_if(Keys().begin(), Keys().end(), [&](const Key& k) { return name == k.name; });
     if (key == Keys().end()) {
       if (ClientKeys().count(name)) continue;
-      if (UnsupportedDaemonKeys().count(name)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(source, ": not supported by this ranncd yet"));
-      }
       std::vector<std::string> known;
       for (const Key& k : Keys()) known.push_back(k.name);
       return absl::InvalidArgumentError(
           absl::StrCat("unknown key ", source, "; daemon keys are ", absl::StrJoin(known, ", ")));
     }
+    const bool number_key = key->size != nullptr || key->count != nullptr;
     if (node.is_string()) {
       absl::Status status = ApplyText(*key, node.as_string()->get(), source, options);
       if (!status.ok()) return status;
-    } else if (key->size != nullptr && node.is_integer()) {
+    } else if (number_key && node.is_integer()) {
       const int64_t value = node.as_integer()->get();
       if (value < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(source, ": negative size ", value));
+        return absl::InvalidArgumentError(absl::StrCat(source, ": negative value ", value));
       }
-      if (key->check_size != nullptr) {
-        absl::Status status = key->check_size(static_cast<uint64_t>(value));
-        if (!status.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+      absl::Status status = ApplyText(*key, absl::StrCat(value), source, options);
+      if (!status.ok()) return status;
+    } else if (key->text == &DaemonOptions::peers && node.is_array()) {
+      // peers = ["h1:7411", "h2:7411"] reads better in a file than one long string.
+      std::vector<std::string> entries;
+      for (const toml::node& entry : *node.as_array()) {
+        if (!entry.is_string()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              source, ": expected an array of \"host:port\" strings, got ", TomlTypeName(entry),
+              " in it"));
         }
+        entries.push_back(entry.as_string()->get());
       }
-      options.*key->size = static_cast<uint64_t>(value);
+      absl::Status status = ApplyText(*key, absl::StrJoin(entries, ","), source, options);
+      if (!status.ok()) return status;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          source, ": expected ",
-          key->size != nullptr ? "an integer number of bytes or a size string such as \"2GiB\""
-                               : "a string",
-          ", got ", TomlTypeName(node)));
+      const char* expected =
+          key->size != nullptr       ? "an integer number of bytes or a size string such as \"2GiB\""
+          : key->count != nullptr    ? "an integer"
+          : key->duration != nullptr ? "a duration string such as \"1s\" or \"500ms\""
+          : key->text == &DaemonOptions::peers ? "a string or an array of strings"
+                                               : "a string";
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": expected ", expected, ", got ", TomlTypeName(node)));
     }
   }
   return absl::OkStatus();
@@ -453,11 +524,19 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                 "measured at start)"},
       {"profile_cache", "file keeping profiles between runs; none disables (default "
                         "~/.cache/rannc/profiles.tsv)"},
+      {"peers", "every daemon of the cluster, this one included: h1:p1,h2:p2,... or one "
+                "NAME:PORT resolving to all (with --cluster-size) (default: this daemon alone)"},
+      {"advertise", "this daemon's address in --peers (default the --listen address)"},
+      {"cluster_size", "daemons a --peers name must resolve to (default: the length of --peers)"},
+      {"heartbeat_interval", "how often to heartbeat each peer (default 1s)"},
+      {"peer_timeout", "silence after which a peer is DOWN (default 10s)"},
   };
   const std::map<std::string, std::string> type_names = {
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
       {"log_level", "LEVEL"}, {"max_message_size", "SIZE"}, {"shm_dir", "DIR"},
-      {"links", "SPEEDS"},    {"profile_cache", "FILE"},
+      {"links", "SPEEDS"},    {"profile_cache", "FILE"},       {"peers", "LIST"},
+      {"advertise", "HOST:PORT"}, {"cluster_size", "N"},       {"heartbeat_interval", "DURATION"},
+      {"peer_timeout", "DURATION"},
   };
   std::vector<FlagValue> flags;
   flags.reserve(Keys().size());
@@ -469,7 +548,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
     // "" is a meaningful value for these (disable, automatic); CLI11 would otherwise reject
     // the `--shm-dir=` spelling of it.
     if (key.text == &DaemonOptions::shm_dir || key.text == &DaemonOptions::devices ||
-        key.text == &DaemonOptions::links || key.text == &DaemonOptions::profile_cache) {
+        key.text == &DaemonOptions::links || key.text == &DaemonOptions::profile_cache ||
+        key.text == &DaemonOptions::peers || key.text == &DaemonOptions::advertise) {
       flag.option->expected(0, 1);
     }
   }
@@ -483,7 +563,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       "--version", absl::StrCat("ranncd ", version.empty() ? "(unversioned)" : ToAbsl(version)));
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
-      "log_level, max_message_size, shm_dir, links, profile_cache) and in the environment as RANNC_<KEY> (e.g. "
+      "log_level, max_message_size, shm_dir, links, profile_cache, peers, advertise, "
+      "cluster_size, heartbeat_interval, peer_timeout) and in the environment as RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");
 
   try {
@@ -574,6 +655,23 @@ absl::StatusOr<uint64_t> ParseByteSize(std::string_view std_text) {
       static_cast<unsigned __int128>(fraction) * multiplier->second / fraction_scale;
   if (bytes > UINT64_MAX) return invalid("larger than 2^64-1 bytes");
   return static_cast<uint64_t>(bytes);
+}
+
+absl::StatusOr<std::chrono::milliseconds> ParseDuration(std::string_view std_text) {
+  const absl::string_view text = absl::StripAsciiWhitespace(ToAbsl(std_text));
+  absl::Duration duration;
+  // absl accepts a bare "0" and units down to ns; a duration here needs a unit and >= 1 ms.
+  if (!absl::ParseDuration(text, &duration) || text == "0" ||
+      duration == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "invalid duration '", text, "'; expected a number with a unit ms, s, m or h (e.g. 500ms, "
+        "1.5s)"));
+  }
+  if (duration < absl::Milliseconds(1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("duration '", text, "' must be at least 1ms"));
+  }
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(duration));
 }
 
 std::string DeviceName(const DeviceSpec& device) {

@@ -7,8 +7,9 @@
 // TOML file: --config FILE if given, else $RANNC_CONF_DIR/rannc.toml if RANNC_CONF_DIR is set,
 // else $HOME/.rannc/rannc.toml. A missing default file is fine; a missing --config file, a
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
-// names below (listen, devices, device_memory, log_level, max_message_size, shm_dir) at the
-// top level. The same file also holds job-level keys that the client reads (partition_num,
+// names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
+// profile_cache, peers, advertise, cluster_size, heartbeat_interval, peer_timeout) at the top
+// level; `peers` may also be an array of strings. The same file also holds job-level keys that the client reads (partition_num,
 // mem_margin, ...; RaNNC's names): those are accepted and ignored here. Any other key is an
 // error naming the key and the file.
 //
@@ -18,7 +19,8 @@
 // inherits its client's environment.
 //
 // Flags (CLI11): --listen, --devices, --device-memory, --log-level, --max-message-size,
-// --shm-dir, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both work; a flag
+// --shm-dir, --links, --profile-cache, --peers, --advertise, --cluster-size,
+// --heartbeat-interval, --peer-timeout, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both work; a flag
 // given twice takes the last value; unknown flags and positional arguments are errors naming
 // them.
 //
@@ -26,6 +28,9 @@
 // number, optionally fractional, and an optional unit, B, KB, MB, GB, TB (powers of 1000) or
 // KiB, MiB, GiB, TiB (powers of 1024), case-insensitive ("512MiB", "2GiB", "1.5GB", "1024").
 // Fractional bytes are rounded down.
+//
+// Durations (heartbeat_interval, peer_timeout) are a number with a unit, ms, s, m or h
+// ("500ms", "1.5s"), at least 1 ms, rounded down to whole milliseconds.
 //
 // Thread-safety: every function here is a pure function of its arguments (it reads the TOML
 // file and nothing else; the environment comes in as a map), safe from any thread.
@@ -44,6 +49,7 @@
 #ifndef RANNC_DAEMON_CONFIG_OPTIONS_H_
 #define RANNC_DAEMON_CONFIG_OPTIONS_H_
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -90,6 +96,27 @@ struct DaemonOptions {
   // ~/.cache/rannc/profiles.tsv; "none" keeps them in memory only.
   std::string profile_cache = "";
 
+  // The cluster (daemon/cluster/peers.h): every daemon's address, this one included,
+  // "h1:p1,h2:p2,..." (stored with spaces removed), or one NAME:PORT whose NAME resolves to
+  // every daemon (with cluster_size). Default "": this daemon alone.
+  std::string peers = "";
+
+  // This daemon's address as the other members reach it, host:port; must be in `peers`.
+  // Default "": the listen address (which then must not be 0.0.0.0, [::] or port 0 when
+  // `peers` is set).
+  std::string advertise = "";
+
+  // How many daemons a DNS name in `peers` must resolve to before ranks are assigned. Default
+  // 0: the length of a static `peers` list.
+  uint64_t cluster_size = 0;
+
+  // How often this daemon heartbeats every other member. Default 1 s.
+  std::chrono::milliseconds heartbeat_interval{1000};
+
+  // A member not heard from for this long is DOWN. Default 10 s; must exceed
+  // heartbeat_interval.
+  std::chrono::milliseconds peer_timeout{10000};
+
   // The TOML file the options were read from; "" when none was found. Output only: the file is
   // chosen by --config or RANNC_CONF_DIR, never by a key.
   std::string config_file;
@@ -115,6 +142,10 @@ std::map<std::string, std::string> ProcessEnvironment();
 // Parses a byte size as described at the top ("2GiB" -> 2147483648). INVALID_ARGUMENT for an
 // empty, negative or malformed value, an unknown unit, or more than 2^64-1 bytes.
 absl::StatusOr<uint64_t> ParseByteSize(std::string_view text);
+
+// Parses a duration as described at the top ("1.5s" -> 1500 ms). INVALID_ARGUMENT for a
+// missing unit, a negative, zero or malformed value.
+absl::StatusOr<std::chrono::milliseconds> ParseDuration(std::string_view text);
 
 struct DeviceSpec {
   std::string type;  // "cpu" or "cuda"

@@ -67,7 +67,44 @@ TEST_CASE("LoadDaemonOptions: defaults without file, environment or flags", "[co
   CHECK(options->shm_dir == "/dev/shm");
   CHECK(options->links == "");
   CHECK(options->profile_cache == "");
+  CHECK(options->peers == "");
+  CHECK(options->advertise == "");
+  CHECK(options->cluster_size == 0);
+  CHECK(options->heartbeat_interval == std::chrono::seconds(1));
+  CHECK(options->peer_timeout == std::chrono::seconds(10));
   CHECK(options->config_file == "");
+}
+
+TEST_CASE("LoadDaemonOptions: the cluster's keys", "[config]") {
+  auto flags = Load({"--peers", "h2:7411, h1:7411", "--advertise", "h1:7411", "--cluster-size",
+                     "2", "--heartbeat-interval", "250ms", "--peer-timeout", "1.5s"},
+                    {});
+  REQUIRE_OK(flags);
+  CHECK(flags->peers == "h2:7411,h1:7411");
+  CHECK(flags->advertise == "h1:7411");
+  CHECK(flags->cluster_size == 2);
+  CHECK(flags->heartbeat_interval == std::chrono::milliseconds(250));
+  CHECK(flags->peer_timeout == std::chrono::milliseconds(1500));
+  auto env = Load({}, {{"RANNC_PEERS", "svc:7411"}, {"RANNC_CLUSTER_SIZE", "4"},
+                       {"RANNC_PEER_TIMEOUT", "1m"}});
+  REQUIRE_OK(env);
+  CHECK(env->peers == "svc:7411");
+  CHECK(env->cluster_size == 4);
+  CHECK(env->peer_timeout == std::chrono::minutes(1));
+
+  CHECK_THAT(ErrorIf(Load({"--peers", "a:1,a:1"}, {}), kInvalid),
+             Catch::Contains("--peers") && Catch::Contains("given twice"));
+  CHECK_THAT(ErrorIf(Load({"--peers", "a"}, {}), kInvalid),
+             Catch::Contains("--peers") && Catch::Contains("host:port"));
+  CHECK_THAT(ErrorIf(Load({"--advertise", "a:x"}, {}), kInvalid), Catch::Contains("--advertise"));
+  CHECK_THAT(ErrorIf(Load({"--cluster-size", "two"}, {}), kInvalid),
+             Catch::Contains("--cluster-size") && Catch::Contains("whole number"));
+  CHECK_THAT(ErrorIf(Load({}, {{"RANNC_HEARTBEAT_INTERVAL", "5"}}), kInvalid),
+             Catch::Contains("RANNC_HEARTBEAT_INTERVAL") && Catch::Contains("unit"));
+  CHECK_THAT(ErrorIf(Load({"--peer-timeout", "0.1ms"}, {}), kInvalid),
+             Catch::Contains("at least 1ms"));
+  CHECK_THAT(ErrorIf(Load({"--peer-timeout", "-2s"}, {}), kInvalid),
+             Catch::Contains("at least 1ms"));
 }
 
 TEST_CASE("LoadDaemonOptions: the planner's links and profile cache", "[config]") {
@@ -169,10 +206,19 @@ TEST_CASE("LoadDaemonOptions: TOML file errors", "[config]") {
     WriteFile(file, "[daemon]\nlisten = \"a:1\"\n");
     CHECK_THAT(ErrorIf(Load({}, env), kInvalid), Catch::Contains("unknown key 'daemon'"));
   }
-  SECTION("daemon keys not implemented yet") {
-    WriteFile(file, "peers = [\"a:1\"]\n");
+  SECTION("peers as an array, and what may not be in it") {
+    WriteFile(file, "peers = [\"b:1\", \" a:2\"]\npeer_timeout = \"3s\"\ncluster_size = 2\n");
+    auto options = Load({}, env);
+    REQUIRE_OK(options);
+    CHECK(options->peers == "b:1,a:2");
+    CHECK(options->peer_timeout == std::chrono::seconds(3));
+    CHECK(options->cluster_size == 2);
+    WriteFile(file, "peers = [\"a:1\", 7]\n");
     CHECK_THAT(ErrorIf(Load({}, env), kInvalid),
-               Catch::Contains("'peers'") && Catch::Contains("not supported"));
+               Catch::Contains("'peers'") && Catch::Contains("array of \"host:port\" strings"));
+    WriteFile(file, "heartbeat_interval = 1\n");
+    CHECK_THAT(ErrorIf(Load({}, env), kInvalid),
+               Catch::Contains("'heartbeat_interval'") && Catch::Contains("duration string"));
   }
   SECTION("wrong value types") {
     WriteFile(file, "listen = 7411\n");

@@ -6,6 +6,8 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/cluster/cluster.h"
+#include "daemon/cluster/cluster_service.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/planner/deployment.h"
@@ -192,13 +194,26 @@ void TrainingServiceImpl::set_address(std::string address) {
   address_ = std::move(address);
 }
 
+void TrainingServiceImpl::set_cluster(const cluster::Cluster* cluster) {
+  std::lock_guard<std::mutex> lock(address_mu_);
+  cluster_ = cluster;
+}
+
 grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                                           v1::DaemonInfo* info) {
   info->set_version(facts_.version);
   info->set_torch_version(facts_.torch_version);
+  const cluster::Cluster* cluster = nullptr;
   {
     std::lock_guard<std::mutex> lock(address_mu_);
     info->set_listen(address_);
+    cluster = cluster_;
+  }
+  if (cluster != nullptr) {
+    const cluster::Clock::time_point now = cluster->Now();
+    for (const cluster::MemberInfo& member : cluster->Members()) {
+      cluster::ToProto(member, now, info->add_cluster());
+    }
   }
   info->set_hostname(facts_.hostname);
   info->set_max_message_bytes(facts_.max_message_bytes);

@@ -18,6 +18,9 @@
 #include "rannc/v1/training.grpc.pb.h"
 
 namespace rannc {
+namespace cluster {
+class Cluster;
+}  // namespace cluster
 
 // What GetInfo reports; fixed for the daemon's lifetime.
 struct DaemonFacts {
@@ -44,6 +47,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
 
   // The bound address is known only once the server runs (--listen may ask for port 0).
   void set_address(std::string address);
+  // Likewise the cluster, which needs that address. GetInfo lists its members once set; the
+  // cluster must outlive the service.
+  void set_cluster(const cluster::Cluster* cluster);
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::DaemonInfo*) override;
@@ -91,6 +97,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   JobManager* const jobs_;
   std::mutex address_mu_;
   std::string address_;
+  const cluster::Cluster* cluster_ = nullptr;  // guarded by address_mu_
 };
 
 }  // namespace rannc

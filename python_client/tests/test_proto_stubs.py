@@ -24,7 +24,7 @@ def test_committed_stubs_are_fresh(tmp_path):
     (root / "tools").mkdir(parents=True)
     (root / "proto" / "rannc" / "v1").mkdir(parents=True)
     shutil.copy(_source("tools/gen_py_proto.sh"), root / "tools" / "gen_py_proto.sh")
-    for name in ("training.proto", "deployment.proto"):
+    for name in ("training.proto", "deployment.proto", "cluster.proto"):
         shutil.copy(_source("proto/rannc/v1/" + name), root / "proto" / "rannc" / "v1" / name)
     out = tmp_path / "out"
     result = subprocess.run(["bash", str(root / "tools" / "gen_py_proto.sh"), str(out)],
