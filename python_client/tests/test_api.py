@@ -369,7 +369,8 @@ def test_undeploy_then_forward_again():
         return list(job.device_bytes)
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert all(b > 0 for b in held()) and sum(held()) >= 2 * params  # at least params and grads
+    # At least the parameters and their gradients (a stage without parameters may hold none).
+    assert sum(held()) >= 2 * params
     rmod.undeploy()
     assert held() == [0] * len(rmod._job.devices)
     # undeploy() left the daemon's values in the local model.
