@@ -95,6 +95,9 @@ class GrpcStore final : public Store {
   }
   static void Deadline(grpc::ClientContext* context, milliseconds budget) {
     context->set_deadline(std::chrono::system_clock::now() + budget);
+    // Ranks start in any order: wait (within the deadline) for a store that is not up yet
+    // rather than failing at once.
+    context->set_wait_for_ready(true);
   }
   absl::Status Check(const grpc::Status& s, const char* what, const std::string& key) const {
     if (s.ok()) return absl::OkStatus();

@@ -8,8 +8,9 @@
 //   std::unique_ptr<comm::Store> store = comm::MakeGrpcStore("10.0.0.1:7411");  // anywhere
 //   MakeCommunicator(Backend::kUcx, {store.get(), "job1/world", rank, size});
 //
-// Errors: a store call that cannot reach the server returns UNAVAILABLE naming the address; a
-// Get or Wait that times out returns DEADLINE_EXCEEDED naming the key. Thread-safe.
+// Errors: a call waits up to its RPC timeout for the server to come up (ranks start in any
+// order), then returns UNAVAILABLE naming the address; a Get or Wait that times out returns
+// DEADLINE_EXCEEDED naming the key. Thread-safe.
 #ifndef RANNC_DAEMON_COMM_GRPC_STORE_H_
 #define RANNC_DAEMON_COMM_GRPC_STORE_H_
 

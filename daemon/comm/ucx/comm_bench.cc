@@ -1,10 +1,14 @@
-// Bandwidth of the UCX backend with ranks as threads of one process (as a daemon's CPU devices
-// use it): send/recv rank 0 -> 1 and all_reduce over all ranks, float32, median of repetitions
-// after warm-up. Prints one line per measurement, "op bytes seconds", for
-// benchmarks/comm_bandwidth.py to tabulate.
+// Bandwidth of the UCX backend: send/recv rank 0 -> 1 and all_reduce over all ranks, float32,
+// median of repetitions after warm-up. Ranks are either threads of one process (as a daemon's
+// CPU devices use it) or processes meeting through a gRPC store (as ranks on different daemons
+// do; rank 0's process serves the store). Rank 0 prints one line per measurement,
+// "op bytes seconds" (the slowest rank's time), for benchmarks/comm_bandwidth.py to tabulate.
 //
 //   bazel build -c opt //daemon/comm/ucx:comm_bench
 //   bazel-bin/daemon/comm/ucx/comm_bench --ranks 4 --sizes_mib 1,4,16 --reps 5
+//   # one process per rank:
+//   comm_bench --ranks 4 --rank 0 --serve_store 127.0.0.1:PORT ... &
+//   comm_bench --ranks 4 --rank R --store 127.0.0.1:PORT ...        (R = 1..3)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,30 +18,92 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
+#include "daemon/comm/grpc_store.h"
 #include "daemon/comm/ucx/ucx_communicator.h"
 
 using namespace rannc::comm;
 using Clock = std::chrono::steady_clock;
 
-int main(int argc, char** argv) {
+namespace {
+
+struct Settings {
   int ranks = 4, reps = 5, warmup = 2;
+  std::vector<size_t> sizes_mib = {1, 4, 16, 64, 256};
+};
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// The slowest rank's `seconds`, on every rank.
+double MaxOverRanks(Communicator& c, double seconds) {
+  double v = seconds;
+  Check(c.AllReduce({&v, 1, DataType::kFloat64}, {ReduceOp::kMax})->Wait());
+  return v;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void RunRank(Communicator& c, const Settings& s) {
+  const int r = c.rank();
+  for (size_t mib : s.sizes_mib) {
+    const size_t count = (mib << 20) / 4;
+    std::vector<float> buf(count, 1.0f);  // touched before timing: fresh pages fault slowly
+    std::vector<double> p2p, allreduce;
+    for (int it = 0; it < s.warmup + s.reps; ++it) {
+      Check(c.Barrier()->Wait());
+      auto start = Clock::now();
+      if (r == 0) Check(c.Send(Buffer::Of(buf.data(), count), 1)->Wait());
+      if (r == 1) Check(c.Recv(Buffer::Of(buf.data(), count), 0)->Wait());
+      double t = MaxOverRanks(c, std::chrono::duration<double>(Clock::now() - start).count());
+      if (it >= s.warmup) p2p.push_back(t);
+      Check(c.Barrier()->Wait());
+      start = Clock::now();
+      Check(c.AllReduce(Buffer::Of(buf.data(), count))->Wait());
+      t = MaxOverRanks(c, std::chrono::duration<double>(Clock::now() - start).count());
+      if (it >= s.warmup) allreduce.push_back(t);
+    }
+    if (r == 0) {
+      std::printf("sendrecv %zu %.9f\n", mib << 20, Median(p2p));
+      std::printf("allreduce %zu %.9f\n", mib << 20, Median(allreduce));
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  int rank = -1;  // >= 0: this process is that one rank
+  std::string store_address, serve_store;
   size_t chunk = size_t(1) << 20;
   bool peer_errors = false;
-  std::vector<size_t> sizes_mib = {1, 4, 16, 64, 256};
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--ranks") ranks = std::stoi(value);
-    else if (flag == "--reps") reps = std::stoi(value);
-    else if (flag == "--warmup") warmup = std::stoi(value);
+    if (flag == "--ranks") s.ranks = std::stoi(value);
+    else if (flag == "--reps") s.reps = std::stoi(value);
+    else if (flag == "--warmup") s.warmup = std::stoi(value);
     else if (flag == "--chunk_kib") chunk = std::stoul(value) << 10;
     else if (flag == "--peer_errors") peer_errors = value != "0";
+    else if (flag == "--rank") rank = std::stoi(value);
+    else if (flag == "--store") store_address = value;
+    else if (flag == "--serve_store") serve_store = value;
     else if (flag == "--sizes_mib") {
-      sizes_mib.clear();
+      s.sizes_mib.clear();
       size_t start = 0;
       while (start < value.size()) {
         size_t end = value.find(',', start);
         if (end == std::string::npos) end = value.size();
-        sizes_mib.push_back(std::stoul(value.substr(start, end - start)));
+        s.sizes_mib.push_back(std::stoul(value.substr(start, end - start)));
         start = end + 1;
       }
     } else {
@@ -45,78 +111,48 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  auto store = MakeInMemoryStore();
   UcxOptions ucx;
   ucx.chunk_bytes = chunk;
   ucx.peer_error_handling = peer_errors;
-  std::vector<std::unique_ptr<Communicator>> comms(ranks);
-  {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < ranks; ++r) {
-      threads.emplace_back([&, r] {
-        auto c = MakeUcxCommunicator(store.get(), "bench", r, ranks, std::chrono::seconds(60), ucx);
-        if (!c.ok()) {
-          std::fprintf(stderr, "%s\n", c.status().ToString().c_str());
-          std::exit(1);
-        }
-        comms[r] = std::move(*c);
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
-  auto check = [](absl::Status s) {
-    if (!s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      std::exit(1);
-    }
-  };
-  for (size_t mib : sizes_mib) {
-    const size_t count = (mib << 20) / 4;
-    std::vector<std::vector<float>> bufs(ranks);
-    std::vector<std::thread> threads;
-    // Each rank touches its own buffer (this VM faults fresh pages slowly).
-    for (int r = 0; r < ranks; ++r) {
-      threads.emplace_back([&, r] { bufs[r].assign(count, 1.0f); });
-    }
-    for (auto& t : threads) t.join();
-    threads.clear();
-    std::vector<double> p2p, allreduce;
-    std::vector<double> times(ranks);
-    for (int it = 0; it < warmup + reps; ++it) {
-      // send/recv 0 -> 1, timed on the receiver from a barrier.
-      for (int r = 0; r < ranks; ++r) {
-        threads.emplace_back([&, r] {
-          Communicator& c = *comms[r];
-          check(c.Barrier()->Wait());
-          const auto start = Clock::now();
-          if (r == 0) check(c.Send(Buffer::Of(bufs[r].data(), count), 1)->Wait());
-          if (r == 1) check(c.Recv(Buffer::Of(bufs[r].data(), count), 0)->Wait());
-          times[r] = std::chrono::duration<double>(Clock::now() - start).count();
-        });
+
+  if (rank >= 0) {
+    // One rank per process: rank 0 serves the store the others meet through.
+    std::unique_ptr<StoreServiceImpl> service;
+    std::unique_ptr<grpc::Server> server;
+    if (!serve_store.empty()) {
+      service = std::make_unique<StoreServiceImpl>(MakeInMemoryStore());
+      grpc::ServerBuilder builder;
+      builder.AddListeningPort(serve_store, grpc::InsecureServerCredentials());
+      builder.RegisterService(service.get());
+      server = builder.BuildAndStart();
+      if (server == nullptr) {
+        std::fprintf(stderr, "cannot serve the store on %s\n", serve_store.c_str());
+        return 1;
       }
-      for (auto& t : threads) t.join();
-      threads.clear();
-      if (it >= warmup) p2p.push_back(std::max(times[0], times[1]));
-      for (int r = 0; r < ranks; ++r) {
-        threads.emplace_back([&, r] {
-          Communicator& c = *comms[r];
-          check(c.Barrier()->Wait());
-          const auto start = Clock::now();
-          check(c.AllReduce(Buffer::Of(bufs[r].data(), count))->Wait());
-          times[r] = std::chrono::duration<double>(Clock::now() - start).count();
-        });
-      }
-      for (auto& t : threads) t.join();
-      threads.clear();
-      if (it >= warmup) allreduce.push_back(*std::max_element(times.begin(), times.end()));
+      store_address = serve_store;
     }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
-    std::printf("sendrecv %zu %.9f\n", mib << 20, median(p2p));
-    std::printf("allreduce %zu %.9f\n", mib << 20, median(allreduce));
-    std::fflush(stdout);
+    std::unique_ptr<Store> store = MakeGrpcStore(store_address);
+    auto c = MakeUcxCommunicator(store.get(), "bench", rank, s.ranks, std::chrono::seconds(60),
+                                 ucx);
+    Check(c.status());
+    RunRank(**c, s);
+    Check((*c)->Barrier()->Wait());  // the store's server outlives every rank's last use
+    return 0;
   }
+
+  auto store = MakeInMemoryStore();
+  std::vector<std::unique_ptr<Communicator>> comms(s.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < s.ranks; ++r) {
+    threads.emplace_back([&, r] {
+      auto c = MakeUcxCommunicator(store.get(), "bench", r, s.ranks, std::chrono::seconds(60), ucx);
+      Check(c.status());
+      comms[r] = std::move(*c);
+    });
+  }
+  for (auto& t : threads) t.join();
+  threads.clear();
+  for (int r = 0; r < s.ranks; ++r) threads.emplace_back([&, r] { RunRank(*comms[r], s); });
+  for (auto& t : threads) t.join();
   return 0;
 }
