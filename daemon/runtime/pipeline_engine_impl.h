@@ -1,0 +1,292 @@
+// Private to //daemon/runtime:pipeline_engine: the engine's implementation class and the
+// per-device state it drives, shared by pipeline_engine.cc (setup, parameters, optimizers) and
+// pipeline_engine_step.cc (forward, backward and gradient reduction over the devices).
+#ifndef RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_IMPL_H_
+#define RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_IMPL_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/comm/communicator.h"
+#include "daemon/comm/store.h"
+#include "daemon/graph/ir.h"
+#include "daemon/optim/optimizer.h"
+#include "daemon/runtime/grad_reducer.h"
+#include "daemon/runtime/micro_batch.h"
+#include "daemon/runtime/pipeline_engine.h"
+#include "daemon/runtime/schedule.h"
+#include "daemon/runtime/stage_executor.h"
+
+namespace rannc {
+namespace pipeline_internal {
+
+
+// Point-to-point tags on the all-devices group: bit 31 = gradient (backward), bits 30..20 the
+// micro-batch, bits 19..0 the IR value. One transfer per (direction, micro-batch, value) between
+// a pair of devices per step, so (tag, issue order) matching is unambiguous.
+constexpr int kMaxMicroBatches = 1 << 11;
+constexpr int kMaxValues = 1 << 20;
+inline uint32_t Tag(bool backward, int micro_batch, int value) {
+  return (backward ? (1u << 31) : 0u) | (static_cast<uint32_t>(micro_batch) << 20) |
+         static_cast<uint32_t>(value);
+}
+
+// A thread running posted tasks in order.
+class Worker {
+ public:
+  Worker() : thread_([this] { Loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  std::future<absl::Status> Post(std::function<absl::Status()> fn) {
+    auto task = std::make_shared<std::packaged_task<absl::Status()>>(std::move(fn));
+    std::future<absl::Status> done = task->get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back([task] { (*task)(); });
+    }
+    cv_.notify_one();
+    return done;
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the rest is constructed
+};
+
+struct StageInfo {
+  int first = 0, end = 0;
+  std::vector<int> devices;  // global device index per replica
+  std::vector<int> data_inputs, outputs;
+  // Per data input: the stage producing it, or -1 - i for user input i.
+  std::vector<int> source;
+  // Per output: the later stages that read it.
+  std::vector<std::vector<int>> consumers;
+  std::vector<int> params;  // lifted indices of the parameters it reads
+  std::vector<int> lifted;  // lifted indices it reads (parameters and buffers)
+};
+
+struct Device {
+  int index = 0, stage = 0, replica = 0, world_rank = 0;
+  bool local = true;  // run by this process (EngineOptions::local_devices)
+  std::vector<at::Tensor> lifted;  // per IR lifted input; undefined where the stage reads none
+  std::unique_ptr<StageExecutor> exec;
+  std::unique_ptr<comm::Communicator> world, replicas;
+  // Sums the stage's untied parameters' gradients over `replicas`, overlapped with the
+  // device's last backward.
+  std::unique_ptr<GradReducer> reducer;
+  // Operations abandoned by a failed step, with the memory they may still write.
+  std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>> abandoned;
+  // Per StageInfo::params: the gradients of a fused forward, waiting for the client's Backward.
+  std::vector<at::Tensor> fused_grads;
+  // This step's outputs without a batch dimension (IR value -> sum or first shard's).
+  std::map<int, at::Tensor> partial;
+  std::unique_ptr<Optimizer> optimizer;
+  std::vector<int> optimizer_params;  // lifted index per optimizer param (across groups)
+  std::unique_ptr<Worker> worker;
+};
+
+// How a model output is assembled from the shards that compute it (see the header).
+enum class OutputKind { kBatched, kMean, kSum, kFirst, kUserInput, kLifted };
+
+enum class Phase {
+  kFused,     // forwards and backwards in the plan's schedule, output gradient 1 for the loss
+  kForward,   // every micro-batch's forward (keeping graphs when the step requires grad)
+  kBackward,  // every micro-batch's backward, GPipe order, with the client's output gradients
+};
+
+}  // namespace pipeline_internal
+
+class PipelineEngine::Impl {
+  using Device = pipeline_internal::Device;
+  using StageInfo = pipeline_internal::StageInfo;
+  using OutputKind = pipeline_internal::OutputKind;
+  using Phase = pipeline_internal::Phase;
+  using milliseconds = std::chrono::milliseconds;
+
+ public:
+  ~Impl() {
+    for (Device& d : devices_) d.worker.reset();  // joins
+    for (Device& d : devices_) {
+      d.optimizer.reset();
+      d.reducer.reset();
+      d.exec.reset();
+      d.replicas.reset();
+      d.world.reset();
+    }
+  }
+
+  absl::Status Init(const IrGraph& ir, const v1::Deployment& plan,
+                    const std::vector<at::Tensor>& lifted, const EngineOptions& options);
+  bool fused() const { return fused_; }
+  bool broken() const { return broken_; }
+  std::vector<int> device_indices() const {
+    std::vector<int> out;
+    for (const Device& d : devices_) {
+      if (d.local) out.push_back(d.index);
+    }
+    return out;
+  }
+  absl::StatusOr<std::vector<at::Tensor>> Forward(const std::vector<at::Tensor>& inputs,
+                                                  bool requires_grad);
+  absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
+                        bool retain_graph);
+  absl::StatusOr<const at::Tensor*> Find(const std::string& name, int device) const;
+  at::Tensor OwnerTensor(int lifted) const {
+    return owner_[lifted] < 0 ? at::Tensor() : devices_[owner_[lifted]].lifted[lifted];
+  }
+  void SetParam(int lifted, const at::Tensor& value);
+  void AddGrad(int lifted, const at::Tensor& grad);
+  void ZeroGrad(bool set_to_none);
+  absl::StatusOr<double> ClipGradNorm(const std::vector<int>& params, double max_norm,
+                                      double norm_type);
+  absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
+  absl::Status Step(const std::vector<HyperParams>& hypers);
+  std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;
+  absl::Status LoadOptimizerState(
+      const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
+  void ApplySgd(double lr);
+  int64_t DeviceBytes(int device) const;
+
+ private:
+  using Pending = std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>>;
+  struct StepPlan {
+    Phase phase = Phase::kForward;
+    bool requires_grad = false;
+    int64_t batch = 0;
+    std::vector<int64_t> mb_sizes, mb_offsets;
+    const std::vector<at::Tensor>* inputs = nullptr;      // forward phases
+    std::map<int, at::Tensor>* batched = nullptr;         // forward: full-batch outputs
+    const std::map<int, at::Tensor>* grads = nullptr;     // backward: client output gradients
+    bool retain_graph = false;                            // backward: keep the graphs
+  };
+  // What the last forward left for Backward.
+  enum class Held { kNothing, kFusedGrads, kGraphs };
+
+  int64_t PerSample(int v) const {
+    const IrValue& val = ir_->values[v];
+    return val.batch_dim < 0 ? 0 : val.shape[val.batch_dim] / ir_->example_batch;
+  }
+  std::vector<int64_t> ShapeFor(int v, int64_t count) const {
+    const IrValue& val = ir_->values[v];
+    std::vector<int64_t> shape = val.shape;
+    if (val.batch_dim >= 0) shape[val.batch_dim] = count * PerSample(v);
+    return shape;
+  }
+  at::Tensor Rows(const at::Tensor& t, int v, int64_t offset, int64_t count) const {
+    const int bd = ir_->values[v].batch_dim;
+    if (bd < 0) return t;
+    const int64_t ps = PerSample(v);
+    return t.narrow(bd, offset * ps, count * ps);
+  }
+
+  // The transfers of value `v` (of a micro-batch of `n` samples) from stage p to stage q.
+  std::vector<Transfer> Transfers(int v, int64_t n, int p, int q) const {
+    const int rp = static_cast<int>(stages_[p].devices.size());
+    const int rq = static_cast<int>(stages_[q].devices.size());
+    std::vector<Transfer> out;
+    if (ir_->values[v].batch_dim < 0) {
+      // Whole values, assumed the same on every replica (sizes, masks): consumer replica k
+      // reads producer replica k % rp's. Replicas without samples (a micro-batch smaller than
+      // the replica count) run nothing, so they neither send nor receive.
+      for (int k = 0; k < rq && k < n; ++k) {
+        const int src = k % rp < n ? k % rp : 0;
+        out.push_back({src, k, 0, 0, 0});
+      }
+      return out;
+    }
+    for (const Transfer& t : Reshard(SplitSizes(n, rp), SplitSizes(n, rq))) {
+      if (t.count > 0) out.push_back(t);
+    }
+    return out;
+  }
+
+  absl::Status CheckUsable() const {
+    if (!broken_) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("an earlier step failed: ", first_error_.message()));
+  }
+  // Runs `fn` on every device's worker at once; the first error (annotated with the device)
+  // breaks the engine when `breaks`.
+  absl::Status OnEveryDevice(const std::function<absl::Status(Device&)>& fn, bool breaks);
+  absl::Status Wait(Device& d, std::unique_ptr<comm::Work> work, at::Tensor keep,
+                    const std::string& what);
+  absl::Status WaitAll(Device& d, Pending& pending);
+  absl::Status Send(Device& d, const at::Tensor& t, int dst_device, uint32_t tag,
+                    Pending& pending);
+  absl::Status Recv(Device& d, const at::Tensor& t, int src_device, uint32_t tag,
+                    const std::string& what);
+  absl::Status RunDevice(Device& d, const StepPlan& step);
+  absl::Status RunForward(Device& d, const StepPlan& step, int mb, Pending& pending);
+  absl::Status RunBackward(Device& d, const StepPlan& step, int mb, Pending& pending);
+  absl::Status ReduceGrads(Device& d);
+
+  const IrGraph* ir_ = nullptr;
+  std::string id_;
+  ScheduleKind schedule_ = ScheduleKind::k1F1B;
+  int micro_batches_ = 1;
+  bool fused_ = false;
+  milliseconds timeout_{120000};
+  std::unique_ptr<comm::Store> owned_store_;
+  comm::Store* store_ = nullptr;  // owned_store_, or EngineOptions::store
+  bool partial_ = false;          // some of the plan's devices belong to other processes
+  std::vector<StageInfo> stages_;
+  std::vector<Device> devices_;                 // the plan's devices, ascending index
+  std::vector<int> world_rank_;                 // per global device index (-1: unused)
+  std::vector<int> owner_;                      // per lifted tensor: world rank of its owner
+  std::vector<int> tied_;                       // parameters read by several stages
+  std::vector<std::vector<int64_t>> lifted_shapes_;
+  std::vector<at::ScalarType> lifted_types_;
+  std::vector<OutputKind> output_kinds_;        // per IR output
+  std::map<int, OutputKind> stage_outputs_;     // IR value -> kind, for values stages produce
+  std::atomic<bool> aborted_{false};
+  bool broken_ = false;
+  std::mutex error_mu_;
+  absl::Status first_error_;
+
+  // The last forward: its sizes, outputs' shapes and dtypes, what it left for Backward.
+  StepPlan last_;
+  int last_micro_batches_ = 0;
+  std::vector<std::pair<at::ScalarType, std::vector<int64_t>>> last_outputs_;
+  Held held_ = Held::kNothing;
+};
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_IMPL_H_

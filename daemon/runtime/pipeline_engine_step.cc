@@ -1,0 +1,530 @@
+// The engine's steps: each device's forwards and backwards in the schedule's order, the
+// transfers between stages, and the gradient reduction (see pipeline_engine.h).
+#include "daemon/runtime/pipeline_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/common/tensor_codec.h"
+#include "daemon/graph/subgraph.h"
+#include "daemon/runtime/pipeline_engine_impl.h"
+#include "daemon/runtime/tensor_buffer.h"
+
+namespace rannc {
+
+using pipeline_internal::Device;
+using pipeline_internal::kMaxMicroBatches;
+using pipeline_internal::kMaxValues;
+using pipeline_internal::OutputKind;
+using pipeline_internal::Phase;
+using pipeline_internal::StageInfo;
+using pipeline_internal::Tag;
+using pipeline_internal::Worker;
+using std::chrono::milliseconds;
+
+absl::Status PipelineEngine::Impl::Wait(Device& d, std::unique_ptr<comm::Work> work,
+                                        at::Tensor keep, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    absl::Status s = work->Wait(milliseconds(20));
+    if (s.code() != absl::StatusCode::kDeadlineExceeded) {
+      if (s.ok()) return s;
+      return Annotate(s, what);
+    }
+    const bool late = std::chrono::steady_clock::now() >= deadline;
+    if (late || aborted_.load()) {
+      d.abandoned.emplace_back(std::move(work), std::move(keep));
+      if (late) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            what, ": not done after ", timeout_.count(), " ms"));
+      }
+      return absl::AbortedError(absl::StrCat(what, ": abandoned, another device failed"));
+    }
+  }
+}
+
+absl::Status PipelineEngine::Impl::WaitAll(Device& d, Pending& pending) {
+  absl::Status status = absl::OkStatus();
+  for (auto& [work, keep] : pending) {
+    if (!status.ok()) {
+      d.abandoned.emplace_back(std::move(work), std::move(keep));
+      continue;
+    }
+    status = Wait(d, std::move(work), std::move(keep), "a send");
+  }
+  pending.clear();
+  return status;
+}
+
+absl::Status PipelineEngine::Impl::Send(Device& d, const at::Tensor& t, int dst_device,
+                                        uint32_t tag, Pending& pending) {
+  at::Tensor data = t.detach().contiguous();
+  absl::StatusOr<comm::Buffer> buf = BufferOf(data);
+  if (!buf.ok()) return buf.status();
+  pending.emplace_back(d.world->Send(*buf, world_rank_[dst_device], {tag}), data);
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::Recv(Device& d, const at::Tensor& t, int src_device,
+                                        uint32_t tag, const std::string& what) {
+  absl::StatusOr<comm::Buffer> buf = BufferOf(t);
+  if (!buf.ok()) return buf.status();
+  return Wait(d, d.world->Recv(*buf, world_rank_[src_device], {tag}), t,
+              absl::StrCat(what, " from device ", src_device));
+}
+
+absl::Status PipelineEngine::Impl::OnEveryDevice(const std::function<absl::Status(Device&)>& fn,
+                                                 bool breaks) {
+  aborted_ = false;
+  std::vector<std::future<absl::Status>> done;
+  for (Device& d : devices_) {
+    if (!d.local) continue;
+    done.push_back(d.worker->Post([this, &d, &fn]() -> absl::Status {
+      absl::Status s = TorchCall(absl::StatusCode::kInternal, "step", [&] { return fn(d); });
+      if (!s.ok()) {
+        s = Annotate(s, absl::StrCat("device ", d.index, " (stage ", d.stage, ", replica ",
+                                     d.replica, ")"));
+        aborted_ = true;
+      }
+      return s;
+    }));
+  }
+  absl::Status first = absl::OkStatus();
+  for (auto& f : done) {
+    absl::Status s = f.get();
+    // An abandoned wait is the consequence of another device's error, not the cause.
+    if (!s.ok() && (first.ok() || (first.code() == absl::StatusCode::kAborted &&
+                                   s.code() != absl::StatusCode::kAborted))) {
+      first = s;
+    }
+  }
+  if (!first.ok() && breaks) {
+    broken_ = true;
+    std::lock_guard<std::mutex> lock(error_mu_);
+    first_error_ = first;
+  }
+  return first;
+}
+
+absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, int mb,
+                                              Pending& pending) {
+  const IrGraph& ir = *ir_;
+  const StageInfo& st = stages_[d.stage];
+  const int R = static_cast<int>(st.devices.size());
+  const int64_t n = step.mb_sizes[mb];
+  const std::vector<int64_t> shards = SplitSizes(n, R);
+  const int64_t my_off = Offsets(shards)[d.replica];
+  const int64_t my_count = shards[d.replica];
+  const double weight = static_cast<double>(my_count) / step.batch;
+  if (my_count == 0) return absl::OkStatus();  // no samples of this micro-batch here
+  std::vector<at::Tensor> in;
+  for (size_t j = 0; j < st.data_inputs.size(); ++j) {
+    const int v = st.data_inputs[j];
+    const int p = st.source[j];
+    if (p < 0) {
+      in.push_back(Rows((*step.inputs)[-1 - p], v, step.mb_offsets[mb] + my_off, my_count));
+      continue;
+    }
+    const IrValue& val = ir.values[v];
+    at::Tensor x = at::empty(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+    for (const Transfer& t : Transfers(v, n, p, d.stage)) {
+      if (t.dst != d.replica) continue;
+      const bool whole = val.batch_dim < 0 || (t.dst_offset == 0 && t.count == my_count);
+      at::Tensor piece = whole ? x : at::empty(ShapeFor(v, t.count), x.options());
+      absl::Status s = Recv(d, piece, stages_[p].devices[t.src], Tag(false, mb, v),
+                            absl::StrCat("activation ", val.name, " of micro-batch ", mb));
+      if (!s.ok()) return s;
+      if (!whole) Rows(x, v, t.dst_offset, t.count).copy_(piece);
+    }
+    in.push_back(x);
+  }
+  absl::StatusOr<std::vector<at::Tensor>> out = d.exec->Forward(mb, in, step.requires_grad);
+  if (!out.ok()) return Annotate(out.status(), absl::StrCat("micro-batch ", mb));
+  for (size_t k = 0; k < st.outputs.size(); ++k) {
+    const int v = st.outputs[k];
+    auto kind = stage_outputs_.find(v);
+    if (kind != stage_outputs_.end()) {
+      at::Tensor value = (*out)[k].detach();
+      at::Tensor& partial = d.partial[v];
+      switch (kind->second) {
+        case OutputKind::kBatched:
+          Rows(step.batched->at(v), v, step.mb_offsets[mb] + my_off, my_count).copy_(value);
+          break;
+        case OutputKind::kMean:
+          value = value.to(at::kDouble) * weight;
+          partial = partial.defined() ? partial + value : value;
+          break;
+        case OutputKind::kSum:
+          partial = partial.defined() ? partial + value : value.clone();
+          break;
+        default:
+          if (mb == 0 && d.replica == 0) partial = value.clone();
+          break;
+      }
+    }
+    for (int q : st.consumers[k]) {
+      for (const Transfer& t : Transfers(v, n, d.stage, q)) {
+        if (t.src != d.replica) continue;
+        absl::Status s = Send(d, Rows((*out)[k], v, t.src_offset, t.count),
+                              stages_[q].devices[t.dst], Tag(false, mb, v), pending);
+        if (!s.ok()) return s;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, int mb,
+                                               Pending& pending) {
+  const IrGraph& ir = *ir_;
+  const StageInfo& st = stages_[d.stage];
+  const int R = static_cast<int>(st.devices.size());
+  const int64_t n = step.mb_sizes[mb];
+  const std::vector<int64_t> shards = SplitSizes(n, R);
+  const int64_t my_off = Offsets(shards)[d.replica];
+  const int64_t my_count = shards[d.replica];
+  const double weight = static_cast<double>(my_count) / step.batch;
+  if (my_count == 0) return absl::OkStatus();  // no samples of this micro-batch here
+  std::vector<at::Tensor> out_grads;
+  for (size_t k = 0; k < st.outputs.size(); ++k) {
+    const int v = st.outputs[k];
+    const IrValue& val = ir.values[v];
+    at::Tensor g;
+    if (step.phase == Phase::kFused) {
+      // The loss's gradient 1, through its combination of the shards.
+      if (v == ir.outputs[0]) {
+        g = at::full(ShapeFor(v, 0), stage_outputs_.at(v) == OutputKind::kMean ? weight : 1.0,
+                     at::TensorOptions().dtype(val.dtype));
+      }
+    } else if (auto client = step.grads->find(v); client != step.grads->end()) {
+      switch (stage_outputs_.at(v)) {
+        case OutputKind::kBatched:
+          g = Rows(client->second, v, step.mb_offsets[mb] + my_off, my_count);
+          break;
+        case OutputKind::kMean:
+          g = client->second * weight;
+          break;
+        case OutputKind::kSum:
+          if (at::isFloatingType(val.dtype)) g = client->second;
+          break;
+        case OutputKind::kFirst:
+          if (mb == 0 && d.replica == 0) g = client->second;
+          break;
+        default:
+          break;
+      }
+    }
+    if (!st.consumers[k].empty() && at::isFloatingType(val.dtype)) {
+      at::Tensor sum = at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+      for (int q : st.consumers[k]) {
+        for (const Transfer& t : Transfers(v, n, d.stage, q)) {
+          if (t.src != d.replica) continue;
+          at::Tensor piece = at::empty(ShapeFor(v, val.batch_dim < 0 ? 0 : t.count),
+                                       sum.options());
+          absl::Status s = Recv(d, piece, stages_[q].devices[t.dst], Tag(true, mb, v),
+                                absl::StrCat("gradient of ", val.name, " of micro-batch ", mb));
+          if (!s.ok()) return s;
+          Rows(sum, v, t.src_offset, t.count).add_(piece);
+        }
+      }
+      g = g.defined() ? g + sum : sum;
+    }
+    out_grads.push_back(g);
+  }
+  absl::StatusOr<std::vector<at::Tensor>> in_grads =
+      d.exec->Backward(mb, out_grads, step.retain_graph);
+  if (!in_grads.ok()) return Annotate(in_grads.status(), absl::StrCat("micro-batch ", mb));
+  for (size_t j = 0; j < st.data_inputs.size(); ++j) {
+    const int p = st.source[j];
+    const int v = st.data_inputs[j];
+    const IrValue& val = ir.values[v];
+    if (p < 0 || !at::isFloatingType(val.dtype)) continue;
+    at::Tensor g = (*in_grads)[j];
+    g = g.defined() ? g.to(val.dtype)
+                    : at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+    for (const Transfer& t : Transfers(v, n, p, d.stage)) {
+      if (t.dst != d.replica) continue;
+      absl::Status s = Send(d, Rows(g, v, t.dst_offset, t.count), stages_[p].devices[t.src],
+                            Tag(true, mb, v), pending);
+      if (!s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
+  const StageInfo& st = stages_[d.stage];
+  const int S = static_cast<int>(stages_.size());
+  const int m = static_cast<int>(step.mb_sizes.size());
+  std::vector<PipelineOp> ops;
+  switch (step.phase) {
+    case Phase::kFused:
+      ops = StageOps(schedule_, d.stage, S, m);
+      break;
+    case Phase::kForward:
+      for (int mb = 0; mb < m; ++mb) ops.push_back({false, mb});
+      break;
+    case Phase::kBackward:
+      for (int mb = m - 1; mb >= 0; --mb) ops.push_back({true, mb});
+      break;
+  }
+  if (step.phase != Phase::kBackward) {
+    // A new forward replaces whatever the previous one kept, as re-running a model does.
+    for (int mb = 0; mb < last_micro_batches_; ++mb) d.exec->Release(mb);
+    d.fused_grads.clear();
+    d.partial.clear();
+  }
+  const bool backward = step.phase != Phase::kForward;
+  std::vector<at::Tensor> params;
+  for (int li : st.params) params.push_back(d.lifted[li]);
+  // This step's gradients are kept apart until they are reduced.
+  std::vector<at::Tensor> saved;
+  if (backward) {
+    for (at::Tensor& p : params) {
+      saved.push_back(p.grad());
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  // On failure the gradients accumulated before this step are put back.
+  auto fail = [&](absl::Status s) {
+    for (size_t i = 0; i < saved.size(); ++i) params[i].mutable_grad() = saved[i];
+    return s;
+  };
+  Pending pending;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const PipelineOp& op = ops[i];
+    // The device's last op is its last backward: the reducer starts each bucket's all-reduce
+    // as soon as autograd has finished that bucket's gradients.
+    if (backward && i + 1 == ops.size() && d.reducer) d.reducer->BeginFinalBackward();
+    absl::Status s = op.backward ? RunBackward(d, step, op.micro_batch, pending)
+                                 : RunForward(d, step, op.micro_batch, pending);
+    if (!s.ok()) {
+      WaitAll(d, pending).IgnoreError();
+      return fail(s);
+    }
+  }
+  absl::Status sent = WaitAll(d, pending);
+  if (!sent.ok()) return fail(sent);
+  if (!backward) return absl::OkStatus();
+  absl::Status reduced = ReduceGrads(d);
+  if (!reduced.ok()) return fail(reduced);
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor step_grad = params[i].grad();
+    if (step.phase == Phase::kFused) {
+      d.fused_grads.push_back(step_grad);
+      params[i].mutable_grad() = saved[i];
+    } else if (saved[i].defined()) {
+      params[i].mutable_grad() = step_grad.defined() ? saved[i].add_(step_grad) : saved[i];
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
+  const StageInfo& st = stages_[d.stage];
+  auto grad_of = [&](int li) -> at::Tensor {
+    at::Tensor& p = d.lifted[li];
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    if (!p.grad().is_contiguous()) p.mutable_grad() = p.grad().contiguous();
+    return p.grad();
+  };
+  std::set<int> tied(tied_.begin(), tied_.end());
+  // Tied parameters: over every device, the non-holders contributing zeros (this step's local
+  // gradients, so the sum over all devices is the full gradient; no replica reduction).
+  for (int li : tied_) {
+    const bool holds = d.lifted[li].defined();
+    at::Tensor g = holds ? grad_of(li)
+                         : at::zeros(lifted_shapes_[li],
+                                     at::TensorOptions().dtype(lifted_types_[li]));
+    if (!d.world) continue;
+    absl::StatusOr<comm::Buffer> buf = BufferOf(g);
+    if (!buf.ok()) return buf.status();
+    absl::Status s = Wait(d, d.world->AllReduce(*buf, {comm::ReduceOp::kSum}), g,
+                          absl::StrCat("all-reducing the tied ", ir_->tensor_names[li]));
+    if (!s.ok()) return s;
+  }
+  if (d.reducer) {
+    absl::Status s = d.reducer->Finish(
+        [&](std::unique_ptr<comm::Work> work, at::Tensor keep, const std::string& what) {
+          return Wait(d, std::move(work), std::move(keep), what);
+        });
+    if (!s.ok()) return s;
+  }
+  for (int li : st.params) {
+    if (!tied.count(li)) grad_of(li);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
+    const std::vector<at::Tensor>& inputs, bool requires_grad) {
+  absl::Status usable = CheckUsable();
+  if (!usable.ok()) return usable;
+  const IrGraph& ir = *ir_;
+  if (inputs.size() != ir.num_user_inputs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(inputs.size(), " inputs for ", ir.num_user_inputs));
+  }
+  StepPlan step;
+  step.inputs = &inputs;
+  step.requires_grad = requires_grad;
+  step.phase = requires_grad && fused_ ? Phase::kFused : Phase::kForward;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int v = ir.inputs[i];
+    const int bd = ir.values[v].batch_dim;
+    if (bd < 0) continue;
+    if (!inputs[i].defined() || inputs[i].dim() <= bd) {
+      return absl::InvalidArgumentError(absl::StrCat("input ", i, " has no batch dimension"));
+    }
+    const int64_t ps = PerSample(v);
+    const int64_t b = ps > 0 ? inputs[i].size(bd) / ps : 0;
+    if (step.batch == 0) step.batch = b;
+    if (b != step.batch || b * ps != inputs[i].size(bd)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("input ", i, "'s batch does not match the others' (", step.batch, ")"));
+    }
+  }
+  if (step.batch <= 0) return absl::InvalidArgumentError("the inputs have no batch");
+  // A batch smaller than the plan's (an epoch's last) runs in fewer micro-batches, as long as
+  // each keeps one sample per replica; below that, replicas without samples sit a micro-batch
+  // out (and all-reduce zeros).
+  int64_t max_replicas = 1;
+  for (const StageInfo& st : stages_) {
+    max_replicas = std::max<int64_t>(max_replicas, st.devices.size());
+  }
+  const int m = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(micro_batches_, step.batch / max_replicas)));
+  step.mb_sizes = SplitSizes(step.batch, m);
+  step.mb_offsets = Offsets(step.mb_sizes);
+
+  std::map<int, at::Tensor> batched;
+  for (const auto& [v, kind] : stage_outputs_) {
+    if (kind == OutputKind::kBatched) {
+      // A partial engine's share: other processes' rows stay zeros.
+      const at::TensorOptions type = at::TensorOptions().dtype(ir.values[v].dtype);
+      batched[v] = partial_ ? at::zeros(ShapeFor(v, step.batch), type)
+                            : at::empty(ShapeFor(v, step.batch), type);
+    }
+  }
+  step.batched = &batched;
+  held_ = Held::kNothing;
+  absl::Status ran = OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
+  last_micro_batches_ = m;
+  if (!ran.ok()) return ran;
+
+  std::vector<at::Tensor> outputs;
+  for (size_t i = 0; i < ir.outputs.size(); ++i) {
+    const int v = ir.outputs[i];
+    const IrValue& val = ir.values[v];
+    at::Tensor out;
+    switch (output_kinds_[i]) {
+      case OutputKind::kBatched:
+        out = batched.at(v);
+        break;
+      case OutputKind::kUserInput:
+      case OutputKind::kLifted: {
+        // Returned as they are; of several partial engines, the one running the plan's first
+        // device returns them (the others zeros, so that members' outputs add up).
+        const int index =
+            static_cast<int>(std::find(ir.inputs.begin(), ir.inputs.end(), v) - ir.inputs.begin());
+        if (partial_ && !devices_[0].local) {
+          out = at::zeros(val.shape, at::TensorOptions().dtype(val.dtype));
+        } else if (output_kinds_[i] == OutputKind::kUserInput) {
+          out = inputs[index];
+        } else {
+          const at::Tensor held = OwnerTensor(index - static_cast<int>(ir.num_user_inputs));
+          out = held.defined() ? held.detach().clone()
+                               : at::zeros(val.shape, at::TensorOptions().dtype(val.dtype));
+        }
+        break;
+      }
+      default:
+        for (const Device& d : devices_) {
+          auto p = d.partial.find(v);
+          if (p == d.partial.end()) continue;
+          if (output_kinds_[i] == OutputKind::kFirst) {
+            out = p->second;
+            break;
+          }
+          out = out.defined() ? out + p->second : p->second;
+        }
+        if (!out.defined() && partial_) out = at::zeros(val.shape, at::kDouble);
+        if (!out.defined()) return absl::InternalError(absl::StrCat("no shard computed ", val.name));
+        out = out.to(val.dtype);
+        break;
+    }
+    outputs.push_back(out);
+  }
+  last_ = step;
+  last_.inputs = nullptr;
+  last_.batched = nullptr;
+  last_outputs_.clear();
+  for (const at::Tensor& o : outputs) last_outputs_.push_back({o.scalar_type(), o.sizes().vec()});
+  if (requires_grad) held_ = fused_ ? Held::kFusedGrads : Held::kGraphs;
+  return outputs;
+}
+
+absl::Status PipelineEngine::Impl::Backward(
+    const std::vector<std::pair<size_t, at::Tensor>>& output_grads, bool retain_graph) {
+  absl::Status usable = CheckUsable();
+  if (!usable.ok()) return usable;
+  if (held_ == Held::kNothing) {
+    return absl::FailedPreconditionError(
+        "backward called with no forward pending: call forward (with gradients enabled) first, "
+        "or keep_graph(True) to run backward twice over one forward");
+  }
+  std::map<int, at::Tensor> grads;
+  for (const auto& [index, grad] : output_grads) {
+    if (index >= last_outputs_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient for output #", index, ", but the model has ", last_outputs_.size(),
+          " outputs"));
+    }
+    const auto& [dtype, shape] = last_outputs_[index];
+    if (!grad.defined() || !grad.sizes().equals(shape) || grad.scalar_type() != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient for output #", index, ": expected ", DescribeTensor(dtype, shape), ", got ",
+          grad.defined() ? DescribeTensor(grad.scalar_type(), grad.sizes()) : "none"));
+    }
+    if (!at::isFloatingType(grad.scalar_type())) continue;
+    const int v = ir_->outputs[index];
+    at::Tensor& slot = grads[v];
+    slot = slot.defined() ? slot + grad : grad.contiguous();
+  }
+  if (held_ == Held::kFusedGrads) {
+    // Gradients are linear in the output gradient: add g x the fused forward's.
+    auto loss_grad = grads.find(ir_->outputs[0]);
+    const double g = loss_grad == grads.end() ? 0.0 : loss_grad->second.item<double>();
+    at::NoGradGuard no_grad;
+    for (Device& d : devices_) {
+      const StageInfo& st = stages_[d.stage];
+      for (size_t i = 0; i < d.fused_grads.size() && g != 0.0; ++i) {
+        at::Tensor& grad = d.lifted[st.params[i]].mutable_grad();
+        const at::Tensor& step = d.fused_grads[i];
+        if (!step.defined()) continue;
+        if (grad.defined()) {
+          grad.add_(step, g);
+        } else {
+          grad = g == 1.0 && !retain_graph ? step : step * g;
+        }
+      }
+      if (!retain_graph) d.fused_grads.clear();
+    }
+    if (!retain_graph) held_ = Held::kNothing;
+    return absl::OkStatus();
+  }
+  StepPlan step = last_;
+  step.phase = Phase::kBackward;
+  step.grads = &grads;
+  step.retain_graph = retain_graph;
+  if (!retain_graph) held_ = Held::kNothing;
+  return OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
+}
+
+}  // namespace rannc
