@@ -35,7 +35,6 @@
 namespace rannc {
 namespace pipeline_internal {
 
-
 // Point-to-point tags on the all-devices group: bit 31 = gradient (backward), bits 30..20 the
 // micro-batch, bits 19..0 the IR value. One transfer per (direction, micro-batch, value) between
 // a pair of devices per step, so (tag, issue order) matching is unambiguous.
