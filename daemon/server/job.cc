@@ -285,6 +285,10 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   }
   absl::Status deployed = job->Deploy();
   if (!deployed.ok()) return Annotate(deployed, "deploying the model on its devices");
+  if (job->config_.client_world > 1) {
+    job->client_ranks_ = std::make_unique<ClientRendezvous>(job->config_.client_world,
+                                                            job->config_.client_timeout);
+  }
   return job;
 }
 
@@ -410,6 +414,184 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
   if (engine_->broken()) ReleaseEngine();
   if (outputs.ok()) ++forwards_;
   return outputs;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several client ranks.
+
+namespace {
+
+using Grads = std::vector<std::pair<size_t, at::Tensor>>;
+
+// The batch dimension of output `i` in the planned graph (-1: none, or an unknown output).
+int OutputBatchDim(const IrGraph& ir, size_t i) {
+  return i < ir.outputs.size() ? ir.values[ir.outputs[i]].batch_dim : -1;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<at::Tensor>> Job::Forward(int client_rank,
+                                                     const std::vector<at::Tensor>& inputs,
+                                                     bool requires_grad) {
+  if (!client_ranks_) return Forward(inputs, requires_grad);
+  using Shares = std::vector<std::vector<at::Tensor>>;
+  std::function<absl::StatusOr<Shares>(std::vector<std::vector<at::Tensor>>&)> run =
+      [&](std::vector<std::vector<at::Tensor>>& all) -> absl::StatusOr<Shares> {
+    const int world = static_cast<int>(all.size());
+    if (!config_.gather_inputs) {
+      absl::StatusOr<std::vector<at::Tensor>> out = Forward(all[0], requires_grad);
+      if (!out.ok()) return out.status();
+      return Shares(world, *out);
+    }
+    std::vector<at::Tensor> gathered;
+    std::vector<int64_t> rows(world, 0);
+    absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "gathering inputs", [&] {
+      for (size_t j = 0; j < all[0].size(); ++j) {
+        std::vector<at::Tensor> parts;
+        for (int r = 0; r < world; ++r) {
+          if (all[r].size() != all[0].size()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "client rank ", r, " passed ", all[r].size(), " inputs, rank 0 ",
+                all[0].size()));
+          }
+          parts.push_back(all[r][j]);
+          if (j == 0) rows[r] = all[r][j].dim() > 0 ? all[r][j].size(0) : 0;
+        }
+        gathered.push_back(at::cat(parts, 0));
+      }
+      return absl::OkStatus();
+    });
+    if (!status.ok()) return status;
+    absl::StatusOr<std::vector<at::Tensor>> out = Forward(gathered, requires_grad);
+    if (!out.ok()) return out.status();
+    int64_t total = 0;
+    for (int64_t n : rows) total += n;
+    rank_rows_ = rows;
+    Shares shares(world);
+    for (size_t i = 0; i < out->size(); ++i) {
+      const at::Tensor& o = (*out)[i];
+      const int bd = OutputBatchDim(*ir_, i);
+      const bool batched = bd >= 0 && bd < o.dim() && total > 0 && o.size(bd) % total == 0;
+      int64_t offset = 0;
+      for (int r = 0; r < world; ++r) {
+        if (!batched) {
+          shares[r].push_back(o);
+          continue;
+        }
+        const int64_t per_sample = o.size(bd) / total;
+        shares[r].push_back(o.narrow(bd, offset * per_sample, rows[r] * per_sample).contiguous());
+        offset += rows[r];
+      }
+    }
+    return shares;
+  };
+  absl::StatusOr<Shares> shares =
+      client_ranks_->Meet<std::vector<at::Tensor>, Shares>("forward", client_rank, inputs, run);
+  if (!shares.ok()) return shares.status();
+  return (*shares)[client_rank];
+}
+
+absl::Status Job::Backward(int client_rank, const Grads& output_grads, bool retain_graph) {
+  if (!client_ranks_) return Backward(output_grads, retain_graph);
+  std::function<absl::StatusOr<bool>(std::vector<Grads>&)> run =
+      [&](std::vector<Grads>& all) -> absl::StatusOr<bool> {
+    if (!config_.gather_inputs) {
+      absl::Status s = Backward(all[0], retain_graph);
+      if (!s.ok()) return s;
+      return true;
+    }
+    const int world = static_cast<int>(all.size());
+    std::map<size_t, std::vector<at::Tensor>> by_output;  // output -> per rank (maybe undefined)
+    for (int r = 0; r < world; ++r) {
+      for (const auto& [index, grad] : all[r]) {
+        std::vector<at::Tensor>& slot = by_output[index];
+        slot.resize(world);
+        slot[r] = grad;
+      }
+    }
+    Grads combined;
+    absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "combining gradients",
+                                    [&] {
+      for (auto& [index, grads] : by_output) {
+        const int bd = OutputBatchDim(*ir_, index);
+        at::Tensor any;
+        int any_rank = 0;
+        for (int r = 0; r < world; ++r) {
+          if (grads[r].defined()) {
+            any = grads[r];
+            any_rank = r;
+          }
+        }
+        if (bd >= 0 && rank_rows_.size() == grads.size()) {
+          // Each rank's rows, in rank order; a rank that sent none contributes zeros.
+          std::vector<at::Tensor> parts;
+          for (int r = 0; r < world; ++r) {
+            if (grads[r].defined()) {
+              parts.push_back(grads[r]);
+            } else {
+              std::vector<int64_t> shape = any.sizes().vec();
+              shape[bd] =
+                  any.size(bd) / std::max<int64_t>(rank_rows_[any_rank], 1) * rank_rows_[r];
+              parts.push_back(at::zeros(shape, any.options()));
+            }
+          }
+          combined.emplace_back(index, at::cat(parts, bd));
+        } else {
+          // A loss: every rank differentiates the same value; their gradients average.
+          at::Tensor sum;
+          int n = 0;
+          for (const at::Tensor& g : grads) {
+            if (!g.defined()) continue;
+            sum = sum.defined() ? sum + g : g.clone();
+            ++n;
+          }
+          combined.emplace_back(index, sum / n);
+        }
+      }
+      return absl::OkStatus();
+    });
+    if (!status.ok()) return status;
+    absl::Status s = Backward(combined, retain_graph);
+    if (!s.ok()) return s;
+    return true;
+  };
+  return client_ranks_->Meet<Grads, bool>("backward", client_rank, output_grads, run).status();
+}
+
+absl::Status Job::Step(int client_rank, const std::vector<HyperParams>& hypers) {
+  if (!client_ranks_) return Step(hypers);
+  std::function<absl::StatusOr<bool>(std::vector<std::vector<HyperParams>>&)> run =
+      [&](std::vector<std::vector<HyperParams>>& all) -> absl::StatusOr<bool> {
+    absl::Status s = Step(all[0]);
+    if (!s.ok()) return s;
+    return true;
+  };
+  return client_ranks_
+      ->Meet<std::vector<HyperParams>, bool>("step", client_rank, hypers, run)
+      .status();
+}
+
+absl::Status Job::ZeroGrad(int client_rank, bool set_to_none) {
+  if (!client_ranks_) {
+    ZeroGrad(set_to_none);
+    return absl::OkStatus();
+  }
+  std::function<absl::StatusOr<bool>(std::vector<bool>&)> run =
+      [&](std::vector<bool>& all) -> absl::StatusOr<bool> {
+    ZeroGrad(all[0]);
+    return true;
+  };
+  return client_ranks_->Meet<bool, bool>("zero_grad", client_rank, set_to_none, run).status();
+}
+
+absl::StatusOr<double> Job::ClipGradNorm(int client_rank, double max_norm, double norm_type) {
+  if (!client_ranks_) return ClipGradNorm(max_norm, norm_type);
+  std::function<absl::StatusOr<double>(std::vector<std::pair<double, double>>&)> run =
+      [&](std::vector<std::pair<double, double>>& all) -> absl::StatusOr<double> {
+    return ClipGradNorm(all[0].first, all[0].second);
+  };
+  return client_ranks_->Meet<std::pair<double, double>, double>(
+      "clip_grad_norm", client_rank, {max_norm, norm_type}, run);
 }
 
 absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,

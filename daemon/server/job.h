@@ -41,6 +41,7 @@
 #include "daemon/runtime/model_runner.h"
 #include "daemon/runtime/param_store.h"
 #include "daemon/runtime/pipeline_engine.h"
+#include "daemon/server/client_ranks.h"
 
 namespace rannc {
 
@@ -74,6 +75,11 @@ struct JobConfig {
   planner::ProfileCache* profile_cache = nullptr;
   std::string load_deployment;  // a serialized Deployment to use instead of planning
   std::string created_by;       // recorded in deployments, e.g. "ranncd 0.1.0"
+
+  // Client processes of the job (JobOptions.client_world) and how their batches combine.
+  int client_world = 1;
+  bool gather_inputs = true;
+  std::chrono::milliseconds client_timeout = std::chrono::minutes(5);
 };
 
 struct JobSummary {
@@ -127,6 +133,21 @@ class Job {
 
   absl::StatusOr<std::vector<at::Tensor>> Forward(const std::vector<at::Tensor>& inputs,
                                                   bool requires_grad);
+
+  // The same calls from one of several client ranks (JobConfig::client_world): each waits for
+  // every rank's call and the operation runs once (see training.proto's JobOptions). With one
+  // client rank they are the calls above.
+  absl::StatusOr<std::vector<at::Tensor>> Forward(int client_rank,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  bool requires_grad);
+  absl::Status Backward(int client_rank,
+                        const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
+                        bool retain_graph);
+  absl::Status Step(int client_rank, const std::vector<HyperParams>& hypers);
+  absl::Status ZeroGrad(int client_rank, bool set_to_none);
+  absl::StatusOr<double> ClipGradNorm(int client_rank, double max_norm, double norm_type);
+  const std::string& name() const { return config_.name; }
+  int client_world() const { return config_.client_world; }
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                         bool retain_graph);
   absl::Status Step(const std::vector<HyperParams>& hypers);
@@ -176,6 +197,9 @@ class Job {
   std::unique_ptr<PipelineEngine> engine_;  // null while undeployed
   bool engine_forward_ = true;           // the last forward ran on the engine (not runner_)
   std::vector<std::vector<int>> optimizer_groups_;  // lifted indices per param group
+  std::unique_ptr<ClientRendezvous> client_ranks_;  // with several client ranks
+  // Samples each client rank gave the last collective forward (to split its outputs).
+  std::vector<int64_t> rank_rows_;
   // Optimizer state while undeployed, by lifted index.
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> parked_optimizer_state_;
   std::vector<at::Tensor> example_outputs_;

@@ -1,6 +1,7 @@
 #include "daemon/server/training_service.h"
 
 #include <algorithm>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
@@ -278,6 +279,11 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.created_by = absl::StrCat("ranncd ", facts_.version, " (LibTorch ", facts_.torch_version,
                                    ")");
   config.load_deployment = spec.options().load_deployment();
+  config.client_world = std::max<int>(1, static_cast<int>(spec.options().client_world()));
+  config.gather_inputs = spec.options().gather_inputs();
+  if (spec.options().client_timeout_ms() > 0) {
+    config.client_timeout = std::chrono::milliseconds(spec.options().client_timeout_ms());
+  }
   absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(
       {spec.options().config().begin(), spec.options().config().end()});
   if (!planner.ok()) return Fail("CreateJob", planner.status());
@@ -319,7 +325,62 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}", id,
                spec.name(), (*job)->params().NumParameterElements(), model.size(),
                response->plan_summary());
+  if ((*job)->client_world() > 1) {
+    std::lock_guard<std::mutex> lock(joinable_mu_);
+    joinable_[id] = *response;
+  }
   jobs_->Add(std::move(*job));
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
+                                          const v1::JoinJobRequest* request,
+                                          v1::CreateJobResponse* response) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(request->timeout_ms());
+  // Rank 0 may still be creating the job (planning takes a while): wait for it.
+  for (;;) {
+    for (const std::shared_ptr<Job>& job : jobs_->List()) {
+      if (job->name() != request->name() ||
+          job->client_world() != static_cast<int>(request->client_world())) {
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(joinable_mu_);
+      auto it = joinable_.find(job->id());
+      if (it == joinable_.end()) continue;
+      *response = it->second;
+      return grpc::Status::OK;
+    }
+    if (context->IsCancelled() || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return Fail("JoinJob", absl::DeadlineExceededError(absl::StrCat(
+      "no job named '", request->name(), "' for ", request->client_world(),
+      " client ranks was created within ", request->timeout_ms(), " ms; client rank 0 creates "
+      "it (same RANNC_JOB and client count on every rank)")));
+}
+
+grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext*,
+                                                const v1::ClientBarrierRequest* request,
+                                                v1::Empty*) {
+  const int world = static_cast<int>(request->client_world());
+  if (world <= 1) return grpc::Status::OK;
+  std::shared_ptr<ClientRendezvous> ranks;
+  {
+    std::lock_guard<std::mutex> lock(barriers_mu_);
+    std::shared_ptr<ClientRendezvous>& slot = barriers_[{request->name(), world}];
+    if (!slot) {
+      slot = std::make_shared<ClientRendezvous>(
+          world, std::chrono::milliseconds(std::max<uint32_t>(request->timeout_ms(), 1)));
+    }
+    ranks = slot;
+  }
+  std::function<absl::StatusOr<bool>(std::vector<bool>&)> meet =
+      [](std::vector<bool>&) -> absl::StatusOr<bool> { return true; };
+  absl::Status met = ranks->Meet<bool, bool>(absl::StrCat("barrier '", request->name(), "'"),
+                                             static_cast<int>(request->client_rank()), true, meet)
+                         .status();
+  if (!met.ok()) return Fail("ClientBarrier", met);
   return grpc::Status::OK;
 }
 
@@ -343,6 +404,10 @@ grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext*,
 
 grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobRef* ref,
                                             v1::Empty*) {
+  {
+    std::lock_guard<std::mutex> lock(joinable_mu_);
+    joinable_.erase(ref->job_id());
+  }
   absl::Status status = jobs_->Remove(ref->job_id());
   if (!status.ok()) return Fail("DeleteJob", status);
   spdlog::info("deleted job {}", ref->job_id());
@@ -372,19 +437,21 @@ grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::Forwar
                                           v1::ForwardResponse* response) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Forward", job.status());
-  absl::Status deferred = RunDeferred(**job, request->before());
+  const int rank = static_cast<int>(request->client_rank());
+  absl::Status deferred = RunDeferred(**job, request->before(), rank);
   if (!deferred.ok()) return Fail("Forward", deferred);
   absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input", shm_);
   if (!inputs.ok()) return Fail("Forward", inputs.status());
   absl::StatusOr<std::vector<at::Tensor>> outputs =
-      (*job)->Forward(*inputs, request->requires_grad());
+      (*job)->Forward(rank, *inputs, request->requires_grad());
   if (!outputs.ok()) return Fail("Forward", outputs.status());
   absl::Status encoded = EncodeReply(*outputs, request->reply_shm(), response->mutable_outputs());
   if (!encoded.ok()) return Fail("Forward", encoded);
   return grpc::Status::OK;
 }
 
-absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest& request) const {
+absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest& request,
+                                             int client_rank) const {
   std::vector<std::pair<size_t, at::Tensor>> grads;
   for (const v1::OutputGrad& g : request.grads()) {
     absl::StatusOr<at::Tensor> t =
@@ -392,33 +459,35 @@ absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest
     if (!t.ok()) return t.status();
     grads.emplace_back(g.output_index(), std::move(*t));
   }
-  return job.Backward(grads, request.retain_graph());
+  return job.Backward(client_rank, grads, request.retain_graph());
 }
 
-absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& request) const {
+absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& request,
+                                         int client_rank) const {
   std::vector<HyperParams> hypers;
   for (const v1::HyperParams& h : request.groups()) hypers.push_back(FromProto(h));
-  return job.Step(hypers);
+  return job.Step(client_rank, hypers);
 }
 
-absl::Status TrainingServiceImpl::DoZeroGrad(Job& job, const v1::ZeroGradRequest& request) const {
-  job.ZeroGrad(request.set_to_none());
-  return absl::OkStatus();
+absl::Status TrainingServiceImpl::DoZeroGrad(Job& job, const v1::ZeroGradRequest& request,
+                                             int client_rank) const {
+  return job.ZeroGrad(client_rank, request.set_to_none());
 }
 
 absl::Status TrainingServiceImpl::RunDeferred(
-    Job& job, const google::protobuf::RepeatedPtrField<v1::DeferredOp>& ops) const {
+    Job& job, const google::protobuf::RepeatedPtrField<v1::DeferredOp>& ops,
+    int client_rank) const {
   for (const v1::DeferredOp& op : ops) {
     absl::Status status;
     switch (op.op_case()) {
       case v1::DeferredOp::kBackward:
-        status = Annotate(DoBackward(job, op.backward()), "deferred backward");
+        status = Annotate(DoBackward(job, op.backward(), client_rank), "deferred backward");
         break;
       case v1::DeferredOp::kStep:
-        status = Annotate(DoStep(job, op.step()), "deferred optimizer step");
+        status = Annotate(DoStep(job, op.step(), client_rank), "deferred optimizer step");
         break;
       case v1::DeferredOp::kZeroGrad:
-        status = Annotate(DoZeroGrad(job, op.zero_grad()), "deferred zero_grad");
+        status = Annotate(DoZeroGrad(job, op.zero_grad(), client_rank), "deferred zero_grad");
         break;
       default:
         status = absl::InvalidArgumentError("a deferred op of unknown kind");
@@ -432,7 +501,7 @@ grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext*,
                                            const v1::BackwardRequest* request, v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Backward", job.status());
-  absl::Status status = DoBackward(**job, *request);
+  absl::Status status = DoBackward(**job, *request, static_cast<int>(request->client_rank()));
   if (!status.ok()) return Fail("Backward", status);
   return grpc::Status::OK;
 }
@@ -441,7 +510,7 @@ grpc::Status TrainingServiceImpl::Step(grpc::ServerContext*, const v1::StepReque
                                        v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Step", job.status());
-  absl::Status status = DoStep(**job, *request);
+  absl::Status status = DoStep(**job, *request, static_cast<int>(request->client_rank()));
   if (!status.ok()) return Fail("Step", status);
   return grpc::Status::OK;
 }
@@ -450,7 +519,7 @@ grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext*,
                                            const v1::ZeroGradRequest* request, v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("ZeroGrad", job.status());
-  absl::Status status = DoZeroGrad(**job, *request);
+  absl::Status status = DoZeroGrad(**job, *request, static_cast<int>(request->client_rank()));
   if (!status.ok()) return Fail("ZeroGrad", status);
   return grpc::Status::OK;
 }
@@ -459,7 +528,8 @@ grpc::Status TrainingServiceImpl::Flush(grpc::ServerContext*, const v1::FlushReq
                                         v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("Flush", job.status());
-  absl::Status status = RunDeferred(**job, request->ops());
+  absl::Status status =
+      RunDeferred(**job, request->ops(), static_cast<int>(request->client_rank()));
   if (!status.ok()) return Fail("Flush", status);
   return grpc::Status::OK;
 }
@@ -470,7 +540,8 @@ grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext*,
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("ClipGradNorm", job.status());
   const double norm_type = request->norm_type() == 0 ? 2.0 : request->norm_type();
-  absl::StatusOr<double> norm = (*job)->ClipGradNorm(request->max_norm(), norm_type);
+  absl::StatusOr<double> norm = (*job)->ClipGradNorm(static_cast<int>(request->client_rank()),
+                                                     request->max_norm(), norm_type);
   if (!norm.ok()) return Fail("ClipGradNorm", norm.status());
   response->set_total_norm(*norm);
   return grpc::Status::OK;

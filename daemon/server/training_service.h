@@ -7,6 +7,7 @@
 #ifndef RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 #define RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -57,6 +58,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                          v1::CreateJobResponse*) override;
   grpc::Status AddMode(grpc::ServerContext*, grpc::ServerReader<v1::AddModeRequest>*,
                        v1::AddModeResponse*) override;
+  grpc::Status JoinJob(grpc::ServerContext*, const v1::JoinJobRequest*,
+                       v1::CreateJobResponse*) override;
+  grpc::Status ClientBarrier(grpc::ServerContext*, const v1::ClientBarrierRequest*,
+                             v1::Empty*) override;
   grpc::Status DeleteJob(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const v1::Empty*, v1::ListJobsResponse*) override;
   grpc::Status Forward(grpc::ServerContext*, const v1::ForwardRequest*,
@@ -82,11 +87,12 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
  private:
   // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
   // Flush).
-  absl::Status DoBackward(Job& job, const v1::BackwardRequest& request) const;
-  absl::Status DoStep(Job& job, const v1::StepRequest& request) const;
-  absl::Status DoZeroGrad(Job& job, const v1::ZeroGradRequest& request) const;
-  absl::Status RunDeferred(Job& job,
-                           const google::protobuf::RepeatedPtrField<v1::DeferredOp>& ops) const;
+  // `client_rank`: the caller's (JobOptions.client_world).
+  absl::Status DoBackward(Job& job, const v1::BackwardRequest& request, int client_rank) const;
+  absl::Status DoStep(Job& job, const v1::StepRequest& request, int client_rank) const;
+  absl::Status DoZeroGrad(Job& job, const v1::ZeroGradRequest& request, int client_rank) const;
+  absl::Status RunDeferred(Job& job, const google::protobuf::RepeatedPtrField<v1::DeferredOp>& ops,
+                           int client_rank) const;
 
   // Encodes `tensors` into `out`, into the client's reply region when it offered one.
   absl::Status EncodeReply(const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
@@ -98,6 +104,12 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   std::mutex address_mu_;
   std::string address_;
   const cluster::Cluster* cluster_ = nullptr;  // guarded by address_mu_
+  // CreateJob's answers for jobs with several client ranks, which JoinJob gives the others.
+  std::mutex joinable_mu_;
+  std::map<std::string, v1::CreateJobResponse> joinable_;  // job id -> answer
+  // pyrannc.barrier(): one rendezvous per name and client count.
+  std::mutex barriers_mu_;
+  std::map<std::pair<std::string, int>, std::shared_ptr<ClientRendezvous>> barriers_;
 };
 
 }  // namespace rannc

@@ -12,6 +12,7 @@ saved plans (see pyrannc._deployment and docs/planner.md).
 """
 
 from pyrannc import _daemon, _runtime
+from pyrannc import module as _module
 from pyrannc._deployment import show_deployment
 from pyrannc._runtime import get_rank, get_world_size
 from pyrannc.errors import RanncError
@@ -25,8 +26,14 @@ __all__ = [
 
 
 def barrier() -> None:
-    """Blocks until every client rank of the job reaches it; with one rank it returns at once."""
-    _runtime.require_single_client("barrier")
+    """Blocks until every client rank of the job (same RANNC_JOB) reaches it; with one rank it
+    returns at once."""
+    world = _runtime.get_world_size()
+    if world <= 1:
+        return
+    _daemon.connection().call("ClientBarrier", _module.pb.ClientBarrierRequest(
+        name=_module.job_name(None), client_rank=_runtime.get_rank(), client_world=world,
+        timeout_ms=_module.client_timeout_ms()))
 
 
 def clear() -> None:

@@ -12,7 +12,8 @@ from typing import Dict
 # Keys that steer the client or the daemon process rather than a job.
 CLIENT_KEYS = frozenset({
     "daemon", "daemon_bin", "daemon_args", "daemon_log", "daemon_start_timeout",
-    "devices", "device_memory", "conf_dir", "client_rank", "client_world", "job_name",
+    "devices", "device_memory", "conf_dir", "client_rank", "client_world", "job", "job_name",
+    "client_timeout",
     "listen", "peers", "log_level", "max_message_size", "shm_dir", "links", "profile_cache",
     "advertise", "cluster_size", "heartbeat_interval", "peer_timeout",
 })

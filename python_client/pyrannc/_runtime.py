@@ -31,21 +31,36 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
+# Where a client process finds its rank and the number of ranks: rannc's own variables, then
+# torchrun's, then Open MPI's, then other MPIs' (PMI).
+_RANK_VARIABLES = (("RANNC_CLIENT_RANK", "RANNC_CLIENT_WORLD"), ("RANK", "WORLD_SIZE"),
+                   ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+
+
+def _rank_and_world():
+    for rank_name, world_name in _RANK_VARIABLES:
+        if rank_name in os.environ or world_name in os.environ:
+            return _env_int(rank_name, 0), _env_int(world_name, 1)
+    return 0, 1
+
+
 def get_rank() -> int:
-    """This client's rank among the client processes of a job (RANNC_CLIENT_RANK, default 0)."""
-    return _env_int("RANNC_CLIENT_RANK", 0)
+    """This client's rank among the client processes of a job (RANNC_CLIENT_RANK, or RANK from
+    torchrun, or the MPI rank; default 0)."""
+    return _rank_and_world()[0]
 
 
 def get_world_size() -> int:
-    """The number of client processes of a job (RANNC_CLIENT_WORLD, default 1)."""
-    return _env_int("RANNC_CLIENT_WORLD", 1)
+    """The number of client processes of a job (RANNC_CLIENT_WORLD, or WORLD_SIZE from torchrun,
+    or the MPI size; default 1)."""
+    return _rank_and_world()[1]
 
 
-def require_single_client(what: str) -> None:
-    if get_world_size() > 1:
-        raise NotImplementedError(
-            f"{what}: several client ranks per job (RANNC_CLIENT_WORLD={get_world_size()}) are "
-            "not supported yet; run one client process per job")
+def check_ranks() -> None:
+    rank, world = _rank_and_world()
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"pyrannc: client rank {rank} is outside 0..{world - 1} "
+                         "(RANNC_CLIENT_RANK / RANNC_CLIENT_WORLD or the launcher's variables)")
 
 
 def register(module) -> None:

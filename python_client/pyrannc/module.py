@@ -44,8 +44,10 @@ class _Job:
     """What the client knows of its daemon job."""
 
     def __init__(self, job_id: str, mode: pb.Mode, spec, group_ids: List[List[int]],
-                 devices: List[str]):
+                 devices: List[str], owner: bool = True):
         self.id = job_id
+        # Client rank 0 created the job and deletes it; other ranks only joined it.
+        self.owner = owner
         self.mode = mode
         self.specs = {_mode_key(mode): spec}  # output structure per traced mode
         self.group_ids = group_ids
@@ -119,7 +121,7 @@ class RaNNCModule(torch.nn.Module):
         if offload_params:
             _later_feature("RaNNCModule(offload_params=True)",
                            "parameter offloading to host memory")
-        _runtime.require_single_client("RaNNCModule")
+        _runtime.check_ranks()
         # Read now, so a bad file fails here rather than at the first forward.
         deployment_bytes = b""
         deployment_path = None
@@ -269,13 +271,22 @@ class RaNNCModule(torch.nn.Module):
         model_bytes, spec = self._trace(inputs, mode)
         names_by_id = self._names_by_id()
         optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
+        rank, world = _runtime.get_rank(), _runtime.get_world_size()
+        if rank > 0:
+            # Rank 0 creates the job; the others join it by name.
+            resp = conn.call("JoinJob", pb.JoinJobRequest(
+                name=job_name(self.model), client_rank=rank, client_world=world,
+                timeout_ms=client_timeout_ms()))
+            self._adopt_job(conn, resp, mode, spec, owner=False)
+            return
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
                                 config=_config.job_config(),
-                                load_deployment=self._deployment_bytes)
+                                load_deployment=self._deployment_bytes,
+                                client_world=world, client_timeout_ms=client_timeout_ms())
         with _shm.session(conn.shm) as wire:
             job_spec = pb.JobSpec(
-                name=_config.client_setting("job_name") or type(self.model).__name__,
+                name=job_name(self.model),
                 mode=mode, optimizer=optimizer_spec, options=options,
                 example_inputs=[wire.encode(x) for x in inputs],
                 input_names=self._input_names(len(inputs)), model_bytes=len(model_bytes))
@@ -298,13 +309,17 @@ class RaNNCModule(torch.nn.Module):
                         "planned for and devices it still fits on; drop load_deployment to "
                         "plan again)", code=err.code, details=err.details) from None
                 raise
+        self._adopt_job(conn, resp, mode, spec, owner=True)
+
+    def _adopt_job(self, conn, resp, mode: pb.Mode, spec, owner: bool) -> None:
         expected = len(_outputs.leaves(spec))
         if len(resp.outputs) != expected:
-            conn.call("DeleteJob", pb.JobRef(job_id=resp.job_id))
+            if owner:
+                conn.call("DeleteJob", pb.JobRef(job_id=resp.job_id))
             raise RuntimeError(f"ranncd reports {len(resp.outputs)} outputs for the model but "
                                f"the trace returned {expected}")
         group_ids = _optim.group_param_ids(self._optimizer) if self._optimizer else []
-        self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices))
+        self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices), owner)
         self._deployment = resp.deployment if resp.HasField("deployment") else None
         self._plan_summary = resp.plan_summary or None
         logger.info("pyrannc: job %s on %s", resp.job_id, ", ".join(resp.devices))
@@ -335,7 +350,8 @@ class RaNNCModule(torch.nn.Module):
         conn = _daemon.connection()
         with _shm.session(conn.shm) as wire:
             req = pb.ForwardRequest(job_id=job.id, inputs=[wire.encode(x) for x in inputs],
-                                    requires_grad=requires_grad, before=job.pending)
+                                    requires_grad=requires_grad, before=job.pending,
+                                    client_rank=_runtime.get_rank())
             job.pending = []
             region = wire.reply_region()
             if region is not None:
@@ -370,7 +386,8 @@ class RaNNCModule(torch.nn.Module):
         job.graph_released = not _runtime.keep_graph_flag
         conn = _daemon.connection()
         with _shm.session(conn.shm) as wire:
-            req = pb.BackwardRequest(job_id=job.id, retain_graph=_runtime.keep_graph_flag)
+            req = pb.BackwardRequest(job_id=job.id, retain_graph=_runtime.keep_graph_flag,
+                                     client_rank=_runtime.get_rank())
             for i, g in enumerate(grads):
                 if g is not None:
                     req.grads.add(output_index=i, grad=wire.encode(g))
@@ -392,7 +409,8 @@ class RaNNCModule(torch.nn.Module):
         job = self._job
         if job is not None and job.pending:
             ops, job.pending = job.pending, []
-            _daemon.connection().call("Flush", pb.FlushRequest(job_id=job.id, ops=ops))
+            _daemon.connection().call("Flush", pb.FlushRequest(
+                job_id=job.id, ops=ops, client_rank=_runtime.get_rank()))
 
     # ------------------------------------------------------------------------------------------
     # Optimizer and gradients.
@@ -412,14 +430,16 @@ class RaNNCModule(torch.nn.Module):
                 "before the first forward.")
         kind = _optim.optimizer_type(opt)
         req = pb.StepRequest(job_id=job.id,
-                             groups=[_optim.hyper_params(g, kind) for g in opt.param_groups])
+                             groups=[_optim.hyper_params(g, kind) for g in opt.param_groups],
+                             client_rank=_runtime.get_rank())
         self._defer(pb.DeferredOp(step=req))
         self._state_dirty = True
 
     def _zero_grad(self, set_to_none: bool) -> None:
         if self._job is not None:
             self._defer(pb.DeferredOp(zero_grad=pb.ZeroGradRequest(
-                job_id=self._job.id, set_to_none=bool(set_to_none))))
+                job_id=self._job.id, set_to_none=bool(set_to_none),
+                client_rank=_runtime.get_rank())))
         self.model.zero_grad(set_to_none=set_to_none)
 
     def zero_grad(self, set_to_none: bool = _optim.MODULE_SET_TO_NONE_DEFAULT) -> None:
@@ -436,7 +456,8 @@ class RaNNCModule(torch.nn.Module):
                                                   norm_type)
         self._flush()
         resp = _daemon.connection().call("ClipGradNorm", pb.ClipGradNormRequest(
-            job_id=self._job.id, max_norm=float(max_grad_norm), norm_type=float(norm_type)))
+            job_id=self._job.id, max_norm=float(max_grad_norm), norm_type=float(norm_type),
+            client_rank=_runtime.get_rank()))
         dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
         return torch.tensor(resp.total_norm, dtype=dtype)
 
@@ -656,7 +677,8 @@ class RaNNCModule(torch.nn.Module):
             return
         try:
             self._sync_from_daemon()
-            _daemon.connection().call("DeleteJob", pb.JobRef(job_id=self._job.id))
+            if self._job.owner:
+                _daemon.connection().call("DeleteJob", pb.JobRef(job_id=self._job.id))
         finally:
             self._job = None
             self._state_dirty = False
@@ -670,12 +692,28 @@ class RaNNCModule(torch.nn.Module):
         # A finalizer may run inside any call, gRPC's included, so it only queues the job for
         # deletion; the next job creation deletes it.
         job = self.__dict__.get("_job")
-        if job is not None:
+        if job is not None and job.owner:
             _orphaned_jobs.append(job.id)
 
 
 # Jobs of RaNNCModules that were garbage-collected; deque appends are thread-safe.
 _orphaned_jobs: "collections.deque[str]" = collections.deque()
+
+
+def job_name(model) -> str:
+    """The job's name: RANNC_JOB (every client rank of a job gives the same), else the model's
+    class name."""
+    name = _config.client_setting("job") or _config.client_setting("job_name")
+    if name:
+        return name
+    if model is None:
+        raise ValueError("pyrannc: set RANNC_JOB to name the job that several client ranks share")
+    return type(model).__name__
+
+
+def client_timeout_ms() -> int:
+    """How long a client rank waits for the others (RANNC_CLIENT_TIMEOUT seconds, default 300)."""
+    return int(float(_config.client_setting("client_timeout", "300")) * 1000)
 
 
 def _delete_orphaned_jobs(conn) -> None:

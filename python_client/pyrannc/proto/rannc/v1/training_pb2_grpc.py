@@ -29,6 +29,16 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.AddModeRequest.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.AddModeResponse.FromString,
                 )
+        self.JoinJob = channel.unary_unary(
+                '/rannc.v1.TrainingService/JoinJob',
+                request_serializer=rannc_dot_v1_dot_training__pb2.JoinJobRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.CreateJobResponse.FromString,
+                )
+        self.ClientBarrier = channel.unary_unary(
+                '/rannc.v1.TrainingService/ClientBarrier',
+                request_serializer=rannc_dot_v1_dot_training__pb2.ClientBarrierRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
+                )
         self.DeleteJob = channel.unary_unary(
                 '/rannc.v1.TrainingService/DeleteJob',
                 request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
@@ -117,6 +127,18 @@ class TrainingServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def AddMode(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClientBarrier(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -225,6 +247,16 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.AddMode,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.AddModeRequest.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.AddModeResponse.SerializeToString,
+            ),
+            'JoinJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinJob,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.JoinJobRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.CreateJobResponse.SerializeToString,
+            ),
+            'ClientBarrier': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClientBarrier,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.ClientBarrierRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
             ),
             'DeleteJob': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteJob,
@@ -354,6 +386,40 @@ class TrainingService(object):
         return grpc.experimental.stream_unary(request_iterator, target, '/rannc.v1.TrainingService/AddMode',
             rannc_dot_v1_dot_training__pb2.AddModeRequest.SerializeToString,
             rannc_dot_v1_dot_training__pb2.AddModeResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def JoinJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/JoinJob',
+            rannc_dot_v1_dot_training__pb2.JoinJobRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.CreateJobResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ClientBarrier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ClientBarrier',
+            rannc_dot_v1_dot_training__pb2.ClientBarrierRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.Empty.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

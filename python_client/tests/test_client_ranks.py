@@ -1,0 +1,116 @@
+"""Several client processes ("client ranks") training one job, against a real ranncd.
+
+Each rank is a separate Python process (as under torchrun or mpirun) with RANNC_JOB,
+RANNC_CLIENT_RANK and RANNC_CLIENT_WORLD set; rank 0 creates the job and the others join it.
+With gather_inputs=True the ranks' batches are concatenated, so two ranks with half a batch each
+must train exactly like one PyTorch model on the whole batch; with gather_inputs=False rank 0's
+batch is used. Tolerance: conftest.assert_close (rtol 1e-5, atol 1e-6).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import CLIENT_ROOT, DaemonProcess, assert_close
+import models
+
+STEPS = 3
+
+_RANK_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    gather = {gather!r}
+    rank = pyrannc.get_rank()
+    torch.manual_seed(0)
+    model = models.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rmod = pyrannc.RaNNCModule(model, opt, gather_inputs=gather)
+    losses = []
+    for step in range({steps}):
+        x, y = models.mlp_batch(step, batch=8)
+        if gather:
+            x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+        elif rank != 0:
+            x, y = x * 0 + 7, y  # ignored: rank 0's inputs are used
+        loss = rmod(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    pyrannc.barrier()
+    state = {{k: v.tolist() for k, v in rmod.state_dict().items()}}
+    json.dump({{"losses": losses, "state": state, "devices": rmod._job.devices}},
+              open({out!r} + str(rank), "w"))
+""")
+
+
+def _run_ranks(tmp_path, daemon, gather, world=2, timeout_s=300, ranks=None):
+    out = str(tmp_path / "rank")
+    script = _RANK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), gather=gather,
+                                 steps=STEPS, out=out)
+    procs = []
+    for rank in (range(world) if ranks is None else ranks):
+        env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=daemon.address,
+                   RANNC_JOB=f"ranks-{gather}-{world}", RANNC_CLIENT_RANK=str(rank),
+                   RANNC_CLIENT_WORLD=str(world), RANNC_CLIENT_TIMEOUT=str(timeout_s))
+        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        results.append((p.returncode, stderr))
+    return out, results
+
+
+def _reference(gather):
+    torch.manual_seed(0)
+    ref = models.MLP()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        x, y = models.mlp_batch(step, batch=8)
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, ref.state_dict()
+
+
+@pytest.fixture(scope="module")
+def daemon(pyrannc_daemon):  # pyrannc_daemon sets RANNC_DAEMON_BIN
+    d = DaemonProcess("--devices", "cpu:2")
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_two_ranks_train_like_one_model(tmp_path, daemon, gather):
+    out, results = _run_ranks(tmp_path, daemon, gather)
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr}"
+    # gather: two halves of each batch = one model on the whole batch; otherwise rank 0's batch,
+    # which is the whole batch here too.
+    losses, state = _reference(gather)
+    for rank in range(2):
+        got = json.load(open(out + str(rank)))
+        for step in range(STEPS):
+            assert_close(torch.tensor(got["losses"][step]), losses[step],
+                         f"rank {rank} loss at step {step}")
+        for k, v in state.items():
+            assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, f"rank {rank} {k}")
+
+
+def test_a_missing_rank_is_a_clear_error(tmp_path, daemon):
+    # Only rank 0 of 2 comes: its first forward waits for rank 1, then fails.
+    out, results = _run_ranks(tmp_path, daemon, True, timeout_s=3, ranks=[0])
+    code, stderr = results[0]
+    assert code != 0
+    assert "DEADLINE_EXCEEDED" in stderr and "client rank(s) 1 of 2" in stderr, stderr
