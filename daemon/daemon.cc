@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
+#include "daemon/comm/grpc_store.h"
 #include "daemon/cluster/peers.h"
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
@@ -154,6 +155,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   // address) is known; until then peers' heartbeats get UNAVAILABLE.
   daemon->cluster_service_ = std::make_unique<cluster::ClusterServiceImpl>();
   builder.RegisterService(daemon->cluster_service_.get());
+  daemon->store_service_ = std::make_unique<comm::StoreServiceImpl>(comm::MakeInMemoryStore());
+  builder.RegisterService(daemon->store_service_.get());
+  daemon->training_->set_store(daemon->store_service_->store());
   daemon->server_ = builder.BuildAndStart();
   if (daemon->server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat(

@@ -25,6 +25,9 @@ class Server;
 namespace rannc {
 
 class JobManager;
+namespace comm {
+class StoreServiceImpl;
+}  // namespace comm
 class TrainingServiceImpl;
 namespace cluster {
 class Cluster;
@@ -60,6 +63,8 @@ class Daemon {
   std::unique_ptr<cluster::Cluster> cluster_;
   std::unique_ptr<cluster::ClusterServiceImpl> cluster_service_;
   std::unique_ptr<TrainingServiceImpl> training_;
+  // The rendezvous of the data plane for jobs this daemon leads across the cluster.
+  std::unique_ptr<comm::StoreServiceImpl> store_service_;
   std::unique_ptr<grpc::Server> server_;
 };
 

@@ -28,6 +28,8 @@ namespace comm {
 class StoreServiceImpl final : public v1::StoreService::Service {
  public:
   explicit StoreServiceImpl(std::unique_ptr<Store> store);
+  // The served store, for this process's own ranks.
+  Store* store() const { return store_.get(); }
 
   grpc::Status Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                    v1::StoreSetResponse* response) override;

@@ -1,16 +1,20 @@
 #include "daemon/server/job.h"
 
 #include <algorithm>
+#include <future>
 #include <cmath>
 #include <limits>
 #include <set>
 
 #include <ATen/ATen.h>
+#include <grpcpp/grpcpp.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/jit/ir/ir.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/comm/grpc_store.h"
+#include "daemon/common/tensor_codec.h"
 #include "daemon/common/status.h"
 #include "daemon/graph/ir.h"
 #include "daemon/planner/deployment.h"
@@ -210,7 +214,35 @@ std::vector<std::vector<int>> OptimizerGroups(const OptimizerConfig& config,
   return groups;
 }
 
+// The proto form of a step's hyper-parameters, for the members' parts.
+v1::HyperParams ToProto(const HyperParams& h) {
+  v1::HyperParams p;
+  p.set_lr(h.lr);
+  p.set_weight_decay(h.weight_decay);
+  p.set_momentum(h.momentum);
+  p.set_dampening(h.dampening);
+  p.set_nesterov(h.nesterov);
+  p.set_beta1(h.beta1);
+  p.set_beta2(h.beta2);
+  p.set_eps(h.eps);
+  p.set_amsgrad(h.amsgrad);
+  p.set_maximize(h.maximize);
+  return p;
+}
+
 }  // namespace
+
+Job::~Job() {
+  for (Part& part : parts_) {
+    if (part.job_id.empty()) continue;
+    v1::JobRef ref;
+    ref.set_job_id(part.job_id);
+    v1::Empty empty;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    part.stub->DeleteJob(&context, ref, &empty).ok();  // best effort: the member may be gone
+  }
+}
 
 Job::Job(std::string id, JobConfig config)
     : id_(std::move(id)),
@@ -283,7 +315,9 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
                                 ? job->config_.device_names[d]
                                 : absl::StrCat(job->config_.plan_target.device_type, ":", d));
   }
-  absl::Status deployed = job->Deploy();
+  absl::Status deployed = job->config_.members.empty()
+                              ? job->Deploy()
+                              : job->CreateParts(model_bytes, example_inputs);
   if (!deployed.ok()) return Annotate(deployed, "deploying the model on its devices");
   if (job->config_.client_world > 1) {
     job->client_ranks_ = std::make_unique<ClientRendezvous>(job->config_.client_world,
@@ -305,8 +339,23 @@ absl::Status Job::Deploy() {
   for (size_t i = 0; i < lifted.size(); ++i) {
     lifted[i] = store_.Find(ir_->tensor_names[i])->tensor;
   }
-  absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
-      *ir_, deployment_, lifted, config_.backend, config_.plan_target.num_devices);
+  EngineOptions options;
+  options.backend = config_.backend;
+  options.num_devices = config_.plan_target.num_devices;
+  options.local_devices = config_.local_devices;
+  options.group = config_.engine_group;
+  if (config_.engine_store != nullptr) {
+    options.store = config_.engine_store;
+  } else if (!config_.engine_store_address.empty()) {
+    if (!part_store_) part_store_ = comm::MakeGrpcStore(config_.engine_store_address);
+    options.store = part_store_.get();
+  }
+  if (!options.group.empty()) {
+    // A redeployed job's communicators must not meet the previous deployment's keys.
+    options.group = absl::StrCat(options.group, "/", deployments_++);
+  }
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+      PipelineEngine::Create(*ir_, deployment_, lifted, options);
   if (!engine.ok()) return engine.status();
   if (config_.optimizer.enabled) {
     absl::Status s = (*engine)->SetOptimizer(config_.optimizer.kind, optimizer_groups_);
@@ -334,7 +383,20 @@ void Job::SyncStore(bool grads) {
     const int li = lifted_of_entry_[e];
     if (li < 0) continue;
     const at::Tensor& t = entries[e].tensor;
-    t.copy_(engine_->ParamAt(li));
+    at::Tensor value = engine_->ParamAt(li);
+    if (!value.defined()) {
+      // Held by another daemon's part (or, on a part, by nobody here: keep the store's).
+      if (parts_.empty()) continue;
+      absl::StatusOr<at::Tensor> remote = PartTensor(entries[e].name, false);
+      if (!remote.ok() || !remote->defined()) continue;
+      t.copy_(*remote);
+      if (grads && entries[e].is_parameter) {
+        absl::StatusOr<at::Tensor> g = PartTensor(entries[e].name, true);
+        t.mutable_grad() = g.ok() ? *g : at::Tensor();
+      }
+      continue;
+    }
+    t.copy_(value);
     if (grads && entries[e].is_parameter) t.mutable_grad() = engine_->GradAt(li);
   }
 }
@@ -369,6 +431,115 @@ absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
   return std::move(planned->plan);
 }
 
+absl::Status Job::CreateParts(const std::string& model_bytes,
+                              const std::vector<at::Tensor>& example_inputs) {
+  // The members whose devices the plan uses each get a part: the client's spec with the plan
+  // to load and the devices to run.
+  const std::vector<int> plan_devices = deployment_devices();
+  const std::set<int> used(plan_devices.begin(), plan_devices.end());
+  v1::JobSpec spec = config_.spec;
+  spec.mutable_options()->set_load_deployment(deployment_.SerializeAsString());
+  spec.clear_example_inputs();
+  for (const at::Tensor& t : example_inputs) {
+    absl::Status encoded = EncodeTensor(t, spec.add_example_inputs(), nullptr);
+    if (!encoded.ok()) return encoded;
+  }
+  spec.set_model_bytes(model_bytes.size());
+  std::vector<std::future<absl::StatusOr<std::string>>> created;
+  for (const JobConfig::Member& member : config_.members) {
+    std::vector<int> mine;
+    for (int d : member.devices) {
+      if (used.count(d)) mine.push_back(d);
+    }
+    if (mine.empty()) continue;
+    Part part;
+    part.address = member.address;
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    part.stub = v1::TrainingService::NewStub(grpc::CreateCustomChannel(
+        member.address, grpc::InsecureChannelCredentials(), args));
+    v1::JobSpec part_spec = spec;
+    // The client ranks meet here, at the leader; a part serves only it.
+    part_spec.mutable_options()->set_client_world(0);
+    v1::JobPart* p = part_spec.mutable_options()->mutable_part();
+    p->set_store_address(config_.self_address);
+    for (int d : mine) p->add_local_devices(d);
+    p->set_num_devices(config_.plan_target.num_devices);
+    p->set_group(config_.engine_group);
+    v1::TrainingService::Stub* stub = part.stub.get();
+    parts_.push_back(std::move(part));
+    created.push_back(std::async(std::launch::async, [stub, part_spec, &model_bytes]()
+                                     -> absl::StatusOr<std::string> {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+      v1::CreateJobResponse response;
+      std::unique_ptr<grpc::ClientWriter<v1::CreateJobRequest>> writer =
+          stub->CreateJob(&context, &response);
+      v1::CreateJobRequest header;
+      *header.mutable_spec() = part_spec;
+      bool ok = writer->Write(header);
+      constexpr size_t kChunk = 1 << 20;
+      for (size_t off = 0; ok && off < model_bytes.size(); off += kChunk) {
+        v1::CreateJobRequest chunk;
+        chunk.set_model_chunk(model_bytes.substr(off, kChunk));
+        ok = writer->Write(chunk);
+      }
+      writer->WritesDone();
+      grpc::Status status = writer->Finish();
+      if (!status.ok()) return absl::UnavailableError(status.error_message());
+      return response.job_id();
+    }));
+  }
+  absl::Status local = Deploy();
+  absl::Status status = local;
+  for (size_t i = 0; i < created.size(); ++i) {
+    absl::StatusOr<std::string> id = created[i].get();
+    if (id.ok()) {
+      parts_[i].job_id = *id;
+    } else if (status.ok()) {
+      status = Annotate(id.status(), absl::StrCat("creating this job's part on ",
+                                                  parts_[i].address));
+    }
+  }
+  return status;
+}
+
+absl::Status Job::OnParts(const std::function<absl::Status(Part&)>& fn,
+                          const std::function<absl::Status()>& local) {
+  std::vector<std::future<absl::Status>> remote;
+  for (Part& part : parts_) {
+    remote.push_back(std::async(std::launch::async, [&fn, &part] { return fn(part); }));
+  }
+  absl::Status status = local();
+  for (size_t i = 0; i < remote.size(); ++i) {
+    absl::Status s = remote[i].get();
+    if (!s.ok() && status.ok()) {
+      status = absl::UnavailableError(absl::StrCat("this job's part on ", parts_[i].address,
+                                                   " failed: ", s.message()));
+    }
+  }
+  return status;
+}
+
+absl::StatusOr<at::Tensor> Job::PartTensor(const std::string& name, bool grad) {
+  for (Part& part : parts_) {
+    v1::GetParamRequest request;
+    request.set_job_id(part.job_id);
+    request.set_name(name);
+    request.set_grad(grad);
+    v1::GetParamResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    grpc::Status s = part.stub->GetParam(&context, request, &response);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) continue;  // held elsewhere
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat(part.address, ": ", s.error_message()));
+    if (!response.has_value()) return at::Tensor();
+    return DecodeTensor(response.tensor(), name, nullptr);
+  }
+  return absl::NotFoundError(absl::StrCat("no daemon of this job holds ", name));
+}
+
 absl::Status Job::AddMode(const ModelMode& mode, const std::string& model_bytes) {
   absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes);
   if (!model.ok()) return model.status();
@@ -397,7 +568,48 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
   absl::StatusOr<std::vector<at::Tensor>> outputs;
   if (mode_.training == config_.mode.training && mode_.dropout == config_.mode.dropout) {
     engine_forward_ = true;
-    outputs = engine_->Forward(inputs, requires_grad);
+    if (parts_.empty()) {
+      outputs = engine_->Forward(inputs, requires_grad);
+    } else {
+      // Every daemon's part computes its devices' share; the shares add up to the outputs.
+      v1::ForwardRequest request;
+      request.set_requires_grad(requires_grad);
+      for (const at::Tensor& t : inputs) {
+        absl::Status encoded = EncodeTensor(t, request.add_inputs(), nullptr);
+        if (!encoded.ok()) return encoded;
+      }
+      std::vector<std::vector<at::Tensor>> shares(parts_.size());
+      absl::Status status = OnParts(
+          [&](Part& part) -> absl::Status {
+            v1::ForwardRequest mine = request;
+            mine.set_job_id(part.job_id);
+            v1::ForwardResponse response;
+            grpc::ClientContext context;
+            grpc::Status s = part.stub->Forward(&context, mine, &response);
+            if (!s.ok()) return absl::UnavailableError(s.error_message());
+            std::vector<at::Tensor>& out = shares[&part - parts_.data()];
+            for (const v1::Tensor& t : response.outputs()) {
+              absl::StatusOr<at::Tensor> decoded = DecodeTensor(t, "a part's output", nullptr);
+              if (!decoded.ok()) return decoded.status();
+              out.push_back(*decoded);
+            }
+            return absl::OkStatus();
+          },
+          [&]() -> absl::Status {
+            outputs = engine_->Forward(inputs, requires_grad);
+            return outputs.status();
+          });
+      if (status.ok()) {
+        at::NoGradGuard no_grad;
+        for (const std::vector<at::Tensor>& share : shares) {
+          for (size_t i = 0; i < share.size() && i < outputs->size(); ++i) {
+            (*outputs)[i] = (*outputs)[i] + share[i].to((*outputs)[i].scalar_type());
+          }
+        }
+      } else {
+        outputs = status;
+      }
+    }
   } else {
     // Another mode's graph runs whole on the host over the devices' current values; buffers it
     // updates (BatchNorm statistics in train mode) go back to the devices.
@@ -602,7 +814,29 @@ absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& out
         "backward called with no forward pending (the job was undeployed since)");
   }
   if (engine_forward_) {
-    absl::Status status = engine_->Backward(output_grads, retain_graph);
+    absl::Status status;
+    if (parts_.empty()) {
+      status = engine_->Backward(output_grads, retain_graph);
+    } else {
+      v1::BackwardRequest request;
+      request.set_retain_graph(retain_graph);
+      for (const auto& [index, grad] : output_grads) {
+        v1::OutputGrad* g = request.add_grads();
+        g->set_output_index(static_cast<uint32_t>(index));
+        absl::Status encoded = EncodeTensor(grad, g->mutable_grad(), nullptr);
+        if (!encoded.ok()) return encoded;
+      }
+      status = OnParts(
+          [&](Part& part) -> absl::Status {
+            v1::BackwardRequest mine = request;
+            mine.set_job_id(part.job_id);
+            v1::Empty empty;
+            grpc::ClientContext context;
+            grpc::Status s = part.stub->Backward(&context, mine, &empty);
+            return s.ok() ? absl::OkStatus() : absl::UnavailableError(s.error_message());
+          },
+          [&] { return engine_->Backward(output_grads, retain_graph); });
+    }
     if (engine_->broken()) ReleaseEngine();
     return status;
   }
@@ -626,8 +860,21 @@ absl::Status Job::Step(const std::vector<HyperParams>& hypers) {
   }
   absl::Status deployed = EnsureDeployed();
   if (!deployed.ok()) return deployed;
-  absl::Status status = TorchCall(absl::StatusCode::kInternal, "optimizer step",
-                                  [&] { return engine_->Step(hypers); });
+  auto local = [&] {
+    return TorchCall(absl::StatusCode::kInternal, "optimizer step",
+                     [&] { return engine_->Step(hypers); });
+  };
+  absl::Status status = parts_.empty() ? local() : OnParts(
+      [&](Part& part) -> absl::Status {
+        v1::StepRequest request;
+        request.set_job_id(part.job_id);
+        for (const HyperParams& h : hypers) *request.add_groups() = ToProto(h);
+        v1::Empty empty;
+        grpc::ClientContext context;
+        grpc::Status s = part.stub->Step(&context, request, &empty);
+        return s.ok() ? absl::OkStatus() : absl::UnavailableError(s.error_message());
+      },
+      local);
   if (status.ok()) ++steps_;
   return status;
 }
@@ -635,6 +882,15 @@ absl::Status Job::Step(const std::vector<HyperParams>& hypers) {
 void Job::ZeroGrad(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mu_);
   if (engine_) engine_->ZeroGrad(set_to_none);
+  for (Part& part : parts_) {
+    v1::ZeroGradRequest request;
+    request.set_job_id(part.job_id);
+    request.set_set_to_none(set_to_none);
+    v1::Empty empty;
+    grpc::ClientContext context;
+    grpc::Status s = part.stub->ZeroGrad(&context, request, &empty);
+    (void)s;  // a part that is gone fails the next forward, which names it
+  }
   for (at::Tensor p : store_.Parameters()) {
     at::Tensor& grad = p.mutable_grad();
     if (!grad.defined()) continue;
@@ -708,6 +964,16 @@ absl::StatusOr<std::optional<at::Tensor>> Job::GetTensor(const std::string& name
   }
   const int lifted = lifted_of_entry_[entry - store_.entries().data()];
   if (engine_ && lifted >= 0) {
+    const bool held = engine_->ParamAt(lifted).defined();
+    if (!held && config_.is_part) {
+      return absl::NotFoundError(absl::StrCat("'", name, "' is held by another daemon's part"));
+    }
+    if (!held && !parts_.empty()) {
+      absl::StatusOr<at::Tensor> t = PartTensor(name, grad);
+      if (!t.ok()) return t.status();
+      if (!t->defined()) return std::optional<at::Tensor>();
+      return std::optional<at::Tensor>(*t);
+    }
     at::Tensor t = grad ? engine_->GradAt(lifted) : engine_->ParamAt(lifted);
     if (!t.defined()) return std::optional<at::Tensor>();
     return std::optional<at::Tensor>(t);

@@ -42,6 +42,7 @@
 #include "daemon/runtime/param_store.h"
 #include "daemon/runtime/pipeline_engine.h"
 #include "daemon/server/client_ranks.h"
+#include "rannc/v1/training.grpc.pb.h"
 
 namespace rannc {
 
@@ -80,6 +81,24 @@ struct JobConfig {
   int client_world = 1;
   bool gather_inputs = true;
   std::chrono::milliseconds client_timeout = std::chrono::minutes(5);
+
+  // A job over several daemons (docs/cluster.md): the plan's devices this daemon runs (empty:
+  // all), where the parts' communicators meet (this daemon's own store when it leads, else the
+  // leader's address), and the group name every part uses.
+  std::vector<int> local_devices;
+  comm::Store* engine_store = nullptr;
+  std::string engine_store_address;
+  std::string engine_group;
+  bool is_part = false;  // created by a leading daemon: reads of tensors held elsewhere fail
+  // Leader only: the other daemons and the plan's device indices each owns, and the JobSpec to
+  // create their parts with (this daemon's own address as the store).
+  struct Member {
+    std::string address;
+    std::vector<int> devices;
+  };
+  std::vector<Member> members;
+  std::string self_address;
+  v1::JobSpec spec;  // the client's, for the members' parts
 };
 
 struct JobSummary {
@@ -109,6 +128,8 @@ class Job {
   // INVALID_ARGUMENT for a bad model or one that fails on the example inputs.
   // Then builds the model's IR and plans it for config.plan_target (or checks and adopts
   // config.load_deployment): RESOURCE_EXHAUSTED when no plan fits the devices.
+  ~Job();
+
   static absl::StatusOr<std::unique_ptr<Job>> Create(std::string id, JobConfig config,
                                                      const std::string& model_bytes,
                                                      const std::vector<at::Tensor>& example_inputs);
@@ -177,6 +198,18 @@ class Job {
   void SyncStore(bool grads);
   // Takes everything back from the engine into the store and frees the devices.
   void ReleaseEngine();
+  // A job over several daemons: creates the members' parts (their engines meet this daemon's
+  // while it deploys), and runs `fn` on each part at once, concurrently with `local`.
+  struct Part {
+    std::string address, job_id;
+    std::unique_ptr<v1::TrainingService::Stub> stub;
+  };
+  absl::Status CreateParts(const std::string& model_bytes,
+                           const std::vector<at::Tensor>& example_inputs);
+  absl::Status OnParts(const std::function<absl::Status(Part&)>& fn,
+                       const std::function<absl::Status()>& local);
+  // A tensor (or its gradient) held by another daemon's part.
+  absl::StatusOr<at::Tensor> PartTensor(const std::string& name, bool grad);
   // The plan's device indices, ascending.
   std::vector<int> deployment_devices() const;
 
@@ -198,6 +231,9 @@ class Job {
   bool engine_forward_ = true;           // the last forward ran on the engine (not runner_)
   std::vector<std::vector<int>> optimizer_groups_;  // lifted indices per param group
   std::unique_ptr<ClientRendezvous> client_ranks_;  // with several client ranks
+  std::vector<Part> parts_;                         // the members' parts, when leading
+  std::unique_ptr<comm::Store> part_store_;         // the leader's store, when a part
+  int deployments_ = 0;                             // engines built so far
   // Samples each client rank gave the last collective forward (to split its outputs).
   std::vector<int64_t> rank_rows_;
   // Optimizer state while undeployed, by lifted index.

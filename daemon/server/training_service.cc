@@ -311,6 +311,19 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   }
 
   const std::string id = jobs_->NewJobId();
+  if (spec.options().has_part()) {
+    // This daemon's part of a job another daemon leads over the cluster.
+    const v1::JobPart& part = spec.options().part();
+    config.is_part = true;
+    config.plan_target.num_devices = static_cast<int>(part.num_devices());
+    config.local_devices.assign(part.local_devices().begin(), part.local_devices().end());
+    config.engine_store_address = part.store_address();
+    config.engine_group = part.group();
+    config.device_names.clear();
+  } else {
+    absl::Status spanned = SpanCluster(id, spec, &config);
+    if (!spanned.ok()) return Fail("CreateJob", spanned);
+  }
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, std::move(config), model, *examples);
   if (!job.ok()) return Fail("CreateJob", job.status());
 
@@ -331,6 +344,50 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   }
   jobs_->Add(std::move(*job));
   return grpc::Status::OK;
+}
+
+absl::Status TrainingServiceImpl::SpanCluster(const std::string& job_id, const v1::JobSpec& spec,
+                                              JobConfig* config) const {
+  std::vector<cluster::MemberInfo> members;
+  {
+    std::lock_guard<std::mutex> lock(address_mu_);
+    if (cluster_ == nullptr || store_ == nullptr) return absl::OkStatus();
+    members = cluster_->Members();
+  }
+  if (members.size() < 2) return absl::OkStatus();
+  for (const cluster::MemberInfo& m : members) {
+    if (m.state != cluster::MemberState::kUp) {
+      return absl::UnavailableError(absl::StrCat(
+          "cluster member ", m.address, " is ", cluster::MemberStateName(m.state),
+          "; a job runs on every daemon of the cluster, so wait until all are up"));
+    }
+  }
+  std::sort(members.begin(), members.end(),
+            [](const cluster::MemberInfo& a, const cluster::MemberInfo& b) {
+              return a.rank < b.rank;
+            });
+  // The cluster's devices, numbered by member rank, then each member's own order.
+  config->device_names.clear();
+  config->local_devices.clear();
+  config->members.clear();
+  for (const cluster::MemberInfo& m : members) {
+    JobConfig::Member member{m.address, {}};
+    for (const cluster::DeviceSummary& d : m.devices) {
+      const int index = static_cast<int>(config->device_names.size());
+      config->device_names.push_back(absl::StrCat(m.address, "/", d.name));
+      (m.self ? config->local_devices : member.devices).push_back(index);
+    }
+    if (m.self) {
+      config->self_address = m.address;
+    } else {
+      config->members.push_back(std::move(member));
+    }
+  }
+  config->plan_target.num_devices = static_cast<int>(config->device_names.size());
+  config->engine_store = store_;
+  config->engine_group = job_id;
+  config->spec = spec;
+  return absl::OkStatus();
 }
 
 grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,

@@ -51,6 +51,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // Likewise the cluster, which needs that address. GetInfo lists its members once set; the
   // cluster must outlive the service.
   void set_cluster(const cluster::Cluster* cluster);
+  // The store this daemon serves (not owned): the rendezvous of jobs it leads over the cluster.
+  void set_store(comm::Store* store) { store_ = store; }
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::DaemonInfo*) override;
@@ -94,6 +96,11 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   absl::Status RunDeferred(Job& job, const google::protobuf::RepeatedPtrField<v1::DeferredOp>& ops,
                            int client_rank) const;
 
+  // With a cluster of several daemons, a job runs on all of them: numbers the cluster's devices
+  // and fills `config`'s part of the job this daemon leads (docs/cluster.md).
+  absl::Status SpanCluster(const std::string& job_id, const v1::JobSpec& spec,
+                           JobConfig* config) const;
+
   // Encodes `tensors` into `out`, into the client's reply region when it offered one.
   absl::Status EncodeReply(const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
                            google::protobuf::RepeatedPtrField<v1::Tensor>* out) const;
@@ -101,9 +108,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   const DaemonFacts facts_;
   const ShmDirectory shm_;
   JobManager* const jobs_;
-  std::mutex address_mu_;
+  mutable std::mutex address_mu_;
   std::string address_;
   const cluster::Cluster* cluster_ = nullptr;  // guarded by address_mu_
+  comm::Store* store_ = nullptr;
   // CreateJob's answers for jobs with several client ranks, which JoinJob gives the others.
   std::mutex joinable_mu_;
   std::map<std::string, v1::CreateJobResponse> joinable_;  // job id -> answer

@@ -1,0 +1,122 @@
+"""A job over two daemons: two ranncd processes with `cpu:2` each form a cluster on loopback
+(--peers), a pyrannc client talks to one of them, and the job is planned over all four devices
+and trained with stages and replicas on both daemons. It must train exactly like one PyTorch
+model (conftest.assert_close: rtol 1e-5, atol 1e-6)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import grpc
+import pytest
+import torch
+
+from conftest import CLIENT_ROOT, assert_close, daemon_binary
+import models
+from pyrannc.proto.rannc.v1 import cluster_pb2
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+from pyrannc.proto.rannc.v1 import training_pb2_grpc as rpc
+
+STEPS = 3
+
+_CLIENT = textwrap.dedent("""
+    import json, sys, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    torch.manual_seed(0)
+    model = models.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    losses = []
+    for step in range({steps}):
+        x, y = models.mlp_batch(step, batch=8)
+        loss = rmod(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    grads_seen = {{}}
+    state = {{k: v.tolist() for k, v in rmod.state_dict().items()}}
+    d = rmod.deployment
+    json.dump({{"losses": losses, "state": state, "devices": rmod._job.devices,
+               "stages": [list(s.devices) for s in d.stages]}}, open({out!r}, "w"))
+""")
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def cluster(pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a clean config
+    peers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    logs, procs = [], []
+    for address in peers:
+        log = tempfile.NamedTemporaryFile(prefix="ranncd-", suffix=".log", delete=False)
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [daemon_binary(), "--listen", address, "--devices", "cpu:2", "--peers",
+             ",".join(peers), "--heartbeat-interval", "200ms", "--peer-timeout", "5s",
+             "--profile-cache", "none", "--links", "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s"],
+            stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.time() + 60
+    for address in peers:
+        stub = rpc.TrainingServiceStub(grpc.insecure_channel(address))
+        while True:
+            try:
+                info = stub.GetInfo(pb.GetInfoRequest(), timeout=2)
+                if len(info.cluster) == 2 and all(
+                        m.state == cluster_pb2.MEMBER_UP for m in info.cluster):
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.time() < deadline, open(logs[0].name).read()
+            time.sleep(0.1)
+    yield peers, logs
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=15)
+    for log in logs:
+        os.unlink(log.name)
+
+
+def test_a_job_spans_two_daemons_and_trains_like_pytorch(tmp_path, cluster):
+    peers, logs = cluster
+    out = str(tmp_path / "client.json")
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
+    script = _CLIENT.format(tests=os.path.dirname(os.path.abspath(__file__)), steps=STEPS,
+                            out=out)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + "\n" + open(logs[0].name).read() + \
+        open(logs[1].name).read()
+    got = json.load(open(out))
+    # Four devices, two on each daemon.
+    assert sorted(got["devices"]) == sorted(f"{a}/cpu:{i}" for a in peers for i in range(2))
+    assert sorted(d for s in got["stages"] for d in s) == [0, 1, 2, 3]
+
+    torch.manual_seed(0)
+    ref = models.MLP()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = models.mlp_batch(step, batch=8)
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert_close(torch.tensor(got["losses"][step]), loss.detach(), f"loss at step {step}")
+    for k, v in ref.state_dict().items():
+        assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, k)
