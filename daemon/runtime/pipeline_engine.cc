@@ -36,6 +36,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                                         const EngineOptions& options) {
   ir_ = &ir;
   timeout_ = options.timeout;
+  cancel_ = options.cancel;
   const comm::Backend backend = options.backend;
   const int num_devices = options.num_devices;
   id_ = !options.group.empty() ? options.group

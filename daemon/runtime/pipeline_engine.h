@@ -40,6 +40,7 @@
 #ifndef RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_H_
 #define RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_H_
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -75,6 +76,9 @@ struct EngineOptions {
   // unique per job). Empty: a name unique within this process.
   std::string group;
   std::chrono::milliseconds timeout = std::chrono::seconds(120);
+  // Set by another thread to cancel: the step in progress fails at once (its waits abandoned)
+  // and so does every later one, with ABORTED. E.g. a job that lost a daemon running its part.
+  std::shared_ptr<std::atomic<bool>> cancel;
 };
 
 struct StepResult {

@@ -275,6 +275,8 @@ class PipelineEngine::Impl {
   std::vector<OutputKind> output_kinds_;        // per IR output
   std::map<int, OutputKind> stage_outputs_;     // IR value -> kind, for values stages produce
   std::atomic<bool> aborted_{false};
+  std::shared_ptr<std::atomic<bool>> cancel_;  // EngineOptions::cancel
+  bool Cancelled() const { return cancel_ && cancel_->load(); }
   bool broken_ = false;
   std::mutex error_mu_;
   absl::Status first_error_;

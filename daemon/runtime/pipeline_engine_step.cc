@@ -38,7 +38,7 @@ absl::Status PipelineEngine::Impl::Wait(Device& d, std::unique_ptr<comm::Work> w
       return Annotate(s, what);
     }
     const bool late = std::chrono::steady_clock::now() >= deadline;
-    if (late || aborted_.load()) {
+    if (late || aborted_.load() || Cancelled()) {
       d.abandoned.emplace_back(std::move(work), std::move(keep));
       if (late) {
         return absl::DeadlineExceededError(absl::StrCat(
@@ -82,6 +82,11 @@ absl::Status PipelineEngine::Impl::Recv(Device& d, const at::Tensor& t, int src_
 absl::Status PipelineEngine::Impl::OnEveryDevice(const std::function<absl::Status(Device&)>& fn,
                                                  bool breaks) {
   aborted_ = false;
+  if (Cancelled()) {
+    broken_ = true;
+    first_error_ = absl::AbortedError("the engine was cancelled");
+    return first_error_;
+  }
   std::vector<std::future<absl::Status>> done;
   for (Device& d : devices_) {
     if (!d.local) continue;

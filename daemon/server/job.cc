@@ -344,6 +344,7 @@ absl::Status Job::Deploy() {
   options.num_devices = config_.plan_target.num_devices;
   options.local_devices = config_.local_devices;
   options.group = config_.engine_group;
+  options.cancel = cancel_;
   if (config_.engine_store != nullptr) {
     options.store = config_.engine_store;
   } else if (!config_.engine_store_address.empty()) {
@@ -409,6 +410,7 @@ void Job::ReleaseEngine() {
 }
 
 absl::Status Job::EnsureDeployed() {
+  if (absl::Status lost = Lost(); !lost.ok()) return lost;
   state_ = JobState::kDeployed;
   if (engine_) return absl::OkStatus();
   return Annotate(Deploy(), "deploying the model on its devices");
@@ -509,17 +511,38 @@ absl::Status Job::OnParts(const std::function<absl::Status(Part&)>& fn,
                           const std::function<absl::Status()>& local) {
   std::vector<std::future<absl::Status>> remote;
   for (Part& part : parts_) {
-    remote.push_back(std::async(std::launch::async, [&fn, &part] { return fn(part); }));
+    remote.push_back(std::async(std::launch::async, [this, &fn, &part] {
+      absl::Status s = fn(part);
+      // A part that failed leaves the job's data plane out of step: give up on it now rather
+      // than wait for transfers with that daemon to time out.
+      if (!s.ok()) MemberLost(part.address, std::string(s.message()));
+      return s;
+    }));
   }
   absl::Status status = local();
-  for (size_t i = 0; i < remote.size(); ++i) {
-    absl::Status s = remote[i].get();
-    if (!s.ok() && status.ok()) {
-      status = absl::UnavailableError(absl::StrCat("this job's part on ", parts_[i].address,
-                                                   " failed: ", s.message()));
+  for (size_t i = 0; i < remote.size(); ++i) remote[i].get();
+  absl::Status lost = Lost();
+  return lost.ok() ? status : lost;
+}
+
+void Job::MemberLost(const std::string& address, const std::string& reason) {
+  bool mine = false;
+  for (const JobConfig::Member& m : config_.members) mine = mine || m.address == address;
+  if (!mine) return;
+  {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    if (lost_.ok()) {
+      lost_ = absl::UnavailableError(absl::StrCat(
+          "daemon ", address, ", which runs part of this job, is lost (", reason,
+          "); the job cannot go on: delete it and create it again once the cluster is whole"));
     }
   }
-  return status;
+  cancel_->store(true);
+}
+
+absl::Status Job::Lost() {
+  std::lock_guard<std::mutex> lock(lost_mu_);
+  return lost_;
 }
 
 absl::StatusOr<at::Tensor> Job::PartTensor(const std::string& name, bool grad) {
@@ -809,6 +832,7 @@ absl::StatusOr<double> Job::ClipGradNorm(int client_rank, double max_norm, doubl
 absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                            bool retain_graph) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status lost = Lost(); !lost.ok()) return lost;
   if (!engine_) {
     return absl::FailedPreconditionError(
         "backward called with no forward pending (the job was undeployed since)");

@@ -168,6 +168,10 @@ class Job {
   absl::Status ZeroGrad(int client_rank, bool set_to_none);
   absl::StatusOr<double> ClipGradNorm(int client_rank, double max_norm, double norm_type);
   const std::string& name() const { return config_.name; }
+  // A daemon running a part of this job is gone (cluster::Cluster::OnMemberDown): the step in
+  // progress fails at once, and every later call fails with UNAVAILABLE naming it. No-op for a
+  // job without a part there. Callable from any thread, without the job's lock.
+  void MemberLost(const std::string& address, const std::string& reason);
   int client_world() const { return config_.client_world; }
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                         bool retain_graph);
@@ -234,6 +238,11 @@ class Job {
   std::vector<Part> parts_;                         // the members' parts, when leading
   std::unique_ptr<comm::Store> part_store_;         // the leader's store, when a part
   int deployments_ = 0;                             // engines built so far
+  // Set when a part is lost; cancels the engine's step in progress.
+  std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
+  std::mutex lost_mu_;
+  absl::Status lost_;  // guarded by lost_mu_
+  absl::Status Lost();
   // Samples each client rank gave the last collective forward (to split its outputs).
   std::vector<int64_t> rank_rows_;
   // Optimizer state while undeployed, by lifted index.

@@ -84,16 +84,17 @@ def cluster(pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a clean con
                 pass
             assert time.time() < deadline, open(logs[0].name).read()
             time.sleep(0.1)
-    yield peers, logs
+    yield peers, logs, procs
     for p in procs:
-        p.terminate()
-        p.wait(timeout=15)
+        if p.poll() is None:
+            p.terminate()
+            p.wait(timeout=15)
     for log in logs:
         os.unlink(log.name)
 
 
 def test_a_job_spans_two_daemons_and_trains_like_pytorch(tmp_path, cluster):
-    peers, logs = cluster
+    peers, logs, _ = cluster
     out = str(tmp_path / "client.json")
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
                RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
@@ -120,3 +121,60 @@ def test_a_job_spans_two_daemons_and_trains_like_pytorch(tmp_path, cluster):
         assert_close(torch.tensor(got["losses"][step]), loss.detach(), f"loss at step {step}")
     for k, v in ref.state_dict().items():
         assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, k)
+
+
+_TRAIN_UNTIL_ERROR = textwrap.dedent("""
+    import sys, time, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    torch.manual_seed(0)
+    model = models.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    step = 0
+    try:
+        while True:
+            x, y = models.mlp_batch(step, batch=8)
+            loss = rmod(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == 3:
+                print("TRAINING", flush=True)
+    except pyrannc.RanncError as err:
+        print("ERROR", err.code, err, flush=True)
+        sys.exit(3)
+""")
+
+
+def test_a_lost_daemon_fails_its_jobs_promptly_and_the_leader_goes_on(tmp_path, cluster):
+    peers, logs, procs = cluster
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
+               RANNC_DEFER_OPS="0")
+    client = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_UNTIL_ERROR.format(
+            tests=os.path.dirname(os.path.abspath(__file__)))],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert client.stdout.readline().strip() == "TRAINING", client.stderr.read()
+    killed = time.monotonic()
+    procs[1].kill()  # SIGKILL the member daemon mid-training
+    stdout, stderr = client.communicate(timeout=60)
+    elapsed = time.monotonic() - killed
+    assert client.returncode == 3, stdout + stderr
+    assert "UNAVAILABLE" in stdout and peers[1] in stdout, stdout
+    # Within the peer timeout (5 s) plus slack, never the engine's 120 s transfer timeout.
+    print(f"the client failed {elapsed:.1f} s after the SIGKILL")
+    assert elapsed < 20, elapsed
+    # The leader keeps serving, and reports the member DOWN.
+    stub = rpc.TrainingServiceStub(grpc.insecure_channel(peers[0]))
+    deadline = time.time() + 15
+    while True:
+        info = stub.GetInfo(pb.GetInfoRequest(), timeout=5)
+        states = {m.address: m.state for m in info.cluster}
+        if states[peers[1]] == cluster_pb2.MEMBER_DOWN:
+            break
+        assert time.time() < deadline, states
+        time.sleep(0.2)
