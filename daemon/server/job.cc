@@ -934,6 +934,11 @@ void Job::ZeroGrad(bool set_to_none) {
 
 absl::StatusOr<double> Job::ClipGradNorm(double max_norm, double norm_type) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!parts_.empty()) {
+    return absl::UnimplementedError(
+        "clip_grad_norm for a job over several daemons (its gradients' norm spans them) is not "
+        "supported yet");
+  }
   if (engine_) {
     std::vector<int> params;
     const std::vector<ParamStore::Entry>& entries = store_.entries();
@@ -1023,6 +1028,11 @@ absl::Status Job::LoadStateDict(const std::map<std::string, at::Tensor>& state, 
                                 std::vector<std::string>* missing,
                                 std::vector<std::string>* unexpected) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!parts_.empty()) {
+    return absl::UnimplementedError(
+        "load_state_dict for a job over several daemons is not supported yet; load the state "
+        "into the model before its first forward");
+  }
   // Entries the state leaves out keep the devices' values.
   SyncStore(/*grads=*/false);
   absl::Status loaded = store_.Load(state, strict, missing, unexpected);
@@ -1037,6 +1047,8 @@ absl::Status Job::LoadStateDict(const std::map<std::string, at::Tensor>& state, 
 void Job::Undeploy() {
   std::lock_guard<std::mutex> lock(mu_);
   runner_->ReleaseOutputs();
+  // A job over several daemons stays deployed: its parts are not redeployed yet.
+  if (!parts_.empty()) return;
   ReleaseEngine();
   state_ = JobState::kUndeployed;
 }
