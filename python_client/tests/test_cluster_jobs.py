@@ -1,7 +1,8 @@
-"""A job over two daemons: two ranncd processes with `cpu:2` each form a cluster on loopback
-(--peers), a pyrannc client talks to one of them, and the job is planned over all four devices
-and trained with stages and replicas on both daemons. It must train exactly like one PyTorch
-model (conftest.assert_close: rtol 1e-5, atol 1e-6)."""
+"""Jobs over a cluster: two or three ranncd processes with `cpu:2` each form a cluster on
+loopback (--peers), a pyrannc client talks to one of them, and the job is planned over all their
+devices and trained with a stage per daemon. It must train exactly like one PyTorch model
+(conftest.assert_close: rtol 1e-5, atol 1e-6). A daemon SIGKILLed mid-training fails the job
+at once with UNAVAILABLE naming it, and the others go on."""
 
 import json
 import os
@@ -59,9 +60,10 @@ def _free_ports(n):
     return ports
 
 
-@pytest.fixture
-def cluster(pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a clean config
-    peers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+@pytest.fixture(params=[2], ids=lambda n: f"{n}daemons")
+def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a clean config
+    count = request.param
+    peers = [f"127.0.0.1:{p}" for p in _free_ports(count)]
     logs, procs = [], []
     for address in peers:
         log = tempfile.NamedTemporaryFile(prefix="ranncd-", suffix=".log", delete=False)
@@ -77,7 +79,7 @@ def cluster(pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a clean con
         while True:
             try:
                 info = stub.GetInfo(pb.GetInfoRequest(), timeout=2)
-                if len(info.cluster) == 2 and all(
+                if len(info.cluster) == count and all(
                         m.state == cluster_pb2.MEMBER_UP for m in info.cluster):
                     break
             except grpc.RpcError:
@@ -93,21 +95,23 @@ def cluster(pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a clean con
         os.unlink(log.name)
 
 
-def test_a_job_spans_two_daemons_and_trains_like_pytorch(tmp_path, cluster):
+@pytest.mark.parametrize("cluster", [2, 3], indirect=True, ids=["2daemons", "3daemons"])
+def test_a_job_spans_the_daemons_and_trains_like_pytorch(tmp_path, cluster):
     peers, logs, _ = cluster
     out = str(tmp_path / "client.json")
+    # One stage per daemon, its two replicas on that daemon's two devices.
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
-               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
+               RANNC_PARTITION_NUM=str(len(peers)), RANNC_REPLICA_NUM="2",
+               RANNC_PIPELINE_NUM="2")
     script = _CLIENT.format(tests=os.path.dirname(os.path.abspath(__file__)), steps=STEPS,
                             out=out)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0, done.stderr + "\n" + open(logs[0].name).read() + \
-        open(logs[1].name).read()
+    assert done.returncode == 0, done.stderr + "\n" + "".join(open(l.name).read() for l in logs)
     got = json.load(open(out))
-    # Four devices, two on each daemon.
+    # Every daemon's two devices.
     assert sorted(got["devices"]) == sorted(f"{a}/cpu:{i}" for a in peers for i in range(2))
-    assert sorted(d for s in got["stages"] for d in s) == [0, 1, 2, 3]
+    assert sorted(d for s in got["stages"] for d in s) == list(range(2 * len(peers)))
 
     torch.manual_seed(0)
     ref = models.MLP()
