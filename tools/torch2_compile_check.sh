@@ -12,8 +12,7 @@ fi
 export LD_LIBRARY_PATH=$SYS/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 gen=$(mktemp -d)
 "$SYS/usr/bin/protoc" -I"$root/proto" --cpp_out="$gen" --grpc_out="$gen" \
-  --plugin=protoc-gen-grpc="$SYS/usr/bin/grpc_cpp_plugin" "$root/proto/rannc/v1/training.proto" \
-  "$root/proto/rannc/v1/deployment.proto"
+  --plugin=protoc-gen-grpc="$SYS/usr/bin/grpc_cpp_plugin" "$root"/proto/rannc/v1/*.proto
 torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
 abi=$(python3 -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
 echo "torch $(python3 -c 'import torch; print(torch.__version__)') at $torch_dir"
