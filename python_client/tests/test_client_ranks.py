@@ -1,4 +1,5 @@
-"""Several client processes ("client ranks") training one job, against a real ranncd.
+"""Several client processes ("client ranks") training one job, against a real ranncd; and a
+client killed mid-step, whose job stays usable and deletable.
 
 Each rank is a separate Python process (as under torchrun or mpirun) with RANNC_JOB,
 RANNC_CLIENT_RANK and RANNC_CLIENT_WORLD set; rank 0 creates the job and the others join it.
@@ -18,6 +19,8 @@ import torch
 
 from conftest import CLIENT_ROOT, DaemonProcess, assert_close
 import models
+from pyrannc import _codec
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
 STEPS = 3
 
@@ -114,3 +117,52 @@ def test_a_missing_rank_is_a_clear_error(tmp_path, daemon):
     code, stderr = results[0]
     assert code != 0
     assert "DEADLINE_EXCEEDED" in stderr and "client rank(s) 1 of 2" in stderr, stderr
+
+
+_TRAIN_FOREVER = textwrap.dedent("""
+    import sys, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    torch.manual_seed(0)
+    model = models.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    step = 0
+    while True:
+        x, y = models.mlp_batch(step, batch=8)
+        rmod(x, y).backward()
+        opt.step()
+        step += 1
+        if step == 3:
+            print(rmod._job.id, flush=True)
+""")
+
+
+def test_a_client_killed_mid_step_leaves_a_job_that_can_be_resumed_or_deleted(daemon):
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=daemon.address,
+               RANNC_JOB="killed")
+    env.pop("RANNC_CLIENT_RANK", None)
+    env.pop("RANNC_CLIENT_WORLD", None)
+    client = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_FOREVER.format(
+            tests=os.path.dirname(os.path.abspath(__file__)))],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = client.stdout.readline().strip()
+    assert job_id, client.stderr.read()
+    client.kill()  # SIGKILL while it trains: likely in the middle of an RPC
+    client.wait(timeout=30)
+    stub = daemon.conn.stub
+    # Resumable: its state reads back and another forward and backward run.
+    param = stub.GetParam(pb.GetParamRequest(job_id=job_id, name="l1.weight"), timeout=30)
+    assert param.has_value
+    x, y = models.mlp_batch(0, batch=8)
+    out = stub.Forward(pb.ForwardRequest(job_id=job_id, inputs=[_codec.encode(x),
+                                                                _codec.encode(y)],
+                                         requires_grad=True), timeout=60)
+    assert len(out.outputs) == 1
+    stub.Backward(pb.BackwardRequest(job_id=job_id, grads=[pb.OutputGrad(
+        output_index=0, grad=_codec.encode(torch.ones(())))]), timeout=60)
+    # Deletable.
+    stub.DeleteJob(pb.JobRef(job_id=job_id), timeout=30)
+    assert job_id not in {j.job_id for j in stub.ListJobs(pb.Empty(), timeout=10).jobs}
