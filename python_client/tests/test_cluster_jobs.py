@@ -230,3 +230,27 @@ def test_the_runtime_conformance_models_train_like_pytorch_across_daemons(cluste
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split().count("ok") == 4, done.stdout
+
+
+def test_two_client_ranks_train_one_job_over_the_cluster(tmp_path, cluster):
+    # Two client processes with half a batch each, both talking to the leading daemon: one
+    # model on the whole batch, over both daemons' devices.
+    import types
+    import test_client_ranks as ranks
+    peers, logs, _ = cluster
+    os.environ["RANNC_PARTITION_NUM"] = "2"
+    try:
+        out, results = ranks._run_ranks(tmp_path, types.SimpleNamespace(address=peers[0]), True)
+    finally:
+        del os.environ["RANNC_PARTITION_NUM"]
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr}"
+    losses, state = ranks._reference(True)
+    for rank in range(2):
+        got = json.load(open(out + str(rank)))
+        assert len({d.split("/")[0] for d in got["devices"]}) == 2, got["devices"]
+        for step in range(ranks.STEPS):
+            assert_close(torch.tensor(got["losses"][step]), losses[step],
+                         f"rank {rank} loss at step {step}")
+        for k, v in state.items():
+            assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, f"rank {rank} {k}")
