@@ -1053,6 +1053,18 @@ void Job::Undeploy() {
   state_ = JobState::kUndeployed;
 }
 
+absl::Status Job::RecreateCommunicators() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!parts_.empty() || config_.is_part) {
+    return absl::UnimplementedError(
+        "recreating the communicators of a job over several daemons is not supported yet");
+  }
+  if (!engine_) return absl::OkStatus();  // undeployed: the next forward builds them
+  runner_->ReleaseOutputs();
+  ReleaseEngine();
+  return Annotate(Deploy(), "recreating the job's communicators");
+}
+
 JobSummary Job::Summary() {
   std::lock_guard<std::mutex> lock(mu_);
   JobSummary s;

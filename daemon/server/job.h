@@ -190,6 +190,9 @@ class Job {
   // Brings the host master up to date and frees every device's copies (optimizer state is
   // kept on the host); the next Forward deploys again.
   void Undeploy();
+  // pyrannc.recreate_all_communicators(): rebuilds the engine (and with it every communicator)
+  // from the devices' current state. UNIMPLEMENTED for a job over several daemons.
+  absl::Status RecreateCommunicators();
   JobSummary Summary();
 
  private:

@@ -707,9 +707,10 @@ grpc::Status TrainingServiceImpl::Undeploy(grpc::ServerContext*, const v1::JobRe
 
 grpc::Status TrainingServiceImpl::RecreateCommunicators(grpc::ServerContext*,
                                                         const v1::JobRef* ref, v1::Empty*) {
-  // A job on one device has no communicators; the call still checks the job exists.
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
   if (!job.ok()) return Fail("RecreateCommunicators", job.status());
+  absl::Status status = (*job)->RecreateCommunicators();
+  if (!status.ok()) return Fail("RecreateCommunicators", status);
   return grpc::Status::OK;
 }
 

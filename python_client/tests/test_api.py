@@ -337,10 +337,15 @@ def test_single_client_functions():
     pyrannc.barrier()
     pyrannc.sync_params_on_init(False)
     pyrannc.sync_params_on_init(True)
-    rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
+    rmod, model, opt, ref, ref_opt = _fresh(opt_fn=_sgd)
     _train(rmod, opt, 1)
+    _train(ref, ref_opt, 1)
+    # The engine and its communicators are rebuilt; parameters and momentum carry over.
     pyrannc.recreate_all_communicators()
-    _train(rmod, opt, 1, start=1)
+    _train(rmod, opt, 2, start=1)
+    _train(ref, ref_opt, 2, start=1)
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
 
 
 def test_cuda_and_to_are_noops_with_warning():
