@@ -11,6 +11,7 @@
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/graph/subgraph.h"
+#include "daemon/optim/grad_norm.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
 #include "daemon/runtime/tensor_buffer.h"
 
@@ -372,22 +373,15 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
 absl::StatusOr<double> PipelineEngine::Impl::ClipGradNorm(const std::vector<int>& params,
                                                           double max_norm, double norm_type) {
   at::NoGradGuard no_grad;
-  // The same reductions, in the same order, as torch.nn.utils.clip_grad_norm_ (1.13), each
-  // parameter's norm taken once, on its owner.
-  std::vector<at::Tensor> norms;
+  // Each parameter's gradient counted once, its owner's.
+  std::vector<at::Tensor> grads;
   for (int li : params) {
     const at::Tensor t = OwnerTensor(li);
-    if (!t.defined() || !t.grad().defined()) continue;
-    norms.push_back(std::isinf(norm_type) ? t.grad().abs().max() : at::norm(t.grad(), norm_type));
+    if (t.defined() && t.grad().defined()) grads.push_back(t.grad());
   }
-  if (norms.empty()) return 0.0;
-  at::Tensor total;
-  if (std::isinf(norm_type)) {
-    total = norms.size() == 1 ? norms[0] : at::stack(norms).max();
-  } else {
-    total = at::norm(at::stack(norms), norm_type);
-  }
-  const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
+  if (grads.empty()) return 0.0;
+  const at::Tensor total = TotalGradNorm(grads, norm_type);
+  const at::Tensor coef = ClipCoefficient(total, max_norm);
   std::set<int> selected(params.begin(), params.end());
   for (Device& d : devices_) {
     for (int li : selected) {

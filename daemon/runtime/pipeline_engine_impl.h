@@ -198,6 +198,23 @@ class PipelineEngine::Impl {
   // What the last forward left for Backward.
   enum class Held { kNothing, kFusedGrads, kGraphs };
 
+  // Device `d`'s shard of micro-batch `mb`: the micro-batch's samples, where the shard starts
+  // within it, its samples, and its share of the whole batch (its loss weight).
+  struct MicroBatchShard {
+    int64_t micro_batch = 0, offset = 0, count = 0;
+    double weight = 0;
+  };
+  MicroBatchShard ShardOf(const Device& d, const StepPlan& step, int mb) const {
+    MicroBatchShard shard;
+    shard.micro_batch = step.mb_sizes[mb];
+    const std::vector<int64_t> sizes =
+        SplitSizes(shard.micro_batch, static_cast<int>(stages_[d.stage].devices.size()));
+    shard.offset = Offsets(sizes)[d.replica];
+    shard.count = sizes[d.replica];
+    shard.weight = static_cast<double>(shard.count) / step.batch;
+    return shard;
+  }
+
   int64_t PerSample(int v) const {
     const IrValue& val = ir_->values[v];
     return val.batch_dim < 0 ? 0 : val.shape[val.batch_dim] / ir_->example_batch;

@@ -121,13 +121,12 @@ absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, i
                                               Pending& pending) {
   const IrGraph& ir = *ir_;
   const StageInfo& st = stages_[d.stage];
-  const int R = static_cast<int>(st.devices.size());
-  const int64_t n = step.mb_sizes[mb];
-  const std::vector<int64_t> shards = SplitSizes(n, R);
-  const int64_t my_off = Offsets(shards)[d.replica];
-  const int64_t my_count = shards[d.replica];
-  const double weight = static_cast<double>(my_count) / step.batch;
-  if (my_count == 0) return absl::OkStatus();  // no samples of this micro-batch here
+  const MicroBatchShard shard = ShardOf(d, step, mb);
+  if (shard.count == 0) return absl::OkStatus();  // no samples of this micro-batch here
+  const int64_t n = shard.micro_batch;
+  const int64_t my_off = shard.offset;
+  const int64_t my_count = shard.count;
+  const double weight = shard.weight;
   std::vector<at::Tensor> in;
   for (size_t j = 0; j < st.data_inputs.size(); ++j) {
     const int v = st.data_inputs[j];
@@ -189,13 +188,12 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
                                                Pending& pending) {
   const IrGraph& ir = *ir_;
   const StageInfo& st = stages_[d.stage];
-  const int R = static_cast<int>(st.devices.size());
-  const int64_t n = step.mb_sizes[mb];
-  const std::vector<int64_t> shards = SplitSizes(n, R);
-  const int64_t my_off = Offsets(shards)[d.replica];
-  const int64_t my_count = shards[d.replica];
-  const double weight = static_cast<double>(my_count) / step.batch;
-  if (my_count == 0) return absl::OkStatus();  // no samples of this micro-batch here
+  const MicroBatchShard shard = ShardOf(d, step, mb);
+  if (shard.count == 0) return absl::OkStatus();  // no samples of this micro-batch here
+  const int64_t n = shard.micro_batch;
+  const int64_t my_off = shard.offset;
+  const int64_t my_count = shard.count;
+  const double weight = shard.weight;
   std::vector<at::Tensor> out_grads;
   for (size_t k = 0; k < st.outputs.size(); ++k) {
     const int v = st.outputs[k];

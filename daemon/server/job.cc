@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/comm/grpc_store.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/optim/grad_norm.h"
 #include "daemon/common/status.h"
 #include "daemon/graph/ir.h"
 #include "daemon/planner/deployment.h"
@@ -961,18 +962,8 @@ absl::StatusOr<double> Job::ClipGradNorm(double max_norm, double norm_type) {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
     if (grads.empty()) return absl::OkStatus();
-    // The same reductions, in the same order, as torch.nn.utils.clip_grad_norm_ (1.13).
-    at::Tensor total_norm;
-    std::vector<at::Tensor> norms;
-    if (std::isinf(norm_type)) {
-      for (const at::Tensor& g : grads) norms.push_back(g.detach().abs().max());
-      total_norm = norms.size() == 1 ? norms[0] : at::stack(norms).max();
-    } else {
-      for (const at::Tensor& g : grads) norms.push_back(at::norm(g.detach(), norm_type));
-      total_norm = at::norm(at::stack(norms), norm_type);
-    }
-    at::Tensor clip_coef = max_norm / (total_norm + 1e-6);
-    at::Tensor clamped = at::clamp_max(clip_coef, 1.0);
+    const at::Tensor total_norm = TotalGradNorm(grads, norm_type);
+    const at::Tensor clamped = ClipCoefficient(total_norm, max_norm);
     for (const at::Tensor& g : grads) g.detach().mul_(clamped);
     total = total_norm.item<double>();
     return absl::OkStatus();
