@@ -176,9 +176,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->cluster_ = std::move(*joined);
   daemon->cluster_service_->Attach(daemon->cluster_.get());
   // A lost daemon fails the jobs that have a part on it at once (never a hang); others go on.
+  // The parts of jobs it led are useless: they go, their devices freed.
   daemon->cluster_->OnMemberDown([jobs = daemon->jobs_.get()](
                                      const cluster::MemberInfo& member, const std::string& why) {
-    for (const std::shared_ptr<Job>& job : jobs->List()) job->MemberLost(member.address, why);
+    for (const std::shared_ptr<Job>& job : jobs->List()) {
+      if (job->MemberLost(member.address, why)) {
+        spdlog::warn("deleting job {}: its leading daemon {} is lost", job->id(), member.address);
+        jobs->Remove(job->id()).IgnoreError();
+      }
+    }
   });
   daemon->training_->set_cluster(daemon->cluster_.get());
   std::string device_list;

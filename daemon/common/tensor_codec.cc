@@ -1,5 +1,6 @@
 #include "daemon/common/tensor_codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -143,6 +144,31 @@ void EncodeSpec(const at::Tensor& tensor, v1::TensorSpec* spec) {
   absl::StatusOr<v1::DType> dtype = ToProtoDType(tensor.scalar_type());
   spec->set_dtype(dtype.ok() ? *dtype : v1::DTYPE_UNSPECIFIED);
   for (int64_t d : tensor.sizes()) spec->add_shape(d);
+}
+
+absl::Status EncodeStateChunks(const std::string& name, const at::Tensor& tensor, bool is_buffer,
+                               size_t chunk_bytes,
+                               const std::function<bool(const v1::StateDictChunk&)>& write) {
+  const at::Tensor t = tensor.contiguous();
+  absl::StatusOr<v1::DType> dtype = ToProtoDType(t.scalar_type());
+  if (!dtype.ok()) return Annotate(dtype.status(), absl::StrCat("state_dict '", name, "'"));
+  const size_t total = t.numel() * t.element_size();
+  const char* data = static_cast<const char*>(t.data_ptr());
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(chunk_bytes, total - offset);
+    v1::StateDictChunk chunk;
+    chunk.set_name(name);
+    chunk.set_dtype(*dtype);
+    for (int64_t d : t.sizes()) chunk.add_shape(d);
+    chunk.set_total_bytes(total);
+    chunk.set_offset(offset);
+    chunk.set_is_buffer(is_buffer);
+    chunk.set_data(data + offset, n);
+    if (!write(chunk)) return absl::CancelledError("the state_dict stream was closed");
+    offset += n;
+  } while (offset < total);
+  return absl::OkStatus();
 }
 
 }  // namespace rannc

@@ -8,6 +8,7 @@
 #ifndef RANNC_DAEMON_COMMON_TENSOR_CODEC_H_
 #define RANNC_DAEMON_COMMON_TENSOR_CODEC_H_
 
+#include <functional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -42,6 +43,13 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto,
                           ShmDirectory::Writer* reply = nullptr);
 
 void EncodeSpec(const at::Tensor& tensor, v1::TensorSpec* spec);
+
+// One state_dict entry as StateDictChunks of at most `chunk_bytes` of data each (at least one,
+// also for an empty tensor), handed to `write` in order; stops when `write` returns false
+// (CANCELLED). INVALID_ARGUMENT for a dtype the wire cannot carry.
+absl::Status EncodeStateChunks(const std::string& name, const at::Tensor& tensor, bool is_buffer,
+                               size_t chunk_bytes,
+                               const std::function<bool(const v1::StateDictChunk&)>& write);
 
 }  // namespace rannc
 

@@ -15,6 +15,11 @@ namespace rannc {
 // gradient's norm, then the norm of those. `grads` must not be empty.
 at::Tensor TotalGradNorm(const std::vector<at::Tensor>& grads, double norm_type);
 
+// The two steps of TotalGradNorm, for gradients spread over processes: one gradient's norm (a
+// scalar), and the total norm of gradients whose norms these are (`norms` not empty).
+at::Tensor GradNorm(const at::Tensor& grad, double norm_type);
+at::Tensor CombineNorms(const std::vector<at::Tensor>& norms, double norm_type);
+
 // min(1, max_norm / (total_norm + 1e-6)): what the gradients are multiplied by.
 at::Tensor ClipCoefficient(const at::Tensor& total_norm, double max_norm);
 

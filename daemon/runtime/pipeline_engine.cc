@@ -370,26 +370,27 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
   }
 }
 
-absl::StatusOr<double> PipelineEngine::Impl::ClipGradNorm(const std::vector<int>& params,
-                                                          double max_norm, double norm_type) {
-  at::NoGradGuard no_grad;
+std::vector<std::pair<int, at::Tensor>> PipelineEngine::Impl::GradNorms(
+    const std::vector<int>& params, double norm_type) const {
   // Each parameter's gradient counted once, its owner's.
-  std::vector<at::Tensor> grads;
+  std::vector<std::pair<int, at::Tensor>> norms;
   for (int li : params) {
     const at::Tensor t = OwnerTensor(li);
-    if (t.defined() && t.grad().defined()) grads.push_back(t.grad());
+    if (t.defined() && t.grad().defined()) norms.emplace_back(li, GradNorm(t.grad(), norm_type));
   }
-  if (grads.empty()) return 0.0;
-  const at::Tensor total = TotalGradNorm(grads, norm_type);
-  const at::Tensor coef = ClipCoefficient(total, max_norm);
-  std::set<int> selected(params.begin(), params.end());
+  return norms;
+}
+
+void PipelineEngine::Impl::ScaleGrads(const std::vector<int>& params,
+                                      const at::Tensor& coefficient) {
+  at::NoGradGuard no_grad;
+  const std::set<int> selected(params.begin(), params.end());
   for (Device& d : devices_) {
     for (int li : selected) {
       at::Tensor& p = d.lifted[li];
-      if (p.defined() && p.grad().defined()) p.grad().mul_(coef);
+      if (p.defined() && p.grad().defined()) p.grad().mul_(coefficient);
     }
   }
-  return total.item<double>();
 }
 
 absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
@@ -566,7 +567,19 @@ void PipelineEngine::AddGrad(int lifted, const at::Tensor& grad) { impl_->AddGra
 void PipelineEngine::ZeroGrad(bool set_to_none) { impl_->ZeroGrad(set_to_none); }
 absl::StatusOr<double> PipelineEngine::ClipGradNorm(const std::vector<int>& params,
                                                     double max_norm, double norm_type) {
-  return impl_->ClipGradNorm(params, max_norm, norm_type);
+  std::vector<at::Tensor> norms;
+  for (auto& [li, norm] : impl_->GradNorms(params, norm_type)) norms.push_back(norm);
+  if (norms.empty()) return 0.0;
+  const at::Tensor total = CombineNorms(norms, norm_type);
+  impl_->ScaleGrads(params, ClipCoefficient(total, max_norm));
+  return total.item<double>();
+}
+std::vector<std::pair<int, at::Tensor>> PipelineEngine::GradNorms(const std::vector<int>& params,
+                                                                  double norm_type) const {
+  return impl_->GradNorms(params, norm_type);
+}
+void PipelineEngine::ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient) {
+  impl_->ScaleGrads(params, coefficient);
 }
 absl::Status PipelineEngine::SetOptimizer(OptimizerKind kind,
                                           const std::vector<std::vector<int>>& groups) {

@@ -139,6 +139,13 @@ class PipelineEngine {
   // scaled. Returns the total norm (0 when no parameter has a gradient).
   absl::StatusOr<double> ClipGradNorm(const std::vector<int>& params, double max_norm,
                                       double norm_type);
+  // ClipGradNorm's halves, for a job whose devices span processes (each part's norms combined
+  // with optim/grad_norm.h's CombineNorms, then every part scaled): the gradient norm of each of
+  // `params` that has a gradient here, by lifted index in `params`' order; and multiplying every
+  // copy of their gradients by `coefficient`.
+  std::vector<std::pair<int, at::Tensor>> GradNorms(const std::vector<int>& params,
+                                                    double norm_type) const;
+  void ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient);
 
   // One optimizer per device over its parameters, `groups` listing lifted indices per param
   // group (every device has every group, possibly empty). Replaces any previous one.

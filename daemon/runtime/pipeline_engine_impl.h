@@ -173,8 +173,9 @@ class PipelineEngine::Impl {
   void SetParam(int lifted, const at::Tensor& value);
   void AddGrad(int lifted, const at::Tensor& grad);
   void ZeroGrad(bool set_to_none);
-  absl::StatusOr<double> ClipGradNorm(const std::vector<int>& params, double max_norm,
-                                      double norm_type);
+  std::vector<std::pair<int, at::Tensor>> GradNorms(const std::vector<int>& params,
+                                                     double norm_type) const;
+  void ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient);
   absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
   absl::Status Step(const std::vector<HyperParams>& hypers);
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;

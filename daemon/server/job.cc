@@ -215,6 +215,30 @@ std::vector<std::vector<int>> OptimizerGroups(const OptimizerConfig& config,
   return groups;
 }
 
+// A part's answer as a Status with the same code, naming the daemon.
+absl::Status FromGrpc(const grpc::Status& status, const std::string& address) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat("daemon ", address, ": ", status.error_message()));
+}
+
+// Which of several daemons' errors in one step the client gets: the cause (a bad input, say)
+// rather than its consequences on the other daemons, a peer that went away (UNAVAILABLE) or a
+// step abandoned (ABORTED).
+int ErrorRank(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kOk: return 0;
+    case absl::StatusCode::kAborted: return 1;
+    case absl::StatusCode::kUnavailable: return 2;
+    default: return 3;
+  }
+}
+
+// A deadline for the calls between daemons that need no step to finish.
+void ShortDeadline(grpc::ClientContext& context) {
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+}
+
 // The proto form of a step's hyper-parameters, for the members' parts.
 v1::HyperParams ToProto(const HyperParams& h) {
   v1::HyperParams p;
@@ -345,7 +369,12 @@ absl::Status Job::Deploy() {
   options.num_devices = config_.plan_target.num_devices;
   options.local_devices = config_.local_devices;
   options.group = config_.engine_group;
-  options.cancel = cancel_;
+  {
+    // A fresh flag per engine: an aborted step leaves the next engine untouched.
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    cancel_ = std::make_shared<std::atomic<bool>>(!lost_.ok());
+    options.cancel = cancel_;
+  }
   if (config_.engine_store != nullptr) {
     options.store = config_.engine_store;
   } else if (!config_.engine_store_address.empty()) {
@@ -374,38 +403,47 @@ absl::Status Job::Deploy() {
   }
   parked_optimizer_state_.clear();
   engine_ = std::move(*engine);
+  if (held_.empty()) {
+    for (size_t li = 0; li < lifted.size(); ++li) {
+      held_.push_back(engine_->ParamAt(static_cast<int>(li)).defined());
+    }
+  }
   return absl::OkStatus();
 }
 
+absl::Status Job::PartStatus(absl::Status status) const {
+  if (!config_.is_part || status.code() != absl::StatusCode::kUnavailable) return status;
+  return absl::AbortedError(status.message());
+}
+
+bool Job::Held(int lifted) const {
+  if (parts_.empty() && !config_.is_part) return true;
+  return lifted >= 0 && lifted < static_cast<int>(held_.size()) && held_[lifted];
+}
+
 void Job::SyncStore(bool grads) {
-  if (!engine_) return;
   at::NoGradGuard no_grad;
   const std::vector<ParamStore::Entry>& entries = store_.entries();
   for (size_t e = 0; e < entries.size(); ++e) {
     const int li = lifted_of_entry_[e];
     if (li < 0) continue;
     const at::Tensor& t = entries[e].tensor;
-    at::Tensor value = engine_->ParamAt(li);
-    if (!value.defined()) {
-      // Held by another daemon's part (or, on a part, by nobody here: keep the store's).
-      if (parts_.empty()) continue;
+    if (!Held(li)) {
+      // Another daemon's part holds it (a part keeps its store's copy of what it doesn't hold).
+      if (grads || parts_.empty()) continue;
       absl::StatusOr<at::Tensor> remote = PartTensor(entries[e].name, false);
-      if (!remote.ok() || !remote->defined()) continue;
-      t.copy_(*remote);
-      if (grads && entries[e].is_parameter) {
-        absl::StatusOr<at::Tensor> g = PartTensor(entries[e].name, true);
-        t.mutable_grad() = g.ok() ? *g : at::Tensor();
-      }
+      if (remote.ok() && remote->defined()) t.copy_(*remote);
       continue;
     }
-    t.copy_(value);
+    if (!engine_) continue;
+    t.copy_(engine_->ParamAt(li));
     if (grads && entries[e].is_parameter) t.mutable_grad() = engine_->GradAt(li);
   }
 }
 
 void Job::ReleaseEngine() {
   if (!engine_) return;
-  SyncStore(/*grads=*/true);
+  SyncStore(/*grads=*/true);  // this daemon's values only: its parts keep theirs
   parked_optimizer_state_ = engine_->OptimizerState();
   engine_.reset();
 }
@@ -508,36 +546,116 @@ absl::Status Job::CreateParts(const std::string& model_bytes,
   return status;
 }
 
-absl::Status Job::OnParts(const std::function<absl::Status(Part&)>& fn,
-                          const std::function<absl::Status()>& local) {
+absl::Status Job::OnParts(const PartCall& call, const std::function<absl::Status()>& local) {
+  aborting_ = false;
   std::vector<std::future<absl::Status>> remote;
   for (Part& part : parts_) {
-    remote.push_back(std::async(std::launch::async, [this, &fn, &part] {
-      absl::Status s = fn(part);
-      // A part that failed leaves the job's data plane out of step: give up on it now rather
-      // than wait for transfers with that daemon to time out.
-      if (!s.ok()) MemberLost(part.address, std::string(s.message()));
-      return s;
+    remote.push_back(std::async(std::launch::async, [this, &call, &part] {
+      grpc::ClientContext context;
+      const grpc::Status s = call(part, context);
+      if (s.ok()) return absl::OkStatus();
+      if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        MemberLost(part.address, s.error_message());  // gone, or cut off
+      } else if (s.error_code() != grpc::StatusCode::ABORTED) {
+        AbortEverywhere();  // the others' waits on this part would only time out
+      }
+      return FromGrpc(s, part.address);
     }));
   }
   absl::Status status = local();
-  for (size_t i = 0; i < remote.size(); ++i) remote[i].get();
-  absl::Status lost = Lost();
-  return lost.ok() ? status : lost;
+  if (!status.ok()) AbortEverywhere();
+  for (std::future<absl::Status>& f : remote) {
+    absl::Status s = f.get();
+    if (ErrorRank(s) > ErrorRank(status)) status = s;
+  }
+  if (absl::Status lost = Lost(); !lost.ok()) return lost;
+  if (!status.ok()) {
+    // Every daemon starts the next call from a fresh engine, with what it had before this one.
+    runner_->ReleaseOutputs();
+    ReleaseEngine();
+    UndeployParts();
+  }
+  return status;
 }
 
-void Job::MemberLost(const std::string& address, const std::string& reason) {
-  bool mine = false;
-  for (const JobConfig::Member& m : config_.members) mine = mine || m.address == address;
-  if (!mine) return;
-  {
-    std::lock_guard<std::mutex> lock(lost_mu_);
-    if (lost_.ok()) {
-      lost_ = absl::UnavailableError(absl::StrCat(
-          "daemon ", address, ", which runs part of this job, is lost (", reason,
-          "); the job cannot go on: delete it and create it again once the cluster is whole"));
-    }
+void Job::AbortEverywhere() {
+  if (aborting_.exchange(true)) return;
+  AbortStep();
+  std::vector<std::future<void>> sent;
+  for (Part& part : parts_) {
+    sent.push_back(std::async(std::launch::async, [&part] {
+      v1::JobRef ref;
+      ref.set_job_id(part.job_id);
+      v1::Empty empty;
+      grpc::ClientContext context;
+      ShortDeadline(context);
+      part.stub->AbortStep(&context, ref, &empty).ok();  // an unreachable part is lost anyway
+    }));
   }
+  for (std::future<void>& f : sent) f.get();
+}
+
+void Job::UndeployParts() {
+  std::vector<std::future<void>> sent;
+  for (Part& part : parts_) {
+    sent.push_back(std::async(std::launch::async, [&part] {
+      v1::JobRef ref;
+      ref.set_job_id(part.job_id);
+      v1::Empty empty;
+      grpc::ClientContext context;
+      ShortDeadline(context);
+      part.stub->Undeploy(&context, ref, &empty).ok();  // an unreachable part is lost anyway
+    }));
+  }
+  for (std::future<void>& f : sent) f.get();
+}
+
+absl::Status Job::PushToParts(const std::map<std::string, at::Tensor>& state) {
+  constexpr size_t kChunkBytes = 4 << 20;
+  return OnParts(
+      [&](Part& part, grpc::ClientContext& context) -> grpc::Status {
+        v1::LoadStateDictResponse response;
+        std::unique_ptr<grpc::ClientWriter<v1::LoadStateDictRequest>> writer =
+            part.stub->LoadStateDict(&context, &response);
+        v1::LoadStateDictRequest header;
+        header.mutable_header()->set_job_id(part.job_id);
+        header.mutable_header()->set_strict(false);
+        bool ok = writer->Write(header);
+        for (auto it = state.begin(); ok && it != state.end(); ++it) {
+          const ParamStore::Entry* entry = store_.Find(it->first);
+          absl::Status sent = EncodeStateChunks(
+              it->first, it->second, entry != nullptr && !entry->is_parameter, kChunkBytes,
+              [&](const v1::StateDictChunk& chunk) {
+                v1::LoadStateDictRequest request;
+                *request.mutable_chunk() = chunk;
+                return writer->Write(request);
+              });
+          ok = sent.ok();
+        }
+        writer->WritesDone();
+        return writer->Finish();
+      },
+      [] { return absl::OkStatus(); });
+}
+
+bool Job::MemberLost(const std::string& address, const std::string& reason) {
+  const bool leader = config_.is_part && config_.engine_store_address == address;
+  bool mine = leader;
+  for (const JobConfig::Member& m : config_.members) mine = mine || m.address == address;
+  if (!mine) return false;
+  std::lock_guard<std::mutex> lock(lost_mu_);
+  if (lost_.ok()) {
+    lost_ = absl::UnavailableError(absl::StrCat(
+        "daemon ", address, ", which ", leader ? "leads" : "runs part of",
+        " this job, is lost (", reason,
+        "); the job cannot go on: delete it and create it again once the cluster is whole"));
+  }
+  cancel_->store(true);
+  return leader;
+}
+
+void Job::AbortStep() {
+  std::lock_guard<std::mutex> lock(lost_mu_);
   cancel_->store(true);
 }
 
@@ -587,13 +705,16 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status checked = CheckInputs(signature_, inputs);
   if (!checked.ok()) return checked;
-  absl::Status deployed = EnsureDeployed();
-  if (!deployed.ok()) return deployed;
+  if (absl::Status lost = Lost(); !lost.ok()) return lost;
   absl::StatusOr<std::vector<at::Tensor>> outputs;
   if (mode_.training == config_.mode.training && mode_.dropout == config_.mode.dropout) {
     engine_forward_ = true;
     if (parts_.empty()) {
+      absl::Status deployed = EnsureDeployed();
+      if (!deployed.ok()) return deployed;
       outputs = engine_->Forward(inputs, requires_grad);
+      if (!outputs.ok()) outputs = PartStatus(outputs.status());
+      if (engine_->broken()) ReleaseEngine();
     } else {
       // Every daemon's part computes its devices' share; the shares add up to the outputs.
       v1::ForwardRequest request;
@@ -604,22 +725,26 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
       }
       std::vector<std::vector<at::Tensor>> shares(parts_.size());
       absl::Status status = OnParts(
-          [&](Part& part) -> absl::Status {
+          [&](Part& part, grpc::ClientContext& context) -> grpc::Status {
             v1::ForwardRequest mine = request;
             mine.set_job_id(part.job_id);
             v1::ForwardResponse response;
-            grpc::ClientContext context;
             grpc::Status s = part.stub->Forward(&context, mine, &response);
-            if (!s.ok()) return absl::UnavailableError(s.error_message());
+            if (!s.ok()) return s;
             std::vector<at::Tensor>& out = shares[&part - parts_.data()];
             for (const v1::Tensor& t : response.outputs()) {
               absl::StatusOr<at::Tensor> decoded = DecodeTensor(t, "a part's output", nullptr);
-              if (!decoded.ok()) return decoded.status();
+              if (!decoded.ok()) {
+                return grpc::Status(grpc::StatusCode::INTERNAL,
+                                    std::string(decoded.status().message()));
+              }
               out.push_back(*decoded);
             }
-            return absl::OkStatus();
+            return grpc::Status::OK;
           },
           [&]() -> absl::Status {
+            absl::Status deployed = EnsureDeployed();
+            if (!deployed.ok()) return deployed;
             outputs = engine_->Forward(inputs, requires_grad);
             return outputs.status();
           });
@@ -638,16 +763,27 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
     // Another mode's graph runs whole on the host over the devices' current values; buffers it
     // updates (BatchNorm statistics in train mode) go back to the devices.
     engine_forward_ = false;
+    if (parts_.empty()) {
+      absl::Status deployed = EnsureDeployed();
+      if (!deployed.ok()) return deployed;
+    }
     SyncStore(/*grads=*/false);
     outputs = runner_->Forward(mode_, signature_, inputs, requires_grad);
+    std::map<std::string, at::Tensor> buffers;
     const std::vector<ParamStore::Entry>& entries = store_.entries();
     for (size_t e = 0; e < entries.size(); ++e) {
-      if (!entries[e].is_parameter && lifted_of_entry_[e] >= 0) {
+      if (entries[e].is_parameter || lifted_of_entry_[e] < 0) continue;
+      if (engine_ && Held(lifted_of_entry_[e])) {
         engine_->SetParam(lifted_of_entry_[e], entries[e].tensor);
       }
+      buffers[entries[e].name] = entries[e].tensor;
+    }
+    // Only a training-mode graph updates buffers (BatchNorm statistics).
+    if (outputs.ok() && mode_.training && !parts_.empty() && !buffers.empty()) {
+      absl::Status pushed = PushToParts(buffers);
+      if (!pushed.ok()) outputs = pushed;
     }
   }
-  if (engine_->broken()) ReleaseEngine();
   if (outputs.ok()) ++forwards_;
   return outputs;
 }
@@ -839,31 +975,32 @@ absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& out
         "backward called with no forward pending (the job was undeployed since)");
   }
   if (engine_forward_) {
-    absl::Status status;
     if (parts_.empty()) {
-      status = engine_->Backward(output_grads, retain_graph);
-    } else {
-      v1::BackwardRequest request;
-      request.set_retain_graph(retain_graph);
-      for (const auto& [index, grad] : output_grads) {
-        v1::OutputGrad* g = request.add_grads();
-        g->set_output_index(static_cast<uint32_t>(index));
-        absl::Status encoded = EncodeTensor(grad, g->mutable_grad(), nullptr);
-        if (!encoded.ok()) return encoded;
-      }
-      status = OnParts(
-          [&](Part& part) -> absl::Status {
-            v1::BackwardRequest mine = request;
-            mine.set_job_id(part.job_id);
-            v1::Empty empty;
-            grpc::ClientContext context;
-            grpc::Status s = part.stub->Backward(&context, mine, &empty);
-            return s.ok() ? absl::OkStatus() : absl::UnavailableError(s.error_message());
-          },
-          [&] { return engine_->Backward(output_grads, retain_graph); });
+      absl::Status status = PartStatus(engine_->Backward(output_grads, retain_graph));
+      if (engine_->broken()) ReleaseEngine();
+      return status;
     }
-    if (engine_->broken()) ReleaseEngine();
-    return status;
+    v1::BackwardRequest request;
+    request.set_retain_graph(retain_graph);
+    for (const auto& [index, grad] : output_grads) {
+      v1::OutputGrad* g = request.add_grads();
+      g->set_output_index(static_cast<uint32_t>(index));
+      absl::Status encoded = EncodeTensor(grad, g->mutable_grad(), nullptr);
+      if (!encoded.ok()) return encoded;
+    }
+    return OnParts(
+        [&](Part& part, grpc::ClientContext& context) {
+          v1::BackwardRequest mine = request;
+          mine.set_job_id(part.job_id);
+          v1::Empty empty;
+          return part.stub->Backward(&context, mine, &empty);
+        },
+        [&] { return engine_->Backward(output_grads, retain_graph); });
+  }
+  if (!parts_.empty()) {
+    return absl::UnimplementedError(
+        "backward through a graph traced in another mode than the job's (train/eval) is not "
+        "supported for a job over several daemons; run that forward under torch.no_grad()");
   }
   absl::Status status = runner_->Backward(output_grads, retain_graph);
   if (!status.ok()) return status;
@@ -883,21 +1020,19 @@ absl::Status Job::Step(const std::vector<HyperParams>& hypers) {
     return absl::FailedPreconditionError(
         "the job was created without an optimizer; pass one to RaNNCModule to call step()");
   }
-  absl::Status deployed = EnsureDeployed();
-  if (!deployed.ok()) return deployed;
   auto local = [&] {
-    return TorchCall(absl::StatusCode::kInternal, "optimizer step",
-                     [&] { return engine_->Step(hypers); });
+    absl::Status deployed = EnsureDeployed();
+    if (!deployed.ok()) return deployed;
+    return PartStatus(TorchCall(absl::StatusCode::kInternal, "optimizer step",
+                                [&] { return engine_->Step(hypers); }));
   };
   absl::Status status = parts_.empty() ? local() : OnParts(
-      [&](Part& part) -> absl::Status {
+      [&](Part& part, grpc::ClientContext& context) {
         v1::StepRequest request;
         request.set_job_id(part.job_id);
         for (const HyperParams& h : hypers) *request.add_groups() = ToProto(h);
         v1::Empty empty;
-        grpc::ClientContext context;
-        grpc::Status s = part.stub->Step(&context, request, &empty);
-        return s.ok() ? absl::OkStatus() : absl::UnavailableError(s.error_message());
+        return part.stub->Step(&context, request, &empty);
       },
       local);
   if (status.ok()) ++steps_;
@@ -906,15 +1041,24 @@ absl::Status Job::Step(const std::vector<HyperParams>& hypers) {
 
 void Job::ZeroGrad(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (engine_) engine_->ZeroGrad(set_to_none);
-  for (Part& part : parts_) {
-    v1::ZeroGradRequest request;
-    request.set_job_id(part.job_id);
-    request.set_set_to_none(set_to_none);
-    v1::Empty empty;
-    grpc::ClientContext context;
-    grpc::Status s = part.stub->ZeroGrad(&context, request, &empty);
-    (void)s;  // a part that is gone fails the next forward, which names it
+  auto local = [&] {
+    if (engine_) engine_->ZeroGrad(set_to_none);
+    return absl::OkStatus();
+  };
+  if (parts_.empty()) {
+    local().IgnoreError();
+  } else {
+    // A part that is gone fails the next forward, which names it.
+    OnParts(
+        [&](Part& part, grpc::ClientContext& context) {
+          v1::ZeroGradRequest request;
+          request.set_job_id(part.job_id);
+          request.set_set_to_none(set_to_none);
+          v1::Empty empty;
+          return part.stub->ZeroGrad(&context, request, &empty);
+        },
+        local)
+        .IgnoreError();
   }
   for (at::Tensor p : store_.Parameters()) {
     at::Tensor& grad = p.mutable_grad();
@@ -933,22 +1077,22 @@ void Job::ZeroGrad(bool set_to_none) {
   }
 }
 
+std::vector<int> Job::ClippedParams() const {
+  std::vector<int> params;
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  for (size_t e = 0; e < entries.size(); ++e) {
+    if (entries[e].is_parameter && lifted_of_entry_[e] >= 0) params.push_back(lifted_of_entry_[e]);
+  }
+  return params;
+}
+
 absl::StatusOr<double> Job::ClipGradNorm(double max_norm, double norm_type) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!parts_.empty()) {
-    return absl::UnimplementedError(
-        "clip_grad_norm for a job over several daemons (its gradients' norm spans them) is not "
-        "supported yet");
-  }
+  if (!parts_.empty()) return ClipOverParts(max_norm, norm_type);
   if (engine_) {
-    std::vector<int> params;
-    const std::vector<ParamStore::Entry>& entries = store_.entries();
-    for (size_t e = 0; e < entries.size(); ++e) {
-      if (entries[e].is_parameter && lifted_of_entry_[e] >= 0) params.push_back(lifted_of_entry_[e]);
-    }
     absl::StatusOr<double> total = 0.0;
     absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
-      total = engine_->ClipGradNorm(params, max_norm, norm_type);
+      total = engine_->ClipGradNorm(ClippedParams(), max_norm, norm_type);
       return total.status();
     });
     if (!status.ok()) return status;
@@ -972,6 +1116,114 @@ absl::StatusOr<double> Job::ClipGradNorm(double max_norm, double norm_type) {
   return total;
 }
 
+absl::StatusOr<double> Job::ClipOverParts(double max_norm, double norm_type) {
+  // Round 1: every daemon's norms of the gradients it holds (a tied parameter held by several
+  // reports the same all-reduced gradient: it is counted once).
+  const std::vector<int> params = ClippedParams();
+  std::map<int, at::Tensor> norms;  // by lifted index
+  std::mutex norms_mu;
+  auto keep = [&](int li, const at::Tensor& norm) {
+    std::lock_guard<std::mutex> lock(norms_mu);
+    norms.emplace(li, norm);
+  };
+  std::map<std::string, int> lifted_of_name;
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  for (size_t e = 0; e < entries.size(); ++e) lifted_of_name[entries[e].name] = lifted_of_entry_[e];
+  absl::Status status = OnParts(
+      [&](Part& part, grpc::ClientContext& context) -> grpc::Status {
+        v1::ClipGradNormRequest request;
+        request.set_job_id(part.job_id);
+        request.set_norm_type(norm_type);
+        request.mutable_part()->set_phase(v1::ClipGradNormPart::NORMS);
+        v1::ClipGradNormResponse response;
+        grpc::Status s = part.stub->ClipGradNorm(&context, request, &response);
+        if (!s.ok()) return s;
+        if (response.norms_size() != response.norm_names_size()) {
+          return grpc::Status(grpc::StatusCode::INTERNAL, "a part sent malformed norms");
+        }
+        for (int i = 0; i < response.norm_names_size(); ++i) {
+          absl::StatusOr<at::Tensor> norm = DecodeTensor(response.norms(i), "a norm", nullptr);
+          auto it = lifted_of_name.find(response.norm_names(i));
+          if (!norm.ok() || it == lifted_of_name.end()) {
+            return grpc::Status(grpc::StatusCode::INTERNAL, "a part sent malformed norms");
+          }
+          keep(it->second, *norm);
+        }
+        return grpc::Status::OK;
+      },
+      [&]() -> absl::Status {
+        absl::Status deployed = EnsureDeployed();
+        if (!deployed.ok()) return deployed;
+        return TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
+          for (auto& [li, norm] : engine_->GradNorms(params, norm_type)) keep(li, norm);
+          return absl::OkStatus();
+        });
+      });
+  if (!status.ok()) return status;
+  std::vector<at::Tensor> ordered;  // in the client's parameter order, as PyTorch sums them
+  for (int li : params) {
+    auto it = norms.find(li);
+    if (it != norms.end()) ordered.push_back(it->second);
+  }
+  if (ordered.empty()) return 0.0;
+  // Round 2: every daemon scales its copies by the one coefficient.
+  at::Tensor total, coefficient;
+  status = TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
+    total = CombineNorms(ordered, norm_type);
+    coefficient = ClipCoefficient(total, max_norm);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  v1::Tensor coefficient_proto;
+  status = EncodeTensor(coefficient, &coefficient_proto, nullptr);
+  if (!status.ok()) return status;
+  status = OnParts(
+      [&](Part& part, grpc::ClientContext& context) {
+        v1::ClipGradNormRequest request;
+        request.set_job_id(part.job_id);
+        request.mutable_part()->set_phase(v1::ClipGradNormPart::SCALE);
+        *request.mutable_part()->mutable_coefficient() = coefficient_proto;
+        v1::ClipGradNormResponse response;
+        return part.stub->ClipGradNorm(&context, request, &response);
+      },
+      [&] {
+        engine_->ScaleGrads(params, coefficient);
+        return absl::OkStatus();
+      });
+  if (!status.ok()) return status;
+  return total.item<double>();
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> Job::GradNorms(
+    double norm_type) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::Status deployed = EnsureDeployed();
+  if (!deployed.ok()) return deployed;
+  std::map<int, std::string> name_of_lifted;
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  for (size_t e = 0; e < entries.size(); ++e) name_of_lifted[lifted_of_entry_[e]] = entries[e].name;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
+    for (auto& [li, norm] : engine_->GradNorms(ClippedParams(), norm_type)) {
+      out.emplace_back(name_of_lifted[li], norm);
+    }
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return out;
+}
+
+absl::Status Job::ScaleGrads(const at::Tensor& coefficient) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!engine_) {
+    return absl::FailedPreconditionError("clip_grad_norm: this part was undeployed meanwhile");
+  }
+  return TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
+    engine_->ScaleGrads(ClippedParams(), coefficient);
+    return absl::OkStatus();
+  });
+}
+
 absl::StatusOr<std::optional<at::Tensor>> Job::GetTensor(const std::string& name, bool grad) {
   std::lock_guard<std::mutex> lock(mu_);
   const ParamStore::Entry* entry = store_.Find(name);
@@ -983,17 +1235,16 @@ absl::StatusOr<std::optional<at::Tensor>> Job::GetTensor(const std::string& name
     return absl::InvalidArgumentError(absl::StrCat("'", name, "' is a buffer; it has no gradient"));
   }
   const int lifted = lifted_of_entry_[entry - store_.entries().data()];
-  if (engine_ && lifted >= 0) {
-    const bool held = engine_->ParamAt(lifted).defined();
-    if (!held && config_.is_part) {
+  if (lifted >= 0 && !Held(lifted)) {
+    if (config_.is_part) {
       return absl::NotFoundError(absl::StrCat("'", name, "' is held by another daemon's part"));
     }
-    if (!held && !parts_.empty()) {
-      absl::StatusOr<at::Tensor> t = PartTensor(name, grad);
-      if (!t.ok()) return t.status();
-      if (!t->defined()) return std::optional<at::Tensor>();
-      return std::optional<at::Tensor>(*t);
-    }
+    absl::StatusOr<at::Tensor> t = PartTensor(name, grad);
+    if (!t.ok()) return t.status();
+    if (!t->defined()) return std::optional<at::Tensor>();
+    return std::optional<at::Tensor>(*t);
+  }
+  if (engine_ && lifted >= 0) {
     at::Tensor t = grad ? engine_->GradAt(lifted) : engine_->ParamAt(lifted);
     if (!t.defined()) return std::optional<at::Tensor>();
     return std::optional<at::Tensor>(t);
@@ -1019,41 +1270,53 @@ absl::Status Job::LoadStateDict(const std::map<std::string, at::Tensor>& state, 
                                 std::vector<std::string>* missing,
                                 std::vector<std::string>* unexpected) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!parts_.empty()) {
-    return absl::UnimplementedError(
-        "load_state_dict for a job over several daemons is not supported yet; load the state "
-        "into the model before its first forward");
-  }
   // Entries the state leaves out keep the devices' values.
   SyncStore(/*grads=*/false);
   absl::Status loaded = store_.Load(state, strict, missing, unexpected);
-  if (!loaded.ok() || !engine_) return loaded;
-  const std::vector<ParamStore::Entry>& entries = store_.entries();
-  for (size_t e = 0; e < entries.size(); ++e) {
-    if (lifted_of_entry_[e] >= 0) engine_->SetParam(lifted_of_entry_[e], entries[e].tensor);
+  if (!loaded.ok()) return loaded;
+  if (engine_) {
+    const std::vector<ParamStore::Entry>& entries = store_.entries();
+    for (size_t e = 0; e < entries.size(); ++e) {
+      const int li = lifted_of_entry_[e];
+      if (li >= 0 && Held(li)) engine_->SetParam(li, entries[e].tensor);
+    }
   }
-  return absl::OkStatus();
+  if (parts_.empty()) return absl::OkStatus();
+  // The parts take what they hold, deployed or not (an undeployed part deploys from its store).
+  std::map<std::string, at::Tensor> known;
+  for (const auto& [key, value] : state) {
+    if (store_.Find(key) != nullptr) known.emplace(key, value);
+  }
+  return Annotate(PushToParts(known), "loading the state into the job's other daemons");
 }
 
 void Job::Undeploy() {
   std::lock_guard<std::mutex> lock(mu_);
   runner_->ReleaseOutputs();
-  // A job over several daemons stays deployed: its parts are not redeployed yet.
-  if (!parts_.empty()) return;
   ReleaseEngine();
+  UndeployParts();
   state_ = JobState::kUndeployed;
 }
 
 absl::Status Job::RecreateCommunicators() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!parts_.empty() || config_.is_part) {
-    return absl::UnimplementedError(
-        "recreating the communicators of a job over several daemons is not supported yet");
-  }
+  if (absl::Status lost = Lost(); !lost.ok()) return lost;
   if (!engine_) return absl::OkStatus();  // undeployed: the next forward builds them
   runner_->ReleaseOutputs();
-  ReleaseEngine();
-  return Annotate(Deploy(), "recreating the job's communicators");
+  auto local = [&] {
+    ReleaseEngine();
+    return Annotate(Deploy(), "recreating the job's communicators");
+  };
+  if (parts_.empty()) return local();
+  // Every part rebuilds its engine at once, its communicators meeting this daemon's new ones.
+  return OnParts(
+      [&](Part& part, grpc::ClientContext& context) {
+        v1::JobRef ref;
+        ref.set_job_id(part.job_id);
+        v1::Empty empty;
+        return part.stub->RecreateCommunicators(&context, ref, &empty);
+      },
+      local);
 }
 
 JobSummary Job::Summary() {

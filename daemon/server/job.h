@@ -21,7 +21,9 @@
 #ifndef RANNC_DAEMON_SERVER_JOB_H_
 #define RANNC_DAEMON_SERVER_JOB_H_
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -168,10 +170,19 @@ class Job {
   absl::Status ZeroGrad(int client_rank, bool set_to_none);
   absl::StatusOr<double> ClipGradNorm(int client_rank, double max_norm, double norm_type);
   const std::string& name() const { return config_.name; }
-  // A daemon running a part of this job is gone (cluster::Cluster::OnMemberDown): the step in
-  // progress fails at once, and every later call fails with UNAVAILABLE naming it. No-op for a
-  // job without a part there. Callable from any thread, without the job's lock.
-  void MemberLost(const std::string& address, const std::string& reason);
+  // A daemon running a part of this job, or leading it, is gone (cluster::Cluster::OnMemberDown):
+  // the step in progress fails at once, and every later call fails with UNAVAILABLE naming it.
+  // Returns whether this job is a part that daemon led (nothing can use it any more: the caller
+  // deletes it). No-op for a job that did not use that daemon. Callable from any thread,
+  // without the job's lock.
+  bool MemberLost(const std::string& address, const std::string& reason);
+  // On a part: the leading daemon failed the step in progress (a bad input found elsewhere, say);
+  // its waits are abandoned at once. Callable from any thread, without the job's lock.
+  void AbortStep();
+  // On a part, the two halves of ClipGradNorm the leading daemon combines: the gradient norms
+  // of the parameters this daemon holds, by name; and scaling every gradient copy here.
+  absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> GradNorms(double norm_type);
+  absl::Status ScaleGrads(const at::Tensor& coefficient);
   int client_world() const { return config_.client_world; }
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                         bool retain_graph);
@@ -191,7 +202,7 @@ class Job {
   // kept on the host); the next Forward deploys again.
   void Undeploy();
   // pyrannc.recreate_all_communicators(): rebuilds the engine (and with it every communicator)
-  // from the devices' current state. UNIMPLEMENTED for a job over several daemons.
+  // from the devices' current state; over several daemons, every part's at once.
   absl::Status RecreateCommunicators();
   JobSummary Summary();
 
@@ -202,21 +213,43 @@ class Job {
   absl::Status Deploy();
   absl::Status EnsureDeployed();
   // Copies the engine's parameters and buffers (and gradients, with `grads`) into the store.
+  // Without `grads`, when leading parts, the values they hold are fetched too, deployed or not.
   void SyncStore(bool grads);
-  // Takes everything back from the engine into the store and frees the devices.
+  // Takes this daemon's values back from the engine into the store and frees the devices.
   void ReleaseEngine();
-  // A job over several daemons: creates the members' parts (their engines meet this daemon's
-  // while it deploys), and runs `fn` on each part at once, concurrently with `local`.
+  // Whether this daemon's devices hold lifted tensor `lifted` (always, for a job on one daemon).
+  bool Held(int lifted) const;
+  // On a part, a step's failure to reach a peer (UNAVAILABLE) is the consequence of a failure
+  // elsewhere, which the leader reports: ABORTED, so the leader does not take this daemon for
+  // lost. Other statuses, and every status off a part, pass unchanged.
+  absl::Status PartStatus(absl::Status status) const;
+
+  // A job over several daemons (docs/cluster.md). The leader creates the members' parts (their
+  // engines meet this daemon's while it deploys). OnParts makes one call of this job on every
+  // part at once while `local` runs here (a part deploys when the call finds it undeployed, so
+  // `local` deploys too: EnsureDeployed). A part that cannot be reached loses the job
+  // (MemberLost); any other failure, here or on a part, aborts the step everywhere at once, and
+  // every daemon's engine is released, losing nothing, to be rebuilt by the next call.
   struct Part {
     std::string address, job_id;
     std::unique_ptr<v1::TrainingService::Stub> stub;
   };
+  using PartCall = std::function<grpc::Status(Part&, grpc::ClientContext&)>;
   absl::Status CreateParts(const std::string& model_bytes,
                            const std::vector<at::Tensor>& example_inputs);
-  absl::Status OnParts(const std::function<absl::Status(Part&)>& fn,
-                       const std::function<absl::Status()>& local);
+  absl::Status OnParts(const PartCall& call, const std::function<absl::Status()>& local);
+  // Fails the step in progress here and on every part (AbortStep), at most once per step.
+  void AbortEverywhere();
+  // Every part releases its engine (Undeploy), as this daemon has.
+  void UndeployParts();
+  // Sends state_dict entries to every part (each takes those it holds).
+  absl::Status PushToParts(const std::map<std::string, at::Tensor>& state);
   // A tensor (or its gradient) held by another daemon's part.
   absl::StatusOr<at::Tensor> PartTensor(const std::string& name, bool grad);
+  // ClipGradNorm over the parts: their norms combined here, then every copy scaled.
+  absl::StatusOr<double> ClipOverParts(double max_norm, double norm_type);
+  // The parameters whose gradients clip_grad_norm takes, as lifted indices in the client's order.
+  std::vector<int> ClippedParams() const;
   // The plan's device indices, ascending.
   std::vector<int> deployment_devices() const;
 
@@ -241,10 +274,13 @@ class Job {
   std::vector<Part> parts_;                         // the members' parts, when leading
   std::unique_ptr<comm::Store> part_store_;         // the leader's store, when a part
   int deployments_ = 0;                             // engines built so far
-  // Set when a part is lost; cancels the engine's step in progress.
+  std::vector<bool> held_;                          // by lifted index: see Held()
+  // Cancels the current engine's step in progress (one per engine: set when a part is lost or
+  // a step is aborted). Guarded by lost_mu_, as is lost_.
   std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
   std::mutex lost_mu_;
-  absl::Status lost_;  // guarded by lost_mu_
+  absl::Status lost_;
+  std::atomic<bool> aborting_{false};  // AbortEverywhere ran during the current OnParts
   absl::Status Lost();
   // Samples each client rank gave the last collective forward (to split its outputs).
   std::vector<int64_t> rank_rows_;

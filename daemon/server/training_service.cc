@@ -4,6 +4,7 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
@@ -390,12 +391,44 @@ absl::Status TrainingServiceImpl::SpanCluster(const std::string& job_id, const v
   return absl::OkStatus();
 }
 
+std::vector<std::string> TrainingServiceImpl::OtherMembers() const {
+  std::lock_guard<std::mutex> lock(address_mu_);
+  std::vector<std::string> out;
+  if (cluster_ == nullptr) return out;
+  for (const cluster::MemberInfo& m : cluster_->Members()) {
+    if (!m.self && m.state == cluster::MemberState::kUp) out.push_back(m.address);
+  }
+  return out;
+}
+
+std::string TrainingServiceImpl::Coordinator() const {
+  std::lock_guard<std::mutex> lock(address_mu_);
+  if (cluster_ == nullptr) return "";
+  const std::vector<cluster::MemberInfo> members = cluster_->Members();
+  if (members.size() < 2) return "";
+  for (const cluster::MemberInfo& m : members) {
+    if (m.rank == 0) return m.self ? "" : m.address;
+  }
+  return "";
+}
+
+v1::TrainingService::Stub* TrainingServiceImpl::PeerStub(const std::string& address) const {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  std::unique_ptr<v1::TrainingService::Stub>& stub = peers_[address];
+  if (!stub) {
+    stub = v1::TrainingService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  }
+  return stub.get();
+}
+
 grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
                                           const v1::JoinJobRequest* request,
                                           v1::CreateJobResponse* response) {
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(request->timeout_ms());
-  // Rank 0 may still be creating the job (planning takes a while): wait for it.
+  // Rank 0 may still be creating the job (planning takes a while), and on another daemon of the
+  // cluster: wait for it, asking the others too.
   for (;;) {
     for (const std::shared_ptr<Job>& job : jobs_->List()) {
       if (job->name() != request->name() ||
@@ -408,8 +441,23 @@ grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
       *response = it->second;
       return grpc::Status::OK;
     }
+    if (request->local_only()) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no such job here");
+    }
+    for (const std::string& peer : OtherMembers()) {
+      v1::JoinJobRequest ask = *request;
+      ask.set_local_only(true);
+      v1::CreateJobResponse found;
+      grpc::ClientContext peer_context;
+      peer_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      if (PeerStub(peer)->JoinJob(&peer_context, ask, &found).ok()) {
+        response->Clear();
+        response->set_leader(peer);  // the client joins there
+        return grpc::Status::OK;
+      }
+    }
     if (context->IsCancelled() || std::chrono::steady_clock::now() >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return Fail("JoinJob", absl::DeadlineExceededError(absl::StrCat(
       "no job named '", request->name(), "' for ", request->client_world(),
@@ -417,11 +465,20 @@ grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
       "it (same RANNC_JOB and client count on every rank)")));
 }
 
-grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext* context,
                                                 const v1::ClientBarrierRequest* request,
                                                 v1::Empty*) {
   const int world = static_cast<int>(request->client_world());
   if (world <= 1) return grpc::Status::OK;
+  // Over a cluster, client ranks may talk to different daemons: they meet at the coordinator.
+  if (const std::string coordinator = Coordinator(); !coordinator.empty()) {
+    grpc::ClientContext forwarded;
+    forwarded.set_deadline(std::chrono::system_clock::now() +
+                           std::chrono::milliseconds(request->timeout_ms()) +
+                           std::chrono::seconds(10));
+    v1::Empty empty;
+    return PeerStub(coordinator)->ClientBarrier(&forwarded, *request, &empty);
+  }
   std::shared_ptr<ClientRendezvous> ranks;
   {
     std::lock_guard<std::mutex> lock(barriers_mu_);
@@ -597,6 +654,29 @@ grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext*,
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("ClipGradNorm", job.status());
   const double norm_type = request->norm_type() == 0 ? 2.0 : request->norm_type();
+  switch (request->part().phase()) {
+    case v1::ClipGradNormPart::NORMS: {
+      absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> norms =
+          (*job)->GradNorms(norm_type);
+      if (!norms.ok()) return Fail("ClipGradNorm", norms.status());
+      for (const auto& [name, norm] : *norms) {
+        response->add_norm_names(name);
+        absl::Status encoded = EncodeTensor(norm, response->add_norms(), nullptr);
+        if (!encoded.ok()) return Fail("ClipGradNorm", encoded);
+      }
+      return grpc::Status::OK;
+    }
+    case v1::ClipGradNormPart::SCALE: {
+      absl::StatusOr<at::Tensor> coefficient =
+          DecodeTensor(request->part().coefficient(), "clip coefficient", nullptr);
+      if (!coefficient.ok()) return Fail("ClipGradNorm", coefficient.status());
+      absl::Status scaled = (*job)->ScaleGrads(*coefficient);
+      if (!scaled.ok()) return Fail("ClipGradNorm", scaled);
+      return grpc::Status::OK;
+    }
+    default:
+      break;
+  }
   absl::StatusOr<double> norm = (*job)->ClipGradNorm(static_cast<int>(request->client_rank()),
                                                      request->max_norm(), norm_type);
   if (!norm.ok()) return Fail("ClipGradNorm", norm.status());
@@ -636,27 +716,13 @@ grpc::Status TrainingServiceImpl::StateDict(grpc::ServerContext* context,
         "amp_master_params=True: this job has no mixed-precision master parameters"));
   }
   for (const StateEntry& entry : (*job)->StateDict()) {
-    at::Tensor t = entry.tensor.contiguous();
-    absl::StatusOr<v1::DType> dtype = ToProtoDType(t.scalar_type());
-    if (!dtype.ok()) return Fail("StateDict", dtype.status());
-    const size_t total = t.numel() * t.element_size();
-    const char* data = static_cast<const char*>(t.data_ptr());
-    size_t offset = 0;
-    do {
-      const size_t n = std::min(kStateChunkBytes, total - offset);
-      v1::StateDictChunk chunk;
-      chunk.set_name(entry.name);
-      chunk.set_dtype(*dtype);
-      for (int64_t d : t.sizes()) chunk.add_shape(d);
-      chunk.set_total_bytes(total);
-      chunk.set_offset(offset);
-      chunk.set_is_buffer(entry.is_buffer);
-      chunk.set_data(data + offset, n);
-      if (!writer->Write(chunk)) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "client went away during state_dict");
-      }
-      offset += n;
-    } while (offset < total);
+    absl::Status written = EncodeStateChunks(
+        entry.name, entry.tensor, entry.is_buffer, kStateChunkBytes,
+        [writer](const v1::StateDictChunk& chunk) { return writer->Write(chunk); });
+    if (written.code() == absl::StatusCode::kCancelled) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away during state_dict");
+    }
+    if (!written.ok()) return Fail("StateDict", written);
     if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
   }
   return grpc::Status::OK;
@@ -702,6 +768,14 @@ grpc::Status TrainingServiceImpl::Undeploy(grpc::ServerContext*, const v1::JobRe
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
   if (!job.ok()) return Fail("Undeploy", job.status());
   (*job)->Undeploy();
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::AbortStep(grpc::ServerContext*, const v1::JobRef* ref,
+                                            v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
+  if (!job.ok()) return Fail("AbortStep", job.status());
+  (*job)->AbortStep();
   return grpc::Status::OK;
 }
 

@@ -8,6 +8,7 @@
 #define RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -85,6 +86,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status Undeploy(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
   grpc::Status RecreateCommunicators(grpc::ServerContext*, const v1::JobRef*,
                                      v1::Empty*) override;
+  grpc::Status AbortStep(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
 
  private:
   // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
@@ -100,6 +102,12 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // and fills `config`'s part of the job this daemon leads (docs/cluster.md).
   absl::Status SpanCluster(const std::string& job_id, const v1::JobSpec& spec,
                            JobConfig* config) const;
+
+  // The cluster's other daemons that are UP (none without a cluster), and a cached stub to one.
+  // JoinJob asks them for a job it does not have; ClientBarrier meets at the coordinator.
+  std::vector<std::string> OtherMembers() const;
+  std::string Coordinator() const;  // the rank-0 member's address; empty without a cluster
+  v1::TrainingService::Stub* PeerStub(const std::string& address) const;
 
   // Encodes `tensors` into `out`, into the client's reply region when it offered one.
   absl::Status EncodeReply(const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
@@ -118,6 +126,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // pyrannc.barrier(): one rendezvous per name and client count.
   std::mutex barriers_mu_;
   std::map<std::pair<std::string, int>, std::shared_ptr<ClientRendezvous>> barriers_;
+  mutable std::mutex peers_mu_;
+  mutable std::map<std::string, std::unique_ptr<v1::TrainingService::Stub>> peers_;
 };
 
 }  // namespace rannc

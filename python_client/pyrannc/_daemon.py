@@ -23,7 +23,7 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Dict, Iterable, Iterator, Optional
 
 import grpc
 import torch
@@ -215,6 +215,7 @@ class Connection:
 
 _lock = threading.Lock()
 _connection: Optional[Connection] = None
+_others: Dict[str, Connection] = {}  # other daemons of the cluster, by address
 
 
 def _start_embedded() -> Connection:
@@ -250,6 +251,10 @@ def _shutdown():
     global _connection
     with _lock:
         conn, _connection = _connection, None
+        others = list(_others.values())
+        _others.clear()
+    for other in others:
+        other.close()
     if conn is None:
         return
     conn.close()
@@ -258,22 +263,47 @@ def _shutdown():
         conn.embedded.stop(timeout=float(os.environ.get("RANNC_DAEMON_STOP_TIMEOUT", "10")))
 
 
-def connection() -> Connection:
-    """The process's connection, connecting (or starting the embedded daemon) on first use."""
+def _connect(address: str, what: str) -> Connection:
+    """A ready connection to the ranncd at `address` (`what` names where it came from)."""
+    conn = Connection(address)
+    timeout = float(os.environ.get("RANNC_DAEMON_CONNECT_TIMEOUT", "30"))
+    try:
+        conn.wait_ready(time.monotonic() + timeout, lambda: None)
+    except RanncError as err:
+        conn.close()
+        raise RanncError(f"pyrannc cannot reach ranncd at {address} ({what}): {err}",
+                         code=err.code, details=err.details) from None
+    return conn
+
+
+def connection(address: Optional[str] = None) -> Connection:
+    """The process's connection, connecting (or starting the embedded daemon) on first use.
+
+    With `address`, a connection to that daemon of the cluster instead (a job led by another
+    daemon than RANNC_DAEMON: JoinJob names it)."""
     global _connection
+    if address is not None:
+        default = connection()
+        if default.address == address:
+            return default
+        with _lock:
+            conn = _others.get(address)
+            if conn is None:
+                conn = _connect(address, "the daemon leading the job")
+                try:
+                    check_torch_version(conn.info.torch_version)
+                    conn.shm = _shm.make_transfer(conn.address, conn.info, False)
+                except RanncError:
+                    conn.close()
+                    raise
+                _others[address] = conn
+            return conn
     with _lock:
         if _connection is not None:
             return _connection
         address = _config.client_setting("daemon")
         if address:
-            conn = Connection(address)
-            timeout = float(os.environ.get("RANNC_DAEMON_CONNECT_TIMEOUT", "30"))
-            try:
-                conn.wait_ready(time.monotonic() + timeout, lambda: None)
-            except RanncError as err:
-                conn.close()
-                raise RanncError(f"pyrannc cannot reach ranncd at {address} (RANNC_DAEMON): "
-                                 f"{err}", code=err.code, details=err.details) from None
+            conn = _connect(address, "RANNC_DAEMON")
         else:
             conn = _start_embedded()
         try:

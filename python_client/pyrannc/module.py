@@ -44,8 +44,10 @@ class _Job:
     """What the client knows of its daemon job."""
 
     def __init__(self, job_id: str, mode: pb.Mode, spec, group_ids: List[List[int]],
-                 devices: List[str], owner: bool = True):
+                 devices: List[str], owner: bool = True, address: Optional[str] = None):
         self.id = job_id
+        # The daemon that leads the job: RANNC_DAEMON's (None), or the one JoinJob named.
+        self.address = address
         # Client rank 0 created the job and deletes it; other ranks only joined it.
         self.owner = owner
         self.mode = mode
@@ -262,6 +264,10 @@ class RaNNCModule(torch.nn.Module):
         torch.jit.save(traced, buf)
         return buf.getvalue(), captured["spec"]
 
+    def _connection(self) -> _daemon.Connection:
+        """The connection to the daemon that leads this module's job."""
+        return _daemon.connection(self._job.address if self._job is not None else None)
+
     def _names_by_id(self) -> Dict[int, str]:
         return {id(p): n for n, p in self.model.named_parameters()}
 
@@ -274,10 +280,16 @@ class RaNNCModule(torch.nn.Module):
         rank, world = _runtime.get_rank(), _runtime.get_world_size()
         if rank > 0:
             # Rank 0 creates the job; the others join it by name.
-            resp = conn.call("JoinJob", pb.JoinJobRequest(
-                name=job_name(self.model), client_rank=rank, client_world=world,
-                timeout_ms=client_timeout_ms()))
-            self._adopt_job(conn, resp, mode, spec, owner=False)
+            join = pb.JoinJobRequest(name=job_name(self.model), client_rank=rank,
+                                     client_world=world, timeout_ms=client_timeout_ms())
+            resp = conn.call("JoinJob", join)
+            address = None
+            if resp.leader:
+                # Rank 0 created the job on another daemon of the cluster: join it there.
+                address = resp.leader
+                conn = _daemon.connection(address)
+                resp = conn.call("JoinJob", join)
+            self._adopt_job(conn, resp, mode, spec, owner=False, address=address)
             return
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
@@ -311,7 +323,8 @@ class RaNNCModule(torch.nn.Module):
                 raise
         self._adopt_job(conn, resp, mode, spec, owner=True)
 
-    def _adopt_job(self, conn, resp, mode: pb.Mode, spec, owner: bool) -> None:
+    def _adopt_job(self, conn, resp, mode: pb.Mode, spec, owner: bool,
+                   address: Optional[str] = None) -> None:
         expected = len(_outputs.leaves(spec))
         if len(resp.outputs) != expected:
             if owner:
@@ -319,14 +332,14 @@ class RaNNCModule(torch.nn.Module):
             raise RuntimeError(f"ranncd reports {len(resp.outputs)} outputs for the model but "
                                f"the trace returned {expected}")
         group_ids = _optim.group_param_ids(self._optimizer) if self._optimizer else []
-        self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices), owner)
+        self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices), owner, address)
         self._deployment = resp.deployment if resp.HasField("deployment") else None
         self._plan_summary = resp.plan_summary or None
         logger.info("pyrannc: job %s on %s", resp.job_id, ", ".join(resp.devices))
 
     def _switch_mode(self, inputs, mode: pb.Mode) -> None:
         job = self._job
-        conn = _daemon.connection()
+        conn = self._connection()
         self._flush()
         resp = conn.call("SetMode", pb.SetModeRequest(job_id=job.id, mode=mode))
         key = _mode_key(mode)
@@ -347,7 +360,7 @@ class RaNNCModule(torch.nn.Module):
 
     def _forward_rpc(self, inputs, requires_grad: bool):
         job = self._job
-        conn = _daemon.connection()
+        conn = self._connection()
         with _shm.session(conn.shm) as wire:
             req = pb.ForwardRequest(job_id=job.id, inputs=[wire.encode(x) for x in inputs],
                                     requires_grad=requires_grad, before=job.pending,
@@ -384,7 +397,7 @@ class RaNNCModule(torch.nn.Module):
             raise RanncError(f"ranncd Backward failed: FAILED_PRECONDITION: {details}",
                              code=grpc.StatusCode.FAILED_PRECONDITION, details=details)
         job.graph_released = not _runtime.keep_graph_flag
-        conn = _daemon.connection()
+        conn = self._connection()
         with _shm.session(conn.shm) as wire:
             req = pb.BackwardRequest(job_id=job.id, retain_graph=_runtime.keep_graph_flag,
                                      client_rank=_runtime.get_rank())
@@ -409,7 +422,7 @@ class RaNNCModule(torch.nn.Module):
         job = self._job
         if job is not None and job.pending:
             ops, job.pending = job.pending, []
-            _daemon.connection().call("Flush", pb.FlushRequest(
+            self._connection().call("Flush", pb.FlushRequest(
                 job_id=job.id, ops=ops, client_rank=_runtime.get_rank()))
 
     # ------------------------------------------------------------------------------------------
@@ -455,7 +468,7 @@ class RaNNCModule(torch.nn.Module):
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm,
                                                   norm_type)
         self._flush()
-        resp = _daemon.connection().call("ClipGradNorm", pb.ClipGradNormRequest(
+        resp = self._connection().call("ClipGradNorm", pb.ClipGradNormRequest(
             job_id=self._job.id, max_norm=float(max_grad_norm), norm_type=float(norm_type),
             client_rank=_runtime.get_rank()))
         dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
@@ -482,7 +495,7 @@ class RaNNCModule(torch.nn.Module):
                 raise KeyError(f"the model has no parameter or buffer named '{name}'")
             return t.detach().clone()
         self._flush()
-        resp = _daemon.connection().call("GetParam", pb.GetParamRequest(
+        resp = self._connection().call("GetParam", pb.GetParamRequest(
             job_id=self._job.id, name=name))
         return _codec.decode(resp.tensor)
 
@@ -497,14 +510,14 @@ class RaNNCModule(torch.nn.Module):
                 raise KeyError(f"the model has no parameter named '{name}'")
             return None if t.grad is None else t.grad.detach().clone()
         self._flush()
-        resp = _daemon.connection().call("GetParam", pb.GetParamRequest(
+        resp = self._connection().call("GetParam", pb.GetParamRequest(
             job_id=self._job.id, name=name, grad=True))
         return _codec.decode(resp.tensor) if resp.has_value else None
 
     def _fetch_state(self) -> Dict[str, Tuple[torch.Tensor, bool]]:
         self._flush()
         assembler = _codec.StateAssembler()
-        for chunk in _daemon.connection().stream(
+        for chunk in self._connection().stream(
                 "StateDict", pb.StateDictRequest(job_id=self._job.id)):
             assembler.add(chunk)
         return assembler.result()
@@ -589,7 +602,7 @@ class RaNNCModule(torch.nn.Module):
         param_ids = {id(p) for p in self.model.parameters()}
         buffer_names = {k for k, v in local.items() if id(v) not in param_ids}
         job_id = self._job.id
-        conn = _daemon.connection()
+        conn = self._connection()
         step = _codec.chunk_bytes(_codec.STREAM_CHUNK_BYTES, conn.info.max_message_bytes)
 
         def requests():
@@ -666,7 +679,7 @@ class RaNNCModule(torch.nn.Module):
             return
         self._sync_from_daemon(force=sync)
         self._flush()
-        _daemon.connection().call("Undeploy", pb.JobRef(job_id=self._job.id))
+        self._connection().call("Undeploy", pb.JobRef(job_id=self._job.id))
         self._job.undeployed = True
         self._job.last_forward_id = None
 
@@ -678,7 +691,7 @@ class RaNNCModule(torch.nn.Module):
         try:
             self._sync_from_daemon()
             if self._job.owner:
-                _daemon.connection().call("DeleteJob", pb.JobRef(job_id=self._job.id))
+                self._connection().call("DeleteJob", pb.JobRef(job_id=self._job.id))
         finally:
             self._job = None
             self._state_dirty = False
@@ -686,7 +699,7 @@ class RaNNCModule(torch.nn.Module):
     def recreate_communicators(self) -> None:
         if self._job is not None:
             self._flush()
-            _daemon.connection().call("RecreateCommunicators", pb.JobRef(job_id=self._job.id))
+            self._connection().call("RecreateCommunicators", pb.JobRef(job_id=self._job.id))
 
     def __del__(self):
         # A finalizer may run inside any call, gRPC's included, so it only queues the job for

@@ -54,13 +54,16 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_ranks(tmp_path, daemon, gather, world=2, timeout_s=300, ranks=None):
+def _run_ranks(tmp_path, daemon, gather, world=2, timeout_s=300, ranks=None, addresses=None):
+    """Starts the ranks (all of them, or `ranks`), each talking to `daemon`, or rank r to
+    `addresses[r]`; returns their output path prefix and (exit code, stderr) per rank."""
     out = str(tmp_path / "rank")
     script = _RANK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), gather=gather,
                                  steps=STEPS, out=out)
     procs = []
     for rank in (range(world) if ranks is None else ranks):
-        env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=daemon.address,
+        address = daemon.address if addresses is None else addresses[rank]
+        env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=address,
                    RANNC_JOB=f"ranks-{gather}-{world}", RANNC_CLIENT_RANK=str(rank),
                    RANNC_CLIENT_WORLD=str(world), RANNC_CLIENT_TIMEOUT=str(timeout_s))
         procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,

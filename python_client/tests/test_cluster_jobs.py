@@ -254,3 +254,201 @@ def test_two_client_ranks_train_one_job_over_the_cluster(tmp_path, cluster):
                          f"rank {rank} loss at step {step}")
         for k, v in state.items():
             assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, f"rank {rank} {k}")
+
+
+_STATE_OPS = textwrap.dedent("""
+    import copy, sys, grpc, torch
+    sys.path.insert(0, {tests!r})
+    import pyrannc
+    import test_pipeline_conformance as tpc
+    from conftest import assert_close
+    from pyrannc.proto.rannc.v1 import training_pb2 as pb
+    from pyrannc.proto.rannc.v1 import training_pb2_grpc as rpc
+    peers = {peers!r}
+
+    def device_bytes():
+        # Per daemon: what its devices hold for jobs (the leader's job, the member's part).
+        out = []
+        for address in peers:
+            stub = rpc.TrainingServiceStub(grpc.insecure_channel(address))
+            out.append(sum(sum(j.device_bytes) for j in stub.ListJobs(pb.Empty(), timeout=10).jobs))
+        return out
+
+    case = tpc.MODELS["gpt_tied"]
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = case.optimizer(model), case.optimizer(ref)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    for step in range(5):
+        batch = case.batch(step)
+        loss = case.loss(rmod, batch)
+        loss.backward()
+        ref_loss = case.loss(ref, batch)
+        ref_loss.backward()
+        assert_close(loss.detach(), ref_loss.detach(), f"loss at step {{step}}")
+        if step == 1:
+            # Gradients pending; both daemons free their devices, and clipping redeploys.
+            assert all(b > 0 for b in device_bytes()), device_bytes()
+            rmod.undeploy()
+            assert device_bytes() == [0, 0], device_bytes()
+        norm = rmod.clip_grad_norm(0.2)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.2)
+        assert float(ref_norm) > 0.2, ref_norm  # the gradients really are clipped
+        assert_close(torch.as_tensor(norm, dtype=ref_norm.dtype), ref_norm,
+                     f"norm at step {{step}}")
+        tpc._compare_grads(rmod, ref, step)
+        if step == 2:
+            pyrannc.recreate_all_communicators()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if step == 3:
+            state = {{k: v * 0.9 for k, v in ref.state_dict().items()}}
+            ref.load_state_dict(state)
+            rmod.load_state_dict(state)
+        print("ok", step, flush=True)
+    assert len({{d.split("/")[0] for d in rmod._job.devices}}) == 2, rmod._job.devices
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+""")
+
+
+def test_clip_undeploy_recreate_and_load_state_span_the_daemons(cluster):
+    # The GPT with its tied embedding held by both daemons (2 stages x 2 replicas): its norm
+    # counted once; undeploy frees both daemons' devices and training resumes exactly;
+    # recreate_all_communicators rebuilds every part's; load_state_dict reaches every part.
+    peers, logs, _ = cluster
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
+    done = subprocess.run(
+        [sys.executable, "-c", _STATE_OPS.format(
+            tests=os.path.dirname(os.path.abspath(__file__)), peers=peers)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr + open(logs[1].name).read()
+    assert done.stdout.split().count("ok") == 5, done.stdout
+
+
+_BAD_INPUTS = textwrap.dedent("""
+    import copy, sys, time, torch
+    sys.path.insert(0, {tests!r})
+    import pyrannc
+    import test_pipeline_conformance as tpc
+    from conftest import assert_close
+    case = tpc.MODELS["gpt_tied"]
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = case.optimizer(model), case.optimizer(ref)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    for step in range(4):
+        x, y = case.batch(step)
+        if step == 1:
+            stages = sorted(rmod.deployment.stages, key=lambda s: s.index)
+            print("STAGES", *(rmod._job.devices[s.devices[0]].split("/")[0] for s in stages))
+        if step == 2:
+            # A token id past the vocabulary fails the first stage (this daemon's); a target
+            # past it fails the loss, on the other daemon. Either way the step fails at once
+            # everywhere, and nothing is lost.
+            for bad in ((x.clamp(max=0) + 99, y), (x, y.clamp(max=0) + 99)):
+                start = time.monotonic()
+                try:
+                    rmod(*bad).backward()
+                    opt.step()
+                except Exception as err:  # noqa: BLE001
+                    print("FAILED", round(time.monotonic() - start, 2), str(err).splitlines()[0],
+                          flush=True)
+                else:
+                    raise AssertionError("a bad batch trained")
+            opt.zero_grad()
+        loss = rmod(x, y)
+        loss.backward()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        assert_close(loss.detach(), ref_loss.detach(), f"loss at step {{step}}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+    print("ok", flush=True)
+""")
+
+
+def test_a_bad_batch_fails_promptly_on_every_daemon_and_loses_nothing(cluster):
+    peers, logs, _ = cluster
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
+               RANNC_DEFER_OPS="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _BAD_INPUTS.format(
+            tests=os.path.dirname(os.path.abspath(__file__)))],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr + open(logs[1].name).read()
+    failures = [line.split(maxsplit=2) for line in done.stdout.splitlines()
+                if line.startswith("FAILED")]
+    assert len(failures) == 2, done.stdout
+    for _, seconds, message in failures:
+        print(f"failed after {seconds} s: {message}")
+        # The cause, not the abandoned waits it leads to; long before any transfer timeout.
+        assert "out of" in message.lower() and "cancelled" not in message, message
+        assert float(seconds) < 10, seconds
+    # The token is found bad by the first stage's daemon, the target by the last stage's; the
+    # error names the daemon when it is not the one the client talks to.
+    stages = next(line.split()[1:] for line in done.stdout.splitlines()
+                  if line.startswith("STAGES"))
+    assert "index out of range" in failures[0][2], failures[0]
+    assert "out of bounds" in failures[1][2], failures[1]
+    for (_, _, message), daemon in zip(failures, (stages[0], stages[-1])):
+        assert daemon == peers[0] or daemon in message, (daemon, message)
+    assert done.stdout.rstrip().endswith("ok"), done.stdout
+
+
+def test_client_ranks_on_different_daemons_train_one_job(tmp_path, cluster):
+    # Rank 0 talks to the first daemon, rank 1 to the second: rank 1's JoinJob is sent on to
+    # the leading daemon, and barrier() meets across them.
+    import types
+    import test_client_ranks as ranks
+    peers, logs, _ = cluster
+    os.environ["RANNC_PARTITION_NUM"] = "2"
+    try:
+        out, results = ranks._run_ranks(tmp_path, types.SimpleNamespace(address=peers[0]), True,
+                                        addresses=peers)
+    finally:
+        del os.environ["RANNC_PARTITION_NUM"]
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr}"
+    losses, state = ranks._reference(True)
+    for rank in range(2):
+        got = json.load(open(out + str(rank)))
+        assert len({d.split("/")[0] for d in got["devices"]}) == 2, got["devices"]
+        for step in range(ranks.STEPS):
+            assert_close(torch.tensor(got["losses"][step]), losses[step],
+                         f"rank {rank} loss at step {step}")
+        for k, v in state.items():
+            assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, f"rank {rank} {k}")
+
+
+def test_a_lost_leader_fails_its_client_and_its_parts_go(cluster):
+    peers, logs, procs = cluster
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
+               RANNC_DEFER_OPS="0")
+    client = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_UNTIL_ERROR.format(
+            tests=os.path.dirname(os.path.abspath(__file__)))],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert client.stdout.readline().strip() == "TRAINING", client.stderr.read()
+    member = rpc.TrainingServiceStub(grpc.insecure_channel(peers[1]))
+    assert len(member.ListJobs(pb.Empty(), timeout=5).jobs) == 1  # the job's part
+    killed = time.monotonic()
+    procs[0].kill()  # SIGKILL the leading daemon mid-training
+    stdout, stderr = client.communicate(timeout=60)
+    assert client.returncode == 3 and "UNAVAILABLE" in stdout, stdout + stderr
+    # The member drops the part once it finds the leader lost (peer timeout 5 s), and serves on.
+    while member.ListJobs(pb.Empty(), timeout=5).jobs:
+        assert time.monotonic() - killed < 20, "the part outlived its leader"
+        time.sleep(0.2)
+    print(f"the part went {time.monotonic() - killed:.1f} s after the leader's SIGKILL")
