@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
 #include "daemon/common/status.h"
@@ -355,14 +356,27 @@ absl::Status TrainingServiceImpl::SpanCluster(const std::string& job_id, const v
     if (cluster_ == nullptr || store_ == nullptr) return absl::OkStatus();
     members = cluster_->Members();
   }
-  if (members.size() < 2) return absl::OkStatus();
+  // A job runs on every member that is UP. One not heard from yet (the cluster is starting) is
+  // waited for; one that is DOWN is left out, so a lost daemon does not stop new jobs.
+  std::vector<std::string> left_out;
   for (const cluster::MemberInfo& m : members) {
-    if (m.state != cluster::MemberState::kUp) {
+    if (m.state == cluster::MemberState::kUnknown) {
       return absl::UnavailableError(absl::StrCat(
-          "cluster member ", m.address, " is ", cluster::MemberStateName(m.state),
-          "; a job runs on every daemon of the cluster, so wait until all are up"));
+          "cluster member ", m.address, " has not been heard from yet; a job runs on every "
+          "daemon of the cluster, so wait until all are up (rannc info)"));
     }
+    if (m.state == cluster::MemberState::kDown) left_out.push_back(m.address);
   }
+  members.erase(std::remove_if(members.begin(), members.end(),
+                               [](const cluster::MemberInfo& m) {
+                                 return m.state != cluster::MemberState::kUp;
+                               }),
+                members.end());
+  if (!left_out.empty()) {
+    spdlog::warn("job {} leaves out cluster member(s) {}, which are DOWN", job_id,
+                 absl::StrJoin(left_out, ", "));
+  }
+  if (members.size() < 2) return absl::OkStatus();
   std::sort(members.begin(), members.end(),
             [](const cluster::MemberInfo& a, const cluster::MemberInfo& b) {
               return a.rank < b.rank;

@@ -113,6 +113,11 @@ def test_a_job_spans_the_daemons_and_trains_like_pytorch(tmp_path, cluster):
     assert sorted(got["devices"]) == sorted(f"{a}/cpu:{i}" for a in peers for i in range(2))
     assert sorted(d for s in got["stages"] for d in s) == list(range(2 * len(peers)))
 
+    _assert_trains_like_pytorch(got)
+
+
+def _assert_trains_like_pytorch(got):
+    """`got`: what _CLIENT wrote; the same training in PyTorch must give the same."""
     torch.manual_seed(0)
     ref = models.MLP()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -154,6 +159,7 @@ _TRAIN_UNTIL_ERROR = textwrap.dedent("""
 
 
 def test_a_lost_daemon_fails_its_jobs_promptly_and_the_leader_goes_on(tmp_path, cluster):
+    # ... and serves new jobs on the daemons that are left.
     peers, logs, procs = cluster
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
                RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
@@ -182,6 +188,17 @@ def test_a_lost_daemon_fails_its_jobs_promptly_and_the_leader_goes_on(tmp_path, 
             break
         assert time.time() < deadline, states
         time.sleep(0.2)
+    # A new job trains on the daemons that are left, exactly like PyTorch.
+    out = str(tmp_path / "after.json")
+    script = _CLIENT.format(tests=os.path.dirname(os.path.abspath(__file__)), steps=STEPS,
+                            out=out)
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + open(logs[0].name).read()
+    got = json.load(open(out))
+    assert sorted(got["devices"]) == ["cpu:0", "cpu:1"], got["devices"]
+    _assert_trains_like_pytorch(got)
 
 
 _CONFORMANCE = textwrap.dedent("""
