@@ -36,6 +36,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                                         const std::vector<at::Tensor>& lifted,
                                         const EngineOptions& options) {
   ir_ = &ir;
+  zero_ = options.zero;
   timeout_ = options.timeout;
   cancel_ = options.cancel;
   const comm::Backend backend = options.backend;
@@ -346,6 +347,19 @@ void PipelineEngine::Impl::SetParam(int lifted, const at::Tensor& value) {
 
 void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
   at::NoGradGuard no_grad;
+  if (auto slot = zero_slots_.find(lifted); slot != zero_slots_.end()) {
+    const at::Tensor flat = grad.reshape(-1);
+    for (Device& d : devices_) {
+      if (!d.local || d.stage != slot->second.stage) continue;
+      pipeline_internal::ZeroPartition& part = d.zero[slot->second.partition];
+      ForShardSlice(part, slot->second.index, [&](int64_t shard_from, int64_t from, int64_t n) {
+        at::Tensor& g = part.shard.mutable_grad();
+        if (!g.defined()) g = at::zeros_like(part.shard);
+        g.narrow(0, shard_from, n).add_(flat.narrow(0, from, n).to(g.scalar_type()));
+      });
+    }
+    return;
+  }
   for (Device& d : devices_) {
     at::Tensor& p = d.lifted[lifted];
     if (!p.defined() || !p.requires_grad()) continue;
@@ -359,6 +373,14 @@ void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
 
 void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
   for (Device& d : devices_) {
+    for (pipeline_internal::ZeroPartition& part : d.zero) {
+      if (!part.shard.grad().defined()) continue;
+      if (set_to_none) {
+        part.shard.mutable_grad().reset();
+      } else {
+        part.shard.mutable_grad().zero_();
+      }
+    }
     for (at::Tensor& t : d.lifted) {
       if (!t.defined() || !t.grad().defined()) continue;
       if (set_to_none) {
@@ -375,8 +397,8 @@ std::vector<std::pair<int, at::Tensor>> PipelineEngine::Impl::GradNorms(
   // Each parameter's gradient counted once, its owner's.
   std::vector<std::pair<int, at::Tensor>> norms;
   for (int li : params) {
-    const at::Tensor t = OwnerTensor(li);
-    if (t.defined() && t.grad().defined()) norms.emplace_back(li, GradNorm(t.grad(), norm_type));
+    const at::Tensor g = FullGrad(li);
+    if (g.defined()) norms.emplace_back(li, GradNorm(g, norm_type));
   }
   return norms;
 }
@@ -390,30 +412,49 @@ void PipelineEngine::Impl::ScaleGrads(const std::vector<int>& params,
       at::Tensor& p = d.lifted[li];
       if (p.defined() && p.grad().defined()) p.grad().mul_(coefficient);
     }
+    for (const pipeline_internal::ZeroPartition& part : d.zero) {
+      const at::Tensor& g = part.shard.grad();
+      if (!g.defined()) continue;
+      for (size_t i = 0; i < part.params.size(); ++i) {
+        if (!selected.count(part.params[i])) continue;
+        ForShardSlice(part, i, [&](int64_t shard_from, int64_t, int64_t n) {
+          g.narrow(0, shard_from, n).mul_(coefficient);
+        });
+      }
+    }
   }
 }
 
 absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
                                                 const std::vector<std::vector<int>>& groups) {
+  const std::set<int> tied(tied_.begin(), tied_.end());
   for (Device& d : devices_) {
-    std::vector<ParamGroup> device_groups;
-    std::vector<int> order;
-    for (const std::vector<int>& group : groups) {
-      device_groups.emplace_back();
-      for (int li : group) {
+    // ZeRO shards the untied parameters of a stage with replicas (SetUpZero).
+    const bool shard = zero_ && d.local && d.replicas != nullptr;
+    std::vector<ParamGroup> device_groups(groups.size());
+    std::vector<std::vector<int>> ids(groups.size());  // per group: lifted index, or -1 - k
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (int li : groups[g]) {
         if (li < 0 || li >= static_cast<int>(d.lifted.size())) {
           return absl::InvalidArgumentError(absl::StrCat("no lifted tensor ", li));
         }
         const at::Tensor& p = d.lifted[li];
-        if (!p.defined() || !p.requires_grad()) continue;
-        device_groups.back().params.push_back(p);
-        order.push_back(li);
+        if (!p.defined() || !p.requires_grad() || (shard && !tied.count(li))) continue;
+        device_groups[g].params.push_back(p);
+        ids[g].push_back(li);
       }
+    }
+    if (shard) {
+      absl::Status s = SetUpZero(d, groups, &device_groups, &ids);
+      if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
     }
     absl::StatusOr<std::unique_ptr<Optimizer>> opt = MakeOptimizer(kind, std::move(device_groups));
     if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("device ", d.index));
     d.optimizer = std::move(*opt);
-    d.optimizer_params = std::move(order);
+    d.optimizer_params.clear();
+    for (const std::vector<int>& group : ids) {
+      d.optimizer_params.insert(d.optimizer_params.end(), group.begin(), group.end());
+    }
   }
   return absl::OkStatus();
 }
@@ -425,7 +466,10 @@ absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) 
     if (!d.optimizer) return absl::FailedPreconditionError("the engine has no optimizer");
   }
   // Every device checks the same hypers against the same groups: all fail or none does.
-  return OnEveryDevice([&](Device& d) { return d.optimizer->Step(hypers); }, false);
+  absl::Status stepped =
+      OnEveryDevice([&](Device& d) { return d.optimizer->Step(hypers); }, false);
+  if (!stepped.ok() || zero_slots_.empty()) return stepped;
+  return OnEveryDevice([&](Device& d) { return GatherZeroParams(d); }, true);
 }
 
 std::map<int, std::vector<std::pair<std::string, at::Tensor>>>
@@ -436,9 +480,10 @@ PipelineEngine::Impl::OptimizerState() const {
     for (const auto& [name, value] : d.optimizer->NamedState()) {
       const size_t dot = name.find('.');
       const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
-      if (owner_[li] != d.world_rank) continue;
+      if (li < 0 || owner_[li] != d.world_rank) continue;  // a ZeRO shard: below
       out[li].emplace_back(name.substr(dot + 1), value.detach().clone());
     }
+    ZeroOptimizerState(d, &out);
   }
   return out;
 }
@@ -455,6 +500,7 @@ absl::Status PipelineEngine::Impl::LoadOptimizerState(
         named.emplace_back(absl::StrCat(i, ".", key), value);
       }
     }
+    LoadZeroOptimizerState(d, state, &named);
     absl::Status s = d.optimizer->LoadNamedState(named);
     if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
   }
@@ -483,6 +529,10 @@ int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
   }
   for (const at::Tensor& t : d.fused_grads) {
     if (t.defined()) bytes += t.nbytes();
+  }
+  for (const pipeline_internal::ZeroPartition& part : d.zero) {
+    if (part.shard.grad().defined()) bytes += part.shard.grad().nbytes();
+    if (part.fused_grad.defined()) bytes += part.fused_grad.nbytes();
   }
   if (d.optimizer) bytes += d.optimizer->StateBytes();
   return bytes;
@@ -539,6 +589,10 @@ absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name,
   if (!(*t)->requires_grad()) {
     return absl::NotFoundError(absl::StrCat(tensor_name, " is not a parameter"));
   }
+  const auto name = std::find(impl_->ir().tensor_names.begin(), impl_->ir().tensor_names.end(),
+                              tensor_name);
+  const int lifted = static_cast<int>(name - impl_->ir().tensor_names.begin());
+  if (impl_->sharded(lifted)) return GradAt(lifted);  // a ZeRO gradient: every device's slice
   const at::Tensor g = (*t)->grad();
   return g.defined() ? g.detach().clone() : at::Tensor();
 }
@@ -551,8 +605,8 @@ absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
 }
 
 at::Tensor PipelineEngine::GradAt(int lifted) const {
-  const at::Tensor t = impl_->OwnerTensor(lifted);
-  return t.defined() && t.grad().defined() ? t.grad().detach().clone() : at::Tensor();
+  const at::Tensor g = impl_->FullGrad(lifted);
+  return g.defined() ? g.detach().clone() : at::Tensor();
 }
 
 at::Tensor PipelineEngine::ParamAt(int lifted) const {

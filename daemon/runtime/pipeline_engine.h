@@ -79,6 +79,13 @@ struct EngineOptions {
   // Set by another thread to cancel: the step in progress fails at once (its waits abandoned)
   // and so does every later one, with ABORTED. E.g. a job that lost a daemon running its part.
   std::shared_ptr<std::atomic<bool>> cancel;
+  // ZeRO (stage 2): on stages with replicas, the gradients and optimizer state of untied
+  // parameters are sharded over the replicas, from SetOptimizer on: each backward's gradients
+  // are reduce-scattered (instead of all-reduced), each replica's optimizer steps its shard,
+  // and the shards are all-gathered into every replica's parameters after the step. Results are
+  // those of the unsharded engine; reads (GradAt, OptimizerState) assemble the shards. A
+  // stage's replicas must all be local (UNIMPLEMENTED at SetOptimizer otherwise).
+  bool zero = false;
 };
 
 struct StepResult {

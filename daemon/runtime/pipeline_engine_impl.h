@@ -101,6 +101,24 @@ struct StageInfo {
   std::vector<int> lifted;  // lifted indices it reads (parameters and buffers)
 };
 
+// ZeRO (EngineOptions::zero): a stage's untied parameters of one optimizer param group and one
+// dtype, laid out in one flat buffer whose slices they are (set_ onto its storage, so the stage
+// executor and every reader see it), padded to a multiple of the replica count R. Replica r owns
+// `shard`, elements [r * len, (r + 1) * len): the optimizer's parameter there is `shard` itself,
+// a leaf sharing the flat buffer's storage, and its grad() is this replica's slice of the
+// gradient summed over the replicas (reduce-scattered after each backward). The parameters
+// keep no gradient of their own; after each optimizer step the shards are all-gathered into
+// every replica's flat buffer.
+struct ZeroPartition {
+  int group = 0;
+  std::vector<int> params;       // lifted indices, in layout order
+  std::vector<int64_t> offsets;  // each one's first element in `flat`
+  at::Tensor flat;
+  at::Tensor shard;
+  int64_t shard_offset = 0, len = 0;
+  at::Tensor fused_grad;  // a fused forward's shard gradient, waiting for Backward
+};
+
 struct Device {
   int index = 0, stage = 0, replica = 0, world_rank = 0;
   bool local = true;  // run by this process (EngineOptions::local_devices)
@@ -114,10 +132,12 @@ struct Device {
   std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>> abandoned;
   // Per StageInfo::params: the gradients of a fused forward, waiting for the client's Backward.
   std::vector<at::Tensor> fused_grads;
+  std::vector<ZeroPartition> zero;  // EngineOptions::zero, on a stage with replicas
   // This step's outputs without a batch dimension (IR value -> sum or first shard's).
   std::map<int, at::Tensor> partial;
   std::unique_ptr<Optimizer> optimizer;
-  std::vector<int> optimizer_params;  // lifted index per optimizer param (across groups)
+  // Lifted index per optimizer param (across groups); -1 - k for the shard of zero[k].
+  std::vector<int> optimizer_params;
   std::unique_ptr<Worker> worker;
 };
 
@@ -170,6 +190,11 @@ class PipelineEngine::Impl {
   at::Tensor OwnerTensor(int lifted) const {
     return owner_[lifted] < 0 ? at::Tensor() : devices_[owner_[lifted]].lifted[lifted];
   }
+  // Parameter `lifted`'s gradient, undefined when it has none (a ZeRO parameter's is assembled
+  // from its stage's replicas' shards: a new tensor).
+  at::Tensor FullGrad(int lifted) const;
+  bool sharded(int lifted) const { return zero_slots_.count(lifted) > 0; }
+  const IrGraph& ir() const { return *ir_; }
   void SetParam(int lifted, const at::Tensor& value);
   void AddGrad(int lifted, const at::Tensor& grad);
   void ZeroGrad(bool set_to_none);
@@ -272,13 +297,51 @@ class PipelineEngine::Impl {
   absl::Status RunDevice(Device& d, const StepPlan& step);
   absl::Status RunForward(Device& d, const StepPlan& step, int mb, Pending& pending);
   absl::Status RunBackward(Device& d, const StepPlan& step, int mb, Pending& pending);
-  absl::Status ReduceGrads(Device& d);
+  absl::Status ReduceGrads(Device& d, bool fused);
+
+  // ZeRO (pipeline_engine_zero.cc). Where a sharded parameter lives: its partition's index in
+  // Device::zero (the same on every replica of its stage) and its index in that partition.
+  struct ZeroSlot {
+    int stage = 0, partition = 0, index = 0;
+  };
+  std::map<int, ZeroSlot> zero_slots_;  // by lifted index
+  // Lays out `d`'s partitions for the optimizer's `groups` (and rebuilds its reducer without
+  // them); appends each partition's shard to its group in `device_groups`, and -1 - k to the
+  // group's `ids`.
+  absl::Status SetUpZero(Device& d, const std::vector<std::vector<int>>& groups,
+                         std::vector<ParamGroup>* device_groups,
+                         std::vector<std::vector<int>>* ids);
+  // After a backward: reduce-scatters the parameters' gradients into the shards (a fused step's
+  // kept apart in fused_grad), leaving the parameters without gradients.
+  absl::Status ReduceScatterZero(Device& d, bool fused);
+  // Backward(g) of a fused step: shard grad += g x fused_grad.
+  void AddZeroFusedGrads(Device& d, double g, bool retain_graph);
+  // After an optimizer step: every replica's flat buffers get every shard.
+  absl::Status GatherZeroParams(Device& d);
+  // Calls fn(shard slice, parameter slice) with the overlap of `d`'s shard and parameter i of
+  // partition `part` (flattened), when they overlap.
+  void ForShardSlice(const pipeline_internal::ZeroPartition& part, size_t i,
+                     const std::function<void(int64_t shard_from, int64_t param_from,
+                                              int64_t count)>& fn) const;
+  void ZeroOptimizerState(const Device& d,
+                          std::map<int, std::vector<std::pair<std::string, at::Tensor>>>* out)
+      const;
+  void LoadZeroOptimizerState(
+      const Device& d, const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state,
+      std::vector<std::pair<std::string, at::Tensor>>* named) const;
+  // The devices running stage `s`'s replicas, in replica order.
+  std::vector<const Device*> Replicas(int s) const {
+    std::vector<const Device*> out;
+    for (int dev : stages_[s].devices) out.push_back(&devices_[world_rank_[dev]]);
+    return out;
+  }
 
   const IrGraph* ir_ = nullptr;
   std::string id_;
   ScheduleKind schedule_ = ScheduleKind::k1F1B;
   int micro_batches_ = 1;
   bool fused_ = false;
+  bool zero_ = false;  // EngineOptions::zero
   milliseconds timeout_{120000};
   std::unique_ptr<comm::Store> owned_store_;
   comm::Store* store_ = nullptr;  // owned_store_, or EngineOptions::store

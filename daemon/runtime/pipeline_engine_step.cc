@@ -281,6 +281,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
     // A new forward replaces whatever the previous one kept, as re-running a model does.
     for (int mb = 0; mb < last_micro_batches_; ++mb) d.exec->Release(mb);
     d.fused_grads.clear();
+    for (pipeline_internal::ZeroPartition& part : d.zero) part.fused_grad.reset();
     d.partial.clear();
   }
   const bool backward = step.phase != Phase::kForward;
@@ -315,7 +316,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   absl::Status sent = WaitAll(d, pending);
   if (!sent.ok()) return fail(sent);
   if (!backward) return absl::OkStatus();
-  absl::Status reduced = ReduceGrads(d);
+  absl::Status reduced = ReduceGrads(d, step.phase == Phase::kFused);
   if (!reduced.ok()) return fail(reduced);
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor step_grad = params[i].grad();
@@ -329,7 +330,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   return absl::OkStatus();
 }
 
-absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
+absl::Status PipelineEngine::Impl::ReduceGrads(Device& d, bool fused) {
   const StageInfo& st = stages_[d.stage];
   auto grad_of = [&](int li) -> at::Tensor {
     at::Tensor& p = d.lifted[li];
@@ -360,9 +361,9 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
     if (!s.ok()) return s;
   }
   for (int li : st.params) {
-    if (!tied.count(li)) grad_of(li);
+    if (!tied.count(li) && !sharded(li)) grad_of(li);
   }
-  return absl::OkStatus();
+  return ReduceScatterZero(d, fused);
 }
 
 absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
@@ -518,6 +519,7 @@ absl::Status PipelineEngine::Impl::Backward(
         }
       }
       if (!retain_graph) d.fused_grads.clear();
+      AddZeroFusedGrads(d, g, retain_graph);
     }
     if (!retain_graph) held_ = Held::kNothing;
     return absl::OkStatus();

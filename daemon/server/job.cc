@@ -101,9 +101,10 @@ absl::Status CheckExampleCount(const ImportedModel& model,
       " example inputs were given"));
 }
 
-// Optimizer state in multiples of the trainable parameters' size.
-planner::MemoryModel MemoryModelFor(const OptimizerConfig& config) {
+// Optimizer state in multiples of the trainable parameters' size, and whether it is sharded.
+planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero) {
   planner::MemoryModel m;
+  m.zero = zero;
   if (!config.enabled) return m;
   bool momentum = false, amsgrad = false;
   for (const HyperParams& h : config.group_hyper) {
@@ -144,7 +145,7 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
   }
   absl::StatusOr<v1::Deployment> plan =
       planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                         MemoryModelFor(config.optimizer), config.planner, config.profile_cache,
+                         MemoryModelFor(config.optimizer, config.zero), config.planner, config.profile_cache,
                          config.created_by);
   if (!plan.ok()) return Annotate(plan.status(), "planning the model");
   return plan;
@@ -369,6 +370,7 @@ absl::Status Job::Deploy() {
   options.num_devices = config_.plan_target.num_devices;
   options.local_devices = config_.local_devices;
   options.group = config_.engine_group;
+  options.zero = config_.zero;
   {
     // A fresh flag per engine: an aborted step leaves the next engine untouched.
     std::lock_guard<std::mutex> lock(lost_mu_);

@@ -65,6 +65,9 @@ struct JobConfig {
   ModelMode mode;                     // the mode the model was traced in
   OptimizerConfig optimizer;
   bool check_unused_values = true;    // reject unused inputs and parameters, as RaNNC does
+  // enable_zero: gradients and optimizer state sharded over each stage's replicas
+  // (EngineOptions::zero), and planned so.
+  bool zero = false;
   std::vector<std::string> input_names;
   // The daemon's device names, by the plan's device index; empty: "<type>:<index>" for
   // plan_target's devices.

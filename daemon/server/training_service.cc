@@ -56,7 +56,6 @@ absl::Status CheckSupported(const v1::JobOptions& options) {
   if (options.allreduce_amp_master_params()) {
     return refuse("allreduce_amp_master_params", "mixed precision");
   }
-  if (options.enable_zero()) return refuse("enable_zero", "ZeRO sharding");
   if (options.offload_params()) return refuse("offload_params", "parameter offload");
   return absl::OkStatus();
 }
@@ -269,6 +268,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.mode = FromProto(spec.mode());
   config.optimizer = std::move(*optimizer);
   config.check_unused_values = spec.options().check_unused_values();
+  config.zero = spec.options().enable_zero();
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
   for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
   if (!facts_.devices.empty()) {

@@ -105,8 +105,10 @@ class RaNNCModule(torch.nn.Module):
     stages, replicas, micro-batches) unless `load_deployment` names a deployment file written by
     save_deployment, which is checked here and sent instead (ValueError now if it is not a
     deployment; the daemon refuses one made for another model or that no longer fits).
-    Later-issue features (enable_apex_amp, allreduce_amp_master_params, enable_zero,
-    offload_params) raise NotImplementedError rather than being ignored.
+    enable_zero=True shards gradients and optimizer state over each stage's replicas (ZeRO
+    stage 2; results equal the unsharded job's). Later-issue features (enable_apex_amp,
+    allreduce_amp_master_params, offload_params) raise NotImplementedError rather than being
+    ignored.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, gather_inputs=True,
@@ -118,8 +120,6 @@ class RaNNCModule(torch.nn.Module):
         if allreduce_amp_master_params:
             _later_feature("RaNNCModule(allreduce_amp_master_params=True)",
                            "mixed precision master parameters")
-        if enable_zero:
-            _later_feature("RaNNCModule(enable_zero=True)", "ZeRO sharding of optimizer state")
         if offload_params:
             _later_feature("RaNNCModule(offload_params=True)",
                            "parameter offloading to host memory")
@@ -143,6 +143,7 @@ class RaNNCModule(torch.nn.Module):
         self._optimizer = optimizer
         self._gather_inputs = bool(gather_inputs)
         self._check_unused_values = bool(check_unused_values)
+        self._enable_zero = bool(enable_zero)
         self._job: Optional[_Job] = None
         self._deployment_bytes = deployment_bytes
         self._deployment_path = deployment_path
@@ -293,6 +294,7 @@ class RaNNCModule(torch.nn.Module):
             return
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
+                                enable_zero=self._enable_zero,
                                 config=_config.job_config(),
                                 load_deployment=self._deployment_bytes,
                                 client_world=world, client_timeout_ms=client_timeout_ms())

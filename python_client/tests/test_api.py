@@ -303,7 +303,7 @@ def test_optimizer_closure():
 # Unsupported or later-issue features fail loudly.
 
 @pytest.mark.parametrize("flag,value", [
-    ("enable_zero", True), ("offload_params", True), ("enable_apex_amp", True),
+    ("offload_params", True), ("enable_apex_amp", True),
     ("allreduce_amp_master_params", True),
 ])
 def test_later_issue_flags_raise(flag, value):

@@ -130,9 +130,9 @@ def test_model_failing_on_its_example_input(stub):
 
 def test_unimplemented_option_is_named(stub):
     x = torch.randn(4, 3)
-    options = pb.JobOptions(gather_inputs=True, check_unused_values=True, enable_zero=True)
+    options = pb.JobOptions(gather_inputs=True, check_unused_values=True, offload_params=True)
     _expect(C.UNIMPLEMENTED, lambda: _create(stub, _traced(_linear(), x), [x], options=options),
-            r"enable_zero")
+            r"offload_params")
     assert_serves(stub)
 
 

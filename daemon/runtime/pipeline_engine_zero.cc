@@ -1,0 +1,268 @@
+// ZeRO stage 2 in the pipeline engine (EngineOptions::zero; pipeline_internal::ZeroPartition
+// says how a stage's parameters are laid out and sharded over its replicas). Every function here
+// runs on one device's worker, or, for the reads, on the engine's calling thread between steps.
+#include <algorithm>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/runtime/pipeline_engine_impl.h"
+#include "daemon/runtime/tensor_buffer.h"
+
+namespace rannc {
+
+using pipeline_internal::Device;
+using pipeline_internal::ZeroPartition;
+
+namespace {
+
+int64_t Numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::vector<int64_t> ContiguousStrides(at::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (int i = static_cast<int>(sizes.size()) - 2; i >= 0; --i) {
+    strides[i] = strides[i + 1] * std::max<int64_t>(sizes[i + 1], 1);
+  }
+  return strides;
+}
+
+// Optimizer state that is one scalar per parameter (PyTorch's step count) rather than one value
+// per element.
+bool IsScalarState(const std::string& key) { return key == "step"; }
+
+}  // namespace
+
+absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
+                                             const std::vector<std::vector<int>>& groups,
+                                             std::vector<ParamGroup>* device_groups,
+                                             std::vector<std::vector<int>>* ids) {
+  const int R = static_cast<int>(stages_[d.stage].devices.size());
+  for (const Device* r : Replicas(d.stage)) {
+    if (!r->local) {
+      return absl::UnimplementedError(absl::StrCat(
+          "enable_zero with stage ", d.stage, "'s replicas run by different daemons"));
+    }
+  }
+  const std::set<int> tied(tied_.begin(), tied_.end());
+  at::NoGradGuard no_grad;
+  d.zero.clear();
+  std::set<int> sharded;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    // One partition per dtype, in a fixed order, so every replica lays out the same.
+    std::map<at::ScalarType, ZeroPartition> by_type;
+    std::map<at::ScalarType, int64_t> sizes;
+    for (int li : groups[g]) {
+      const at::Tensor& p = d.lifted[li];
+      if (!p.defined() || !p.requires_grad() || tied.count(li) || sharded.count(li)) continue;
+      ZeroPartition& part = by_type[p.scalar_type()];
+      part.group = static_cast<int>(g);
+      part.params.push_back(li);
+      part.offsets.push_back(sizes[p.scalar_type()]);
+      sizes[p.scalar_type()] += p.numel();
+      sharded.insert(li);
+    }
+    for (auto& [type, part] : by_type) {
+      part.len = (sizes[type] + R - 1) / R;
+      part.flat = at::zeros({part.len * R}, at::TensorOptions().dtype(type));
+      for (size_t i = 0; i < part.params.size(); ++i) {
+        at::Tensor& p = d.lifted[part.params[i]];
+        part.flat.narrow(0, part.offsets[i], p.numel()).copy_(p.reshape(-1));
+        // The parameter becomes a slice of the flat buffer, in place: the stage executor's
+        // handle to it sees the new storage.
+        p.set_(part.flat.storage(), part.offsets[i], p.sizes(), ContiguousStrides(p.sizes()));
+      }
+      part.shard_offset = d.replica * part.len;
+      part.shard = at::empty({0}, part.flat.options());
+      part.shard.set_(part.flat.storage(), part.shard_offset, {part.len}, {1});
+      part.shard.requires_grad_(true);
+      const int k = static_cast<int>(d.zero.size());
+      for (size_t i = 0; i < part.params.size(); ++i) {
+        zero_slots_[part.params[i]] = {d.stage, k, static_cast<int>(i)};
+      }
+      (*device_groups)[g].params.push_back(part.shard);
+      (*ids)[g].push_back(-1 - k);
+      d.zero.push_back(std::move(part));
+    }
+  }
+  // The bucketed all-reduce keeps what ZeRO does not shard (parameters outside the optimizer).
+  std::vector<at::Tensor> rest;
+  for (int li : stages_[d.stage].params) {
+    if (!tied.count(li) && !sharded.count(li)) rest.push_back(d.lifted[li]);
+  }
+  d.reducer.reset();
+  absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
+      GradReducer::Create(std::move(rest), d.replicas.get(), {});
+  if (!reducer.ok()) return reducer.status();
+  d.reducer = std::move(*reducer);
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::ReduceScatterZero(Device& d, bool fused) {
+  at::NoGradGuard no_grad;
+  for (ZeroPartition& part : d.zero) {
+    at::Tensor flat_grad = at::zeros_like(part.flat);
+    for (size_t i = 0; i < part.params.size(); ++i) {
+      at::Tensor& p = d.lifted[part.params[i]];
+      if (p.grad().defined()) {
+        flat_grad.narrow(0, part.offsets[i], p.numel()).copy_(p.grad().reshape(-1));
+      }
+      p.mutable_grad().reset();
+    }
+    at::Tensor out = at::empty({part.len}, part.flat.options());
+    absl::StatusOr<comm::Buffer> in = BufferOf(flat_grad);
+    if (!in.ok()) return in.status();
+    absl::StatusOr<comm::Buffer> mine = BufferOf(out);
+    if (!mine.ok()) return mine.status();
+    absl::Status s = Wait(d, d.replicas->ReduceScatter(*in, *mine, {comm::ReduceOp::kSum}),
+                          flat_grad, "reduce-scattering ZeRO gradients");
+    if (!s.ok()) return s;
+    if (fused) {
+      part.fused_grad = out;
+    } else if (part.shard.grad().defined()) {
+      part.shard.mutable_grad().add_(out);
+    } else {
+      part.shard.mutable_grad() = out;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void PipelineEngine::Impl::AddZeroFusedGrads(Device& d, double g, bool retain_graph) {
+  at::NoGradGuard no_grad;
+  for (ZeroPartition& part : d.zero) {
+    if (part.fused_grad.defined() && g != 0.0) {
+      at::Tensor& grad = part.shard.mutable_grad();
+      if (grad.defined()) {
+        grad.add_(part.fused_grad, g);
+      } else {
+        grad = g == 1.0 && !retain_graph ? part.fused_grad : part.fused_grad * g;
+      }
+    }
+    if (!retain_graph) part.fused_grad.reset();
+  }
+}
+
+absl::Status PipelineEngine::Impl::GatherZeroParams(Device& d) {
+  for (ZeroPartition& part : d.zero) {
+    at::Tensor mine = part.shard.detach().clone();
+    absl::StatusOr<comm::Buffer> in = BufferOf(mine);
+    if (!in.ok()) return in.status();
+    absl::StatusOr<comm::Buffer> all = BufferOf(part.flat);
+    if (!all.ok()) return all.status();
+    absl::Status s = Wait(d, d.replicas->AllGather(*in, *all), mine,
+                          "all-gathering ZeRO parameters");
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+void PipelineEngine::Impl::ForShardSlice(
+    const ZeroPartition& part, size_t i,
+    const std::function<void(int64_t, int64_t, int64_t)>& fn) const {
+  const int64_t numel = Numel(lifted_shapes_[part.params[i]]);
+  const int64_t from = std::max(part.offsets[i], part.shard_offset);
+  const int64_t to = std::min(part.offsets[i] + numel, part.shard_offset + part.len);
+  if (from < to) fn(from - part.shard_offset, from - part.offsets[i], to - from);
+}
+
+at::Tensor PipelineEngine::Impl::FullGrad(int lifted) const {
+  auto slot = zero_slots_.find(lifted);
+  if (slot == zero_slots_.end()) {
+    const at::Tensor t = OwnerTensor(lifted);
+    return t.defined() ? t.grad() : at::Tensor();
+  }
+  std::vector<at::Tensor> shards;
+  for (const Device* r : Replicas(slot->second.stage)) {
+    const at::Tensor& g = r->zero[slot->second.partition].shard.grad();
+    if (!g.defined()) return at::Tensor();
+    shards.push_back(g);
+  }
+  const ZeroPartition& part = Replicas(slot->second.stage)[0]->zero[slot->second.partition];
+  const std::vector<int64_t>& shape = lifted_shapes_[lifted];
+  return at::cat(shards)
+      .narrow(0, part.offsets[slot->second.index], Numel(shape))
+      .view(shape)
+      .clone();
+}
+
+void PipelineEngine::Impl::ZeroOptimizerState(
+    const Device& d, std::map<int, std::vector<std::pair<std::string, at::Tensor>>>* out) const {
+  if (d.zero.empty() || d.replica != 0) return;  // replica 0 reports every replica's shards
+  const std::vector<const Device*> replicas = Replicas(d.stage);
+  for (size_t k = 0; k < d.zero.size(); ++k) {
+    // Each key (in the optimizer's order) with every replica's shard of that state.
+    std::vector<std::pair<std::string, std::vector<at::Tensor>>> pieces;
+    for (const Device* r : replicas) {
+      const int index = static_cast<int>(
+          std::find(r->optimizer_params.begin(), r->optimizer_params.end(),
+                    -1 - static_cast<int>(k)) - r->optimizer_params.begin());
+      const std::string prefix = absl::StrCat(index, ".");
+      for (const auto& [name, value] : r->optimizer->NamedState()) {
+        if (name.rfind(prefix, 0) != 0) continue;
+        const std::string key = name.substr(prefix.size());
+        auto it = std::find_if(pieces.begin(), pieces.end(),
+                               [&](const auto& piece) { return piece.first == key; });
+        if (it == pieces.end()) it = pieces.insert(pieces.end(), {key, {}});
+        it->second.push_back(value);
+      }
+    }
+    const ZeroPartition& part = d.zero[k];
+    for (const auto& [key, shards] : pieces) {
+      if (shards.size() != replicas.size()) continue;  // not every replica has it yet
+      const bool per_element = !IsScalarState(key);
+      const at::Tensor flat = per_element ? at::cat(shards) : at::Tensor();
+      for (size_t i = 0; i < part.params.size(); ++i) {
+        const std::vector<int64_t>& shape = lifted_shapes_[part.params[i]];
+        // A per-element state is the parameter's slice of the whole; a scalar (Adam's step)
+        // is the same on every shard.
+        (*out)[part.params[i]].emplace_back(
+            key, per_element
+                     ? flat.narrow(0, part.offsets[i], Numel(shape)).view(shape).clone()
+                     : shards[0].detach().clone());
+      }
+    }
+  }
+}
+
+void PipelineEngine::Impl::LoadZeroOptimizerState(
+    const Device& d, const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state,
+    std::vector<std::pair<std::string, at::Tensor>>* named) const {
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < d.zero.size(); ++k) {
+    const ZeroPartition& part = d.zero[k];
+    const int index = static_cast<int>(
+        std::find(d.optimizer_params.begin(), d.optimizer_params.end(),
+                  -1 - static_cast<int>(k)) - d.optimizer_params.begin());
+    // Keys every parameter of the partition has (a partition's parameters step together).
+    std::map<std::string, std::vector<const at::Tensor*>> by_key;
+    for (int li : part.params) {
+      auto it = state.find(li);
+      if (it == state.end()) continue;
+      for (const auto& [key, value] : it->second) by_key[key].push_back(&value);
+    }
+    for (const auto& [key, values] : by_key) {
+      if (values.size() != part.params.size()) continue;
+      at::Tensor value;
+      if (!IsScalarState(key)) {
+        at::Tensor flat = at::zeros({part.len * static_cast<int64_t>(Replicas(d.stage).size())},
+                                    values[0]->options());
+        for (size_t i = 0; i < values.size(); ++i) {
+          flat.narrow(0, part.offsets[i], values[i]->numel()).copy_(values[i]->reshape(-1));
+        }
+        value = flat.narrow(0, part.shard_offset, part.len).clone();
+      } else {
+        value = values[0]->clone();
+      }
+      named->emplace_back(absl::StrCat(index, ".", key), value);
+    }
+  }
+}
+
+}  // namespace rannc
