@@ -37,6 +37,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                                         const EngineOptions& options) {
   ir_ = &ir;
   zero_ = options.zero;
+  const AmpDtype amp = options.amp;
   timeout_ = options.timeout;
   cancel_ = options.cancel;
   const comm::Backend backend = options.backend;
@@ -263,6 +264,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       if (!sub.ok()) return sub.status();
       StageOptions options;
       options.recompute = plan.stages(s).recompute();
+      options.amp = amp;
       absl::StatusOr<std::unique_ptr<StageExecutor>> exec =
           StageExecutor::Create(ir, std::move(*sub), d.lifted, options);
       if (!exec.ok()) return Annotate(exec.status(), absl::StrCat("stage ", s));

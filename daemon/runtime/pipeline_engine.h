@@ -54,6 +54,7 @@
 #include "daemon/comm/factory.h"
 #include "daemon/graph/ir.h"
 #include "daemon/optim/optimizer.h"
+#include "daemon/runtime/autocast.h"
 #include "rannc/v1/deployment.pb.h"
 
 namespace rannc {
@@ -86,6 +87,11 @@ struct EngineOptions {
   // those of the unsharded engine; reads (GradAt, OptimizerState) assemble the shards. A
   // stage's replicas must all be local (UNIMPLEMENTED at SetOptimizer otherwise).
   bool zero = false;
+  // Mixed precision: every stage's forward runs under autocast to this dtype (runtime/autocast.h);
+  // parameters, gradients and optimizer state stay in their own dtype (the fp32 masters). The
+  // IR must have been built under the same autocast, so that values crossing stages have the
+  // dtypes the stages produce.
+  AmpDtype amp;
 };
 
 struct StepResult {

@@ -119,7 +119,10 @@ std::vector<at::Tensor> StageExecutor::Run(const std::vector<at::Tensor>& inputs
     }
   }
   for (size_t k = 0; k < buffers.size(); ++k) stack[mutated_buffers_[k]] = buffers[k];
-  torch::jit::InterpreterState(*code_).run(stack);
+  {
+    AutocastGuard amp(options_.amp);
+    torch::jit::InterpreterState(*code_).run(stack);
+  }
   std::vector<at::Tensor> outputs;
   for (const c10::IValue& v : stack) outputs.push_back(v.toTensor());
   return outputs;

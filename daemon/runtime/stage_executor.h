@@ -41,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/graph/ir.h"
 #include "daemon/graph/subgraph.h"
+#include "daemon/runtime/autocast.h"
 
 namespace torch {
 namespace jit {
@@ -54,6 +55,9 @@ struct StageOptions {
   // Keep only the data inputs of a micro-batch between its forward and backward, and rerun the
   // forward in Backward (less memory, one more forward per micro-batch). Default: off.
   bool recompute = false;
+  // Forwards (and their replays) run under autocast to this dtype (runtime/autocast.h); the
+  // backward follows what they recorded. Default: full precision.
+  AmpDtype amp;
 };
 
 class StageExecutor {

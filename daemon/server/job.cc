@@ -312,6 +312,9 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   for (const ParamStore::Entry& e : job->store_.entries()) {
     if (!e.is_parameter) saved_buffers.push_back(e.tensor.clone());
   }
+  // Every forward of an AMP job runs under autocast, this one (whose outputs the client learns
+  // dtypes from) and the IR's and profiler's below included.
+  AutocastGuard amp(job->config_.amp);
   absl::StatusOr<std::vector<at::Tensor>> outputs =
       job->runner_->Forward(job->mode_, job->signature_, example_inputs, /*requires_grad=*/false);
   if (!outputs.ok()) {
@@ -371,6 +374,7 @@ absl::Status Job::Deploy() {
   options.local_devices = config_.local_devices;
   options.group = config_.engine_group;
   options.zero = config_.zero;
+  options.amp = config_.amp;
   {
     // A fresh flag per engine: an aborted step leaves the next engine untouched.
     std::lock_guard<std::mutex> lock(lost_mu_);
@@ -469,6 +473,7 @@ absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
     absl::Status unused = CheckUnusedValues(*model, store);
     if (!unused.ok()) return unused;
   }
+  AutocastGuard amp(config.amp);
   absl::StatusOr<PlannedModel> planned = PlanJobModel(config, *model, store, example_inputs);
   if (!planned.ok()) return planned.status();
   return std::move(planned->plan);
@@ -550,11 +555,13 @@ absl::Status Job::CreateParts(const std::string& model_bytes,
 
 absl::Status Job::OnParts(const PartCall& call, const std::function<absl::Status()>& local) {
   aborting_ = false;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::future<absl::Status>> remote;
   for (Part& part : parts_) {
-    remote.push_back(std::async(std::launch::async, [this, &call, &part] {
-      grpc::ClientContext context;
-      const grpc::Status s = call(part, context);
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    grpc::ClientContext* context = contexts.back().get();
+    remote.push_back(std::async(std::launch::async, [this, &call, &part, context] {
+      const grpc::Status s = call(part, *context);
       if (s.ok()) return absl::OkStatus();
       if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
         MemberLost(part.address, s.error_message());  // gone, or cut off
@@ -567,6 +574,13 @@ absl::Status Job::OnParts(const PartCall& call, const std::function<absl::Status
   absl::Status status = local();
   if (!status.ok()) AbortEverywhere();
   for (std::future<absl::Status>& f : remote) {
+    // A daemon cut off by a partition (not killed: no connection reset) never answers, and its
+    // call would wait until TCP gives up, minutes later. Once a member is lost (heartbeats),
+    // stop waiting for any part.
+    while (f.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+      if (Lost().ok()) continue;
+      for (const std::unique_ptr<grpc::ClientContext>& c : contexts) c->TryCancel();
+    }
     absl::Status s = f.get();
     if (ErrorRank(s) > ErrorRank(status)) status = s;
   }
@@ -590,7 +604,8 @@ void Job::AbortEverywhere() {
       ref.set_job_id(part.job_id);
       v1::Empty empty;
       grpc::ClientContext context;
-      ShortDeadline(context);
+      // Briefly: a part cut off by a partition does not answer, and is found lost anyway.
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
       part.stub->AbortStep(&context, ref, &empty).ok();  // an unreachable part is lost anyway
     }));
   }
@@ -598,6 +613,7 @@ void Job::AbortEverywhere() {
 }
 
 void Job::UndeployParts() {
+  if (!Lost().ok()) return;  // nothing to keep in step
   std::vector<std::future<void>> sent;
   for (Part& part : parts_) {
     sent.push_back(std::async(std::launch::async, [&part] {
@@ -770,7 +786,10 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
       if (!deployed.ok()) return deployed;
     }
     SyncStore(/*grads=*/false);
-    outputs = runner_->Forward(mode_, signature_, inputs, requires_grad);
+    {
+      AutocastGuard amp(config_.amp);
+      outputs = runner_->Forward(mode_, signature_, inputs, requires_grad);
+    }
     std::map<std::string, at::Tensor> buffers;
     const std::vector<ParamStore::Entry>& entries = store_.entries();
     for (size_t e = 0; e < entries.size(); ++e) {

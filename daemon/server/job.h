@@ -40,6 +40,7 @@
 #include "daemon/optim/optimizer.h"
 #include "daemon/planner/planner.h"
 #include "daemon/planner/profile_cache.h"
+#include "daemon/runtime/autocast.h"
 #include "daemon/runtime/model_runner.h"
 #include "daemon/runtime/param_store.h"
 #include "daemon/runtime/pipeline_engine.h"
@@ -68,6 +69,9 @@ struct JobConfig {
   // enable_zero: gradients and optimizer state sharded over each stage's replicas
   // (EngineOptions::zero), and planned so.
   bool zero = false;
+  // enable_apex_amp: every forward of the model (validation, planning, the stages, other
+  // modes) runs under autocast to this dtype; the parameters stay fp32 (the masters).
+  AmpDtype amp;
   std::vector<std::string> input_names;
   // The daemon's device names, by the plan's device index; empty: "<type>:<index>" for
   // plan_target's devices.
@@ -173,6 +177,7 @@ class Job {
   absl::Status ZeroGrad(int client_rank, bool set_to_none);
   absl::StatusOr<double> ClipGradNorm(int client_rank, double max_norm, double norm_type);
   const std::string& name() const { return config_.name; }
+  bool amp() const { return config_.amp.has_value(); }
   // A daemon running a part of this job, or leading it, is gone (cluster::Cluster::OnMemberDown):
   // the step in progress fails at once, and every later call fails with UNAVAILABLE naming it.
   // Returns whether this job is a part that daemon led (nothing can use it any more: the caller

@@ -52,10 +52,6 @@ absl::Status CheckSupported(const v1::JobOptions& options) {
         option, "=True (", what, ") is not supported by this daemon yet; create the job "
         "without it"));
   };
-  if (options.enable_apex_amp()) return refuse("enable_apex_amp", "mixed precision");
-  if (options.allreduce_amp_master_params()) {
-    return refuse("allreduce_amp_master_params", "mixed precision");
-  }
   if (options.offload_params()) return refuse("offload_params", "parameter offload");
   return absl::OkStatus();
 }
@@ -269,6 +265,19 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.optimizer = std::move(*optimizer);
   config.check_unused_values = spec.options().check_unused_values();
   config.zero = spec.options().enable_zero();
+  if (spec.options().enable_apex_amp()) {
+    auto key = spec.options().config().find("amp_dtype");
+    absl::StatusOr<c10::ScalarType> amp =
+        ParseAmpDtype(key == spec.options().config().end() ? "bf16" : key->second);
+    if (!amp.ok()) return Fail("CreateJob", amp.status());
+    const bool cpu = facts_.devices.empty() || facts_.devices[0].type == "cpu";
+    if (*amp == c10::ScalarType::Half && cpu) {
+      return Fail("CreateJob", absl::InvalidArgumentError(
+          "amp_dtype=fp16 needs CUDA devices; CPU devices run mixed precision in bf16 "
+          "(amp_dtype=bf16)"));
+    }
+    config.amp = *amp;
+  }
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
   for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
   if (!facts_.devices.empty()) {
@@ -703,9 +712,10 @@ grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext*,
                                            v1::GetParamResponse* response) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("GetParam", job.status());
-  if (request->amp_master_param()) {
-    return Fail("GetParam", absl::UnimplementedError(
-        "amp_master_param=True: this job has no mixed-precision master parameters"));
+  if (request->amp_master_param() && !(*job)->amp()) {
+    return Fail("GetParam", absl::FailedPreconditionError(
+        "amp_master_param=True: this job has no mixed-precision master parameters (create it "
+        "with enable_apex_amp=True)"));
   }
   absl::StatusOr<std::optional<at::Tensor>> tensor =
       (*job)->GetTensor(request->name(), request->grad());
@@ -725,9 +735,10 @@ grpc::Status TrainingServiceImpl::StateDict(grpc::ServerContext* context,
                                             grpc::ServerWriter<v1::StateDictChunk>* writer) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("StateDict", job.status());
-  if (request->amp_master_params()) {
-    return Fail("StateDict", absl::UnimplementedError(
-        "amp_master_params=True: this job has no mixed-precision master parameters"));
+  if (request->amp_master_params() && !(*job)->amp()) {
+    return Fail("StateDict", absl::FailedPreconditionError(
+        "amp_master_params=True: this job has no mixed-precision master parameters (create it "
+        "with enable_apex_amp=True)"));
   }
   for (const StateEntry& entry : (*job)->StateDict()) {
     absl::Status written = EncodeStateChunks(
