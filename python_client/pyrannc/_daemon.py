@@ -165,7 +165,8 @@ class Connection:
     def _hint(self, err: grpc.RpcError) -> str:
         if self.embedded is not None and self.embedded.exited() is not None:
             return self.embedded.describe_exit()
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
+        # Not when the daemon answered about another one of its cluster (a lost member).
+        if err.code() == grpc.StatusCode.UNAVAILABLE and "daemon " not in (err.details() or ""):
             return f"(is ranncd still running at {self.address}?)"
         return ""
 

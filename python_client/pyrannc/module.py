@@ -106,20 +106,19 @@ class RaNNCModule(torch.nn.Module):
     save_deployment, which is checked here and sent instead (ValueError now if it is not a
     deployment; the daemon refuses one made for another model or that no longer fits).
     enable_zero=True shards gradients and optimizer state over each stage's replicas (ZeRO
-    stage 2; results equal the unsharded job's). Later-issue features (enable_apex_amp,
-    allreduce_amp_master_params, offload_params) raise NotImplementedError rather than being
-    ignored.
+    stage 2; results equal the unsharded job's). enable_apex_amp=True runs every forward under
+    torch.autocast to the config key amp_dtype (bf16, the default and what CPU devices support,
+    or fp16 on CUDA) with the parameters, gradients and optimizer state kept fp32 (the
+    masters, which amp_master_param(s)=True reads); allreduce_amp_master_params is accepted (the
+    fp32 gradients are what replicas all-reduce). offload_params raises NotImplementedError
+    rather than being ignored.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, gather_inputs=True,
                  load_deployment=None, enable_apex_amp=False, allreduce_amp_master_params=False,
                  enable_zero=False, check_unused_values=True, offload_params=False):
-        if enable_apex_amp:
-            _later_feature("RaNNCModule(enable_apex_amp=True)",
-                           "mixed precision (fp16/bf16 with fp32 masters)")
-        if allreduce_amp_master_params:
-            _later_feature("RaNNCModule(allreduce_amp_master_params=True)",
-                           "mixed precision master parameters")
+        if allreduce_amp_master_params and not enable_apex_amp:
+            raise ValueError("allreduce_amp_master_params=True needs enable_apex_amp=True")
         if offload_params:
             _later_feature("RaNNCModule(offload_params=True)",
                            "parameter offloading to host memory")
@@ -144,6 +143,8 @@ class RaNNCModule(torch.nn.Module):
         self._gather_inputs = bool(gather_inputs)
         self._check_unused_values = bool(check_unused_values)
         self._enable_zero = bool(enable_zero)
+        self._amp = bool(enable_apex_amp)
+        self._allreduce_amp_master_params = bool(allreduce_amp_master_params)
         self._job: Optional[_Job] = None
         self._deployment_bytes = deployment_bytes
         self._deployment_path = deployment_path
@@ -295,6 +296,8 @@ class RaNNCModule(torch.nn.Module):
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
                                 enable_zero=self._enable_zero,
+                                enable_apex_amp=self._amp,
+                                allreduce_amp_master_params=self._allreduce_amp_master_params,
                                 config=_config.job_config(),
                                 load_deployment=self._deployment_bytes,
                                 client_world=world, client_timeout_ms=client_timeout_ms())
@@ -489,8 +492,7 @@ class RaNNCModule(torch.nn.Module):
 
     def get_param(self, name: str, amp_master_param: bool = False) -> torch.Tensor:
         """The current value of parameter (or buffer) `name`, which may be any alias."""
-        if amp_master_param:
-            _later_feature("get_param(amp_master_param=True)", "mixed precision master parameters")
+        self._check_amp_master(amp_master_param, "get_param")
         if self._job is None:
             t = self._local_entry(name)
             if t is None:
@@ -498,14 +500,17 @@ class RaNNCModule(torch.nn.Module):
             return t.detach().clone()
         self._flush()
         resp = self._connection().call("GetParam", pb.GetParamRequest(
-            job_id=self._job.id, name=name))
+            job_id=self._job.id, name=name, amp_master_param=amp_master_param))
         return _codec.decode(resp.tensor)
+
+    def _check_amp_master(self, asked: bool, what: str) -> None:
+        if asked and not self._amp:
+            raise ValueError(f"{what}(amp_master_param(s)=True): this module has no mixed-"
+                             "precision master parameters; create it with enable_apex_amp=True")
 
     def get_param_grad(self, name: str, amp_master_param: bool = False) -> Optional[torch.Tensor]:
         """The gradient of parameter `name` (any alias); None when it has none."""
-        if amp_master_param:
-            _later_feature("get_param_grad(amp_master_param=True)",
-                           "mixed precision master parameters")
+        self._check_amp_master(amp_master_param, "get_param_grad")
         if self._job is None:
             t = self._local_entry(name)
             if t is None:
@@ -513,7 +518,7 @@ class RaNNCModule(torch.nn.Module):
             return None if t.grad is None else t.grad.detach().clone()
         self._flush()
         resp = self._connection().call("GetParam", pb.GetParamRequest(
-            job_id=self._job.id, name=name, grad=True))
+            job_id=self._job.id, name=name, grad=True, amp_master_param=amp_master_param))
         return _codec.decode(resp.tensor) if resp.has_value else None
 
     def _fetch_state(self) -> Dict[str, Tuple[torch.Tensor, bool]]:
@@ -570,9 +575,9 @@ class RaNNCModule(torch.nn.Module):
         rank0_only and no_hook are accepted for RaNNC compatibility; with one client rank every
         rank is rank 0. sync_grad=True also copies the daemon's gradients into `.grad`.
         """
-        if amp_master_params:
-            _later_feature("state_dict(amp_master_params=True)",
-                           "mixed precision master parameters")
+        # With mixed precision the parameters are the fp32 masters: amp_master_params changes
+        # nothing but is checked.
+        self._check_amp_master(amp_master_params, "state_dict")
         self._sync_from_daemon(grads=sync_grad)
         return self.model.state_dict(*args, **kwargs)
 

@@ -7,6 +7,9 @@ must train exactly as PyTorch does (conftest.assert_close: rtol 1e-5, atol 1e-6)
 every gradient after each backward, clip_grad_norm, an undeploy with the sharded optimizer
 state parked on the host in between, and the state after the last step. The devices must hold
 the sharded share of gradients and optimizer state.
+
+enable_apex_amp=True (bf16 on CPU devices): against PyTorch's autocast, with the tolerance
+stated above test_amp_bf16_trains_like_pytorch_autocast.
 """
 
 import copy
@@ -93,5 +96,112 @@ def test_zero_devices_hold_a_replicas_share(zero, monkeypatch):
         assert len(got) == 4
         for b in got:
             assert abs(b - expected) <= 0.02 * expected, (got, expected)
+    finally:
+        pyrannc.clear()
+
+
+# Mixed precision. The reference is PyTorch's torch.autocast("cpu", torch.bfloat16) around the
+# model's forward, run on the same shards of the batch as the plan's devices run (each
+# micro-batch split over the replicas, as DDP with autocast would): bf16 products round
+# differently over a whole batch than over its shards, by as much as bf16 differs from fp32, so
+# an unsharded reference could not tell a correct run from a wrong one. A loss the client
+# computes from the returned logits is computed outside autocast, as the client does. Each
+# shard's forward is an autocast region of its own, as each device's is (within one region the
+# cast of a weight is cached, and its gradient would be summed over the shards in bf16).
+# The stated tolerance: on one device the same ops run, and everything must be bitwise equal.
+# With a split batch only the order of fp32 sums differs, but one step's fp32-sized difference
+# can move a later activation across a bf16 rounding boundary (a bf16 ulp, 2^-8 relative): the
+# loss within rtol 1e-4 / atol 1e-5 each step, every gradient and parameter within a bf16 ulp
+# (BF16_RTOL / BF16_ATOL), and the parameters on average far closer to the reference than
+# full-precision training is (so the test fails if ranncd ran in fp32).
+BF16_RTOL, BF16_ATOL = 1e-2, 1e-4
+
+
+def _assert_amp_close(actual, expected, what, exact):
+    if exact:
+        assert torch.equal(actual, expected), f"{what}: not bitwise equal on one device"
+    else:
+        assert_close(actual, expected, what, rtol=BF16_RTOL, atol=BF16_ATOL)
+
+
+def _relative_differences(ours, theirs):
+    return [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(ours, theirs)]
+
+
+def _shards(plan, batch):
+    """(offset, count) of each device's share of the batch, in order."""
+    _, micro_batches, replicas = plan
+    out = []
+    for m in range(micro_batches):
+        start, size = m * batch // micro_batches, batch // micro_batches
+        out += [(start + r * size // replicas, size // replicas) for r in range(replicas)]
+    return out
+
+
+def _autocast_loss(case, model, batch, shards):
+    """The loss, backpropagated, of `model` on `batch` computed shard by shard under autocast."""
+    n = len(batch[0])
+    if case.loss is tpc._client_loss:
+        logits = []
+        for o, c in shards:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits.append(model(batch[0][o:o + c]))
+        loss = torch.nn.functional.cross_entropy(torch.cat(logits), batch[1])
+        loss.backward()
+        return loss
+    total = 0
+    for o, c in shards:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            part = case.loss(model, tuple(t[o:o + c] for t in batch)) * (c / n)
+        part.backward()
+        total = total + part.detach()
+    return total
+
+
+@pytest.mark.parametrize("plan_name", ["1x1x1", "1x1x4", "2x2x2"])
+@pytest.mark.parametrize("model_name", ["mlp", "gpt_tied", "client_loss"])
+def test_amp_bf16_trains_like_pytorch_autocast(model_name, plan_name, monkeypatch):
+    plan = dict(PLANS, **{"1x1x1": (1, 1, 1)})[plan_name]
+    exact = plan == (1, 1, 1)
+    case = tpc.MODELS[model_name]
+    tpc._set_plan_config(monkeypatch, plan, "1f1b")
+    torch.manual_seed(0)
+    model = case.make()
+    ref, fp32 = copy.deepcopy(model), copy.deepcopy(model)
+    # SGD for every model: Adam turns the fp32 round-off of differently ordered sums into
+    # lr-sized steps for gradients near 0 (see test_pipeline_conformance's gpt_tied).
+    opt, ref_opt, fp32_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+                              for m in (model, ref, fp32))
+    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True)
+    names = [n for n, _ in ref.named_parameters()]
+    try:
+        for step in range(tpc.STEPS):
+            batch = case.batch(step)
+            loss = case.loss(rmod, batch)
+            loss.backward()
+            ref_loss = _autocast_loss(case, ref, batch, _shards(plan, len(batch[0])))
+            case.loss(fp32, batch).backward()
+            assert loss.dtype == ref_loss.dtype
+            assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}",
+                         rtol=0 if exact else 1e-4, atol=0 if exact else 1e-5)
+            for name, p in zip(names, ref.parameters()):
+                _assert_amp_close(rmod.get_param_grad(name, amp_master_param=True), p.grad,
+                                  f"gradient of {name} at step {step}", exact)
+
+            for opt_ in (opt, ref_opt, fp32_opt):
+                opt_.step()
+                opt_.zero_grad()
+        ours = [rmod.get_param(n, amp_master_param=True) for n in names]
+        assert all(p.dtype == torch.float32 for p in ours)  # the masters
+        theirs = [p.detach() for p in ref.parameters()]
+        ours_vs_ref = _relative_differences(ours, theirs)
+        fp32_vs_ref = _relative_differences([p.detach() for p in fp32.parameters()], theirs)
+        print(f"{model_name} {plan_name}: parameters vs autocast's, mean relative difference: "
+              f"ranncd {sum(ours_vs_ref) / len(names):.1e}, "
+              f"fp32 training {sum(fp32_vs_ref) / len(names):.1e}")
+        for name, p, q in zip(names, ours, theirs):
+            _assert_amp_close(p, q, f"{name} after {tpc.STEPS} steps", exact)
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        assert mean(ours_vs_ref) < mean(fp32_vs_ref) / 10, (ours_vs_ref, fp32_vs_ref)
     finally:
         pyrannc.clear()
