@@ -15,36 +15,13 @@
 #include <torch/csrc/jit/runtime/interpreter.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/memory_tracker.h"
 #include "daemon/common/status.h"
 #include "daemon/graph/subgraph.h"
 
 namespace rannc {
 namespace planner {
 namespace {
-
-// Counts the bytes allocated and freed on this thread while installed (c10 reports every CPU
-// allocation to the thread's PROFILER_STATE debug info when it enables memory profiling).
-class MemoryTracker final : public c10::MemoryReportingInfoBase {
- public:
-#if TORCH_VERSION_MAJOR >= 2
-  using Total = size_t;  // LibTorch 2.x reports totals unsigned
-#else
-  using Total = int64_t;
-#endif
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, Total /*total_allocated*/,
-                         Total /*total_reserved*/, c10::Device /*device*/) override {
-    current_ += alloc_size;
-    peak_ = std::max(peak_, current_);
-  }
-  bool memoryProfilingEnabled() const override { return true; }
-  void ResetPeak() { peak_ = current_; }
-  int64_t current() const { return current_; }
-  int64_t peak() const { return peak_; }
-
- private:
-  int64_t current_ = 0;
-  int64_t peak_ = 0;
-};
 
 std::string GraphKey(const IrGraph& ir, const Subgraph& sub) {
   return absl::StrCat(ir.hash, "/", StableHash(ir.hash + sub.graph->toString()));

@@ -273,6 +273,15 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
         return absl::InternalError("stage executor's data inputs differ from the subgraph's");
       }
       d.worker = std::make_unique<Worker>();
+      // The device's allocations are its worker's: count them there (the step's peak).
+      d.memory = std::make_shared<MemoryTracker>();
+      d.worker
+          ->Post([memory = d.memory] {
+            c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, memory);
+            return absl::OkStatus();
+          })
+          .get()
+          .IgnoreError();
     }
   }
 
@@ -522,7 +531,22 @@ int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
   if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
     return 0;
   }
+  return HeldBytes(devices_[world_rank_[device]]);
+}
+
+int64_t PipelineEngine::Impl::PeakDeviceBytes(int device) const {
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return 0;
+  }
   const Device& d = devices_[world_rank_[device]];
+  return std::max(d.peak_bytes, HeldBytes(d));
+}
+
+void PipelineEngine::Impl::ResetPeakDeviceBytes() {
+  for (Device& d : devices_) d.peak_bytes = 0;
+}
+
+int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
   int64_t bytes = 0;
   for (const at::Tensor& t : d.lifted) {
     if (!t.defined()) continue;
@@ -654,5 +678,9 @@ absl::Status PipelineEngine::LoadOptimizerState(
 }
 void PipelineEngine::ApplySgd(double lr) { impl_->ApplySgd(lr); }
 int64_t PipelineEngine::DeviceBytes(int device) const { return impl_->DeviceBytes(device); }
+int64_t PipelineEngine::PeakDeviceBytes(int device) const {
+  return impl_->PeakDeviceBytes(device);
+}
+void PipelineEngine::ResetPeakDeviceBytes() { impl_->ResetPeakDeviceBytes(); }
 
 }  // namespace rannc

@@ -176,6 +176,12 @@ class PipelineEngine {
 
   // Bytes the engine holds on `device`: parameters, gradients, buffers, optimizer state.
   int64_t DeviceBytes(int device) const;
+  // The most device `device` held at once during any step since the engine was made (or
+  // ResetPeakDeviceBytes): what it held when the step began plus the high-water mark of its
+  // worker's LibTorch allocations during the step (activations, workspaces, transfers), and at
+  // least DeviceBytes. 0 for a device this process does not run.
+  int64_t PeakDeviceBytes(int device) const;
+  void ResetPeakDeviceBytes();
 
   class Impl;
 

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/comm/communicator.h"
 #include "daemon/comm/store.h"
+#include "daemon/common/memory_tracker.h"
 #include "daemon/graph/ir.h"
 #include "daemon/optim/optimizer.h"
 #include "daemon/runtime/grad_reducer.h"
@@ -139,6 +140,10 @@ struct Device {
   // Lifted index per optimizer param (across groups); -1 - k for the shard of zero[k].
   std::vector<int> optimizer_params;
   std::unique_ptr<Worker> worker;
+  // The worker thread's LibTorch allocations, and the most this device has held at once
+  // during a step: what it held when the step began plus the step's high-water mark.
+  std::shared_ptr<MemoryTracker> memory;
+  int64_t peak_bytes = 0;  // written by the worker during a step, read between steps
 };
 
 // How a model output is assembled from the shards that compute it (see the header).
@@ -208,6 +213,10 @@ class PipelineEngine::Impl {
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);
   int64_t DeviceBytes(int device) const;
+  int64_t PeakDeviceBytes(int device) const;
+  void ResetPeakDeviceBytes();
+  // What `d` holds between steps: parameters, buffers, gradients, optimizer state.
+  int64_t HeldBytes(const Device& d) const;
 
  private:
   using Pending = std::vector<std::pair<std::unique_ptr<comm::Work>, at::Tensor>>;

@@ -91,7 +91,11 @@ absl::Status PipelineEngine::Impl::OnEveryDevice(const std::function<absl::Statu
   for (Device& d : devices_) {
     if (!d.local) continue;
     done.push_back(d.worker->Post([this, &d, &fn]() -> absl::Status {
+      const int64_t held = HeldBytes(d);
+      d.memory->ResetPeak();
+      const int64_t start = d.memory->current();
       absl::Status s = TorchCall(absl::StatusCode::kInternal, "step", [&] { return fn(d); });
+      d.peak_bytes = std::max(d.peak_bytes, held + d.memory->peak() - start);
       if (!s.ok()) {
         s = Annotate(s, absl::StrCat("device ", d.index, " (stage ", d.stage, ", replica ",
                                      d.replica, ")"));

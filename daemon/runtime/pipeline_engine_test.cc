@@ -588,8 +588,13 @@ TEST_CASE("ZeRO shards gradients and optimizer state and trains exactly like the
           CHECK(at::allclose(got_state.at(li)[k].second, entries[k].second, kRtol, kAtol));
         }
       }
-      // Each replica holds a shard: the first device holds less than unsharded.
-      CHECK(zero->DeviceBytes(c.devices[0][0]) < plain->DeviceBytes(c.devices[0][0]));
+      // Each replica holds a shard: the first device holds less than unsharded, between steps
+      // and at its peak during one, which includes the step's activations and gradients.
+      const int first = c.devices[0][0];
+      CHECK(zero->DeviceBytes(first) < plain->DeviceBytes(first));
+      CHECK(plain->PeakDeviceBytes(first) > plain->DeviceBytes(first));
+      CHECK(zero->PeakDeviceBytes(first) > zero->DeviceBytes(first));
+      CHECK(zero->PeakDeviceBytes(first) < plain->PeakDeviceBytes(first));
       // The state moves into a fresh ZeRO engine (a job's undeploy and redeploy), which then
       // trains on as the unsharded engine does.
       std::vector<at::Tensor> now;

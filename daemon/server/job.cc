@@ -1350,7 +1350,10 @@ JobSummary Job::Summary() {
   s.steps = steps_;
   s.forwards = forwards_;
   s.devices = devices_;
-  for (int d : deployment_devices()) s.device_bytes.push_back(engine_ ? engine_->DeviceBytes(d) : 0);
+  for (int d : deployment_devices()) {
+    s.device_bytes.push_back(engine_ ? engine_->DeviceBytes(d) : 0);
+    s.peak_device_bytes.push_back(engine_ ? engine_->PeakDeviceBytes(d) : 0);
+  }
   s.created = created_;
   return s;
 }

@@ -121,6 +121,8 @@ struct JobSummary {
   // Per device above: bytes the job holds there (parameters, gradients, buffers, optimizer
   // state); zeros once undeployed.
   std::vector<int64_t> device_bytes;
+  // Per device: the most held at once during a step since the job was last deployed.
+  std::vector<int64_t> peak_device_bytes;
   std::chrono::system_clock::time_point created;
 };
 

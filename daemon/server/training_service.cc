@@ -564,6 +564,9 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
     out->set_forwards(s.forwards);
     for (const std::string& d : s.devices) out->add_devices(d);
     for (int64_t bytes : s.device_bytes) out->add_device_bytes(static_cast<uint64_t>(bytes));
+    for (int64_t bytes : s.peak_device_bytes) {
+      out->add_peak_device_bytes(static_cast<uint64_t>(bytes));
+    }
     out->set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                                  s.created.time_since_epoch()).count());
   }
