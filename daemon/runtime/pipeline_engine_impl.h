@@ -118,6 +118,9 @@ struct ZeroPartition {
   at::Tensor shard;
   int64_t shard_offset = 0, len = 0;
   at::Tensor fused_grad;  // a fused forward's shard gradient, waiting for Backward
+  // During a step's backwards: the whole local gradient, which the parameters' grads view so
+  // that autograd accumulates into it (no second copy before the reduce-scatter).
+  at::Tensor flat_grad;
 };
 
 struct Device {
@@ -323,6 +326,8 @@ class PipelineEngine::Impl {
   // After a backward: reduce-scatters the parameters' gradients into the shards (a fused step's
   // kept apart in fused_grad), leaving the parameters without gradients.
   absl::Status ReduceScatterZero(Device& d, bool fused);
+  // Before a step's first backward: the parameters' grads become views of a zeroed flat_grad.
+  void PrepareZeroGrads(Device& d);
   // Backward(g) of a fused step: shard grad += g x fused_grad.
   void AddZeroFusedGrads(Device& d, double g, bool retain_graph);
   // After an optimizer step: every replica's flat buffers get every shard.

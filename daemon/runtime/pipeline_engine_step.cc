@@ -305,8 +305,14 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
     return s;
   };
   Pending pending;
+  bool first_backward = true;
   for (size_t i = 0; i < ops.size(); ++i) {
     const PipelineOp& op = ops[i];
+    // ZeRO's flat gradient is needed from the first backward on, not during the forwards.
+    if (op.backward && first_backward) {
+      PrepareZeroGrads(d);
+      first_backward = false;
+    }
     // The device's last op is its last backward: the reducer starts each bucket's all-reduce
     // as soon as autograd has finished that bucket's gradients.
     if (backward && i + 1 == ops.size() && d.reducer) d.reducer->BeginFinalBackward();

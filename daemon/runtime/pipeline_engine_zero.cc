@@ -104,14 +104,29 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
   return absl::OkStatus();
 }
 
+void PipelineEngine::Impl::PrepareZeroGrads(Device& d) {
+  at::NoGradGuard no_grad;
+  for (ZeroPartition& part : d.zero) {
+    part.flat_grad = at::zeros_like(part.flat);
+    for (size_t i = 0; i < part.params.size(); ++i) {
+      at::Tensor& p = d.lifted[part.params[i]];
+      p.mutable_grad() = part.flat_grad.narrow(0, part.offsets[i], p.numel()).view(p.sizes());
+    }
+  }
+}
+
 absl::Status PipelineEngine::Impl::ReduceScatterZero(Device& d, bool fused) {
   at::NoGradGuard no_grad;
   for (ZeroPartition& part : d.zero) {
-    at::Tensor flat_grad = at::zeros_like(part.flat);
+    if (!part.flat_grad.defined()) part.flat_grad = at::zeros_like(part.flat);
+    const at::Tensor flat_grad = part.flat_grad;
+    part.flat_grad.reset();
     for (size_t i = 0; i < part.params.size(); ++i) {
       at::Tensor& p = d.lifted[part.params[i]];
-      if (p.grad().defined()) {
-        flat_grad.narrow(0, part.offsets[i], p.numel()).copy_(p.grad().reshape(-1));
+      // Autograd accumulates into the view in place; had it replaced the gradient, copy it.
+      at::Tensor slot = flat_grad.narrow(0, part.offsets[i], p.numel());
+      if (p.grad().defined() && p.grad().data_ptr() != slot.data_ptr()) {
+        slot.copy_(p.grad().reshape(-1));
       }
       p.mutable_grad().reset();
     }
