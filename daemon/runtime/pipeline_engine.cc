@@ -213,6 +213,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     lifted_types_.push_back(lifted[i].scalar_type());
     if (holders[i] > 1) tied_.push_back(static_cast<int>(i));
   }
+  primary_.assign(lifted.size(), -1);
 
   // Devices: own copies of the stage's tensors, an executor, a worker.
   for (int dev : used) {
@@ -230,6 +231,9 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       return absl::InvalidArgumentError(
           absl::StrCat("local device ", dev, " is not one of the plan's devices"));
     }
+  }
+  for (int s = S - 1; s >= 0; --s) {
+    for (int li : stages_[s].params) primary_[li] = world_rank_[stages_[s].devices[0]];
   }
   // A tensor's owner: the first of this process's devices holding it, by stage then replica.
   owner_.assign(lifted.size(), -1);
@@ -374,12 +378,46 @@ void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
   for (Device& d : devices_) {
     at::Tensor& p = d.lifted[lifted];
     if (!p.defined() || !p.requires_grad()) continue;
+    if (pending_ && d.world_rank != primary_[lifted]) continue;
     if (p.grad().defined()) {
       p.mutable_grad().add_(grad);
     } else {
       p.mutable_grad() = grad.to(p.options()).clone();
     }
   }
+}
+
+void PipelineEngine::Impl::AddGradShare(int lifted, const at::Tensor& grad) {
+  BeginLocalGrads();
+  if (owner_[lifted] < 0) return;
+  at::Tensor& p = devices_[owner_[lifted]].lifted[lifted];
+  if (!p.requires_grad()) return;
+  at::NoGradGuard no_grad;
+  if (p.grad().defined()) {
+    p.mutable_grad().add_(grad);
+  } else {
+    p.mutable_grad() = grad.to(p.options()).clone();
+  }
+}
+
+at::Tensor PipelineEngine::Impl::GradCopy(int lifted, const at::Tensor& t) const {
+  if (!pending_) return t.grad().defined() ? t.grad().detach().clone() : at::Tensor();
+  at::NoGradGuard no_grad;
+  at::Tensor sum;
+  for (const Device& d : devices_) {
+    if (!d.local || !d.lifted[lifted].defined()) continue;
+    const at::Tensor& g = d.lifted[lifted].grad();
+    if (!g.defined()) continue;
+    sum = sum.defined() ? sum.add_(g) : g.detach().clone();
+  }
+  return sum;
+}
+
+absl::Status PipelineEngine::Impl::CheckReduced(const char* what) const {
+  if (!pending_) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": the gradients of delayed backwards (delay_grad_allreduce) are not all-reduced "
+      "yet; call allreduce_grads() first"));
 }
 
 void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
@@ -401,10 +439,14 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
       }
     }
   }
+  // Every holder's gradient is now zero (or none): nothing is left to reduce.
+  pending_ = false;
 }
 
-std::vector<std::pair<int, at::Tensor>> PipelineEngine::Impl::GradNorms(
+absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> PipelineEngine::Impl::GradNorms(
     const std::vector<int>& params, double norm_type) const {
+  absl::Status reduced = CheckReduced("clip_grad_norm");
+  if (!reduced.ok()) return reduced;
   // Each parameter's gradient counted once, its owner's.
   std::vector<std::pair<int, at::Tensor>> norms;
   for (int li : params) {
@@ -476,6 +518,8 @@ absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) 
   for (const Device& d : devices_) {
     if (!d.optimizer) return absl::FailedPreconditionError("the engine has no optimizer");
   }
+  absl::Status reduced = CheckReduced("optimizer step");
+  if (!reduced.ok()) return reduced;
   // Every device checks the same hypers against the same groups: all fail or none does.
   absl::Status stepped =
       OnEveryDevice([&](Device& d) { return d.optimizer->Step(hypers); }, false);
@@ -600,6 +644,10 @@ absl::Status PipelineEngine::Backward(
   return impl_->Backward(output_grads, retain_graph);
 }
 
+void PipelineEngine::SetDelayGradReduction(bool delay) { impl_->SetDelayGradReduction(delay); }
+bool PipelineEngine::grads_pending() const { return impl_->grads_pending(); }
+absl::Status PipelineEngine::AllReduceGrads() { return impl_->AllReduceGrads(); }
+
 absl::StatusOr<StepResult> PipelineEngine::TrainStep(const std::vector<at::Tensor>& inputs) {
   absl::StatusOr<std::vector<at::Tensor>> out = impl_->Forward(inputs, true);
   if (!out.ok()) return out.status();
@@ -615,12 +663,11 @@ absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name,
   if (!(*t)->requires_grad()) {
     return absl::NotFoundError(absl::StrCat(tensor_name, " is not a parameter"));
   }
-  const auto name = std::find(impl_->ir().tensor_names.begin(), impl_->ir().tensor_names.end(),
-                              tensor_name);
-  const int lifted = static_cast<int>(name - impl_->ir().tensor_names.begin());
+  const auto& names = impl_->tensor_names();
+  const int lifted = static_cast<int>(std::find(names.begin(), names.end(), tensor_name) -
+                                      names.begin());
   if (impl_->sharded(lifted)) return GradAt(lifted);  // a ZeRO gradient: every device's slice
-  const at::Tensor g = (*t)->grad();
-  return g.defined() ? g.detach().clone() : at::Tensor();
+  return impl_->GradCopy(lifted, **t);
 }
 
 absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
@@ -631,8 +678,12 @@ absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
 }
 
 at::Tensor PipelineEngine::GradAt(int lifted) const {
-  const at::Tensor g = impl_->FullGrad(lifted);
-  return g.defined() ? g.detach().clone() : at::Tensor();
+  if (impl_->sharded(lifted)) {
+    const at::Tensor g = impl_->FullGrad(lifted);
+    return g.defined() ? g.detach().clone() : at::Tensor();
+  }
+  const at::Tensor t = impl_->OwnerTensor(lifted);
+  return t.defined() ? impl_->GradCopy(lifted, t) : at::Tensor();
 }
 
 at::Tensor PipelineEngine::ParamAt(int lifted) const {
@@ -644,18 +695,24 @@ void PipelineEngine::SetParam(int lifted, const at::Tensor& value) {
   impl_->SetParam(lifted, value);
 }
 void PipelineEngine::AddGrad(int lifted, const at::Tensor& grad) { impl_->AddGrad(lifted, grad); }
+void PipelineEngine::AddGradShare(int lifted, const at::Tensor& grad) {
+  impl_->AddGradShare(lifted, grad);
+}
 void PipelineEngine::ZeroGrad(bool set_to_none) { impl_->ZeroGrad(set_to_none); }
 absl::StatusOr<double> PipelineEngine::ClipGradNorm(const std::vector<int>& params,
                                                     double max_norm, double norm_type) {
+  absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> named =
+      impl_->GradNorms(params, norm_type);
+  if (!named.ok()) return named.status();
   std::vector<at::Tensor> norms;
-  for (auto& [li, norm] : impl_->GradNorms(params, norm_type)) norms.push_back(norm);
+  for (auto& [li, norm] : *named) norms.push_back(norm);
   if (norms.empty()) return 0.0;
   const at::Tensor total = CombineNorms(norms, norm_type);
   impl_->ScaleGrads(params, ClipCoefficient(total, max_norm));
   return total.item<double>();
 }
-std::vector<std::pair<int, at::Tensor>> PipelineEngine::GradNorms(const std::vector<int>& params,
-                                                                  double norm_type) const {
+absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> PipelineEngine::GradNorms(
+    const std::vector<int>& params, double norm_type) const {
   return impl_->GradNorms(params, norm_type);
 }
 void PipelineEngine::ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient) {

@@ -7,6 +7,20 @@
 // replicas (tied parameters, read by several stages, over every device). Each device keeps its
 // own copies of its stage's parameters, buffers and optimizer state. See docs/runtime.md.
 //
+// Gradient accumulation (RaNNC's delay_grad_allreduce): with SetDelayGradReduction(true) a
+// backward leaves each device's gradients local (its replica's contribution, accumulated over
+// backwards) and AllReduceGrads reduces them all at once, one collective per bucket of each
+// stage's replica group (and one per tied parameter over every device) however many backwards
+// came before. While reductions are pending (grads_pending()) a parameter's gradient is the sum
+// of its holders' copies: reads (Grad, GradAt) return that sum, computed here without touching
+// the devices; Step, ClipGradNorm and GradNorms fail with FAILED_PRECONDITION until
+// AllReduceGrads, as RaNNC requires allreduce_grads() before the optimizer step.
+//
+//   engine->SetDelayGradReduction(true);
+//   for (batch : batches) { engine->Forward(batch, true); engine->Backward({{0, one}}, false); }
+//   engine->AllReduceGrads();
+//   engine->Step({hyper});
+//
 //   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
 //       ir, plan, lifted_tensors, comm::Backend::kUcx, /*num_devices=*/4);
 //   (*engine)->SetOptimizer(OptimizerKind::kAdamW, {all_param_lifted_indices});
@@ -132,9 +146,27 @@ class PipelineEngine {
   // Forward with gradients and Backward with the loss's gradient 1.
   absl::StatusOr<StepResult> TrainStep(const std::vector<at::Tensor>& inputs);
 
+  // Whether later backwards leave their gradients unreduced (default false). A fused forward
+  // runs its backward, so the setting at the forward decides for that forward's gradients,
+  // whatever it is at the Backward that adds them.
+  void SetDelayGradReduction(bool delay);
+  // Some gradients are not reduced yet: a backward ran delayed since the last AllReduceGrads
+  // or ZeroGrad.
+  bool grads_pending() const;
+  // All-reduces the gradients accumulated by delayed backwards, as a backward's end does
+  // (stage replicas, tied parameters over every device); every holder then has the full
+  // gradient. Collective over every device (and, for an engine spanning processes, every
+  // process calls it). OK and nothing issued when no reduction is pending. A failure breaks
+  // the engine, as a failed step does; each device keeps its gradients until its reduction
+  // completes.
+  absl::Status AllReduceGrads();
+
   // A copy of the gradient (undefined tensor: none yet) / value of a lifted tensor: its owner's
   // (the first local device holding it, by stage then replica), or `device`'s (after a step every holder has the
   // same). NOT_FOUND for a name no stage (or `device`) holds; Grad also for a buffer.
+  // While reductions are pending, a gradient is the sum of this process's holders' copies
+  // (for any `device`): the reduced gradient when every device is local, this process's share
+  // of it otherwise.
   absl::StatusOr<at::Tensor> Grad(const std::string& tensor_name, int device = -1) const;
   absl::StatusOr<at::Tensor> Param(const std::string& tensor_name, int device = -1) const;
   // By lifted index; an undefined tensor when no stage holds it (or, for Grad, it has none).
@@ -144,27 +176,34 @@ class PipelineEngine {
   // Copies `value` into every device's copy of lifted tensor `lifted` (load_state_dict).
   void SetParam(int lifted, const at::Tensor& value);
   // Adds `grad` to every holder's gradient of parameter `lifted` (a backward that ran outside
-  // the engine, e.g. through another mode's graph).
+  // the engine, e.g. through another mode's graph); while reductions are pending, to the
+  // holder that keeps the reduced part (so the sum over holders grows by `grad` once).
   void AddGrad(int lifted, const at::Tensor& grad);
+  // Adds this process's share of an unreduced gradient (what Grad returned while reductions
+  // were pending, on an engine spanning processes) to one local holder, and makes reductions
+  // pending: a job rebuilding its engine puts its accumulated shares back this way.
+  void AddGradShare(int lifted, const at::Tensor& grad);
   void ZeroGrad(bool set_to_none = false);
   // torch.nn.utils.clip_grad_norm_ over the gradients of `params` (lifted indices, in the
   // client's parameter order, each counted once however many devices hold it); every copy is
-  // scaled. Returns the total norm (0 when no parameter has a gradient).
+  // scaled. Returns the total norm (0 when no parameter has a gradient). FAILED_PRECONDITION
+  // while reductions are pending.
   absl::StatusOr<double> ClipGradNorm(const std::vector<int>& params, double max_norm,
                                       double norm_type);
   // ClipGradNorm's halves, for a job whose devices span processes (each part's norms combined
   // with optim/grad_norm.h's CombineNorms, then every part scaled): the gradient norm of each of
-  // `params` that has a gradient here, by lifted index in `params`' order; and multiplying every
-  // copy of their gradients by `coefficient`.
-  std::vector<std::pair<int, at::Tensor>> GradNorms(const std::vector<int>& params,
-                                                    double norm_type) const;
+  // `params` that has a gradient here, by lifted index in `params`' order (FAILED_PRECONDITION
+  // while reductions are pending); and multiplying every copy of their gradients by
+  // `coefficient`.
+  absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> GradNorms(
+      const std::vector<int>& params, double norm_type) const;
   void ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient);
 
   // One optimizer per device over its parameters, `groups` listing lifted indices per param
   // group (every device has every group, possibly empty). Replaces any previous one.
   absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
   // One optimizer step on every device (replicas update identically: their gradients are
-  // all-reduced). FAILED_PRECONDITION without SetOptimizer.
+  // all-reduced). FAILED_PRECONDITION without SetOptimizer, or while reductions are pending.
   absl::Status Step(const std::vector<HyperParams>& hypers);
   // Per lifted parameter, its optimizer state (keys as Optimizer::NamedState's after the
   // "<index>."), copied from its owner; and the reverse, into every holder.

@@ -182,6 +182,7 @@ class PipelineEngine::Impl {
   absl::Status Init(const IrGraph& ir, const v1::Deployment& plan,
                     const std::vector<at::Tensor>& lifted, const EngineOptions& options);
   bool fused() const { return fused_; }
+  const std::vector<std::string>& tensor_names() const { return ir_->tensor_names; }
   bool broken() const { return broken_; }
   std::vector<int> device_indices() const {
     std::vector<int> out;
@@ -194,7 +195,14 @@ class PipelineEngine::Impl {
                                                   bool requires_grad);
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                         bool retain_graph);
+  void SetDelayGradReduction(bool delay) { delay_ = delay; }
+  bool grads_pending() const { return pending_; }
+  absl::Status AllReduceGrads();
   absl::StatusOr<const at::Tensor*> Find(const std::string& name, int device) const;
+  // A copy of parameter `lifted`'s gradient as Grad defines it (undefined: none): `t`'s, or
+  // while reductions are pending the sum over this process's holders.
+  at::Tensor GradCopy(int lifted, const at::Tensor& t) const;
+  absl::Status CheckReduced(const char* what) const;
   at::Tensor OwnerTensor(int lifted) const {
     return owner_[lifted] < 0 ? at::Tensor() : devices_[owner_[lifted]].lifted[lifted];
   }
@@ -205,9 +213,10 @@ class PipelineEngine::Impl {
   const IrGraph& ir() const { return *ir_; }
   void SetParam(int lifted, const at::Tensor& value);
   void AddGrad(int lifted, const at::Tensor& grad);
+  void AddGradShare(int lifted, const at::Tensor& grad);
   void ZeroGrad(bool set_to_none);
-  std::vector<std::pair<int, at::Tensor>> GradNorms(const std::vector<int>& params,
-                                                     double norm_type) const;
+  absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> GradNorms(
+      const std::vector<int>& params, double norm_type) const;
   void ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient);
   absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
   absl::Status Step(const std::vector<HyperParams>& hypers);
@@ -232,6 +241,10 @@ class PipelineEngine::Impl {
     std::map<int, at::Tensor>* batched = nullptr;         // forward: full-batch outputs
     const std::map<int, at::Tensor>* grads = nullptr;     // backward: client output gradients
     bool retain_graph = false;                            // backward: keep the graphs
+    bool delay = false;  // leave the step's gradients unreduced (SetDelayGradReduction)
+    // Reduced step gradients while reductions are pending: only each parameter's primary
+    // holder adds them, so the sum over holders counts them once.
+    bool primary_only = false;
   };
   // What the last forward left for Backward.
   enum class Held { kNothing, kFusedGrads, kGraphs };
@@ -309,7 +322,13 @@ class PipelineEngine::Impl {
   absl::Status RunDevice(Device& d, const StepPlan& step);
   absl::Status RunForward(Device& d, const StepPlan& step, int mb, Pending& pending);
   absl::Status RunBackward(Device& d, const StepPlan& step, int mb, Pending& pending);
-  absl::Status ReduceGrads(Device& d, bool fused);
+  // Sums `d`'s current gradients over the stage's replicas (tied ones over every device). Each
+  // gradient is replaced only once all of the device's reductions have completed.
+  absl::Status ReduceGrads(Device& d);
+  // Before local gradients are added while none are pending: every holder has the reduced
+  // gradient, so all but each parameter's primary holder drop theirs, which keeps the sum over
+  // holders equal to it. Then reductions are pending.
+  void BeginLocalGrads();
 
   // ZeRO (pipeline_engine_zero.cc). Where a sharded parameter lives: its partition's index in
   // Device::zero (the same on every replica of its stage) and its index in that partition.
@@ -365,6 +384,9 @@ class PipelineEngine::Impl {
   std::vector<int> world_rank_;                 // per global device index (-1: unused)
   std::vector<int> owner_;                      // per lifted tensor: world rank of its owner
   std::vector<int> tied_;                       // parameters read by several stages
+  // Per lifted tensor: world rank of the plan's first device holding it as a parameter (first
+  // stage, replica 0), which keeps its reduced gradient while reductions are pending; -1: none.
+  std::vector<int> primary_;
   std::vector<std::vector<int64_t>> lifted_shapes_;
   std::vector<at::ScalarType> lifted_types_;
   std::vector<OutputKind> output_kinds_;        // per IR output
@@ -381,6 +403,13 @@ class PipelineEngine::Impl {
   int last_micro_batches_ = 0;
   std::vector<std::pair<at::ScalarType, std::vector<int64_t>>> last_outputs_;
   Held held_ = Held::kNothing;
+
+  // Delayed gradient reduction (see the header). Invariant: with pending_, a parameter's
+  // gradient is the sum of its holders' copies over every process; without, every holder has
+  // it.
+  bool delay_ = false;
+  bool pending_ = false;
+  bool fused_local_ = false;  // the last fused forward's gradients are unreduced
 };
 
 }  // namespace rannc

@@ -289,6 +289,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
     d.partial.clear();
   }
   const bool backward = step.phase != Phase::kForward;
+  const bool reduce = backward && !step.delay;
   std::vector<at::Tensor> params;
   for (int li : st.params) params.push_back(d.lifted[li]);
   // This step's gradients are kept apart until they are reduced.
@@ -315,7 +316,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
     }
     // The device's last op is its last backward: the reducer starts each bucket's all-reduce
     // as soon as autograd has finished that bucket's gradients.
-    if (backward && i + 1 == ops.size() && d.reducer) d.reducer->BeginFinalBackward();
+    if (reduce && i + 1 == ops.size() && d.reducer) d.reducer->BeginFinalBackward();
     absl::Status s = op.backward ? RunBackward(d, step, op.micro_batch, pending)
                                  : RunForward(d, step, op.micro_batch, pending);
     if (!s.ok()) {
@@ -326,12 +327,20 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   absl::Status sent = WaitAll(d, pending);
   if (!sent.ok()) return fail(sent);
   if (!backward) return absl::OkStatus();
-  absl::Status reduced = ReduceGrads(d, step.phase == Phase::kFused);
-  if (!reduced.ok()) return fail(reduced);
+  if (reduce) {
+    absl::Status reduced = ReduceGrads(d);
+    if (!reduced.ok()) return fail(reduced);
+  }
+  // ZeRO's shards are reduce-scattered after every backward, delayed or not: sums are linear,
+  // so accumulating shards is exact, and the full local gradient is not kept.
+  absl::Status scattered = ReduceScatterZero(d, step.phase == Phase::kFused);
+  if (!scattered.ok()) return fail(scattered);
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor step_grad = params[i].grad();
     if (step.phase == Phase::kFused) {
       d.fused_grads.push_back(step_grad);
+      params[i].mutable_grad() = saved[i];
+    } else if (step.primary_only && d.world_rank != primary_[st.params[i]]) {
       params[i].mutable_grad() = saved[i];
     } else if (saved[i].defined()) {
       params[i].mutable_grad() = step_grad.defined() ? saved[i].add_(step_grad) : saved[i];
@@ -340,7 +349,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   return absl::OkStatus();
 }
 
-absl::Status PipelineEngine::Impl::ReduceGrads(Device& d, bool fused) {
+absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
   const StageInfo& st = stages_[d.stage];
   auto grad_of = [&](int li) -> at::Tensor {
     at::Tensor& p = d.lifted[li];
@@ -349,11 +358,13 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d, bool fused) {
     return p.grad();
   };
   std::set<int> tied(tied_.begin(), tied_.end());
-  // Tied parameters: over every device, the non-holders contributing zeros (this step's local
-  // gradients, so the sum over all devices is the full gradient; no replica reduction).
+  // Tied parameters: over every device, the non-holders contributing zeros (the devices' local
+  // gradients, so the sum over all devices is the full gradient; no replica reduction). Summed
+  // into copies, so that a failure leaves the gradients as they were.
+  std::vector<std::pair<int, at::Tensor>> tied_sums;
   for (int li : tied_) {
     const bool holds = d.lifted[li].defined();
-    at::Tensor g = holds ? grad_of(li)
+    at::Tensor g = holds ? grad_of(li).clone()
                          : at::zeros(lifted_shapes_[li],
                                      at::TensorOptions().dtype(lifted_types_[li]));
     if (!d.world) continue;
@@ -362,6 +373,7 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d, bool fused) {
     absl::Status s = Wait(d, d.world->AllReduce(*buf, {comm::ReduceOp::kSum}), g,
                           absl::StrCat("all-reducing the tied ", ir_->tensor_names[li]));
     if (!s.ok()) return s;
+    if (holds) tied_sums.emplace_back(li, g);
   }
   if (d.reducer) {
     absl::Status s = d.reducer->Finish(
@@ -370,10 +382,37 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d, bool fused) {
         });
     if (!s.ok()) return s;
   }
+  for (auto& [li, sum] : tied_sums) d.lifted[li].mutable_grad() = sum;
   for (int li : st.params) {
     if (!tied.count(li) && !sharded(li)) grad_of(li);
   }
-  return ReduceScatterZero(d, fused);
+  return absl::OkStatus();
+}
+
+void PipelineEngine::Impl::BeginLocalGrads() {
+  if (pending_) return;
+  for (Device& d : devices_) {
+    if (!d.local) continue;
+    for (int li : stages_[d.stage].params) {
+      if (d.world_rank != primary_[li]) d.lifted[li].mutable_grad().reset();
+    }
+  }
+  pending_ = true;
+}
+
+absl::Status PipelineEngine::Impl::AllReduceGrads() {
+  absl::Status usable = CheckUsable();
+  if (!usable.ok()) return usable;
+  if (!pending_) return absl::OkStatus();
+  absl::Status reduced = OnEveryDevice(
+      [&](Device& d) {
+        // Nothing runs a backward: Finish takes every gradient as it stands.
+        if (d.reducer) d.reducer->BeginFinalBackward();
+        return ReduceGrads(d);
+      },
+      true);
+  if (reduced.ok()) pending_ = false;
+  return reduced;
 }
 
 absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
@@ -389,6 +428,7 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
   step.inputs = &inputs;
   step.requires_grad = requires_grad;
   step.phase = requires_grad && fused_ ? Phase::kFused : Phase::kForward;
+  step.delay = delay_;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const int v = ir.inputs[i];
     const int bd = ir.values[v].batch_dim;
@@ -481,6 +521,7 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
   last_outputs_.clear();
   for (const at::Tensor& o : outputs) last_outputs_.push_back({o.scalar_type(), o.sizes().vec()});
   if (requires_grad) held_ = fused_ ? Held::kFusedGrads : Held::kGraphs;
+  fused_local_ = step.phase == Phase::kFused && delay_;
   return outputs;
 }
 
@@ -515,10 +556,15 @@ absl::Status PipelineEngine::Impl::Backward(
     // Gradients are linear in the output gradient: add g x the fused forward's.
     auto loss_grad = grads.find(ir_->outputs[0]);
     const double g = loss_grad == grads.end() ? 0.0 : loss_grad->second.item<double>();
+    // Local gradients go to every holder; reduced ones, while others are pending, to each
+    // parameter's primary holder only.
+    const bool primary_only = !fused_local_ && pending_;
+    if (fused_local_) BeginLocalGrads();
     at::NoGradGuard no_grad;
     for (Device& d : devices_) {
       const StageInfo& st = stages_[d.stage];
       for (size_t i = 0; i < d.fused_grads.size() && g != 0.0; ++i) {
+        if (primary_only && d.world_rank != primary_[st.params[i]]) continue;
         at::Tensor& grad = d.lifted[st.params[i]].mutable_grad();
         const at::Tensor& step = d.fused_grads[i];
         if (!step.defined()) continue;
@@ -538,6 +584,9 @@ absl::Status PipelineEngine::Impl::Backward(
   step.phase = Phase::kBackward;
   step.grads = &grads;
   step.retain_graph = retain_graph;
+  step.delay = delay_;
+  step.primary_only = !delay_ && pending_;
+  if (delay_) BeginLocalGrads();
   if (!retain_graph) held_ = Held::kNothing;
   return OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
 }

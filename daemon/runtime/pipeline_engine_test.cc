@@ -1,6 +1,8 @@
 #include "daemon/runtime/pipeline_engine.h"
 
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -9,6 +11,7 @@
 #include <ATen/core/grad_mode.h>
 #include <catch2/catch.hpp>
 
+#include "daemon/comm/fake/fake_communicator.h"
 #include "daemon/graph/ir_testing.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/optim/optimizer.h"
@@ -411,6 +414,185 @@ TEST_CASE("Per-device optimizers match single-device SGD; state moves between en
       if (!g.ok()) continue;
       CHECK(at::allclose(*g, grads[k] * (expected / 4) / (expected + 1e-6), kRtol, kAtol));
     }
+  }
+}
+
+// Batch k of three different batches made from a fixture's inputs: floating inputs scaled and
+// shifted, integer ones (token ids, targets) rotated along their last dimension.
+std::vector<at::Tensor> VariedBatch(const std::vector<at::Tensor>& inputs, int k) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : inputs) {
+    out.push_back(at::isFloatingType(t.scalar_type()) ? t * (1.0 + 0.25 * k) + 0.1 * k
+                                                      : at::roll(t, k, t.dim() - 1));
+  }
+  return out;
+}
+
+// The whole model on one device, plain LibTorch autograd: parameter gradients accumulate over
+// backwards as in PyTorch.
+class Reference {
+ public:
+  explicit Reference(const FixtureIr& f) : f_(f) {
+    const IrGraph& ir = *f.ir;
+    for (size_t i = 0; i < f.tensors.size(); ++i) {
+      at::Tensor t = f.tensors[i].detach().clone();
+      if (IsParam(ir, i)) t.requires_grad_(true);
+      leaves_.push_back(t);
+    }
+    absl::StatusOr<Subgraph> whole = BuildSubgraph(ir, 0, static_cast<int>(ir.nodes.size()));
+    REQUIRE(whole.ok());
+    absl::StatusOr<std::unique_ptr<StageExecutor>> exec =
+        StageExecutor::Create(ir, std::move(*whole), leaves_);
+    REQUIRE(exec.ok());
+    exec_ = std::move(*exec);
+  }
+  // Forward and backward with the gradient of the first output all ones.
+  void Backward(const std::vector<at::Tensor>& inputs) {
+    std::vector<at::Tensor> in;
+    for (int v : exec_->data_inputs()) in.push_back(inputs[v]);
+    absl::StatusOr<std::vector<at::Tensor>> out = exec_->Forward(0, in, true);
+    REQUIRE(out.ok());
+    std::vector<at::Tensor> out_grads(exec_->outputs().size());
+    for (size_t k = 0; k < out_grads.size(); ++k) {
+      if (exec_->outputs()[k] == f_.ir->outputs[0]) out_grads[k] = at::ones_like((*out)[k]);
+    }
+    REQUIRE(exec_->Backward(0, out_grads).ok());
+  }
+  at::Tensor Grad(size_t lifted) const { return leaves_[lifted].grad(); }
+
+ private:
+  const FixtureIr& f_;
+  std::vector<at::Tensor> leaves_;
+  std::unique_ptr<StageExecutor> exec_;
+};
+
+TEST_CASE("Delayed gradient reduction accumulates like PyTorch and all-reduces once",
+          "[runtime]") {
+  // Fused (mlp, tiny_gpt with a tied embedding) and kept graphs (multi_io, tied_lm).
+  for (const char* name : {"mlp", "tiny_gpt", "multi_io", "tied_lm"}) {
+    INFO(name);
+    FixtureIr f = BuildFixtureIr(name);
+    REQUIRE(f.ir.ok());
+    const IrGraph& ir = *f.ir;
+    const v1::Deployment plan = MakePlan(ir, {{0, 1}, {2, 3}}, 2, v1::SCHEDULE_1F1B);
+    auto make = [&](const std::string& group) {
+      EngineOptions options;
+      options.backend = comm::Backend::kFake;
+      options.num_devices = 4;
+      options.group = group;
+      absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+          PipelineEngine::Create(ir, plan, f.tensors, options);
+      REQUIRE(engine.ok());
+      return std::move(*engine);
+    };
+    const std::string delayed_group = std::string("delayed_") + name;
+    const std::string eager_group = std::string("eager_") + name;
+    std::unique_ptr<PipelineEngine> delayed = make(delayed_group);
+    std::unique_ptr<PipelineEngine> eager = make(eager_group);
+    // Collectives issued on a group (by its rank 0) since the engines were created.
+    auto counter = [](const std::string& group) {
+      const int64_t base = comm::FakeCollectivesIssued(group, 0);
+      return [group, base] { return comm::FakeCollectivesIssued(group, 0) - base; };
+    };
+    std::vector<std::function<int64_t()>> delayed_counts, eager_counts;
+    for (const char* g : {"/stage0", "/stage1", "/world"}) {
+      delayed_counts.push_back(counter(delayed_group + g));
+      eager_counts.push_back(counter(eager_group + g));
+    }
+    std::vector<int> params;
+    for (size_t i = 0; i < f.tensors.size(); ++i) {
+      if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
+    }
+    Reference ref(f);
+    auto backward = [&](PipelineEngine& e, const std::vector<at::Tensor>& batch) {
+      absl::StatusOr<std::vector<at::Tensor>> out = e.Forward(batch, true);
+      INFO(out.status().ToString());
+      REQUIRE(out.ok());
+      absl::Status back = e.Backward({{0, at::ones_like((*out)[0])}}, false);
+      INFO(back.ToString());
+      REQUIRE(back.ok());
+    };
+    // Every holder of every parameter (for reads, the sum of the devices' shares) equals the
+    // reference's accumulated gradient.
+    auto check_grads = [&](PipelineEngine& e) {
+      for (int li : params) {
+        INFO(ir.tensor_names[li]);
+        REQUIRE(e.GradAt(li).defined());
+        CHECK(at::allclose(e.GradAt(li), ref.Grad(li), kRtol, kAtol));
+        for (int dev = 0; dev < 4; ++dev) {
+          absl::StatusOr<at::Tensor> g = e.Grad(ir.tensor_names[li], dev);
+          if (g.ok()) CHECK(at::allclose(*g, ref.Grad(li), kRtol, kAtol));
+        }
+      }
+    };
+
+    delayed->SetDelayGradReduction(true);
+    for (int k = 0; k < 3; ++k) {
+      const std::vector<at::Tensor> batch = VariedBatch(f.fixture.inputs, k);
+      ref.Backward(batch);
+      backward(*delayed, batch);
+      backward(*eager, batch);
+    }
+    CHECK(delayed->grads_pending());
+    CHECK_FALSE(eager->grads_pending());
+    for (const auto& count : delayed_counts) CHECK(count() == 0);
+    check_grads(*delayed);
+    check_grads(*eager);
+    // The optimizer step and clipping need reduced gradients.
+    REQUIRE(delayed->SetOptimizer(OptimizerKind::kSgd, {params}).ok());
+    HyperParams sgd;
+    sgd.lr = 0.1;
+    absl::Status step = delayed->Step({sgd});
+    CHECK(step.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(step.message().find("allreduce_grads()") != std::string::npos);
+    CHECK(delayed->ClipGradNorm(params, 1.0, 2.0).status().code() ==
+          absl::StatusCode::kFailedPrecondition);
+
+    REQUIRE(delayed->AllReduceGrads().ok());
+    CHECK_FALSE(delayed->grads_pending());
+    // One all-reduce per bucket of each replica group (one bucket: these models are small) and
+    // one per tied parameter, where reducing after every backward issued three.
+    int64_t reduced = 0;
+    for (size_t g = 0; g < delayed_counts.size(); ++g) {
+      INFO("group " << g);
+      CHECK(eager_counts[g]() == 3 * delayed_counts[g]());
+      if (g < 2) CHECK(delayed_counts[g]() <= 1);
+      reduced += delayed_counts[g]();
+    }
+    CHECK(reduced > 0);
+    check_grads(*delayed);
+    // Nothing pending: a second call issues nothing.
+    REQUIRE(delayed->AllReduceGrads().ok());
+    for (size_t g = 0; g < delayed_counts.size(); ++g) {
+      CHECK(eager_counts[g]() == 3 * delayed_counts[g]());
+    }
+
+    // Reduced gradients, then a delayed backward, then an eager one while that is pending: each
+    // counted once.
+    for (int k : {0, 1}) {
+      const std::vector<at::Tensor> batch = VariedBatch(f.fixture.inputs, k);
+      ref.Backward(batch);
+      delayed->SetDelayGradReduction(k == 0);
+      backward(*delayed, batch);
+      CHECK(delayed->grads_pending());
+      check_grads(*delayed);
+    }
+    REQUIRE(delayed->AllReduceGrads().ok());
+    check_grads(*delayed);
+    REQUIRE(delayed->Step({sgd}).ok());
+    for (int li : params) {
+      INFO(ir.tensor_names[li]);
+      const at::Tensor want = f.tensors[li].detach() - ref.Grad(li) * 0.1;
+      for (int dev = 0; dev < 4; ++dev) {
+        absl::StatusOr<at::Tensor> p = delayed->Param(ir.tensor_names[li], dev);
+        if (p.ok()) CHECK(at::allclose(*p, want, kRtol, kAtol));
+      }
+    }
+    delayed->SetDelayGradReduction(true);
+    backward(*delayed, f.fixture.inputs);
+    CHECK(delayed->grads_pending());
+    delayed->ZeroGrad();
+    CHECK_FALSE(delayed->grads_pending());
   }
 }
 

@@ -240,6 +240,14 @@ void ShortDeadline(grpc::ClientContext& context) {
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
 }
 
+// What Step and ClipGradNorm answer while delayed backwards' gradients are not reduced: RaNNC
+// requires allreduce_grads() before them, and so do we rather than use partial sums.
+absl::Status NotReduced(absl::string_view what) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": the gradients of delayed backwards (delay_grad_allreduce(True)) are not "
+      "all-reduced yet; call allreduce_grads() first"));
+}
+
 // The proto form of a step's hyper-parameters, for the members' parts.
 v1::HyperParams ToProto(const HyperParams& h) {
   v1::HyperParams p;
@@ -404,9 +412,14 @@ absl::Status Job::Deploy() {
   for (size_t e = 0; e < entries.size(); ++e) {
     const at::Tensor& t = entries[e].tensor;
     if (lifted_of_entry_[e] < 0 || !t.grad().defined()) continue;
-    (*engine)->AddGrad(lifted_of_entry_[e], t.grad());
+    if (grad_shares_) {
+      (*engine)->AddGradShare(lifted_of_entry_[e], t.grad());
+    } else {
+      (*engine)->AddGrad(lifted_of_entry_[e], t.grad());
+    }
     t.mutable_grad().reset();
   }
+  grad_shares_ = false;
   parked_optimizer_state_.clear();
   engine_ = std::move(*engine);
   if (held_.empty()) {
@@ -426,6 +439,8 @@ bool Job::Held(int lifted) const {
   if (parts_.empty() && !config_.is_part) return true;
   return lifted >= 0 && lifted < static_cast<int>(held_.size()) && held_[lifted];
 }
+
+bool Job::GradsPending() const { return grad_shares_ || (engine_ && engine_->grads_pending()); }
 
 void Job::SyncStore(bool grads) {
   at::NoGradGuard no_grad;
@@ -449,6 +464,9 @@ void Job::SyncStore(bool grads) {
 
 void Job::ReleaseEngine() {
   if (!engine_) return;
+  // With every device here, a pending gradient read from the engine is already the sum over
+  // its holders; over several daemons it is this daemon's share.
+  grad_shares_ = engine_->grads_pending() && (!parts_.empty() || config_.is_part);
   SyncStore(/*grads=*/true);  // this daemon's values only: its parts keep theirs
   parked_optimizer_state_ = engine_->OptimizerState();
   engine_.reset();
@@ -719,7 +737,8 @@ bool Job::SetMode(const ModelMode& mode) {
 }
 
 absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tensor>& inputs,
-                                                     bool requires_grad) {
+                                                     bool requires_grad,
+                                                     bool delay_grad_allreduce) {
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status checked = CheckInputs(signature_, inputs);
   if (!checked.ok()) return checked;
@@ -730,6 +749,7 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
     if (parts_.empty()) {
       absl::Status deployed = EnsureDeployed();
       if (!deployed.ok()) return deployed;
+      engine_->SetDelayGradReduction(delay_grad_allreduce);
       outputs = engine_->Forward(inputs, requires_grad);
       if (!outputs.ok()) outputs = PartStatus(outputs.status());
       if (engine_->broken()) ReleaseEngine();
@@ -737,6 +757,7 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
       // Every daemon's part computes its devices' share; the shares add up to the outputs.
       v1::ForwardRequest request;
       request.set_requires_grad(requires_grad);
+      request.set_delay_grad_allreduce(delay_grad_allreduce);
       for (const at::Tensor& t : inputs) {
         absl::Status encoded = EncodeTensor(t, request.add_inputs(), nullptr);
         if (!encoded.ok()) return encoded;
@@ -763,6 +784,7 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
           [&]() -> absl::Status {
             absl::Status deployed = EnsureDeployed();
             if (!deployed.ok()) return deployed;
+            engine_->SetDelayGradReduction(delay_grad_allreduce);
             outputs = engine_->Forward(inputs, requires_grad);
             return outputs.status();
           });
@@ -825,14 +847,16 @@ int OutputBatchDim(const IrGraph& ir, size_t i) {
 
 absl::StatusOr<std::vector<at::Tensor>> Job::Forward(int client_rank,
                                                      const std::vector<at::Tensor>& inputs,
-                                                     bool requires_grad) {
-  if (!client_ranks_) return Forward(inputs, requires_grad);
+                                                     bool requires_grad,
+                                                     bool delay_grad_allreduce) {
+  if (!client_ranks_) return Forward(inputs, requires_grad, delay_grad_allreduce);
   using Shares = std::vector<std::vector<at::Tensor>>;
   std::function<absl::StatusOr<Shares>(std::vector<std::vector<at::Tensor>>&)> run =
       [&](std::vector<std::vector<at::Tensor>>& all) -> absl::StatusOr<Shares> {
     const int world = static_cast<int>(all.size());
     if (!config_.gather_inputs) {
-      absl::StatusOr<std::vector<at::Tensor>> out = Forward(all[0], requires_grad);
+      absl::StatusOr<std::vector<at::Tensor>> out =
+          Forward(all[0], requires_grad, delay_grad_allreduce);
       if (!out.ok()) return out.status();
       return Shares(world, *out);
     }
@@ -855,7 +879,8 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(int client_rank,
       return absl::OkStatus();
     });
     if (!status.ok()) return status;
-    absl::StatusOr<std::vector<at::Tensor>> out = Forward(gathered, requires_grad);
+    absl::StatusOr<std::vector<at::Tensor>> out =
+        Forward(gathered, requires_grad, delay_grad_allreduce);
     if (!out.ok()) return out.status();
     int64_t total = 0;
     for (int64_t n : rows) total += n;
@@ -884,12 +909,13 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(int client_rank,
   return (*shares)[client_rank];
 }
 
-absl::Status Job::Backward(int client_rank, const Grads& output_grads, bool retain_graph) {
-  if (!client_ranks_) return Backward(output_grads, retain_graph);
+absl::Status Job::Backward(int client_rank, const Grads& output_grads, bool retain_graph,
+                           bool delay_grad_allreduce) {
+  if (!client_ranks_) return Backward(output_grads, retain_graph, delay_grad_allreduce);
   std::function<absl::StatusOr<bool>(std::vector<Grads>&)> run =
       [&](std::vector<Grads>& all) -> absl::StatusOr<bool> {
     if (!config_.gather_inputs) {
-      absl::Status s = Backward(all[0], retain_graph);
+      absl::Status s = Backward(all[0], retain_graph, delay_grad_allreduce);
       if (!s.ok()) return s;
       return true;
     }
@@ -944,7 +970,7 @@ absl::Status Job::Backward(int client_rank, const Grads& output_grads, bool reta
       return absl::OkStatus();
     });
     if (!status.ok()) return status;
-    absl::Status s = Backward(combined, retain_graph);
+    absl::Status s = Backward(combined, retain_graph, delay_grad_allreduce);
     if (!s.ok()) return s;
     return true;
   };
@@ -962,6 +988,17 @@ absl::Status Job::Step(int client_rank, const std::vector<HyperParams>& hypers) 
   return client_ranks_
       ->Meet<std::vector<HyperParams>, bool>("step", client_rank, hypers, run)
       .status();
+}
+
+absl::Status Job::AllReduceGrads(int client_rank) {
+  if (!client_ranks_) return AllReduceGrads();
+  std::function<absl::StatusOr<bool>(std::vector<bool>&)> run =
+      [&](std::vector<bool>&) -> absl::StatusOr<bool> {
+    absl::Status s = AllReduceGrads();
+    if (!s.ok()) return s;
+    return true;
+  };
+  return client_ranks_->Meet<bool, bool>("allreduce_grads", client_rank, true, run).status();
 }
 
 absl::Status Job::ZeroGrad(int client_rank, bool set_to_none) {
@@ -988,7 +1025,7 @@ absl::StatusOr<double> Job::ClipGradNorm(int client_rank, double max_norm, doubl
 }
 
 absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
-                           bool retain_graph) {
+                           bool retain_graph, bool delay_grad_allreduce) {
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status lost = Lost(); !lost.ok()) return lost;
   if (!engine_) {
@@ -996,6 +1033,7 @@ absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& out
         "backward called with no forward pending (the job was undeployed since)");
   }
   if (engine_forward_) {
+    engine_->SetDelayGradReduction(delay_grad_allreduce);
     if (parts_.empty()) {
       absl::Status status = PartStatus(engine_->Backward(output_grads, retain_graph));
       if (engine_->broken()) ReleaseEngine();
@@ -1003,6 +1041,7 @@ absl::Status Job::Backward(const std::vector<std::pair<size_t, at::Tensor>>& out
     }
     v1::BackwardRequest request;
     request.set_retain_graph(retain_graph);
+    request.set_delay_grad_allreduce(delay_grad_allreduce);
     for (const auto& [index, grad] : output_grads) {
       v1::OutputGrad* g = request.add_grads();
       g->set_output_index(static_cast<uint32_t>(index));
@@ -1041,6 +1080,7 @@ absl::Status Job::Step(const std::vector<HyperParams>& hypers) {
     return absl::FailedPreconditionError(
         "the job was created without an optimizer; pass one to RaNNCModule to call step()");
   }
+  if (GradsPending()) return NotReduced("optimizer step");
   auto local = [&] {
     absl::Status deployed = EnsureDeployed();
     if (!deployed.ok()) return deployed;
@@ -1058,6 +1098,36 @@ absl::Status Job::Step(const std::vector<HyperParams>& hypers) {
       local);
   if (status.ok()) ++steps_;
   return status;
+}
+
+absl::Status Job::AllReduceGrads() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ReduceGradsLocked();
+}
+
+absl::Status Job::ReduceGradsLocked() {
+  if (absl::Status lost = Lost(); !lost.ok()) return lost;
+  // Every daemon of the job has seen the same backwards, so what is pending here is pending on
+  // each part: they all reduce, or none does.
+  if (!GradsPending()) return absl::OkStatus();
+  auto local = [&] {
+    absl::Status deployed = EnsureDeployed();
+    if (!deployed.ok()) return deployed;
+    return PartStatus(engine_->AllReduceGrads());
+  };
+  if (parts_.empty()) {
+    absl::Status status = local();
+    if (engine_ && engine_->broken()) ReleaseEngine();
+    return status;
+  }
+  return OnParts(
+      [&](Part& part, grpc::ClientContext& context) {
+        v1::AllReduceGradsRequest request;
+        request.set_job_id(part.job_id);
+        v1::Empty empty;
+        return part.stub->AllReduceGrads(&context, request, &empty);
+      },
+      local);
 }
 
 void Job::ZeroGrad(bool set_to_none) {
@@ -1081,6 +1151,7 @@ void Job::ZeroGrad(bool set_to_none) {
         local)
         .IgnoreError();
   }
+  grad_shares_ = false;  // the store's gradients are zeroed below
   for (at::Tensor p : store_.Parameters()) {
     at::Tensor& grad = p.mutable_grad();
     if (!grad.defined()) continue;
@@ -1109,6 +1180,7 @@ std::vector<int> Job::ClippedParams() const {
 
 absl::StatusOr<double> Job::ClipGradNorm(double max_norm, double norm_type) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (GradsPending()) return NotReduced("clip_grad_norm");
   if (!parts_.empty()) return ClipOverParts(max_norm, norm_type);
   if (engine_) {
     absl::StatusOr<double> total = 0.0;
@@ -1176,7 +1248,10 @@ absl::StatusOr<double> Job::ClipOverParts(double max_norm, double norm_type) {
         absl::Status deployed = EnsureDeployed();
         if (!deployed.ok()) return deployed;
         return TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
-          for (auto& [li, norm] : engine_->GradNorms(params, norm_type)) keep(li, norm);
+          absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> mine =
+              engine_->GradNorms(params, norm_type);
+          if (!mine.ok()) return mine.status();
+          for (auto& [li, norm] : *mine) keep(li, norm);
           return absl::OkStatus();
         });
       });
@@ -1225,9 +1300,10 @@ absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> Job::GradNorms(
   for (size_t e = 0; e < entries.size(); ++e) name_of_lifted[lifted_of_entry_[e]] = entries[e].name;
   std::vector<std::pair<std::string, at::Tensor>> out;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "clip_grad_norm", [&] {
-    for (auto& [li, norm] : engine_->GradNorms(ClippedParams(), norm_type)) {
-      out.emplace_back(name_of_lifted[li], norm);
-    }
+    absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> norms =
+        engine_->GradNorms(ClippedParams(), norm_type);
+    if (!norms.ok()) return norms.status();
+    for (auto& [li, norm] : *norms) out.emplace_back(name_of_lifted[li], norm);
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
@@ -1254,6 +1330,15 @@ absl::StatusOr<std::optional<at::Tensor>> Job::GetTensor(const std::string& name
   }
   if (grad && !entry->is_parameter) {
     return absl::InvalidArgumentError(absl::StrCat("'", name, "' is a buffer; it has no gradient"));
+  }
+  if (grad && GradsPending()) {
+    // On one daemon the engine reads a pending gradient as its holders' sum; over several, the
+    // leading daemon reduces everywhere first, and a part holds only its share.
+    if (config_.is_part) return NotReduced(absl::StrCat("gradient of '", name, "'"));
+    if (!parts_.empty()) {
+      absl::Status reduced = ReduceGradsLocked();
+      if (!reduced.ok()) return Annotate(reduced, "all-reducing the gradients to read them");
+    }
   }
   const int lifted = lifted_of_entry_[entry - store_.entries().data()];
   if (lifted >= 0 && !Held(lifted)) {

@@ -16,6 +16,12 @@
 // nothing: parameters, buffers, accumulated gradients and optimizer state are taken back from
 // the devices and the engine is rebuilt at the next forward.
 //
+// Gradient accumulation (pyrannc.delay_grad_allreduce): a forward or backward called with
+// `delay_grad_allreduce` leaves its gradients unreduced over the replicas (PipelineEngine's
+// SetDelayGradReduction) until AllReduceGrads. Meanwhile reading a gradient gives the reduced
+// value (over several daemons, the parts reduce first), and Step and ClipGradNorm fail with
+// FAILED_PRECONDITION asking for allreduce_grads().
+//
 // Thread-safety: every public method locks the job's mutex, so concurrent RPCs on one job are
 // serialized; different jobs run independently.
 #ifndef RANNC_DAEMON_SERVER_JOB_H_
@@ -163,19 +169,24 @@ class Job {
   // Returns whether the job has a graph for `mode`.
   bool SetMode(const ModelMode& mode);
 
+  // `delay_grad_allreduce`: see the header comment; with requires_grad it decides for the
+  // gradients a fused forward computes (PipelineEngine::fused).
   absl::StatusOr<std::vector<at::Tensor>> Forward(const std::vector<at::Tensor>& inputs,
-                                                  bool requires_grad);
+                                                  bool requires_grad,
+                                                  bool delay_grad_allreduce = false);
 
   // The same calls from one of several client ranks (JobConfig::client_world): each waits for
   // every rank's call and the operation runs once (see training.proto's JobOptions). With one
   // client rank they are the calls above.
   absl::StatusOr<std::vector<at::Tensor>> Forward(int client_rank,
                                                   const std::vector<at::Tensor>& inputs,
-                                                  bool requires_grad);
+                                                  bool requires_grad,
+                                                  bool delay_grad_allreduce = false);
   absl::Status Backward(int client_rank,
                         const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
-                        bool retain_graph);
+                        bool retain_graph, bool delay_grad_allreduce = false);
   absl::Status Step(int client_rank, const std::vector<HyperParams>& hypers);
+  absl::Status AllReduceGrads(int client_rank);
   absl::Status ZeroGrad(int client_rank, bool set_to_none);
   absl::StatusOr<double> ClipGradNorm(int client_rank, double max_norm, double norm_type);
   const std::string& name() const { return config_.name; }
@@ -195,8 +206,11 @@ class Job {
   absl::Status ScaleGrads(const at::Tensor& coefficient);
   int client_world() const { return config_.client_world; }
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
-                        bool retain_graph);
+                        bool retain_graph, bool delay_grad_allreduce = false);
   absl::Status Step(const std::vector<HyperParams>& hypers);
+  // pyrannc's allreduce_grads(): reduces what delayed backwards accumulated, on every daemon of
+  // the job. OK, doing nothing, when nothing is pending.
+  absl::Status AllReduceGrads();
   void ZeroGrad(bool set_to_none);
   // torch.nn.utils.clip_grad_norm_ over every parameter: returns the total norm.
   absl::StatusOr<double> ClipGradNorm(double max_norm, double norm_type);
@@ -229,6 +243,10 @@ class Job {
   void ReleaseEngine();
   // Whether this daemon's devices hold lifted tensor `lifted` (always, for a job on one daemon).
   bool Held(int lifted) const;
+  // Gradients of delayed backwards are not reduced yet (on the engine, or parked as shares).
+  bool GradsPending() const;
+  // AllReduceGrads under the job's lock.
+  absl::Status ReduceGradsLocked();
   // On a part, a step's failure to reach a peer (UNAVAILABLE) is the consequence of a failure
   // elsewhere, which the leader reports: ABORTED, so the leader does not take this daemon for
   // lost. Other statuses, and every status off a part, pass unchanged.
@@ -294,6 +312,9 @@ class Job {
   absl::Status Lost();
   // Samples each client rank gave the last collective forward (to split its outputs).
   std::vector<int64_t> rank_rows_;
+  // The store's gradients are this daemon's shares of unreduced ones (an engine spanning
+  // daemons released with reductions pending): Deploy puts them back as shares.
+  bool grad_shares_ = false;
   // Optimizer state while undeployed, by lifted index.
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> parked_optimizer_state_;
   std::vector<at::Tensor> example_outputs_;

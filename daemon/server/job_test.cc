@@ -1,5 +1,8 @@
 #include "daemon/server/job.h"
 
+#include <map>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
@@ -418,6 +421,58 @@ TEST_CASE("Job runs its plan over the devices, undeploys and redeploys, survives
       if (entry.is_buffer) continue;
       INFO(entry.name);
       CHECK(Close(entry.tensor, f.Ref("step2", job->params().Find(entry.name)->name)));
+    }
+  }
+}
+
+TEST_CASE("Job delays gradient reduction until AllReduceGrads, across an undeploy", "[job]") {
+  // Fused with a tied weight, and kept graphs.
+  for (const char* name : {"tiny_gpt", "multi_io"}) {
+    INFO(name);
+    testing::Fixture f = testing::LoadFixture(name);
+    JobConfig config = PlannedConfig(4);
+    config.planner.partition_num = 2;
+    config.planner.replica_num = 2;
+    config.planner.pipeline_num = 2;
+    std::unique_ptr<Job> job = MakeJob(f, config);
+    auto delayed_backward = [&] {
+      absl::StatusOr<std::vector<at::Tensor>> out =
+          job->Forward(f.inputs, true, /*delay_grad_allreduce=*/true);
+      REQUIRE(out.ok());
+      REQUIRE(job->Backward({{0, at::ones_like((*out)[0])}}, false, true).ok());
+    };
+    auto check_grads = [&](double times) {
+      for (const ParamStore::Entry& e : job->params().entries()) {
+        if (!e.is_parameter) continue;
+        INFO(e.name << " x " << times);
+        absl::StatusOr<std::optional<at::Tensor>> grad = job->GetTensor(e.name, true);
+        REQUIRE(grad.ok());
+        REQUIRE(grad->has_value());
+        CHECK(Close(**grad, f.Ref("grad", e.name) * times));
+      }
+    };
+    const HyperParams h = SgdConfig().optimizer.group_hyper[0];
+    delayed_backward();
+    delayed_backward();
+    check_grads(2);  // read before the reduction: the devices' sum
+    absl::Status step = job->Step({h});
+    CHECK(step.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(step.message().find("allreduce_grads()") != std::string::npos);
+    CHECK(job->ClipGradNorm(1.0, 2.0).status().code() == absl::StatusCode::kFailedPrecondition);
+    // Undeployed with reductions pending, the job parks the reduced gradients and goes on.
+    job->Undeploy();
+    check_grads(2);
+    delayed_backward();
+    REQUIRE(job->AllReduceGrads().ok());
+    check_grads(3);
+    std::map<std::string, at::Tensor> before;
+    for (const ParamStore::Entry& e : job->params().entries()) {
+      if (e.is_parameter) before[e.name] = Value(*job, e.name);
+    }
+    REQUIRE(job->Step({h}).ok());
+    for (const auto& [param, value] : before) {
+      INFO(param);
+      CHECK(Close(Value(*job, param), value - f.Ref("grad", param) * 3 * h.lr));
     }
   }
 }

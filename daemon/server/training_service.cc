@@ -583,7 +583,7 @@ grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::Forwar
   absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input", shm_);
   if (!inputs.ok()) return Fail("Forward", inputs.status());
   absl::StatusOr<std::vector<at::Tensor>> outputs =
-      (*job)->Forward(rank, *inputs, request->requires_grad());
+      (*job)->Forward(rank, *inputs, request->requires_grad(), request->delay_grad_allreduce());
   if (!outputs.ok()) return Fail("Forward", outputs.status());
   absl::Status encoded = EncodeReply(*outputs, request->reply_shm(), response->mutable_outputs());
   if (!encoded.ok()) return Fail("Forward", encoded);
@@ -599,7 +599,8 @@ absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest
     if (!t.ok()) return t.status();
     grads.emplace_back(g.output_index(), std::move(*t));
   }
-  return job.Backward(client_rank, grads, request.retain_graph());
+  return job.Backward(client_rank, grads, request.retain_graph(),
+                      request.delay_grad_allreduce());
 }
 
 absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& request,
@@ -661,6 +662,16 @@ grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext*,
   if (!job.ok()) return Fail("ZeroGrad", job.status());
   absl::Status status = DoZeroGrad(**job, *request, static_cast<int>(request->client_rank()));
   if (!status.ok()) return Fail("ZeroGrad", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::AllReduceGrads(grpc::ServerContext*,
+                                                 const v1::AllReduceGradsRequest* request,
+                                                 v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("AllReduceGrads", job.status());
+  absl::Status status = (*job)->AllReduceGrads(static_cast<int>(request->client_rank()));
+  if (!status.ok()) return Fail("AllReduceGrads", status);
   return grpc::Status::OK;
 }
 

@@ -74,6 +74,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status ZeroGrad(grpc::ServerContext*, const v1::ZeroGradRequest*, v1::Empty*) override;
   grpc::Status ClipGradNorm(grpc::ServerContext*, const v1::ClipGradNormRequest*,
                             v1::ClipGradNormResponse*) override;
+  grpc::Status AllReduceGrads(grpc::ServerContext*, const v1::AllReduceGradsRequest*,
+                              v1::Empty*) override;
   grpc::Status Flush(grpc::ServerContext*, const v1::FlushRequest*, v1::Empty*) override;
   grpc::Status GetParam(grpc::ServerContext*, const v1::GetParamRequest*,
                         v1::GetParamResponse*) override;

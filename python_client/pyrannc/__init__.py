@@ -44,8 +44,9 @@ def clear() -> None:
 
 
 def delay_grad_allreduce(delay: bool) -> None:
-    """RaNNC: skip the gradient all-reduce after backward. Gradients accumulate in the daemon
-    either way with one client rank, so results are unchanged."""
+    """With True, backwards leave their gradients unreduced over the daemon's data-parallel
+    replicas, each accumulating its own, until RaNNCModule.allreduce_grads() reduces them once
+    (gradient accumulation); optimizer.step() and clip_grad_norm() fail until then."""
     _runtime.delay_grad_allreduce_flag = bool(delay)
 
 
@@ -61,8 +62,10 @@ def recreate_all_communicators() -> None:
 
 
 def sync_params_on_init(sync: bool) -> None:
-    """RaNNC: synchronize initial parameters over client ranks. One client rank has nothing to
-    synchronize."""
+    """With True (the default), a client rank other than 0 copies the job's parameters and
+    buffers (rank 0's model) into its local model when it joins the job at its first forward;
+    with False its local model keeps its own values until it reads the job's state. The job
+    trains rank 0's model either way."""
     _runtime.sync_params_on_init_flag = bool(sync)
 
 

@@ -13,11 +13,10 @@ _live_modules = weakref.WeakSet()
 
 # keep_graph(True): every Backward keeps the forward's graph (retain_graph).
 keep_graph_flag = False
-# RaNNC skips the gradient all-reduce after backward when set. With one client rank the daemon
-# accumulates gradients locally either way, so this only records the choice.
+# delay_grad_allreduce(True): forwards and backwards ask the daemon to leave gradients
+# unreduced over its replicas until RaNNCModule.allreduce_grads().
 delay_grad_allreduce_flag = False
-# RaNNC synchronizes initial parameters over ranks; with one client rank there is nothing to
-# synchronize.
+# sync_params_on_init(): a joining client rank copies the job's parameters into its local model.
 sync_params_on_init_flag = True
 
 

@@ -292,6 +292,10 @@ class RaNNCModule(torch.nn.Module):
                 conn = _daemon.connection(address)
                 resp = conn.call("JoinJob", join)
             self._adopt_job(conn, resp, mode, spec, owner=False, address=address)
+            if _runtime.sync_params_on_init_flag:
+                # Every rank's local model starts as the job's (rank 0's), as RaNNC's broadcast
+                # from rank 0 makes it.
+                self._sync_from_daemon(force=True)
             return
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
@@ -367,9 +371,11 @@ class RaNNCModule(torch.nn.Module):
         job = self._job
         conn = self._connection()
         with _shm.session(conn.shm) as wire:
-            req = pb.ForwardRequest(job_id=job.id, inputs=[wire.encode(x) for x in inputs],
-                                    requires_grad=requires_grad, before=job.pending,
-                                    client_rank=_runtime.get_rank())
+            req = pb.ForwardRequest(
+                job_id=job.id, inputs=[wire.encode(x) for x in inputs],
+                requires_grad=requires_grad, before=job.pending,
+                client_rank=_runtime.get_rank(),
+                delay_grad_allreduce=requires_grad and _runtime.delay_grad_allreduce_flag)
             job.pending = []
             region = wire.reply_region()
             if region is not None:
@@ -405,7 +411,8 @@ class RaNNCModule(torch.nn.Module):
         conn = self._connection()
         with _shm.session(conn.shm) as wire:
             req = pb.BackwardRequest(job_id=job.id, retain_graph=_runtime.keep_graph_flag,
-                                     client_rank=_runtime.get_rank())
+                                     client_rank=_runtime.get_rank(),
+                                     delay_grad_allreduce=_runtime.delay_grad_allreduce_flag)
             for i, g in enumerate(grads):
                 if g is not None:
                     req.grads.add(output_index=i, grad=wire.encode(g))
@@ -480,8 +487,15 @@ class RaNNCModule(torch.nn.Module):
         return torch.tensor(resp.total_norm, dtype=dtype)
 
     def allreduce_grads(self) -> None:
-        """RaNNC's explicit all-reduce after delay_grad_allreduce(True): one client rank has
-        nothing to reduce, and the daemon reduces over its own replicas."""
+        """All-reduces the gradients that backwards under delay_grad_allreduce(True) left on
+        each replica, once for all of them; call it before optimizer.step() and
+        clip_grad_norm(), which fail until then. With several client ranks every rank calls it.
+        """
+        if self._job is None:
+            return  # no forward yet: no gradients
+        self._flush()
+        self._connection().call("AllReduceGrads", pb.AllReduceGradsRequest(
+            job_id=self._job.id, client_rank=_runtime.get_rank()))
 
     # ------------------------------------------------------------------------------------------
     # Parameters and state.

@@ -54,17 +54,19 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_ranks(tmp_path, daemon, gather, world=2, timeout_s=300, ranks=None, addresses=None):
-    """Starts the ranks (all of them, or `ranks`), each talking to `daemon`, or rank r to
-    `addresses[r]`; returns their output path prefix and (exit code, stderr) per rank."""
+def _run_ranks(tmp_path, daemon, gather, world=2, timeout_s=300, ranks=None, addresses=None,
+               template=_RANK_SCRIPT, job=None, **fields):
+    """Starts the ranks (all of them, or `ranks`) of `template` (formatted with tests, gather,
+    steps, out and `fields`), each talking to `daemon`, or rank r to `addresses[r]`; returns their
+    output path prefix and (exit code, stderr) per rank."""
     out = str(tmp_path / "rank")
-    script = _RANK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), gather=gather,
-                                 steps=STEPS, out=out)
+    script = template.format(tests=os.path.dirname(os.path.abspath(__file__)), gather=gather,
+                             steps=STEPS, out=out, **fields)
     procs = []
     for rank in (range(world) if ranks is None else ranks):
         address = daemon.address if addresses is None else addresses[rank]
         env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=address,
-                   RANNC_JOB=f"ranks-{gather}-{world}", RANNC_CLIENT_RANK=str(rank),
+                   RANNC_JOB=job or f"ranks-{gather}-{world}", RANNC_CLIENT_RANK=str(rank),
                    RANNC_CLIENT_WORLD=str(world), RANNC_CLIENT_TIMEOUT=str(timeout_s))
         procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -120,6 +122,73 @@ def test_a_missing_rank_is_a_clear_error(tmp_path, daemon):
     code, stderr = results[0]
     assert code != 0
     assert "DEADLINE_EXCEEDED" in stderr and "client rank(s) 1 of 2" in stderr, stderr
+
+
+_ACCUMULATE_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    rank = pyrannc.get_rank()
+    pyrannc.sync_params_on_init({sync!r})
+    torch.manual_seed(rank)  # each rank starts from its own values; the job from rank 0's
+    model = models.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    pyrannc.delay_grad_allreduce(True)
+    losses, joined = [], None
+    for step in range({steps}):
+        for micro in range(2):
+            x, y = models.mlp_batch(10 * step + micro, batch=8)
+            loss = rmod(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+            if joined is None:  # the local model, as the first forward (the join) left it
+                joined = {{k: v.tolist() for k, v in model.state_dict().items()}}
+            (loss / 2).backward()
+            losses.append(float(loss))
+        rmod.allreduce_grads()
+        opt.step()
+        opt.zero_grad()
+    pyrannc.barrier()
+    state = {{k: v.tolist() for k, v in rmod.state_dict().items()}}
+    json.dump({{"losses": losses, "joined": joined, "state": state}},
+              open({out!r} + str(rank), "w"))
+""")
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_two_ranks_accumulate_and_sync_params_on_init(tmp_path, daemon, sync):
+    """Two ranks with half of each batch accumulate two batches per step (delay_grad_allreduce,
+    then a collective allreduce_grads): one PyTorch model on the whole batches. A joining rank's
+    local model becomes rank 0's with sync_params_on_init(True) and stays its own without."""
+    out, results = _run_ranks(tmp_path, daemon, True, template=_ACCUMULATE_SCRIPT,
+                              job=f"accumulate-{sync}", sync=sync)
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr}"
+    torch.manual_seed(0)
+    ref = models.MLP()
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    torch.manual_seed(1)
+    own = models.MLP().state_dict()  # rank 1's own initial values
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        for micro in range(2):
+            x, y = models.mlp_batch(10 * step + micro, batch=8)
+            loss = ref(x, y)
+            (loss / 2).backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    for rank in range(2):
+        got = json.load(open(out + str(rank)))
+        for i, loss in enumerate(losses):
+            assert_close(torch.tensor(got["losses"][i]), loss, f"rank {rank} loss {i}")
+        for k, v in ref.state_dict().items():
+            assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, f"rank {rank} {k}")
+        expected = initial if rank == 0 or sync else own
+        for k, v in expected.items():
+            assert_close(torch.tensor(got["joined"][k], dtype=v.dtype), v,
+                         f"rank {rank}'s local {k} after joining")
 
 
 _TRAIN_FOREVER = textwrap.dedent("""

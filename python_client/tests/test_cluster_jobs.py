@@ -347,6 +347,61 @@ def test_clip_undeploy_recreate_and_load_state_span_the_daemons(cluster):
     assert done.stdout.split().count("ok") == 5, done.stdout
 
 
+_ACCUMULATE = textwrap.dedent("""
+    import copy, sys, torch
+    sys.path.insert(0, {tests!r})
+    import pyrannc
+    import test_pipeline_conformance as tpc
+    from conftest import assert_close
+    case = tpc.MODELS["gpt_tied"]
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = case.optimizer(model), case.optimizer(ref)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    pyrannc.delay_grad_allreduce(True)
+    for step in range(3):
+        for micro in range(3):
+            batch = case.batch(10 * step + micro)
+            loss = case.loss(rmod, batch)
+            loss.backward()
+            ref_loss = case.loss(ref, batch)
+            ref_loss.backward()
+            assert_close(loss.detach(), ref_loss.detach(), f"loss {{micro}} of step {{step}}")
+            if micro == 1 and step == 0:
+                # Each daemon parks its share of the unreduced gradients and puts it back.
+                rmod.undeploy()
+            if micro == 1 and step == 1:
+                pyrannc.recreate_all_communicators()
+        if step == 2:
+            tpc._compare_grads(rmod, ref, step)  # the leader reduces on every daemon first
+        rmod.allreduce_grads()
+        tpc._compare_grads(rmod, ref, step)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        print("ok", step, flush=True)
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+""")
+
+
+def test_gradient_accumulation_spans_the_daemons(cluster):
+    # delay_grad_allreduce + allreduce_grads with the GPT's tied embedding held by both daemons
+    # (2 stages x 2 replicas): each daemon keeps its replicas' gradients until allreduce_grads,
+    # through an undeploy and a recreate_all_communicators in between.
+    peers, logs, _ = cluster
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
+    done = subprocess.run(
+        [sys.executable, "-c", _ACCUMULATE.format(
+            tests=os.path.dirname(os.path.abspath(__file__)))],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr + open(logs[1].name).read()
+    assert done.stdout.split().count("ok") == 3, done.stdout
+
+
 _BAD_INPUTS = textwrap.dedent("""
     import copy, sys, time, torch
     sys.path.insert(0, {tests!r})

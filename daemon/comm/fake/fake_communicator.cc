@@ -700,5 +700,22 @@ void FailFakeRank(const std::string& group, int rank) {
   }
 }
 
+int64_t FakeCollectivesIssued(const std::string& group, int rank) {
+  std::vector<std::shared_ptr<GroupState>> matches;
+  {
+    Registry& registry = GetRegistry();
+    std::lock_guard<std::mutex> lock(registry.mu);
+    for (auto& [key, state] : registry.groups) {
+      if (key.first == group && rank >= 0 && rank < state->size) matches.push_back(state);
+    }
+  }
+  int64_t issued = 0;
+  for (const std::shared_ptr<GroupState>& g : matches) {
+    std::lock_guard<std::mutex> lock(g->mu);
+    issued += static_cast<int64_t>(g->next_seq[rank]);
+  }
+  return issued;
+}
+
 }  // namespace comm
 }  // namespace rannc

@@ -11,6 +11,7 @@
 //   absl::Status s = w->Wait(std::chrono::seconds(10));
 //
 //   FailFakeRank("test/group", 1);  // test-only: rank 1 dies, waits on it fail with UNAVAILABLE
+//   FakeCollectivesIssued("test/group", 0);  // test-only: collectives rank 0 has issued
 //
 // Semantics follow comm/communicator.h exactly, and are strict where real backends may be
 // lenient, so tests catch misuse early:
@@ -33,6 +34,7 @@
 #ifndef RANNC_DAEMON_COMM_FAKE_FAKE_COMMUNICATOR_H_
 #define RANNC_DAEMON_COMM_FAKE_FAKE_COMMUNICATOR_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -52,6 +54,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeFakeCommunicator(const GroupOp
 // pending operations and those of its peers that involve it, and every later one, fail with
 // UNAVAILABLE "rank <rank> of group <group> is gone". A no-op when no such group lives.
 void FailFakeRank(const std::string& group, int rank);
+
+// Test-only observation: how many collectives (all-reduces, barriers, ...; not sends or
+// receives) `rank` of the live fake groups named `group` has issued so far; 0 when none lives.
+// Lets a test count the collectives a layer above issues.
+int64_t FakeCollectivesIssued(const std::string& group, int rank);
 
 }  // namespace comm
 }  // namespace rannc

@@ -223,6 +223,24 @@ TEST_CASE("fake: two groups of the same size do not share state", "[comm]") {
   CHECK_FALSE(wb->IsCompleted());
 }
 
+TEST_CASE("fake: FakeCollectivesIssued counts a rank's collectives, not its transfers",
+          "[comm]") {
+  std::unique_ptr<Store> store = MakeInMemoryStore();
+  CHECK(FakeCollectivesIssued("fake/count", 0) == 0);
+  Group g = MakeGroupConcurrently(Backend::kFake, 2, "fake/count", store.get());
+  REQUIRE(g.size() == 2);
+  float x = 1, y = 2;
+  std::unique_ptr<Work> first = g[0]->AllReduce(Buffer::Of(&x, 1));
+  std::unique_ptr<Work> second = g[0]->Barrier({});
+  std::unique_ptr<Work> send = g[0]->Send(Buffer::Of(&x, 1), 1, {7});
+  std::unique_ptr<Work> recv = g[1]->Recv(Buffer::Of(&y, 1), 0, {7});
+  CHECK(FakeCollectivesIssued("fake/count", 0) == 2);  // issued, though not yet completed
+  CHECK(FakeCollectivesIssued("fake/count", 1) == 0);
+  CHECK(FakeCollectivesIssued("fake/other", 0) == 0);
+  CHECK(send->Wait(seconds(5)).ok());
+  CHECK(recv->Wait(seconds(5)).ok());
+}
+
 }  // namespace
 }  // namespace comm
 }  // namespace rannc

@@ -74,6 +74,11 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.ClipGradNormRequest.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.ClipGradNormResponse.FromString,
                 )
+        self.AllReduceGrads = channel.unary_unary(
+                '/rannc.v1.TrainingService/AllReduceGrads',
+                request_serializer=rannc_dot_v1_dot_training__pb2.AllReduceGradsRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
+                )
         self.Flush = channel.unary_unary(
                 '/rannc.v1.TrainingService/Flush',
                 request_serializer=rannc_dot_v1_dot_training__pb2.FlushRequest.SerializeToString,
@@ -186,6 +191,12 @@ class TrainingServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ClipGradNorm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllReduceGrads(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -305,6 +316,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.ClipGradNorm,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.ClipGradNormRequest.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.ClipGradNormResponse.SerializeToString,
+            ),
+            'AllReduceGrads': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllReduceGrads,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.AllReduceGradsRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
             ),
             'Flush': grpc.unary_unary_rpc_method_handler(
                     servicer.Flush,
@@ -557,6 +573,23 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ClipGradNorm',
             rannc_dot_v1_dot_training__pb2.ClipGradNormRequest.SerializeToString,
             rannc_dot_v1_dot_training__pb2.ClipGradNormResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def AllReduceGrads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/AllReduceGrads',
+            rannc_dot_v1_dot_training__pb2.AllReduceGradsRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.Empty.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
