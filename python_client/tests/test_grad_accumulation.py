@@ -36,14 +36,14 @@ def flags():
     pyrannc.clear()
 
 
-def _modules(model_name, monkeypatch):
+def _modules(model_name, monkeypatch, zero=False):
     case = MODELS[model_name]
     _set_plan_config(monkeypatch, PLAN, "1f1b")
     torch.manual_seed(0)
     model = case.make()
     ref = copy.deepcopy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
-    return case, pyrannc.RaNNCModule(model, opt), opt, ref, ref_opt
+    return case, pyrannc.RaNNCModule(model, opt, enable_zero=zero), opt, ref, ref_opt
 
 
 def _check_replicated_plan(rmod):
@@ -51,9 +51,12 @@ def _check_replicated_plan(rmod):
     assert [len(s.devices) for s in stages] == [PLAN[2]] * PLAN[0], rmod.deployment
 
 
+# With enable_zero the sharded gradients are reduce-scattered after every backward anyway (the
+# delay applies to the rest: tied parameters); accumulation must be just as exact.
+@pytest.mark.parametrize("zero", [False, True], ids=["", "zero"])
 @pytest.mark.parametrize("model_name", ["mlp", "gpt_tied", "client_loss"])
-def test_delayed_allreduce_accumulates_like_pytorch(model_name, monkeypatch, flags):
-    case, rmod, opt, ref, ref_opt = _modules(model_name, monkeypatch)
+def test_delayed_allreduce_accumulates_like_pytorch(model_name, zero, monkeypatch, flags):
+    case, rmod, opt, ref, ref_opt = _modules(model_name, monkeypatch, zero)
     pyrannc.delay_grad_allreduce(True)
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
