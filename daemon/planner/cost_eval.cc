@@ -123,9 +123,11 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
                      1000.0;
   }
 
-  double grads_and_state =
-      static_cast<double>(sums.trainable_bytes) * (1.0 + options.optimizer_state_factor);
-  if (options.zero) grads_and_state /= replicas;
+  // With ZeRO the state is a replica's shard, but a step's whole local gradient is still held
+  // while it is computed (the reduce-scatter follows the backward).
+  const double grads_and_state =
+      static_cast<double>(sums.trainable_bytes) *
+      (1.0 + options.optimizer_state_factor / (options.zero ? replicas : 1));
   const double fixed = static_cast<double>(sums.param_bytes) + grads_and_state;
   const double input = begin > 0 ? CutBytes(table, begin) * mbd : 0.0;
   const double act = static_cast<double>(sums.act_bytes);

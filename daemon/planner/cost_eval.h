@@ -41,7 +41,9 @@ struct SearchOptions {
   // Optimizer state bytes per trainable parameter byte: SGD 0, SGD+momentum 1, Adam 2,
   // Adam with amsgrad 3. Default 2 (Adam).
   double optimizer_state_factor = 2.0;
-  bool zero = false;        // gradients and optimizer state sharded over the stage's replicas
+  // ZeRO: optimizer state (and gradients between steps) sharded over the stage's replicas;
+  // during a step the runtime still holds the whole local gradient (runtime/pipeline_engine_zero.cc)
+  bool zero = false;
   int partition_num = 0;    // forced number of stages; 0 = search
   int pipeline_num = 0;     // forced number of micro-batches per step; 0 = search
   int replica_num = 0;      // forced replicas per stage (every stage); 0 = search
@@ -84,7 +86,7 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 //
 // Per-device micro-batch: ceil(batch_size / (micro_batches * replicas)); infeasible when
 // batch_size < micro_batches * replicas. Memory per device:
-//   params + (grads + optimizer state) [the latter two divided by replicas with zero]
+//   params + grads + optimizer state [the state divided by replicas with zero]
 //   + act * inflight + peak + input boundary bytes * inflight
 // and, with recompute (used only when allowed and the stage does not fit otherwise), only the
 // stage's input is kept per in-flight micro-batch but backward rebuilds one micro-batch's

@@ -238,7 +238,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     stage->set_memory_bytes(e.memory_bytes);
     const double state_share = memory.zero ? 1.0 / st.replicas : 1.0;
     const uint64_t fixed = e.param_bytes + static_cast<uint64_t>(
-        e.trainable_bytes * (1 + memory.optimizer_state_factor) * state_share);
+        e.trainable_bytes * (1 + memory.optimizer_state_factor * state_share));
     stage->set_fixed_bytes(std::min(fixed, e.memory_bytes));
     stage->set_param_bytes(e.param_bytes);
     stage->set_activation_bytes(e.memory_bytes - stage->fixed_bytes());

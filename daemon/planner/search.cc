@@ -283,8 +283,7 @@ struct BlockMemory {
 
 BlockMemory LeastBlockMemory(const SearchOptions& o, const BlockParams& bp,
                              const BlockProfile& prof, int r, int inflight) {
-  double state = bp.trainable * (1.0 + o.optimizer_state_factor);
-  if (o.zero) state /= r;
+  const double state = bp.trainable * (1.0 + o.optimizer_state_factor / (o.zero ? r : 1));
   const double fixed = bp.params + state + static_cast<double>(prof.peak_bytes);
   const double act = static_cast<double>(prof.act_bytes);
   return {fixed + act * inflight, fixed + act};
