@@ -388,6 +388,8 @@ void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
 }
 
 void PipelineEngine::Impl::AddGradShare(int lifted, const at::Tensor& grad) {
+  // A ZeRO gradient is never pending (reduce-scattered after every backward): it was read whole.
+  if (sharded(lifted)) return AddGrad(lifted, grad);
   BeginLocalGrads();
   if (owner_[lifted] < 0) return;
   at::Tensor& p = devices_[owner_[lifted]].lifted[lifted];

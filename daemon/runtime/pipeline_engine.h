@@ -181,7 +181,8 @@ class PipelineEngine {
   void AddGrad(int lifted, const at::Tensor& grad);
   // Adds this process's share of an unreduced gradient (what Grad returned while reductions
   // were pending, on an engine spanning processes) to one local holder, and makes reductions
-  // pending: a job rebuilding its engine puts its accumulated shares back this way.
+  // pending: a job rebuilding its engine puts its accumulated shares back this way. A ZeRO
+  // parameter's gradient is never pending: it is added as AddGrad does.
   void AddGradShare(int lifted, const at::Tensor& grad);
   void ZeroGrad(bool set_to_none = false);
   // torch.nn.utils.clip_grad_norm_ over the gradients of `params` (lifted indices, in the
