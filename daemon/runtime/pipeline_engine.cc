@@ -403,6 +403,7 @@ void PipelineEngine::Impl::AddGradShare(int lifted, const at::Tensor& grad) {
 }
 
 at::Tensor PipelineEngine::Impl::GradCopy(int lifted, const at::Tensor& t) const {
+  if (sharded(lifted)) return FullGrad(lifted);  // never pending; every replica's slice
   if (!pending_) return t.grad().defined() ? t.grad().detach().clone() : at::Tensor();
   at::NoGradGuard no_grad;
   at::Tensor sum;
@@ -668,7 +669,6 @@ absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name,
   const auto& names = impl_->tensor_names();
   const int lifted = static_cast<int>(std::find(names.begin(), names.end(), tensor_name) -
                                       names.begin());
-  if (impl_->sharded(lifted)) return GradAt(lifted);  // a ZeRO gradient: every device's slice
   return impl_->GradCopy(lifted, **t);
 }
 
@@ -680,10 +680,6 @@ absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
 }
 
 at::Tensor PipelineEngine::GradAt(int lifted) const {
-  if (impl_->sharded(lifted)) {
-    const at::Tensor g = impl_->FullGrad(lifted);
-    return g.defined() ? g.detach().clone() : at::Tensor();
-  }
   const at::Tensor t = impl_->OwnerTensor(lifted);
   return t.defined() ? impl_->GradCopy(lifted, t) : at::Tensor();
 }

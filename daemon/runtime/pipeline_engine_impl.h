@@ -200,7 +200,8 @@ class PipelineEngine::Impl {
   absl::Status AllReduceGrads();
   absl::StatusOr<const at::Tensor*> Find(const std::string& name, int device) const;
   // A copy of parameter `lifted`'s gradient as Grad defines it (undefined: none): `t`'s, or
-  // while reductions are pending the sum over this process's holders.
+  // while reductions are pending the sum over this process's holders, or for a ZeRO parameter
+  // its replicas' shards assembled (FullGrad).
   at::Tensor GradCopy(int lifted, const at::Tensor& t) const;
   absl::Status CheckReduced(const char* what) const;
   at::Tensor OwnerTensor(int lifted) const {
@@ -210,7 +211,6 @@ class PipelineEngine::Impl {
   // from its stage's replicas' shards: a new tensor).
   at::Tensor FullGrad(int lifted) const;
   bool sharded(int lifted) const { return zero_slots_.count(lifted) > 0; }
-  const IrGraph& ir() const { return *ir_; }
   void SetParam(int lifted, const at::Tensor& value);
   void AddGrad(int lifted, const at::Tensor& grad);
   void AddGradShare(int lifted, const at::Tensor& grad);

@@ -235,11 +235,6 @@ int ErrorRank(const absl::Status& s) {
   }
 }
 
-// A deadline for the calls between daemons that need no step to finish.
-void ShortDeadline(grpc::ClientContext& context) {
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-}
-
 // What Step and ClipGradNorm answer while delayed backwards' gradients are not reduced: RaNNC
 // requires allreduce_grads() before them, and so do we rather than use partial sums.
 absl::Status NotReduced(absl::string_view what) {
@@ -266,17 +261,7 @@ v1::HyperParams ToProto(const HyperParams& h) {
 
 }  // namespace
 
-Job::~Job() {
-  for (Part& part : parts_) {
-    if (part.job_id.empty()) continue;
-    v1::JobRef ref;
-    ref.set_job_id(part.job_id);
-    v1::Empty empty;
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    part.stub->DeleteJob(&context, ref, &empty).ok();  // best effort: the member may be gone
-  }
-}
+Job::~Job() { TellParts(&v1::TrainingService::Stub::DeleteJob, std::chrono::seconds(10)); }
 
 Job::Job(std::string id, JobConfig config)
     : id_(std::move(id)),
@@ -612,38 +597,33 @@ absl::Status Job::OnParts(const PartCall& call, const std::function<absl::Status
   return status;
 }
 
-void Job::AbortEverywhere() {
-  if (aborting_.exchange(true)) return;
-  AbortStep();
+void Job::TellParts(PartNotice notice, std::chrono::seconds deadline) {
   std::vector<std::future<void>> sent;
   for (Part& part : parts_) {
-    sent.push_back(std::async(std::launch::async, [&part] {
+    if (part.job_id.empty()) continue;  // its creation failed
+    sent.push_back(std::async(std::launch::async, [&part, notice, deadline] {
       v1::JobRef ref;
       ref.set_job_id(part.job_id);
       v1::Empty empty;
       grpc::ClientContext context;
-      // Briefly: a part cut off by a partition does not answer, and is found lost anyway.
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      part.stub->AbortStep(&context, ref, &empty).ok();  // an unreachable part is lost anyway
+      context.set_deadline(std::chrono::system_clock::now() + deadline);
+      // Best effort: a part that does not answer is gone or cut off, and found lost anyway.
+      ((*part.stub).*notice)(&context, ref, &empty).ok();
     }));
   }
   for (std::future<void>& f : sent) f.get();
 }
 
+void Job::AbortEverywhere() {
+  if (aborting_.exchange(true)) return;
+  AbortStep();
+  // Briefly: a part cut off by a partition does not answer.
+  TellParts(&v1::TrainingService::Stub::AbortStep, std::chrono::seconds(2));
+}
+
 void Job::UndeployParts() {
   if (!Lost().ok()) return;  // nothing to keep in step
-  std::vector<std::future<void>> sent;
-  for (Part& part : parts_) {
-    sent.push_back(std::async(std::launch::async, [&part] {
-      v1::JobRef ref;
-      ref.set_job_id(part.job_id);
-      v1::Empty empty;
-      grpc::ClientContext context;
-      ShortDeadline(context);
-      part.stub->Undeploy(&context, ref, &empty).ok();  // an unreachable part is lost anyway
-    }));
-  }
-  for (std::future<void>& f : sent) f.get();
+  TellParts(&v1::TrainingService::Stub::Undeploy, std::chrono::seconds(30));
 }
 
 absl::Status Job::PushToParts(const std::map<std::string, at::Tensor>& state) {

@@ -270,6 +270,11 @@ class Job {
   void AbortEverywhere();
   // Every part releases its engine (Undeploy), as this daemon has.
   void UndeployParts();
+  // Makes the same JobRef call (DeleteJob, AbortStep, Undeploy) on every part at once, waiting
+  // at most `deadline` for each; the answers are ignored.
+  using PartNotice = grpc::Status (v1::TrainingService::Stub::*)(grpc::ClientContext*,
+                                                                 const v1::JobRef&, v1::Empty*);
+  void TellParts(PartNotice notice, std::chrono::seconds deadline);
   // Sends state_dict entries to every part (each takes those it holds).
   absl::Status PushToParts(const std::map<std::string, at::Tensor>& state);
   // A tensor (or its gradient) held by another daemon's part.
