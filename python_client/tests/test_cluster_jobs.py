@@ -233,20 +233,29 @@ _CONFORMANCE = textwrap.dedent("""
 """)
 
 
+def _run_over_two_stages(script, peers, logs, **env):
+    """Runs a client `script` (formatted with this directory as `tests` and the `peers`) against
+    the first daemon, the plan forced to 2 stages x 2 replicas x 2 micro-batches (a stage per
+    daemon), with `env` added; asserts it succeeded and returns its stdout."""
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2", **env)
+    done = subprocess.run(
+        [sys.executable, "-c", script.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                                             peers=peers)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr +
+                                  "".join(open(log.name).read() for log in logs))
+    return done.stdout
+
+
 def test_the_runtime_conformance_models_train_like_pytorch_across_daemons(cluster):
     # The four models of test_pipeline_conformance (an MLP, a GPT with a tied embedding, two
     # inputs and a weight used twice, a loss the client computes) with 2 stages x 2 replicas x
     # 2 micro-batches: a stage (with its replicas) per daemon; the tied embedding is held by
     # both daemons.
     peers, logs, _ = cluster
-    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
-               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
-    done = subprocess.run(
-        [sys.executable, "-c", _CONFORMANCE.format(
-            tests=os.path.dirname(os.path.abspath(__file__)))],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.split().count("ok") == 4, done.stdout
+    stdout = _run_over_two_stages(_CONFORMANCE, peers, logs)
+    assert stdout.split().count("ok") == 4, stdout
 
 
 def test_two_client_ranks_train_one_job_over_the_cluster(tmp_path, cluster):
@@ -337,14 +346,8 @@ def test_clip_undeploy_recreate_and_load_state_span_the_daemons(cluster):
     # counted once; undeploy frees both daemons' devices and training resumes exactly;
     # recreate_all_communicators rebuilds every part's; load_state_dict reaches every part.
     peers, logs, _ = cluster
-    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
-               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
-    done = subprocess.run(
-        [sys.executable, "-c", _STATE_OPS.format(
-            tests=os.path.dirname(os.path.abspath(__file__)), peers=peers)],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr + open(logs[1].name).read()
-    assert done.stdout.split().count("ok") == 5, done.stdout
+    stdout = _run_over_two_stages(_STATE_OPS, peers, logs)
+    assert stdout.split().count("ok") == 5, stdout
 
 
 _ACCUMULATE = textwrap.dedent("""
@@ -392,14 +395,8 @@ def test_gradient_accumulation_spans_the_daemons(cluster):
     # (2 stages x 2 replicas): each daemon keeps its replicas' gradients until allreduce_grads,
     # through an undeploy and a recreate_all_communicators in between.
     peers, logs, _ = cluster
-    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
-               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
-    done = subprocess.run(
-        [sys.executable, "-c", _ACCUMULATE.format(
-            tests=os.path.dirname(os.path.abspath(__file__)))],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr + open(logs[1].name).read()
-    assert done.stdout.split().count("ok") == 3, done.stdout
+    stdout = _run_over_two_stages(_ACCUMULATE, peers, logs)
+    assert stdout.split().count("ok") == 3, stdout
 
 
 _BAD_INPUTS = textwrap.dedent("""
@@ -451,17 +448,10 @@ _BAD_INPUTS = textwrap.dedent("""
 
 def test_a_bad_batch_fails_promptly_on_every_daemon_and_loses_nothing(cluster):
     peers, logs, _ = cluster
-    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
-               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
-               RANNC_DEFER_OPS="0")
-    done = subprocess.run(
-        [sys.executable, "-c", _BAD_INPUTS.format(
-            tests=os.path.dirname(os.path.abspath(__file__)))],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr + open(logs[1].name).read()
-    failures = [line.split(maxsplit=2) for line in done.stdout.splitlines()
+    stdout = _run_over_two_stages(_BAD_INPUTS, peers, logs, RANNC_DEFER_OPS="0")
+    failures = [line.split(maxsplit=2) for line in stdout.splitlines()
                 if line.startswith("FAILED")]
-    assert len(failures) == 2, done.stdout
+    assert len(failures) == 2, stdout
     for _, seconds, message in failures:
         print(f"failed after {seconds} s: {message}")
         # The cause, not the abandoned waits it leads to; long before any transfer timeout.
@@ -469,13 +459,13 @@ def test_a_bad_batch_fails_promptly_on_every_daemon_and_loses_nothing(cluster):
         assert float(seconds) < 10, seconds
     # The token is found bad by the first stage's daemon, the target by the last stage's; the
     # error names the daemon when it is not the one the client talks to.
-    stages = next(line.split()[1:] for line in done.stdout.splitlines()
+    stages = next(line.split()[1:] for line in stdout.splitlines()
                   if line.startswith("STAGES"))
     assert "index out of range" in failures[0][2], failures[0]
     assert "out of bounds" in failures[1][2], failures[1]
     for (_, _, message), daemon in zip(failures, (stages[0], stages[-1])):
         assert daemon == peers[0] or daemon in message, (daemon, message)
-    assert done.stdout.rstrip().endswith("ok"), done.stdout
+    assert stdout.rstrip().endswith("ok"), stdout
 
 
 def test_client_ranks_on_different_daemons_train_one_job(tmp_path, cluster):
