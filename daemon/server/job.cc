@@ -1199,9 +1199,6 @@ absl::StatusOr<double> Job::ClipOverParts(double max_norm, double norm_type) {
     std::lock_guard<std::mutex> lock(norms_mu);
     norms.emplace(li, norm);
   };
-  std::map<std::string, int> lifted_of_name;
-  const std::vector<ParamStore::Entry>& entries = store_.entries();
-  for (size_t e = 0; e < entries.size(); ++e) lifted_of_name[entries[e].name] = lifted_of_entry_[e];
   absl::Status status = OnParts(
       [&](Part& part, grpc::ClientContext& context) -> grpc::Status {
         v1::ClipGradNormRequest request;
@@ -1216,11 +1213,11 @@ absl::StatusOr<double> Job::ClipOverParts(double max_norm, double norm_type) {
         }
         for (int i = 0; i < response.norm_names_size(); ++i) {
           absl::StatusOr<at::Tensor> norm = DecodeTensor(response.norms(i), "a norm", nullptr);
-          auto it = lifted_of_name.find(response.norm_names(i));
-          if (!norm.ok() || it == lifted_of_name.end()) {
+          const ParamStore::Entry* entry = store_.Find(response.norm_names(i));
+          if (!norm.ok() || entry == nullptr) {
             return grpc::Status(grpc::StatusCode::INTERNAL, "a part sent malformed norms");
           }
-          keep(it->second, *norm);
+          keep(lifted_of_entry_[entry - store_.entries().data()], *norm);
         }
         return grpc::Status::OK;
       },
