@@ -44,6 +44,9 @@ struct SearchOptions {
   // ZeRO: optimizer state (and gradients between steps) sharded over the stage's replicas;
   // during a step the runtime still holds the whole local gradient (runtime/pipeline_engine_zero.cc)
   bool zero = false;
+  // Offload (runtime/pipeline_engine_offload.cc): parameters and optimizer state live in host
+  // memory between steps; during a step the device holds the stage's parameters and gradients.
+  bool offload = false;
   int partition_num = 0;    // forced number of stages; 0 = search
   int pipeline_num = 0;     // forced number of micro-batches per step; 0 = search
   int replica_num = 0;      // forced replicas per stage (every stage); 0 = search

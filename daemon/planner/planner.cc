@@ -123,6 +123,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.schedule = FusesForwardBackward(ir) ? config.schedule : Schedule::kGPipe;
   options.optimizer_state_factor = memory.optimizer_state_factor;
   options.zero = memory.zero;
+  options.offload = memory.offload;
   options.partition_num = config.partition_num;
   options.pipeline_num = config.pipeline_num;
   options.replica_num = config.replica_num;
@@ -223,6 +224,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   d.set_objective_ms(plan->objective_ms);
   d.set_optimizer(memory.optimizer);
   d.set_zero(memory.zero);
+  d.set_offload(memory.offload);
   d.set_created_by(created_by);
   d.set_links(DescribeLinks(target.links));
   uint32_t device = 0;

@@ -69,6 +69,9 @@ struct MemoryModel {
   double optimizer_state_factor = 0;  // SGD 0, SGD with momentum 1, Adam 2, amsgrad 3
   std::string optimizer = "none";
   bool zero = false;
+  // offload_params: parameters, gradients between steps and optimizer state live in host
+  // memory; a device holds its stage's parameters and the step's gradients only during a step.
+  bool offload = false;
 };
 
 absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at::Tensor>& tensors,

@@ -101,6 +101,8 @@ struct EngineOptions {
   // those of the unsharded engine; reads (GradAt, OptimizerState) assemble the shards. A
   // stage's replicas must all be local (UNIMPLEMENTED at SetOptimizer otherwise).
   bool zero = false;
+  // Parameter offload: see "Offload" in the header comment.
+  bool offload = false;
   // Mixed precision: every stage's forward runs under autocast to this dtype (runtime/autocast.h);
   // parameters, gradients and optimizer state stay in their own dtype (the fp32 masters). The
   // IR must have been built under the same autocast, so that values crossing stages have the

@@ -102,9 +102,10 @@ absl::Status CheckExampleCount(const ImportedModel& model,
 }
 
 // Optimizer state in multiples of the trainable parameters' size, and whether it is sharded.
-planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero) {
+planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bool offload) {
   planner::MemoryModel m;
   m.zero = zero;
+  m.offload = offload;
   if (!config.enabled) return m;
   bool momentum = false, amsgrad = false;
   for (const HyperParams& h : config.group_hyper) {
@@ -145,7 +146,7 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
   }
   absl::StatusOr<v1::Deployment> plan =
       planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                         MemoryModelFor(config.optimizer, config.zero), config.planner, config.profile_cache,
+                         MemoryModelFor(config.optimizer, config.zero, config.offload), config.planner, config.profile_cache,
                          config.created_by);
   if (!plan.ok()) return Annotate(plan.status(), "planning the model");
   return plan;
@@ -367,6 +368,7 @@ absl::Status Job::Deploy() {
   options.local_devices = config_.local_devices;
   options.group = config_.engine_group;
   options.zero = config_.zero;
+  options.offload = config_.offload;
   options.amp = config_.amp;
   {
     // A fresh flag per engine: an aborted step leaves the next engine untouched.

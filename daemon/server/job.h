@@ -75,6 +75,9 @@ struct JobConfig {
   // enable_zero: gradients and optimizer state sharded over each stage's replicas
   // (EngineOptions::zero), and planned so.
   bool zero = false;
+  // offload_params: parameters and optimizer state in host memory, brought to the devices for
+  // each step (EngineOptions::offload), and planned so.
+  bool offload = false;
   // enable_apex_amp: every forward of the model (validation, planning, the stages, other
   // modes) runs under autocast to this dtype; the parameters stay fp32 (the masters).
   AmpDtype amp;

@@ -45,17 +45,6 @@ HyperParams FromProto(const v1::HyperParams& h) {
   return out;
 }
 
-// Options whose features belong to later milestones are refused by name, never ignored.
-absl::Status CheckSupported(const v1::JobOptions& options) {
-  auto refuse = [](const char* option, const char* what) {
-    return absl::UnimplementedError(absl::StrCat(
-        option, "=True (", what, ") is not supported by this daemon yet; create the job "
-        "without it"));
-  };
-  if (options.offload_params()) return refuse("offload_params", "parameter offload");
-  return absl::OkStatus();
-}
-
 absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
   OptimizerConfig config;
   switch (spec.type()) {
@@ -252,8 +241,6 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (model.empty()) {
     return Fail("CreateJob", absl::InvalidArgumentError("CreateJob carried no model bytes"));
   }
-  absl::Status supported = CheckSupported(spec.options());
-  if (!supported.ok()) return Fail("CreateJob", supported);
   absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
   if (!optimizer.ok()) return Fail("CreateJob", optimizer.status());
   absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec.example_inputs(), "example input", shm_);
@@ -265,6 +252,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.optimizer = std::move(*optimizer);
   config.check_unused_values = spec.options().check_unused_values();
   config.zero = spec.options().enable_zero();
+  config.offload = spec.options().offload_params();
   if (spec.options().enable_apex_amp()) {
     auto key = spec.options().config().find("amp_dtype");
     absl::StatusOr<c10::ScalarType> amp =
