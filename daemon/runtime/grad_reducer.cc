@@ -29,11 +29,17 @@ class GradReducer::Impl {
   absl::Status Init(std::vector<at::Tensor> params, comm::Communicator* comm, Options options);
   void BeginFinalBackward();
   absl::Status Finish(const WaitFn& wait);
+  absl::Status Rebind();
   // The AccumulateGrad post-hook of param `index` (the backward's thread).
   void OnAccumulated(int index);
 
   int buckets() const { return static_cast<int>(buckets_.size()); }
   int buckets_started_early() const { return last_started_early_; }
+  int64_t buffer_bytes() const {
+    int64_t bytes = 0;
+    for (const Bucket& b : buckets_) bytes += b.flat.defined() ? b.flat.nbytes() : 0;
+    return bytes;
+  }
 
  private:
   struct Param {
@@ -61,8 +67,11 @@ class GradReducer::Impl {
   // Starts, in bucket order, every bucket whose params are all ready. Holds mu_.
   void LaunchReady(bool early);
   std::string Describe(int bucket) const;
+  // Allocates the buckets' flat buffers (once, or every step when transient).
+  void AllocateBuckets();
 
-  comm::Communicator* comm_ = nullptr;  // null: the reducer is a no-op
+  comm::Communicator* comm_ = nullptr;
+  bool transient_ = false;  // null: the reducer is a no-op
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
 
@@ -120,15 +129,21 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
           absl::StrCat("param ", i, " is on ", t.device().str(), ", neither CPU nor CUDA"));
     }
   }
+  if (!options.numels.empty() && options.numels.size() != params.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(options.numels.size(), " element counts for ",
+                                                   params.size(), " params"));
+  }
   if (comm == nullptr || comm->size() == 1) return absl::OkStatus();
   comm_ = comm;
+  transient_ = options.transient;
 
   // Layout: reverse parameter order, one open bucket per (dtype, device), closed once full.
   params_.resize(params.size());
   std::vector<int> open;  // bucket indices still accepting params
   for (int i = static_cast<int>(params.size()) - 1; i >= 0; --i) {
     const at::Tensor& t = params[i];
-    const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+    const int64_t numel = options.numels.empty() ? t.numel() : options.numels[i];
+    const size_t bytes = static_cast<size_t>(numel) * t.element_size();
     int b = -1;
     for (auto it = open.begin(); it != open.end(); ++it) {
       const Bucket& ob = buckets_[*it];
@@ -154,27 +169,40 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
     bucket.bytes += bytes;
     if (bucket.bytes >= options.bucket_bytes) open.erase(std::find(open.begin(), open.end(), b));
   }
-  for (Bucket& b : buckets_) {
-    const int64_t element_size = static_cast<int64_t>(b.options.dtype().itemsize());
-    b.flat = at::empty({static_cast<int64_t>(b.bytes) / element_size}, b.options);
-    b.buffer = *BufferOf(b.flat);  // a dtype and device Create has checked
-  }
+  if (!transient_) AllocateBuckets();
+  return Rebind();
+}
+
+absl::Status GradReducer::Impl::Rebind() {
+  std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
-    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-    if (!p.accumulator) {
+    std::shared_ptr<torch::autograd::Node> now = torch::autograd::impl::grad_accumulator(p.tensor);
+    if (!now) {
       return absl::InternalError(absl::StrCat("param ", i, " has no gradient accumulator"));
     }
+    if (now == p.accumulator) continue;
+    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
+    p.accumulator = std::move(now);
     p.hook_key = p.accumulator->add_post_hook(
         std::make_unique<AccumulatedHook>(this, static_cast<int>(i)));
   }
   return absl::OkStatus();
 }
 
+void GradReducer::Impl::AllocateBuckets() {
+  for (Bucket& b : buckets_) {
+    const int64_t element_size = static_cast<int64_t>(b.options.dtype().itemsize());
+    b.flat = at::empty({static_cast<int64_t>(b.bytes) / element_size}, b.options);
+    b.buffer = *BufferOf(b.flat);  // a dtype and device Create has checked
+  }
+}
+
 void GradReducer::Impl::BeginFinalBackward() {
   std::lock_guard<std::mutex> lock(mu_);
   // A second call before Finish would reset buckets whose all-reduce may be in flight.
   if (comm_ == nullptr || !broken_.ok() || armed_) return;
+  if (transient_) AllocateBuckets();
   for (Param& p : params_) p.ready = false;
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.params.size());
   next_launch_ = 0;
@@ -225,7 +253,7 @@ std::string GradReducer::Impl::Describe(int bucket) const {
   const Bucket& b = buckets_[bucket];
   return absl::StrCat("all-reducing gradient bucket ", bucket, " of ", buckets_.size(), " (",
                       b.params.size(), " params, #", b.params.back(), "..#", b.params.front(),
-                      ", ", b.bytes, " bytes of ", c10::toString(b.flat.scalar_type()), ")");
+                      ", ", b.bytes, " bytes of ", c10::toString(c10::typeMetaToScalarType(b.options.dtype())), ")");
 }
 
 absl::Status GradReducer::Impl::Finish(const WaitFn& wait) {
@@ -276,6 +304,9 @@ absl::Status GradReducer::Impl::Finish(const WaitFn& wait) {
         p.tensor.mutable_grad() = at::empty_like(p.tensor).copy_(sum);
       }
     }
+    if (transient_) {
+      for (Bucket& b : buckets_) b.flat.reset();
+    }
     return absl::OkStatus();
   });
   if (!s.ok()) {
@@ -303,5 +334,10 @@ void GradReducer::BeginFinalBackward() { impl_->BeginFinalBackward(); }
 absl::Status GradReducer::Finish(const WaitFn& wait) { return impl_->Finish(wait); }
 int GradReducer::buckets() const { return impl_->buckets(); }
 int GradReducer::buckets_started_early() const { return impl_->buckets_started_early(); }
+int64_t GradReducer::buffer_bytes() const { return impl_->buffer_bytes(); }
+absl::Status GradReducer::Rebind() {
+  return TorchCall(absl::StatusCode::kInternal, "hooking the gradient accumulators",
+                   [&] { return impl_->Rebind(); });
+}
 
 }  // namespace rannc

@@ -61,6 +61,14 @@ class GradReducer {
     // Upper bound of a bucket's flat buffer, in bytes (PyTorch DDP's default cap, 25 MiB). A
     // parameter larger than this gets a bucket of its own.
     size_t bucket_bytes = 25u << 20;
+    // The buckets' flat buffers exist only from BeginFinalBackward to the end of Finish
+    // (parameter offload: the device keeps no gradient memory between steps). Default: allocated
+    // once, at Create.
+    bool transient = false;
+    // Per parameter, its element count, for parameters whose storage is swapped out at Create
+    // (offload: a device copy that exists only during steps; the tensor must have these
+    // elements whenever a backward or Finish runs). Empty: each tensor's own numel().
+    std::vector<int64_t> numels;
   };
 
   // `params`: this device's parameter leaves (requires_grad) whose gradients are summed over
@@ -93,10 +101,18 @@ class GradReducer {
   // FAILED_PRECONDITION without a BeginFinalBackward since the last Finish.
   absl::Status Finish(const WaitFn& wait);
 
+  // Hooks the parameters' current gradient accumulators. Call after their storage was swapped
+  // with set_ (parameter offload), which makes autograd drop a leaf's accumulator, shaped as
+  // the leaf was, and make a new one: without this the hooks stay on the old ones and no bucket
+  // starts during the backward (Finish still reduces everything).
+  absl::Status Rebind();
+
   // How many buckets each Finish reduces (fixed at Create), and how many of them the last
   // Finish found already started, i.e. overlapped with the backward. 0 for a no-op reducer.
   int buckets() const;
   int buckets_started_early() const;
+  // Bytes of the buckets' flat buffers allocated now.
+  int64_t buffer_bytes() const;
 
   class Impl;
 

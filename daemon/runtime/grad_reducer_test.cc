@@ -103,20 +103,47 @@ struct RankResult {
   int buckets = -1;
   int early = -1;
   std::vector<at::Tensor> grads;
+  // Bytes of bucket buffers: after Create, once armed, after Finish.
+  int64_t created_bytes = -1, armed_bytes = -1, finished_bytes = -1;
 };
 
 // One replica's step, on its own thread: an unarmed backward, an armed one, Finish.
+// With `transient` (parameter offload), the reducer is created while the parameters' storage
+// is swapped out (their sizes given as Options::numels), and its buffers exist only during the
+// armed backward and Finish.
 RankResult RunRank(comm::Communicator* c, size_t bucket_bytes, const Model& m,
-                   const at::Tensor& x0, const at::Tensor& x1) {
+                   const at::Tensor& x0, const at::Tensor& x1, bool transient = false) {
   RankResult result;
+  GradReducer::Options options;
+  options.bucket_bytes = bucket_bytes;
+  std::vector<at::Tensor> values;
+  if (transient) {
+    at::NoGradGuard no_grad;
+    options.transient = true;
+    for (at::Tensor p : m.params()) {
+      options.numels.push_back(p.numel());
+      values.push_back(p.detach().clone());
+      p.set_(at::empty({0}, p.options()));
+    }
+  }
   absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
-      GradReducer::Create(m.params(), c, {bucket_bytes});
+      GradReducer::Create(m.params(), c, options);
   result.created = reducer.status();
   if (!reducer.ok()) return result;
+  result.created_bytes = (*reducer)->buffer_bytes();
+  if (transient) {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> params = m.params();
+    for (size_t i = 0; i < params.size(); ++i) params[i].set_(values[i]);
+    // set_ made autograd drop the leaves' accumulators: without this no bucket starts early.
+    REQUIRE((*reducer)->Rebind().ok());
+  }
   Backward(m, x0, 0);
   (*reducer)->BeginFinalBackward();
+  result.armed_bytes = (*reducer)->buffer_bytes();
   Backward(m, x1, 1);
   result.finished = (*reducer)->Finish(WaitFor);
+  result.finished_bytes = (*reducer)->buffer_bytes();
   result.buckets = (*reducer)->buckets();
   result.early = (*reducer)->buckets_started_early();
   for (const at::Tensor& p : m.params()) result.grads.push_back(p.grad());
@@ -124,10 +151,10 @@ RankResult RunRank(comm::Communicator* c, size_t bucket_bytes, const Model& m,
 }
 
 void CheckReduction(Backend backend, comm::Store* store, int size, size_t bucket_bytes,
-                    int want_buckets, int want_early) {
+                    int want_buckets, int want_early, bool transient = false) {
   const std::string group =
       absl::StrCat("grad_reducer/", backend == Backend::kUcx ? "ucx" : "fake", "/", size, "/",
-                   bucket_bytes);
+                   bucket_bytes, transient ? "/transient" : "");
   std::vector<std::unique_ptr<comm::Communicator>> comms =
       comm::MakeGroupConcurrently(backend, size, group, store);
   REQUIRE(comms.size() == static_cast<size_t>(size));
@@ -143,7 +170,7 @@ void CheckReduction(Backend backend, comm::Store* store, int size, size_t bucket
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       results[r] = RunRank(comms[r].get(), bucket_bytes, models[r], inputs[2 * r],
-                           inputs[2 * r + 1]);
+                           inputs[2 * r + 1], transient);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -156,6 +183,11 @@ void CheckReduction(Backend backend, comm::Store* store, int size, size_t bucket
     REQUIRE(results[r].finished.ok());
     CHECK(results[r].buckets == want_buckets);
     CHECK(results[r].early == want_early);
+    // The model's gradients: 4 + 4 + 40 + 5 + 35 float32, 21 + 3 float64.
+    const int64_t all = 88 * 4 + 24 * 8;
+    CHECK(results[r].armed_bytes == all);
+    CHECK(results[r].created_bytes == (transient ? 0 : all));
+    CHECK(results[r].finished_bytes == (transient ? 0 : all));
     REQUIRE(results[r].grads.size() == want.size());
     for (size_t i = 0; i < want.size(); ++i) {
       INFO("param " << i);
@@ -189,6 +221,12 @@ TEST_CASE("GradReducer sums gradients over a UCX group, overlapped with backward
   std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
   SECTION("2 ranks") { CheckAllLayouts(Backend::kUcx, store.get(), 2); }
   SECTION("3 ranks") { CheckAllLayouts(Backend::kUcx, store.get(), 3); }
+}
+
+TEST_CASE("A transient GradReducer holds its buckets only while it reduces", "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  CheckReduction(Backend::kFake, store.get(), 2, 100, 6, 5, /*transient=*/true);
+  CheckReduction(Backend::kUcx, store.get(), 3, size_t{1} << 30, 2, 1, /*transient=*/true);
 }
 
 TEST_CASE("GradReducer reports a failed peer instead of hanging, then stays broken",

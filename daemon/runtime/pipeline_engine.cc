@@ -37,6 +37,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                                         const EngineOptions& options) {
   ir_ = &ir;
   zero_ = options.zero;
+  offload_ = options.offload;
   const AmpDtype amp = options.amp;
   timeout_ = options.timeout;
   cancel_ = options.cancel;
@@ -264,6 +265,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
         return absl::OkStatus();
       });
       if (!copied.ok()) return copied;
+      if (offload_) SetUpOffload(d);  // before the executor takes the device handles
       absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stages_[s].first, stages_[s].end);
       if (!sub.ok()) return sub.status();
       StageOptions options;
@@ -314,14 +316,11 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                       timeout_});
         if (!reps.ok()) return Annotate(reps.status(), absl::StrCat("device ", d.index));
         d.replicas = std::move(*reps);
-        std::vector<at::Tensor> untied;
+        std::vector<int> untied;
         for (int li : stages_[d.stage].params) {
-          if (std::find(tied_.begin(), tied_.end(), li) == tied_.end()) {
-            untied.push_back(d.lifted[li]);
-          }
+          if (std::find(tied_.begin(), tied_.end(), li) == tied_.end()) untied.push_back(li);
         }
-        absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
-            GradReducer::Create(std::move(untied), d.replicas.get(), {});
+        absl::StatusOr<std::unique_ptr<GradReducer>> reducer = MakeReducer(d, untied);
         if (!reducer.ok()) return Annotate(reducer.status(), absl::StrCat("device ", d.index));
         d.reducer = std::move(*reducer);
       }
@@ -336,6 +335,19 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   return status;
 }
 
+absl::StatusOr<std::unique_ptr<GradReducer>> PipelineEngine::Impl::MakeReducer(
+    Device& d, const std::vector<int>& params) const {
+  std::vector<at::Tensor> tensors;
+  GradReducer::Options options;
+  // Offloaded: the device handles are empty between steps, and so are the buckets.
+  options.transient = offload_;
+  for (int li : params) {
+    tensors.push_back(d.lifted[li]);
+    if (offload_) options.numels.push_back(d.Master(li).numel());
+  }
+  return GradReducer::Create(std::move(tensors), d.replicas.get(), options);
+}
+
 absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& name,
                                                              int device) const {
   for (size_t li = 0; li < ir_->tensor_names.size(); ++li) {
@@ -343,11 +355,11 @@ absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& 
     if (device >= 0) {
       if (device < static_cast<int>(world_rank_.size()) && world_rank_[device] >= 0 &&
           devices_[world_rank_[device]].lifted[li].defined()) {
-        return &devices_[world_rank_[device]].lifted[li];
+        return &devices_[world_rank_[device]].Master(li);
       }
       break;
     }
-    if (owner_[li] >= 0) return &devices_[owner_[li]].lifted[li];
+    if (owner_[li] >= 0) return &devices_[owner_[li]].Master(li);
   }
   return absl::NotFoundError(absl::StrCat("no stage", device >= 0 ? " on that device" : "",
                                           " holds a tensor named ", name));
@@ -355,9 +367,34 @@ absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& 
 
 void PipelineEngine::Impl::SetParam(int lifted, const at::Tensor& value) {
   at::NoGradGuard no_grad;
+  auto slot = zero_slots_.find(lifted);
   for (Device& d : devices_) {
-    if (d.lifted[lifted].defined()) d.lifted[lifted].copy_(value);
+    if (!d.lifted[lifted].defined()) continue;
+    if (offload_ && slot != zero_slots_.end()) {
+      // The master is the replicas' shards: each gets its slice.
+      const at::Tensor flat = value.reshape(-1);
+      pipeline_internal::ZeroPartition& part = d.zero[slot->second.partition];
+      ForShardSlice(part, slot->second.index, [&](int64_t shard_from, int64_t from, int64_t n) {
+        part.shard.narrow(0, shard_from, n).copy_(flat.narrow(0, from, n));
+      });
+      if (d.resident) d.lifted[lifted].copy_(value);
+      continue;
+    }
+    d.Master(lifted).copy_(value);
+    if (!d.host.empty() && d.host[lifted].defined() && d.resident) d.lifted[lifted].copy_(value);
   }
+}
+
+at::Tensor PipelineEngine::Impl::ParamValue(int lifted, int device) const {
+  const Device* d = nullptr;
+  if (device < 0) {
+    if (owner_[lifted] >= 0) d = &devices_[owner_[lifted]];
+  } else if (device < static_cast<int>(world_rank_.size()) && world_rank_[device] >= 0) {
+    d = &devices_[world_rank_[device]];
+  }
+  if (d == nullptr || !d->lifted[lifted].defined()) return at::Tensor();
+  if (offload_ && sharded(lifted)) return ShardedValue(lifted);
+  return d->Master(lifted).detach().clone();
 }
 
 void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
@@ -376,8 +413,9 @@ void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
     return;
   }
   for (Device& d : devices_) {
-    at::Tensor& p = d.lifted[lifted];
-    if (!p.defined() || !p.requires_grad()) continue;
+    if (!d.lifted[lifted].defined()) continue;
+    at::Tensor& p = d.Master(lifted);
+    if (!p.requires_grad()) continue;
     if (pending_ && d.world_rank != primary_[lifted]) continue;
     if (p.grad().defined()) {
       p.mutable_grad().add_(grad);
@@ -392,7 +430,7 @@ void PipelineEngine::Impl::AddGradShare(int lifted, const at::Tensor& grad) {
   if (sharded(lifted)) return AddGrad(lifted, grad);
   BeginLocalGrads();
   if (owner_[lifted] < 0) return;
-  at::Tensor& p = devices_[owner_[lifted]].lifted[lifted];
+  at::Tensor& p = devices_[owner_[lifted]].Master(lifted);
   if (!p.requires_grad()) return;
   at::NoGradGuard no_grad;
   if (p.grad().defined()) {
@@ -409,7 +447,7 @@ at::Tensor PipelineEngine::Impl::GradCopy(int lifted, const at::Tensor& t) const
   at::Tensor sum;
   for (const Device& d : devices_) {
     if (!d.local || !d.lifted[lifted].defined()) continue;
-    const at::Tensor& g = d.lifted[lifted].grad();
+    const at::Tensor& g = d.Master(lifted).grad();
     if (!g.defined()) continue;
     sum = sum.defined() ? sum.add_(g) : g.detach().clone();
   }
@@ -433,12 +471,14 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
         part.shard.mutable_grad().zero_();
       }
     }
-    for (at::Tensor& t : d.lifted) {
-      if (!t.defined() || !t.grad().defined()) continue;
-      if (set_to_none) {
-        t.mutable_grad().reset();
-      } else {
-        t.mutable_grad().zero_();
+    for (std::vector<at::Tensor>* tensors : {&d.lifted, &d.host}) {
+      for (at::Tensor& t : *tensors) {
+        if (!t.defined() || !t.grad().defined()) continue;
+        if (set_to_none) {
+          t.mutable_grad().reset();
+        } else {
+          t.mutable_grad().zero_();
+        }
       }
     }
   }
@@ -465,8 +505,9 @@ void PipelineEngine::Impl::ScaleGrads(const std::vector<int>& params,
   const std::set<int> selected(params.begin(), params.end());
   for (Device& d : devices_) {
     for (int li : selected) {
-      at::Tensor& p = d.lifted[li];
-      if (p.defined() && p.grad().defined()) p.grad().mul_(coefficient);
+      if (!d.lifted[li].defined()) continue;
+      at::Tensor& p = d.Master(li);
+      if (p.grad().defined()) p.grad().mul_(coefficient);
     }
     for (const pipeline_internal::ZeroPartition& part : d.zero) {
       const at::Tensor& g = part.shard.grad();
@@ -487,6 +528,11 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
   for (Device& d : devices_) {
     // ZeRO shards the untied parameters of a stage with replicas (SetUpZero).
     const bool shard = zero_ && d.local && d.replicas != nullptr;
+    if (shard && offload_ && !d.zero.empty()) {
+      // The shards are the masters now; laying them out again would need them gathered first.
+      return absl::FailedPreconditionError(
+          "with zero and offload, an engine's optimizer is set once");
+    }
     std::vector<ParamGroup> device_groups(groups.size());
     std::vector<std::vector<int>> ids(groups.size());  // per group: lifted index, or -1 - k
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -494,8 +540,9 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
         if (li < 0 || li >= static_cast<int>(d.lifted.size())) {
           return absl::InvalidArgumentError(absl::StrCat("no lifted tensor ", li));
         }
-        const at::Tensor& p = d.lifted[li];
-        if (!p.defined() || !p.requires_grad() || (shard && !tied.count(li))) continue;
+        if (!d.lifted[li].defined()) continue;
+        const at::Tensor& p = d.Master(li);
+        if (!p.requires_grad() || (shard && !tied.count(li))) continue;
         device_groups[g].params.push_back(p);
         ids[g].push_back(li);
       }
@@ -524,6 +571,25 @@ absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) 
   absl::Status reduced = CheckReduced("optimizer step");
   if (!reduced.ok()) return reduced;
   // Every device checks the same hypers against the same groups: all fail or none does.
+  if (offload_) {
+    // The masters and the optimizer state are in host memory: the step runs on the host, off
+    // the devices' workers (whose allocations count as device memory), every device at once.
+    // The next step's Upload brings the new values (and all-gathers ZeRO's shards).
+    std::vector<std::future<absl::Status>> done;
+    for (Device& d : devices_) {
+      if (!d.local) continue;
+      done.push_back(std::async(std::launch::async, [&d, &hypers] {
+        return TorchCall(absl::StatusCode::kInternal, "optimizer step",
+                         [&] { return d.optimizer->Step(hypers); });
+      }));
+    }
+    absl::Status first = absl::OkStatus();
+    for (auto& f : done) {
+      absl::Status s = f.get();
+      if (first.ok() && !s.ok()) first = s;
+    }
+    return first;
+  }
   absl::Status stepped =
       OnEveryDevice([&](Device& d) { return d.optimizer->Step(hypers); }, false);
   if (!stepped.ok() || zero_slots_.empty()) return stepped;
@@ -568,8 +634,10 @@ absl::Status PipelineEngine::Impl::LoadOptimizerState(
 void PipelineEngine::Impl::ApplySgd(double lr) {
   at::NoGradGuard no_grad;
   for (Device& d : devices_) {
-    for (at::Tensor& t : d.lifted) {
-      if (t.defined() && t.requires_grad() && t.grad().defined()) t.sub_(t.grad(), lr);
+    for (size_t li = 0; li < d.lifted.size(); ++li) {
+      if (!d.lifted[li].defined()) continue;
+      at::Tensor& t = d.Master(static_cast<int>(li));
+      if (t.requires_grad() && t.grad().defined()) t.sub_(t.grad(), lr);
     }
   }
 }
@@ -600,6 +668,9 @@ int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
     bytes += t.nbytes();
     if (t.grad().defined()) bytes += t.grad().nbytes();
   }
+  if (d.reducer) bytes += d.reducer->buffer_bytes();
+  // Offloaded: gradients between steps and optimizer state are host memory.
+  if (offload_) return bytes;
   for (const at::Tensor& t : d.fused_grads) {
     if (t.defined()) bytes += t.nbytes();
   }
@@ -676,7 +747,10 @@ absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
                                                  int device) const {
   absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name, device);
   if (!t.ok()) return t.status();
-  return (*t)->detach().clone();
+  const auto& names = impl_->tensor_names();
+  return impl_->ParamValue(
+      static_cast<int>(std::find(names.begin(), names.end(), tensor_name) - names.begin()),
+      device);
 }
 
 at::Tensor PipelineEngine::GradAt(int lifted) const {
@@ -684,10 +758,7 @@ at::Tensor PipelineEngine::GradAt(int lifted) const {
   return t.defined() ? impl_->GradCopy(lifted, t) : at::Tensor();
 }
 
-at::Tensor PipelineEngine::ParamAt(int lifted) const {
-  const at::Tensor t = impl_->OwnerTensor(lifted);
-  return t.defined() ? t.detach().clone() : at::Tensor();
-}
+at::Tensor PipelineEngine::ParamAt(int lifted) const { return impl_->ParamValue(lifted); }
 
 void PipelineEngine::SetParam(int lifted, const at::Tensor& value) {
   impl_->SetParam(lifted, value);

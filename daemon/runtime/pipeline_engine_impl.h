@@ -110,6 +110,10 @@ struct StageInfo {
 // gradient summed over the replicas (reduce-scattered after each backward). The parameters
 // keep no gradient of their own; after each optimizer step the shards are all-gathered into
 // every replica's flat buffer.
+//
+// With offload, `shard` is a host tensor of its own (the master of the replica's slice of the
+// parameters, with its gradient and optimizer state) and `flat` exists on the device only while
+// the device is resident: Upload all-gathers the replicas' shards into it, Release frees it.
 struct ZeroPartition {
   int group = 0;
   std::vector<int> params;       // lifted indices, in layout order
@@ -127,6 +131,18 @@ struct Device {
   int index = 0, stage = 0, replica = 0, world_rank = 0;
   bool local = true;  // run by this process (EngineOptions::local_devices)
   std::vector<at::Tensor> lifted;  // per IR lifted input; undefined where the stage reads none
+  // Offload (EngineOptions::offload; pipeline_engine_offload.cc): per lifted index, the host
+  // master of each of the stage's parameters: its value, its accumulated gradient, the
+  // optimizer's parameter. Its `lifted` tensor (the executor's handle, a leaf on the device)
+  // then holds the value only while `resident`, from Upload at a step's start to Release at
+  // its end, and is empty otherwise. Undefined where not offloaded (`lifted` is the master), and
+  // for a ZeRO parameter, whose master is its partition's host shard.
+  std::vector<at::Tensor> host;
+  bool resident = true;
+  at::Tensor& Master(int li) { return !host.empty() && host[li].defined() ? host[li] : lifted[li]; }
+  const at::Tensor& Master(int li) const {
+    return !host.empty() && host[li].defined() ? host[li] : lifted[li];
+  }
   std::unique_ptr<StageExecutor> exec;
   std::unique_ptr<comm::Communicator> world, replicas;
   // Sums the stage's untied parameters' gradients over `replicas`, overlapped with the
@@ -204,9 +220,14 @@ class PipelineEngine::Impl {
   // its replicas' shards assembled (FullGrad).
   at::Tensor GradCopy(int lifted, const at::Tensor& t) const;
   absl::Status CheckReduced(const char* what) const;
+  // The master of lifted tensor `lifted` on its owner (undefined: none here; an empty tensor
+  // for a ZeRO parameter with offload, whose value ParamValue assembles).
   at::Tensor OwnerTensor(int lifted) const {
-    return owner_[lifted] < 0 ? at::Tensor() : devices_[owner_[lifted]].lifted[lifted];
+    return owner_[lifted] < 0 ? at::Tensor() : devices_[owner_[lifted]].Master(lifted);
   }
+  // A copy of lifted tensor `lifted`'s value on `device` (-1: its owner); undefined when not
+  // held there.
+  at::Tensor ParamValue(int lifted, int device = -1) const;
   // Parameter `lifted`'s gradient, undefined when it has none (a ZeRO parameter's is assembled
   // from its stage's replicas' shards: a new tensor).
   at::Tensor FullGrad(int lifted) const;
@@ -325,6 +346,9 @@ class PipelineEngine::Impl {
   // Sums `d`'s current gradients over the stage's replicas (tied ones over every device). Each
   // gradient is replaced only once all of the device's reductions have completed.
   absl::Status ReduceGrads(Device& d);
+  // The bucketed all-reduce of `params` (lifted indices) over `d`'s stage replicas.
+  absl::StatusOr<std::unique_ptr<GradReducer>> MakeReducer(Device& d,
+                                                           const std::vector<int>& params) const;
   // Before local gradients are added while none are pending: every holder has the reduced
   // gradient, so all but each parameter's primary holder drop theirs, which keeps the sum over
   // holders equal to it. Then reductions are pending.
@@ -362,6 +386,24 @@ class PipelineEngine::Impl {
   void LoadZeroOptimizerState(
       const Device& d, const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state,
       std::vector<std::pair<std::string, at::Tensor>>* named) const;
+  // Offload (pipeline_engine_offload.cc). At Init: the stage's parameters move to host masters
+  // and the device handles are emptied.
+  void SetUpOffload(Device& d);
+  // On `d`'s worker, at a step's start: the parameters' values onto the device (ZeRO's
+  // partitions all-gathered from the replicas' host shards). Nothing when already resident.
+  absl::Status Upload(Device& d);
+  // Frees the device copies of the parameters (and ZeRO's flat buffers) and their gradients.
+  void Release(Device& d);
+  // AllReduceGrads on an offloaded device: its host gradients onto the device, reduced, back.
+  absl::Status ReduceOffloaded(Device& d, bool keep_resident);
+  // `t` in host memory: a copy for an accelerator's tensor, `t` itself for a CPU one.
+  static at::Tensor ToHost(const at::Tensor& t);
+  // A ZeRO parameter's value assembled from its replicas' shards (offload: they are the
+  // masters).
+  at::Tensor ShardedValue(int lifted) const;
+  // Parameter `lifted`'s slice of its replicas' shards (or of their gradients), concatenated
+  // and shaped as the parameter (undefined when a replica has no gradient).
+  at::Tensor Assemble(const ZeroSlot& slot, int lifted, bool grad) const;
   // The devices running stage `s`'s replicas, in replica order.
   std::vector<const Device*> Replicas(int s) const {
     std::vector<const Device*> out;
@@ -375,6 +417,7 @@ class PipelineEngine::Impl {
   int micro_batches_ = 1;
   bool fused_ = false;
   bool zero_ = false;  // EngineOptions::zero
+  bool offload_ = false;  // EngineOptions::offload
   milliseconds timeout_{120000};
   std::unique_ptr<comm::Store> owned_store_;
   comm::Store* store_ = nullptr;  // owned_store_, or EngineOptions::store

@@ -288,6 +288,18 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
     for (pipeline_internal::ZeroPartition& part : d.zero) part.fused_grad.reset();
     d.partial.clear();
   }
+  if (offload_) {
+    absl::Status up = Upload(d);
+    if (!up.ok()) return up;
+  }
+  // Offloaded parameters stay on the device while a backward may still come over this step's
+  // graphs; otherwise they go when the step ends (failed or not).
+  const bool keep_resident = (step.phase == Phase::kForward && step.requires_grad) ||
+                             (step.phase == Phase::kBackward && step.retain_graph);
+  auto end = [&](absl::Status s) {
+    if (offload_ && (!keep_resident || !s.ok())) Release(d);
+    return s;
+  };
   const bool backward = step.phase != Phase::kForward;
   const bool reduce = backward && !step.delay;
   std::vector<at::Tensor> params;
@@ -303,7 +315,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   // On failure the gradients accumulated before this step are put back.
   auto fail = [&](absl::Status s) {
     for (size_t i = 0; i < saved.size(); ++i) params[i].mutable_grad() = saved[i];
-    return s;
+    return end(s);
   };
   Pending pending;
   bool first_backward = true;
@@ -326,7 +338,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   }
   absl::Status sent = WaitAll(d, pending);
   if (!sent.ok()) return fail(sent);
-  if (!backward) return absl::OkStatus();
+  if (!backward) return end(absl::OkStatus());
   if (reduce) {
     absl::Status reduced = ReduceGrads(d);
     if (!reduced.ok()) return fail(reduced);
@@ -337,6 +349,21 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   if (!scattered.ok()) return fail(scattered);
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor step_grad = params[i].grad();
+    const int li = st.params[i];
+    if (!d.host.empty() && d.host[li].defined()) {
+      // Offloaded: the step's gradient goes to the host master (the device had none before).
+      params[i].mutable_grad().reset();
+      if (step_grad.defined()) step_grad = ToHost(step_grad);
+      at::Tensor& master = d.host[li];
+      if (step.phase == Phase::kFused) {
+        d.fused_grads.push_back(step_grad);
+      } else if (step_grad.defined() &&
+                 !(step.primary_only && d.world_rank != primary_[li])) {
+        master.mutable_grad() =
+            master.grad().defined() ? master.mutable_grad().add_(step_grad) : step_grad;
+      }
+      continue;
+    }
     if (step.phase == Phase::kFused) {
       d.fused_grads.push_back(step_grad);
       params[i].mutable_grad() = saved[i];
@@ -346,7 +373,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
       params[i].mutable_grad() = step_grad.defined() ? saved[i].add_(step_grad) : saved[i];
     }
   }
-  return absl::OkStatus();
+  return end(absl::OkStatus());
 }
 
 absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
@@ -394,7 +421,7 @@ void PipelineEngine::Impl::BeginLocalGrads() {
   for (Device& d : devices_) {
     if (!d.local) continue;
     for (int li : stages_[d.stage].params) {
-      if (d.world_rank != primary_[li]) d.lifted[li].mutable_grad().reset();
+      if (d.world_rank != primary_[li]) d.Master(li).mutable_grad().reset();
     }
   }
   pending_ = true;
@@ -406,6 +433,7 @@ absl::Status PipelineEngine::Impl::AllReduceGrads() {
   if (!pending_) return absl::OkStatus();
   absl::Status reduced = OnEveryDevice(
       [&](Device& d) {
+        if (offload_) return ReduceOffloaded(d, held_ == Held::kGraphs);
         // Nothing runs a backward: Finish takes every gradient as it stands.
         if (d.reducer) d.reducer->BeginFinalBackward();
         return ReduceGrads(d);
@@ -492,9 +520,8 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
         } else if (output_kinds_[i] == OutputKind::kUserInput) {
           out = inputs[index];
         } else {
-          const at::Tensor held = OwnerTensor(index - static_cast<int>(ir.num_user_inputs));
-          out = held.defined() ? held.detach().clone()
-                               : at::zeros(val.shape, at::TensorOptions().dtype(val.dtype));
+          const at::Tensor held = ParamValue(index - static_cast<int>(ir.num_user_inputs));
+          out = held.defined() ? held : at::zeros(val.shape, at::TensorOptions().dtype(val.dtype));
         }
         break;
       }
@@ -565,7 +592,7 @@ absl::Status PipelineEngine::Impl::Backward(
       const StageInfo& st = stages_[d.stage];
       for (size_t i = 0; i < d.fused_grads.size() && g != 0.0; ++i) {
         if (primary_only && d.world_rank != primary_[st.params[i]]) continue;
-        at::Tensor& grad = d.lifted[st.params[i]].mutable_grad();
+        at::Tensor& grad = d.Master(st.params[i]).mutable_grad();
         const at::Tensor& step = d.fused_grads[i];
         if (!step.defined()) continue;
         if (grad.defined()) {

@@ -281,13 +281,19 @@ TEST_CASE("Stages the plan marks for recomputation give the same gradients", "[r
 }
 
 TEST_CASE("Kept graphs take a second backward with retain_graph", "[runtime]") {
+  // Offloaded parameters stay on the devices while the graphs are kept.
+  for (bool offload : {false, true})
   for (const char* name : {"multi_io", "tied_lm"}) {
-    INFO(name);
+    INFO(name << (offload ? ", offload" : ""));
     FixtureIr f = BuildFixtureIr(name);
     REQUIRE(f.ir.ok());
     const IrGraph& ir = *f.ir;
+    EngineOptions options;
+    options.backend = comm::Backend::kFake;
+    options.num_devices = 4;
+    options.offload = offload;
     absl::StatusOr<std::unique_ptr<PipelineEngine>> engine = PipelineEngine::Create(
-        ir, MakePlan(ir, {{0}, {1, 2}}, 1, v1::SCHEDULE_1F1B), f.tensors, comm::Backend::kFake, 4);
+        ir, MakePlan(ir, {{0}, {1, 2}}, 1, v1::SCHEDULE_1F1B), f.tensors, options);
     REQUIRE(engine.ok());
     REQUIRE_FALSE((*engine)->fused());
     absl::StatusOr<std::vector<at::Tensor>> out = (*engine)->Forward(f.fixture.inputs, true);
@@ -469,8 +475,10 @@ class Reference {
 TEST_CASE("Delayed gradient reduction accumulates like PyTorch and all-reduces once",
           "[runtime]") {
   // Fused (mlp, tiny_gpt with a tied embedding) and kept graphs (multi_io, tied_lm).
+  // Offloaded too: the delayed gradients wait in host memory.
+  for (bool offload : {false, true})
   for (const char* name : {"mlp", "tiny_gpt", "multi_io", "tied_lm"}) {
-    INFO(name);
+    INFO(name << (offload ? ", offload" : ""));
     FixtureIr f = BuildFixtureIr(name);
     REQUIRE(f.ir.ok());
     const IrGraph& ir = *f.ir;
@@ -479,14 +487,16 @@ TEST_CASE("Delayed gradient reduction accumulates like PyTorch and all-reduces o
       EngineOptions options;
       options.backend = comm::Backend::kFake;
       options.num_devices = 4;
+      options.offload = offload;
       options.group = group;
       absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
           PipelineEngine::Create(ir, plan, f.tensors, options);
       REQUIRE(engine.ok());
       return std::move(*engine);
     };
-    const std::string delayed_group = std::string("delayed_") + name;
-    const std::string eager_group = std::string("eager_") + name;
+    const std::string suffix = std::string(name) + (offload ? "_offload" : "");
+    const std::string delayed_group = "delayed_" + suffix;
+    const std::string eager_group = "eager_" + suffix;
     std::unique_ptr<PipelineEngine> delayed = make(delayed_group);
     std::unique_ptr<PipelineEngine> eager = make(eager_group);
     // Collectives issued on a group (by its rank 0) since the engines were created.
@@ -659,11 +669,13 @@ namespace zero_test {
 
 std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deployment& plan,
                                            const std::vector<at::Tensor>& lifted,
-                                           comm::Backend backend, bool zero) {
+                                           comm::Backend backend, bool zero,
+                                           bool offload = false) {
   EngineOptions options;
   options.backend = backend;
   options.num_devices = 4;
   options.zero = zero;
+  options.offload = offload;
   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
       PipelineEngine::Create(*f.ir, plan, lifted, options);
   INFO(engine.status().ToString());
@@ -673,8 +685,12 @@ std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deploym
 
 }  // namespace zero_test
 
-TEST_CASE("ZeRO shards gradients and optimizer state and trains exactly like the unsharded engine",
+TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less device memory",
           "[runtime]") {
+  struct Mode {
+    const char* name;
+    bool zero, offload;
+  };
   struct Case {
     const char* model;
     std::vector<std::vector<int>> devices;
@@ -686,8 +702,10 @@ TEST_CASE("ZeRO shards gradients and optimizer state and trains exactly like the
                                    {"tiny_gpt", {{0, 1}, {2, 3}}, 2},
                                    {"multi_io", {{0, 1, 2}, {3}}, 1}};
   for (const Case& c : cases) {
+   for (const Mode& mode : {Mode{"zero", true, false}, Mode{"offload", false, true},
+                            Mode{"zero+offload", true, true}}) {
     for (comm::Backend backend : {comm::Backend::kFake, comm::Backend::kUcx}) {
-      INFO(c.model << ", " << BackendName(backend));
+      INFO(c.model << ", " << mode.name << ", " << BackendName(backend));
       FixtureIr f = BuildFixtureIr(c.model);
       REQUIRE(f.ir.ok());
       const IrGraph& ir = *f.ir;
@@ -699,7 +717,7 @@ TEST_CASE("ZeRO shards gradients and optimizer state and trains exactly like the
       std::unique_ptr<PipelineEngine> plain =
           zero_test::MakeEngine(f, plan, f.tensors, backend, false);
       std::unique_ptr<PipelineEngine> zero =
-          zero_test::MakeEngine(f, plan, f.tensors, backend, true);
+          zero_test::MakeEngine(f, plan, f.tensors, backend, mode.zero, mode.offload);
       HyperParams adam;
       adam.lr = 0.01;
       adam.weight_decay = 0.1;
@@ -770,20 +788,33 @@ TEST_CASE("ZeRO shards gradients and optimizer state and trains exactly like the
           CHECK(at::allclose(got_state.at(li)[k].second, entries[k].second, kRtol, kAtol));
         }
       }
-      // Each replica holds a shard: the first device holds less than unsharded, between steps
-      // and at its peak during one, which includes the step's activations and gradients.
+      // Each replica holds a shard, or nothing between steps when offloaded: the first device
+      // holds less than the plain engine's, between steps and at its peak during one, which
+      // includes the step's activations and gradients (and, offloaded, its parameters).
       const int first = c.devices[0][0];
       CHECK(zero->DeviceBytes(first) < plain->DeviceBytes(first));
       CHECK(plain->PeakDeviceBytes(first) > plain->DeviceBytes(first));
       CHECK(zero->PeakDeviceBytes(first) > zero->DeviceBytes(first));
       CHECK(zero->PeakDeviceBytes(first) < plain->PeakDeviceBytes(first));
+      if (mode.offload) {
+        // Only buffers stay on the device between steps; a step held at least the stage's
+        // parameters there.
+        int64_t stage_param_bytes = 0, stage_buffer_bytes = 0;
+        for (size_t li = 0; li < f.tensors.size(); ++li) {
+          if (!zero->Param(ir.tensor_names[li], first).ok()) continue;
+          (IsParam(ir, li) ? stage_param_bytes : stage_buffer_bytes) += f.tensors[li].nbytes();
+        }
+        CHECK(zero->DeviceBytes(first) == stage_buffer_bytes);
+        CHECK(zero->PeakDeviceBytes(first) > stage_param_bytes);
+      }
       // The state moves into a fresh ZeRO engine (a job's undeploy and redeploy), which then
       // trains on as the unsharded engine does.
       std::vector<at::Tensor> now;
       for (size_t i = 0; i < f.tensors.size(); ++i) {
         now.push_back(plain->ParamAt(i).requires_grad_(IsParam(ir, i)));
       }
-      std::unique_ptr<PipelineEngine> moved = zero_test::MakeEngine(f, plan, now, backend, true);
+      std::unique_ptr<PipelineEngine> moved =
+          zero_test::MakeEngine(f, plan, now, backend, mode.zero, mode.offload);
       REQUIRE(moved->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
       REQUIRE(moved->LoadOptimizerState(got_state).ok());
       for (PipelineEngine* e : {plain.get(), moved.get()}) {
@@ -797,6 +828,7 @@ TEST_CASE("ZeRO shards gradients and optimizer state and trains exactly like the
         CHECK(at::allclose(moved->ParamAt(li), plain->ParamAt(li), kRtol, kAtol));
       }
     }
+   }
   }
 }
 

@@ -59,8 +59,9 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
     std::map<at::ScalarType, ZeroPartition> by_type;
     std::map<at::ScalarType, int64_t> sizes;
     for (int li : groups[g]) {
-      const at::Tensor& p = d.lifted[li];
-      if (!p.defined() || !p.requires_grad() || tied.count(li) || sharded.count(li)) continue;
+      if (!d.lifted[li].defined()) continue;
+      const at::Tensor& p = d.Master(li);
+      if (!p.requires_grad() || tied.count(li) || sharded.count(li)) continue;
       ZeroPartition& part = by_type[p.scalar_type()];
       part.group = static_cast<int>(g);
       part.params.push_back(li);
@@ -72,15 +73,24 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
       part.len = (sizes[type] + R - 1) / R;
       part.flat = at::zeros({part.len * R}, at::TensorOptions().dtype(type));
       for (size_t i = 0; i < part.params.size(); ++i) {
-        at::Tensor& p = d.lifted[part.params[i]];
+        at::Tensor& p = d.Master(part.params[i]);
         part.flat.narrow(0, part.offsets[i], p.numel()).copy_(p.reshape(-1));
         // The parameter becomes a slice of the flat buffer, in place: the stage executor's
-        // handle to it sees the new storage.
-        p.set_(part.flat.storage(), part.offsets[i], p.sizes(), ContiguousStrides(p.sizes()));
+        // handle to it sees the new storage. (Offloaded, it is empty until Upload gathers it.)
+        if (!offload_) {
+          p.set_(part.flat.storage(), part.offsets[i], p.sizes(), ContiguousStrides(p.sizes()));
+        }
       }
       part.shard_offset = d.replica * part.len;
-      part.shard = at::empty({0}, part.flat.options());
-      part.shard.set_(part.flat.storage(), part.shard_offset, {part.len}, {1});
+      if (offload_) {
+        // The host shard becomes the master of its slice; the whole parameters are not kept.
+        part.shard = part.flat.narrow(0, part.shard_offset, part.len).clone();
+        part.flat = at::Tensor();
+        for (int li : part.params) d.host[li] = at::Tensor();
+      } else {
+        part.shard = at::empty({0}, part.flat.options());
+        part.shard.set_(part.flat.storage(), part.shard_offset, {part.len}, {1});
+      }
       part.shard.requires_grad_(true);
       const int k = static_cast<int>(d.zero.size());
       for (size_t i = 0; i < part.params.size(); ++i) {
@@ -92,13 +102,12 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
     }
   }
   // The bucketed all-reduce keeps what ZeRO does not shard (parameters outside the optimizer).
-  std::vector<at::Tensor> rest;
+  std::vector<int> rest;
   for (int li : stages_[d.stage].params) {
-    if (!tied.count(li) && !sharded.count(li)) rest.push_back(d.lifted[li]);
+    if (!tied.count(li) && !sharded.count(li)) rest.push_back(li);
   }
   d.reducer.reset();
-  absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
-      GradReducer::Create(std::move(rest), d.replicas.get(), {});
+  absl::StatusOr<std::unique_ptr<GradReducer>> reducer = MakeReducer(d, rest);
   if (!reducer.ok()) return reducer.status();
   d.reducer = std::move(*reducer);
   return absl::OkStatus();
@@ -138,6 +147,7 @@ absl::Status PipelineEngine::Impl::ReduceScatterZero(Device& d, bool fused) {
     absl::Status s = Wait(d, d.replicas->ReduceScatter(*in, *mine, {comm::ReduceOp::kSum}),
                           flat_grad, "reduce-scattering ZeRO gradients");
     if (!s.ok()) return s;
+    if (offload_) out = ToHost(out);  // the shard's master is in host memory
     if (fused) {
       part.fused_grad = out;
     } else if (part.shard.grad().defined()) {
@@ -193,18 +203,24 @@ at::Tensor PipelineEngine::Impl::FullGrad(int lifted) const {
     const at::Tensor t = OwnerTensor(lifted);
     return t.defined() ? t.grad() : at::Tensor();
   }
+  return Assemble(slot->second, lifted, /*grad=*/true);
+}
+
+at::Tensor PipelineEngine::Impl::ShardedValue(int lifted) const {
+  return Assemble(zero_slots_.at(lifted), lifted, /*grad=*/false);
+}
+
+at::Tensor PipelineEngine::Impl::Assemble(const ZeroSlot& slot, int lifted, bool grad) const {
   std::vector<at::Tensor> shards;
-  for (const Device* r : Replicas(slot->second.stage)) {
-    const at::Tensor& g = r->zero[slot->second.partition].shard.grad();
-    if (!g.defined()) return at::Tensor();
-    shards.push_back(g);
+  for (const Device* r : Replicas(slot.stage)) {
+    const at::Tensor& shard = r->zero[slot.partition].shard;
+    const at::Tensor& t = grad ? shard.grad() : shard;
+    if (!t.defined()) return at::Tensor();
+    shards.push_back(t.detach());
   }
-  const ZeroPartition& part = Replicas(slot->second.stage)[0]->zero[slot->second.partition];
+  const ZeroPartition& part = Replicas(slot.stage)[0]->zero[slot.partition];
   const std::vector<int64_t>& shape = lifted_shapes_[lifted];
-  return at::cat(shards)
-      .narrow(0, part.offsets[slot->second.index], Numel(shape))
-      .view(shape)
-      .clone();
+  return at::cat(shards).narrow(0, part.offsets[slot.index], Numel(shape)).view(shape).clone();
 }
 
 void PipelineEngine::Impl::ZeroOptimizerState(

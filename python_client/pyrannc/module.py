@@ -31,11 +31,6 @@ logger = logging.getLogger("pyrannc")
 _DROPOUT_TYPES = (torch.nn.modules.dropout._DropoutNd,)
 
 
-def _later_feature(what: str, feature: str):
-    raise NotImplementedError(f"{what}: {feature} is not implemented in pyrannc/ranncd yet; "
-                              "leave it at its default")
-
-
 def _mode_key(mode: pb.Mode) -> Tuple[bool, bool]:
     return (mode.training, mode.dropout)
 
@@ -110,8 +105,10 @@ class RaNNCModule(torch.nn.Module):
     torch.autocast to the config key amp_dtype (bf16, the default and what CPU devices support,
     or fp16 on CUDA) with the parameters, gradients and optimizer state kept fp32 (the
     masters, which amp_master_param(s)=True reads); allreduce_amp_master_params is accepted (the
-    fp32 gradients are what replicas all-reduce). offload_params raises NotImplementedError
-    rather than being ignored.
+    fp32 gradients are what replicas all-reduce). offload_params=True keeps the parameters,
+    their gradients between steps and the optimizer state in host memory, each device holding
+    its stage's parameters only during a step (with enable_zero, the host keeps each replica's
+    shard). Results equal the job's without these switches.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, gather_inputs=True,
@@ -119,9 +116,6 @@ class RaNNCModule(torch.nn.Module):
                  enable_zero=False, check_unused_values=True, offload_params=False):
         if allreduce_amp_master_params and not enable_apex_amp:
             raise ValueError("allreduce_amp_master_params=True needs enable_apex_amp=True")
-        if offload_params:
-            _later_feature("RaNNCModule(offload_params=True)",
-                           "parameter offloading to host memory")
         _runtime.check_ranks()
         # Read now, so a bad file fails here rather than at the first forward.
         deployment_bytes = b""
@@ -143,6 +137,7 @@ class RaNNCModule(torch.nn.Module):
         self._gather_inputs = bool(gather_inputs)
         self._check_unused_values = bool(check_unused_values)
         self._enable_zero = bool(enable_zero)
+        self._offload_params = bool(offload_params)
         self._amp = bool(enable_apex_amp)
         self._allreduce_amp_master_params = bool(allreduce_amp_master_params)
         self._job: Optional[_Job] = None
@@ -300,6 +295,7 @@ class RaNNCModule(torch.nn.Module):
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
                                 enable_zero=self._enable_zero,
+                                offload_params=self._offload_params,
                                 enable_apex_amp=self._amp,
                                 allreduce_amp_master_params=self._allreduce_amp_master_params,
                                 config=_config.job_config(),

@@ -302,14 +302,6 @@ def test_optimizer_closure():
 # ---------------------------------------------------------------------------------------------
 # Unsupported or later-issue features fail loudly.
 
-@pytest.mark.parametrize("flag,value", [
-    ("offload_params", True),
-])
-def test_later_issue_flags_raise(flag, value):
-    with pytest.raises(NotImplementedError, match=flag):
-        pyrannc.RaNNCModule(models.MLP(), **{flag: value})
-
-
 def test_later_issue_functions_raise():
     rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
     with pytest.raises(ValueError, match="enable_apex_amp"):

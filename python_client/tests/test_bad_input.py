@@ -128,14 +128,6 @@ def test_model_failing_on_its_example_input(stub):
     assert_serves(stub)
 
 
-def test_unimplemented_option_is_named(stub):
-    x = torch.randn(4, 3)
-    options = pb.JobOptions(gather_inputs=True, check_unused_values=True, offload_params=True)
-    _expect(C.UNIMPLEMENTED, lambda: _create(stub, _traced(_linear(), x), [x], options=options),
-            r"offload_params")
-    assert_serves(stub)
-
-
 def test_optimizer_group_naming_unknown_parameter(stub):
     x = torch.randn(4, 3)
     opt = pb.OptimizerSpec(type=pb.SGD, groups=[pb.ParamGroup(

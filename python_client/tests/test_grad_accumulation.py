@@ -36,14 +36,15 @@ def flags():
     pyrannc.clear()
 
 
-def _modules(model_name, monkeypatch, zero=False):
+def _modules(model_name, monkeypatch, zero=False, offload=False):
     case = MODELS[model_name]
     _set_plan_config(monkeypatch, PLAN, "1f1b")
     torch.manual_seed(0)
     model = case.make()
     ref = copy.deepcopy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
-    return case, pyrannc.RaNNCModule(model, opt, enable_zero=zero), opt, ref, ref_opt
+    rmod = pyrannc.RaNNCModule(model, opt, enable_zero=zero, offload_params=offload)
+    return case, rmod, opt, ref, ref_opt
 
 
 def _check_replicated_plan(rmod):
@@ -52,11 +53,14 @@ def _check_replicated_plan(rmod):
 
 
 # With enable_zero the sharded gradients are reduce-scattered after every backward anyway (the
-# delay applies to the rest: tied parameters); accumulation must be just as exact.
-@pytest.mark.parametrize("zero", [False, True], ids=["", "zero"])
+# delay applies to the rest: tied parameters); accumulation must be just as exact. With
+# offload_params the unreduced gradients wait in host memory.
+@pytest.mark.parametrize("zero,offload", [(False, False), (True, False), (False, True)],
+                         ids=["", "zero", "offload"])
 @pytest.mark.parametrize("model_name", ["mlp", "gpt_tied", "client_loss"])
-def test_delayed_allreduce_accumulates_like_pytorch(model_name, zero, monkeypatch, flags):
-    case, rmod, opt, ref, ref_opt = _modules(model_name, monkeypatch, zero)
+def test_delayed_allreduce_accumulates_like_pytorch(model_name, zero, offload, monkeypatch,
+                                                    flags):
+    case, rmod, opt, ref, ref_opt = _modules(model_name, monkeypatch, zero, offload)
     pyrannc.delay_grad_allreduce(True)
     for step in range(STEPS):
         for micro in range(ACCUMULATE):

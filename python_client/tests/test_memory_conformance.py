@@ -1,12 +1,14 @@
 """RaNNCModule's memory switches (the memory and precision issue) against PyTorch on cpu:4,
 with forced plans that have replicas.
 
-enable_zero=True: gradients and optimizer state sharded over each stage's replicas. The runtime
-issue's four conformance models (test_pipeline_conformance.MODELS: SGD with momentum or Adam)
-must train exactly as PyTorch does (conftest.assert_close: rtol 1e-5, atol 1e-6): losses and
-every gradient after each backward, clip_grad_norm, an undeploy with the sharded optimizer
-state parked on the host in between, and the state after the last step. The devices must hold
-the sharded share of gradients and optimizer state.
+enable_zero=True: gradients and optimizer state sharded over each stage's replicas;
+offload_params=True: parameters, gradients between steps and optimizer state in host memory;
+and both. The runtime issue's four conformance models (test_pipeline_conformance.MODELS: SGD
+with momentum or Adam) must train exactly as PyTorch does (conftest.assert_close: rtol 1e-5,
+atol 1e-6): losses and every gradient after each backward, clip_grad_norm, an undeploy with the
+(sharded) optimizer state parked on the host in between, and the state after the last step. The
+devices must hold the sharded share of gradients and optimizer state, or nothing between steps
+when offloaded.
 
 enable_apex_amp=True (bf16 on CPU devices): against PyTorch's autocast, with the tolerance
 stated above test_amp_bf16_trains_like_pytorch_autocast.
@@ -29,18 +31,22 @@ pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
 # (partition_num, pipeline_num, replica_num): one stage on all four devices, and 2 stages x 2
 # micro-batches x 2 replicas.
 PLANS = {"1x1x4": (1, 1, 4), "2x2x2": (2, 2, 2)}
+# RaNNCModule's switches per mode.
+MODES = {"zero": {"enable_zero": True}, "offload": {"offload_params": True},
+         "zero+offload": {"enable_zero": True, "offload_params": True}}
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("model_name", list(tpc.MODELS))
-def test_zero_trains_like_pytorch(model_name, plan_name, monkeypatch):
+def test_memory_modes_train_like_pytorch(model_name, plan_name, mode, monkeypatch):
     case = tpc.MODELS[model_name]
     tpc._set_plan_config(monkeypatch, PLANS[plan_name], "1f1b")
     torch.manual_seed(0)
     model = case.make()
     ref = copy.deepcopy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
-    rmod = pyrannc.RaNNCModule(model, opt, enable_zero=True)
+    rmod = pyrannc.RaNNCModule(model, opt, **MODES[mode])
     try:
         for step in range(tpc.STEPS):
             batch = case.batch(step)
@@ -49,7 +55,8 @@ def test_zero_trains_like_pytorch(model_name, plan_name, monkeypatch):
             ref_loss = case.loss(ref, batch)
             ref_loss.backward()
             if step == 0:
-                assert rmod.deployment.zero
+                assert rmod.deployment.zero == MODES[mode].get("enable_zero", False)
+                assert rmod.deployment.offload == MODES[mode].get("offload_params", False)
                 replicas = [len(s.devices) for s in rmod.deployment.stages]
                 assert replicas == [PLANS[plan_name][2]] * PLANS[plan_name][0], replicas
             assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
@@ -70,32 +77,38 @@ def test_zero_trains_like_pytorch(model_name, plan_name, monkeypatch):
         pyrannc.clear()
 
 
-def _device_bytes(job_id):
+def _job_summary(job_id):
     jobs = _daemon.connection().call("ListJobs", pb.Empty()).jobs
-    return list(next(j for j in jobs if j.job_id == job_id).device_bytes)
+    return next(j for j in jobs if j.job_id == job_id)
 
 
-@pytest.mark.parametrize("zero", [False, True])
-def test_zero_devices_hold_a_replicas_share(zero, monkeypatch):
-    # Adam over 4 replicas of one stage: each device holds the parameters (P bytes), and the
-    # gradients (P) and two moments (2P) whole, or a quarter of them with ZeRO (plus padding
-    # of fewer than 4 elements per tensor group).
+@pytest.mark.parametrize("mode", ["plain"] + list(MODES))
+def test_devices_hold_a_replicas_share(mode, monkeypatch):
+    # Adam over 4 replicas of one stage: each device holds the parameters (P bytes), the
+    # gradients (P), two moments (2P) and a gradient bucket buffer (P) whole, or a quarter of the
+    # gradients and moments with ZeRO (plus padding of fewer than 4 elements per tensor group;
+    # nothing left for the bucket). Offloaded, nothing stays between steps (this model has no
+    # buffers), and a step held the parameters and more.
     tpc._set_plan_config(monkeypatch, (1, 1, 4), "1f1b")
     monkeypatch.setenv("RANNC_DEFER_OPS", "0")  # backward and step run before ListJobs
     torch.manual_seed(0)
     model = tpc.DeepMLP()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    rmod = pyrannc.RaNNCModule(model, opt, enable_zero=zero)
+    rmod = pyrannc.RaNNCModule(model, opt, **MODES.get(mode, {}))
     try:
         x, y = tpc._classification_batch(0, 8, 4)
         rmod(x, y).backward()
         opt.step()
         p = sum(t.numel() * t.element_size() for t in model.parameters())
-        expected = p * (1 + 3 / 4) if zero else p * 4
-        got = _device_bytes(rmod._job.id)
+        expected = {"plain": p * 5, "zero": p * (1 + 3 / 4)}.get(mode, 0)
+        summary = _job_summary(rmod._job.id)
+        got = list(summary.device_bytes)
         assert len(got) == 4
         for b in got:
             assert abs(b - expected) <= 0.02 * expected, (got, expected)
+        if mode.endswith("offload"):
+            for peak in summary.peak_device_bytes:
+                assert peak > p, (list(summary.peak_device_bytes), p)
     finally:
         pyrannc.clear()
 
