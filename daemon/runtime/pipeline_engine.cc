@@ -38,6 +38,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   ir_ = &ir;
   zero_ = options.zero;
   offload_ = options.offload;
+  scaler_ = options.loss_scaler;
   const AmpDtype amp = options.amp;
   timeout_ = options.timeout;
   cancel_ = options.cancel;
@@ -570,6 +571,21 @@ absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) 
   }
   absl::Status reduced = CheckReduced("optimizer step");
   if (!reduced.ok()) return reduced;
+  if (scaler_.enabled()) {
+    absl::StatusOr<bool> found_inf = FoundInf();
+    if (!found_inf.ok()) return found_inf.status();
+    if (*found_inf) {
+      scaler_.Update(true);
+      return absl::OkStatus();
+    }
+    absl::Status stepped = OptimizerStep(hypers);
+    if (stepped.ok()) scaler_.Update(false);
+    return stepped;
+  }
+  return OptimizerStep(hypers);
+}
+
+absl::Status PipelineEngine::Impl::OptimizerStep(const std::vector<HyperParams>& hypers) {
   // Every device checks the same hypers against the same groups: all fail or none does.
   if (offload_) {
     // The masters and the optimizer state are in host memory: the step runs on the host, off
@@ -629,6 +645,39 @@ absl::Status PipelineEngine::Impl::LoadOptimizerState(
     if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
   }
   return absl::OkStatus();
+}
+
+void PipelineEngine::Impl::Unscale(const at::Tensor& grad) const {
+  // A power of two by default: exact, as GradScaler's unscale is.
+  at::NoGradGuard no_grad;
+  grad.mul_(1.0 / scaler_.scale());
+}
+
+absl::StatusOr<bool> PipelineEngine::Impl::FoundInf() {
+  std::atomic<bool> found{false};
+  absl::Status s = OnEveryDevice(
+      [&](Device& d) -> absl::Status {
+        at::NoGradGuard no_grad;
+        bool mine = false;
+        auto check = [&](const at::Tensor& g) {
+          if (!mine && g.defined()) mine = !at::isfinite(g).all().item<bool>();
+        };
+        for (int li : stages_[d.stage].params) check(d.Master(li).grad());
+        for (const pipeline_internal::ZeroPartition& part : d.zero) check(part.shard.grad());
+        at::Tensor flag = at::full({1}, mine ? 1.0f : 0.0f);
+        if (d.world) {
+          absl::StatusOr<comm::Buffer> buf = BufferOf(flag);
+          if (!buf.ok()) return buf.status();
+          absl::Status r = Wait(d, d.world->AllReduce(*buf, {comm::ReduceOp::kSum}), flag,
+                                "agreeing whether the gradients overflowed");
+          if (!r.ok()) return r;
+        }
+        if (flag.item<float>() > 0) found = true;
+        return absl::OkStatus();
+      },
+      true);
+  if (!s.ok()) return s;
+  return found.load();
 }
 
 void PipelineEngine::Impl::ApplySgd(double lr) {
@@ -794,6 +843,7 @@ absl::Status PipelineEngine::SetOptimizer(OptimizerKind kind,
 absl::Status PipelineEngine::Step(const std::vector<HyperParams>& hypers) {
   return impl_->Step(hypers);
 }
+const LossScaler& PipelineEngine::loss_scaler() const { return impl_->loss_scaler(); }
 std::map<int, std::vector<std::pair<std::string, at::Tensor>>> PipelineEngine::OptimizerState()
     const {
   return impl_->OptimizerState();

@@ -69,6 +69,7 @@
 #include "daemon/graph/ir.h"
 #include "daemon/optim/optimizer.h"
 #include "daemon/runtime/autocast.h"
+#include "daemon/runtime/loss_scale.h"
 #include "rannc/v1/deployment.pb.h"
 
 namespace rannc {
@@ -108,6 +109,13 @@ struct EngineOptions {
   // IR must have been built under the same autocast, so that values crossing stages have the
   // dtypes the stages produce.
   AmpDtype amp;
+  // Loss scaling (fp16 mixed precision), starting from this scaler's state (a job moving to a
+  // new engine passes the old one's loss_scaler()): every backward starts from the loss's
+  // gradient (or the client's output gradients) times scale(), and the step's gradients are
+  // multiplied by 1/scale() before they join the accumulated ones, so every read sees unscaled
+  // gradients. Step skips the optimizer step on every device (of every process) when any
+  // device holds a gradient that is not finite, and updates the scale.
+  LossScaler loss_scaler;
 };
 
 struct StepResult {
@@ -207,7 +215,10 @@ class PipelineEngine {
   absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
   // One optimizer step on every device (replicas update identically: their gradients are
   // all-reduced). FAILED_PRECONDITION without SetOptimizer, or while reductions are pending.
+  // With loss scaling, an overflowed step is skipped (OK; loss_scaler().skipped_steps() counts
+  // it) and the scale updated; collective over every process's engine then.
   absl::Status Step(const std::vector<HyperParams>& hypers);
+  const LossScaler& loss_scaler() const;
   // Per lifted parameter, its optimizer state (keys as Optimizer::NamedState's after the
   // "<index>."), copied from its owner; and the reverse, into every holder.
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;

@@ -241,6 +241,7 @@ class PipelineEngine::Impl {
   void ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient);
   absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
   absl::Status Step(const std::vector<HyperParams>& hypers);
+  const LossScaler& loss_scaler() const { return scaler_; }
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;
   absl::Status LoadOptimizerState(
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
@@ -346,6 +347,13 @@ class PipelineEngine::Impl {
   // Sums `d`'s current gradients over the stage's replicas (tied ones over every device). Each
   // gradient is replaced only once all of the device's reductions have completed.
   absl::Status ReduceGrads(Device& d);
+  // Step without loss scaling's check.
+  absl::Status OptimizerStep(const std::vector<HyperParams>& hypers);
+  // Loss scaling: multiplies a step's gradient by 1/scale in place (EngineOptions::loss_scaler).
+  void Unscale(const at::Tensor& grad) const;
+  // Whether any device of any process holds a gradient that is not finite (collective: every
+  // device's all-reduce over the world group).
+  absl::StatusOr<bool> FoundInf();
   // The bucketed all-reduce of `params` (lifted indices) over `d`'s stage replicas.
   absl::StatusOr<std::unique_ptr<GradReducer>> MakeReducer(Device& d,
                                                            const std::vector<int>& params) const;
@@ -418,6 +426,7 @@ class PipelineEngine::Impl {
   bool fused_ = false;
   bool zero_ = false;  // EngineOptions::zero
   bool offload_ = false;  // EngineOptions::offload
+  LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step
   milliseconds timeout_{120000};
   std::unique_ptr<comm::Store> owned_store_;
   comm::Store* store_ = nullptr;  // owned_store_, or EngineOptions::store

@@ -206,7 +206,9 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
     if (step.phase == Phase::kFused) {
       // The loss's gradient 1, through its combination of the shards.
       if (v == ir.outputs[0]) {
-        g = at::full(ShapeFor(v, 0), stage_outputs_.at(v) == OutputKind::kMean ? weight : 1.0,
+        g = at::full(ShapeFor(v, 0),
+                     (stage_outputs_.at(v) == OutputKind::kMean ? weight : 1.0) *
+                         scaler_.scale(),
                      at::TensorOptions().dtype(val.dtype));
       }
     } else if (auto client = step.grads->find(v); client != step.grads->end()) {
@@ -349,6 +351,7 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   if (!scattered.ok()) return fail(scattered);
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor step_grad = params[i].grad();
+    if (scaler_.enabled() && step_grad.defined()) Unscale(step_grad);
     const int li = st.params[i];
     if (!d.host.empty() && d.host[li].defined()) {
       // Offloaded: the step's gradient goes to the host master (the device had none before).
@@ -606,6 +609,10 @@ absl::Status PipelineEngine::Impl::Backward(
     }
     if (!retain_graph) held_ = Held::kNothing;
     return absl::OkStatus();
+  }
+  if (scaler_.enabled()) {
+    // The backward starts from scaled gradients (the step's gradients are unscaled at its end).
+    for (auto& [v, g] : grads) g = g * scaler_.scale();
   }
   StepPlan step = last_;
   step.phase = Phase::kBackward;

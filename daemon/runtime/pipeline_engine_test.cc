@@ -834,3 +834,82 @@ TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less
 
 }  // namespace
 }  // namespace rannc
+
+namespace rannc {
+namespace {
+
+TEST_CASE("Loss scaling skips an overflowing step everywhere and otherwise trains unscaled",
+          "[runtime]") {
+  // Fused (mlp) and client output gradients (multi_io); unsharded and ZeRO (whose shards are
+  // unscaled after the reduce-scatter). A scale of 1024 (a power of two, so scaling is exact)
+  // that halves on overflow and doubles after 2 good steps.
+  for (const char* name : {"mlp", "multi_io"}) {
+    for (bool zero : {false, true}) {
+      INFO(name << (zero ? ", zero" : ""));
+      FixtureIr f = BuildFixtureIr(name);
+      REQUIRE(f.ir.ok());
+      const IrGraph& ir = *f.ir;
+      const v1::Deployment plan = MakePlan(ir, {{0, 1}, {2, 3}}, 2, v1::SCHEDULE_1F1B);
+      std::vector<int> params;
+      for (size_t i = 0; i < f.tensors.size(); ++i) {
+        if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
+      }
+      LossScaleOptions scaling;
+      scaling.enabled = true;
+      scaling.init = 1024;
+      scaling.growth_interval = 2;
+      auto make = [&](bool scaled) {
+        EngineOptions options;
+        options.backend = comm::Backend::kFake;
+        options.num_devices = 4;
+        options.zero = zero;
+        if (scaled) options.loss_scaler = LossScaler(scaling);
+        absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+            PipelineEngine::Create(ir, plan, f.tensors, options);
+        REQUIRE(engine.ok());
+        REQUIRE((*engine)->SetOptimizer(OptimizerKind::kSgd, {params}).ok());
+        return std::move(*engine);
+      };
+      std::unique_ptr<PipelineEngine> scaled = make(true), plain = make(false);
+      HyperParams sgd;
+      sgd.lr = 0.1;
+      auto backward = [&](PipelineEngine& e, const std::vector<at::Tensor>& batch) {
+        absl::StatusOr<std::vector<at::Tensor>> out = e.Forward(batch, true);
+        REQUIRE(out.ok());
+        REQUIRE(e.Backward({{0, at::ones_like((*out)[0])}}, false).ok());
+      };
+      // Step 1's inputs overflow fp32 in the forward: every gradient is inf or NaN.
+      const std::vector<double> want_scale = {1024, 512, 512, 1024};
+      for (int step = 0; step < 4; ++step) {
+        INFO("step " << step);
+        std::vector<at::Tensor> batch = VariedBatch(f.fixture.inputs, step);
+        if (step == 1) {
+          for (at::Tensor& t : batch) {
+            if (at::isFloatingType(t.scalar_type())) t = t * 1e38;
+          }
+        }
+        scaled->ZeroGrad();
+        backward(*scaled, batch);
+        if (step != 1) {
+          plain->ZeroGrad();
+          backward(*plain, batch);
+          for (int li : params) {
+            INFO(ir.tensor_names[li]);
+            CHECK(at::allclose(scaled->GradAt(li), plain->GradAt(li), kRtol, kAtol));
+          }
+          REQUIRE(plain->Step({sgd}).ok());
+        }
+        REQUIRE(scaled->Step({sgd}).ok());
+        CHECK(scaled->loss_scaler().scale() == want_scale[step]);
+        for (int li : params) {
+          INFO(ir.tensor_names[li]);
+          CHECK(at::allclose(scaled->ParamAt(li), plain->ParamAt(li), kRtol, kAtol));
+        }
+      }
+      CHECK(scaled->loss_scaler().skipped_steps() == 1);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rannc

@@ -147,6 +147,7 @@ absl::Status PipelineEngine::Impl::ReduceScatterZero(Device& d, bool fused) {
     absl::Status s = Wait(d, d.replicas->ReduceScatter(*in, *mine, {comm::ReduceOp::kSum}),
                           flat_grad, "reduce-scattering ZeRO gradients");
     if (!s.ok()) return s;
+    if (scaler_.enabled()) Unscale(out);
     if (offload_) out = ToHost(out);  // the shard's master is in host memory
     if (fused) {
       part.fused_grad = out;

@@ -268,7 +268,8 @@ Job::Job(std::string id, JobConfig config)
     : id_(std::move(id)),
       config_(std::move(config)),
       created_(std::chrono::system_clock::now()),
-      mode_(config_.mode) {}
+      mode_(config_.mode),
+      parked_loss_scaler_(config_.loss_scale) {}
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig config,
                                                  const std::string& model_bytes,
@@ -369,6 +370,7 @@ absl::Status Job::Deploy() {
   options.group = config_.engine_group;
   options.zero = config_.zero;
   options.offload = config_.offload;
+  options.loss_scaler = parked_loss_scaler_;
   options.amp = config_.amp;
   {
     // A fresh flag per engine: an aborted step leaves the next engine untouched.
@@ -456,6 +458,7 @@ void Job::ReleaseEngine() {
   grad_shares_ = engine_->grads_pending() && (!parts_.empty() || config_.is_part);
   SyncStore(/*grads=*/true);  // this daemon's values only: its parts keep theirs
   parked_optimizer_state_ = engine_->OptimizerState();
+  parked_loss_scaler_ = engine_->loss_scaler();
   engine_.reset();
 }
 
@@ -1418,6 +1421,9 @@ JobSummary Job::Summary() {
     s.device_bytes.push_back(engine_ ? engine_->DeviceBytes(d) : 0);
     s.peak_device_bytes.push_back(engine_ ? engine_->PeakDeviceBytes(d) : 0);
   }
+  const LossScaler& scaler = engine_ ? engine_->loss_scaler() : parked_loss_scaler_;
+  s.loss_scale = scaler.scale();
+  s.skipped_steps = scaler.skipped_steps();
   s.created = created_;
   return s;
 }

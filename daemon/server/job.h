@@ -47,6 +47,7 @@
 #include "daemon/planner/planner.h"
 #include "daemon/planner/profile_cache.h"
 #include "daemon/runtime/autocast.h"
+#include "daemon/runtime/loss_scale.h"
 #include "daemon/runtime/model_runner.h"
 #include "daemon/runtime/param_store.h"
 #include "daemon/runtime/pipeline_engine.h"
@@ -81,6 +82,9 @@ struct JobConfig {
   // enable_apex_amp: every forward of the model (validation, planning, the stages, other
   // modes) runs under autocast to this dtype; the parameters stay fp32 (the masters).
   AmpDtype amp;
+  // Loss scaling (EngineOptions::loss_scaler): config keys loss_scale, loss_scale_init,
+  // loss_scale_window; dynamic by default with fp16.
+  LossScaleOptions loss_scale;
   std::vector<std::string> input_names;
   // The daemon's device names, by the plan's device index; empty: "<type>:<index>" for
   // plan_target's devices.
@@ -132,6 +136,8 @@ struct JobSummary {
   std::vector<int64_t> device_bytes;
   // Per device: the most held at once during a step since the job was last deployed.
   std::vector<int64_t> peak_device_bytes;
+  double loss_scale = 1;
+  int64_t skipped_steps = 0;
   std::chrono::system_clock::time_point created;
 };
 
@@ -325,6 +331,8 @@ class Job {
   bool grad_shares_ = false;
   // Optimizer state while undeployed, by lifted index.
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> parked_optimizer_state_;
+  // The loss scaler's state while no engine holds it (undeployed), and each engine's start.
+  LossScaler parked_loss_scaler_;
   std::vector<at::Tensor> example_outputs_;
   int64_t steps_ = 0;
   int64_t forwards_ = 0;

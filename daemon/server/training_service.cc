@@ -266,6 +266,11 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     }
     config.amp = *amp;
   }
+  const std::map<std::string, std::string> keys(spec.options().config().begin(),
+                                                spec.options().config().end());
+  absl::StatusOr<LossScaleOptions> loss_scale = ParseLossScale(keys, config.amp);
+  if (!loss_scale.ok()) return Fail("CreateJob", loss_scale.status());
+  config.loss_scale = *loss_scale;
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
   for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
   if (!facts_.devices.empty()) {
@@ -555,6 +560,8 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
     for (int64_t bytes : s.peak_device_bytes) {
       out->add_peak_device_bytes(static_cast<uint64_t>(bytes));
     }
+    out->set_loss_scale(s.loss_scale);
+    out->set_skipped_steps(static_cast<uint64_t>(s.skipped_steps));
     out->set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                                  s.created.time_since_epoch()).count());
   }

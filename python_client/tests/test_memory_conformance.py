@@ -218,3 +218,59 @@ def test_amp_bf16_trains_like_pytorch_autocast(model_name, plan_name, monkeypatc
         assert mean(ours_vs_ref) < mean(fp32_vs_ref) / 10, (ours_vs_ref, fp32_vs_ref)
     finally:
         pyrannc.clear()
+
+
+# Dynamic loss scaling, what fp16 mixed precision uses (config loss_scale=dynamic turns it on for
+# any job; fp16 itself needs CUDA devices). The reference is GradScaler's algorithm written out
+# in fp32: the loss times the scale backpropagated, the gradients times 1/scale, a step with a
+# non-finite gradient skipped, the scale halved on overflow and doubled after a window of good
+# steps. With power-of-two scales the scaling is exact: everything must equal the reference at
+# fp32 round-off (assert_close), and the scale (ListJobs) must follow it.
+@pytest.mark.parametrize("model_name", ["mlp", "client_loss"])
+def test_dynamic_loss_scaling_skips_overflowing_steps_like_grad_scaler(model_name, monkeypatch):
+    case = tpc.MODELS[model_name]
+    tpc._set_plan_config(monkeypatch, (2, 2, 2), "1f1b")
+    monkeypatch.setenv("RANNC_LOSS_SCALE", "dynamic")
+    monkeypatch.setenv("RANNC_LOSS_SCALE_INIT", "1024")
+    monkeypatch.setenv("RANNC_LOSS_SCALE_WINDOW", "2")
+    monkeypatch.setenv("RANNC_DEFER_OPS", "0")  # step runs before ListJobs
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = case.optimizer(model), case.optimizer(ref)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    scale, good_steps, skipped = 1024.0, 0, 0
+    try:
+        for step in range(5):
+            batch = case.batch(step)
+            if step == 2:  # inputs that make the forward overflow
+                batch = tuple(t * float("inf") if t.is_floating_point() else t for t in batch)
+            loss = case.loss(rmod, batch)
+            loss.backward()
+            ref_loss = case.loss(ref, batch)
+            (ref_loss * scale).backward()
+            grads = [p.grad for p in ref.parameters() if p.grad is not None]
+            for g in grads:
+                g.mul_(1.0 / scale)
+            found_inf = any(not bool(torch.isfinite(g).all()) for g in grads)
+            assert found_inf == (step == 2)
+            if not found_inf:
+                assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
+                tpc._compare_grads(rmod, ref, step)
+                ref_opt.step()
+            opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            if found_inf:
+                scale, good_steps, skipped = scale * 0.5, 0, skipped + 1
+            else:
+                good_steps += 1
+                if good_steps == 2:
+                    scale, good_steps = scale * 2, 0
+            summary = _job_summary(rmod._job.id)
+            assert summary.loss_scale == scale, f"step {step}"
+            assert summary.skipped_steps == skipped, f"step {step}"
+            for name, value in ref.state_dict().items():
+                assert_close(rmod.state_dict()[name], value, f"{name} after step {step}")
+    finally:
+        pyrannc.clear()
