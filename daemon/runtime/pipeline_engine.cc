@@ -443,14 +443,20 @@ void PipelineEngine::Impl::AddGradShare(int lifted, const at::Tensor& grad) {
 
 at::Tensor PipelineEngine::Impl::GradCopy(int lifted, const at::Tensor& t) const {
   if (sharded(lifted)) return FullGrad(lifted);  // never pending; every replica's slice
-  if (!pending_) return t.grad().defined() ? t.grad().detach().clone() : at::Tensor();
-  at::NoGradGuard no_grad;
   at::Tensor sum;
-  for (const Device& d : devices_) {
-    if (!d.local || !d.lifted[lifted].defined()) continue;
-    const at::Tensor& g = d.Master(lifted).grad();
-    if (!g.defined()) continue;
-    sum = sum.defined() ? sum.add_(g) : g.detach().clone();
+  if (!pending_) {
+    if (t.grad().defined()) sum = t.grad().detach().clone();
+  } else {
+    at::NoGradGuard no_grad;
+    for (const Device& d : devices_) {
+      if (!d.local || !d.lifted[lifted].defined()) continue;
+      const at::Tensor& g = d.Master(lifted).grad();
+      if (!g.defined()) continue;
+      sum = sum.defined() ? sum.add_(g) : g.detach().clone();
+    }
+  }
+  if (!sum.defined() && owner_[lifted] >= 0 && devices_[owner_[lifted]].zeroed.count(lifted)) {
+    return at::zeros(lifted_shapes_[lifted], at::TensorOptions().dtype(lifted_types_[lifted]));
   }
   return sum;
 }
@@ -472,14 +478,14 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
         part.shard.mutable_grad().zero_();
       }
     }
+    if (set_to_none) d.zeroed.clear();
     for (std::vector<at::Tensor>* tensors : {&d.lifted, &d.host}) {
-      for (at::Tensor& t : *tensors) {
+      for (size_t li = 0; li < tensors->size(); ++li) {
+        at::Tensor& t = (*tensors)[li];
         if (!t.defined() || !t.grad().defined()) continue;
-        if (set_to_none) {
-          t.mutable_grad().reset();
-        } else {
-          t.mutable_grad().zero_();
-        }
+        // Zeros are freed too (Device::zeroed says where they are).
+        if (!set_to_none) d.zeroed.insert(static_cast<int>(li));
+        t.mutable_grad().reset();
       }
     }
   }
@@ -586,6 +592,15 @@ absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) 
 }
 
 absl::Status PipelineEngine::Impl::OptimizerStep(const std::vector<HyperParams>& hypers) {
+  // Zeroed gradients are stepped as zeros, as PyTorch steps a zero gradient (weight decay and
+  // moments still move).
+  for (Device& d : devices_) {
+    for (int li : d.zeroed) {
+      at::Tensor& p = d.Master(li);
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    }
+    d.zeroed.clear();
+  }
   // Every device checks the same hypers against the same groups: all fail or none does.
   if (offload_) {
     // The masters and the optimizer state are in host memory: the step runs on the host, off

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -139,6 +140,11 @@ struct Device {
   // for a ZeRO parameter, whose master is its partition's host shard.
   std::vector<at::Tensor> host;
   bool resident = true;
+  // ZeroGrad(false): the parameters (lifted indices) whose gradient is zeros without being
+  // held: freed, and made again only where read (GradCopy) or stepped (Step), so that a step's
+  // backward does not hold the zeros beside the gradients it computes. A parameter whose
+  // gradient is defined again is not affected.
+  std::set<int> zeroed;
   at::Tensor& Master(int li) { return !host.empty() && host[li].defined() ? host[li] : lifted[li]; }
   const at::Tensor& Master(int li) const {
     return !host.empty() && host[li].defined() ? host[li] : lifted[li];

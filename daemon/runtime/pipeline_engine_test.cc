@@ -913,3 +913,68 @@ TEST_CASE("Loss scaling skips an overflowing step everywhere and otherwise train
 
 }  // namespace
 }  // namespace rannc
+
+namespace rannc {
+namespace {
+
+TEST_CASE("zero_grad(set_to_none=False) frees the gradients and keeps their zeros' meaning",
+          "[runtime]") {
+  FixtureIr f = BuildFixtureIr("mlp");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  const v1::Deployment plan = MakePlan(ir, {{0, 1}, {2, 3}}, 2, v1::SCHEDULE_1F1B);
+  std::vector<int> params;
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
+  }
+  auto make = [&] {
+    absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+        PipelineEngine::Create(ir, plan, f.tensors, comm::Backend::kFake, 4);
+    REQUIRE(engine.ok());
+    REQUIRE((*engine)->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
+    return std::move(*engine);
+  };
+  // `zeroed` zeroes its gradients; `explicit_zeros` holds them as zero tensors (AddGrad onto
+  // none), as PyTorch's zero_grad(set_to_none=False) leaves them.
+  std::unique_ptr<PipelineEngine> zeroed = make(), explicit_zeros = make();
+  HyperParams adamw;
+  adamw.lr = 0.01;
+  adamw.weight_decay = 0.5;
+  for (PipelineEngine* e : {zeroed.get(), explicit_zeros.get()}) {
+    REQUIRE(e->TrainStep(f.fixture.inputs).ok());
+    REQUIRE(e->Step({adamw}).ok());
+  }
+  const int64_t holding = zeroed->DeviceBytes(0);
+  zeroed->ZeroGrad(/*set_to_none=*/false);
+  explicit_zeros->ZeroGrad(/*set_to_none=*/true);
+  for (int li : params) {
+    explicit_zeros->AddGrad(li, at::zeros_like(f.tensors[li]));
+    // Read as zeros, not as None.
+    const at::Tensor g = zeroed->GradAt(li);
+    REQUIRE(g.defined());
+    CHECK(at::equal(g, at::zeros_like(f.tensors[li])));
+  }
+  // The zeros are not held: device 0 frees its gradients' bytes.
+  int64_t grad_bytes = 0;
+  for (int li : params) {
+    if (zeroed->Param(ir.tensor_names[li], 0).ok()) grad_bytes += f.tensors[li].nbytes();
+  }
+  CHECK(zeroed->DeviceBytes(0) == holding - grad_bytes);
+  // A step with no backward in between steps zeros (weight decay and moments move), and a
+  // backward after zero_grad accumulates onto zeros: both as PyTorch does.
+  for (PipelineEngine* e : {zeroed.get(), explicit_zeros.get()}) REQUIRE(e->Step({adamw}).ok());
+  zeroed->ZeroGrad(false);
+  explicit_zeros->ZeroGrad(false);
+  for (PipelineEngine* e : {zeroed.get(), explicit_zeros.get()}) {
+    REQUIRE(e->TrainStep(f.fixture.inputs).ok());
+    REQUIRE(e->Step({adamw}).ok());
+  }
+  for (int li : params) {
+    INFO(ir.tensor_names[li]);
+    CHECK(at::allclose(zeroed->ParamAt(li), explicit_zeros->ParamAt(li), kRtol, kAtol));
+    CHECK(at::allclose(zeroed->GradAt(li), explicit_zeros->GradAt(li), kRtol, kAtol));
+  }
+}
+
+}  // namespace
+}  // namespace rannc
