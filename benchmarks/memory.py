@@ -2,21 +2,30 @@
 """Device memory per mode (the memory and precision issue): the planner's estimate against the
 daemon's measured peak, and the optimizer state each device holds.
 
-    bazel build //daemon:ranncd && /usr/bin/python3 benchmarks/memory.py
+    bazel build //daemon:ranncd && /usr/bin/python3 benchmarks/memory.py [--layers 4 --dim 256]
 
 One ranncd with --devices cpu:4 trains examples/train_gpt.py's ByteGPT (defaults: 4 layers,
 d_model 256, seq 64, batch 16; AdamW) through pyrannc, in each mode (plain, enable_zero,
-enable_apex_amp bf16, both) and each forced plan (1 stage x 4 replicas; 2 stages x 2 replicas x
-2 micro-batches), 3 steps each. Per mode and plan it prints, for the first device:
+enable_apex_amp bf16, both, offload_params, offload_params with enable_zero) and each forced
+plan (1 stage x 4 replicas; 2 stages x 2 replicas x 2 micro-batches), 3 steps each. A mode whose
+job creation raises NotImplementedError (offload_params before the daemon has it) is skipped,
+saying so. Per mode and plan it prints, for the first device (or --device):
   - params: bytes its parameters take (ListJobs' device_bytes after a no-grad forward);
   - opt state: what the optimizer state adds after the steps (device_bytes with the gradients
-    set to None, minus params);
+    set to None, minus params; with --zero-grad-in-place the zeroed gradients too);
   - estimate: the planner's memory estimate for the device's stage (Deployment.stages[].
-    memory_bytes), and peak: the measured peak (ListJobs' peak_device_bytes: what the device
-    held when a step began plus the high-water mark of its worker's allocations during it), and
-    their ratio.
+    memory_bytes);
+  - peak: the measured peak (ListJobs' peak_device_bytes: what the device held when a step
+    began plus the high-water mark of its worker's allocations during it);
+  - buckets: the gradient reducer's flat buffers (runtime/grad_reducer.h), which the device
+    holds from engine creation on, so peak_device_bytes does not count them: the bytes of the
+    stage's trainable parameters that no other stage reads, with more than one replica and
+    without ZeRO (with ZeRO the reducer keeps only parameters outside the optimizer: none
+    here). Computed here from the deployment, since the daemon does not report them;
+  - est/held: estimate / (peak + buckets).
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -41,30 +50,48 @@ CLIENT = textwrap.dedent("""
     torch.manual_seed(0)
     model = ByteGPT({layers}, {dim}, 4, {seq}, 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rmod = pyrannc.RaNNCModule(model, opt, enable_zero={zero}, enable_apex_amp={amp})
     ids = torch.randint(0, 256, ({batch}, {seq}))
-    with torch.no_grad():
-        rmod(ids, ids)
+    try:
+        rmod = pyrannc.RaNNCModule(model, opt, enable_zero={zero}, enable_apex_amp={amp},
+                                   offload_params={offload})
+        with torch.no_grad():
+            rmod(ids, ids)
+    except NotImplementedError as e:
+        print(json.dumps({{"skipped": str(e)}}))
+        sys.exit(0)
     params = list(summary(rmod).device_bytes)
     for step in range(3):
         loss = rmod(ids, ids)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none={set_to_none})
     float(loss)
     rmod.get_param("pos")  # runs the deferred ops
     s = summary(rmod)
     d = rmod.deployment
     estimate = {{dev: st.memory_bytes for st in d.stages for dev in st.devices}}
+    trainable = {{n: p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if p.requires_grad}}
+    buckets = {{}}
+    for st in d.stages:
+        others = set(n for o in d.stages if o is not st for n in o.params)
+        own = sum(trainable.get(n, 0) for n in set(st.params) if n not in others)
+        for dev in st.devices:
+            buckets[dev] = own if len(st.devices) > 1 and not {zero} else 0
     print(json.dumps({{"params": params, "held": list(s.device_bytes),
                       "peak": list(s.peak_device_bytes),
                       "estimate": [estimate[i] for i in range(len(params))],
+                      "buckets": [buckets[i] for i in range(len(params))],
+                      "fixed": [{{dev: st.fixed_bytes for st in d.stages
+                                 for dev in st.devices}}[i] for i in range(len(params))],
                       "stages": [list(st.devices) for st in d.stages]}}))
 """)
 
 PLANS = {"1x1x4": ("1", "1", "4"), "2x2x2": ("2", "2", "2")}
-MODES = {"plain": (False, False), "zero": (True, False), "amp": (False, True),
-         "zero+amp": (True, True)}
+# mode: (enable_zero, enable_apex_amp, offload_params)
+MODES = {"plain": (False, False, False), "zero": (True, False, False),
+         "amp": (False, True, False), "zero+amp": (True, True, False),
+         "offload": (False, False, True), "zero+offload": (True, False, True)}
 
 
 def main():
@@ -73,34 +100,53 @@ def main():
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated subset")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    parser.add_argument("--port", type=int, default=50981)
+    parser.add_argument("--zero-grad-in-place", action="store_true",
+                        help="zero_grad(set_to_none=False), PyTorch 1.x's default: the device "
+                        "keeps the zeroed gradients into the next step (the estimate assumes "
+                        "set_to_none=True)")
+    parser.add_argument("--device", type=int, default=0,
+                        help="the device to report (2: the second stage of 2x2x2)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the estimate's batch-independent part (fixed_bytes)")
     args = parser.parse_args()
-    address = "127.0.0.1:50981"
+    address = f"127.0.0.1:{args.port}"
     daemon = subprocess.Popen([RANNCD, "--listen", address, "--devices", "cpu:4",
                                "--profile-cache", "none"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(3)
     try:
         print(f"ByteGPT {args.layers} layers, d_model {args.dim}, seq {args.seq}, batch "
-              f"{args.batch}, AdamW, cpu:4; device 0, MiB")
-        print(f"{'plan':7} {'mode':9} {'params':>7} {'opt state':>9} {'estimate':>8} "
-              f"{'peak':>7} {'est/peak':>8}")
-        import json
-        for plan_name, (p, m, r) in PLANS.items():
-            for mode, (zero, amp) in MODES.items():
+              f"{args.batch}, AdamW, cpu:4; device {args.device}, MiB")
+        print(f"{'plan':7} {'mode':12} {'params':>7} {'opt state':>9} {'estimate':>8} "
+              f"{'peak':>7} {'buckets':>7} {'est/held':>8}")
+        for plan_name in args.plans.split(","):
+            p, m, r = PLANS[plan_name]
+            for mode in args.modes.split(","):
+                zero, amp, offload = MODES[mode]
                 env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python_client"),
                            RANNC_DAEMON=address, RANNC_PARTITION_NUM=p, RANNC_PIPELINE_NUM=m,
                            RANNC_REPLICA_NUM=r)
                 script = CLIENT.format(examples=os.path.join(ROOT, "examples"),
                                        layers=args.layers, dim=args.dim, seq=args.seq,
-                                       batch=args.batch, zero=zero, amp=amp)
+                                       batch=args.batch, zero=zero, amp=amp, offload=offload,
+                                       set_to_none=not args.zero_grad_in_place)
                 out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
                                      capture_output=True, text=True).stdout.strip().splitlines()
                 got = json.loads(out[-1])
+                if "skipped" in got:
+                    print(f"{plan_name:7} {mode:12} skipped: {got['skipped']}", flush=True)
+                    continue
                 mib = 1 << 20
-                params, held = got["params"][0], got["held"][0]
-                estimate, peak = got["estimate"][0], got["peak"][0]
-                print(f"{plan_name:7} {mode:9} {params / mib:7.2f} {(held - params) / mib:9.2f} "
-                      f"{estimate / mib:8.2f} {peak / mib:7.2f} {estimate / peak:8.2f}",
+                dev = args.device
+                params, held = got["params"][dev], got["held"][dev]
+                estimate, peak, buckets = got["estimate"][dev], got["peak"][dev], got["buckets"][dev]
+                print(f"{plan_name:7} {mode:12} {params / mib:7.2f} {(held - params) / mib:9.2f} "
+                      f"{estimate / mib:8.2f} {peak / mib:7.2f} {buckets / mib:7.2f} "
+                      f"{estimate / (peak + buckets):8.2f}"
+                      + (f"  fixed {got['fixed'][dev] / mib:.2f}" if args.verbose else ""),
                       flush=True)
     finally:
         daemon.terminate()

@@ -93,9 +93,44 @@ double CutBytes(const CostTable& table, int boundary) {
   return table.cut_bytes_per_sample[boundary];
 }
 
+DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& t,
+                               int replicas, int inflight, int micro_batches, bool recompute) {
+  const double G = t.trainable;
+  // The runtime shards only stages with several replicas.
+  const bool zero = options.zero && replicas > 1;
+  const double state =
+      options.offload ? 0.0 : G * options.optimizer_state_factor / (zero ? replicas : 1);
+  const double buckets = replicas > 1 && !zero ? G : 0.0;
+  const double X = t.act + t.casts;
+  const double I = t.input;
+  const double K = recompute ? I : X + I;  // kept per micro-batch in flight
+  const double k = inflight;
+  // A micro-batch's forward and backward, working memory included; its input is apart.
+  const double U = t.act_peak;
+  // The first backward: gradients allocated as the activations of later blocks are freed.
+  const double T = std::max(G, t.grad_act_peak);
+  double dynamic;
+  if (zero) {
+    // The flat gradient is allocated before the first backward.
+    dynamic = std::max(G + (k - 1) * K + I + U, G + G / replicas);
+  } else {
+    dynamic = (k - 1) * K + I + T;
+    if (micro_batches > 1) {
+      // Later micro-batches run with the gradients in place: j in flight (forwards follow the
+      // first backward when m > k), one of them running.
+      const double j = micro_batches > inflight ? k : k - 1;
+      dynamic = std::max(dynamic, recompute ? G + j * I + U : G + (j - 1) * K + I + U);
+    }
+  }
+  DeviceMemory m;
+  m.total = t.params + state + buckets + dynamic;
+  m.scaled = (k - 1) * (recompute ? I : t.act + I) + I + t.act_peak_scaled;
+  return m;
+}
+
 StageEval FinishStage(const CostTable& table, const Links& links, const SearchOptions& options,
-                      int begin, int end, int replicas, int inflight, int64_t mb,
-                      const StageSums& sums) {
+                      int begin, int end, int replicas, int inflight, int micro_batches,
+                      int64_t mb, const StageSums& sums) {
   const int n = static_cast<int>(table.blocks.size());
   StageEval e;
   e.micro_batch = mb;
@@ -123,27 +158,30 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
                      1000.0;
   }
 
-  // With ZeRO the state is a replica's shard, but a step's whole local gradient is still held
-  // while it is computed (the reduce-scatter follows the backward).
-  const double grads_and_state =
-      static_cast<double>(sums.trainable_bytes) *
-      (1.0 + options.optimizer_state_factor / (options.zero ? replicas : 1));
-  const double fixed = static_cast<double>(sums.param_bytes) + grads_and_state;
   const double input = begin > 0 ? CutBytes(table, begin) * mbd : 0.0;
-  const double act = static_cast<double>(sums.act_bytes);
-  const double peak = static_cast<double>(sums.peak_bytes);
   const double limit =
       static_cast<double>(options.device_memory_bytes) * (1.0 - options.mem_margin);
-
-  const double keep_all = fixed + act * inflight + peak + input * inflight;
-  const double recomputed = fixed + input * inflight + act + peak;
-  double memory = keep_all;
-  if (keep_all > limit && options.allow_recompute) {
-    memory = recomputed;
+  MemoryTerms terms;
+  terms.params = static_cast<double>(sums.param_bytes);
+  terms.trainable = static_cast<double>(sums.trainable_bytes);
+  terms.act = static_cast<double>(sums.act_bytes);
+  terms.casts = sums.casts;
+  terms.input = input;
+  terms.grad_act_peak = sums.grad_act_peak;
+  terms.act_peak = sums.act_peak;
+  terms.act_peak_scaled = sums.act_peak_scaled;
+  auto memory_of = [&](bool recompute) {
+    return StageDeviceMemory(options, terms, replicas, inflight, micro_batches, recompute);
+  };
+  DeviceMemory memory = memory_of(false);
+  if (memory.total > limit && options.allow_recompute) {
+    memory = memory_of(true);
     e.recompute = true;
     e.bwd_ms += e.fwd_ms;
   }
-  e.memory_bytes = static_cast<uint64_t>(std::ceil(memory));
+  e.memory_bytes = static_cast<uint64_t>(std::ceil(memory.total));
+  const double fixed = std::max(0.0, memory.total - memory.scaled);
+  e.fixed_bytes = std::min(e.memory_bytes, static_cast<uint64_t>(std::floor(fixed)));
   e.feasible = static_cast<double>(e.memory_bytes) <= limit;
   e.time_ms = e.fwd_ms + e.bwd_ms + e.comm_ms;
   return e;
@@ -163,21 +201,30 @@ StageEval EvaluateStage(const CostTable& table, const Links& links,
   if (mb == 0) return StageEval{};
 
   internal::StageSums sums;
-  std::vector<bool> held(table.param_bytes.size(), false);
+  // Per parameter: the last block that read it (-1: none yet).
+  std::vector<int> read_by(table.param_bytes.size(), -1);
   for (int b = begin; b < end; ++b) {
-    internal::AddBlockProfile(ProfileAt(table.blocks[b], mb), &sums);
+    double new_trainable = 0, reread_trainable = 0;
     for (int p : table.blocks[b].params) {
-      if (p < 0 || p >= static_cast<int>(held.size()) || held[p]) continue;
-      held[p] = true;
-      sums.param_bytes += table.param_bytes[p];
-      if (p < static_cast<int>(table.param_trainable.size()) && table.param_trainable[p]) {
-        sums.trainable_bytes += table.param_bytes[p];
+      if (p < 0 || p >= static_cast<int>(read_by.size()) || read_by[p] == b) continue;
+      const bool trainable =
+          p < static_cast<int>(table.param_trainable.size()) && table.param_trainable[p];
+      const double bytes = trainable ? static_cast<double>(table.param_bytes[p]) : 0.0;
+      if (read_by[p] < 0) {
+        sums.param_bytes += table.param_bytes[p];
+        if (trainable) sums.trainable_bytes += table.param_bytes[p];
+        new_trainable += bytes;
+      } else {
+        reread_trainable += bytes;
       }
+      read_by[p] = b;
     }
+    internal::AddBlock(ProfileAt(table.blocks[b], mb), new_trainable, reread_trainable,
+                       options.amp_cast_factor, &sums);
   }
   return internal::FinishStage(table, links, options, begin, end, replicas,
                                internal::Inflight(options.schedule, stages_after, micro_batches),
-                               mb, sums);
+                               micro_batches, mb, sums);
 }
 
 double Objective(const std::vector<StageEval>& stages, int micro_batches) {

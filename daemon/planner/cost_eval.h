@@ -42,11 +42,21 @@ struct SearchOptions {
   // Adam with amsgrad 3. Default 2 (Adam).
   double optimizer_state_factor = 2.0;
   // ZeRO: optimizer state (and gradients between steps) sharded over the stage's replicas;
-  // during a step the runtime still holds the whole local gradient (runtime/pipeline_engine_zero.cc)
+  // during a step the runtime still holds the whole local gradient, allocated before the
+  // device's first backward (runtime/pipeline_engine_zero.cc). Applies to stages with more than
+  // one replica (the runtime leaves a single replica unsharded).
   bool zero = false;
-  // Offload (runtime/pipeline_engine_offload.cc): parameters and optimizer state live in host
-  // memory between steps; during a step the device holds the stage's parameters and gradients.
+  // Offload (offload_params): parameters (fp32 masters), accumulated gradients and optimizer
+  // state live in host memory between steps; during a step the device holds the stage's
+  // parameters (all-gathered whole with zero), the step's gradients and activations, and no
+  // optimizer state.
   bool offload = false;
+  // Mixed precision: bytes of the low-precision weight copies autocast makes in a forward, per
+  // trainable parameter byte (0 without AMP; 0.5 for bf16/fp16 copies of fp32 weights). Each
+  // micro-batch's forward is its own autocast region, so every micro-batch in flight keeps its
+  // own copies (saved for its backward). The profiler does not see them: it runs a block's
+  // timed forwards in one autocast region, whose cache reuses the warm-up's copies.
+  double amp_cast_factor = 0;
   int partition_num = 0;    // forced number of stages; 0 = search
   int pipeline_num = 0;     // forced number of micro-batches per step; 0 = search
   int replica_num = 0;      // forced replicas per stage (every stage); 0 = search
@@ -67,6 +77,11 @@ struct StageEval {
   double time_ms = 0;       // fwd_ms + bwd_ms + comm_ms: the stage's time per micro-batch
   double allreduce_ms = 0;  // gradient all-reduce over the replicas once per step; 0 if 1 replica
   uint64_t memory_bytes = 0;     // estimated peak per device
+  // The part of memory_bytes that does not grow with the micro-batch size (parameters, optimizer
+  // state, gradient buffers, weight copies); the rest grows at most linearly with it, so
+  // fixed + (memory - fixed) * s bounds the memory at s times this micro-batch from above for
+  // s >= 1 (deployment checks at a larger batch).
+  uint64_t fixed_bytes = 0;
   uint64_t param_bytes = 0;      // parameters and buffers the stage holds (tied ones once)
   uint64_t trainable_bytes = 0;  // the trainable part of param_bytes
   uint64_t act_bytes = 0;        // activations kept per micro-batch (all blocks, without recompute)
@@ -88,13 +103,37 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 // 0 <= begin < end <= blocks.size(), replicas >= 1, micro_batches >= 1, stages_after >= 0.
 //
 // Per-device micro-batch: ceil(batch_size / (micro_batches * replicas)); infeasible when
-// batch_size < micro_batches * replicas. Memory per device:
-//   params + grads + optimizer state [the state divided by replicas with zero]
-//   + act * inflight + peak + input boundary bytes * inflight
-// and, with recompute (used only when allowed and the stage does not fit otherwise), only the
-// stage's input is kept per in-flight micro-batch but backward rebuilds one micro-batch's
-// activations: params + grads + state + input * inflight + act + peak, and bwd_ms += fwd_ms.
-// An infeasible result reports the smallest memory of its options (recompute if allowed).
+// batch_size < micro_batches * replicas.
+//
+// Memory per device, from what the runtime holds (runtime/pipeline_engine_step.cc RunDevice).
+// Per micro-batch on one device: A the stage's profiled activations (the sum of its blocks'),
+// C = G * amp_cast_factor the AMP weight copies, X = A + C, I the stage's input boundary, W_i
+// block i's working memory; G the stage's trainable bytes (a step's gradients), P its params
+// and buffers; k micro-batches in flight (1F1B: min(m, stages after + 1); GPipe: m) of m.
+//   P + state + buckets + dynamic
+//   state    G * optimizer_state_factor, divided by the replicas with zero; 0 with offload
+//   buckets  G with more than one replica and no zero: the gradient reducer's flat buffers
+//            (runtime/grad_reducer.h), allocated once and kept
+//   dynamic  what a step allocates and frees. Each micro-batch in flight keeps K = X + I
+//            (recomputing: K = I; its backward first rebuilds X). The device's first backward
+//            allocates the gradients block by block as it frees the blocks' activations, last
+//            block first, so they do not peak together: while it runs block i the device holds
+//            at most T_i = G_>=i + X_<=i + W_i (the gradients of parameters that block i or a
+//            later one reads, the activations and copies of blocks up to i, block i's working
+//            memory); after it, G.
+//            One micro-batch alone peaks at U = max_i X_<=i + W_i.
+//              first backward   (k - 1) K + I + max(G, max_i T_i)
+//              later ones       G + (j - 1) K + I + U   (m > 1; recomputing G + j I + U),
+//                               with j = k in flight if forwards follow the first backward
+//                               (m > k), else k - 1
+//              dynamic = the larger of the two.
+//            With zero (replicas > 1) the whole flat gradient is allocated before the first
+//            backward: dynamic = max(G + (k - 1) K + I + U, G + G / replicas), the latter
+//            when the reduce-scatter's shard is allocated next to it.
+// Recompute is used only when allowed and the stage does not fit otherwise; then
+// bwd_ms += fwd_ms. An infeasible result reports the smallest memory of its options (recompute
+// if allowed). fixed_bytes is memory_bytes less its growth per unit of micro-batch:
+// (k - 1) K + I + max_i A_<=i + W_i with the activations, inputs and working memory that grow.
 StageEval EvaluateStage(const CostTable& table, const Links& links,
                         const SearchOptions& options, int begin, int end, int replicas,
                         int stages_after, int micro_batches);

@@ -6,12 +6,17 @@
 // Pure functions; safe from any thread.
 //
 //   StageSums sums;
-//   for (int b = begin; b < end; ++b) AddBlockProfile(ProfileAt(table.blocks[b], mb), &sums);
-//   ... add the union of the blocks' params to sums.param_bytes / trainable_bytes ...
-//   StageEval e = FinishStage(table, links, options, begin, end, replicas, inflight, mb, sums);
+//   for (int b = begin; b < end; ++b) {
+//     ... add the params block b reads first to sums.param_bytes / trainable_bytes ...
+//     AddBlock(ProfileAt(table.blocks[b], mb), new_trainable, reread_trainable,
+//              options.amp_cast_factor, &sums);
+//   }
+//   StageEval e = FinishStage(table, links, options, begin, end, replicas, inflight,
+//                             micro_batches, mb, sums);
 #ifndef RANNC_DAEMON_PLANNER_COST_EVAL_INTERNAL_H_
 #define RANNC_DAEMON_PLANNER_COST_EVAL_INTERNAL_H_
 
+#include <algorithm>
 #include <cstdint>
 
 #include "daemon/planner/cost_eval.h"
@@ -28,13 +33,34 @@ struct StageSums {
   uint64_t peak_bytes = 0;
   uint64_t param_bytes = 0;
   uint64_t trainable_bytes = 0;
+  // What depends on the blocks' order, over the stage's blocks i so far (see EvaluateStage):
+  // with A_<=i the activations of blocks up to i, X_<=i those plus the AMP weight copies made
+  // by then, W_i block i's working memory and G_>=i the gradients of parameters that block i
+  // or a later one reads,
+  double casts = 0;            // the AMP weight copies of all the blocks (X - A)
+  double grad_act_peak = 0;    // max_i G_>=i + X_<=i + W_i: the first backward's peak
+  double act_peak = 0;         // max_i X_<=i + W_i: one micro-batch's peak, gradients apart
+  double act_peak_scaled = 0;  // max_i A_<=i + W_i: the part of act_peak the batch scales
 };
 
-inline void AddBlockProfile(const BlockProfile& p, StageSums* sums) {
+// Adds the next block: its profile and the trainable bytes of the parameters it reads that
+// the stage's earlier blocks do not (`new_trainable`, already added to trainable_bytes by the
+// caller) and do (`reread_trainable`). A re-read parameter's gradient is allocated at its last
+// reader's backward, before the blocks between its readers; it is added to every earlier
+// block's G_>=i, which over-counts it for blocks before its previous reader (an upper bound).
+inline void AddBlock(const BlockProfile& p, double new_trainable, double reread_trainable,
+                     double cast_factor, StageSums* sums) {
   sums->fwd_ms += p.fwd_ms;
   sums->bwd_ms += p.bwd_ms;
   sums->act_bytes += p.act_bytes;
   if (p.peak_bytes > sums->peak_bytes) sums->peak_bytes = p.peak_bytes;
+  sums->casts += cast_factor * new_trainable;
+  const double act = static_cast<double>(sums->act_bytes);
+  const double work = static_cast<double>(p.peak_bytes);
+  const double here = act + sums->casts + work;
+  sums->grad_act_peak = std::max(sums->grad_act_peak, here) + new_trainable + reread_trainable;
+  sums->act_peak = std::max(sums->act_peak, here);
+  sums->act_peak_scaled = std::max(sums->act_peak_scaled, act + work);
 }
 
 // ceil(batch / (micro_batches * replicas)), or 0 when the batch cannot give every replica of
@@ -47,10 +73,35 @@ int Inflight(Schedule schedule, int stages_after, int micro_batches);
 // cut_bytes_per_sample[boundary], 0 when the table has no entry (index 0, or a short vector).
 double CutBytes(const CostTable& table, int boundary);
 
-// The StageEval of blocks [begin, end) whose per-block sums at `mb` are `sums`. mb must be > 0.
+// What StageDeviceMemory reads, per device and micro-batch (bytes): StageSums' fields and the
+// input boundary.
+struct MemoryTerms {
+  double params = 0;
+  double trainable = 0;
+  double act = 0;
+  double casts = 0;
+  double input = 0;
+  double grad_act_peak = 0;
+  double act_peak = 0;
+  double act_peak_scaled = 0;
+};
+
+// One device's memory (EvaluateStage's model): `total` at its peak, and `scaled`, the most it
+// grows per unit of micro-batch size (activations, inputs and working memory). Non-decreasing
+// in every term and in `inflight`, for fixed micro_batches, which the search's pruning relies
+// on.
+struct DeviceMemory {
+  double total = 0;
+  double scaled = 0;
+};
+DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& terms,
+                               int replicas, int inflight, int micro_batches, bool recompute);
+
+// The StageEval of blocks [begin, end) whose per-block sums at `mb` are `sums`, with `inflight`
+// of `micro_batches` in flight. mb must be > 0.
 StageEval FinishStage(const CostTable& table, const Links& links, const SearchOptions& options,
-                      int begin, int end, int replicas, int inflight, int64_t mb,
-                      const StageSums& sums);
+                      int begin, int end, int replicas, int inflight, int micro_batches,
+                      int64_t mb, const StageSums& sums);
 
 }  // namespace internal
 }  // namespace planner

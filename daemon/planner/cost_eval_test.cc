@@ -145,8 +145,12 @@ TEST_CASE("EvaluateStage sums times, takes the max peak and holds tied params on
   CHECK(e.peak_bytes == 150);
   // 1F1B, last stage: one micro-batch in flight.
   CHECK(e.inflight == 1);
-  // params 1800 + grads 1500 + Adam state 3000 + act 600 + peak 150.
-  CHECK(e.memory_bytes == 1800 + 1500 + 3000 + 600 + 150);
+  // params 1800 + Adam state 3000 + the gradient reducer's buckets 1500 (2 replicas) + the
+  // gradients of the first backward 1500, kept while the second micro-batch's activations 600
+  // are built + peak 150.
+  CHECK(e.memory_bytes == 1800 + 3000 + 1500 + 1500 + 600 + 150);
+  // Only the activations and the peak grow with the micro-batch.
+  CHECK(e.fixed_bytes == e.memory_bytes - 600 - 150);
   // 2 ms latency + 1500 B / 500 B/s.
   CHECK_THAT(e.allreduce_ms, WithinRel((0.002 + 3.0) * 1000, 1e-12));
 }
@@ -197,9 +201,138 @@ TEST_CASE("EvaluateStage shards optimizer state with zero, not a step's gradient
   o.zero = true;
   o.optimizer_state_factor = 1.0;
   StageEval e = EvaluateStage(t, SimpleLinks(), o, 0, 1, 4, 0, 1);  // 16 / 4 = 4 per device
-  // params 1500 + grads 1500 (whole while the step computes them) + state 1500 / 4 + act 100
-  // + peak 50.
-  CHECK(e.memory_bytes == 1500 + 1500 + 375 + 100 + 50);
+  // params 1500 + state 1500 / 4 + the whole flat gradient 1500 and, once the backward has
+  // freed the activations, the reduce-scatter's shard 1500 / 4. No reducer buckets.
+  CHECK(e.memory_bytes == 1500 + 375 + 1500 + 375);
+}
+
+// Four blocks in a row, each reading its own trainable param of `grad_bytes` (block 0 also a
+// frozen 100-byte buffer), profiled at 4 samples per device: `act` bytes of activations and 50
+// of working memory each. Params 100 + 4 grad_bytes, activations 4 act per micro-batch.
+CostTable Stack(uint64_t grad_bytes, uint64_t act) {
+  CostTable t;
+  for (int b = 0; b < 4; ++b) {
+    t.param_bytes.push_back(grad_bytes);
+    t.param_trainable.push_back(true);
+    Block blk;
+    blk.params = {b};
+    blk.by_mb[4] = {1.0, 2.0, act, 50};
+    t.blocks.push_back(blk);
+    t.cut_bytes_per_sample.push_back(0);
+  }
+  t.param_bytes.push_back(100);
+  t.param_trainable.push_back(false);
+  t.blocks[0].params.push_back(4);
+  return t;
+}
+
+// BigMemory with a batch of 4 samples per device per micro-batch at `micro_batches` x `replicas`.
+SearchOptions Batch(int micro_batches, int replicas) {
+  SearchOptions o = BigMemory();
+  o.batch_size = 4 * micro_batches * replicas;
+  return o;
+}
+
+TEST_CASE("A step's gradients replace its activations rather than add to them", "[cost_eval]") {
+  // One replica, one micro-batch, Adam (state 2 x 1000). The backward runs block 3 first: it
+  // allocates block i's gradients as it frees block i's activations, so the device holds at
+  // most, at block i, the gradients of blocks i..3, the activations of blocks 0..i and block
+  // i's working memory; afterwards all the gradients.
+  SECTION("gradients exceed the activations") {
+    // At block 0: gradients 1000 + activations 100 + working memory 50.
+    StageEval e = EvaluateStage(Stack(250, 100), SimpleLinks(), Batch(1, 1), 0, 4, 1, 0, 1);
+    CHECK(e.memory_bytes == 1100 + 2000 + 1000 + 100 + 50);
+    // What grows with the batch: the activations up to a block and its working memory, at
+    // most 400 + 50 (block 3).
+    CHECK(e.fixed_bytes == e.memory_bytes - 450);
+  }
+  SECTION("activations exceed the gradients") {
+    // At block 3: its gradients 250 + activations 3000 + working memory 50.
+    StageEval e = EvaluateStage(Stack(250, 750), SimpleLinks(), Batch(1, 1), 0, 4, 1, 0, 1);
+    CHECK(e.memory_bytes == 1100 + 2000 + 250 + 3000 + 50);
+    CHECK(e.fixed_bytes == 1100 + 2000 + 250);
+  }
+}
+
+TEST_CASE("Gradients of a device's first backward stay while its later forwards run",
+          "[cost_eval]") {
+  const CostTable t = Stack(250, 100);
+  const SearchOptions o = Batch(4, 1);
+  // 1F1B, last stage: F B F B ...: the gradients (1000) while a micro-batch runs (its
+  // activations 400 and working memory 50).
+  StageEval last = EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 4);
+  CHECK(last.inflight == 1);
+  CHECK(last.memory_bytes == 1100 + 2000 + 1000 + 400 + 50);
+  // Two in flight, forwards after the first backward: the gradients and two micro-batches.
+  StageEval second = EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 1, 4);
+  CHECK(second.inflight == 2);
+  CHECK(second.memory_bytes == 1100 + 2000 + 1000 + 400 + 400 + 50);
+  // Every micro-batch in flight, no forward after the first backward (the first stage of four,
+  // and GPipe): three micro-batches' activations and the fourth's first backward.
+  StageEval first = EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 3, 4);
+  CHECK(first.inflight == 4);
+  CHECK(first.memory_bytes == 1100 + 2000 + 3 * 400 + (1000 + 100 + 50));
+  SearchOptions gpipe = o;
+  gpipe.schedule = Schedule::kGPipe;
+  CHECK(EvaluateStage(t, SimpleLinks(), gpipe, 0, 4, 1, 0, 4).memory_bytes == first.memory_bytes);
+  // With activations larger than the gradients: at the fourth's block 3.
+  StageEval big = EvaluateStage(Stack(250, 750), SimpleLinks(), gpipe, 0, 4, 1, 0, 4);
+  CHECK(big.memory_bytes == 1100 + 2000 + 3 * 3000 + (250 + 3000 + 50));
+}
+
+TEST_CASE("Replicas add the gradient reducer's buckets unless zero shards the stage",
+          "[cost_eval]") {
+  const CostTable t = Stack(250, 100);
+  SearchOptions o = Batch(1, 2);
+  // Plain: params, Adam state, buckets (a flat copy of the gradients), the backward's peak.
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 2, 0, 1).memory_bytes ==
+        1100 + 2000 + 1000 + (1000 + 100 + 50));
+  o.zero = true;
+  // ZeRO over 2: half the state, no buckets, but the whole flat gradient is allocated before
+  // the backward starts, and the reduce-scatter's shard (500) while it is held.
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 2, 0, 1).memory_bytes ==
+        1100 + 1000 + 1000 + 500);
+  // Gradients and activations do peak together here.
+  CHECK(EvaluateStage(Stack(250, 750), SimpleLinks(), o, 0, 4, 2, 0, 1).memory_bytes ==
+        1100 + 1000 + 1000 + 3000 + 50);
+  // One replica: the runtime does not shard it, so zero changes nothing.
+  SearchOptions single = Batch(1, 1);
+  single.zero = true;
+  CHECK(EvaluateStage(t, SimpleLinks(), single, 0, 4, 1, 0, 1).memory_bytes ==
+        1100 + 2000 + (1000 + 100 + 50));
+}
+
+TEST_CASE("Offload keeps no optimizer state on the device", "[cost_eval]") {
+  const CostTable t = Stack(250, 100);
+  SearchOptions o = Batch(1, 1);
+  o.offload = true;
+  // Params uploaded for the step and the backward's peak.
+  StageEval e = EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1);
+  CHECK(e.memory_bytes == 1100 + (1000 + 100 + 50));
+  CHECK(e.fixed_bytes == 1100 + 700);
+  o = Batch(1, 2);
+  o.offload = true;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 2, 0, 1).memory_bytes ==
+        1100 + 1000 + (1000 + 100 + 50));
+  // zero + offload: the full parameters and the whole local gradient, then its shard.
+  o.zero = true;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 2, 0, 1).memory_bytes == 1100 + 1000 + 500);
+}
+
+TEST_CASE("AMP's weight copies count once per micro-batch in flight", "[cost_eval]") {
+  const CostTable t = Stack(250, 100);
+  SearchOptions o = Batch(4, 1);
+  o.schedule = Schedule::kGPipe;
+  o.amp_cast_factor = 0.5;
+  // Each micro-batch keeps its activations 400 and bf16 copies 500 of the weights; the fourth's
+  // first backward peaks at block 0 (gradients 1000, activations 100, copy 125, working 50).
+  StageEval e = EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 4);
+  CHECK(e.memory_bytes == 1100 + 2000 + 3 * (400 + 500) + (1000 + 100 + 125 + 50));
+  // The copies do not grow with the batch.
+  CHECK(e.fixed_bytes == e.memory_bytes - 3 * 400 - (400 + 50));
+  o.amp_cast_factor = 0;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 4).memory_bytes ==
+        1100 + 2000 + 3 * 400 + (1000 + 100 + 50));
 }
 
 TEST_CASE("EvaluateStage recomputes only when the stage does not fit otherwise",
@@ -208,10 +341,13 @@ TEST_CASE("EvaluateStage recomputes only when the stage does not fit otherwise",
   SearchOptions o = BigMemory();
   o.schedule = Schedule::kGPipe;
   o.optimizer_state_factor = 0;
-  // Blocks 1..2, 4 micro-batches in flight, 1 replica: params 800, grads 500,
-  // act (200 + 300) per micro-batch, peak 150, input 40 per micro-batch.
-  const uint64_t keep_all = 800 + 500 + 500 * 4 + 150 + 40 * 4;
-  const uint64_t recomputed = 800 + 500 + 40 * 4 + 500 + 150;
+  // Blocks 1..2, 4 micro-batches in flight, 1 replica: params 800, grads 500 (all read by
+  // block 2, the last), act (200 + 300) per micro-batch, working memory 150 in block 2, input
+  // 40 per micro-batch. Kept: three micro-batches whole and the fourth's input; its first
+  // backward starts at block 2, allocating the gradients with every activation alive.
+  const uint64_t keep_all = 800 + 3 * (500 + 40) + 40 + (500 + 500 + 150);
+  // Recomputed: the four inputs, and the fourth micro-batch's activations rebuilt.
+  const uint64_t recomputed = 800 + 4 * 40 + (500 + 500 + 150);
   o.mem_margin = 0;
 
   o.device_memory_bytes = keep_all;
@@ -238,6 +374,60 @@ TEST_CASE("EvaluateStage recomputes only when the stage does not fit otherwise",
   StageEval none = EvaluateStage(t, SimpleLinks(), o, 1, 3, 1, 0, 4);
   CHECK(!none.feasible);
   CHECK(none.memory_bytes == recomputed);  // the smallest it could need
+}
+
+TEST_CASE("fixed_bytes plus the rest scaled bounds the memory at a larger micro-batch",
+          "[cost_eval]") {
+  // Profiles linear in the micro-batch (act 100 or 800 per sample, peak 10 per sample), a
+  // 40-byte-per-sample input: the deployment check scales memory - fixed by the micro-batch
+  // ratio, which must never fall short of the estimate at the larger batch.
+  for (uint64_t act_per_sample : {100u, 800u}) {
+    CostTable t;
+    t.param_bytes = {3000, 500};
+    t.param_trainable = {true, true};
+    for (int b = 0; b < 2; ++b) {
+      Block blk;
+      blk.params = {b};
+      for (uint64_t mb : {4u, 8u}) {
+        blk.by_mb[static_cast<int64_t>(mb)] = {1.0, 2.0, act_per_sample * mb, 10 * mb};
+      }
+      t.blocks.push_back(blk);
+    }
+    t.cut_bytes_per_sample = {0, 40};
+    for (int begin : {0, 1}) {
+      for (int replicas : {1, 2}) {
+        for (int m : {1, 2, 4}) {
+          for (int after : {0, 1, 3}) {
+            for (bool zero : {false, true}) {
+              for (bool recompute : {false, true}) {
+                for (double amp : {0.0, 0.5}) {
+                  SearchOptions o = Batch(m, replicas);
+                  o.zero = zero;
+                  o.amp_cast_factor = amp;
+                  // Recompute is forced by memory too small for anything.
+                  o.device_memory_bytes = recompute ? 1 : 1ull << 40;
+                  SearchOptions twice = o;
+                  twice.batch_size *= 2;
+                  const StageEval e = EvaluateStage(t, SimpleLinks(), o, begin, 2, replicas, after, m);
+                  const StageEval e2 =
+                      EvaluateStage(t, SimpleLinks(), twice, begin, 2, replicas, after, m);
+                  INFO("act " << act_per_sample << " begin " << begin << " replicas " << replicas
+                              << " m " << m << " after " << after << " zero " << zero
+                              << " recompute " << recompute << " amp " << amp);
+                  REQUIRE(e.micro_batch == 4);
+                  REQUIRE(e2.micro_batch == 8);
+                  CHECK(e.recompute == recompute);
+                  CHECK(e.fixed_bytes <= e.memory_bytes);
+                  CHECK(e.fixed_bytes >= e.param_bytes);
+                  CHECK(e.fixed_bytes + 2 * (e.memory_bytes - e.fixed_bytes) + 1 >= e2.memory_bytes);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE("EvaluateStage keeps mem_margin free", "[cost_eval]") {

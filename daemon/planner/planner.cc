@@ -124,6 +124,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.optimizer_state_factor = memory.optimizer_state_factor;
   options.zero = memory.zero;
   options.offload = memory.offload;
+  options.amp_cast_factor = memory.amp_cast_factor;
   options.partition_num = config.partition_num;
   options.pipeline_num = config.pipeline_num;
   options.replica_num = config.replica_num;
@@ -238,10 +239,8 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     for (int r = 0; r < st.replicas; ++r) stage->add_devices(device++);
     stage->set_recompute(e.recompute);
     stage->set_memory_bytes(e.memory_bytes);
-    const double state_share = memory.zero ? 1.0 / st.replicas : 1.0;
-    const uint64_t fixed = e.param_bytes + static_cast<uint64_t>(
-        e.trainable_bytes * (1 + memory.optimizer_state_factor * state_share));
-    stage->set_fixed_bytes(std::min(fixed, e.memory_bytes));
+    // What does not grow with the batch (CheckDeployment scales the rest).
+    stage->set_fixed_bytes(e.fixed_bytes);
     stage->set_param_bytes(e.param_bytes);
     stage->set_activation_bytes(e.memory_bytes - stage->fixed_bytes());
     stage->set_fwd_ms(e.fwd_ms);

@@ -72,6 +72,9 @@ struct MemoryModel {
   // offload_params: parameters, gradients between steps and optimizer state live in host
   // memory; a device holds its stage's parameters and the step's gradients only during a step.
   bool offload = false;
+  // AMP: low-precision weight copies per trainable byte, per micro-batch in flight (0 without
+  // AMP, 0.5 for bf16/fp16); see SearchOptions::amp_cast_factor.
+  double amp_cast_factor = 0;
 };
 
 absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at::Tensor>& tensors,

@@ -1,6 +1,9 @@
 #include "daemon/planner/planner.h"
 
 #include <cstdlib>
+#include <map>
+#include <set>
+#include <string>
 
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>
@@ -212,6 +215,58 @@ TEST_CASE("A second plan of the same model reads its profiles from the cache", "
   CHECK(cache.size() == entries);
   CHECK(second->stages_size() == first->stages_size());
   CHECK(second->micro_batches() == first->micro_batches());
+}
+
+TEST_CASE("Offload plans no optimizer state on the devices, batch-independent bytes included",
+          "[planner]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  // One cache, so both plans see the same blocks and profiles.
+  ProfileCache cache(std::string(std::getenv("TEST_TMPDIR")) + "/offload_cache.tsv");
+  MemoryModel adam;
+  adam.optimizer = "adam";
+  adam.optimizer_state_factor = 2;
+  MemoryModel offload = adam;
+  offload.offload = true;
+  const PlannerConfig config =
+      Config({{"partition_num", "2"}, {"replica_num", "1"}, {"pipeline_num", "2"}});
+  absl::StatusOr<v1::Deployment> kept = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                  Target(2, 1ull << 30), adam, config, &cache, "t");
+  absl::StatusOr<v1::Deployment> host = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                  Target(2, 1ull << 30), offload, config, &cache, "t");
+  REQUIRE(kept.ok());
+  REQUIRE(host.ok());
+  CHECK(host->offload());
+  REQUIRE(kept->stages_size() == 2);
+  REQUIRE(host->stages_size() == 2);
+  std::map<std::string, int> index;
+  for (size_t i = 0; i < f.ir->tensor_names.size(); ++i) index[f.ir->tensor_names[i]] = i;
+  for (int s = 0; s < 2; ++s) {
+    const v1::DeploymentStage& a = kept->stages(s);
+    const v1::DeploymentStage& b = host->stages(s);
+    REQUIRE(a.first_node() == b.first_node());
+    // The stage's trainable bytes, each tensor once (a tied weight is one tensor).
+    std::set<const void*> seen;
+    uint64_t trainable = 0;
+    for (const std::string& name : a.params()) {
+      const at::Tensor& t = f.tensors[index.at(name)];
+      if (t.requires_grad() && seen.insert(t.unsafeGetTensorImpl()).second) {
+        trainable += t.numel() * t.element_size();
+      }
+    }
+    INFO("stage " << s << ": trainable " << trainable << ", memory " << a.memory_bytes()
+                  << " / " << b.memory_bytes() << ", fixed " << a.fixed_bytes() << " / "
+                  << b.fixed_bytes());
+    REQUIRE(trainable > 0);
+    // Adam's two moments stay in host memory; nothing else changes.
+    CHECK(a.memory_bytes() - b.memory_bytes() == 2 * trainable);
+    CHECK(a.fixed_bytes() - b.fixed_bytes() == 2 * trainable);
+    // Parameters and optimizer state do not scale with the batch; activations do.
+    CHECK(a.fixed_bytes() >= a.param_bytes() + 2 * trainable);
+    CHECK(b.fixed_bytes() >= b.param_bytes());
+    CHECK(a.fixed_bytes() < a.memory_bytes());
+    CHECK(a.activation_bytes() == a.memory_bytes() - a.fixed_bytes());
+  }
 }
 
 TEST_CASE("PlannerConfigFromKeys reads the planner keys and names a bad one", "[planner]") {

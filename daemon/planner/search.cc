@@ -169,26 +169,41 @@ class ProfileCache {
 // EvaluateStage, so the results are identical to it.
 class StageGrower {
  public:
-  explicit StageGrower(const CostTable& t) : table_(t), seen_(t.param_bytes.size(), 0) {}
+  StageGrower(const CostTable& t, double cast_factor)
+      : table_(t), cast_factor_(cast_factor), seen_(t.param_bytes.size(), 0),
+        read_(t.param_bytes.size(), 0) {}
   void Start() {
     sums_ = StageSums{};
     ++stamp_;
   }
   void Add(int block, const BlockProfile& p) {
-    internal::AddBlockProfile(p, &sums_);
+    ++block_stamp_;
+    double new_trainable = 0, reread_trainable = 0;
     for (int q : table_.blocks[block].params) {
-      if (seen_[q] == stamp_) continue;
-      seen_[q] = stamp_;
-      sums_.param_bytes += table_.param_bytes[q];
-      if (table_.param_trainable[q]) sums_.trainable_bytes += table_.param_bytes[q];
+      if (read_[q] == block_stamp_) continue;
+      read_[q] = block_stamp_;
+      const double bytes =
+          table_.param_trainable[q] ? static_cast<double>(table_.param_bytes[q]) : 0.0;
+      if (seen_[q] != stamp_) {
+        seen_[q] = stamp_;
+        sums_.param_bytes += table_.param_bytes[q];
+        if (table_.param_trainable[q]) sums_.trainable_bytes += table_.param_bytes[q];
+        new_trainable += bytes;
+      } else {
+        reread_trainable += bytes;
+      }
     }
+    internal::AddBlock(p, new_trainable, reread_trainable, cast_factor_, &sums_);
   }
   const StageSums& sums() const { return sums_; }
 
  private:
   const CostTable& table_;
-  std::vector<uint64_t> seen_;
+  double cast_factor_;
+  std::vector<uint64_t> seen_;  // == stamp_: read by an earlier block of this stage
+  std::vector<uint64_t> read_;  // == block_stamp_: counted for the block being added
   uint64_t stamp_ = 0;
+  uint64_t block_stamp_ = 0;
   StageSums sums_;
 };
 
@@ -273,20 +288,31 @@ std::vector<BlockParams> ParamsPerBlock(const CostTable& table) {
   return out;
 }
 
-// What any stage holding a block needs at least, on r replicas with `inflight` micro-batches
-// in flight: the block's params, grads and optimizer state, its peak, and its activations for
-// every micro-batch in flight (`keep`) or, recomputing, for one (`recompute`). A stage adds
-// other blocks' bytes and its input to these, never less.
+// What any stage holding a block needs at least, on r replicas with `inflight` of m
+// micro-batches in flight: the device memory (cost_eval.h's model) of the block alone without
+// an input boundary, keeping its activations (`keep`) or recomputing them (`recompute`). The
+// model is non-decreasing in every byte count and in the micro-batches in flight, and a stage
+// adds other blocks' bytes and its input to these, so it never needs less.
 struct BlockMemory {
   double keep, recompute;
 };
 
 BlockMemory LeastBlockMemory(const SearchOptions& o, const BlockParams& bp,
-                             const BlockProfile& prof, int r, int inflight) {
-  const double state = bp.trainable * (1.0 + o.optimizer_state_factor / (o.zero ? r : 1));
-  const double fixed = bp.params + state + static_cast<double>(prof.peak_bytes);
-  const double act = static_cast<double>(prof.act_bytes);
-  return {fixed + act * inflight, fixed + act};
+                             const BlockProfile& prof, int r, int inflight, int m) {
+  internal::MemoryTerms t;
+  t.params = bp.params;
+  t.trainable = bp.trainable;
+  t.act = static_cast<double>(prof.act_bytes);
+  t.casts = bp.trainable * o.amp_cast_factor;
+  // No later blocks' gradients, no earlier blocks' activations: each a lower bound of a
+  // stage's order-dependent peaks at this block.
+  t.act_peak_scaled = t.act + static_cast<double>(prof.peak_bytes);
+  t.act_peak = t.act_peak_scaled + t.casts;
+  t.grad_act_peak = t.act_peak + t.trainable;
+  auto memory = [&](bool recompute) {
+    return internal::StageDeviceMemory(o, t, r, inflight, m, recompute).total;
+  };
+  return {memory(false), memory(true)};
 }
 
 // The smallest usable memory per device with which some plan would fit (the least, over plans,
@@ -297,7 +323,7 @@ double LeastMemoryNeeded(const CostTable& table, const Links& links, const Searc
                          const Limits& lim) {
   const int n = lim.n, D = lim.devices, K = lim.max_stages;
   ProfileCache cache(table);
-  StageGrower grower(table);
+  StageGrower grower(table, o.amp_cast_factor);
   const double work = static_cast<double>(lim.micro_batches.size()) * n * n / 2.0 *
                       (lim.r_max - lim.r_min + 1) * K * (D + 1);
   if (work > kMaxMemorySearchWork) {
@@ -311,7 +337,7 @@ double LeastMemoryNeeded(const CostTable& table, const Links& links, const Searc
           const int64_t mb = internal::MicroBatchPerDevice(o.batch_size, m, r);
           if (mb == 0) break;
           const BlockMemory mem = LeastBlockMemory(o, bp[b], cache.At(mb)[b], r,
-                                                   internal::Inflight(o.schedule, 0, m));
+                                                   internal::Inflight(o.schedule, 0, m), m);
           least = std::min(least, o.allow_recompute ? mem.recompute : mem.keep);
         }
       }
@@ -338,7 +364,7 @@ double LeastMemoryNeeded(const CostTable& table, const Links& links, const Searc
           const int k_hi = e == n ? 1 : std::min({K, 1 + (n - e), 1 + (D - r) / lim.r_min});
           for (int k = k_lo; k <= k_hi; ++k) {
             const StageEval ev = internal::FinishStage(
-                table, links, o, b, e, r, internal::Inflight(o.schedule, k - 1, m), mb,
+                table, links, o, b, e, r, internal::Inflight(o.schedule, k - 1, m), m, mb,
                 grower.sums());
             const double mem = static_cast<double>(ev.memory_bytes);
             for (int dc = (k - 1) * lim.r_min; dc + r <= D; ++dc) {
@@ -391,8 +417,8 @@ absl::Status NothingFits(const CostTable& table, const Links& links, const Searc
 //
 // A block's time with r replicas is forward + backward, plus the forward again when even the
 // block alone would not fit without recompute, and infinite when it would not fit at all:
-// any stage holding the block holds at least its params, grads, optimizer state, activations
-// and peak, so it fails (or must recompute) whenever the block alone does.
+// any stage holding the block needs at least the block's own memory (LeastBlockMemory), so it
+// fails (or must recompute) whenever the block alone does.
 class PrefixBounds {
  public:
   PrefixBounds(const CostTable& table, const SearchOptions& o, const Limits& lim, int m,
@@ -413,7 +439,7 @@ class PrefixBounds {
         if (mb > 0) {
           const std::vector<BlockProfile>& prof = cache->At(mb);
           for (int j = 0; j < n_; ++j) {
-            const BlockMemory mem = LeastBlockMemory(o, bp[j], prof[j], r, min_inflight);
+            const BlockMemory mem = LeastBlockMemory(o, bp[j], prof[j], r, min_inflight, m);
             const bool keeps = mem.keep <= limit;
             const bool recomputes = o.allow_recompute && mem.recompute <= limit;
             if (!keeps && !recomputes) continue;
@@ -500,7 +526,7 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
   const SearchOptions& o = options;
 
   ProfileCache cache(table);
-  StageGrower grower(table);
+  StageGrower grower(table, o.amp_cast_factor);
   // With a forced stage count the fronts are kept per exact count (k = stages in the suffix);
   // otherwise the count is one more Pareto dimension and every suffix shares k = 0.
   const bool by_count = o.partition_num > 0;
@@ -559,7 +585,8 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
           ++stamp;
           auto eval_at = [&](int inflight) -> const StageEval& {
             if (eval_stamp[inflight] != stamp) {
-              evals[inflight] = internal::FinishStage(table, links, o, b, e, r, inflight, mb, sums);
+              evals[inflight] =
+                  internal::FinishStage(table, links, o, b, e, r, inflight, m, mb, sums);
               eval_stamp[inflight] = stamp;
             }
             return evals[inflight];

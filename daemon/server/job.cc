@@ -101,11 +101,15 @@ absl::Status CheckExampleCount(const ImportedModel& model,
       " example inputs were given"));
 }
 
-// Optimizer state in multiples of the trainable parameters' size, and whether it is sharded.
-planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bool offload) {
+// What the planner counts per trainable parameter byte: optimizer state (and whether it is sharded
+// or offloaded) and AMP weight copies.
+planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bool offload,
+                                    const AmpDtype& amp) {
   planner::MemoryModel m;
   m.zero = zero;
   m.offload = offload;
+  // Autocast's low-precision copies of the fp32 weights, kept by each micro-batch in flight.
+  if (amp.has_value()) m.amp_cast_factor = c10::elementSize(*amp) / 4.0;
   if (!config.enabled) return m;
   bool momentum = false, amsgrad = false;
   for (const HyperParams& h : config.group_hyper) {
@@ -146,7 +150,7 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
   }
   absl::StatusOr<v1::Deployment> plan =
       planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                         MemoryModelFor(config.optimizer, config.zero, config.offload), config.planner, config.profile_cache,
+                         MemoryModelFor(config.optimizer, config.zero, config.offload, config.amp), config.planner, config.profile_cache,
                          config.created_by);
   if (!plan.ok()) return Annotate(plan.status(), "planning the model");
   return plan;
