@@ -150,8 +150,8 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
   }
   absl::StatusOr<v1::Deployment> plan =
       planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                         MemoryModelFor(config.optimizer, config.zero, config.offload, config.amp), config.planner, config.profile_cache,
-                         config.created_by);
+                         MemoryModelFor(config.optimizer, config.zero, config.offload, config.amp),
+                         config.planner, config.profile_cache, config.created_by);
   if (!plan.ok()) return Annotate(plan.status(), "planning the model");
   return plan;
 }
