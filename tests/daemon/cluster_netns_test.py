@@ -190,12 +190,16 @@ class Probe:
             net.exec_args(k, sys.executable, "-u", "-c", _PROBE),
             env=dict(os.environ, PYTHONPATH=CLIENT_ROOT), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The first answer waits for the probe's imports (pyrannc imports torch: seconds, more on
+        # a loaded machine); later ones only for the call.
+        self.limit = 60
 
     def ask(self, what, address):
         self.proc.stdin.write(f"{what} {address}\n")
         self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], 10)
-        assert ready, f"the probe got no answer to {what} {address} within 10 s"
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.limit)
+        assert ready, f"the probe got no answer to {what} {address} within {self.limit} s"
+        self.limit = 10
         line = self.proc.stdout.readline()
         assert line, f"the probe exited: {self.proc.stderr.read()}"
         return json.loads(line)
