@@ -10,19 +10,17 @@ enable_apex_amp bf16, both, offload_params, offload_params with enable_zero) and
 plan (1 stage x 4 replicas; 2 stages x 2 replicas x 2 micro-batches), 3 steps each. A mode whose
 job creation raises NotImplementedError (offload_params before the daemon has it) is skipped,
 saying so. Per mode and plan it prints, for the first device (or --device):
-  - params: bytes its parameters take (ListJobs' device_bytes after a no-grad forward);
+  - params: what it holds before training (ListJobs' device_bytes after a no-grad forward):
+    its parameters and, with replicas and without ZeRO, the gradient reducer's buckets;
   - opt state: what the optimizer state adds after the steps (device_bytes with the gradients
     set to None, minus params; with --zero-grad-in-place the zeroed gradients too);
   - estimate: the planner's memory estimate for the device's stage (Deployment.stages[].
     memory_bytes);
   - peak: the measured peak (ListJobs' peak_device_bytes: what the device held when a step
-    began plus the high-water mark of its worker's allocations during it);
-  - buckets: the gradient reducer's flat buffers (runtime/grad_reducer.h), which the device
-    holds from engine creation on, so peak_device_bytes does not count them: the bytes of the
-    stage's trainable parameters that no other stage reads, with more than one replica and
-    without ZeRO (with ZeRO the reducer keeps only parameters outside the optimizer: none
-    here). Computed here from the deployment, since the daemon does not report them;
-  - est/held: estimate / (peak + buckets).
+    began, the gradient reducer's buffers included, plus the high-water mark of its worker's
+    allocations during it), and estimate / peak.
+With offload_params, params and opt state are what the device keeps between steps (nothing but
+buffers and the reducer's buckets, which are transient then too).
 """
 import argparse
 import json
@@ -70,18 +68,9 @@ CLIENT = textwrap.dedent("""
     s = summary(rmod)
     d = rmod.deployment
     estimate = {{dev: st.memory_bytes for st in d.stages for dev in st.devices}}
-    trainable = {{n: p.numel() * p.element_size() for n, p in model.named_parameters()
-                 if p.requires_grad}}
-    buckets = {{}}
-    for st in d.stages:
-        others = set(n for o in d.stages if o is not st for n in o.params)
-        own = sum(trainable.get(n, 0) for n in set(st.params) if n not in others)
-        for dev in st.devices:
-            buckets[dev] = own if len(st.devices) > 1 and not {zero} else 0
     print(json.dumps({{"params": params, "held": list(s.device_bytes),
                       "peak": list(s.peak_device_bytes),
                       "estimate": [estimate[i] for i in range(len(params))],
-                      "buckets": [buckets[i] for i in range(len(params))],
                       "fixed": [{{dev: st.fixed_bytes for st in d.stages
                                  for dev in st.devices}}[i] for i in range(len(params))],
                       "stages": [list(st.devices) for st in d.stages]}}))
@@ -104,9 +93,8 @@ def main():
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     parser.add_argument("--port", type=int, default=50981)
     parser.add_argument("--zero-grad-in-place", action="store_true",
-                        help="zero_grad(set_to_none=False), PyTorch 1.x's default: the device "
-                        "keeps the zeroed gradients into the next step (the estimate assumes "
-                        "set_to_none=True)")
+                        help="zero_grad(set_to_none=False), PyTorch 1.x's default (the "
+                        "runtime frees zeroed gradients as set_to_none=True does)")
     parser.add_argument("--device", type=int, default=0,
                         help="the device to report (2: the second stage of 2x2x2)")
     parser.add_argument("--verbose", action="store_true",
@@ -121,7 +109,7 @@ def main():
         print(f"ByteGPT {args.layers} layers, d_model {args.dim}, seq {args.seq}, batch "
               f"{args.batch}, AdamW, cpu:4; device {args.device}, MiB")
         print(f"{'plan':7} {'mode':12} {'params':>7} {'opt state':>9} {'estimate':>8} "
-              f"{'peak':>7} {'buckets':>7} {'est/held':>8}")
+              f"{'peak':>7} {'est/peak':>8}")
         for plan_name in args.plans.split(","):
             p, m, r = PLANS[plan_name]
             for mode in args.modes.split(","):
@@ -142,10 +130,9 @@ def main():
                 mib = 1 << 20
                 dev = args.device
                 params, held = got["params"][dev], got["held"][dev]
-                estimate, peak, buckets = got["estimate"][dev], got["peak"][dev], got["buckets"][dev]
+                estimate, peak = got["estimate"][dev], got["peak"][dev]
                 print(f"{plan_name:7} {mode:12} {params / mib:7.2f} {(held - params) / mib:9.2f} "
-                      f"{estimate / mib:8.2f} {peak / mib:7.2f} {buckets / mib:7.2f} "
-                      f"{estimate / (peak + buckets):8.2f}"
+                      f"{estimate / mib:8.2f} {peak / mib:7.2f} {estimate / peak:8.2f}"
                       + (f"  fixed {got['fixed'][dev] / mib:.2f}" if args.verbose else ""),
                       flush=True)
     finally:
