@@ -10,17 +10,17 @@ enable_apex_amp bf16, both, offload_params, offload_params with enable_zero) and
 plan (1 stage x 4 replicas; 2 stages x 2 replicas x 2 micro-batches), 3 steps each. A mode whose
 job creation raises NotImplementedError (offload_params before the daemon has it) is skipped,
 saying so. Per mode and plan it prints, for the first device (or --device):
-  - params: what the device holds before training (ListJobs' device_bytes after a no-grad
-    forward): parameters, buffers and, with replicas and without ZeRO or offload, the gradient
-    reducer's bucket buffers (as large as the stage's gradients);
+  - params: what it holds before training (ListJobs' device_bytes after a no-grad forward):
+    its parameters and, with replicas and without ZeRO, the gradient reducer's buckets;
   - opt state: what the optimizer state adds after the steps (device_bytes with the gradients
     set to None, minus params; with --zero-grad-in-place the zeroed gradients too);
   - estimate: the planner's memory estimate for the device's stage (Deployment.stages[].
     memory_bytes);
   - peak: the measured peak (ListJobs' peak_device_bytes: what the device held when a step
-    began, the reducer's buckets included, plus the high-water mark of its worker's
-    allocations during it);
-  - est/peak: estimate / peak.
+    began, the gradient reducer's buffers included, plus the high-water mark of its worker's
+    allocations during it), and estimate / peak.
+With offload_params, params and opt state are what the device keeps between steps (nothing but
+buffers and the reducer's buckets, which are transient then too).
 """
 import argparse
 import json
@@ -93,9 +93,8 @@ def main():
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     parser.add_argument("--port", type=int, default=50981)
     parser.add_argument("--zero-grad-in-place", action="store_true",
-                        help="zero_grad(set_to_none=False), PyTorch 1.x's default: the device "
-                        "keeps the zeroed gradients into the next step (the estimate assumes "
-                        "set_to_none=True)")
+                        help="zero_grad(set_to_none=False), PyTorch 1.x's default (the "
+                        "runtime frees zeroed gradients as set_to_none=True does)")
     parser.add_argument("--device", type=int, default=0,
                         help="the device to report (2: the second stage of 2x2x2)")
     parser.add_argument("--verbose", action="store_true",

@@ -100,7 +100,7 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
   const bool zero = options.zero && replicas > 1;
   const double state =
       options.offload ? 0.0 : G * options.optimizer_state_factor / (zero ? replicas : 1);
-  const double buckets = replicas > 1 && !zero ? G : 0.0;
+  double buckets = replicas > 1 && !zero ? G : 0.0;
   const double X = t.act + t.casts;
   const double I = t.input;
   const double K = recompute ? I : X + I;  // kept per micro-batch in flight
@@ -120,6 +120,12 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
       // first backward when m > k), one of them running.
       const double j = micro_batches > inflight ? k : k - 1;
       dynamic = std::max(dynamic, recompute ? G + j * I + U : G + (j - 1) * K + I + U);
+    }
+    if (options.offload && micro_batches > 1) {
+      // Offloaded, the reducer allocates its buckets for the device's last backward only,
+      // when the last micro-batch alone is in flight.
+      dynamic = std::max(dynamic, G + buckets + I + U);
+      buckets = 0;
     }
   }
   DeviceMemory m;

@@ -113,7 +113,8 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 //   P + state + buckets + dynamic
 //   state    G * optimizer_state_factor, divided by the replicas with zero; 0 with offload
 //   buckets  G with more than one replica and no zero: the gradient reducer's flat buffers
-//            (runtime/grad_reducer.h), allocated once and kept
+//            (runtime/grad_reducer.h), allocated once and kept; offloaded, allocated for the
+//            device's last backward only (with m > 1: dynamic >= G + buckets + I + U below)
 //   dynamic  what a step allocates and frees. Each micro-batch in flight keeps K = X + I
 //            (recomputing: K = I; its backward first rebuilds X). The device's first backward
 //            allocates the gradients block by block as it frees the blocks' activations, last

@@ -317,6 +317,21 @@ TEST_CASE("Offload keeps no optimizer state on the device", "[cost_eval]") {
   // zero + offload: the full parameters and the whole local gradient, then its shard.
   o.zero = true;
   CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 2, 0, 1).memory_bytes == 1100 + 1000 + 500);
+  // Offloaded, the reducer's buckets exist for the device's last backward only. Two
+  // micro-batches, both in flight (first stage of two): the first backward runs without them
+  // (400 + 1000 + 100 + 50), the last with them, the gradients and one micro-batch (400 + 50).
+  o = Batch(2, 2);
+  o.offload = true;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 2, 1, 2).memory_bytes ==
+        1100 + 1000 + 1000 + 400 + 50);
+  // Where the first backward (another micro-batch's 8000 and this one's block 3) is the peak,
+  // offload saves the state and the buckets.
+  const CostTable big = Stack(250, 2000);
+  CHECK(EvaluateStage(big, SimpleLinks(), o, 0, 4, 2, 1, 2).memory_bytes ==
+        1100 + 8000 + (8000 + 250 + 50));
+  o.offload = false;
+  CHECK(EvaluateStage(big, SimpleLinks(), o, 0, 4, 2, 1, 2).memory_bytes ==
+        1100 + 2000 + 1000 + 8000 + (8000 + 250 + 50));
 }
 
 TEST_CASE("AMP's weight copies count once per micro-batch in flight", "[cost_eval]") {
