@@ -158,6 +158,47 @@ TEST_CASE("BuildIr finds batch dimensions through views in attention", "[graph]"
   CHECK(f.ir->nodes.size() > 20);
 }
 
+TEST_CASE("Sharing repeated nodes builds the same IR, running each layer's kind once", "[graph]") {
+  for (const char* name :
+       {"mlp", "tied_lm", "bn_net", "multi_io", "tiny_gpt", "deep_gpt", "dropout_net"}) {
+    INFO(name);
+    FixtureIr f = BuildFixtureIr(name);  // shares (the default)
+    REQUIRE(f.ir.ok());
+    IrOptions every;
+    every.share_repeated_nodes = false;
+    absl::StatusOr<IrGraph> full = BuildIr(f.model, f.tensors, f.fixture.inputs, every);
+    REQUIRE(full.ok());
+    CHECK(full->nodes_probed == static_cast<int>(full->nodes.size()));
+    CHECK(f.ir->hash == full->hash);
+    CHECK(f.ir->batch_separable == full->batch_separable);
+    CHECK(f.ir->not_separable == full->not_separable);
+    REQUIRE(f.ir->values.size() == full->values.size());
+    for (size_t v = 0; v < full->values.size(); ++v) {
+      INFO("value %" << full->values[v].name);
+      CHECK(f.ir->values[v].dtype == full->values[v].dtype);
+      CHECK(f.ir->values[v].shape == full->values[v].shape);
+      CHECK(f.ir->values[v].batch_dim == full->values[v].batch_dim);
+      CHECK(f.ir->values[v].bytes == full->values[v].bytes);
+      CHECK(f.ir->values[v].is_loss == full->values[v].is_loss);
+      CHECK(f.ir->values[v].reduction == full->values[v].reduction);
+    }
+    REQUIRE(f.ir->nodes.size() == full->nodes.size());
+    for (size_t n = 0; n < full->nodes.size(); ++n) {
+      CHECK(f.ir->nodes[n].inputs == full->nodes[n].inputs);
+      CHECK(f.ir->nodes[n].outputs == full->nodes[n].outputs);
+    }
+  }
+  // Six identical layers: the second to sixth take the first's values. (The first layer
+  // reads the embedding's sum, the others the residual stream, both [B, T, d].)
+  FixtureIr deep = BuildFixtureIr("deep_gpt");
+  FixtureIr tiny = BuildFixtureIr("tiny_gpt");
+  REQUIRE(deep.ir.ok());
+  REQUIRE(tiny.ir.ok());
+  INFO(deep.ir->nodes_probed << " of " << deep.ir->nodes.size() << " nodes run");
+  CHECK(deep.ir->nodes.size() > 2 * tiny.ir->nodes.size());
+  CHECK(deep.ir->nodes_probed <= tiny.ir->nodes_probed);
+}
+
 TEST_CASE("BuildIr rejects a trace that fixed the batch size", "[graph]") {
   FixtureIr f = BuildFixtureIr("baked_batch");
   REQUIRE_FALSE(f.ir.ok());
