@@ -127,12 +127,8 @@ struct NodeProbe {
 };
 
 absl::StatusOr<std::vector<NodeProbe>> BuildProbes(const IrGraph& ir) {
-  std::unordered_map<const Node*, int> position, owner;
-  int pos = 0;
-  for (Node* n : ir.graph->nodes()) position[n] = pos++;
-  for (size_t i = 0; i < ir.nodes.size(); ++i) {
-    for (Node* op : ir.nodes[i].ops) owner[op] = static_cast<int>(i);
-  }
+  const std::unordered_map<const Node*, int>& position = ir.op_position;
+  const std::unordered_map<const Node*, int>& owner = ir.node_of_op;
   std::vector<NodeProbe> probes(ir.nodes.size());
   absl::Status status = TorchCall(absl::StatusCode::kInternal, "building probe graphs", [&] {
     for (size_t i = 0; i < ir.nodes.size(); ++i) {
@@ -275,14 +271,34 @@ bool IsRandomKind(const torch::jit::Node* n) {
   return kinds.count(n->kind().toQualString()) > 0;
 }
 
+// Copies of the lifted tensors the graph may write (buffers), to put back after a run; the
+// others (all parameters, usually) are only read and need no copy.
+class SavedTensors {
+ public:
+  SavedTensors(const IrGraph& ir, const std::vector<at::Tensor>& tensors) : tensors_(tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (ir.values[ir.inputs[ir.num_user_inputs + i]].written) {
+        saved_.emplace_back(i, tensors[i].clone());
+      }
+    }
+  }
+  void Restore() const {
+    at::NoGradGuard no_grad;
+    for (const auto& [i, t] : saved_) tensors_[i].copy_(t);
+  }
+
+ private:
+  const std::vector<at::Tensor>& tensors_;
+  std::vector<std::pair<size_t, at::Tensor>> saved_;
+};
+
 // Runs the model on each of the two samples of `run_pair` apart and compares the outputs with
 // the pair's: sets each loss's reduction and ir.batch_separable. Buffers are restored.
 absl::Status CheckSeparable(const std::vector<at::Tensor>& example_inputs,
                             const std::vector<at::Tensor>& tensors,
                             std::vector<NodeProbe>& probes, bool share,
                             const ProbeRun& run_pair, IrGraph& ir) {
-  std::vector<at::Tensor> saved;
-  for (const at::Tensor& t : tensors) saved.push_back(t.clone());
+  const SavedTensors saved(ir, tensors);
   std::vector<absl::StatusOr<ProbeRun>> single;
   {
     at::NoGradGuard no_grad;
@@ -293,7 +309,7 @@ absl::Status CheckSeparable(const std::vector<at::Tensor>& example_inputs,
       }
       for (const at::Tensor& t : tensors) inputs.emplace_back(t);
       single.push_back(RunProbes(ir, probes, inputs, share));
-      for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
+      saved.Restore();
     }
   }
   auto not_separable = [&](std::string why) {
@@ -534,6 +550,10 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     return absl::OkStatus();
   });
   if (!aliased.ok()) return aliased;
+  for (size_t i = 0; i < graph.inputs().size(); ++i) {
+    IrValue& value = ir.values[i];
+    value.written = value.role == ValueRole::kBuffer || alias_db->hasWriters(graph.inputs()[i]);
+  }
   std::vector<Node*> anchors;
   std::unordered_map<const Node*, int> anchor_index;
   for (Node* n : graph.nodes()) {
@@ -642,6 +662,14 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     ir.nodes.push_back(std::move(node));
   }
 
+  {
+    int position = 0;
+    for (Node* n : graph.nodes()) ir.op_position[n] = position++;
+    for (size_t i = 0; i < ir.nodes.size(); ++i) {
+      for (Node* op : ir.nodes[i].ops) ir.node_of_op[op] = static_cast<int>(i);
+    }
+  }
+
   // Record every value at two small batches (the example's samples, repeated as needed): the
   // dimension that changes is the batch, and shapes at the example batch follow by
   // extrapolation, without running the model at full size. The model runs node by node; where
@@ -652,8 +680,7 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   if (!probes.ok()) return probes.status();
   const bool share = options.share_repeated_nodes && ShapesFollowFromShapes(graph);
   constexpr int64_t kProbeA = 2, kProbeB = 3;
-  std::vector<at::Tensor> saved;
-  for (const at::Tensor& t : tensors) saved.push_back(t.clone());
+  const SavedTensors saved(ir, tensors);
   std::vector<c10::IValue> inputs_a, inputs_b;
   for (const at::Tensor& t : example_inputs) {
     inputs_a.emplace_back(RepeatSamples(t, kProbeA));
@@ -667,9 +694,9 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   {
     at::NoGradGuard no_grad;
     run_a = RunProbes(ir, *probes, inputs_a, share);
-    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
+    saved.Restore();
     if (run_a.ok()) run_b = RunProbes(ir, *probes, inputs_b, share);
-    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
+    saved.Restore();
   }
   for (const auto* run : {&run_a, &run_b}) {
     if (run->ok()) continue;

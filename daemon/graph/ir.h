@@ -69,6 +69,9 @@ struct IrValue {
   int producer = -1;           // the atomic node that computes it; -1 for inputs and helpers
   std::vector<int> consumers;  // atomic nodes that read it (directly or through helpers)
   bool is_output = false;      // one of the model's (flattened) outputs
+  // For graph inputs: an op of the graph may write it in place (a BatchNorm buffer), so a run
+  // on the model's own tensors must save and restore it.
+  bool written = false;
   int64_t bytes = 0;           // at the example batch size
 };
 
@@ -105,6 +108,11 @@ struct IrGraph {
   // Atomic nodes that ran in BuildIr's first probe run; the others repeat one of them and took
   // its values (IrOptions::share_repeated_nodes). For logs and tests.
   int nodes_probed = 0;
+
+  // For building stage graphs fast (graph/subgraph.h): each top-level op's position in `graph`,
+  // and the atomic node of each op that belongs to one. Filled by BuildIr.
+  std::unordered_map<const torch::jit::Node*, int> op_position;
+  std::unordered_map<const torch::jit::Node*, int> node_of_op;
 
   int ValueOf(const torch::jit::Value* v) const { return value_index.at(v); }
 };

@@ -106,6 +106,15 @@ TEST_CASE("BuildIr marks buffers and restores them after its runs", "[graph]") {
   const IrValue* mean = Lifted(*f.ir, "bn.running_mean");
   REQUIRE(mean != nullptr);
   CHECK(mean->role == ValueRole::kBuffer);
+  // Only what the model may write is saved and restored around the runs: buffers, and what
+  // alias analysis cannot clear (it answers conservatively; here the convolution's weight
+  // too); a transformer's parameters are only read.
+  CHECK(mean->written);
+  FixtureIr gpt = BuildFixtureIr("tiny_gpt");
+  REQUIRE(gpt.ir.ok());
+  const IrValue* qkv = Lifted(*gpt.ir, "blocks.0.qkv.weight");
+  REQUIRE(qkv != nullptr);
+  CHECK_FALSE(qkv->written);
   for (size_t i = 0; i < f.tensors.size(); ++i) {
     if (f.ir->tensor_names[i] == "bn.running_mean") CHECK(at::equal(f.tensors[i], at::zeros({3})));
   }
