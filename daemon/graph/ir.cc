@@ -76,10 +76,8 @@ bool IsShapeOp(const Node* n) {
   return kinds.count(n->kind().toQualString()) > 0;
 }
 
-// Whether every value's shape follows from the shapes (not the contents) of the graph's inputs:
-// no op turns tensor contents into a scalar (a size, a count) or makes a shape from contents,
-// and no control flow depends on contents. Only then may two atomic nodes that run the same ops
-// on inputs of the same shapes share one probe run.
+}  // namespace
+
 bool ShapesFollowFromShapes(Graph& graph) {
   static const std::unordered_set<std::string> kinds = {
       "aten::nonzero",    "aten::nonzero_numpy", "aten::argwhere",       "aten::masked_select",
@@ -90,9 +88,14 @@ bool ShapesFollowFromShapes(Graph& graph) {
       "aten::ComplexImplicit", "aten::ScalarImplicit", "aten::tolist",   "prim::tolist",
       "aten::equal",      "aten::is_nonzero",    "aten::allclose",       "aten::index",
   };
+  // where(condition) alone is nonzero by another name.
+  auto contents_to_shape = [&](const Node* n) {
+    return kinds.count(n->kind().toQualString()) > 0 ||
+           (n->kind() == c10::aten::where && n->inputs().size() == 1);
+  };
   std::function<bool(torch::jit::Block*)> nested_ok = [&](torch::jit::Block* b) {
     for (Node* n : b->nodes()) {
-      if (kinds.count(n->kind().toQualString())) return false;
+      if (contents_to_shape(n)) return false;
       for (torch::jit::Block* inner : n->blocks()) {
         if (!nested_ok(inner)) return false;
       }
@@ -103,7 +106,7 @@ bool ShapesFollowFromShapes(Graph& graph) {
   for (Node* n : graph.nodes()) {
     bool contents = false;
     for (Value* in : ExternalInputs(n)) contents = contents || from_contents.count(in) > 0;
-    if (contents && (kinds.count(n->kind().toQualString()) || !n->blocks().empty())) {
+    if (contents && (contents_to_shape(n) || !n->blocks().empty())) {
       return false;
     }
     for (torch::jit::Block* b : n->blocks()) {
@@ -115,6 +118,8 @@ bool ShapesFollowFromShapes(Graph& graph) {
   }
   return true;
 }
+
+namespace {
 
 // One atomic node, runnable alone: its ops and every helper they read, with every value it
 // computes as an output, so a run of all probes in order records every top-level value.

@@ -137,6 +137,12 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
                                 const std::vector<at::Tensor>& example_inputs,
                                 const IrOptions& options = {});
 
+// Whether every value's shape in `graph` follows from the shapes (not the contents) of its
+// inputs: no op turns tensor contents into a scalar (a size, a count: item, int(t)) or makes a
+// shape from contents (nonzero, unique, boolean indexing), and no control flow depends on
+// contents. Only then may BuildIr give a repeated node an earlier node's values.
+bool ShapesFollowFromShapes(torch::jit::Graph& graph);
+
 // The bytes per sample of the activations live across the boundary before atomic node
 // `boundary` (1..nodes.size()-1): what a stage cut there sends forward.
 double CutBytesPerSample(const IrGraph& ir, int boundary);

@@ -5,6 +5,7 @@
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/ir/irparser.h>
 #include <torch/csrc/jit/runtime/interpreter.h>
 #include <catch2/catch.hpp>
 
@@ -206,6 +207,52 @@ TEST_CASE("Sharing repeated nodes builds the same IR, running each layer's kind 
   INFO(deep.ir->nodes_probed << " of " << deep.ir->nodes.size() << " nodes run");
   CHECK(deep.ir->nodes.size() > 2 * tiny.ir->nodes.size());
   CHECK(deep.ir->nodes_probed <= tiny.ir->nodes_probed);
+}
+
+TEST_CASE("Shapes follow from shapes unless an op reads contents into a size", "[graph]") {
+  auto follows = [](const std::string& text) {
+    auto graph = std::make_shared<torch::jit::Graph>();
+    torch::jit::parseIR(text, graph.get());
+    return ShapesFollowFromShapes(*graph);
+  };
+  // Sizes of inputs, arithmetic on them, views: shapes from shapes.
+  CHECK(follows(R"IR(
+graph(%x : Tensor, %w : Tensor):
+  %zero : int = prim::Constant[value=0]()
+  %b : int = aten::size(%x, %zero)
+  %t : Tensor = prim::NumToTensor(%b)
+  %n : int = aten::Int(%t)
+  %minus : int = prim::Constant[value=-1]()
+  %shape : int[] = prim::ListConstruct(%n, %minus)
+  %y : Tensor = aten::matmul(%x, %w)
+  %z : Tensor = aten::view(%y, %shape)
+  return (%z))IR"));
+  // A size read from contents (int(x.sum())), a count (nonzero), where(cond) alone.
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor):
+  %none : NoneType = prim::Constant()
+  %s : Tensor = aten::sum(%x, %none)
+  %n : int = aten::Int(%s)
+  %minus : int = prim::Constant[value=-1]()
+  %shape : int[] = prim::ListConstruct(%n, %minus)
+  %z : Tensor = aten::view(%x, %shape)
+  return (%z))IR"));
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor):
+  %z : Tensor = aten::nonzero(%x)
+  return (%z))IR"));
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor):
+  %z : Tensor[] = aten::where(%x)
+  return (%z))IR"));
+  // A parameter's contents count as contents too.
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor, %p : Tensor):
+  %n : int = aten::Int(%p)
+  %minus : int = prim::Constant[value=-1]()
+  %shape : int[] = prim::ListConstruct(%n, %minus)
+  %z : Tensor = aten::view(%x, %shape)
+  return (%z))IR"));
 }
 
 TEST_CASE("BuildIr rejects a trace that fixed the batch size", "[graph]") {
