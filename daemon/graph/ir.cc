@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/graph/structure.h"
 
 namespace rannc {
 namespace {
@@ -68,26 +69,191 @@ std::vector<Value*> TopLevelValues(Graph& graph) {
   return values;
 }
 
-// Runs `graph` once and returns the value of every TopLevelValues entry.
-absl::StatusOr<std::vector<c10::IValue>> RecordValues(Graph& graph,
-                                                      const std::vector<c10::IValue>& inputs) {
-  std::shared_ptr<Graph> probe = graph.copy();
-  std::vector<Value*> values = TopLevelValues(*probe);
-  while (!probe->outputs().empty()) probe->eraseOutput(0);
-  for (Value* v : values) probe->registerOutput(v);
-  std::vector<c10::IValue> stack(inputs.begin(), inputs.end());
-  absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, "the model's forward failed",
-                                  [&] {
-    torch::jit::Code code(probe, "probe");
-    torch::jit::InterpreterState(code).run(stack);
+// Ops whose results are sizes or shapes, not data.
+bool IsShapeOp(const Node* n) {
+  static const std::unordered_set<std::string> kinds = {
+      "aten::size", "aten::dim", "aten::numel", "prim::shape", "aten::len"};
+  return kinds.count(n->kind().toQualString()) > 0;
+}
+
+}  // namespace
+
+bool ShapesFollowFromShapes(Graph& graph) {
+  static const std::unordered_set<std::string> kinds = {
+      "aten::nonzero",    "aten::nonzero_numpy", "aten::argwhere",       "aten::masked_select",
+      "aten::unique",     "aten::_unique",       "aten::_unique2",       "aten::unique_dim",
+      "aten::unique_consecutive", "aten::unique_dim_consecutive",         "aten::bincount",
+      "aten::repeat_interleave",  "aten::item",  "aten::_local_scalar_dense", "aten::Int",
+      "aten::Float",      "aten::Bool",          "aten::IntImplicit",    "aten::FloatImplicit",
+      "aten::ComplexImplicit", "aten::ScalarImplicit", "aten::tolist",   "prim::tolist",
+      "aten::equal",      "aten::is_nonzero",    "aten::allclose",       "aten::index",
+  };
+  // where(condition) alone is nonzero by another name.
+  auto contents_to_shape = [&](const Node* n) {
+    return kinds.count(n->kind().toQualString()) > 0 ||
+           (n->kind() == c10::aten::where && n->inputs().size() == 1);
+  };
+  std::function<bool(torch::jit::Block*)> nested_ok = [&](torch::jit::Block* b) {
+    for (Node* n : b->nodes()) {
+      if (contents_to_shape(n)) return false;
+      for (torch::jit::Block* inner : n->blocks()) {
+        if (!nested_ok(inner)) return false;
+      }
+    }
+    return true;
+  };
+  std::unordered_set<const Value*> from_contents(graph.inputs().begin(), graph.inputs().end());
+  for (Node* n : graph.nodes()) {
+    bool contents = false;
+    for (Value* in : ExternalInputs(n)) contents = contents || from_contents.count(in) > 0;
+    if (contents && (contents_to_shape(n) || !n->blocks().empty())) {
+      return false;
+    }
+    for (torch::jit::Block* b : n->blocks()) {
+      if (!nested_ok(b)) return false;
+    }
+    if (contents && !IsShapeOp(n)) {
+      for (Value* o : n->outputs()) from_contents.insert(o);
+    }
+  }
+  return true;
+}
+
+namespace {
+
+// One atomic node, runnable alone: its ops and every helper they read, with every value it
+// computes as an output, so a run of all probes in order records every top-level value.
+struct NodeProbe {
+  std::shared_ptr<Graph> graph;
+  std::vector<int> inputs;   // IR value ids, in the graph's input order
+  std::vector<int> outputs;  // IR value ids of every value the graph computes, in order
+  std::string structure;     // CanonicalGraphText(*graph)
+  std::unique_ptr<torch::jit::Code> code;  // made at the first run
+};
+
+absl::StatusOr<std::vector<NodeProbe>> BuildProbes(const IrGraph& ir) {
+  const std::unordered_map<const Node*, int>& position = ir.op_position;
+  const std::unordered_map<const Node*, int>& owner = ir.node_of_op;
+  std::vector<NodeProbe> probes(ir.nodes.size());
+  absl::Status status = TorchCall(absl::StatusCode::kInternal, "building probe graphs", [&] {
+    for (size_t i = 0; i < ir.nodes.size(); ++i) {
+      std::unordered_set<Node*> members(ir.nodes[i].ops.begin(), ir.nodes[i].ops.end());
+      std::vector<Node*> work(ir.nodes[i].ops.begin(), ir.nodes[i].ops.end());
+      while (!work.empty()) {
+        Node* n = work.back();
+        work.pop_back();
+        for (Value* in : ExternalInputs(n)) {
+          Node* p = in->node();
+          if (p->kind() == c10::prim::Param || owner.count(p) || members.count(p)) continue;
+          members.insert(p);
+          work.push_back(p);
+        }
+      }
+      std::vector<Node*> ordered(members.begin(), members.end());
+      std::sort(ordered.begin(), ordered.end(),
+                [&](Node* a, Node* b) { return position.at(a) < position.at(b); });
+      std::set<int> inputs;
+      for (Node* n : ordered) {
+        for (Value* in : ExternalInputs(n)) {
+          if (!members.count(in->node())) inputs.insert(ir.ValueOf(in));
+        }
+      }
+      NodeProbe& probe = probes[i];
+      probe.graph = std::make_shared<Graph>();
+      std::unordered_map<const Value*, Value*> env;
+      for (int v : inputs) {
+        probe.inputs.push_back(v);
+        env[ir.values[v].jit] = probe.graph->addInput()->setType(ir.values[v].jit->type());
+      }
+      auto lookup = [&](Value* v) -> Value* {
+        auto it = env.find(v);
+        if (it == env.end()) {
+          throw std::runtime_error(absl::StrCat("value %", v->debugName(),
+                                                " is not available to the probe"));
+        }
+        return it->second;
+      };
+      for (Node* n : ordered) {
+        Node* clone = probe.graph->insertNode(probe.graph->createClone(n, lookup));
+        for (size_t o = 0; o < n->outputs().size(); ++o) {
+          env[n->output(o)] = clone->output(o);
+          probe.graph->registerOutput(clone->output(o));
+          probe.outputs.push_back(ir.ValueOf(n->output(o)));
+        }
+      }
+      probe.structure = CanonicalGraphText(*probe.graph);
+    }
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
-  if (stack.size() != values.size()) {
-    return absl::InternalError(absl::StrCat("recording run returned ", stack.size(),
-                                            " values, expected ", values.size()));
+  return probes;
+}
+
+// The value of every IR value in one run of the model; `set[i]` says whether value i has one.
+struct ProbeRun {
+  std::vector<c10::IValue> values;
+  std::vector<bool> set;
+  int nodes_run = 0;
+};
+
+// Runs the probes in order on `graph_inputs` (user inputs, then lifted tensors). With `share`,
+// a node whose ops and input kinds (dtype, sizes, strides) equal an earlier node's does not run:
+// its values are that node's, which have the same shapes (ShapesFollowFromShapes), so the
+// layers of a deep model cost one layer's run.
+absl::StatusOr<ProbeRun> RunProbes(const IrGraph& ir, std::vector<NodeProbe>& probes,
+                                   const std::vector<c10::IValue>& graph_inputs, bool share) {
+  ProbeRun run;
+  run.values.resize(ir.values.size());
+  run.set.assign(ir.values.size(), false);
+  for (size_t i = 0; i < graph_inputs.size(); ++i) {
+    run.values[ir.inputs[i]] = graph_inputs[i];
+    run.set[ir.inputs[i]] = true;
   }
-  return stack;
+  std::unordered_map<std::string, size_t> seen;
+  for (size_t n = 0; n < probes.size(); ++n) {
+    NodeProbe& probe = probes[n];
+    std::vector<c10::IValue> stack;
+    std::string key = share ? probe.structure : "";
+    for (int v : probe.inputs) {
+      if (!run.set[v]) {
+        return absl::InternalError(absl::StrCat("atomic node ", n, " reads %",
+                                                ir.values[v].name, " before it is computed"));
+      }
+      stack.push_back(run.values[v]);
+      if (share) absl::StrAppend(&key, DescribeRuntimeValue(stack.back()), ";");
+    }
+    if (share) {
+      auto [it, added] = seen.emplace(std::move(key), n);
+      if (!added) {
+        const NodeProbe& same = probes[it->second];
+        for (size_t k = 0; k < probe.outputs.size(); ++k) {
+          if (run.set[probe.outputs[k]]) continue;
+          run.values[probe.outputs[k]] = run.values[same.outputs[k]];
+          run.set[probe.outputs[k]] = true;
+        }
+        continue;
+      }
+    }
+    absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument,
+                                    "the model's forward failed", [&] {
+      if (!probe.code) probe.code = std::make_unique<torch::jit::Code>(probe.graph, "probe");
+      torch::jit::InterpreterState(*probe.code).run(stack);
+      return absl::OkStatus();
+    });
+    if (!status.ok()) return status;
+    ++run.nodes_run;
+    if (stack.size() != probe.outputs.size()) {
+      return absl::InternalError(absl::StrCat("probe of atomic node ", n, " returned ",
+                                              stack.size(), " values, expected ",
+                                              probe.outputs.size()));
+    }
+    for (size_t k = 0; k < probe.outputs.size(); ++k) {
+      if (run.set[probe.outputs[k]]) continue;
+      run.values[probe.outputs[k]] = std::move(stack[k]);
+      run.set[probe.outputs[k]] = true;
+    }
+  }
+  return run;
 }
 
 // Ops that draw from a generator. Node::isNondeterministic() knows most of them from their
@@ -110,14 +276,35 @@ bool IsRandomKind(const torch::jit::Node* n) {
   return kinds.count(n->kind().toQualString()) > 0;
 }
 
+// Copies of the lifted tensors the graph may write (buffers), to put back after a run; the
+// others (all parameters, usually) are only read and need no copy.
+class SavedTensors {
+ public:
+  SavedTensors(const IrGraph& ir, const std::vector<at::Tensor>& tensors) : tensors_(tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (ir.values[ir.inputs[ir.num_user_inputs + i]].written) {
+        saved_.emplace_back(i, tensors[i].clone());
+      }
+    }
+  }
+  void Restore() const {
+    at::NoGradGuard no_grad;
+    for (const auto& [i, t] : saved_) tensors_[i].copy_(t);
+  }
+
+ private:
+  const std::vector<at::Tensor>& tensors_;
+  std::vector<std::pair<size_t, at::Tensor>> saved_;
+};
+
 // Runs the model on each of the two samples of `run_pair` apart and compares the outputs with
 // the pair's: sets each loss's reduction and ir.batch_separable. Buffers are restored.
-absl::Status CheckSeparable(Graph& graph, const std::vector<at::Tensor>& example_inputs,
+absl::Status CheckSeparable(const std::vector<at::Tensor>& example_inputs,
                             const std::vector<at::Tensor>& tensors,
-                            const std::vector<c10::IValue>& run_pair, IrGraph& ir) {
-  std::vector<at::Tensor> saved;
-  for (const at::Tensor& t : tensors) saved.push_back(t.clone());
-  std::vector<absl::StatusOr<std::vector<c10::IValue>>> single;
+                            std::vector<NodeProbe>& probes, bool share,
+                            const ProbeRun& run_pair, IrGraph& ir) {
+  const SavedTensors saved(ir, tensors);
+  std::vector<absl::StatusOr<ProbeRun>> single;
   {
     at::NoGradGuard no_grad;
     for (int64_t sample = 0; sample < 2; ++sample) {
@@ -126,8 +313,8 @@ absl::Status CheckSeparable(Graph& graph, const std::vector<at::Tensor>& example
         inputs.emplace_back(RepeatSamples(t, 2).narrow(0, sample, 1));
       }
       for (const at::Tensor& t : tensors) inputs.emplace_back(t);
-      single.push_back(RecordValues(graph, inputs));
-      for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
+      single.push_back(RunProbes(ir, probes, inputs, share));
+      saved.Restore();
     }
   }
   auto not_separable = [&](std::string why) {
@@ -150,9 +337,9 @@ absl::Status CheckSeparable(Graph& graph, const std::vector<at::Tensor>& example
     for (int id : ir.outputs) {
       IrValue& value = ir.values[id];
       if (!value.is_tensor || value.role != ValueRole::kActivation) continue;
-      const at::Tensor pair = run_pair[id].toTensor();
-      const at::Tensor one = (*single[0])[id].toTensor();
-      const at::Tensor two = (*single[1])[id].toTensor();
+      const at::Tensor pair = run_pair.values[id].toTensor();
+      const at::Tensor one = single[0]->values[id].toTensor();
+      const at::Tensor two = single[1]->values[id].toTensor();
       if (value.batch_dim >= 0) {
         const int64_t rows = pair.size(value.batch_dim) / 2;
         if (!close(pair.narrow(value.batch_dim, 0, rows), one) ||
@@ -263,7 +450,8 @@ const char* ValueRoleName(ValueRole role) {
 }
 
 absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
-                                const std::vector<at::Tensor>& example_inputs) {
+                                const std::vector<at::Tensor>& example_inputs,
+                                const IrOptions& options) {
   IrGraph ir;
   ir.module = model.module;
   ir.num_user_inputs = model.input_names.size();
@@ -304,38 +492,6 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   if (!prepared.ok()) return prepared;
   Graph& graph = *ir.graph;
 
-  // Record every value at two small batches (the example's samples, repeated as needed): the
-  // dimension that changes is the batch, and shapes at the example batch follow by
-  // extrapolation, without running the model at full size. Buffers are restored.
-  constexpr int64_t kProbeA = 2, kProbeB = 3;
-  std::vector<at::Tensor> saved;
-  for (const at::Tensor& t : tensors) saved.push_back(t.clone());
-  std::vector<c10::IValue> inputs_a, inputs_b;
-  for (const at::Tensor& t : example_inputs) {
-    inputs_a.emplace_back(RepeatSamples(t, kProbeA));
-    inputs_b.emplace_back(RepeatSamples(t, kProbeB));
-  }
-  for (const at::Tensor& t : tensors) {
-    inputs_a.emplace_back(t);
-    inputs_b.emplace_back(t);
-  }
-  absl::StatusOr<std::vector<c10::IValue>> run_a, run_b;
-  {
-    at::NoGradGuard no_grad;
-    run_a = RecordValues(graph, inputs_a);
-    if (run_a.ok()) run_b = RecordValues(graph, inputs_b);
-    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(saved[i]);
-  }
-  for (const auto* run : {&run_a, &run_b}) {
-    if (run->ok()) continue;
-    const int64_t probe = run == &run_a ? kProbeA : kProbeB;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the model fails with a batch of ", probe, " samples (the example has ",
-        ir.example_batch, "), so it cannot be split into micro-batches; the trace probably "
-        "fixed the batch size (e.g. x.view(", ir.example_batch, ", ...)): use x.size(0) or -1 "
-        "instead. The error: ", run->status().message()));
-  }
-
   // Values, roles and batch dimensions.
   std::map<std::string, bool> is_param;
   for (const ModuleTensor& t : model.tensors) is_param[t.name] = t.is_parameter;
@@ -351,9 +507,7 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     data_dependent.insert(graph.inputs()[i]);
   }
   for (Node* n : graph.nodes()) {
-    static const std::unordered_set<std::string> kShapeOps = {
-        "aten::size", "aten::dim", "aten::numel", "prim::shape", "aten::len"};
-    const bool shape_only = kShapeOps.count(n->kind().toQualString()) > 0;
+    const bool shape_only = IsShapeOp(n);
     bool batch = false, data = false;
     for (Value* in : ExternalInputs(n)) {
       batch = batch || batch_dependent.count(in) > 0;
@@ -380,33 +534,6 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
       value.role = v->node()->kind() == c10::prim::Constant ? ValueRole::kConst
                                                              : ValueRole::kParamDerived;
     }
-    const c10::IValue& a = (*run_a)[i];
-    const c10::IValue& b = (*run_b)[i];
-    if (value.is_tensor && a.isTensor() && b.isTensor()) {
-      const at::Tensor& ta = a.toTensor();
-      const at::Tensor& tb = b.toTensor();
-      value.dtype = ta.scalar_type();
-      value.shape = ta.sizes().vec();
-      if (value.role == ValueRole::kActivation || value.role == ValueRole::kInput) {
-        if (ta.dim() != tb.dim()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "value %", value.name, " changes rank with the batch size (",
-              DescribeTensor(ta.scalar_type(), ta.sizes()), " vs ",
-              DescribeTensor(tb.scalar_type(), tb.sizes()), "); the planner cannot split it"));
-        }
-        for (int64_t d = 0; d < ta.dim(); ++d) {
-          if (ta.size(d) != tb.size(d)) {
-            value.batch_dim = static_cast<int>(d);
-            // Sizes along the batch are affine in it (b, b * seq, ...).
-            value.shape[d] = ta.size(d) + (tb.size(d) - ta.size(d)) * (ir.example_batch - kProbeA);
-            break;
-          }
-        }
-      }
-      int64_t numel = 1;
-      for (int64_t s : value.shape) numel *= s;
-      value.bytes = numel * static_cast<int64_t>(ta.element_size());
-    }
     ir.value_index[v] = static_cast<int>(ir.values.size());
     ir.values.push_back(std::move(value));
   }
@@ -418,15 +545,6 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     ir.outputs.push_back(id);
     IrValue& value = ir.values[id];
     value.is_output = true;
-    value.is_loss = value.role == ValueRole::kActivation && value.batch_dim < 0;
-  }
-  if (HasRandomOps(graph.block())) {
-    for (int id : ir.outputs) {
-      if (ir.values[id].is_loss) ir.values[id].reduction = IrValue::Reduction::kMean;
-    }
-  } else {
-    absl::Status checked = CheckSeparable(graph, example_inputs, tensors, *run_a, ir);
-    if (!checked.ok()) return checked;
   }
 
   // Anchors: ops that compute tensors from the batch, ops with side effects, and ops whose
@@ -437,6 +555,10 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     return absl::OkStatus();
   });
   if (!aliased.ok()) return aliased;
+  for (size_t i = 0; i < graph.inputs().size(); ++i) {
+    IrValue& value = ir.values[i];
+    value.written = value.role == ValueRole::kBuffer || alias_db->hasWriters(graph.inputs()[i]);
+  }
   std::vector<Node*> anchors;
   std::unordered_map<const Node*, int> anchor_index;
   for (Node* n : graph.nodes()) {
@@ -543,6 +665,96 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     }
     for (int v : node.inputs) ir.values[v].consumers.push_back(index);
     ir.nodes.push_back(std::move(node));
+  }
+
+  {
+    int position = 0;
+    for (Node* n : graph.nodes()) ir.op_position[n] = position++;
+    for (size_t i = 0; i < ir.nodes.size(); ++i) {
+      for (Node* op : ir.nodes[i].ops) ir.node_of_op[op] = static_cast<int>(i);
+    }
+  }
+
+  // Record every value at two small batches (the example's samples, repeated as needed): the
+  // dimension that changes is the batch, and shapes at the example batch follow by
+  // extrapolation, without running the model at full size. The model runs node by node; where
+  // shapes follow from shapes alone, a node that repeats an earlier one (the same ops on inputs
+  // of the same kinds: the next layer of a transformer) takes that node's values instead of
+  // running, so a deep model costs about one of its layers. Buffers are restored.
+  absl::StatusOr<std::vector<NodeProbe>> probes = BuildProbes(ir);
+  if (!probes.ok()) return probes.status();
+  const bool share = options.share_repeated_nodes && ShapesFollowFromShapes(graph);
+  constexpr int64_t kProbeA = 2, kProbeB = 3;
+  const SavedTensors saved(ir, tensors);
+  std::vector<c10::IValue> inputs_a, inputs_b;
+  for (const at::Tensor& t : example_inputs) {
+    inputs_a.emplace_back(RepeatSamples(t, kProbeA));
+    inputs_b.emplace_back(RepeatSamples(t, kProbeB));
+  }
+  for (const at::Tensor& t : tensors) {
+    inputs_a.emplace_back(t);
+    inputs_b.emplace_back(t);
+  }
+  absl::StatusOr<ProbeRun> run_a, run_b;
+  {
+    at::NoGradGuard no_grad;
+    run_a = RunProbes(ir, *probes, inputs_a, share);
+    saved.Restore();
+    if (run_a.ok()) run_b = RunProbes(ir, *probes, inputs_b, share);
+    saved.Restore();
+  }
+  for (const auto* run : {&run_a, &run_b}) {
+    if (run->ok()) continue;
+    const int64_t probe = run == &run_a ? kProbeA : kProbeB;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model fails with a batch of ", probe, " samples (the example has ",
+        ir.example_batch, "), so it cannot be split into micro-batches; the trace probably "
+        "fixed the batch size (e.g. x.view(", ir.example_batch, ", ...)): use x.size(0) or -1 "
+        "instead. The error: ", run->status().message()));
+  }
+  ir.nodes_probed = run_a->nodes_run;
+  for (size_t i = 0; i < ir.values.size(); ++i) {
+    IrValue& value = ir.values[i];
+    if (!run_a->set[i] || !run_b->set[i]) continue;
+    const c10::IValue& a = run_a->values[i];
+    const c10::IValue& b = run_b->values[i];
+    if (value.is_tensor && a.isTensor() && b.isTensor()) {
+      const at::Tensor& ta = a.toTensor();
+      const at::Tensor& tb = b.toTensor();
+      value.dtype = ta.scalar_type();
+      value.shape = ta.sizes().vec();
+      if (value.role == ValueRole::kActivation || value.role == ValueRole::kInput) {
+        if (ta.dim() != tb.dim()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "value %", value.name, " changes rank with the batch size (",
+              DescribeTensor(ta.scalar_type(), ta.sizes()), " vs ",
+              DescribeTensor(tb.scalar_type(), tb.sizes()), "); the planner cannot split it"));
+        }
+        for (int64_t d = 0; d < ta.dim(); ++d) {
+          if (ta.size(d) != tb.size(d)) {
+            value.batch_dim = static_cast<int>(d);
+            // Sizes along the batch are affine in it (b, b * seq, ...).
+            value.shape[d] = ta.size(d) + (tb.size(d) - ta.size(d)) * (ir.example_batch - kProbeA);
+            break;
+          }
+        }
+      }
+      int64_t numel = 1;
+      for (int64_t s : value.shape) numel *= s;
+      value.bytes = numel * static_cast<int64_t>(ta.element_size());
+    }
+  }
+  for (int id : ir.outputs) {
+    IrValue& value = ir.values[id];
+    value.is_loss = value.role == ValueRole::kActivation && value.batch_dim < 0;
+  }
+  if (HasRandomOps(graph.block())) {
+    for (int id : ir.outputs) {
+      if (ir.values[id].is_loss) ir.values[id].reduction = IrValue::Reduction::kMean;
+    }
+  } else {
+    absl::Status checked = CheckSeparable(example_inputs, tensors, *probes, share, *run_a, ir);
+    if (!checked.ok()) return checked;
   }
 
   // A structural hash: ops in order, how they connect, dtypes and non-batch shapes, constants.

@@ -69,6 +69,9 @@ struct IrValue {
   int producer = -1;           // the atomic node that computes it; -1 for inputs and helpers
   std::vector<int> consumers;  // atomic nodes that read it (directly or through helpers)
   bool is_output = false;      // one of the model's (flattened) outputs
+  // For graph inputs: an op of the graph may write it in place (a BatchNorm buffer), so a run
+  // on the model's own tensors must save and restore it.
+  bool written = false;
   int64_t bytes = 0;           // at the example batch size
 };
 
@@ -102,18 +105,43 @@ struct IrGraph {
   // A stable hash of the graph's structure, dtypes and non-batch shapes: equal for retraces of
   // the same model, different for a different one. Deployment files record it.
   std::string hash;
+  // Atomic nodes that ran in BuildIr's first probe run; the others repeat one of them and took
+  // its values (IrOptions::share_repeated_nodes). For logs and tests.
+  int nodes_probed = 0;
+
+  // For building stage graphs fast (graph/subgraph.h): each top-level op's position in `graph`,
+  // and the atomic node of each op that belongs to one. Filled by BuildIr.
+  std::unordered_map<const torch::jit::Node*, int> op_position;
+  std::unordered_map<const torch::jit::Node*, int> node_of_op;
 
   int ValueOf(const torch::jit::Value* v) const { return value_index.at(v); }
+};
+
+struct IrOptions {
+  // Runs a node that repeats an earlier one (the same ops, constants and attributes on inputs of
+  // the same dtypes, sizes and strides: the next layer of a transformer) only once per run,
+  // giving the repeat the earlier node's values. Applies only to models whose shapes follow
+  // from the shapes of their inputs (no op turns tensor contents into sizes or scalars); the
+  // IR is the same either way, only faster to build. False runs every node (tests compare).
+  bool share_repeated_nodes = true;
 };
 
 // Builds the IR. `tensors` are the lifted inputs' values in model.graph_tensor_names order.
 // The model runs twice without gradients, at batches of 2 and 3 samples made from the example's,
 // to find each value's batch dimension (shapes at the example batch are extrapolated), and on
 // each of the first two samples alone to check that samples are independent (batch_separable);
-// buffers are restored afterwards. INVALID_ARGUMENT when the
-// model fails, returns something other than tensors, or bakes the batch size in.
+// buffers are restored afterwards. The runs go atomic node by atomic node (see IrOptions).
+// INVALID_ARGUMENT when the model fails, returns something other than tensors, or bakes the
+// batch size in.
 absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
-                                const std::vector<at::Tensor>& example_inputs);
+                                const std::vector<at::Tensor>& example_inputs,
+                                const IrOptions& options = {});
+
+// Whether every value's shape in `graph` follows from the shapes (not the contents) of its
+// inputs: no op turns tensor contents into a scalar (a size, a count: item, int(t)) or makes a
+// shape from contents (nonzero, unique, boolean indexing), and no control flow depends on
+// contents. Only then may BuildIr give a repeated node an earlier node's values.
+bool ShapesFollowFromShapes(torch::jit::Graph& graph);
 
 // The bytes per sample of the activations live across the boundary before atomic node
 // `boundary` (1..nodes.size()-1): what a stage cut there sends forward.

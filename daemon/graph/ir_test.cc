@@ -5,6 +5,7 @@
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/ir/irparser.h>
 #include <torch/csrc/jit/runtime/interpreter.h>
 #include <catch2/catch.hpp>
 
@@ -106,6 +107,15 @@ TEST_CASE("BuildIr marks buffers and restores them after its runs", "[graph]") {
   const IrValue* mean = Lifted(*f.ir, "bn.running_mean");
   REQUIRE(mean != nullptr);
   CHECK(mean->role == ValueRole::kBuffer);
+  // Only what the model may write is saved and restored around the runs: buffers, and what
+  // alias analysis cannot clear (it answers conservatively; here the convolution's weight
+  // too); a transformer's parameters are only read.
+  CHECK(mean->written);
+  FixtureIr gpt = BuildFixtureIr("tiny_gpt");
+  REQUIRE(gpt.ir.ok());
+  const IrValue* qkv = Lifted(*gpt.ir, "blocks.0.qkv.weight");
+  REQUIRE(qkv != nullptr);
+  CHECK_FALSE(qkv->written);
   for (size_t i = 0; i < f.tensors.size(); ++i) {
     if (f.ir->tensor_names[i] == "bn.running_mean") CHECK(at::equal(f.tensors[i], at::zeros({3})));
   }
@@ -156,6 +166,93 @@ TEST_CASE("BuildIr finds batch dimensions through views in attention", "[graph]"
   }
   CHECK(f.ir->values[f.ir->outputs[0]].is_loss);
   CHECK(f.ir->nodes.size() > 20);
+}
+
+TEST_CASE("Sharing repeated nodes builds the same IR, running each layer's kind once", "[graph]") {
+  for (const char* name :
+       {"mlp", "tied_lm", "bn_net", "multi_io", "tiny_gpt", "deep_gpt", "dropout_net"}) {
+    INFO(name);
+    FixtureIr f = BuildFixtureIr(name);  // shares (the default)
+    REQUIRE(f.ir.ok());
+    IrOptions every;
+    every.share_repeated_nodes = false;
+    absl::StatusOr<IrGraph> full = BuildIr(f.model, f.tensors, f.fixture.inputs, every);
+    REQUIRE(full.ok());
+    CHECK(full->nodes_probed == static_cast<int>(full->nodes.size()));
+    CHECK(f.ir->hash == full->hash);
+    CHECK(f.ir->batch_separable == full->batch_separable);
+    CHECK(f.ir->not_separable == full->not_separable);
+    REQUIRE(f.ir->values.size() == full->values.size());
+    for (size_t v = 0; v < full->values.size(); ++v) {
+      INFO("value %" << full->values[v].name);
+      CHECK(f.ir->values[v].dtype == full->values[v].dtype);
+      CHECK(f.ir->values[v].shape == full->values[v].shape);
+      CHECK(f.ir->values[v].batch_dim == full->values[v].batch_dim);
+      CHECK(f.ir->values[v].bytes == full->values[v].bytes);
+      CHECK(f.ir->values[v].is_loss == full->values[v].is_loss);
+      CHECK(f.ir->values[v].reduction == full->values[v].reduction);
+    }
+    REQUIRE(f.ir->nodes.size() == full->nodes.size());
+    for (size_t n = 0; n < full->nodes.size(); ++n) {
+      CHECK(f.ir->nodes[n].inputs == full->nodes[n].inputs);
+      CHECK(f.ir->nodes[n].outputs == full->nodes[n].outputs);
+    }
+  }
+  // Six identical layers: the second to sixth take the first's values. (The first layer
+  // reads the embedding's sum, the others the residual stream, both [B, T, d].)
+  FixtureIr deep = BuildFixtureIr("deep_gpt");
+  FixtureIr tiny = BuildFixtureIr("tiny_gpt");
+  REQUIRE(deep.ir.ok());
+  REQUIRE(tiny.ir.ok());
+  INFO(deep.ir->nodes_probed << " of " << deep.ir->nodes.size() << " nodes run");
+  CHECK(deep.ir->nodes.size() > 2 * tiny.ir->nodes.size());
+  CHECK(deep.ir->nodes_probed <= tiny.ir->nodes_probed);
+}
+
+TEST_CASE("Shapes follow from shapes unless an op reads contents into a size", "[graph]") {
+  auto follows = [](const std::string& text) {
+    auto graph = std::make_shared<torch::jit::Graph>();
+    torch::jit::parseIR(text, graph.get());
+    return ShapesFollowFromShapes(*graph);
+  };
+  // Sizes of inputs, arithmetic on them, views: shapes from shapes.
+  CHECK(follows(R"IR(
+graph(%x : Tensor, %w : Tensor):
+  %zero : int = prim::Constant[value=0]()
+  %b : int = aten::size(%x, %zero)
+  %t : Tensor = prim::NumToTensor(%b)
+  %n : int = aten::Int(%t)
+  %minus : int = prim::Constant[value=-1]()
+  %shape : int[] = prim::ListConstruct(%n, %minus)
+  %y : Tensor = aten::matmul(%x, %w)
+  %z : Tensor = aten::view(%y, %shape)
+  return (%z))IR"));
+  // A size read from contents (int(x.sum())), a count (nonzero), where(cond) alone.
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor):
+  %none : NoneType = prim::Constant()
+  %s : Tensor = aten::sum(%x, %none)
+  %n : int = aten::Int(%s)
+  %minus : int = prim::Constant[value=-1]()
+  %shape : int[] = prim::ListConstruct(%n, %minus)
+  %z : Tensor = aten::view(%x, %shape)
+  return (%z))IR"));
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor):
+  %z : Tensor = aten::nonzero(%x)
+  return (%z))IR"));
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor):
+  %z : Tensor[] = aten::where(%x)
+  return (%z))IR"));
+  // A parameter's contents count as contents too.
+  CHECK_FALSE(follows(R"IR(
+graph(%x : Tensor, %p : Tensor):
+  %n : int = aten::Int(%p)
+  %minus : int = prim::Constant[value=-1]()
+  %shape : int[] = prim::ListConstruct(%n, %minus)
+  %z : Tensor = aten::view(%x, %shape)
+  return (%z))IR"));
 }
 
 TEST_CASE("BuildIr rejects a trace that fixed the batch size", "[graph]") {

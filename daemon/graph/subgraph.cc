@@ -92,9 +92,11 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes
   std::vector<bool> member(n, false);
   for (int i : nodes) member[i] = true;
   // Convex: no node outside the set lies on a path between two of its nodes. Nodes are in
-  // topological order, so one forward pass finds everything downstream of the set.
+  // topological order, so one forward pass finds everything downstream of the set. A range
+  // is convex by construction.
+  const bool range = nodes.back() - nodes.front() + 1 == static_cast<int>(nodes.size());
   std::vector<bool> downstream(n, false);
-  for (int i = nodes.front(); i < n; ++i) {
+  for (int i = nodes.front(); i < n && !range; ++i) {
     for (int v : ir.nodes[i].inputs) {
       const int p = ir.values[v].producer;
       if (p < 0 || !(member[p] || downstream[p])) continue;
@@ -109,13 +111,17 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes
 
   Subgraph sub;
   sub.nodes = nodes;
-  std::unordered_set<Node*> anchors, in_range;
-  for (int i = 0; i < n; ++i) {
-    for (Node* op : ir.nodes[i].ops) {
-      anchors.insert(op);
-      if (member[i]) in_range.insert(op);
+  // The IR's lookups when it has them (BuildIr fills them); else made here.
+  std::unordered_map<const Node*, int> local_node_of_op;
+  if (ir.node_of_op.empty()) {
+    for (int i = 0; i < n; ++i) {
+      for (Node* op : ir.nodes[i].ops) local_node_of_op[op] = i;
     }
   }
+  const std::unordered_map<const Node*, int>& node_of_op =
+      ir.node_of_op.empty() ? local_node_of_op : ir.node_of_op;
+  std::unordered_set<Node*> in_range;
+  for (int i : nodes) in_range.insert(ir.nodes[i].ops.begin(), ir.nodes[i].ops.end());
   std::set<int> inputs, produced;
   for (int i : nodes) {
     for (Node* op : ir.nodes[i].ops) {
@@ -143,7 +149,7 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes
     work.pop_back();
     for (Value* in : ExternalInputs(n)) {
       Node* p = in->node();
-      if (p->kind() == c10::prim::Param || anchors.count(p) || helpers.count(p)) continue;
+      if (p->kind() == c10::prim::Param || node_of_op.count(p) || helpers.count(p)) continue;
       helpers.insert(p);
       work.push_back(p);
     }
@@ -166,8 +172,20 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes
       }
       return it->second;
     };
-    for (Node* n : ir.graph->nodes()) {
-      if (!in_range.count(n) && !helpers.count(n)) continue;
+    // The stage's ops in graph order.
+    std::vector<Node*> ops;
+    if (ir.op_position.empty()) {
+      for (Node* n : ir.graph->nodes()) {
+        if (in_range.count(n) || helpers.count(n)) ops.push_back(n);
+      }
+    } else {
+      ops.assign(in_range.begin(), in_range.end());
+      ops.insert(ops.end(), helpers.begin(), helpers.end());
+      std::sort(ops.begin(), ops.end(), [&](Node* a, Node* b) {
+        return ir.op_position.at(a) < ir.op_position.at(b);
+      });
+    }
+    for (Node* n : ops) {
       Node* clone = sub.graph->insertNode(sub.graph->createClone(n, lookup));
       for (size_t i = 0; i < n->outputs().size(); ++i) env[n->output(i)] = clone->output(i);
     }

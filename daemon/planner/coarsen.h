@@ -35,6 +35,34 @@ namespace planner {
 std::vector<int> CoarsenToBlocks(const std::vector<double>& node_ms,
                                  const std::vector<double>& cut_bytes, int target_blocks);
 
+// Blocks of a model with repeated parts, and the pieces they are made of. A piece is what the
+// profiler runs; a block (what the search places) is one or more consecutive pieces, costed as
+// the sum of its pieces' times and activations, the largest of their working memories: the
+// same rule by which the cost model adds blocks into a stage.
+struct Coarsening {
+  std::vector<int> blocks;  // first node of each block: as CoarsenToBlocks returns
+  std::vector<int> pieces;  // first node of each piece; every block start is a piece start
+};
+
+// Like CoarsenToBlocks, but first looks for a repeated part: the longest (by time) stretch of
+// at least two back-to-back copies of one sequence of node classes (node_class[i]: equal for
+// nodes of the same structure, e.g. Profiler::node_classes()), such as the layers of a
+// transformer. Its copies ("units") are cut at the same offset, the one with the fewest
+// cut_bytes, so that they are alike, and get the blocks in proportion to their share of the
+// time:
+//  - more units than those blocks: each block is a run of whole units, as even as possible
+//    (72 layers in 30 blocks: 12 of 3 layers and 18 of 2), each unit one piece;
+//  - fewer: each unit is split the same way into ceil(blocks / units) pieces (CoarsenToBlocks
+//    on one unit), and pieces are grouped into the blocks.
+// So all units are cut alike, and the profiler measures one unit's pieces for all of them.
+// What lies before and after the repeated part is coarsened the same way (it may repeat
+// too) with the rest of the blocks; without a repeat covering a quarter of the time, blocks
+// are CoarsenToBlocks's and each block is one piece. With n <= target_blocks every node is a
+// block. node_class shorter than node_ms counts as all distinct.
+Coarsening CoarsenRepeated(const std::vector<double>& node_ms,
+                           const std::vector<double>& cut_bytes,
+                           const std::vector<int>& node_class, int target_blocks);
+
 }  // namespace planner
 }  // namespace rannc
 

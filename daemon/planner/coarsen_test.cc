@@ -3,8 +3,10 @@
 #include "daemon/planner/coarsen.h"
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <set>
 #include <vector>
 
 namespace rannc {
@@ -127,6 +129,157 @@ TEST_CASE("Random inputs always give well-formed, reasonably balanced blocks", "
         CHECK(block <= 2 * total / target * (1 + 1e-9));
       }
     }
+  }
+}
+
+// A model of `layers` identical layers of 10 nodes between an embedding (2 nodes) and a head (3
+// nodes); node classes: layer node i is class 100 + i, the others distinct.
+struct LayeredModel {
+  std::vector<double> ms, cut;
+  std::vector<int> classes;
+  int first_layer_node = 2;
+};
+
+LayeredModel Layered(int layers, int cheapest_offset = 0) {
+  const std::vector<double> layer_ms = {0.5, 2, 2, 3, 1, 0.5, 4, 4, 0.5, 0.5};
+  std::vector<double> layer_cut = {2, 3, 3, 12, 12, 3, 2, 8, 8, 2};
+  layer_cut[cheapest_offset] = 1;  // before the node at this offset only the stream is live
+  LayeredModel m;
+  m.ms = {0.2, 0.2};
+  m.cut = {0, 5};
+  m.classes = {0, 1};
+  for (int l = 0; l < layers; ++l) {
+    for (int i = 0; i < 10; ++i) {
+      m.ms.push_back(layer_ms[i]);
+      m.cut.push_back(layer_cut[i]);
+      m.classes.push_back(100 + i);
+    }
+  }
+  for (int i = 0; i < 3; ++i) {
+    m.ms.push_back(0.3);
+    m.cut.push_back(4);
+    m.classes.push_back(2 + i);
+  }
+  return m;
+}
+
+// Blocks and pieces well formed: both start at 0 and increase, blocks are piece starts.
+void CheckWellFormed(const Coarsening& c, int n, int target) {
+  CheckWellFormed(c.blocks, n, target);
+  REQUIRE(!c.pieces.empty());
+  CHECK(c.pieces.front() == 0);
+  for (size_t k = 1; k < c.pieces.size(); ++k) CHECK(c.pieces[k] > c.pieces[k - 1]);
+  CHECK(c.pieces.back() < n);
+  for (int b : c.blocks) {
+    CHECK(std::find(c.pieces.begin(), c.pieces.end(), b) != c.pieces.end());
+  }
+}
+
+// The class sequence of each piece, and how many distinct ones there are.
+int DistinctPieces(const Coarsening& c, const std::vector<int>& classes) {
+  std::set<std::vector<int>> kinds;
+  for (size_t k = 0; k < c.pieces.size(); ++k) {
+    const int end = k + 1 < c.pieces.size() ? c.pieces[k + 1] : static_cast<int>(classes.size());
+    kinds.insert(std::vector<int>(classes.begin() + c.pieces[k], classes.begin() + end));
+  }
+  return static_cast<int>(kinds.size());
+}
+
+TEST_CASE("Many layers: blocks of whole layers, one piece per layer", "[coarsen]") {
+  const LayeredModel m = Layered(72, /*cheapest_offset=*/0);
+  const int n = static_cast<int>(m.ms.size());
+  const Coarsening c = CoarsenRepeated(m.ms, m.cut, m.classes, 32);
+  CheckWellFormed(c, n, 32);
+  CHECK(c.blocks.size() == 32);
+  // Embedding, 72 layers, head: one piece each, and only three kinds of pieces to profile.
+  CHECK(c.pieces.size() == 74);
+  CHECK(DistinctPieces(c, m.classes) == 3);
+  // 30 blocks of layers, as even as possible: 2 or 3 layers each.
+  for (size_t b = 1; b + 1 < c.blocks.size(); ++b) {
+    const int layers = (c.blocks[b + 1] - c.blocks[b]) / 10;
+    CHECK((c.blocks[b + 1] - c.blocks[b]) % 10 == 0);
+    CHECK((layers == 2 || layers == 3));
+  }
+  CHECK(c.blocks[1] == m.first_layer_node);
+  CHECK(c.blocks.back() == m.first_layer_node + 720);
+}
+
+TEST_CASE("Layers are cut where the fewest bytes cross, all at the same offset", "[coarsen]") {
+  const LayeredModel m = Layered(40, /*cheapest_offset=*/6);
+  const int n = static_cast<int>(m.ms.size());
+  const Coarsening c = CoarsenRepeated(m.ms, m.cut, m.classes, 16);
+  CheckWellFormed(c, n, 16);
+  // Units start at offset 6 of each layer: 39 whole units, the rest before and after them
+  // (the part after them starts at offset 6 too).
+  int at_offset = 0;
+  for (int p : c.pieces) at_offset += (p - m.first_layer_node) % 10 == 6 ? 1 : 0;
+  CHECK(at_offset == 40);
+  for (size_t b = 1; b + 1 < c.blocks.size(); ++b) {
+    CHECK((c.blocks[b] - m.first_layer_node) % 10 == 6);
+  }
+  CHECK(DistinctPieces(c, m.classes) <= 3);
+}
+
+TEST_CASE("Few layers: each layer is split alike into pieces", "[coarsen]") {
+  const LayeredModel m = Layered(8);
+  const int n = static_cast<int>(m.ms.size());
+  const Coarsening c = CoarsenRepeated(m.ms, m.cut, m.classes, 32);
+  CheckWellFormed(c, n, 32);
+  CHECK(c.blocks.size() >= 24);
+  // Every layer is cut at the same offsets, so its pieces are one layer's, whatever the layer.
+  std::set<int> offsets;
+  for (int p : c.pieces) {
+    if (p >= m.first_layer_node && p < m.first_layer_node + 80) {
+      offsets.insert((p - m.first_layer_node) % 10);
+    }
+  }
+  CHECK(offsets.size() * 8 == static_cast<size_t>(std::count_if(
+                                   c.pieces.begin(), c.pieces.end(), [&](int p) {
+                                     return p >= m.first_layer_node && p < m.first_layer_node + 80;
+                                   })));
+  CHECK(DistinctPieces(c, m.classes) <= static_cast<int>(offsets.size()) + 2);
+}
+
+TEST_CASE("Two repeated parts (an encoder and a decoder) are both found", "[coarsen]") {
+  std::vector<double> ms, cut;
+  std::vector<int> classes;
+  for (int part = 0; part < 2; ++part) {
+    for (int l = 0; l < 20; ++l) {
+      for (int i = 0; i < 6; ++i) {
+        ms.push_back(1 + i % 3);
+        cut.push_back(i == 0 ? 1 : 5);
+        classes.push_back(10 * part + i);
+      }
+    }
+  }
+  const Coarsening c = CoarsenRepeated(ms, cut, classes, 10);
+  CheckWellFormed(c, static_cast<int>(ms.size()), 10);
+  CHECK(c.blocks.size() == 10);
+  CHECK(DistinctPieces(c, classes) == 2);
+  for (int b : c.blocks) CHECK(b % 6 == 0);
+}
+
+TEST_CASE("Without repeats, CoarsenRepeated is CoarsenToBlocks with one piece per block",
+          "[coarsen]") {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 150);
+    const int target = 1 + static_cast<int>(rng() % 40);
+    std::vector<double> ms(n), cut(n);
+    std::vector<int> distinct(n), random_classes(n);
+    for (int i = 0; i < n; ++i) {
+      ms[i] = u(rng);
+      cut[i] = std::floor(u(rng) * 4);
+      distinct[i] = i;
+      random_classes[i] = static_cast<int>(rng() % 3);
+    }
+    const Coarsening plain = CoarsenRepeated(ms, cut, distinct, target);
+    CHECK(plain.blocks == CoarsenToBlocks(ms, cut, target));
+    CHECK(plain.pieces == plain.blocks);
+    CHECK(CoarsenRepeated(ms, cut, {}, target).blocks == plain.blocks);
+    // Classes that repeat by chance: still well formed.
+    CheckWellFormed(CoarsenRepeated(ms, cut, random_classes, target), n, target);
   }
 }
 

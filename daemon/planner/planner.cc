@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <set>
 #include <unordered_map>
+
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -54,6 +57,26 @@ std::vector<int64_t> ProfileSizes(int64_t batch, const SearchOptions& o) {
   return sizes;
 }
 
+// Whether the pieces cost the same per sample at the smallest and the largest size, so that
+// the sizes between follow by linear interpolation (cost_eval's): at the two sizes, the time
+// per sample of the pieces that make up at least 95% of the time differs by less than 25%. On
+// a device busy at any size (a CPU) that holds; where small sizes are mostly overhead (a GPU's
+// kernel launches) it does not, and every size is profiled. Memory (activations grow
+// linearly, working memory as a maximum of linear terms) is not checked: interpolation
+// overestimates a convex curve, never underestimates it. `small`, `large`: one record per
+// piece of the model (so a repeated layer weighs as often as it occurs).
+bool CostsProportional(int64_t small_mb, const std::vector<ProfileRecord>& small,
+                       int64_t large_mb, const std::vector<ProfileRecord>& large) {
+  double total = 0, proportional = 0;
+  for (size_t p = 0; p < large.size(); ++p) {
+    const double t_small = (small[p].fwd_ms + small[p].bwd_ms) / small_mb;
+    const double t_large = (large[p].fwd_ms + large[p].bwd_ms) / large_mb;
+    total += t_large;
+    if (t_small <= 1.25 * t_large && t_large <= 1.25 * t_small) proportional += t_large;
+  }
+  return total > 0 && proportional >= 0.95 * total;
+}
+
 }  // namespace
 
 absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
@@ -90,6 +113,11 @@ absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
   if (auto it = keys.find("verify_partitioning"); it != keys.end()) {
     if (!absl::SimpleAtob(it->second, &c.verify_partitioning)) {
       return BadKey("verify_partitioning", it->second, "true or false");
+    }
+  }
+  if (auto it = keys.find("profile_all_sizes"); it != keys.end()) {
+    if (!absl::SimpleAtob(it->second, &c.profile_all_sizes)) {
+      return BadKey("profile_all_sizes", it->second, "true or false");
     }
   }
   if (auto it = keys.find("use_all_devices"); it != keys.end()) {
@@ -145,21 +173,28 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
         " atomic nodes to split between stages"));
   }
 
-  // Blocks: balanced by forward time, cut where little crosses.
+  // Blocks: balanced by forward time, cut where little crosses; repeated layers alike, so
+  // that one layer's pieces are profiled for all of them.
   ProfilerOptions profiling = config.profiling;
   profiling.device_type = target.device_type;
   Profiler profiler(ir, tensors, example_inputs, cache, profiling);
   const auto profile_start = std::chrono::steady_clock::now();
-  std::vector<int> starts;
+  std::vector<int> starts, pieces;
   const int max_blocks = std::max(config.max_blocks, config.partition_num);
   if (num_nodes <= max_blocks) {
     for (int i = 0; i < num_nodes; ++i) starts.push_back(i);
+    pieces = starts;
   } else {
     absl::StatusOr<std::vector<double>> node_ms = profiler.AtomicForwardMs();
     if (!node_ms.ok()) return node_ms.status();
     std::vector<double> cut(num_nodes, 0.0);
     for (int i = 1; i < num_nodes; ++i) cut[i] = CutBytesPerSample(ir, i);
-    starts = CoarsenToBlocks(*node_ms, cut, max_blocks);
+    Coarsening c = CoarsenRepeated(*node_ms, cut, profiler.node_classes(), max_blocks);
+    starts = std::move(c.blocks);
+    pieces = std::move(c.pieces);
+    spdlog::info("planning: {} atomic nodes ({} measured, {} cached, {} repeats) timed in {:.2f} s; "
+                 "{} blocks of {} pieces", num_nodes, profiler.measured(), profiler.cache_hits(),
+                 profiler.shared(), Seconds(profile_start), starts.size(), pieces.size());
   }
   const int num_blocks = static_cast<int>(starts.size());
   auto block_end = [&](int b) { return b + 1 < num_blocks ? starts[b + 1] : num_nodes; };
@@ -191,23 +226,55 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     table.blocks[b].params.assign(params.begin(), params.end());
     if (b > 0) table.cut_bytes_per_sample[b] = CutBytesPerSample(ir, starts[b]);
   }
-  for (int64_t mb : ProfileSizes(batch, options)) {
-    absl::StatusOr<std::vector<ProfileRecord>> records = profiler.ProfileBlocks(starts, mb);
+  // A block is costed as its pieces, as a stage is as its blocks: times and activations add
+  // up, the working memory is the largest piece's.
+  std::vector<int64_t> sizes = ProfileSizes(batch, options);
+  if (!config.profile_all_sizes && sizes.size() > 2) {
+    // The smallest and the largest first: if they cost the same per sample, the rest is
+    // interpolated.
+    std::swap(sizes[1], sizes.back());
+  }
+  std::vector<ProfileRecord> smallest;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const int64_t mb = sizes[k];
+    const auto size_start = std::chrono::steady_clock::now();
+    const int measured = profiler.measured();
+    absl::StatusOr<std::vector<ProfileRecord>> records = profiler.ProfileBlocks(pieces, mb);
     if (!records.ok()) return records.status();
+    size_t p = 0;
     for (int b = 0; b < num_blocks; ++b) {
-      const ProfileRecord& r = (*records)[b];
-      table.blocks[b].by_mb[mb] = {r.fwd_ms, r.bwd_ms, r.act_bytes, r.peak_bytes};
+      BlockProfile& bp = table.blocks[b].by_mb[mb];
+      for (; p < pieces.size() && pieces[p] < block_end(b); ++p) {
+        const ProfileRecord& r = (*records)[p];
+        bp.fwd_ms += r.fwd_ms;
+        bp.bwd_ms += r.bwd_ms;
+        bp.act_bytes += r.act_bytes;
+        bp.peak_bytes = std::max(bp.peak_bytes, r.peak_bytes);
+      }
+    }
+    spdlog::info("planning: micro-batch {}: {} pieces measured in {:.2f} s", mb,
+                 profiler.measured() - measured, Seconds(size_start));
+    if (k == 0) smallest = *records;
+    if (k == 1 && !config.profile_all_sizes && sizes.size() > 2 &&
+        CostsProportional(sizes[0], smallest, mb, *records)) {
+      spdlog::info("planning: micro-batches {} and {} cost alike per sample; the sizes between "
+                   "are interpolated", sizes[0], mb);
+      break;
     }
   }
   const double profiling_s = Seconds(profile_start);
   if (cache != nullptr) (void)cache->Flush();  // a failed write only costs a re-profile
 
+  const auto search_start = std::chrono::steady_clock::now();
   options.use_all_devices = config.use_all_devices.value_or(ir.batch_separable);
   absl::StatusOr<Plan> plan = SearchPlan(table, target.links, options);
   if (!plan.ok() && !config.use_all_devices.has_value()) {
     options.use_all_devices = false;
     plan = SearchPlan(table, target.links, options);
   }
+  spdlog::info("planning: profiled in {:.2f} s ({} measured, {} cached, {} repeats), searched "
+               "in {:.2f} s", profiling_s, profiler.measured(), profiler.cache_hits(),
+               profiler.shared(), Seconds(search_start));
   if (!plan.ok()) return plan.status();
 
   v1::Deployment d;

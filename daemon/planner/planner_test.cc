@@ -269,11 +269,44 @@ TEST_CASE("Offload plans no optimizer state on the devices, batch-independent by
   }
 }
 
+TEST_CASE("A deep model is planned from one layer's profiles", "[planner]") {
+  FixtureIr f = BuildFixtureIr("deep_gpt");
+  REQUIRE(f.ir.ok());
+  ProfileCache cache("");
+  MemoryModel adam;
+  adam.optimizer = "adam";
+  adam.optimizer_state_factor = 2;
+  // Memory for about half the model per device: a pipeline of stages cut between blocks.
+  const uint64_t memory = static_cast<uint64_t>(ParamBytes(f) * 4 / 0.9 * 0.6);
+  absl::StatusOr<v1::Deployment> d =
+      PlanModel(*f.ir, f.tensors, f.fixture.inputs, Target(4, memory), adam,
+                Config({{"verify_partitioning", "true"}}), &cache, "t");
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  INFO(DescribeDeployment(*d));
+  CHECK(d->stages_size() >= 2);
+  CheckCoversModel(*d, *f.ir, 4);
+  // 157 atomic nodes, six of them layers alike: the cache holds one layer's node times and
+  // pieces, not every node's.
+  const size_t nodes = f.ir->nodes.size();
+  CHECK(nodes > 150);
+  CHECK(cache.size() < nodes / 2);
+  // The same plan with every micro-batch size profiled (those records come from the cache or
+  // are new sizes): a plan of the same shape.
+  absl::StatusOr<v1::Deployment> all =
+      PlanModel(*f.ir, f.tensors, f.fixture.inputs, Target(4, memory), adam,
+                Config({{"profile_all_sizes", "true"}}), &cache, "t");
+  REQUIRE(all.ok());
+  CheckCoversModel(*all, *f.ir, 4);
+}
+
 TEST_CASE("PlannerConfigFromKeys reads the planner keys and names a bad one", "[planner]") {
   absl::StatusOr<PlannerConfig> c = PlannerConfigFromKeys(
       {{"partition_num", "2"}, {"mem_margin", "0.25"}, {"schedule", "GPipe"},
-       {"max_pipeline", "8"}, {"unrelated", "x"}});
+       {"max_pipeline", "8"}, {"unrelated", "x"}, {"profile_all_sizes", "true"}});
   REQUIRE(c.ok());
+  CHECK(c->profile_all_sizes);
+  CHECK_FALSE(PlannerConfigFromKeys({})->profile_all_sizes);
   CHECK(c->partition_num == 2);
   CHECK(c->mem_margin == 0.25);
   CHECK(c->schedule == Schedule::kGPipe);
@@ -281,7 +314,7 @@ TEST_CASE("PlannerConfigFromKeys reads the planner keys and names a bad one", "[
   for (auto [key, value] : std::vector<std::pair<std::string, std::string>>{
            {"partition_num", "two"}, {"replica_num", "-1"}, {"mem_margin", "1.5"},
            {"schedule", "zigzag"}, {"verify_partitioning", "maybe"}, {"max_pipeline", "0"},
-           {"use_all_devices", "some"}}) {
+           {"use_all_devices", "some"}, {"profile_all_sizes", "2"}}) {
     absl::StatusOr<PlannerConfig> bad = PlannerConfigFromKeys({{key, value}});
     CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(std::string(bad.status().message()), Catch::Contains(key));

@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
@@ -17,14 +18,53 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/memory_tracker.h"
 #include "daemon/common/status.h"
+#include "daemon/graph/structure.h"
 #include "daemon/graph/subgraph.h"
 
 namespace rannc {
 namespace planner {
 namespace {
 
-std::string GraphKey(const IrGraph& ir, const Subgraph& sub) {
-  return absl::StrCat(ir.hash, "/", StableHash(ir.hash + sub.graph->toString()));
+// What a block's measurement depends on besides its ops: each input's role, dtype and shape,
+// with the batch dimension written per sample, so two layers of a model (or of two models, or
+// of one model at two global batches) that run the same ops on the same kinds of inputs share
+// one key.
+std::string InputKinds(const IrGraph& ir, const Subgraph& sub) {
+  std::string out;
+  for (int v : sub.inputs) {
+    const IrValue& x = ir.values[v];
+    absl::StrAppend(&out, ValueRoleName(x.role), ":");
+    if (!x.is_tensor) {
+      absl::StrAppend(&out, "-;");
+      continue;
+    }
+    absl::StrAppend(&out, c10::toString(x.dtype), "[");
+    for (size_t d = 0; d < x.shape.size(); ++d) {
+      if (static_cast<int>(d) != x.batch_dim) {
+        absl::StrAppend(&out, x.shape[d], ",");
+      } else if (ir.example_batch > 0 && x.shape[d] % ir.example_batch == 0) {
+        absl::StrAppend(&out, "b*", x.shape[d] / ir.example_batch, ",");
+      } else {
+        absl::StrAppend(&out, x.shape[d], "@b", ir.example_batch, ",");
+      }
+    }
+    absl::StrAppend(&out, "];");
+  }
+  return out;
+}
+
+// Autocast (AMP) changes what every op computes, though not the graph.
+std::string AutocastState() {
+  return absl::StrCat(
+      "amp=", at::autocast::is_cpu_enabled() ? c10::toString(at::autocast::get_autocast_cpu_dtype())
+                                             : "off",
+      "/", at::autocast::is_enabled() ? c10::toString(at::autocast::get_autocast_gpu_dtype())
+                                      : "off");
+}
+
+// The structural identity of a block: equal for blocks that compute the same thing.
+std::string Structure(const IrGraph& ir, const Subgraph& sub) {
+  return absl::StrCat(CanonicalGraphText(*sub.graph), "\n", InputKinds(ir, sub));
 }
 
 double Ms(std::chrono::steady_clock::duration d) {
@@ -37,6 +77,16 @@ double Median(std::vector<double> v) {
 }
 
 uint64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+// Class ids of `structures`: equal strings, equal ids, numbered by first appearance.
+std::vector<int> Classes(const std::vector<std::string>& structures) {
+  std::unordered_map<std::string, int> ids;
+  std::vector<int> out;
+  for (const std::string& s : structures) {
+    out.push_back(ids.emplace(s, static_cast<int>(ids.size())).first->second);
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -51,24 +101,35 @@ Profiler::Profiler(const IrGraph& ir, std::vector<at::Tensor> tensors,
 
 absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
   const int n = static_cast<int>(ir_.nodes.size());
-  const std::string options = absl::StrCat("atomic-fwd,r", options_.repeats);
+  const std::string options = absl::StrCat("atomic-fwd,r", options_.repeats, ",", AutocastState());
   std::vector<Subgraph> subs;
+  std::vector<std::string> structures;
   std::vector<ProfileKey> keys;
   std::vector<std::optional<ProfileRecord>> cached;
   for (int i = 0; i < n; ++i) {
     absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, i, i + 1);
     if (!sub.ok()) return sub.status();
-    keys.push_back({GraphKey(ir_, *sub), ir_.example_batch, options_.device_type, options});
+    structures.push_back(Structure(ir_, *sub));
+    keys.push_back({absl::StrCat("s/", StableHash(structures.back())), ir_.example_batch,
+                    options_.device_type, options});
     cached.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
     subs.push_back(std::move(*sub));
   }
+  node_classes_ = Classes(structures);
   std::vector<double> node_ms(n);
-  bool all_cached = true;
+  // The first node of each class; later ones take its time (and, in the pass below, its
+  // outputs as theirs, which have the same shapes).
+  std::vector<int> first(n, -1);
+  int last_needed = -1;
   for (int i = 0; i < n; ++i) {
-    all_cached = all_cached && cached[i].has_value();
+    int& f = first[node_classes_[i]];
+    if (f < 0) {
+      f = i;
+      if (!cached[i]) last_needed = i;
+    }
     if (cached[i]) node_ms[i] = cached[i]->fwd_ms;
   }
-  if (all_cached) {
+  if (last_needed < 0) {
     cache_hits_ += n;
     return node_ms;
   }
@@ -76,15 +137,27 @@ absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
   std::unordered_map<int, c10::IValue> env;
   for (size_t i = 0; i < example_inputs_.size(); ++i) env[ir_.inputs[i]] = example_inputs_[i];
   for (size_t i = 0; i < tensors_.size(); ++i) {
-    env[ir_.inputs[ir_.num_user_inputs + i]] = tensors_[i].clone();  // buffers may be mutated
+    const int v = ir_.inputs[ir_.num_user_inputs + i];
+    env[v] = ir_.values[v].written ? tensors_[i].clone() : tensors_[i];  // buffers may change
   }
   at::NoGradGuard no_grad;
   for (int i = 0; i < n; ++i) {
     const Subgraph& sub = subs[i];
-    // An identical node measured earlier in this pass: use its time, so a plan from the cache
-    // later sees exactly the times this one did.
-    if (!cached[i] && cache_) cached[i] = cache_->Find(keys[i]);
-    if (cached[i]) node_ms[i] = cached[i]->fwd_ms;
+    const int same = first[node_classes_[i]];
+    if (same != i) {
+      node_ms[i] = node_ms[same];
+      ++shared_;
+      if (i <= last_needed) {
+        for (size_t o = 0; o < sub.outputs.size(); ++o) {
+          env[sub.outputs[o]] = env.at(subs[same].outputs[o]);
+        }
+      }
+      continue;
+    }
+    if (i > last_needed) {  // nothing after this needs running
+      ++cache_hits_;
+      continue;
+    }
     std::vector<c10::IValue> inputs;
     for (int v : sub.inputs) inputs.push_back(env.at(v));
     std::vector<c10::IValue> outputs;
@@ -124,25 +197,40 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
   if (starts.empty() || starts[0] != 0 || micro_batch < 1) {
     return absl::InvalidArgumentError("ProfileBlocks: blocks must start at node 0, batch >= 1");
   }
-  const std::string options = absl::StrCat("fwd+bwd,w", options_.warmup, ",r", options_.repeats,
-                                           ",t", options_.min_time_ms);
-  std::vector<ProfileRecord> records;
+  const std::string options =
+      absl::StrCat("fwd+bwd,w", options_.warmup, ",r", options_.repeats, ",t",
+                   options_.min_time_ms, ",l", options_.long_run_ms, ",", AutocastState());
+  const int num_blocks = static_cast<int>(starts.size());
+  std::vector<ProfileRecord> records(num_blocks);
   std::vector<Subgraph> subs;
+  std::vector<std::string> structures;
   std::vector<ProfileKey> keys;
   std::vector<std::optional<ProfileRecord>> hits;
-  bool all_cached = true;
-  for (size_t b = 0; b < starts.size(); ++b) {
-    const int end = b + 1 < starts.size() ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
+  for (int b = 0; b < num_blocks; ++b) {
+    const int end = b + 1 < num_blocks ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
     absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, starts[b], end);
     if (!sub.ok()) return sub.status();
-    keys.push_back({GraphKey(ir_, *sub), micro_batch, options_.device_type, options});
+    structures.push_back(Structure(ir_, *sub));
+    keys.push_back({absl::StrCat("s/", StableHash(structures.back())), micro_batch,
+                    options_.device_type, options});
     hits.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
-    all_cached = all_cached && hits.back().has_value();
     subs.push_back(std::move(*sub));
   }
-  if (all_cached) {
-    for (const auto& hit : hits) records.push_back(*hit);
-    cache_hits_ += static_cast<int>(hits.size());
+  // A block that repeats an earlier one (the same ops on the same kinds of inputs) is measured
+  // once: it takes the earlier block's record, and its outputs as its own.
+  const std::vector<int> classes = Classes(structures);
+  std::vector<int> first(num_blocks, -1);
+  int last_needed = -1;
+  for (int b = 0; b < num_blocks; ++b) {
+    int& f = first[classes[b]];
+    if (f < 0) {
+      f = b;
+      if (!hits[b]) last_needed = b;
+    }
+  }
+  if (last_needed < 0) {
+    for (int b = 0; b < num_blocks; ++b) records[b] = *hits[b];
+    cache_hits_ += num_blocks;
     return records;
   }
   // Values passed between blocks, detached: each block is profiled as a stage that receives
@@ -151,12 +239,26 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
   for (size_t i = 0; i < example_inputs_.size(); ++i) {
     env[ir_.inputs[i]] = RepeatSamples(example_inputs_[i], micro_batch);
   }
-  for (size_t b = 0; b < starts.size(); ++b) {
-    const int end = b + 1 < starts.size() ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
+  for (int b = 0; b < num_blocks; ++b) {
+    const int end = b + 1 < num_blocks ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
     const Subgraph* sub = &subs[b];
     const ProfileKey& key = keys[b];
-    // An identical block measured earlier in this pass counts as cached (see AtomicForwardMs).
-    if (!hits[b] && cache_) hits[b] = cache_->Find(key);
+    const int same = first[classes[b]];
+    if (same != b || b > last_needed) {
+      // Blocks after the last one to measure need no run: what is left is cached or repeats.
+      records[b] = same != b ? records[same] : *hits[b];
+      if (same != b) {
+        ++shared_;
+      } else {
+        ++cache_hits_;
+      }
+      if (same != b && b <= last_needed) {
+        for (size_t i = 0; i < sub->outputs.size(); ++i) {
+          env[sub->outputs[i]] = env.at(subs[same].outputs[i]);
+        }
+      }
+      continue;
+    }
     const std::optional<ProfileRecord>& cached = hits[b];
 
     ProfileRecord record;
@@ -205,8 +307,8 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
       double timed_ms = 0;
       auto tracker = std::make_shared<MemoryTracker>();
       for (int r = 0; r < options_.warmup + options_.repeats; ++r) {
-        const bool measure = r >= options_.warmup;
-        if (measure && !fwd_times.empty() && timed_ms >= options_.min_time_ms) break;
+        bool measure = r >= options_.warmup;
+        if (!fwd_times.empty() && timed_ms >= options_.min_time_ms) break;
         outputs.clear();  // the last run's, so the tracker sees this run's memory alone
         c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, tracker);
         const int64_t base = tracker->current();
@@ -229,6 +331,10 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
         if (!roots.empty()) torch::autograd::backward(roots, grads);
         auto bwd_end = std::chrono::steady_clock::now();
         const int64_t bwd_peak = tracker->peak() - bwd_base;
+        // A warm-up that ran long is a measurement too: what a first run costs extra (fresh
+        // pages, lazy initialisation) is small beside it, and a second run would double the
+        // time profiling a large block takes.
+        measure = measure || Ms(bwd_end - start) >= options_.long_run_ms;
         if (measure) {
           fwd_times.push_back(Ms(fwd_end - start));
           bwd_times.push_back(Ms(bwd_end - bwd_start));
@@ -251,7 +357,7 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
     });
     if (!status.ok()) return status;
     for (size_t i = 0; i < sub->outputs.size(); ++i) env[sub->outputs[i]] = outputs[i].detach();
-    records.push_back(record);
+    records[b] = record;
   }
   return records;
 }

@@ -3,8 +3,15 @@
 // the memory it uses — parameters it reads, activations kept from forward to backward, and the
 // peak working memory above those — by running the block's stage graph for real with autograd.
 // Blocks run in sequence, each on the previous blocks' real outputs, so every block sees the
-// shapes and values it will see in training. Results are cached by (graph hash, micro-batch,
+// shapes and values it will see in training. Results are cached by (structure, micro-batch,
 // device type, options) in a ProfileCache, which persists them across daemon runs.
+//
+// The structure of a block is what it computes: its ops, their attributes and constants, how
+// they connect (graph/structure.h), and the role, dtype and per-sample shape of each input;
+// the options add the autocast (AMP) state. Value and parameter names are not part of it, so
+// the layers of a deep model, which differ only in their parameters, are one structure: the
+// first is measured and every other takes its record (and, to feed the blocks after it, its
+// outputs, which have the same shapes). Two models built of the same layers share them too.
 //
 // Memory is read from the allocator: on CPU through c10's memory reporting hook (every
 // allocation and free made on the profiling thread while a block runs).
@@ -41,6 +48,9 @@ struct ProfilerOptions {
   // Timed runs stop early once they add up to this (ms): a block that takes long is measured
   // precisely enough by one run, and profiling a large model stays affordable.
   double min_time_ms = 50;
+  // A warm-up run of a block that takes at least this long (forward and backward, ms) counts
+  // as a timed run: its first-run costs are small beside it.
+  double long_run_ms = 1000;
 };
 
 class Profiler {
@@ -50,16 +60,23 @@ class Profiler {
            std::vector<at::Tensor> example_inputs, ProfileCache* cache, ProfilerOptions options);
 
   // The forward time of every atomic node, alone, at the example batch size (what coarsening
-  // balances). Nothing runs when every node's time is cached.
+  // balances). Nothing runs when every node's time is cached. Sets node_classes().
   absl::StatusOr<std::vector<double>> AtomicForwardMs();
+
+  // After AtomicForwardMs: per atomic node, an id shared by exactly the nodes of the same
+  // structure (numbered by first appearance). Repeated layers show up as repeated id runs.
+  const std::vector<int>& node_classes() const { return node_classes_; }
 
   // Forward and backward of each block [starts[i], starts[i+1]) (the last ends at the last
   // node) at `micro_batch` samples, in sequence. Nothing runs when every block is cached.
   absl::StatusOr<std::vector<ProfileRecord>> ProfileBlocks(const std::vector<int>& starts,
                                                            int64_t micro_batch);
 
+  // Blocks (or nodes) found in the cache, measured, and given the record of an earlier block of
+  // the same structure in the same call.
   int cache_hits() const { return cache_hits_; }
   int measured() const { return measured_; }
+  int shared() const { return shared_; }
 
  private:
   const IrGraph& ir_;
@@ -67,8 +84,10 @@ class Profiler {
   std::vector<at::Tensor> example_inputs_;
   ProfileCache* cache_;
   ProfilerOptions options_;
+  std::vector<int> node_classes_;
   int cache_hits_ = 0;
   int measured_ = 0;
+  int shared_ = 0;
 };
 
 }  // namespace planner

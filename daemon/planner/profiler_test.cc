@@ -1,9 +1,11 @@
 #include "daemon/planner/profiler.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <catch2/catch.hpp>
 
 #include "daemon/graph/ir_testing.h"
@@ -84,6 +86,69 @@ TEST_CASE("Profiles come from the cache, also after a restart", "[planner]") {
   // Another micro-batch size is measured, not looked up.
   REQUIRE(again.ProfileBlocks(starts, 8).ok());
   CHECK(again.measured() == 3);
+}
+
+TEST_CASE("Blocks of one structure are measured once and share the record", "[planner]") {
+  FixtureIr f = BuildFixtureIr("deep_gpt");
+  REQUIRE(f.ir.ok());
+  Profiler profiler(*f.ir, f.tensors, f.fixture.inputs, nullptr, {});
+  absl::StatusOr<std::vector<double>> node_ms = profiler.AtomicForwardMs();
+  REQUIRE(node_ms.ok());
+  const std::vector<int>& classes = profiler.node_classes();
+  REQUIRE(classes.size() == f.ir->nodes.size());
+  const int distinct = *std::max_element(classes.begin(), classes.end()) + 1;
+  INFO(distinct << " structures among " << classes.size() << " nodes");
+  CHECK(distinct < static_cast<int>(classes.size()) / 3);  // six layers, one structure
+  CHECK(profiler.measured() == distinct);
+  CHECK(profiler.shared() == static_cast<int>(classes.size()) - distinct);
+  for (size_t i = 0; i < classes.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (classes[i] == classes[j]) CHECK((*node_ms)[i] == (*node_ms)[j]);
+    }
+  }
+
+  Profiler blocks(*f.ir, f.tensors, f.fixture.inputs, nullptr, {});
+  absl::StatusOr<std::vector<ProfileRecord>> r = blocks.ProfileBlocks(EveryNode(*f.ir), 3);
+  REQUIRE(r.ok());
+  CHECK(blocks.measured() == distinct);
+  CHECK(blocks.shared() == static_cast<int>(classes.size()) - distinct);
+  for (size_t i = 0; i < classes.size(); ++i) {
+    const ProfileRecord& rec = (*r)[i];
+    CHECK(rec.fwd_ms > 0);
+    for (size_t j = 0; j < i; ++j) {
+      if (classes[i] == classes[j]) CHECK((rec == (*r)[j]));
+    }
+  }
+}
+
+TEST_CASE("A model made of another's layers reuses their profiles; AMP does not", "[planner]") {
+  FixtureIr tiny = BuildFixtureIr("tiny_gpt");
+  FixtureIr deep = BuildFixtureIr("deep_gpt");
+  REQUIRE(tiny.ir.ok());
+  REQUIRE(deep.ir.ok());
+  ProfileCache cache("");
+  Profiler first(*tiny.ir, tiny.tensors, tiny.fixture.inputs, &cache, {});
+  REQUIRE(first.ProfileBlocks(EveryNode(*tiny.ir), 2).ok());
+  CHECK(first.measured() > 0);
+  // The same layers (and embedding and head), four more of them: nothing new to measure.
+  Profiler second(*deep.ir, deep.tensors, deep.fixture.inputs, &cache, {});
+  REQUIRE(second.ProfileBlocks(EveryNode(*deep.ir), 2).ok());
+  CHECK(second.measured() == 0);
+  // Under autocast the same graph computes in bfloat16: a different measurement.
+  {
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    Profiler amp(*tiny.ir, tiny.tensors, tiny.fixture.inputs, &cache, {});
+    absl::StatusOr<std::vector<ProfileRecord>> r = amp.ProfileBlocks(EveryNode(*tiny.ir), 2);
+    at::autocast::set_cpu_enabled(false);
+    at::autocast::clear_cache();
+    REQUIRE(r.ok());
+    CHECK(amp.measured() == first.measured());
+  }
+  // Another micro-batch size is another measurement.
+  Profiler larger(*deep.ir, deep.tensors, deep.fixture.inputs, &cache, {});
+  REQUIRE(larger.ProfileBlocks(EveryNode(*deep.ir), 4).ok());
+  CHECK(larger.measured() == first.measured());
 }
 
 TEST_CASE("Profiling leaves the job's tensors untouched", "[planner]") {
