@@ -20,8 +20,8 @@ set(RANNC_NCCL_ROOT "" CACHE PATH
 set(RANNC_TOOL_ENV)
 if(RANNC_SYS_PREFIX)
   list(PREPEND CMAKE_PREFIX_PATH "${RANNC_SYS_PREFIX}/usr")
-  # Before every other include directory, LibTorch's too: pip's LibTorch ships headers
-  # (google/protobuf, fmt) of other versions than the prefix's libraries.
+  # Before every other include directory, LibTorch's too: pip's LibTorch ships the headers of
+  # another protobuf (google/protobuf) than the prefix's library.
   include_directories(BEFORE SYSTEM "${RANNC_SYS_PREFIX}/usr/include")
   set(RANNC_TOOL_ENV "${CMAKE_COMMAND}" -E env
       "LD_LIBRARY_PATH=${RANNC_SYS_PREFIX}/usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}:$ENV{LD_LIBRARY_PATH}")
