@@ -1,7 +1,8 @@
 #!/bin/bash
 # Installs everything rannc needs on Debian 12 (bookworm) from Debian's own packages: LibTorch
-# and PyTorch 1.13 (CPU), gRPC 1.51, protobuf 3.21, spdlog, Catch2, UCX, Bazel 4.2.3 and the
-# Python test tools. Idempotent: installs only what is missing. Needs root (uses sudo if not).
+# and PyTorch 1.13 (CPU), gRPC 1.51, protobuf 3.21, spdlog, Catch2, UCX, Bazel 4.2.3, CMake and
+# ccache (the build without Bazel, docs/building.md) and the Python test tools. Idempotent:
+# installs only what is missing. Needs root (uses sudo if not).
 set -euo pipefail
 
 packages=(
@@ -11,6 +12,7 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev catch2 libucx-dev ucx-utils
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
   bazel-bootstrap bazel-platforms bazel-rules-java
+  cmake ccache
   python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm
 )
 
