@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
+#include "daemon/comm/cuda_devices.h"
 #include "daemon/comm/grpc_store.h"
 #include "daemon/cluster/peers.h"
 #include "daemon/common/status.h"
@@ -33,20 +34,16 @@ std::string Hostname() {
 }
 
 absl::StatusOr<std::vector<DaemonFacts::Device>> ResolveDevices(const DaemonOptions& options) {
-  // This build runs models on host CPUs; CUDA devices arrive with the GPU milestone.
-  absl::StatusOr<std::vector<DeviceSpec>> specs = ParseDevices(options.devices, /*cuda_count=*/0);
+  const int cuda_count = comm::CudaDeviceCount();
+  absl::StatusOr<std::vector<DeviceSpec>> specs = ParseDevices(options.devices, cuda_count);
   if (!specs.ok()) return specs.status();
   std::vector<DaemonFacts::Device> devices;
   // CPU "devices" share the host's memory, so each gets an equal share unless told otherwise.
   const uint64_t cpu_share = PhysicalMemoryBytes() / std::max<size_t>(specs->size(), 1);
   for (const DeviceSpec& spec : *specs) {
-    if (spec.type != "cpu") {
-      return absl::UnimplementedError(absl::StrCat(
-          "device '", spec.type, ":", spec.index, "' is not supported by this build of ranncd; "
-          "use --devices cpu:N"));
-    }
-    devices.push_back({absl::StrCat(spec.type, ":", spec.index), spec.type,
-                       options.device_memory != 0 ? options.device_memory : cpu_share});
+    uint64_t memory = spec.type == "cuda" ? comm::CudaDeviceMemory(spec.index) : cpu_share;
+    if (options.device_memory != 0) memory = options.device_memory;
+    devices.push_back({absl::StrCat(spec.type, ":", spec.index), spec.type, memory});
   }
   return devices;
 }

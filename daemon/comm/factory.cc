@@ -37,6 +37,14 @@ absl::Status Validate(const GroupOptions& options) {
 
 }  // namespace
 
+bool BackendBuiltIn(Backend backend) {
+#ifdef RANNC_WITH_NCCL
+  return true;
+#else
+  return backend != Backend::kNccl;
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(Backend backend,
                                                                const GroupOptions& options) {
   absl::Status valid = Validate(options);

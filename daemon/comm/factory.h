@@ -33,6 +33,9 @@ struct GroupOptions {
   int cuda_device = -1;
 };
 
+// Whether this build has `backend` (NCCL needs a CUDA build; the others are always there).
+bool BackendBuiltIn(Backend backend);
+
 // UNIMPLEMENTED for a backend this build lacks: NCCL is built in only with
 // --define=rannc_nccl=1 (which defines RANNC_WITH_NCCL and needs CUDA and NCCL).
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(Backend backend,

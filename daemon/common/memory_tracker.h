@@ -11,9 +11,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <cstdint>
 
 #include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/version.h>
 
@@ -26,8 +28,18 @@ class MemoryTracker final : public c10::MemoryReportingInfoBase {
 #else
   using Total = int64_t;
 #endif
+  MemoryTracker() = default;
+  // Counts only the allocations on `device` (CPU, or one CUDA device, whose caching allocator
+  // reports the same way); the others (e.g. host copies on a CUDA device's thread) are ignored.
+  explicit MemoryTracker(c10::Device device) : device_(device) {}
+
   void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, Total /*total_allocated*/,
-                         Total /*total_reserved*/, c10::Device /*device*/) override {
+                         Total /*total_reserved*/, c10::Device device) override {
+    if (device_.has_value() &&
+        (device.type() != device_->type() ||
+         (device_->has_index() && device.index() != device_->index()))) {
+      return;
+    }
     const int64_t now = current_.fetch_add(alloc_size) + alloc_size;
     int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
@@ -39,6 +51,7 @@ class MemoryTracker final : public c10::MemoryReportingInfoBase {
   int64_t peak() const { return peak_.load(); }
 
  private:
+  std::optional<c10::Device> device_;  // none: every device
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
 };

@@ -12,6 +12,7 @@
 #include "daemon/common/tensor_codec.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/optim/grad_norm.h"
+#include "daemon/runtime/host_staged_communicator.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
 #include "daemon/runtime/tensor_buffer.h"
 
@@ -67,6 +68,16 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     return absl::UnimplementedError("too many IR values for the transfer tags");
   }
   if (ir.outputs.empty()) return absl::InvalidArgumentError("the model has no outputs");
+  if (!options.placement.empty() &&
+      static_cast<int>(options.placement.size()) != num_devices) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a placement of ", options.placement.size(), " devices for ", num_devices));
+  }
+  for (const c10::Device& place : options.placement) {
+    if (!place.is_cpu() && !place.is_cuda()) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot run a stage on ", place.str()));
+    }
+  }
   micro_batches_ = static_cast<int>(plan.micro_batches());
   schedule_ = plan.schedule() == v1::SCHEDULE_GPIPE ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
 
@@ -227,6 +238,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                                       dev) != options.local_devices.end();
     partial_ = partial_ || !devices_.back().local;
     devices_.back().lifted.assign(lifted.size(), at::Tensor());
+    if (!options.placement.empty()) devices_.back().place = options.placement[dev];
   }
   for (int dev : options.local_devices) {
     if (!used.count(dev)) {
@@ -255,8 +267,12 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       d.world_rank = world_rank_[d.index];
       if (!d.local) continue;  // another process runs it
       absl::Status copied = TorchCall(absl::StatusCode::kInternal, "copying tensors", [&] {
+        const std::set<int> params(stages_[s].params.begin(), stages_[s].params.end());
         for (int li : stages_[s].lifted) {
-          at::Tensor t = lifted[li].detach().clone();
+          // Offloaded parameters stay in host memory (SetUpOffload).
+          const c10::Device place = offload_ && params.count(li) ? c10::Device(c10::kCPU) : d.place;
+          at::Tensor t = lifted[li].detach().to(place, lifted[li].scalar_type(),
+                                                /*non_blocking=*/false, /*copy=*/true);
           if (ir.values[ir.inputs[ir.num_user_inputs + li]].role == ValueRole::kParam &&
               lifted[li].requires_grad()) {
             t.requires_grad_(true);
@@ -272,6 +288,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       StageOptions options;
       options.recompute = plan.stages(s).recompute();
       options.amp = amp;
+      options.cuda = d.place.is_cuda();
       absl::StatusOr<std::unique_ptr<StageExecutor>> exec =
           StageExecutor::Create(ir, std::move(*sub), d.lifted, options);
       if (!exec.ok()) return Annotate(exec.status(), absl::StrCat("stage ", s));
@@ -279,9 +296,9 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       if (d.exec->data_inputs() != stages_[s].data_inputs) {
         return absl::InternalError("stage executor's data inputs differ from the subgraph's");
       }
-      d.worker = std::make_unique<Worker>();
+      d.worker = std::make_unique<Worker>(d.place);
       // The device's allocations are its worker's: count them there (the step's peak).
-      d.memory = std::make_shared<MemoryTracker>();
+      d.memory = std::make_shared<MemoryTracker>(d.place);
       d.worker
           ->Post([memory = d.memory] {
             c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, memory);
@@ -306,15 +323,14 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     done.push_back(d.worker->Post([this, &d, backend, W]() -> absl::Status {
       // One device: nothing to exchange.
       if (W == 1) return absl::OkStatus();
-      absl::StatusOr<std::unique_ptr<comm::Communicator>> world = comm::MakeCommunicator(
-          backend, {store_, absl::StrCat(id_, "/world"), d.world_rank, W, timeout_});
+      absl::StatusOr<std::unique_ptr<comm::Communicator>> world =
+          MakeDeviceCommunicator(d, backend, absl::StrCat(id_, "/world"), d.world_rank, W);
       if (!world.ok()) return Annotate(world.status(), absl::StrCat("device ", d.index));
       d.world = std::move(*world);
       const int R = static_cast<int>(stages_[d.stage].devices.size());
       if (R > 1) {
-        absl::StatusOr<std::unique_ptr<comm::Communicator>> reps = comm::MakeCommunicator(
-            backend, {store_, absl::StrCat(id_, "/stage", d.stage), d.replica, R,
-                      timeout_});
+        absl::StatusOr<std::unique_ptr<comm::Communicator>> reps = MakeDeviceCommunicator(
+            d, backend, absl::StrCat(id_, "/stage", d.stage), d.replica, R);
         if (!reps.ok()) return Annotate(reps.status(), absl::StrCat("device ", d.index));
         d.replicas = std::move(*reps);
         std::vector<int> untied;
@@ -334,6 +350,16 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     if (status.ok() && !s.ok()) status = s;
   }
   return status;
+}
+
+absl::StatusOr<std::unique_ptr<comm::Communicator>> PipelineEngine::Impl::MakeDeviceCommunicator(
+    const Device& d, comm::Backend backend, const std::string& group, int rank, int size) const {
+  comm::GroupOptions options{store_, group, rank, size, timeout_};
+  if (d.place.is_cuda()) options.cuda_device = d.place.index();
+  absl::StatusOr<std::unique_ptr<comm::Communicator>> c = comm::MakeCommunicator(backend, options);
+  if (!c.ok() || !d.place.is_cuda() || backend == comm::Backend::kNccl) return c;
+  // The host backends move host memory: a CUDA device's buffers go through it.
+  return StageThroughHost(std::move(*c));
 }
 
 absl::StatusOr<std::unique_ptr<GradReducer>> PipelineEngine::Impl::MakeReducer(
@@ -395,7 +421,7 @@ at::Tensor PipelineEngine::Impl::ParamValue(int lifted, int device) const {
   }
   if (d == nullptr || !d->lifted[lifted].defined()) return at::Tensor();
   if (offload_ && sharded(lifted)) return ShardedValue(lifted);
-  return d->Master(lifted).detach().clone();
+  return HostCopy(d->Master(lifted).detach());
 }
 
 void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
@@ -408,7 +434,7 @@ void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
       ForShardSlice(part, slot->second.index, [&](int64_t shard_from, int64_t from, int64_t n) {
         at::Tensor& g = part.shard.mutable_grad();
         if (!g.defined()) g = at::zeros_like(part.shard);
-        g.narrow(0, shard_from, n).add_(flat.narrow(0, from, n).to(g.scalar_type()));
+        g.narrow(0, shard_from, n).add_(flat.narrow(0, from, n).to(g.options()));
       });
     }
     return;
@@ -419,9 +445,9 @@ void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
     if (!p.requires_grad()) continue;
     if (pending_ && d.world_rank != primary_[lifted]) continue;
     if (p.grad().defined()) {
-      p.mutable_grad().add_(grad);
+      p.mutable_grad().add_(grad.to(p.options()));
     } else {
-      p.mutable_grad() = grad.to(p.options()).clone();
+      p.mutable_grad() = grad.to(p.options(), /*non_blocking=*/false, /*copy=*/true);
     }
   }
 }
@@ -435,9 +461,9 @@ void PipelineEngine::Impl::AddGradShare(int lifted, const at::Tensor& grad) {
   if (!p.requires_grad()) return;
   at::NoGradGuard no_grad;
   if (p.grad().defined()) {
-    p.mutable_grad().add_(grad);
+    p.mutable_grad().add_(grad.to(p.options()));
   } else {
-    p.mutable_grad() = grad.to(p.options()).clone();
+    p.mutable_grad() = grad.to(p.options(), /*non_blocking=*/false, /*copy=*/true);
   }
 }
 
@@ -445,14 +471,14 @@ at::Tensor PipelineEngine::Impl::GradCopy(int lifted, const at::Tensor& t) const
   if (sharded(lifted)) return FullGrad(lifted);  // never pending; every replica's slice
   at::Tensor sum;
   if (!pending_) {
-    if (t.grad().defined()) sum = t.grad().detach().clone();
+    if (t.grad().defined()) sum = HostCopy(t.grad().detach());
   } else {
     at::NoGradGuard no_grad;
     for (const Device& d : devices_) {
       if (!d.local || !d.lifted[lifted].defined()) continue;
       const at::Tensor& g = d.Master(lifted).grad();
       if (!g.defined()) continue;
-      sum = sum.defined() ? sum.add_(g) : g.detach().clone();
+      sum = sum.defined() ? sum.add_(ToHost(g)) : HostCopy(g.detach());
     }
   }
   if (!sum.defined() && owner_[lifted] >= 0 && devices_[owner_[lifted]].zeroed.count(lifted)) {
@@ -501,7 +527,7 @@ absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> PipelineEngine::Impl::Gr
   std::vector<std::pair<int, at::Tensor>> norms;
   for (int li : params) {
     const at::Tensor g = FullGrad(li);
-    if (g.defined()) norms.emplace_back(li, GradNorm(g, norm_type));
+    if (g.defined()) norms.emplace_back(li, ToHost(GradNorm(g, norm_type)));
   }
   return norms;
 }
@@ -636,7 +662,7 @@ PipelineEngine::Impl::OptimizerState() const {
       const size_t dot = name.find('.');
       const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
       if (li < 0 || owner_[li] != d.world_rank) continue;  // a ZeRO shard: below
-      out[li].emplace_back(name.substr(dot + 1), value.detach().clone());
+      out[li].emplace_back(name.substr(dot + 1), HostCopy(value.detach()));
     }
     ZeroOptimizerState(d, &out);
   }
@@ -679,7 +705,7 @@ absl::StatusOr<bool> PipelineEngine::Impl::FoundInf() {
         };
         for (int li : stages_[d.stage].params) check(d.Master(li).grad());
         for (const pipeline_internal::ZeroPartition& part : d.zero) check(part.shard.grad());
-        at::Tensor flag = at::full({1}, mine ? 1.0f : 0.0f);
+        at::Tensor flag = at::full({1}, mine ? 1.0f : 0.0f, d.On(at::kFloat));
         if (d.world) {
           absl::StatusOr<comm::Buffer> buf = BufferOf(flag);
           if (!buf.ok()) return buf.status();

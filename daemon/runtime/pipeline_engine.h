@@ -63,6 +63,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
 #include "daemon/comm/factory.h"
@@ -85,6 +86,12 @@ struct EngineOptions {
   // A partial engine's outputs are its devices' share (rows computed elsewhere are zeros,
   // losses are its weighted partial sums): the processes' outputs add up to the model's.
   std::vector<int> local_devices;
+  // Where each of the plan's devices runs (by plan device index): CPU, or a CUDA device whose
+  // stage, parameters, gradients, optimizer state and transfers live in its memory. Empty: every
+  // device on the CPU. Several plan devices may share one CUDA device (tests on one GPU); the
+  // NCCL backend refuses that, the others stage CUDA transfers through host memory
+  // (runtime/host_staged_communicator.h).
+  std::vector<c10::Device> placement;
   // Rendezvous of the communicators (not owned; e.g. a gRPC store for several processes);
   // null: an in-memory store of this engine.
   comm::Store* store = nullptr;

@@ -20,6 +20,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -47,10 +49,11 @@ inline uint32_t Tag(bool backward, int micro_batch, int value) {
          static_cast<uint32_t>(value);
 }
 
-// A thread running posted tasks in order.
+// A thread running posted tasks in order, with `place` its current device (for a CUDA device,
+// so that LibTorch allocates there and launches on its default stream).
 class Worker {
  public:
-  Worker() : thread_([this] { Loop(); }) {}
+  explicit Worker(c10::Device place = c10::kCPU) : place_(place), thread_([this] { Loop(); }) {}
   ~Worker() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -72,6 +75,7 @@ class Worker {
 
  private:
   void Loop() {
+    if (!place_.is_cpu()) c10::impl::getDeviceGuardImpl(place_.type())->setDevice(place_);
     for (;;) {
       std::function<void()> task;
       {
@@ -88,6 +92,7 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
+  const c10::Device place_;
   std::thread thread_;  // last: starts after the rest is constructed
 };
 
@@ -130,6 +135,12 @@ struct ZeroPartition {
 
 struct Device {
   int index = 0, stage = 0, replica = 0, world_rank = 0;
+  c10::Device place{c10::kCPU};  // EngineOptions::placement
+  at::TensorOptions On(at::ScalarType dtype) const {
+    return at::TensorOptions().dtype(dtype).device(place);
+  }
+  // `t` on this device (`t` itself when it is there already).
+  at::Tensor Here(const at::Tensor& t) const { return t.device() == place ? t : t.to(place); }
   bool local = true;  // run by this process (EngineOptions::local_devices)
   std::vector<at::Tensor> lifted;  // per IR lifted input; undefined where the stage reads none
   // Offload (EngineOptions::offload; pipeline_engine_offload.cc): per lifted index, the host
@@ -360,6 +371,11 @@ class PipelineEngine::Impl {
   // Whether any device of any process holds a gradient that is not finite (collective: every
   // device's all-reduce over the world group).
   absl::StatusOr<bool> FoundInf();
+  // Rank `rank` of communicator group `group` (`size` ranks) for device `d`: on its CUDA device
+  // (NCCL), or staged through host memory for a CUDA device on a host backend.
+  absl::StatusOr<std::unique_ptr<comm::Communicator>> MakeDeviceCommunicator(
+      const Device& d, comm::Backend backend, const std::string& group, int rank,
+      int size) const;
   // The bucketed all-reduce of `params` (lifted indices) over `d`'s stage replicas.
   absl::StatusOr<std::unique_ptr<GradReducer>> MakeReducer(Device& d,
                                                            const std::vector<int>& params) const;
@@ -412,6 +428,8 @@ class PipelineEngine::Impl {
   absl::Status ReduceOffloaded(Device& d, bool keep_resident);
   // `t` in host memory: a copy for an accelerator's tensor, `t` itself for a CPU one.
   static at::Tensor ToHost(const at::Tensor& t);
+  // A host copy of `t`, wherever `t` is (the engine's reads return host tensors of their own).
+  static at::Tensor HostCopy(const at::Tensor& t);
   // A ZeRO parameter's value assembled from its replicas' shards (offload: they are the
   // masters).
   at::Tensor ShardedValue(int lifted) const;

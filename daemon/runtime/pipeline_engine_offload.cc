@@ -35,10 +35,15 @@ void SwapStorage(at::Tensor& t, const at::Tensor& source) {
 }  // namespace
 
 void PipelineEngine::Impl::SetUpOffload(Device& d) {
+  // Init left the stage's parameters in host memory; on a CUDA device they are pinned, so that
+  // uploads are DMA copies.
   d.host.assign(d.lifted.size(), at::Tensor());
   for (int li : stages_[d.stage].params) {
     d.host[li] = d.lifted[li];
-    d.lifted[li] = at::empty({0}, d.host[li].options()).requires_grad_(true);
+    if (d.place.is_cuda()) {
+      d.host[li] = d.host[li].detach().pin_memory().requires_grad_(d.lifted[li].requires_grad());
+    }
+    d.lifted[li] = at::empty({0}, d.On(d.host[li].scalar_type())).requires_grad_(true);
   }
   d.resident = false;
 }
@@ -47,12 +52,16 @@ absl::Status PipelineEngine::Impl::Upload(Device& d) {
   if (d.resident) return absl::OkStatus();
   at::NoGradGuard no_grad;
   for (int li : stages_[d.stage].params) {
-    if (d.host[li].defined()) SwapStorage(d.lifted[li], d.host[li].detach().clone());
+    if (!d.host[li].defined()) continue;
+    const at::Tensor& master = d.host[li];
+    SwapStorage(d.lifted[li], master.detach().to(d.place, master.scalar_type(),
+                                                 /*non_blocking=*/false, /*copy=*/true));
   }
   const int64_t R = static_cast<int64_t>(stages_[d.stage].devices.size());
   for (ZeroPartition& part : d.zero) {
-    part.flat = at::empty({part.len * R}, part.shard.options());
-    absl::StatusOr<comm::Buffer> mine = BufferOf(part.shard.detach());
+    part.flat = at::empty({part.len * R}, d.On(part.shard.scalar_type()));
+    const at::Tensor shard = d.Here(part.shard.detach());
+    absl::StatusOr<comm::Buffer> mine = BufferOf(shard);
     if (!mine.ok()) return mine.status();
     absl::StatusOr<comm::Buffer> all = BufferOf(part.flat);
     if (!all.ok()) return all.status();
@@ -92,7 +101,9 @@ absl::Status PipelineEngine::Impl::ReduceOffloaded(Device& d, bool keep_resident
     const std::vector<int>& params = stages_[d.stage].params;
     for (int li : params) {
       if (d.host[li].defined() && d.host[li].grad().defined()) {
-        d.lifted[li].mutable_grad() = d.host[li].grad().detach().clone();
+        const at::Tensor& g = d.host[li].grad();
+        d.lifted[li].mutable_grad() =
+            g.detach().to(d.place, g.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
     }
     // Nothing runs a backward: Finish takes every gradient as it stands.
@@ -112,6 +123,10 @@ absl::Status PipelineEngine::Impl::ReduceOffloaded(Device& d, bool keep_resident
 
 at::Tensor PipelineEngine::Impl::ToHost(const at::Tensor& t) {
   return t.device().is_cpu() ? t : t.to(at::kCPU);
+}
+
+at::Tensor PipelineEngine::Impl::HostCopy(const at::Tensor& t) {
+  return t.device().is_cpu() ? t.clone() : t.to(at::kCPU);
 }
 
 }  // namespace rannc

@@ -136,11 +136,11 @@ absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, i
     const int v = st.data_inputs[j];
     const int p = st.source[j];
     if (p < 0) {
-      in.push_back(Rows((*step.inputs)[-1 - p], v, step.mb_offsets[mb] + my_off, my_count));
+      in.push_back(d.Here(Rows((*step.inputs)[-1 - p], v, step.mb_offsets[mb] + my_off, my_count)));
       continue;
     }
     const IrValue& val = ir.values[v];
-    at::Tensor x = at::empty(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+    at::Tensor x = at::empty(ShapeFor(v, my_count), d.On(val.dtype));
     for (const Transfer& t : Transfers(v, n, p, d.stage)) {
       if (t.dst != d.replica) continue;
       const bool whole = val.batch_dim < 0 || (t.dst_offset == 0 && t.count == my_count);
@@ -176,10 +176,14 @@ absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, i
           break;
       }
     }
+    // The IR's dtype, which the consumers receive: a CUDA stage's autocast may cast ops that the
+    // CPU's, under which the IR was built, does not.
+    at::Tensor sent = (*out)[k];
+    if (sent.scalar_type() != ir.values[v].dtype) sent = sent.to(ir.values[v].dtype);
     for (int q : st.consumers[k]) {
       for (const Transfer& t : Transfers(v, n, d.stage, q)) {
         if (t.src != d.replica) continue;
-        absl::Status s = Send(d, Rows((*out)[k], v, t.src_offset, t.count),
+        absl::Status s = Send(d, Rows(sent, v, t.src_offset, t.count),
                               stages_[q].devices[t.dst], Tag(false, mb, v), pending);
         if (!s.ok()) return s;
       }
@@ -209,28 +213,28 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
         g = at::full(ShapeFor(v, 0),
                      (stage_outputs_.at(v) == OutputKind::kMean ? weight : 1.0) *
                          scaler_.scale(),
-                     at::TensorOptions().dtype(val.dtype));
+                     d.On(val.dtype));
       }
     } else if (auto client = step.grads->find(v); client != step.grads->end()) {
       switch (stage_outputs_.at(v)) {
         case OutputKind::kBatched:
-          g = Rows(client->second, v, step.mb_offsets[mb] + my_off, my_count);
+          g = d.Here(Rows(client->second, v, step.mb_offsets[mb] + my_off, my_count));
           break;
         case OutputKind::kMean:
-          g = client->second * weight;
+          g = d.Here(client->second) * weight;
           break;
         case OutputKind::kSum:
-          if (at::isFloatingType(val.dtype)) g = client->second;
+          if (at::isFloatingType(val.dtype)) g = d.Here(client->second);
           break;
         case OutputKind::kFirst:
-          if (mb == 0 && d.replica == 0) g = client->second;
+          if (mb == 0 && d.replica == 0) g = d.Here(client->second);
           break;
         default:
           break;
       }
     }
     if (!st.consumers[k].empty() && at::isFloatingType(val.dtype)) {
-      at::Tensor sum = at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+      at::Tensor sum = at::zeros(ShapeFor(v, my_count), d.On(val.dtype));
       for (int q : st.consumers[k]) {
         for (const Transfer& t : Transfers(v, n, d.stage, q)) {
           if (t.src != d.replica) continue;
@@ -256,7 +260,7 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
     if (p < 0 || !at::isFloatingType(val.dtype)) continue;
     at::Tensor g = (*in_grads)[j];
     g = g.defined() ? g.to(val.dtype)
-                    : at::zeros(ShapeFor(v, my_count), at::TensorOptions().dtype(val.dtype));
+                    : at::zeros(ShapeFor(v, my_count), d.On(val.dtype));
     for (const Transfer& t : Transfers(v, n, p, d.stage)) {
       if (t.dst != d.replica) continue;
       absl::Status s = Send(d, Rows(g, v, t.dst_offset, t.count), stages_[p].devices[t.src],
@@ -395,8 +399,7 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
   for (int li : tied_) {
     const bool holds = d.lifted[li].defined();
     at::Tensor g = holds ? grad_of(li).clone()
-                         : at::zeros(lifted_shapes_[li],
-                                     at::TensorOptions().dtype(lifted_types_[li]));
+                         : at::zeros(lifted_shapes_[li], d.On(lifted_types_[li]));
     if (!d.world) continue;
     absl::StatusOr<comm::Buffer> buf = BufferOf(g);
     if (!buf.ok()) return buf.status();
@@ -532,11 +535,12 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
         for (const Device& d : devices_) {
           auto p = d.partial.find(v);
           if (p == d.partial.end()) continue;
+          const at::Tensor shard = ToHost(p->second);
           if (output_kinds_[i] == OutputKind::kFirst) {
-            out = p->second;
+            out = shard;
             break;
           }
-          out = out.defined() ? out + p->second : p->second;
+          out = out.defined() ? out + shard : shard;
         }
         if (!out.defined() && partial_) out = at::zeros(val.shape, at::kDouble);
         if (!out.defined()) return absl::InternalError(absl::StrCat("no shard computed ", val.name));

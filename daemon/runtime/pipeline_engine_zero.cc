@@ -71,7 +71,8 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
     }
     for (auto& [type, part] : by_type) {
       part.len = (sizes[type] + R - 1) / R;
-      part.flat = at::zeros({part.len * R}, at::TensorOptions().dtype(type));
+      // Offloaded, the flat buffer is only where the host shard is cut from.
+      part.flat = at::zeros({part.len * R}, offload_ ? at::TensorOptions().dtype(type) : d.On(type));
       for (size_t i = 0; i < part.params.size(); ++i) {
         at::Tensor& p = d.Master(part.params[i]);
         part.flat.narrow(0, part.offsets[i], p.numel()).copy_(p.reshape(-1));
@@ -85,6 +86,7 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
       if (offload_) {
         // The host shard becomes the master of its slice; the whole parameters are not kept.
         part.shard = part.flat.narrow(0, part.shard_offset, part.len).clone();
+        if (d.place.is_cuda()) part.shard = part.shard.pin_memory();
         part.flat = at::Tensor();
         for (int li : part.params) d.host[li] = at::Tensor();
       } else {
@@ -217,7 +219,7 @@ at::Tensor PipelineEngine::Impl::Assemble(const ZeroSlot& slot, int lifted, bool
     const at::Tensor& shard = r->zero[slot.partition].shard;
     const at::Tensor& t = grad ? shard.grad() : shard;
     if (!t.defined()) return at::Tensor();
-    shards.push_back(t.detach());
+    shards.push_back(ToHost(t.detach()));
   }
   const ZeroPartition& part = Replicas(slot.stage)[0]->zero[slot.partition];
   const std::vector<int64_t>& shape = lifted_shapes_[lifted];
@@ -242,7 +244,7 @@ void PipelineEngine::Impl::ZeroOptimizerState(
         auto it = std::find_if(pieces.begin(), pieces.end(),
                                [&](const auto& piece) { return piece.first == key; });
         if (it == pieces.end()) it = pieces.insert(pieces.end(), {key, {}});
-        it->second.push_back(value);
+        it->second.push_back(ToHost(value));
       }
     }
     const ZeroPartition& part = d.zero[k];

@@ -120,7 +120,7 @@ std::vector<at::Tensor> StageExecutor::Run(const std::vector<at::Tensor>& inputs
   }
   for (size_t k = 0; k < buffers.size(); ++k) stack[mutated_buffers_[k]] = buffers[k];
   {
-    AutocastGuard amp(options_.amp);
+    AutocastGuard amp(options_.amp, options_.cuda);
     torch::jit::InterpreterState(*code_).run(stack);
   }
   std::vector<at::Tensor> outputs;

@@ -58,6 +58,8 @@ struct StageOptions {
   // Forwards (and their replays) run under autocast to this dtype (runtime/autocast.h); the
   // backward follows what they recorded. Default: full precision.
   AmpDtype amp;
+  // The stage runs on a CUDA device: `amp` is CUDA's autocast (CPU's otherwise).
+  bool cuda = false;
 };
 
 class StageExecutor {

@@ -377,6 +377,7 @@ absl::Status Job::Deploy() {
   options.backend = config_.backend;
   options.num_devices = config_.plan_target.num_devices;
   options.local_devices = config_.local_devices;
+  options.placement = config_.placement;
   options.group = config_.engine_group;
   options.zero = config_.zero;
   options.offload = config_.offload;

@@ -89,6 +89,9 @@ struct JobConfig {
   // The daemon's device names, by the plan's device index; empty: "<type>:<index>" for
   // plan_target's devices.
   std::vector<std::string> device_names;
+  // Where the engine runs each of the plan's devices (EngineOptions::placement): this daemon's
+  // CUDA devices where it owns GPUs; empty: every device on the CPU.
+  std::vector<c10::Device> placement;
   comm::Backend backend = comm::Backend::kUcx;
 
   // Planning: the devices to plan for (the daemon's, or any for a dry run), the job's planner

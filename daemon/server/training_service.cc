@@ -273,6 +273,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.loss_scale = *loss_scale;
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
   for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
+  for (size_t k = 0; k < facts_.devices.size(); ++k) config.placement.push_back(PlaceOf(k));
   if (!facts_.devices.empty()) {
     config.plan_target.device_type = facts_.devices[0].type;
     config.plan_target.device_memory_bytes = facts_.devices[0].memory_bytes;
@@ -324,10 +325,21 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     config.engine_store_address = part.store_address();
     config.engine_group = part.group();
     config.device_names.clear();
+    // The leader numbers a member's devices in the member's own order.
+    config.placement.assign(config.plan_target.num_devices, c10::Device(c10::kCPU));
+    for (size_t k = 0; k < config.local_devices.size() && k < facts_.devices.size(); ++k) {
+      const int index = config.local_devices[k];
+      if (index >= 0 && index < config.plan_target.num_devices) config.placement[index] = PlaceOf(k);
+    }
   } else {
     absl::Status spanned = SpanCluster(id, spec, &config);
     if (!spanned.ok()) return Fail("CreateJob", spanned);
   }
+  // CUDA devices talk over NCCL where the build has it; else through host memory over UCX.
+  const bool cuda = std::any_of(config.placement.begin(), config.placement.end(),
+                                [](const c10::Device& d) { return d.is_cuda(); });
+  config.backend = cuda && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
+                                                                      : comm::Backend::kUcx;
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, std::move(config), model, *examples);
   if (!job.ok()) return Fail("CreateJob", job.status());
 
@@ -401,10 +413,23 @@ absl::Status TrainingServiceImpl::SpanCluster(const std::string& job_id, const v
     }
   }
   config->plan_target.num_devices = static_cast<int>(config->device_names.size());
+  config->placement.assign(config->plan_target.num_devices, c10::Device(c10::kCPU));
+  for (size_t k = 0; k < config->local_devices.size() && k < facts_.devices.size(); ++k) {
+    config->placement[config->local_devices[k]] = PlaceOf(k);
+  }
   config->engine_store = store_;
   config->engine_group = job_id;
   config->spec = spec;
   return absl::OkStatus();
+}
+
+c10::Device TrainingServiceImpl::PlaceOf(size_t k) const {
+  const DaemonFacts::Device& device = facts_.devices[k];
+  if (device.type != "cuda") return c10::Device(c10::kCPU);
+  // Named "cuda:<index>" (daemon.cc).
+  const size_t colon = device.name.rfind(':');
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
+                                     std::stoi(device.name.substr(colon + 1))));
 }
 
 std::vector<std::string> TrainingServiceImpl::OtherMembers() const {

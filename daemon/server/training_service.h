@@ -91,6 +91,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status AbortStep(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
 
  private:
+  // Where the engine runs this daemon's k-th device.
+  c10::Device PlaceOf(size_t k) const;
   // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
   // Flush).
   // `client_rank`: the caller's (JobOptions.client_world).

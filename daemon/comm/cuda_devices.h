@@ -1,0 +1,21 @@
+// The CUDA devices this process can use, for the daemon's --devices. Only a build with CUDA
+// (the NCCL build: Bazel --define=rannc_nccl=1, CMake -DRANNC_WITH_NCCL=ON) sees any; the
+// default build reports none.
+#ifndef RANNC_DAEMON_COMM_CUDA_DEVICES_H_
+#define RANNC_DAEMON_COMM_CUDA_DEVICES_H_
+
+#include <cstdint>
+
+namespace rannc {
+namespace comm {
+
+// 0 without CUDA in the build, without a driver, or without devices.
+int CudaDeviceCount();
+
+// Device `index`'s total memory in bytes (0 when it cannot be read).
+uint64_t CudaDeviceMemory(int index);
+
+}  // namespace comm
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_COMM_CUDA_DEVICES_H_

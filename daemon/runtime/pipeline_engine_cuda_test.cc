@@ -1,0 +1,224 @@
+// The pipeline engine on CUDA devices (EngineOptions::placement) against the same plan on the
+// CPU, which pipeline_engine_test holds to PyTorch. Needs a CUDA LibTorch and at least one GPU
+// (tag gpu; it fails, not skips, without them). The plan's four devices go round-robin over the
+// GPUs, so on one GPU they share it, and transfers go through host memory (host-staged fake
+// backend); with NCCL built in, a case per GPU count runs over NCCL with one plan device per GPU.
+//
+// Tolerances: CUDA's kernels sum in other orders than the CPU's, so losses and gradients are
+// held to rtol 1e-5 / atol 1e-6 (fp32 round-off, as on the CPU) and parameters after three AdamW
+// steps, where Adam's division by sqrt(v) magnifies round-off in tiny gradients, to
+// rtol 1e-4 / atol 1e-5. bf16 autocast: rtol 2e-2 / atol 2e-3 against CPU bf16 autocast (the two
+// devices' bf16 matmuls round differently).
+#include "daemon/runtime/pipeline_engine.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+// LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <catch2/catch.hpp>
+
+#include "daemon/comm/factory.h"
+#include "daemon/graph/ir_testing.h"
+#include "daemon/optim/optimizer.h"
+#include "daemon/runtime/plan_testing.h"
+
+namespace rannc {
+namespace {
+
+using testing::BuildFixtureIr;
+using testing::FixtureIr;
+using testing::MakePlan;
+
+bool IsParam(const IrGraph& ir, size_t lifted_index) {
+  return ir.values[ir.inputs[ir.num_user_inputs + lifted_index]].role == ValueRole::kParam;
+}
+
+int GpuCount() {
+  // The CUDA hooks answer once libtorch_cuda is loaded (linked in a CUDA LibTorch build).
+  return at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+}
+
+struct Mode {
+  const char* name;
+  bool zero, offload;
+  AmpDtype amp;
+};
+
+std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deployment& plan,
+                                           comm::Backend backend, const Mode& mode,
+                                           std::vector<c10::Device> placement) {
+  EngineOptions options;
+  options.backend = backend;
+  options.num_devices = plan.num_devices();
+  options.zero = mode.zero;
+  options.offload = mode.offload;
+  options.amp = mode.amp;
+  options.placement = std::move(placement);
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+      PipelineEngine::Create(*f.ir, plan, f.tensors, options);
+  INFO(engine.status().ToString());
+  REQUIRE(engine.ok());
+  return std::move(*engine);
+}
+
+// Three AdamW steps (two accumulated backwards each, clipping in the second) on `cuda` and on
+// `cpu`, the same plan and mode: losses, gradients, parameters and optimizer state agree.
+void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, bool amp) {
+  const IrGraph& ir = *f.ir;
+  const double rtol = amp ? 2e-2 : 1e-5, atol = amp ? 2e-3 : 1e-6;
+  const double param_rtol = amp ? 2e-2 : 1e-4, param_atol = amp ? 2e-3 : 1e-5;
+  std::vector<int> params;
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
+  }
+  HyperParams adam;
+  adam.lr = 0.01;
+  adam.weight_decay = 0.1;
+  for (PipelineEngine* e : {&cpu, &cuda}) {
+    REQUIRE(e->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
+  }
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    for (double g : {1.0, 0.5}) {
+      absl::StatusOr<std::vector<at::Tensor>> want = cpu.Forward(f.fixture.inputs, true);
+      absl::StatusOr<std::vector<at::Tensor>> got = cuda.Forward(f.fixture.inputs, true);
+      INFO(got.status().ToString());
+      REQUIRE(want.ok());
+      REQUIRE(got.ok());
+      REQUIRE(got->size() == want->size());
+      for (size_t k = 0; k < want->size(); ++k) {
+        INFO("output " << k);
+        CHECK((*got)[k].device().is_cpu());
+        if ((*want)[k].is_floating_point()) {
+          CHECK(at::allclose((*got)[k], (*want)[k], rtol, atol));
+        } else {
+          CHECK(at::equal((*got)[k], (*want)[k]));
+        }
+      }
+      REQUIRE(cpu.Backward({{0, at::full({}, g)}}, false).ok());
+      absl::Status back = cuda.Backward({{0, at::full({}, g)}}, false);
+      INFO(back.ToString());
+      REQUIRE(back.ok());
+    }
+    for (int li : params) {
+      INFO("grad of " << ir.tensor_names[li]);
+      const at::Tensor want = cpu.GradAt(li);
+      const at::Tensor got = cuda.GradAt(li);
+      REQUIRE(got.defined() == want.defined());
+      if (!want.defined()) continue;
+      CHECK(got.device().is_cpu());
+      CHECK(at::allclose(got, want, rtol, atol));
+    }
+    if (step == 1) {
+      absl::StatusOr<double> want = cpu.ClipGradNorm(params, 0.05, 2);
+      absl::StatusOr<double> got = cuda.ClipGradNorm(params, 0.05, 2);
+      REQUIRE(want.ok());
+      INFO(got.status().ToString());
+      REQUIRE(got.ok());
+      CHECK(*got == Approx(*want).epsilon(amp ? 2e-2 : 1e-5));
+    }
+    REQUIRE(cpu.Step({adam}).ok());
+    absl::Status stepped = cuda.Step({adam});
+    INFO(stepped.ToString());
+    REQUIRE(stepped.ok());
+    for (PipelineEngine* e : {&cpu, &cuda}) e->ZeroGrad(/*set_to_none=*/step == 0);
+    for (int li : params) {
+      INFO("after the step: " << ir.tensor_names[li]);
+      const at::Tensor got = cuda.ParamAt(li);
+      CHECK(got.device().is_cpu());
+      CHECK(at::allclose(got, cpu.ParamAt(li), param_rtol, param_atol));
+    }
+  }
+  const auto want_state = cpu.OptimizerState();
+  const auto got_state = cuda.OptimizerState();
+  REQUIRE(got_state.size() == want_state.size());
+  for (const auto& [li, entries] : want_state) {
+    INFO("optimizer state of " << ir.tensor_names[li]);
+    REQUIRE(got_state.at(li).size() == entries.size());
+    for (size_t k = 0; k < entries.size(); ++k) {
+      CHECK(got_state.at(li)[k].second.device().is_cpu());
+      CHECK(at::allclose(got_state.at(li)[k].second, entries[k].second, param_rtol, param_atol));
+    }
+  }
+}
+
+struct Case {
+  const char* model;
+  std::vector<std::vector<int>> devices;
+  int m;
+};
+
+TEST_CASE("On CUDA devices the engine trains as on the CPU: plain, ZeRO, offload, bf16",
+          "[gpu]") {
+  const int gpus = GpuCount();
+  INFO("this test needs a CUDA build of LibTorch and a GPU");
+  REQUIRE(gpus > 0);
+  // Pipeline + replicas with a tied embedding; pure data parallelism; 3 replicas (padded ZeRO
+  // shards) feeding one stage.
+  const std::vector<Case> cases = {{"tiny_gpt", {{0, 1}, {2, 3}}, 2},
+                                   {"mlp", {{0, 1, 2, 3}}, 1},
+                                   {"multi_io", {{0, 1, 2}, {3}}, 1}};
+  const std::vector<Mode> modes = {{"plain", false, false, {}},
+                                   {"zero", true, false, {}},
+                                   {"offload", false, true, {}},
+                                   {"zero+offload", true, true, {}},
+                                   {"bf16", false, false, at::kBFloat16}};
+  std::vector<c10::Device> placement;
+  for (int d = 0; d < 4; ++d) placement.emplace_back(c10::kCUDA, d % gpus);
+  for (const Case& c : cases) {
+    for (const Mode& mode : modes) {
+      INFO(c.model << ", " << mode.name << ", 4 plan devices on " << gpus << " GPU(s), staged");
+      // The IR as a job builds it: on the host, under the CPU's autocast.
+      FixtureIr f = [&] {
+        AutocastGuard amp(mode.amp);
+        return BuildFixtureIr(c.model);
+      }();
+      REQUIRE(f.ir.ok());
+      const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
+      std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, mode, {});
+      std::unique_ptr<PipelineEngine> cuda =
+          MakeEngine(f, plan, comm::Backend::kFake, mode, placement);
+      TrainAlike(f, *cpu, *cuda, mode.amp.has_value());
+      // Between steps the device holds its share and nothing on the host is counted.
+      CHECK(cuda->DeviceBytes(c.devices[0][0]) == cpu->DeviceBytes(c.devices[0][0]));
+      CHECK(cuda->PeakDeviceBytes(c.devices[0][0]) > cuda->DeviceBytes(c.devices[0][0]));
+    }
+  }
+}
+
+TEST_CASE("Over NCCL, one plan device per GPU, the engine trains as on the CPU", "[gpu]") {
+  const int gpus = GpuCount();
+  INFO("this test needs a CUDA build of LibTorch and a GPU");
+  REQUIRE(gpus > 0);
+  if (!comm::BackendBuiltIn(comm::Backend::kNccl)) {
+    FAIL("this build has no NCCL backend; a GPU build has (CMake -DRANNC_WITH_NCCL=ON)");
+  }
+  std::vector<Case> cases = {{"tiny_gpt", {{0}}, 2}};
+  if (gpus >= 2) {
+    cases = {{"tiny_gpt", {{0}, {1}}, 2}, {"mlp", {{0, 1}}, 1}, {"tiny_gpt", {{0, 1}}, 2}};
+  }
+  for (const Case& c : cases) {
+    int n = 0;
+    for (const auto& stage : c.devices) n += static_cast<int>(stage.size());
+    std::vector<c10::Device> placement;
+    for (int d = 0; d < n; ++d) placement.emplace_back(c10::kCUDA, d);
+    for (const Mode& mode : {Mode{"plain", false, false, {}}, Mode{"zero", true, false, {}},
+                             Mode{"offload", false, true, {}}}) {
+      INFO(c.model << ", " << mode.name << ", " << c.devices.size() << " stage(s) over " << n
+                   << " GPU(s), NCCL");
+      FixtureIr f = BuildFixtureIr(c.model);
+      REQUIRE(f.ir.ok());
+      const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B, n);
+      std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, mode, {});
+      std::unique_ptr<PipelineEngine> cuda =
+          MakeEngine(f, plan, comm::Backend::kNccl, mode, placement);
+      TrainAlike(f, *cpu, *cuda, false);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rannc
