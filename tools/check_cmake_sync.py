@@ -3,9 +3,9 @@
 
 For each BUILD file with a CMakeLists.txt beside it, every cc_library / cc_binary / cc_test must
 appear there (rannc_cc_library under its label's CMake name, binaries and tests under their own)
-with the same source and header files (either list) and the same in-repo dependencies (third-party ones are named
-differently in the two builds and are not compared). Prints each difference and exits 1 if there
-is any. CI runs it before the CMake build (.ci/run); docs/building.md says why the two builds
+with the same source and header files (either list), the same in-repo dependencies and the same
+third-party ones (//third_party:NAME is rannc::NAME; catch2_main, which rannc_cc_test links by
+itself, is not compared). Prints each difference and exits 1 if there is any. CI runs it before the CMake build (.ci/run); docs/building.md says why the two builds
 exist.
 """
 import os
@@ -22,21 +22,26 @@ def cmake_name(package, name, kind):
 
 
 def bazel_targets(package):
-    """{cmake name: (srcs, hdrs, in-repo deps as cmake names)} of a BUILD file."""
+    """{cmake name: (srcs and hdrs, in-repo deps as cmake names, third-party deps as rannc::NAME)}
+    of a BUILD file."""
     targets = {}
 
     def rule(kind):
         def record(name, srcs=(), hdrs=(), deps=(), **_):
-            internal = set()
+            internal, external = set(), set()
             for dep in deps:
                 if dep.startswith(":"):
                     dep = "//" + package + dep
+                if dep.startswith("//third_party:"):
+                    if dep != "//third_party:catch2_main":
+                        external.add("rannc::" + dep.partition(":")[2])
+                    continue
                 if not dep.startswith("//") or dep.startswith("//third_party"):
                     continue
                 dep_package, _, dep_name = dep[2:].partition(":")
                 dep_name = dep_name or os.path.basename(dep_package)
                 internal.add(cmake_name(dep_package, dep_name, "cc_library"))
-            targets[cmake_name(package, name, kind)] = (set(srcs) | set(hdrs), internal)
+            targets[cmake_name(package, name, kind)] = (set(srcs) | set(hdrs), internal, external)
         return record
 
     def ignore(*_, **__):
@@ -72,10 +77,11 @@ def cmake_targets(package):
                 fields[key].append(word)
         deps = {d for d in fields["DEPS"] if not d.startswith(("rannc::", "third_party_", "Threads::"))
                 and not d.startswith("$")}
+        external = {d for d in fields["DEPS"] if d.startswith("rannc::")}
         if kind == "proto_library":  # generated sources, compared by name only
             targets[words[0]] = None
             continue
-        targets[words[0]] = (set(fields["SRCS"]) | set(fields["HDRS"]), deps)
+        targets[words[0]] = (set(fields["SRCS"]) | set(fields["HDRS"]), deps, external)
     return targets
 
 
@@ -89,14 +95,15 @@ def main():
         if package.startswith("third_party"):
             continue
         want, have = bazel_targets(package), cmake_targets(package)
-        for name, (files, deps) in sorted(want.items()):
+        for name, (files, deps, external) in sorted(want.items()):
             if name not in have:
                 problems.append(f"{package}/CMakeLists.txt: no {name}")
                 continue
             if have[name] is None:
                 continue
             for what, a, b in (("sources and headers", files, have[name][0]),
-                               ("in-repo deps", deps, have[name][1])):
+                               ("in-repo deps", deps, have[name][1]),
+                               ("third-party deps", external, have[name][2])):
                 if a != b:
                     problems.append(f"{package}/CMakeLists.txt: {name}'s {what} differ from "
                                     f"BUILD: missing {sorted(a - b)}, extra {sorted(b - a)}")
