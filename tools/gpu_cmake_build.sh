@@ -8,7 +8,13 @@
 # the NCCL backend's GPU test included, but not client_integration_test, which traces its
 # models with /usr/bin/python3.
 #
+# TARGETS="ranncd pipeline_engine_cuda_test" builds only those (with the tests configured when
+# TESTS=1), and CTEST="-L gpu" picks the tests ctest runs (default: all but integration). The
+# smoke check runs on DEVICES (default cuda when a GPU is present, else cpu:2).
+#
 #   SYS=/tmp/sys tools/gpu_cmake_build.sh [BUILD_DIR]        (default BUILD_DIR: build/gpu)
+#   SYS=/tmp/sys TESTS=1 TARGETS="ranncd rannc train_example pipeline_engine_cuda_test" \
+#     CTEST="-L gpu" tools/gpu_cmake_build.sh                 (the GPU tests only)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 SYS=${SYS:-/opt/sys}
@@ -49,10 +55,15 @@ cmake -S "$root" -B "$build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DRANNC_SYS_PRE
   -DRANNC_WITH_NCCL=ON -DRANNC_PYTHON="$python" -DRANNC_BUILD_TESTS=$build_tests \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_POLICY_VERSION_MINIMUM=3.5 "${cuda_args[@]}"
 start=$(date +%s)
-cmake --build "$build" -j"$(nproc)"
+targets=()
+for t in ${TARGETS:-}; do targets+=(--target "$t"); done
+cmake --build "$build" -j"$(nproc)" "${targets[@]}"
 echo "gpu_cmake_build: built in $(( $(date +%s) - start )) s"
 
-PYTHON=$python "$root/tools/cmake_smoke.sh" "$build"
+devices=${DEVICES:-cpu:2}
+if [ -z "${DEVICES:-}" ] && nvidia-smi -L >/dev/null 2>&1; then devices=cuda; fi
+DEVICES=$devices PYTHON=$python "$root/tools/cmake_smoke.sh" "$build"
 if [ "$tests" = 1 ]; then
-  (cd "$build" && ctest -LE integration --output-on-failure)
+  # shellcheck disable=SC2086
+  (cd "$build" && ctest ${CTEST:--LE integration} --output-on-failure)
 fi
