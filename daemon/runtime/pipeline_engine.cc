@@ -288,7 +288,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       StageOptions options;
       options.recompute = plan.stages(s).recompute();
       options.amp = amp;
-      options.cuda = d.place.is_cuda();
+      options.device = d.place;
       absl::StatusOr<std::unique_ptr<StageExecutor>> exec =
           StageExecutor::Create(ir, std::move(*sub), d.lifted, options);
       if (!exec.ok()) return Annotate(exec.status(), absl::StrCat("stage ", s));

@@ -37,6 +37,7 @@
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
 #include "daemon/graph/ir.h"
@@ -58,8 +59,12 @@ struct StageOptions {
   // Forwards (and their replays) run under autocast to this dtype (runtime/autocast.h); the
   // backward follows what they recorded. Default: full precision.
   AmpDtype amp;
-  // The stage runs on a CUDA device: `amp` is CUDA's autocast (CPU's otherwise).
-  bool cuda = false;
+  // Where the stage runs. On a CUDA device `amp` is CUDA's autocast (CPU's otherwise), and the
+  // host the model was traced on becomes the device: its graph's device constants naming the
+  // CPU (factory ops such as torch.ones(..., device="cpu") recorded by the trace) name the
+  // device, and its tensor constants move there. (A model that moves a value to the host on
+  // purpose then keeps it on the device.)
+  c10::Device device{c10::kCPU};
 };
 
 class StageExecutor {
