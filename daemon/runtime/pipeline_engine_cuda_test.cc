@@ -4,11 +4,14 @@
 // GPUs, so on one GPU they share it, and transfers go through host memory (host-staged fake
 // backend); with NCCL built in, a case per GPU count runs over NCCL with one plan device per GPU.
 //
-// Tolerances: CUDA's kernels sum in other orders than the CPU's, so losses and gradients are
-// held to rtol 1e-5 / atol 1e-6 (fp32 round-off, as on the CPU) and parameters after three AdamW
-// steps, where Adam's division by sqrt(v) magnifies round-off in tiny gradients, to
-// rtol 1e-4 / atol 1e-5. bf16 autocast: rtol 2e-2 / atol 2e-3 against CPU bf16 autocast (the two
-// devices' bf16 matmuls round differently).
+// fp32 is held to the CPU engine: losses and gradients to rtol 1e-5 / atol 1e-6 (fp32 round-off:
+// CUDA's kernels sum in other orders), parameters after three AdamW steps to rtol 1e-4 /
+// atol 1e-5. AdamW runs with eps 1e-4: with PyTorch's 1e-8 it turns the round-off on a gradient
+// that is zero in exact arithmetic (the attention's key bias, which softmax ignores) into
+// lr-sized steps of either sign, on any two devices. bf16 autocast differs between the CPU and
+// CUDA (other ops cast), so a bf16 plan is held to the same model on one device of the same GPU
+// instead, at rtol 1e-2 / atol 1e-3 (the batch split over micro-batches and replicas rounds
+// differently in bf16).
 #include "daemon/runtime/pipeline_engine.h"
 
 #include <memory>
@@ -68,8 +71,8 @@ std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deploym
 // `cpu`, the same plan and mode: losses, gradients, parameters and optimizer state agree.
 void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, bool amp) {
   const IrGraph& ir = *f.ir;
-  const double rtol = amp ? 2e-2 : 1e-5, atol = amp ? 2e-3 : 1e-6;
-  const double param_rtol = amp ? 2e-2 : 1e-4, param_atol = amp ? 2e-3 : 1e-5;
+  const double rtol = amp ? 1e-2 : 1e-5, atol = amp ? 1e-3 : 1e-6;
+  const double param_rtol = amp ? 1e-2 : 1e-4, param_atol = amp ? 1e-3 : 1e-5;
   std::vector<int> params;
   for (size_t i = 0; i < f.tensors.size(); ++i) {
     if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
@@ -77,6 +80,7 @@ void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, b
   HyperParams adam;
   adam.lr = 0.01;
   adam.weight_decay = 0.1;
+  adam.eps = 1e-4;
   for (PipelineEngine* e : {&cpu, &cuda}) {
     REQUIRE(e->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
   }
@@ -118,7 +122,7 @@ void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, b
       REQUIRE(want.ok());
       INFO(got.status().ToString());
       REQUIRE(got.ok());
-      CHECK(*got == Approx(*want).epsilon(amp ? 2e-2 : 1e-5));
+      CHECK(*got == Approx(*want).epsilon(amp ? 1e-2 : 1e-5));
     }
     REQUIRE(cpu.Step({adam}).ok());
     absl::Status stepped = cuda.Step({adam});
@@ -178,13 +182,21 @@ TEST_CASE("On CUDA devices the engine trains as on the CPU: plain, ZeRO, offload
       }();
       REQUIRE(f.ir.ok());
       const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
-      std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, mode, {});
       std::unique_ptr<PipelineEngine> cuda =
           MakeEngine(f, plan, comm::Backend::kFake, mode, placement);
-      TrainAlike(f, *cpu, *cuda, mode.amp.has_value());
-      // Between steps the device holds its share and nothing on the host is counted.
-      CHECK(cuda->DeviceBytes(c.devices[0][0]) == cpu->DeviceBytes(c.devices[0][0]));
-      CHECK(cuda->PeakDeviceBytes(c.devices[0][0]) > cuda->DeviceBytes(c.devices[0][0]));
+      if (!mode.amp) {
+        std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, mode, {});
+        TrainAlike(f, *cpu, *cuda, false);
+        // Between steps the device holds what the CPU engine's does (host masters not counted).
+        const int first = c.devices[0][0];
+        CHECK(cuda->DeviceBytes(first) == cpu->DeviceBytes(first));
+        CHECK(cuda->PeakDeviceBytes(first) > cuda->DeviceBytes(first));
+      } else {
+        const v1::Deployment whole = MakePlan(*f.ir, {{0}}, 1, v1::SCHEDULE_1F1B, 1);
+        std::unique_ptr<PipelineEngine> one =
+            MakeEngine(f, whole, comm::Backend::kFake, mode, {c10::Device(c10::kCUDA, 0)});
+        TrainAlike(f, *one, *cuda, true);
+      }
     }
   }
 }

@@ -89,16 +89,22 @@ def optimizer_spec(optimizer, names_by_id: Dict[int, str]) -> pb.OptimizerSpec:
 
 
 def _counting(bound, optimizer):
-    # Mirrors torch.optim.lr_scheduler's with_counter, for a scheduler made before the patch.
+    # Mirrors the step tracking of torch.optim.lr_scheduler, for a scheduler made before the
+    # patch: PyTorch 1.x's with_counter (_step_count) and 2.x's patch_track_step_called
+    # (_opt_called), so that neither warns that step() was overridden.
     opt_ref = weakref.ref(optimizer)
+    counts = hasattr(optimizer, "_step_count")
 
     @functools.wraps(bound)
     def wrapper(*args, **kwargs):
         opt = opt_ref()
-        opt._step_count = getattr(opt, "_step_count", 0) + 1
+        if counts:
+            opt._step_count += 1
+        opt._opt_called = True
         return bound(*args, **kwargs)
 
     wrapper._with_counter = True
+    wrapper._wrapped_by_lr_sched = True
     return wrapper
 
 
@@ -143,7 +149,8 @@ def patch(optimizer, module) -> None:
 
     bound_step = types.MethodType(step, optimizer)
     previous = optimizer.__dict__.get("step")
-    if previous is not None and getattr(previous, "_with_counter", False):
+    if previous is not None and (getattr(previous, "_with_counter", False) or
+                                 getattr(previous, "_wrapped_by_lr_sched", False)):
         optimizer.step = _counting(bound_step, optimizer)
     else:
         optimizer.step = bound_step
