@@ -111,7 +111,8 @@ def pyrannc_daemon(tmp_path_factory):
     os.environ["RANNC_DAEMON_BIN"] = daemon_binary()
     os.environ.setdefault("RANNC_DEVICES", "cpu:2")
     if REF_DEVICE.type == "cuda" and not torch.cuda.is_available():
-        pytest.fail(f"RANNC_TEST_REF_DEVICE={REF_DEVICE} but this PyTorch has no CUDA device")
+        pytest.fail(f"RANNC_TEST_REF_DEVICE={REF_DEVICE}, but this PyTorch sees no CUDA device",
+                    pytrace=False)
     conn = _daemon.connection()
     yield conn
     _daemon.shutdown()
