@@ -4,8 +4,26 @@ The suites run against the real ranncd binary: RANNC_DAEMON_BIN if set, else the
 (when run by `bazel test`), else the checkout's bazel-bin/daemon/ranncd. pyrannc starts it as its
 embedded daemon, exactly as a user's script would. A missing binary fails the suites; it does not
 skip them.
+
+Environment:
+  RANNC_DEVICES            the devices of pyrannc's daemon (`--devices`; default here cpu:2).
+                           The Bazel targets of the pipeline, memory and gradient-accumulation
+                           suites set cpu:4; those suites need exactly four devices (cpu:4, or
+                           e.g. cuda:0,1,2,3 on a GPU machine) and fail, naming what the daemon
+                           has, when it has another number (the four_devices fixture).
+  RANNC_TEST_REF_DEVICE    where the PyTorch reference of the conformance suites runs
+                           (test_conformance, test_pipeline_conformance, test_memory_conformance,
+                           test_grad_accumulation): "cpu" (the default) or a torch device such as
+                           "cuda" or "cuda:0". The reference model (ref_copy), its optimizer (made
+                           from the moved model) and its batches (to_ref) live there; assert_close
+                           moves the reference's values to the CPU, where pyrannc returns its
+                           tensors. Against a daemon on CUDA devices set it to "cuda", so that the
+                           reference runs the same kernels as the daemon: round-off differs
+                           between CPU and GPU kernels, and some tests (AdamW on a parameter
+                           whose true gradient is zero) turn round-off into lr-sized steps.
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -22,6 +40,9 @@ if CLIENT_ROOT not in sys.path:
     sys.path.insert(0, CLIENT_ROOT)
 
 from pyrannc import _daemon  # noqa: E402
+
+# The PyTorch reference's device (RANNC_TEST_REF_DEVICE, see the module docstring).
+REF_DEVICE = torch.device(os.environ.get("RANNC_TEST_REF_DEVICE") or "cpu")
 
 
 def daemon_binary() -> str:
@@ -89,13 +110,71 @@ def pyrannc_daemon(tmp_path_factory):
     os.environ.pop("RANNC_DAEMON", None)
     os.environ["RANNC_DAEMON_BIN"] = daemon_binary()
     os.environ.setdefault("RANNC_DEVICES", "cpu:2")
+    if REF_DEVICE.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail(f"RANNC_TEST_REF_DEVICE={REF_DEVICE}, but this PyTorch sees no CUDA device",
+                    pytrace=False)
     conn = _daemon.connection()
     yield conn
     _daemon.shutdown()
 
 
+def daemon_device_names():
+    """The names of pyrannc's daemon's devices ("cpu:0", "cuda:1"), in the daemon's order."""
+    return [d.name for d in _daemon.connection().info.devices]
+
+
+def require_devices(count: int, suite: str) -> None:
+    """Fails (not skips) the calling test unless pyrannc's daemon has exactly `count` devices:
+    the suites that force plans check that a job spans every device of the daemon."""
+    names = daemon_device_names()
+    if len(names) != count:
+        pytest.fail(f"{suite} needs a daemon with exactly {count} devices "
+                    f"(RANNC_DEVICES=cpu:{count} or cuda:{','.join(map(str, range(count)))}); "
+                    f"this one has {len(names)}: {names} "
+                    f"(RANNC_DEVICES={os.environ.get('RANNC_DEVICES')!r})", pytrace=False)
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def to_ref(value):
+    """A batch (a tensor, or tuples, lists and dicts of them) on REF_DEVICE. The suites make
+    their batches on the CPU (seeded torch.Generator) and move them, so both sides get the same
+    values on any device."""
+    return _map_tensors(value, lambda t: t.to(REF_DEVICE))
+
+
+def to_cpu(value):
+    """The reference's value(s) on the CPU, where pyrannc's are."""
+    return _map_tensors(value, lambda t: t.cpu())
+
+
+def ref_copy(model):
+    """The PyTorch reference of `model`: a deep copy (same initial values, tied parameters still
+    tied) on REF_DEVICE. Make its optimizer from the copy, after this."""
+    return copy.deepcopy(model).to(REF_DEVICE)
+
+
+@pytest.fixture
+def four_devices(request, pyrannc_daemon):
+    """For the suites whose forced plans fill four devices and check that a job spans every
+    device (pipeline, memory, gradient accumulation): fails the test at setup unless the daemon
+    has exactly four."""
+    require_devices(4, request.module.__name__)
+
+
 def assert_close(actual, expected, what="", rtol=1e-5, atol=1e-6):
     """The suites' tolerance: torch.testing.assert_close(rtol=1e-5, atol=1e-6), unless a test
-    states its own (mixed precision)."""
+    states its own (mixed precision). `actual` is pyrannc's (a CPU tensor), `expected` the
+    reference's, moved to the CPU here; `actual` is not moved, so a pyrannc tensor on another
+    device fails the comparison."""
+    expected = to_cpu(expected)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol,
                                msg=lambda m: f"{what}: {m}" if what else m)

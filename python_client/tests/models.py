@@ -1,4 +1,9 @@
-"""Small models for the suites. Dropout defaults to off so results are comparable with PyTorch."""
+"""Small models for the suites. Dropout defaults to off so results are comparable with PyTorch.
+
+No forward creates a tensor of its own (the GPT's causal mask is a buffer), so a reference moved
+with .to(device) (conftest.ref_copy, RANNC_TEST_REF_DEVICE) runs there whole; a forward that
+needs a new tensor must make it on its input's device (torch.ones(..., device=x.device)).
+"""
 
 import math
 

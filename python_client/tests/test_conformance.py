@@ -5,16 +5,17 @@ both for several steps on the same batches (dropout off). After every backward i
 loss and every parameter's gradient (get_param_grad, by every name including tied aliases);
 after every step it compares every parameter and buffer (state_dict, which pulls from the
 daemon). Tolerance everywhere: torch.testing.assert_close(rtol=1e-5, atol=1e-6).
-"""
 
-import copy
+The reference runs on RANNC_TEST_REF_DEVICE (default cpu; "cuda" against a daemon on CUDA
+devices, see conftest): model, optimizer and batches there, its values compared on the CPU.
+"""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import pyrannc
-from conftest import assert_close
+from conftest import assert_close, ref_copy, to_ref
 import models
 
 pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
@@ -42,7 +43,7 @@ def train_both(model_fn, opt_fn, batch_fn, loss_fn, steps=4, after_step=None, se
     """Trains pyrannc and PyTorch side by side, comparing as the module docstring says."""
     torch.manual_seed(seed)
     model = model_fn()
-    ref = copy.deepcopy(model)
+    ref = ref_copy(model)
     opt, ref_opt = opt_fn(model), opt_fn(ref)
     local_params = list(model.parameters())
     rmod = pyrannc.RaNNCModule(model, opt)
@@ -50,7 +51,7 @@ def train_both(model_fn, opt_fn, batch_fn, loss_fn, steps=4, after_step=None, se
         batch = batch_fn(step)
         loss = loss_fn(rmod, batch)
         loss.backward()
-        ref_loss = loss_fn(ref, batch)
+        ref_loss = loss_fn(ref, to_ref(batch))
         ref_loss.backward()
         assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
         _compare_grads(rmod, ref, step)
@@ -191,7 +192,7 @@ def test_step_lr_scheduler_created_before_wrapping():
 def test_scheduler_created_after_wrapping():
     torch.manual_seed(0)
     model = models.MLP()
-    ref = copy.deepcopy(model)
+    ref = ref_copy(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
     rmod = pyrannc.RaNNCModule(model, opt)
@@ -201,7 +202,7 @@ def test_scheduler_created_after_wrapping():
         batch = models.mlp_batch(step)
         loss = rmod(*batch)
         loss.backward()
-        ref_loss = ref(*batch)
+        ref_loss = ref(*to_ref(batch))
         ref_loss.backward()
         assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
         opt.step()
@@ -228,7 +229,7 @@ def test_manual_lr_change_between_steps():
 def test_set_to_none_zero_grad_matches():
     torch.manual_seed(0)
     model = models.MLP()
-    ref = copy.deepcopy(model)
+    ref = ref_copy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rmod = pyrannc.RaNNCModule(model, opt)
     batch = models.mlp_batch(0)
@@ -237,7 +238,7 @@ def test_set_to_none_zero_grad_matches():
     for name, _ in ref.named_parameters():
         assert rmod.get_param_grad(name) is None
     rmod(*batch).backward()
-    ref(*batch).backward()
+    ref(*to_ref(batch)).backward()
     opt.zero_grad(set_to_none=False)
     for name, _ in ref.named_parameters():
         g = rmod.get_param_grad(name)

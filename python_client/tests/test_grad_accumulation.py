@@ -1,26 +1,26 @@
 """Gradient accumulation (delay_grad_allreduce + allreduce_grads) and keep_graph on a plan with
 data-parallel replicas, against plain PyTorch.
 
-The daemon of this suite has four CPU devices (RANNC_DEVICES=cpu:4, set by the Bazel target) and
-every job is forced to 2 stages x 2 micro-batches x 2 replicas, so each backward's gradients are
+The daemon of this suite has four devices (RANNC_DEVICES=cpu:4, set by the Bazel target; on a GPU
+machine e.g. cuda:0,1,2,3: with any other number every test fails at setup saying so) and every
+job is forced to 2 stages x 2 micro-batches x 2 replicas, so each backward's gradients are
 split over two replicas per stage: with delay_grad_allreduce(True) they stay on their replica
 until allreduce_grads(). The models are test_pipeline_conformance's: an MLP and a GPT with a tied
 embedding, whose loss the daemon differentiates during the forward (fused), and a net returning
 logits, whose backward waits for the client's gradients. Tolerance: conftest.assert_close
-(rtol 1e-5 / atol 1e-6).
+(rtol 1e-5 / atol 1e-6). The PyTorch reference runs on RANNC_TEST_REF_DEVICE (see conftest):
+model, optimizer and batches there, its values compared on the CPU.
 """
-
-import copy
 
 import grpc
 import pytest
 import torch
 
 import pyrannc
-from conftest import assert_close
+from conftest import assert_close, ref_copy, to_ref
 from test_pipeline_conformance import MODELS, _compare_grads, _set_plan_config
 
-pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
+pytestmark = pytest.mark.usefixtures("pyrannc_daemon", "four_devices")
 
 STEPS = 3
 ACCUMULATE = 3
@@ -41,7 +41,7 @@ def _modules(model_name, monkeypatch, zero=False, offload=False):
     _set_plan_config(monkeypatch, PLAN, "1f1b")
     torch.manual_seed(0)
     model = case.make()
-    ref = copy.deepcopy(model)
+    ref = ref_copy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
     rmod = pyrannc.RaNNCModule(model, opt, enable_zero=zero, offload_params=offload)
     return case, rmod, opt, ref, ref_opt
@@ -67,7 +67,7 @@ def test_delayed_allreduce_accumulates_like_pytorch(model_name, zero, offload, m
             batch = case.batch(10 * step + micro)
             loss = case.loss(rmod, batch)
             loss.backward()
-            ref_loss = case.loss(ref, batch)
+            ref_loss = case.loss(ref, to_ref(batch))
             ref_loss.backward()
             assert_close(loss.detach(), ref_loss.detach(), f"loss {micro} of step {step}")
         if step == 0:
@@ -99,7 +99,7 @@ def test_step_before_allreduce_grads_is_refused(monkeypatch, flags):
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "allreduce_grads()" in str(info.value)
     # Nothing was lost: the gradients are still there to reduce, and the step then runs.
-    ref_loss = case.loss(ref, case.batch(0))
+    ref_loss = case.loss(ref, to_ref(case.batch(0)))
     ref_loss.backward()
     rmod.allreduce_grads()
     _compare_grads(rmod, ref, 0)
@@ -120,7 +120,7 @@ def test_keep_graph_second_backward_equals_retain_graph(model_name, delay, monke
         loss = case.loss(rmod, batch)
         loss.backward(retain_graph=True)  # the client's own part of the graph (a loss on logits)
         loss.backward()
-        ref_loss = case.loss(ref, batch)
+        ref_loss = case.loss(ref, to_ref(batch))
         ref_loss.backward(retain_graph=True)
         ref_loss.backward()
         if step == 0:

@@ -1,5 +1,10 @@
-"""RaNNCModule's memory switches (the memory and precision issue) against PyTorch on cpu:4,
-with forced plans that have replicas.
+"""RaNNCModule's memory switches (the memory and precision issue) against PyTorch on four
+devices, with forced plans that have replicas.
+
+Needs a daemon with exactly four devices, as test_pipeline_conformance does: RANNC_DEVICES=cpu:4
+(set by the Bazel target) or e.g. cuda:0,1,2,3; with any other number every test fails at setup
+saying so. The PyTorch reference runs on RANNC_TEST_REF_DEVICE (see conftest): model,
+optimizer(s) and batches there, its values compared on the CPU.
 
 enable_zero=True: gradients and optimizer state sharded over each stage's replicas;
 offload_params=True: parameters, gradients between steps and optimizer state in host memory;
@@ -10,11 +15,9 @@ atol 1e-6): losses and every gradient after each backward, clip_grad_norm, an un
 devices must hold the sharded share of gradients and optimizer state, or nothing between steps
 when offloaded.
 
-enable_apex_amp=True (bf16 on CPU devices): against PyTorch's autocast, with the tolerance
-stated above test_amp_bf16_trains_like_pytorch_autocast.
+enable_apex_amp=True (bf16, the default amp_dtype): against PyTorch's autocast on the reference's
+device, with the tolerance stated above test_amp_bf16_trains_like_pytorch_autocast.
 """
-
-import copy
 
 import pytest
 import torch
@@ -22,11 +25,11 @@ import torch
 import pyrannc
 from pyrannc import _daemon
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
-from conftest import assert_close
+from conftest import REF_DEVICE, assert_close, ref_copy, to_cpu, to_ref
 import models
 import test_pipeline_conformance as tpc
 
-pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
+pytestmark = pytest.mark.usefixtures("pyrannc_daemon", "four_devices")
 
 # (partition_num, pipeline_num, replica_num): one stage on all four devices, and 2 stages x 2
 # micro-batches x 2 replicas.
@@ -44,7 +47,7 @@ def test_memory_modes_train_like_pytorch(model_name, plan_name, mode, monkeypatc
     tpc._set_plan_config(monkeypatch, PLANS[plan_name], "1f1b")
     torch.manual_seed(0)
     model = case.make()
-    ref = copy.deepcopy(model)
+    ref = ref_copy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
     rmod = pyrannc.RaNNCModule(model, opt, **MODES[mode])
     try:
@@ -52,7 +55,7 @@ def test_memory_modes_train_like_pytorch(model_name, plan_name, mode, monkeypatc
             batch = case.batch(step)
             loss = case.loss(rmod, batch)
             loss.backward()
-            ref_loss = case.loss(ref, batch)
+            ref_loss = case.loss(ref, to_ref(batch))
             ref_loss.backward()
             if step == 0:
                 assert rmod.deployment.zero == MODES[mode].get("enable_zero", False)
@@ -103,7 +106,7 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
         expected = {"plain": p * 5, "zero": p * (1 + 3 / 4)}.get(mode, 0)
         summary = _job_summary(rmod._job.id)
         got = list(summary.device_bytes)
-        assert len(got) == 4
+        assert len(got) == tpc.NUM_DEVICES
         for b in got:
             assert abs(b - expected) <= 0.02 * expected, (got, expected)
         if mode.endswith("offload"):
@@ -113,9 +116,10 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
         pyrannc.clear()
 
 
-# Mixed precision. The reference is PyTorch's torch.autocast("cpu", torch.bfloat16) around the
-# model's forward, run on the same shards of the batch as the plan's devices run (each
-# micro-batch split over the replicas, as DDP with autocast would): bf16 products round
+# Mixed precision. The reference is PyTorch's torch.autocast(<its device type>, torch.bfloat16)
+# ("cpu", or "cuda" with RANNC_TEST_REF_DEVICE=cuda) around the model's forward, run on the same
+# shards of the batch as the plan's devices run (each micro-batch split over the replicas, as
+# DDP with autocast would): bf16 products round
 # differently over a whole batch than over its shards, by as much as bf16 differs from fp32, so
 # an unsharded reference could not tell a correct run from a wrong one. A loss the client
 # computes from the returned logits is computed outside autocast, as the client does. Each
@@ -131,6 +135,7 @@ BF16_RTOL, BF16_ATOL = 1e-2, 1e-4
 
 
 def _assert_amp_close(actual, expected, what, exact):
+    expected = to_cpu(expected)
     if exact:
         assert torch.equal(actual, expected), f"{what}: not bitwise equal on one device"
     else:
@@ -138,6 +143,7 @@ def _assert_amp_close(actual, expected, what, exact):
 
 
 def _relative_differences(ours, theirs):
+    theirs = to_cpu(theirs)
     return [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(ours, theirs)]
 
 
@@ -157,14 +163,14 @@ def _autocast_loss(case, model, batch, shards):
     if case.loss is tpc._client_loss:
         logits = []
         for o, c in shards:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(REF_DEVICE.type, dtype=torch.bfloat16):
                 logits.append(model(batch[0][o:o + c]))
         loss = torch.nn.functional.cross_entropy(torch.cat(logits), batch[1])
         loss.backward()
         return loss
     total = 0
     for o, c in shards:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(REF_DEVICE.type, dtype=torch.bfloat16):
             part = case.loss(model, tuple(t[o:o + c] for t in batch)) * (c / n)
         part.backward()
         total = total + part.detach()
@@ -180,7 +186,7 @@ def test_amp_bf16_trains_like_pytorch_autocast(model_name, plan_name, monkeypatc
     tpc._set_plan_config(monkeypatch, plan, "1f1b")
     torch.manual_seed(0)
     model = case.make()
-    ref, fp32 = copy.deepcopy(model), copy.deepcopy(model)
+    ref, fp32 = ref_copy(model), ref_copy(model)
     # SGD for every model: Adam turns the fp32 round-off of differently ordered sums into
     # lr-sized steps for gradients near 0 (see test_pipeline_conformance's gpt_tied).
     opt, ref_opt, fp32_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
@@ -192,8 +198,9 @@ def test_amp_bf16_trains_like_pytorch_autocast(model_name, plan_name, monkeypatc
             batch = case.batch(step)
             loss = case.loss(rmod, batch)
             loss.backward()
-            ref_loss = _autocast_loss(case, ref, batch, _shards(plan, len(batch[0])))
-            case.loss(fp32, batch).backward()
+            ref_batch = to_ref(batch)
+            ref_loss = _autocast_loss(case, ref, ref_batch, _shards(plan, len(batch[0])))
+            case.loss(fp32, ref_batch).backward()
             assert loss.dtype == ref_loss.dtype
             assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}",
                          rtol=0 if exact else 1e-4, atol=0 if exact else 1e-5)
@@ -236,7 +243,7 @@ def test_dynamic_loss_scaling_skips_overflowing_steps_like_grad_scaler(model_nam
     monkeypatch.setenv("RANNC_DEFER_OPS", "0")  # step runs before ListJobs
     torch.manual_seed(0)
     model = case.make()
-    ref = copy.deepcopy(model)
+    ref = ref_copy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
     rmod = pyrannc.RaNNCModule(model, opt)
     scale, good_steps, skipped = 1024.0, 0, 0
@@ -247,7 +254,7 @@ def test_dynamic_loss_scaling_skips_overflowing_steps_like_grad_scaler(model_nam
                 batch = tuple(t * float("inf") if t.is_floating_point() else t for t in batch)
             loss = case.loss(rmod, batch)
             loss.backward()
-            ref_loss = case.loss(ref, batch)
+            ref_loss = case.loss(ref, to_ref(batch))
             (ref_loss * scale).backward()
             grads = [p.grad for p in ref.parameters() if p.grad is not None]
             for g in grads:

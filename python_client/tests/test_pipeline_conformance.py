@@ -1,6 +1,9 @@
-"""Pipeline conformance on --devices cpu:4: every plan shape trains like single-device PyTorch.
+"""Pipeline conformance on four devices: every plan shape trains like single-device PyTorch.
 
-The daemon of this suite has four CPU devices (RANNC_DEVICES=cpu:4, set by the Bazel target).
+Needs a daemon with exactly four devices: RANNC_DEVICES=cpu:4 (set by the Bazel target), or
+e.g. cuda:0,1,2,3 on a GPU machine (with RANNC_TEST_REF_DEVICE=cuda, see conftest). With any
+other number the daemon's tests fail at setup saying so (conftest's four_devices); the job's
+devices are expected to be the daemon's, by the names it gives them.
 For each of four models (an MLP, a GPT with a tied embedding, a two-input model that uses one
 weight twice, and a model whose loss the client computes from its logits), each plan
 (partition_num x pipeline_num [x replica_num] forced through RANNC_* config, or nothing forced so
@@ -23,6 +26,9 @@ micro-batches and all-reduced over replicas), which moves values by a few ulps. 
 plain PyTorch (test_reordered_reductions_stay_within_tolerance) keeps every loss, gradient and
 parameter of these cases within a tenth of this tolerance after 4 steps. Adam is kept off the
 GPT for the reason given at its entry in MODELS.
+
+The reference (and both models of test_reordered_reductions_stay_within_tolerance) runs on
+RANNC_TEST_REF_DEVICE: model, optimizer and batches there, its values compared on the CPU.
 """
 
 import copy
@@ -36,12 +42,12 @@ from torch import nn
 
 import pyrannc
 from pyrannc.proto.rannc.v1 import deployment_pb2 as dpb
-from conftest import assert_close
+from conftest import REF_DEVICE, assert_close, daemon_device_names, ref_copy, to_cpu, to_ref
 import models
 
 pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
 
-NUM_DEVICES = 4  # the target's RANNC_DEVICES=cpu:4
+NUM_DEVICES = 4  # what the four_devices fixture (conftest) requires of the daemon
 # Divisible by every forced micro-batch x replica count below; the planner's own plans may split
 # it unevenly (it gave the GPT 3 replicas), which the runtime must handle too.
 BATCH = 16
@@ -192,7 +198,7 @@ def _check_deployment(rmod, plan, schedule, client_loss):
     assert all(dev < NUM_DEVICES for dev in devices), shape
     assert stages[0].first_node == 0 and stages[-1].end_node == d.num_nodes, shape
     assert sorted(devices) == list(range(NUM_DEVICES)), f"not every device is used: {shape}"
-    assert rmod._job.devices == [f"cpu:{i}" for i in range(NUM_DEVICES)]
+    assert list(rmod._job.devices) == daemon_device_names()
     assert all(a.end_node == b.first_node for a, b in zip(stages, stages[1:])), shape
     if plan is None:
         assert 1 <= len(stages) <= NUM_DEVICES and d.micro_batches >= 1
@@ -221,12 +227,13 @@ def _compare_grads(rmod, ref, step):
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.usefixtures("four_devices")
 def test_pipeline_matches_pytorch(model_name, plan_name, schedule, monkeypatch):
     case, plan = MODELS[model_name], PLANS[plan_name]
     _set_plan_config(monkeypatch, plan, schedule)
     torch.manual_seed(0)
     model = case.make()
-    ref = copy.deepcopy(model)
+    ref = ref_copy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
     rmod = pyrannc.RaNNCModule(model, opt)
     try:
@@ -234,7 +241,7 @@ def test_pipeline_matches_pytorch(model_name, plan_name, schedule, monkeypatch):
             batch = case.batch(step)
             loss = case.loss(rmod, batch)
             loss.backward()
-            ref_loss = case.loss(ref, batch)
+            ref_loss = case.loss(ref, to_ref(batch))
             ref_loss.backward()
             if step == 0:
                 _check_deployment(rmod, plan, schedule, case.loss is _client_loss)
@@ -255,12 +262,12 @@ def test_pipeline_matches_pytorch(model_name, plan_name, schedule, monkeypatch):
 
         batch = case.batch(STEPS)
         with torch.no_grad():
-            assert_close(case.output(rmod, batch), case.output(ref, batch),
+            assert_close(case.output(rmod, batch), case.output(ref, to_ref(batch)),
                          "no_grad output in train mode")
         rmod.eval()
         ref.eval()
         with torch.no_grad():
-            assert_close(case.output(rmod, batch), case.output(ref, batch),
+            assert_close(case.output(rmod, batch), case.output(ref, to_ref(batch)),
                          "no_grad output in eval mode")
     finally:
         pyrannc.clear()
@@ -275,11 +282,11 @@ def test_reordered_reductions_stay_within_tolerance(model_name, micro_batches):
     fails here) rather than ranncd."""
     case = MODELS[model_name]
     torch.manual_seed(0)
-    whole = case.make()
+    whole = case.make().to(REF_DEVICE)
     split = copy.deepcopy(whole)
     whole_opt, split_opt = case.optimizer(whole), case.optimizer(split)
     for step in range(STEPS):
-        batch = case.batch(step)
+        batch = to_ref(case.batch(step))
         whole_loss = case.loss(whole, batch)
         whole_loss.backward()
         split_loss = 0
@@ -288,15 +295,15 @@ def test_reordered_reductions_stay_within_tolerance(model_name, micro_batches):
             loss = case.loss(split, part) * (part[0].shape[0] / BATCH)
             loss.backward()
             split_loss = split_loss + loss.detach()
-        assert_close(split_loss, whole_loss.detach(), f"loss at step {step}")
+        assert_close(to_cpu(split_loss), whole_loss.detach(), f"loss at step {step}")
         for (name, p), (_, q) in zip(_named_params_with_aliases(whole),
                                      _named_params_with_aliases(split)):
-            assert_close(q.grad, p.grad, f"grad of {name} at step {step}")
+            assert_close(to_cpu(q.grad), p.grad, f"grad of {name} at step {step}")
         whole_opt.step()
         split_opt.step()
         whole_opt.zero_grad()
         split_opt.zero_grad()
     for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
-        assert_close(q.detach(), p.detach(), f"{name} after {STEPS} steps")
+        assert_close(to_cpu(q.detach()), p.detach(), f"{name} after {STEPS} steps")
 
 
