@@ -1,5 +1,5 @@
 // The pipeline engine on CUDA devices (EngineOptions::placement) against the same plan on the
-// CPU, which pipeline_engine_test holds to PyTorch. Needs a CUDA LibTorch and at least one GPU
+// CPU, which pipeline_engine_test holds to PyTorch (bf16: against one device of the same GPU). Needs a CUDA LibTorch and at least one GPU
 // (tag gpu; it fails, not skips, without them). The plan's four devices go round-robin over the
 // GPUs, so on one GPU they share it, and transfers go through host memory (host-staged fake
 // backend); with NCCL built in, a case per GPU count runs over NCCL with one plan device per GPU.
@@ -89,7 +89,7 @@ void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, b
     for (double g : {1.0, 0.5}) {
       absl::StatusOr<std::vector<at::Tensor>> want = cpu.Forward(f.fixture.inputs, true);
       absl::StatusOr<std::vector<at::Tensor>> got = cuda.Forward(f.fixture.inputs, true);
-      INFO(got.status().ToString());
+      INFO(want.status().ToString() << " / " << got.status().ToString());
       REQUIRE(want.ok());
       REQUIRE(got.ok());
       REQUIRE(got->size() == want->size());
@@ -102,7 +102,9 @@ void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, b
           CHECK(at::equal((*got)[k], (*want)[k]));
         }
       }
-      REQUIRE(cpu.Backward({{0, at::full({}, g)}}, false).ok());
+      absl::Status ref_back = cpu.Backward({{0, at::full({}, g)}}, false);
+      INFO(ref_back.ToString());
+      REQUIRE(ref_back.ok());
       absl::Status back = cuda.Backward({{0, at::full({}, g)}}, false);
       INFO(back.ToString());
       REQUIRE(back.ok());
@@ -155,49 +157,71 @@ struct Case {
   int m;
 };
 
-TEST_CASE("On CUDA devices the engine trains as on the CPU: plain, ZeRO, offload, bf16",
+const std::vector<Case>& StagedCases() {
+  // Pipeline + replicas with a tied embedding; pure data parallelism; 3 replicas (padded ZeRO
+  // shards) feeding one stage.
+  static const std::vector<Case> cases = {{"tiny_gpt", {{0, 1}, {2, 3}}, 2},
+                                          {"mlp", {{0, 1, 2, 3}}, 1},
+                                          {"multi_io", {{0, 1, 2}, {3}}, 1}};
+  return cases;
+}
+
+std::vector<c10::Device> RoundRobin(int devices, int gpus) {
+  std::vector<c10::Device> placement;
+  for (int d = 0; d < devices; ++d) placement.emplace_back(c10::kCUDA, d % gpus);
+  return placement;
+}
+
+TEST_CASE("On CUDA devices the engine trains as on the CPU: plain, ZeRO, offload, both",
           "[gpu]") {
   const int gpus = GpuCount();
   INFO("this test needs a CUDA build of LibTorch and a GPU");
   REQUIRE(gpus > 0);
-  // Pipeline + replicas with a tied embedding; pure data parallelism; 3 replicas (padded ZeRO
-  // shards) feeding one stage.
-  const std::vector<Case> cases = {{"tiny_gpt", {{0, 1}, {2, 3}}, 2},
-                                   {"mlp", {{0, 1, 2, 3}}, 1},
-                                   {"multi_io", {{0, 1, 2}, {3}}, 1}};
   const std::vector<Mode> modes = {{"plain", false, false, {}},
                                    {"zero", true, false, {}},
                                    {"offload", false, true, {}},
-                                   {"zero+offload", true, true, {}},
-                                   {"bf16", false, false, at::kBFloat16}};
-  std::vector<c10::Device> placement;
-  for (int d = 0; d < 4; ++d) placement.emplace_back(c10::kCUDA, d % gpus);
-  for (const Case& c : cases) {
+                                   {"zero+offload", true, true, {}}};
+  for (const Case& c : StagedCases()) {
     for (const Mode& mode : modes) {
       INFO(c.model << ", " << mode.name << ", 4 plan devices on " << gpus << " GPU(s), staged");
-      // The IR as a job builds it: on the host, under the CPU's autocast.
-      FixtureIr f = [&] {
-        AutocastGuard amp(mode.amp);
-        return BuildFixtureIr(c.model);
-      }();
+      FixtureIr f = BuildFixtureIr(c.model);
       REQUIRE(f.ir.ok());
       const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
       std::unique_ptr<PipelineEngine> cuda =
-          MakeEngine(f, plan, comm::Backend::kFake, mode, placement);
-      if (!mode.amp) {
-        std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, mode, {});
-        TrainAlike(f, *cpu, *cuda, false);
-        // Between steps the device holds what the CPU engine's does (host masters not counted).
-        const int first = c.devices[0][0];
-        CHECK(cuda->DeviceBytes(first) == cpu->DeviceBytes(first));
-        CHECK(cuda->PeakDeviceBytes(first) > cuda->DeviceBytes(first));
-      } else {
-        const v1::Deployment whole = MakePlan(*f.ir, {{0}}, 1, v1::SCHEDULE_1F1B, 1);
-        std::unique_ptr<PipelineEngine> one =
-            MakeEngine(f, whole, comm::Backend::kFake, mode, {c10::Device(c10::kCUDA, 0)});
-        TrainAlike(f, *one, *cuda, true);
-      }
+          MakeEngine(f, plan, comm::Backend::kFake, mode, RoundRobin(4, gpus));
+      std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, mode, {});
+      TrainAlike(f, *cpu, *cuda, false);
+      // Between steps the device holds what the CPU engine's does (host masters not counted).
+      const int first = c.devices[0][0];
+      CHECK(cuda->DeviceBytes(first) == cpu->DeviceBytes(first));
+      CHECK(cuda->PeakDeviceBytes(first) > cuda->DeviceBytes(first));
     }
+  }
+}
+
+// Fails on the H200 as of 2026-12-02 (docs/runtime.md, "CUDA devices"): the IR is built under the
+// CPU's autocast, whose op lists differ from CUDA's, so values crossing stages are cast to dtypes
+// the one-device CUDA run does not use.
+TEST_CASE("bf16 on CUDA devices trains as the same model on one device of the GPU", "[gpu]") {
+  const int gpus = GpuCount();
+  INFO("this test needs a CUDA build of LibTorch and a GPU");
+  REQUIRE(gpus > 0);
+  const Mode bf16{"bf16", false, false, at::kBFloat16};
+  for (const Case& c : StagedCases()) {
+    INFO(c.model << ", bf16, 4 plan devices on " << gpus << " GPU(s), staged");
+    // The IR as a job builds it: on the host, under the CPU's autocast.
+    FixtureIr f = [&] {
+      AutocastGuard amp(bf16.amp);
+      return BuildFixtureIr(c.model);
+    }();
+    REQUIRE(f.ir.ok());
+    const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
+    std::unique_ptr<PipelineEngine> cuda =
+        MakeEngine(f, plan, comm::Backend::kFake, bf16, RoundRobin(4, gpus));
+    const v1::Deployment whole = MakePlan(*f.ir, {{0}}, 1, v1::SCHEDULE_1F1B, 1);
+    std::unique_ptr<PipelineEngine> one =
+        MakeEngine(f, whole, comm::Backend::kFake, bf16, {c10::Device(c10::kCUDA, 0)});
+    TrainAlike(f, *one, *cuda, true);
   }
 }
 
