@@ -2,6 +2,9 @@
 
 #include <chrono>
 #include <random>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -38,10 +41,23 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Get(const std::string& id) cons
 }
 
 absl::Status JobManager::Remove(const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (jobs_.erase(id) == 0) {
-    return absl::NotFoundError(absl::StrCat("no job '", id, "' on this daemon"));
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("no job '", id, "' on this daemon"));
+    }
+    job = std::move(it->second);
+    jobs_.erase(it);
   }
+  // Destroyed here unless a call in flight still holds it. glibc keeps what a job's many
+  // threads freed in their arenas; hand it back, so that a long-running daemon's footprint
+  // follows its live jobs (without this, creating and deleting jobs grew it by ~100 MiB a job).
+  job.reset();
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
   return absl::OkStatus();
 }
 
