@@ -1,12 +1,14 @@
 #include "daemon/graph/subgraph.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/runtime/interpreter.h>
 
@@ -16,6 +18,34 @@
 
 namespace rannc {
 namespace {
+
+void PlaceConstantsIn(torch::jit::Block* block, c10::Device device) {
+  std::vector<torch::jit::Node*> constants;
+  for (torch::jit::Node* n : block->nodes()) {
+    if (n->kind() == c10::prim::Constant && n->outputs().size() == 1) constants.push_back(n);
+    for (torch::jit::Block* b : n->blocks()) PlaceConstantsIn(b, device);
+  }
+  torch::jit::Graph* graph = block->owningGraph();
+  for (torch::jit::Node* n : constants) {
+    torch::jit::Value* out = n->output();
+    const c10::TypePtr& type = out->type();
+    std::optional<c10::IValue> placed;
+    if (type->kind() == c10::TypeKind::DeviceObjType) {
+      std::optional<c10::IValue> value = torch::jit::toIValue(out);
+      if (value && value->toDevice().is_cpu()) placed = c10::IValue(device);
+    } else if (type->kind() == c10::TypeKind::TensorType) {
+      std::optional<c10::IValue> value = torch::jit::toIValue(out);
+      if (value && value->isTensor() && value->toTensor().device().is_cpu()) {
+        placed = c10::IValue(value->toTensor().to(device));
+      }
+    }
+    if (!placed) continue;
+    torch::jit::WithInsertPoint here(n);
+    out->replaceAllUsesWith(graph->insertConstant(*placed));
+    n->destroy();
+  }
+}
+
 
 using torch::jit::Node;
 using torch::jit::Value;
@@ -296,6 +326,11 @@ absl::Status VerifyPartition(const IrGraph& ir, const std::vector<std::vector<in
     }
   }
   return absl::OkStatus();
+}
+
+void PlaceOnDevice(torch::jit::Graph& graph, c10::Device device) {
+  if (device.is_cpu()) return;
+  PlaceConstantsIn(graph.block(), device);
 }
 
 }  // namespace rannc

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -37,6 +38,13 @@ struct Subgraph {
 absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes);
 // The nodes [begin, end).
 absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end);
+
+// For running `graph` on `device` (a CUDA device; nothing for the CPU): the host the model was
+// traced on becomes the device. Its device constants naming the CPU (factory ops such as
+// torch.ones(..., device="cpu") recorded by torch.jit.trace) name `device`, and its tensor
+// constants move there. A model that moves a value to the host on purpose then keeps it on the
+// device.
+void PlaceOnDevice(torch::jit::Graph& graph, c10::Device device);
 
 // Runs `graph` (any graph whose outputs are values, e.g. a Subgraph's) on `inputs`.
 absl::StatusOr<std::vector<c10::IValue>> RunGraph(const std::shared_ptr<torch::jit::Graph>& graph,

@@ -177,6 +177,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   // that one layer's pieces are profiled for all of them.
   ProfilerOptions profiling = config.profiling;
   profiling.device_type = target.device_type;
+  profiling.device = target.profile_device;
   Profiler profiler(ir, tensors, example_inputs, cache, profiling);
   const auto profile_start = std::chrono::steady_clock::now();
   std::vector<int> starts, pieces;

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
 #include "daemon/graph/ir.h"
@@ -67,6 +68,9 @@ struct PlanTarget {
   std::string device_type = "cpu";
   int64_t batch_size = 0;            // global batch; 0 = the example batch
   Links links;
+  // Where blocks are profiled (ProfilerOptions::device): one of the devices planned for, e.g.
+  // the daemon's first GPU. The CPU for CPU devices and for dry runs.
+  c10::Device profile_device{c10::kCPU};
 };
 
 // What the job keeps per trainable parameter byte besides the parameter and its gradient.

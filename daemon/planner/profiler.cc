@@ -3,12 +3,17 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
+#include <thread>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/version.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -20,6 +25,7 @@
 #include "daemon/common/status.h"
 #include "daemon/graph/structure.h"
 #include "daemon/graph/subgraph.h"
+#include "daemon/runtime/autocast.h"
 
 namespace rannc {
 namespace planner {
@@ -88,6 +94,34 @@ std::vector<int> Classes(const std::vector<std::string>& structures) {
   return out;
 }
 
+// Waits until `device` has finished what this thread queued on it (nothing for the CPU), so
+// that a host clock read after it ends a device's timing.
+void Sync(c10::Device device) {
+  if (device.is_cpu()) return;
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(device.type());
+  c10::Event done(device.type());
+  done.record(impl->getStream(device));
+  // LibTorch 1.x's Event has no synchronize(); its query() is in every version.
+  while (!done.query()) std::this_thread::yield();
+}
+
+// While profiling on an accelerator: its current device, and the CPU's autocast (under which
+// the job plans) as the accelerator's, since ops on its tensors follow its own autocast state.
+class OnDevice {
+ public:
+  explicit OnDevice(c10::Device device) {
+    if (device.is_cpu()) return;
+    guard_.emplace(device);
+    if (device.is_cuda() && at::autocast::is_cpu_enabled()) {
+      amp_.emplace(at::autocast::get_autocast_cpu_dtype(), /*cuda=*/true);
+    }
+  }
+
+ private:
+  std::optional<c10::DeviceGuard> guard_;
+  std::optional<AutocastGuard> amp_;
+};
+
 }  // namespace
 
 Profiler::Profiler(const IrGraph& ir, std::vector<at::Tensor> tensors,
@@ -97,9 +131,15 @@ Profiler::Profiler(const IrGraph& ir, std::vector<at::Tensor> tensors,
       tensors_(std::move(tensors)),
       example_inputs_(std::move(example_inputs)),
       cache_(cache),
-      options_(std::move(options)) {}
+      options_(std::move(options)) {
+  if (!options_.device.is_cpu()) {
+    for (at::Tensor& t : tensors_) t = t.to(options_.device);
+    for (at::Tensor& t : example_inputs_) t = t.to(options_.device);
+  }
+}
 
 absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
+  OnDevice on_device(options_.device);
   const int n = static_cast<int>(ir_.nodes.size());
   const std::string options = absl::StrCat("atomic-fwd,r", options_.repeats, ",", AutocastState());
   std::vector<Subgraph> subs;
@@ -110,6 +150,7 @@ absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
     absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, i, i + 1);
     if (!sub.ok()) return sub.status();
     structures.push_back(Structure(ir_, *sub));
+    PlaceOnDevice(*sub->graph, options_.device);
     keys.push_back({absl::StrCat("s/", StableHash(structures.back())), ir_.example_batch,
                     options_.device_type, options});
     cached.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
@@ -168,8 +209,10 @@ absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
       double total = 0;
       do {
         torch::jit::Stack stack = inputs;
+        Sync(options_.device);
         auto start = std::chrono::steady_clock::now();
         torch::jit::InterpreterState(code).run(stack);
+        Sync(options_.device);
         times.push_back(Ms(std::chrono::steady_clock::now() - start));
         total += times.back();
         outputs = std::move(stack);
@@ -197,6 +240,7 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
   if (starts.empty() || starts[0] != 0 || micro_batch < 1) {
     return absl::InvalidArgumentError("ProfileBlocks: blocks must start at node 0, batch >= 1");
   }
+  OnDevice on_device(options_.device);
   const std::string options =
       absl::StrCat("fwd+bwd,w", options_.warmup, ",r", options_.repeats, ",t",
                    options_.min_time_ms, ",l", options_.long_run_ms, ",", AutocastState());
@@ -211,6 +255,7 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
     absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, starts[b], end);
     if (!sub.ok()) return sub.status();
     structures.push_back(Structure(ir_, *sub));
+    PlaceOnDevice(*sub->graph, options_.device);
     keys.push_back({absl::StrCat("s/", StableHash(structures.back())), micro_batch,
                     options_.device_type, options});
     hits.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
@@ -305,7 +350,7 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
       }
       std::vector<double> fwd_times, bwd_times;
       double timed_ms = 0;
-      auto tracker = std::make_shared<MemoryTracker>();
+      auto tracker = std::make_shared<MemoryTracker>(options_.device);
       for (int r = 0; r < options_.warmup + options_.repeats; ++r) {
         bool measure = r >= options_.warmup;
         if (!fwd_times.empty() && timed_ms >= options_.min_time_ms) break;
@@ -313,8 +358,10 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
         c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, tracker);
         const int64_t base = tracker->current();
         tracker->ResetPeak();
+        Sync(options_.device);
         auto start = std::chrono::steady_clock::now();
         outputs = forward();
+        Sync(options_.device);
         auto fwd_end = std::chrono::steady_clock::now();
         const int64_t kept = tracker->current() - base;
         const int64_t fwd_peak = tracker->peak() - base;
@@ -329,6 +376,7 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
         tracker->ResetPeak();
         auto bwd_start = std::chrono::steady_clock::now();
         if (!roots.empty()) torch::autograd::backward(roots, grads);
+        Sync(options_.device);
         auto bwd_end = std::chrono::steady_clock::now();
         const int64_t bwd_peak = tracker->peak() - bwd_base;
         // A warm-up that ran long is a measurement too: what a first run costs extra (fresh

@@ -43,6 +43,9 @@ namespace planner {
 
 struct ProfilerOptions {
   std::string device_type = "cpu";  // cache key part: profiles of one device type only
+  // Where blocks run: the model's tensors and example inputs are copied there (their graphs'
+  // host constants placed there too, as a stage's), and times end when the device is done.
+  c10::Device device{c10::kCPU};
   int warmup = 1;                   // untimed runs of a block before measuring it
   int repeats = 3;                  // timed runs at most; the median is kept
   // Timed runs stop early once they add up to this (ms): a block that takes long is measured

@@ -10,7 +10,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/runtime/interpreter.h>
 
@@ -49,34 +48,6 @@ void CollectWrittenValues(const torch::jit::Block* block,
       if (writes) written->insert(n->inputs()[i]);
     }
     for (const torch::jit::Block* b : n->blocks()) CollectWrittenValues(b, written);
-  }
-}
-
-// StageOptions::device: the graph's host device and tensor constants, on `device`.
-void PlaceConstants(torch::jit::Block* block, c10::Device device) {
-  std::vector<torch::jit::Node*> constants;
-  for (torch::jit::Node* n : block->nodes()) {
-    if (n->kind() == c10::prim::Constant && n->outputs().size() == 1) constants.push_back(n);
-    for (torch::jit::Block* b : n->blocks()) PlaceConstants(b, device);
-  }
-  torch::jit::Graph* graph = block->owningGraph();
-  for (torch::jit::Node* n : constants) {
-    torch::jit::Value* out = n->output();
-    const c10::TypePtr& type = out->type();
-    std::optional<c10::IValue> placed;
-    if (type->kind() == c10::TypeKind::DeviceObjType) {
-      std::optional<c10::IValue> value = torch::jit::toIValue(out);
-      if (value && value->toDevice().is_cpu()) placed = c10::IValue(device);
-    } else if (type->kind() == c10::TypeKind::TensorType) {
-      std::optional<c10::IValue> value = torch::jit::toIValue(out);
-      if (value && value->isTensor() && value->toTensor().device().is_cpu()) {
-        placed = c10::IValue(value->toTensor().to(device));
-      }
-    }
-    if (!placed) continue;
-    torch::jit::WithInsertPoint here(n);
-    out->replaceAllUsesWith(graph->insertConstant(*placed));
-    n->destroy();
   }
 }
 
@@ -128,10 +99,11 @@ absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::Create(
   }
   stage->random_ = HasRandomOps(subgraph.graph->block());
   if (!options.device.is_cpu()) {
-    absl::Status placed = TorchCall(absl::StatusCode::kInternal, "placing a stage's constants", [&] {
-      PlaceConstants(subgraph.graph->block(), options.device);
-      return absl::OkStatus();
-    });
+    absl::Status placed =
+        TorchCall(absl::StatusCode::kInternal, "placing a stage's constants", [&] {
+          PlaceOnDevice(*subgraph.graph, options.device);
+          return absl::OkStatus();
+        });
     if (!placed.ok()) return placed;
   }
   absl::Status compiled = TorchCall(absl::StatusCode::kInternal, "compiling a stage", [&] {

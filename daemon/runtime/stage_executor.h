@@ -60,10 +60,7 @@ struct StageOptions {
   // backward follows what they recorded. Default: full precision.
   AmpDtype amp;
   // Where the stage runs. On a CUDA device `amp` is CUDA's autocast (CPU's otherwise), and the
-  // host the model was traced on becomes the device: its graph's device constants naming the
-  // CPU (factory ops such as torch.ones(..., device="cpu") recorded by the trace) name the
-  // device, and its tensor constants move there. (A model that moves a value to the host on
-  // purpose then keeps it on the device.)
+  // graph's host constants are placed there (PlaceOnDevice, graph/subgraph.h).
   c10::Device device{c10::kCPU};
 };
 

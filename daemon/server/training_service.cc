@@ -274,6 +274,8 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
   for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
   for (size_t k = 0; k < facts_.devices.size(); ++k) config.placement.push_back(PlaceOf(k));
+  // Blocks are profiled on the kind of device they will run on: this daemon's first.
+  if (!facts_.devices.empty()) config.plan_target.profile_device = PlaceOf(0);
   if (!facts_.devices.empty()) {
     config.plan_target.device_type = facts_.devices[0].type;
     config.plan_target.device_memory_bytes = facts_.devices[0].memory_bytes;
