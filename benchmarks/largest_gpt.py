@@ -4,9 +4,10 @@ with the planner's estimate beside it (the memory and precision issue).
 
     bazel build //daemon:ranncd && /usr/bin/python3 benchmarks/largest_gpt.py
 
-One ranncd with `--devices cpu:4 --device-memory 1GiB` (links measured at start, one profile
-cache for the whole run). The model is examples/train_gpt.py's ByteGPT with d_model 512 (8
-heads, dropout 0, tied head), trained on batches of 4 sequences of 16 tokens with AdamW
+A fresh ranncd per mode with `--devices cpu:4 --device-memory 1GiB` (links measured at its
+start; one profile cache for the whole run, so a mode profiles only what no earlier mode
+did: amp's autocast profiles once). The model is examples/train_gpt.py's ByteGPT with d_model
+512 (8 heads, dropout 0, tied head), trained on batches of 4 sequences of 16 tokens with AdamW
 (lr 1e-3): so small a batch that parameters, gradients and optimizer state, which grow with
 the layers, are what fills the devices. Only the layer count varies; the planner chooses the
 plan (stages, replicas, micro-batches, recomputation) freely.
@@ -288,6 +289,27 @@ def rss_gib(pid):
     return kib / 2**20
 
 
+def start_daemon(args, tmp, log_path, log):
+    """A ranncd on cpu:4 x 1 GiB with the run's profile cache; returns it and the clients'
+    environment."""
+    address = f"127.0.0.1:{_free_loopback_port()}"
+    daemon = subprocess.Popen(
+        [args.ranncd, "--listen", address, "--devices", "cpu:4", "--device-memory", "1GiB",
+         "--profile-cache", os.path.join(tmp, "profiles.tsv")],
+        stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while "listening" not in open(log_path).read():
+        if daemon.poll() is not None or time.time() > deadline:
+            daemon.kill()
+            raise RuntimeError("ranncd did not start:\n" + open(log_path).read())
+        time.sleep(0.1)
+    links = [l for l in open(log_path).read().splitlines() if "links:" in l]
+    log(f"ranncd --devices cpu:4 --device-memory 1GiB; {links[0].split('] ')[-1]}")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python_client"),
+               RANNC_DAEMON=address)
+    return daemon, env
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranncd", default=os.path.join(ROOT, "bazel-bin", "daemon", "ranncd"))
@@ -301,7 +323,8 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: "
                     + ", ".join(MODES))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per client run")
-    ap.add_argument("--daemon-log", help="keep ranncd's log here (default: a temporary file)")
+    ap.add_argument("--daemon-logs", help="keep each mode's ranncd log (ranncd-MODE.log) in this "
+                    "directory (default: a temporary one)")
     args = ap.parse_args()
     t0 = time.perf_counter()
 
@@ -313,26 +336,16 @@ def main():
     header = ("| mode | layers | parameters | plan | estimate / device | peak / device | "
               "estimate / peak | losses | search |\n|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        address = f"127.0.0.1:{_free_loopback_port()}"
-        log_path = args.daemon_log or os.path.join(tmp, "ranncd.log")
-        daemon = subprocess.Popen(
-            [args.ranncd, "--listen", address, "--devices", "cpu:4", "--device-memory", "1GiB",
-             "--profile-cache", os.path.join(tmp, "profiles.tsv")],
-            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python_client"),
-                   RANNC_DAEMON=address)
+        logs = args.daemon_logs or tmp
+        os.makedirs(logs, exist_ok=True)
         rows = []
-        try:
-            deadline = time.time() + 60
-            while "listening" not in open(log_path).read():
-                if daemon.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("ranncd did not start:\n" + open(log_path).read())
-                time.sleep(0.1)
-            links = [l for l in open(log_path).read().splitlines() if "links:" in l]
-            log(f"ranncd --devices cpu:4 --device-memory 1GiB; {links[0].split('] ')[-1]}")
-            previous = None
-            for mode in args.modes.split(","):
-                mode_start = time.perf_counter()
+        previous = None
+        for mode in args.modes.split(","):
+            mode_start = time.perf_counter()
+            # A daemon per mode: what one mode's jobs leave in the daemon's heap (glibc keeps
+            # freed memory) does not count against the next; the profile cache is shared.
+            daemon, env = start_daemon(args, tmp, os.path.join(logs, f"ranncd-{mode}.log"), log)
+            try:
                 planner = Planner(args, env, mode)
                 if "ready" not in planner.first:
                     why = planner.first.get("unsupported", planner.first.get("error"))
@@ -351,9 +364,9 @@ def main():
                 log(row(*rows[-1]))
                 if best:
                     previous = best["layers"]
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=60)
+            finally:
+                daemon.terminate()
+                daemon.wait(timeout=60)
 
     print(f"{title}; total {time.perf_counter() - t0:.0f} s")
     print()
