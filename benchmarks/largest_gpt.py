@@ -14,7 +14,7 @@ plan (stages, replicas, micro-batches, recomputation) freely.
 
 Modes: plain, zero (enable_zero=True), amp (enable_apex_amp=True: bf16 autocast, fp32
 masters), zero+amp, offload (offload_params=True), zero+offload. A mode pyrannc refuses
-(offload_params raises NotImplementedError until it is built) is skipped, printing why.
+(NotImplementedError, as offload_params raised before it was built) is skipped, printing why.
 
 Search, per mode: dry-run plans (a CreateJob with JobSpec.dry_run: the daemon imports the model
 and plans it for its own four devices without creating a job; one client process answers all
