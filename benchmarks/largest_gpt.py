@@ -4,25 +4,29 @@ with the planner's estimate beside it (the memory and precision issue).
 
     bazel build //daemon:ranncd && /usr/bin/python3 benchmarks/largest_gpt.py
 
-One ranncd with `--devices cpu:4 --device-memory 1GiB` (links measured at start, one profile
-cache for the whole run). The model is examples/train_gpt.py's ByteGPT with d_model 512 (8
-heads, dropout 0, tied head), trained on batches of 4 sequences of 16 tokens with AdamW
+A fresh ranncd per mode with `--devices cpu:4 --device-memory 1GiB` (links measured at its
+start; one profile cache for the whole run, so a mode profiles only what no earlier mode
+did: amp's autocast profiles once). The model is examples/train_gpt.py's ByteGPT with d_model
+512 (8 heads, dropout 0, tied head), trained on batches of 4 sequences of 16 tokens with AdamW
 (lr 1e-3): so small a batch that parameters, gradients and optimizer state, which grow with
 the layers, are what fills the devices. Only the layer count varies; the planner chooses the
 plan (stages, replicas, micro-batches, recomputation) freely.
 
 Modes: plain, zero (enable_zero=True), amp (enable_apex_amp=True: bf16 autocast, fp32
 masters), zero+amp, offload (offload_params=True), zero+offload. A mode pyrannc refuses
-(offload_params raises NotImplementedError until it is built) is skipped, printing why.
+(NotImplementedError, as offload_params raised before it was built) is skipped, printing why.
 
 Search, per mode: dry-run plans (a CreateJob with JobSpec.dry_run: the daemon imports the model
 and plans it for its own four devices without creating a job; one client process answers all
-of a mode's) from a start count, growing
-geometrically (x2 for the first mode from 8 layers, x1.25 from the previous mode's answer for
-the others) until the planner refuses ("no plan fits"), then bisecting. The largest count that
-plans is then trained for 2 steps through pyrannc.RaNNCModule; it must give finite losses, or
-the search goes on below it with training runs, each in a fresh client process. Since all
-layers share one structure, each count after the first plans from the cached profiles of
+of a mode's) from a start count (--start for the first mode, the previous mode's answer for
+the others). Each answer carries the bytes per device the planner needs (the plan's estimate,
+or the least any plan needs when none fits), which grow about linearly with the layers, so the
+next count tried is where the line through the answers nearest the limit reaches it; this ends
+with a count that plans next to one that does not, usually after two or three plans. The
+largest count that plans is then trained for 2 steps through pyrannc.RaNNCModule; it must give
+finite losses, or the search goes on below it with training runs, each in a fresh client
+process, whose job is deleted after it (a job outlives its client on a remote daemon). Since
+all layers share one structure, each count after the first plans from the cached profiles of
 one layer.
 
 Per mode it prints: layers, parameters, the plan (stages x replicas x micro-batches, `r` for a
@@ -60,7 +64,7 @@ MODES = {  # name: (enable_zero, enable_apex_amp, offload_params)
 # torch) serves a mode's whole search; with "train" it trains `layers` layers for 2 steps. A
 # mode pyrannc does not take answers {"unsupported": why}.
 CLIENT = textwrap.dedent("""
-    import json, math, sys, torch
+    import json, math, re, sys, torch
     sys.path.insert(0, {examples!r})
     import grpc
     import pyrannc
@@ -114,7 +118,12 @@ CLIENT = textwrap.dedent("""
             except RanncError as e:
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
-                out.update(fits=False, why=e.details or str(e))
+                why = e.details or str(e)
+                need = re.search(r"needs at least ([0-9.]+) GiB", why)
+                usable = re.search(r"only ([0-9.]+) GiB is usable", why)
+                out.update(fits=False, why=why,
+                           need=float(need.group(1)) * 2**30 if need else None,
+                           usable=float(usable.group(1)) * 2**30 if usable else None)
         return out
 
     def train(layers):
@@ -130,9 +139,13 @@ CLIENT = textwrap.dedent("""
         rmod.get_param("pos")  # runs the deferred optimizer step
         jobs = _daemon.connection().call("ListJobs", pb.Empty()).jobs
         job = next(j for j in jobs if j.job_id == rmod._job.id)
-        return {{"layers": layers, "params": sum(p.numel() for p in model.parameters()),
-                "losses": losses, "finite": all(math.isfinite(l) for l in losses),
-                "peak": max(job.peak_device_bytes), **plan_of(rmod.deployment)}}
+        out = {{"layers": layers, "params": sum(p.numel() for p in model.parameters()),
+               "losses": losses, "finite": all(math.isfinite(l) for l in losses),
+               "peak": max(job.peak_device_bytes), **plan_of(rmod.deployment)}}
+        # A job outlives its client on a remote daemon: delete it, or each mode's largest
+        # model (parameters, gradients, optimizer state) stays in the daemon's memory.
+        _daemon.connection().call("DeleteJob", pb.JobRef(job_id=rmod._job.id))
+        return out
 
     try:
         module(1)
@@ -189,44 +202,53 @@ class Planner:
             self.proc.wait(timeout=60)
 
 
-def search(args, env, planner, mode, start, growth, log):
-    """The largest layer count that plans and trains in `mode`, and its training run."""
-    planned = {}
+def search(args, env, planner, mode, start, log):
+    """The largest layer count that plans and trains in `mode`, and its training run.
 
-    def fits(layers):
-        if layers not in planned:
-            t = time.perf_counter()
-            r = planner.plan(layers)
-            planned[layers] = r["fits"]
-            log(f"  {mode}: {layers} layers {'plan' if r['fits'] else 'do not plan'} "
-                f"({time.perf_counter() - t:.0f} s)")
-        return planned[layers]
+    Planning: every answer carries the per-device bytes the planner needs (the plan's estimate,
+    or the least any plan needs when none fits), which grow about linearly with the layers. So
+    the next count tried is where the line through the two answers nearest the limit reaches
+    it (through the origin after the first answer), kept inside [largest that plans + 1,
+    smallest that does not - 1]; a count tried before is replaced by the bracket's middle."""
+    planned = {}  # layers -> (fits, per-device bytes)
+    usable = [0.9 * 2**30]  # device memory less mem_margin; the first refusal says exactly
 
-    lo, hi, layers = 0, None, start
-    if fits(layers):
-        lo = layers
-        while hi is None and layers < args.max_layers:
-            layers = min(args.max_layers, max(layers + 1, int(layers * growth)))
-            if fits(layers):
-                lo = layers
-            else:
-                hi = layers
-        if hi is None:
-            hi = args.max_layers + 1
-    else:
-        hi = layers
-        while lo == 0 and layers > 1:
-            layers = max(1, int(layers / growth))
-            if fits(layers):
-                lo = layers
-            else:
-                hi = layers
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
+    def probe(layers):
+        t = time.perf_counter()
+        r = planner.plan(layers)
+        if "fits" not in r:
+            raise RuntimeError(f"planning {layers} layers: {r}")
+        need = r["estimate"] if r["fits"] else r.get("need")
+        if not r["fits"] and r.get("usable"):
+            usable[0] = r["usable"]
+        planned[layers] = (r["fits"], need)
+        log(f"  {mode}: {layers} layers {'plan' if r['fits'] else 'do not plan'}"
+            + (f" ({need / 2**20:.0f} MiB per device)" if need else "")
+            + f" ({time.perf_counter() - t:.0f} s)")
+
+    def guess(lo, hi):
+        known = sorted((l, b) for l, (_, b) in planned.items() if b)
+        below = [p for p in known if p[1] <= usable[0]][-1:]
+        above = [p for p in known if p[1] > usable[0]][:1]
+        pts = below + above
+        if len(pts) == 2 and pts[1][1] != pts[0][1]:
+            (l0, b0), (l1, b1) = pts
+            g = l0 + (usable[0] - b0) * (l1 - l0) / (b1 - b0)
+        elif pts:
+            g = pts[0][0] * usable[0] / pts[0][1]
         else:
-            hi = mid
+            g = (lo + hi) / 2
+        g = min(hi - 1, max(lo + 1, int(g)))
+        return g if g not in planned else (lo + hi) // 2
+
+    lo, hi, layers = 0, args.max_layers + 1, start
+    while hi - lo > 1:
+        probe(layers)
+        if planned[layers][0]:
+            lo = max(lo, layers)
+        else:
+            hi = min(hi, layers)
+        layers = guess(lo, hi)
     planner.close()
     # Train the largest that plans; below it, bisect with training runs if it fails.
     good, bad, best = 0, lo + 1, None
@@ -244,6 +266,50 @@ def search(args, env, planner, mode, start, growth, log):
     return best
 
 
+def row(mode, r, why, seconds):
+    """One Markdown table row."""
+    if r is None:
+        return f"| {mode} | - | - | skipped: {why or 'nothing trained'} | | | | | |"
+    reps = r["replicas"]
+    shape = (f"{r['stages']} x {reps[0]}" if len(set(reps)) == 1
+             else f"{r['stages']} x ({','.join(map(str, reps))})")
+    recompute = sum(r["recompute"])
+    plan = (f"{shape} x {r['micro_batches']}"
+            + (f", {recompute} stage(s) recompute" if recompute else ""))
+    mib = 1 << 20
+    return (f"| {mode} | {r['layers']} | {r['params'] / 1e6:.1f} M | {plan} | "
+            f"{r['estimate'] / mib:.0f} MiB | {r['peak'] / mib:.0f} MiB | "
+            f"{r['estimate'] / r['peak']:.2f} | "
+            f"{r['losses'][0]:.3f}, {r['losses'][1]:.3f} | {seconds:.0f} s |")
+
+
+def rss_gib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+    return kib / 2**20
+
+
+def start_daemon(args, tmp, log_path, log):
+    """A ranncd on cpu:4 x 1 GiB with the run's profile cache; returns it and the clients'
+    environment."""
+    address = f"127.0.0.1:{_free_loopback_port()}"
+    daemon = subprocess.Popen(
+        [args.ranncd, "--listen", address, "--devices", "cpu:4", "--device-memory", "1GiB",
+         "--profile-cache", os.path.join(tmp, "profiles.tsv")],
+        stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while "listening" not in open(log_path).read():
+        if daemon.poll() is not None or time.time() > deadline:
+            daemon.kill()
+            raise RuntimeError("ranncd did not start:\n" + open(log_path).read())
+        time.sleep(0.1)
+    links = [l for l in open(log_path).read().splitlines() if "links:" in l]
+    log(f"ranncd --devices cpu:4 --device-memory 1GiB; {links[0].split('] ')[-1]}")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python_client"),
+               RANNC_DAEMON=address)
+    return daemon, env
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranncd", default=os.path.join(ROOT, "bazel-bin", "daemon", "ranncd"))
@@ -251,38 +317,35 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--start", type=int, default=8, help="first layer count of the first mode")
+    ap.add_argument("--start", type=int, default=64, help="first layer count of the first mode "
+                    "(each later mode starts from the answer before it)")
     ap.add_argument("--max-layers", type=int, default=512)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: "
                     + ", ".join(MODES))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per client run")
+    ap.add_argument("--daemon-logs", help="keep each mode's ranncd log (ranncd-MODE.log) in this "
+                    "directory (default: a temporary one)")
     args = ap.parse_args()
     t0 = time.perf_counter()
 
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
+    title = (f"ByteGPT d_model {args.dim} ({args.heads} heads), seq {args.seq}, batch "
+             f"{args.batch}, AdamW; ranncd --devices cpu:4 --device-memory 1GiB")
+    header = ("| mode | layers | parameters | plan | estimate / device | peak / device | "
+              "estimate / peak | losses | search |\n|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        address = f"127.0.0.1:{_free_loopback_port()}"
-        log_path = os.path.join(tmp, "ranncd.log")
-        daemon = subprocess.Popen(
-            [args.ranncd, "--listen", address, "--devices", "cpu:4", "--device-memory", "1GiB",
-             "--profile-cache", os.path.join(tmp, "profiles.tsv")],
-            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python_client"),
-                   RANNC_DAEMON=address)
+        logs = args.daemon_logs or tmp
+        os.makedirs(logs, exist_ok=True)
         rows = []
-        try:
-            deadline = time.time() + 60
-            while "listening" not in open(log_path).read():
-                if daemon.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("ranncd did not start:\n" + open(log_path).read())
-                time.sleep(0.1)
-            links = [l for l in open(log_path).read().splitlines() if "links:" in l]
-            log(f"ranncd --devices cpu:4 --device-memory 1GiB; {links[0].split('] ')[-1]}")
-            previous = None
-            for mode in args.modes.split(","):
-                mode_start = time.perf_counter()
+        previous = None
+        for mode in args.modes.split(","):
+            mode_start = time.perf_counter()
+            # A daemon per mode: what one mode's jobs leave in the daemon's heap (glibc keeps
+            # freed memory) does not count against the next; the profile cache is shared.
+            daemon, env = start_daemon(args, tmp, os.path.join(logs, f"ranncd-{mode}.log"), log)
+            try:
                 planner = Planner(args, env, mode)
                 if "ready" not in planner.first:
                     why = planner.first.get("unsupported", planner.first.get("error"))
@@ -290,36 +353,26 @@ def main():
                     log(f"{mode}: skipped: {why}")
                     rows.append((mode, None, why, 0))
                     continue
-                start, growth = (previous, 1.25) if previous else (args.start, 2.0)
-                best = search(args, env, planner, mode, start, growth, log)
-                rows.append((mode, best, None, time.perf_counter() - mode_start))
+                try:
+                    best = search(args, env, planner, mode, previous or args.start, log)
+                    why = None
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    planner.close()
+                    best, why = None, f"failed: {e}"
+                rows.append((mode, best, why, time.perf_counter() - mode_start))
+                log(f"{mode}: {json.dumps(best)}; ranncd RSS {rss_gib(daemon.pid):.1f} GiB")
+                log(row(*rows[-1]))
                 if best:
                     previous = best["layers"]
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=60)
+            finally:
+                daemon.terminate()
+                daemon.wait(timeout=60)
 
-    print(f"ByteGPT d_model {args.dim} ({args.heads} heads), seq {args.seq}, batch {args.batch}, "
-          f"AdamW; ranncd --devices cpu:4 --device-memory 1GiB; total {time.perf_counter() - t0:.0f} s")
+    print(f"{title}; total {time.perf_counter() - t0:.0f} s")
     print()
-    print("| mode | layers | parameters | plan | estimate / device | peak / device | "
-          "estimate / peak | losses | search |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    mib = 1 << 20
-    for mode, r, why, seconds in rows:
-        if r is None:
-            print(f"| {mode} | - | - | skipped: {why or 'nothing trained'} | | | | | |")
-            continue
-        reps = r["replicas"]
-        shape = (f"{r['stages']} x {reps[0]}" if len(set(reps)) == 1
-                 else f"{r['stages']} x ({','.join(map(str, reps))})")
-        recompute = sum(r["recompute"])
-        plan = (f"{shape} x {r['micro_batches']}"
-                + (f", {recompute} stage(s) recompute" if recompute else ""))
-        print(f"| {mode} | {r['layers']} | {r['params'] / 1e6:.1f} M | {plan} | "
-              f"{r['estimate'] / mib:.0f} MiB | {r['peak'] / mib:.0f} MiB | "
-              f"{r['estimate'] / r['peak']:.2f} | "
-              f"{r['losses'][0]:.3f}, {r['losses'][1]:.3f} | {seconds:.0f} s |")
+    print(header)
+    for r in rows:
+        print(row(*r))
 
 
 if __name__ == "__main__":
