@@ -111,8 +111,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d, d, device=device)
         if not _HAS_SDPA:
             self.scale = 1.0 / math.sqrt(d // cfg.heads)
-            self.register_buffer("mask", torch.empty(cfg.seq, cfg.seq, dtype=torch.bool,
-                                                     device=device), persistent=False)
+            # float, not bool: gloo (DDP's buffer broadcast on CPU) has no bool
+            self.register_buffer("mask", torch.empty(cfg.seq, cfg.seq, device=device),
+                                 persistent=False)
 
     def forward(self, x):
         b, t, c = x.shape
@@ -125,7 +126,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * self.scale
-            att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+            att = att.masked_fill(self.mask[:t, :t] == 0, float("-inf"))
             y = F.softmax(att, dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
