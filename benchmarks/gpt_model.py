@@ -24,7 +24,7 @@ layers, d d_model, T sequence length); MFU divides model TFLOP/s per GPU by the 
 bf16 peak, 989 TFLOP/s.
 
 Runs on PyTorch 1.13 (the CPU checks here) and 2.x: where F.scaled_dot_product_attention is
-missing (1.13), attention is written out with a causal mask.
+missing (1.13), attention is written out with a causal mask, as attention="math" asks anyway.
 """
 
 import dataclasses
@@ -102,14 +102,29 @@ def stage_layers(cfg: GPTConfig, stage: int, stages: int):
     return lo, lo + per + (1 if stage < extra else 0)
 
 
+ATTENTIONS = ("sdpa", "math")
+
+
+def effective_attention(attention: str) -> str:
+    """What `attention` runs as with this PyTorch ("math" where there is no SDPA)."""
+    return "sdpa" if attention == "sdpa" and _HAS_SDPA else "math"
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, device):
+    """attention "sdpa": F.scaled_dot_product_attention(is_causal=True), the issue's; "math":
+    written out with a causal mask (what PyTorch 1.13 gets, and a fallback for a runtime that
+    cannot run the fused op)."""
+
+    def __init__(self, cfg: GPTConfig, device, attention="sdpa"):
         super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
         d = cfg.d_model
         self.heads = cfg.heads
+        self.sdpa = attention == "sdpa" and _HAS_SDPA
         self.qkv = nn.Linear(d, 3 * d, device=device)
         self.proj = nn.Linear(d, d, device=device)
-        if not _HAS_SDPA:
+        if not self.sdpa:
             self.scale = 1.0 / math.sqrt(d // cfg.heads)
             # float, not bool: gloo (DDP's buffer broadcast on CPU) has no bool
             self.register_buffer("mask", torch.empty(cfg.seq, cfg.seq, device=device),
@@ -122,7 +137,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.heads, hd).transpose(1, 2)
         k = k.view(b, t, self.heads, hd).transpose(1, 2)
         v = v.view(b, t, self.heads, hd).transpose(1, 2)
-        if _HAS_SDPA:
+        if self.sdpa:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * self.scale
@@ -132,19 +147,30 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, device):
+    """A pre-LayerNorm transformer block. activation_checkpoint=True recomputes its activations
+    in backward (non-reentrant torch.utils.checkpoint of the block's body, inside the block's
+    own forward, so a wrapper's hooks on the block, FSDP2's all-gather, run once per forward as
+    with torch's checkpoint_wrapper)."""
+
+    def __init__(self, cfg: GPTConfig, device, attention="sdpa", activation_checkpoint=False):
         super().__init__()
         d, m = cfg.d_model, cfg.mlp_ratio
         self.ln1 = nn.LayerNorm(d, device=device)
-        self.attn = CausalSelfAttention(cfg, device)
+        self.attn = CausalSelfAttention(cfg, device, attention)
         self.ln2 = nn.LayerNorm(d, device=device)
         self.fc = nn.Linear(d, m * d, device=device)
         self.act = nn.GELU()
         self.out = nn.Linear(m * d, d, device=device)
+        self.activation_checkpoint = activation_checkpoint
 
-    def forward(self, x):
+    def body(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.out(self.act(self.fc(self.ln2(x))))
+
+    def forward(self, x):
+        if self.activation_checkpoint and self.training and torch.is_grad_enabled():
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
 
 
 def lm_loss(logits, targets):
@@ -155,31 +181,28 @@ def lm_loss(logits, targets):
 class GPT(nn.Module):
     """The GPT, or the slice of it one pipeline stage holds (see the module docstring).
 
-    activation_checkpoint=True recomputes each block's activations in backward (non-reentrant
-    torch.utils.checkpoint), for FSDP2 on workload B.
+    activation_checkpoint=True recomputes each block's activations in backward (see Block), for
+    FSDP2 on workload B. attention: see CausalSelfAttention.
     """
 
     def __init__(self, cfg: GPTConfig, device="meta", layers=None, embed=True, head=True,
-                 activation_checkpoint=False):
+                 activation_checkpoint=False, attention="sdpa"):
         super().__init__()
         self.cfg = cfg
         lo, hi = layers if layers is not None else (0, cfg.layers)
         d = cfg.d_model
         self.tok = nn.Embedding(cfg.vocab, d, device=device) if embed else None
         self.pos = nn.Parameter(torch.empty(1, cfg.seq, d, device=device)) if embed else None
-        self.blocks = nn.ModuleList([Block(cfg, device) for _ in range(lo, hi)])
+        self.blocks = nn.ModuleList([Block(cfg, device, attention, activation_checkpoint)
+                                     for _ in range(lo, hi)])
         self.ln_f = nn.LayerNorm(d, device=device) if head else None
         self.head = nn.Linear(d, cfg.vocab, bias=False, device=device) if head else None
-        self.activation_checkpoint = activation_checkpoint
 
     def forward(self, x, targets=None):
         if self.tok is not None:
             x = self.tok(x) + self.pos[:, :x.size(1)]
         for block in self.blocks:
-            if self.activation_checkpoint and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = block(x)
         if self.head is None:
             return x
         logits = self.head(self.ln_f(x))
@@ -202,7 +225,7 @@ class GPT(nn.Module):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
-            elif isinstance(m, CausalSelfAttention) and hasattr(m, "mask"):
+            elif isinstance(m, CausalSelfAttention) and not m.sdpa:
                 m.mask.copy_(torch.ones_like(m.mask).tril())
         if self.pos is not None:
             nn.init.normal_(self.pos, std=0.02)

@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--ac", default="auto", choices=("auto", "on", "off"),
                    help="activation checkpointing per block (auto: on for FSDP2 on workload B)")
+    p.add_argument("--attention", default="sdpa", choices=gm.ATTENTIONS,
+                   help="sdpa: F.scaled_dot_product_attention (the issue's); math: written out")
     p.add_argument("--out", help="also append the JSON line to this file")
     return p.parse_args(argv)
 
@@ -122,7 +124,7 @@ class Autocast(nn.Module):
 
 def setup_ddp(args, cfg, device, ac):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = gm.build(cfg, device, activation_checkpoint=ac)
+    model = gm.build(cfg, device, activation_checkpoint=ac, attention=args.attention)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
     opt = make_adamw(model.parameters(), args, device)
@@ -143,7 +145,7 @@ def setup_fsdp2(args, cfg, device, ac):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = gm.build(cfg, device, activation_checkpoint=ac)
+    model = gm.build(cfg, device, activation_checkpoint=ac, attention=args.attention)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -164,7 +166,7 @@ def setup_pipeline(args, cfg, device, ac):
     rank = dist.get_rank()
     part = gm.build(cfg, device, layers=gm.stage_layers(cfg, rank, PIPELINE_STAGES),
                     embed=rank == 0, head=rank == PIPELINE_STAGES - 1,
-                    activation_checkpoint=ac)
+                    activation_checkpoint=ac, attention=args.attention)
     stage = PipelineStage(Autocast(part, device.type), stage_index=rank,
                           num_stages=PIPELINE_STAGES, device=device)
     schedule_cls = ScheduleGPipe if args.system == "gpipe" else Schedule1F1B
@@ -275,6 +277,7 @@ def run(args, cfg, device):
         "tokens_per_step": cfg.tokens_per_step,
         "micro_batches": None if data_parallel else MICRO_BATCHES,
         "activation_checkpoint": ac,
+        "attention": gm.effective_attention(args.attention),
         "warmup": args.warmup,
         "steps": args.steps,
         "step_s_median": median,
