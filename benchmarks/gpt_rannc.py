@@ -191,7 +191,8 @@ def base_record(system, args, cfg):
     return {"system": system, "workload": cfg.name, "device": args.device}
 
 
-def run(args, cfg):
+def run(args, cfg, phase):
+    """Runs 1 and 2; phase[0] names the system a failure belongs to."""
     import pyrannc
 
     build_start = time.perf_counter()
@@ -252,11 +253,13 @@ def run(args, cfg):
 
     if args.second_steps <= 0:
         return
+    phase[0] = "rannc (saved deployment)"
     path = args.deployment or os.path.join(tempfile.mkdtemp(prefix="gpt_rannc."),
                                            f"gpt_{cfg.name}.deployment")
     rmod.save_deployment(path)
     delete_job(rmod)
     del rmod, opt
+    # From the host model as built: run 1's training stayed in the daemon and went with its job.
     opt = make_optimizer(model, args)
     started = time.perf_counter()
     rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero,
@@ -293,12 +296,13 @@ def main(argv=None):
               f"{need / GIB:.0f} GiB of host memory needed, {have / GIB:.0f} GiB available "
               "(--force tries anyway)"}, args.out)
         return 0
+    phase = ["rannc"]
     try:
-        run(args, cfg)
+        run(args, cfg, phase)
         return 0
     except Exception as e:  # noqa: BLE001 - reported as the run's result
         traceback.print_exc()
-        emit({**base_record("rannc", args, cfg), "error": f"{type(e).__name__}: {e}"[:800]},
+        emit({**base_record(phase[0], args, cfg), "error": f"{type(e).__name__}: {e}"[:800]},
              args.out)
         return 1
 
