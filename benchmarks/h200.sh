@@ -105,8 +105,8 @@ peer_cap=${PEER_CAP:-$peer_cap}
 
 # piece NAME EXPECTED CAP CMD...: runs CMD under `timeout` (at most CAP seconds, and never past
 # the budget less $reserve) with its JSON lines going to $json, then appends them to results:
-# its good lines, else its first error line, else an error made from the exit status; plus an
-# error line for each EXPECTED system (comma-separated) that printed nothing.
+# one line per system, its result (or skip) if it printed one, else its first error line, and for
+# each EXPECTED system (comma-separated) that printed nothing an error made from the exit status.
 reserve=0
 piece() {
   local name=$1 expected=$2 cap=$3; shift 3
@@ -146,11 +146,14 @@ try:
 except FileNotFoundError:
     tail = []
 detail = why + (f"; last output: {tail[0][:300]}" if tail else "")
-good = [r for r in lines if "error" not in r]
-picked = good or lines[:1] or [{"system": name, "workload": workload, "error": detail}]
-seen = {r.get("system") for r in picked}
-for system in expected.split(","):
-    if system and system not in seen:
+# One line per system: a result or skip before any error (ranks may each report one).
+picked, seen = [], set()
+for r in sorted(lines, key=lambda r: "error" in r):
+    if r.get("system") not in seen:
+        seen.add(r.get("system"))
+        picked.append(r)
+for system in [s for s in expected.split(",") if s] or [name]:
+    if system not in seen:
         picked.append({"system": system, "workload": workload, "error": detail})
 for r in picked:
     print(json.dumps(r))
