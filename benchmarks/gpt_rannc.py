@@ -1,0 +1,311 @@
+"""Issue 7's GPT trained through pyrannc against a ranncd that owns the devices: JSON lines.
+
+    RANNC_DAEMON_BIN=build/gpu/daemon/ranncd PYTHONPATH=python_client \
+        python3 benchmarks/gpt_rannc.py [--model A|B|tiny] [--out FILE]
+
+    # the CPU check of the harness, against Bazel's daemon on two CPU devices:
+    RANNC_DAEMON_BIN=bazel-bin/daemon/ranncd /usr/bin/python3 benchmarks/gpt_rannc.py \
+        --device cpu --model tiny
+
+pyrannc starts the daemon itself (RANNC_DEVICES: `cuda`, every GPU, with --device cuda; `cpu:2`
+with --device cpu, unless RANNC_DEVICES is set; the binary from RANNC_DAEMON_BIN; its output to
+RANNC_DAEMON_LOG if set; RANNC_DAEMON_ARGS adds flags, e.g. `--profile-cache FILE`). With
+RANNC_DAEMON=host:port it uses a running daemon instead.
+
+The training loop is an ordinary one over pyrannc.RaNNCModule(model, optimizer,
+enable_apex_amp=True): the daemon's mixed precision in bf16 (the config key amp_dtype, whose
+default is bf16; RANNC_AMP_DTYPE overrides it) with fp32 master weights, AdamW (lr 1e-4, betas
+0.9/0.95, weight decay 0.1) as gpt_peers.py uses, the workload's global batch (16 sequences)
+from one client, the same seeded model (built on the host, where pyrannc traces it). The daemon
+plans the model itself (stages x replicas x micro-batches); RANNC_PARTITION_NUM and friends
+force a shape.
+
+Run 1 (JSON line with "system": "rannc"): 3 warm-up + 10 timed steps. A step is forward,
+loss.backward(), optimizer.step(), zero_grad() and then the flush of what pyrannc defers to the
+next forward (backward, step, zero_grad travel with it otherwise), so each timed step holds one
+whole training step; the daemon runs a job's requests in order, so any device work a flush
+leaves running is waited for by the next step's forward, and the median stays a step period.
+Besides gpt_peers.py's fields: planning_s and profiling_s (the deployment's planning_seconds
+and profiling_seconds: the daemon's planning at the first forward, profiling included), the plan
+(stages, replicas per stage, micro-batches, schedule, recomputation, the planner's step-time and
+memory estimates), peak memory per device (ListJobs' peak_device_bytes: the daemon's measured
+high-water mark during a step, what a device held when the step began included), and
+time_to_first_step_s: from RaNNCModule(...) to the end of the first step, i.e. tracing the model
+on the host, sending it, planning, placing it on the devices, and one step. The daemon is
+started (or reached) before that clock starts: daemon_start_s is apart.
+
+Run 2 (JSON line with "system": "rannc (saved deployment)"): the plan of run 1 is saved
+(save_deployment, to --deployment), the first job is deleted, and a new RaNNCModule with
+load_deployment= trains --second-steps steps (default 1) from the same host model: its
+time_to_first_step_s is the cost of a start that skips planning. --second-steps 0 skips it.
+
+The host must hold the traced model: pyrannc traces the model on the host at the full batch
+(with autograd), serializes it, and the daemon loads it and keeps host masters. The script
+estimates that (20 bytes a parameter plus the trace's activations; tens of GiB for A, hundreds
+for B) and prints {"skipped": why} when MemAvailable is smaller (--force tries anyway).
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "python_client"))
+
+import torch  # noqa: E402
+
+import gpt_model as gm  # noqa: E402
+
+GIB = 1 << 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="A", choices=sorted(gm.WORKLOADS))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="the daemon's devices: RANNC_DEVICES defaults to cuda, or cpu:2")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--second-steps", type=int, default=1,
+                   help="steps of the run from the saved deployment (0: no second run)")
+    p.add_argument("--deployment", help="where to save run 1's deployment (default: a "
+                   "temporary file)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--zero", action="store_true", help="enable_zero=True")
+    p.add_argument("--force", action="store_true", help="run even if the host-memory estimate "
+                   "says the trace will not fit")
+    p.add_argument("--pid-file", help="write the embedded daemon's pid here once it runs")
+    p.add_argument("--attention", default="sdpa", choices=gm.ATTENTIONS,
+                   help="sdpa: F.scaled_dot_product_attention (the issue's); math: written out")
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    return p.parse_args(argv)
+
+
+def emit(record, out):
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def host_bytes_needed(cfg) -> int:
+    """A rough upper estimate of the host memory a run needs: the client's fp32 model, the
+    serialized trace (two copies while pyrannc sends it), the daemon's loaded module and host
+    masters (20 bytes a parameter together), plus the trace's forward with autograd at the full
+    batch on the host (~16 saved d_model-wide fp32 tensors a token and layer, three copies of the
+    logits)."""
+    tokens = cfg.tokens_per_step
+    activations = tokens * cfg.d_model * 4 * 16 * cfg.layers + tokens * cfg.vocab * 4 * 3
+    return 20 * gm.param_count(cfg) + activations
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def job_summary(rmod):
+    from pyrannc import _daemon
+    from pyrannc.proto.rannc.v1 import training_pb2 as pb
+    jobs = _daemon.connection().call("ListJobs", pb.Empty()).jobs
+    return next(j for j in jobs if j.job_id == rmod._job.id)
+
+
+def delete_job(rmod):
+    """Deletes the job without pulling its state to the host first (as _drop_job would: GiBs
+    for A), so the second run starts on empty devices."""
+    from pyrannc import _daemon
+    from pyrannc.proto.rannc.v1 import training_pb2 as pb
+    _daemon.connection().call("DeleteJob", pb.JobRef(job_id=rmod._job.id))
+    rmod._job = None
+
+
+def plan_of(deployment):
+    from pyrannc.proto.rannc.v1 import deployment_pb2
+    if deployment is None:
+        return None
+    return {
+        "stages": len(deployment.stages),
+        "replicas": [len(s.devices) for s in deployment.stages],
+        "devices": [list(s.devices) for s in deployment.stages],
+        "micro_batches": deployment.micro_batches,
+        "schedule": deployment_pb2.PipelineSchedule.Name(deployment.schedule)
+        .replace("SCHEDULE_", ""),
+        "recompute": [bool(s.recompute) for s in deployment.stages],
+        "estimated_step_ms": deployment.estimated_step_ms,
+        "estimated_memory_gib": [s.memory_bytes / GIB for s in deployment.stages],
+        "device_type": deployment.device_type,
+        "device_memory_gib": deployment.device_memory_bytes / GIB,
+        "loaded": deployment.loaded,
+    }
+
+
+def write_pid(path):
+    from pyrannc import _daemon
+    conn = _daemon.current_connection()
+    if path and conn is not None and conn.embedded is not None:
+        with open(path, "w", encoding="ascii") as f:
+            f.write(f"{conn.embedded.proc.pid}\n")
+
+
+def train(rmod, opt, cfg, gen, steps, started):
+    """`steps` training steps; returns each step's seconds, losses and the end of the first step
+    measured from `started`."""
+    flush = getattr(rmod, "_flush", None)  # pyrannc's deferred backward/step/zero_grad
+    times, losses, first = [], [], None
+    for _ in range(steps):
+        x, y = gm.batch(cfg, cfg.batch, gen)
+        t0 = time.perf_counter()
+        loss = rmod(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if flush is not None:
+            flush()
+        t1 = time.perf_counter()
+        if first is None:
+            first = t1 - started
+        times.append(t1 - t0)
+        losses.append(float(loss))
+    return times, losses, first
+
+
+def make_optimizer(model, args):
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                             weight_decay=0.1)
+
+
+def base_record(system, args, cfg):
+    return {"system": system, "workload": cfg.name, "device": args.device}
+
+
+def run(args, cfg, phase):
+    """Runs 1 and 2; phase[0] names the system a failure belongs to."""
+    import pyrannc
+
+    build_start = time.perf_counter()
+    model = gm.build(cfg, "cpu", attention=args.attention)
+    build_s = time.perf_counter() - build_start
+    gen = torch.Generator().manual_seed(gm.SEED + 1)
+
+    # Start (or reach) the daemon before the clock: time to first step is the job's, in both
+    # runs, not the daemon's start (which measures its links).
+    daemon_start = time.perf_counter()
+    from pyrannc import _daemon
+    _daemon.connection()
+    daemon_start_s = time.perf_counter() - daemon_start
+    write_pid(args.pid_file)
+
+    opt = make_optimizer(model, args)
+    started = time.perf_counter()
+    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero)
+    times, losses, first = train(rmod, opt, cfg, gen, args.warmup + args.steps, started)
+    deployment = rmod.deployment
+    summary = job_summary(rmod)
+    devices = list(summary.devices)
+    gpus = len(devices)
+    step_s = times[args.warmup:]
+    median = statistics.median(step_s)
+    record = base_record("rannc", args, cfg)
+    record.update({
+        "gpus": gpus,
+        "daemon_devices": devices,
+        "torch": torch.__version__,
+        "params": gm.param_count(cfg),
+        "flops_per_token": gm.flops_per_token(cfg),
+        "global_batch": cfg.batch,
+        "seq": cfg.seq,
+        "tokens_per_step": cfg.tokens_per_step,
+        "enable_zero": args.zero,
+        "attention": gm.effective_attention(args.attention),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "step_s_median": median,
+        "step_s": step_s,
+        **gm.throughput(cfg, median, gpus),
+        "peak_mem_gib": [b / GIB for b in summary.peak_device_bytes],
+        "peak_mem_gib_max": max(summary.peak_device_bytes) / GIB
+        if summary.peak_device_bytes else None,
+        "planning_s": deployment.planning_seconds if deployment is not None else None,
+        "profiling_s": deployment.profiling_seconds if deployment is not None else None,
+        "plan": plan_of(deployment),
+        "plan_summary": rmod.plan_summary,
+        "time_to_first_step_s": first,
+        "model_build_s": build_s,
+        "daemon_start_s": daemon_start_s,
+        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    })
+    emit(record, args.out)
+
+    if args.second_steps <= 0:
+        return
+    phase[0] = "rannc (saved deployment)"
+    path = args.deployment or os.path.join(tempfile.mkdtemp(prefix="gpt_rannc."),
+                                           f"gpt_{cfg.name}.deployment")
+    rmod.save_deployment(path)
+    delete_job(rmod)
+    del rmod, opt
+    # From the host model as built: run 1's training stayed in the daemon and went with its job.
+    opt = make_optimizer(model, args)
+    started = time.perf_counter()
+    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero,
+                               load_deployment=path)
+    times, losses, first = train(rmod, opt, cfg, gen, args.second_steps, started)
+    deployment = rmod.deployment
+    summary = job_summary(rmod)
+    record = base_record("rannc (saved deployment)", args, cfg)
+    record.update({
+        "gpus": len(summary.devices),
+        "deployment_file": path,
+        "time_to_first_step_s": first,
+        "step_s": times,
+        # A loaded deployment carries the planning time of the run that made it; none was spent.
+        "planning_s": 0.0 if deployment is not None and deployment.loaded else
+        (deployment.planning_seconds if deployment is not None else None),
+        "plan": plan_of(deployment),
+        "peak_mem_gib": [b / GIB for b in summary.peak_device_bytes],
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    })
+    emit(record, args.out)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = gm.WORKLOADS[args.model]
+    os.environ.setdefault("RANNC_DEVICES", "cuda" if args.device == "cuda" else "cpu:2")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the daemon inherits it
+    need, have = host_bytes_needed(cfg), mem_available()
+    if need > have and not args.force:
+        emit({**base_record("rannc", args, cfg), "skipped":
+              f"pyrannc traces the model on the host at the full batch: about "
+              f"{need / GIB:.0f} GiB of host memory needed, {have / GIB:.0f} GiB available "
+              "(--force tries anyway)"}, args.out)
+        return 0
+    phase = ["rannc"]
+    try:
+        run(args, cfg, phase)
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported as the run's result
+        traceback.print_exc()
+        emit({**base_record(phase[0], args, cfg), "error": f"{type(e).__name__}: {e}"[:800]},
+             args.out)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
