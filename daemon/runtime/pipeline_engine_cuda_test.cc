@@ -1,8 +1,9 @@
 // The pipeline engine on CUDA devices (EngineOptions::placement) against the same plan on the
-// CPU, which pipeline_engine_test holds to PyTorch (bf16: against one device of the same GPU). Needs a CUDA LibTorch and at least one GPU
-// (tag gpu; it fails, not skips, without them). The plan's four devices go round-robin over the
-// GPUs, so on one GPU they share it, and transfers go through host memory (host-staged fake
-// backend); with NCCL built in, a case per GPU count runs over NCCL with one plan device per GPU.
+// CPU, which pipeline_engine_test holds to PyTorch (bf16: against one device of the same GPU).
+// Needs a CUDA LibTorch and at least one GPU (tag gpu; it fails, not skips, without them). The
+// plan's four devices go round-robin over the GPUs, so on one GPU they share it, and transfers
+// go through host memory (host-staged fake backend); with NCCL built in, a case per GPU count
+// runs over NCCL with one plan device per GPU.
 //
 // fp32 is held to the CPU engine: losses and gradients to rtol 1e-5 / atol 1e-6 (fp32 round-off:
 // CUDA's kernels sum in other orders), parameters after three AdamW steps to rtol 1e-4 /
