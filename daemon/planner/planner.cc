@@ -94,6 +94,8 @@ absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
   if (!s.ok()) return s;
   s = ReadInt(keys, "profile_repeats", 1, &c.profiling.repeats);
   if (!s.ok()) return s;
+  s = ReadInt(keys, "batch_size", 0, &c.batch_size);
+  if (!s.ok()) return s;
   if (auto it = keys.find("mem_margin"); it != keys.end()) {
     if (!absl::SimpleAtod(it->second, &c.mem_margin) || c.mem_margin < 0 || c.mem_margin >= 1) {
       return BadKey("mem_margin", it->second, "a fraction in [0, 1)");

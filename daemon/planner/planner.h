@@ -54,6 +54,10 @@ struct PlannerConfig {
   // are profiled first, and when they cost the same per sample (within 25%, for 95% of the
   // time: a compute-bound device), the sizes between are interpolated instead of run.
   bool profile_all_sizes = false;
+  // "batch_size": the global batch to plan for; 0 (the default): the example inputs' batch. A
+  // client that traces the model on a few samples of its batch (pyrannc's trace_batch) sends
+  // the whole batch's size here.
+  int batch_size = 0;
 };
 
 // Reads the keys above from `keys` (other keys are ignored: clients send every RANNC_*

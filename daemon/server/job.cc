@@ -144,7 +144,7 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
           "load_deployment: the file is not a deployment (a serialized rannc.v1.Deployment)");
     }
     planner::PlanTarget target = config.plan_target;
-    target.batch_size = ir.example_batch;
+    if (target.batch_size <= 0) target.batch_size = ir.example_batch;
     absl::Status fits = planner::CheckDeployment(loaded, ir, target);
     if (!fits.ok()) return Annotate(fits, "load_deployment");
     loaded.set_loaded(true);

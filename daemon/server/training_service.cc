@@ -295,6 +295,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
       {spec.options().config().begin(), spec.options().config().end()});
   if (!planner.ok()) return Fail("CreateJob", planner.status());
   config.planner = *planner;
+  config.plan_target.batch_size = config.planner.batch_size;  // a dry run's may override it
 
   if (spec.dry_run().num_devices() > 0) {
     const v1::PlanTarget& dry = spec.dry_run();
@@ -302,7 +303,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     if (dry.device_memory_bytes() != 0) {
       config.plan_target.device_memory_bytes = dry.device_memory_bytes();
     }
-    config.plan_target.batch_size = dry.batch_size();
+    if (dry.batch_size() > 0) config.plan_target.batch_size = dry.batch_size();
     if (!dry.links().empty()) {
       absl::StatusOr<planner::Links> links = planner::LinksFromString(dry.links());
       if (!links.ok()) return Fail("CreateJob", Annotate(links.status(), "dry_run.links"));

@@ -15,7 +15,7 @@ CLIENT_KEYS = frozenset({
     "devices", "device_memory", "conf_dir", "client_rank", "client_world", "job", "job_name",
     "client_timeout",
     "listen", "peers", "log_level", "max_message_size", "shm_dir", "links", "profile_cache",
-    "advertise", "cluster_size", "heartbeat_interval", "peer_timeout",
+    "advertise", "cluster_size", "heartbeat_interval", "peer_timeout", "trace_batch",
 })
 
 

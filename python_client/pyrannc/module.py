@@ -217,6 +217,25 @@ class RaNNCModule(torch.nn.Module):
         dropout = training if self._dropout is None else self._dropout
         return pb.Mode(training=training, dropout=dropout)
 
+    def _trace_inputs(self, inputs):
+        """The inputs the model is traced on and sent as the job's examples, and the batch to
+        plan for (None: theirs).
+
+        With the client setting trace_batch (RANNC_TRACE_BATCH) = n, a batch of more than n
+        samples (every tensor input with the same first dimension) is traced on its first n
+        samples, and the daemon plans for the whole batch (planner key batch_size, unless set):
+        the trace's forward, the daemon's validation run and its IR cost n samples' compute and
+        memory, not the batch's. The model must not fix its batch size (x.view(batch, ...)).
+        """
+        n = int(_config.client_setting("trace_batch", "0") or 0)
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        if n <= 0 or not tensors or any(t.dim() == 0 for t in tensors):
+            return inputs, None
+        batch = tensors[0].size(0)
+        if batch <= n or any(t.size(0) != batch for t in tensors):
+            return inputs, None
+        return [x[:n] if isinstance(x, torch.Tensor) else x for x in inputs], batch
+
     def _trace(self, inputs, mode: pb.Mode) -> Tuple[bytes, object]:
         """Traces the model in `mode`; returns the serialized module and its output spec.
 
@@ -271,6 +290,7 @@ class RaNNCModule(torch.nn.Module):
     def _create_job(self, inputs, mode: pb.Mode) -> None:
         conn = _daemon.connection()
         _delete_orphaned_jobs(conn)
+        inputs, plan_batch = self._trace_inputs(inputs)
         model_bytes, spec = self._trace(inputs, mode)
         names_by_id = self._names_by_id()
         optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
@@ -298,7 +318,7 @@ class RaNNCModule(torch.nn.Module):
                                 offload_params=self._offload_params,
                                 enable_apex_amp=self._amp,
                                 allreduce_amp_master_params=self._allreduce_amp_master_params,
-                                config=_config.job_config(),
+                                config=_job_config(plan_batch),
                                 load_deployment=self._deployment_bytes,
                                 client_world=world, client_timeout_ms=client_timeout_ms())
         with _shm.session(conn.shm) as wire:
@@ -349,7 +369,7 @@ class RaNNCModule(torch.nn.Module):
         resp = conn.call("SetMode", pb.SetModeRequest(job_id=job.id, mode=mode))
         key = _mode_key(mode)
         if not resp.has_graph or key not in job.specs:
-            model_bytes, spec = self._trace(inputs, mode)
+            model_bytes, spec = self._trace(self._trace_inputs(inputs)[0], mode)
             job.specs[key] = spec
             if not resp.has_graph:
                 step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
@@ -739,6 +759,15 @@ def job_name(model) -> str:
     if model is None:
         raise ValueError("pyrannc: set RANNC_JOB to name the job that several client ranks share")
     return type(model).__name__
+
+
+def _job_config(plan_batch: Optional[int]) -> Dict[str, str]:
+    """JobOptions.config: the job keys, and the batch to plan for when the model was traced on
+    part of it (a batch_size the user set wins)."""
+    config = _config.job_config()
+    if plan_batch is not None:
+        config.setdefault("batch_size", str(plan_batch))
+    return config
 
 
 def client_timeout_ms() -> int:

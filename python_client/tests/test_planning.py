@@ -188,3 +188,56 @@ def test_deployment_survives_clear(tmp_path):
     rmod.save_deployment(tmp_path / "after_clear.deployment")
     assert dpb.Deployment.FromString(
         (tmp_path / "after_clear.deployment").read_bytes()) == planned
+
+
+def test_trace_batch_traces_a_few_samples_and_plans_the_whole_batch(monkeypatch, tmp_path):
+    """RANNC_TRACE_BATCH=2: the model is traced (and the daemon builds its IR) on 2 samples of
+    the first batch of 16, the plan is for 16, and training equals PyTorch's on whole batches;
+    the deployment saved from it loads into a job traced the same way."""
+    monkeypatch.setenv("RANNC_TRACE_BATCH", "2")
+    monkeypatch.setenv("RANNC_PARTITION_NUM", "2")
+
+    class Recording(MLP3):
+        traced_batches = []
+
+        def forward(self, x, y):
+            if torch.jit.is_tracing():
+                Recording.traced_batches.append(x.shape[0])
+            return super().forward(x, y)
+
+    torch.manual_seed(0)
+    model = Recording()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    for step in range(2):
+        batch = models.mlp_batch(step)
+        loss = rmod(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(*batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_close(loss.detach(), ref_loss.detach(), f"loss of step {step}")
+    ours = rmod.state_dict()
+    for name, value in ref.state_dict().items():
+        assert_close(ours[name], value, f"{name} after 2 steps")
+    assert Recording.traced_batches == [2]
+    d = rmod.deployment
+    assert d.batch_size == 16
+    assert len(d.stages) == 2
+    path = tmp_path / "traced_on_two.deployment"
+    rmod.save_deployment(path)
+
+    torch.manual_seed(0)
+    again = Recording()
+    again_opt = torch.optim.SGD(again.parameters(), lr=0.1)
+    loaded = pyrannc.RaNNCModule(again, again_opt, load_deployment=str(path))
+    loss = loaded(*models.mlp_batch(0))
+    assert Recording.traced_batches == [2, 2]
+    assert loaded.deployment.loaded
+    assert loaded.deployment.batch_size == 16
+    assert torch.isfinite(loss).all()
