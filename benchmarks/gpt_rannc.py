@@ -39,10 +39,11 @@ Run 2 (JSON line with "system": "rannc (saved deployment)"): the plan of run 1 i
 load_deployment= trains --second-steps steps (default 1) from the same host model: its
 time_to_first_step_s is the cost of a start that skips planning. --second-steps 0 skips it.
 
-The host must hold the traced model: pyrannc traces the model on the host at the full batch
-(with autograd), serializes it, and the daemon loads it and keeps host masters. The script
-estimates that (20 bytes a parameter plus the trace's activations; tens of GiB for A, hundreds
-for B) and prints {"skipped": why} when MemAvailable is smaller (--force tries anyway).
+The host must hold the traced model: pyrannc traces the model on the host (with autograd) on
+--trace-batch samples of the first batch (RANNC_TRACE_BATCH; default 1, the plan is still for
+the whole batch; 0 traces the whole batch), serializes it, and the daemon loads it and keeps
+host masters. The script estimates that (20 bytes a parameter plus the trace's activations)
+and prints {"skipped": why} when MemAvailable is smaller (--force tries anyway).
 """
 
 import argparse
@@ -80,6 +81,9 @@ def parse_args(argv=None):
                    "temporary file)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--zero", action="store_true", help="enable_zero=True")
+    p.add_argument("--trace-batch", type=int, default=1,
+                   help="samples of the first batch the model is traced on (RANNC_TRACE_BATCH; "
+                        "0: the whole batch)")
     p.add_argument("--force", action="store_true", help="run even if the host-memory estimate "
                    "says the trace will not fit")
     p.add_argument("--pid-file", help="write the embedded daemon's pid here once it runs")
@@ -97,13 +101,14 @@ def emit(record, out):
             f.write(line + "\n")
 
 
-def host_bytes_needed(cfg) -> int:
+def host_bytes_needed(cfg, trace_batch: int) -> int:
     """A rough upper estimate of the host memory a run needs: the client's fp32 model, the
     serialized trace (two copies while pyrannc sends it), the daemon's loaded module and host
-    masters (20 bytes a parameter together), plus the trace's forward with autograd at the full
-    batch on the host (~16 saved d_model-wide fp32 tensors a token and layer, three copies of the
-    logits)."""
-    tokens = cfg.tokens_per_step
+    masters (20 bytes a parameter together), plus the trace's forward with autograd on the
+    traced samples on the host (~16 saved d_model-wide fp32 tensors a token and layer, three
+    copies of the logits)."""
+    samples = trace_batch if 0 < trace_batch < cfg.batch else cfg.batch
+    tokens = samples * cfg.seq
     activations = tokens * cfg.d_model * 4 * 16 * cfg.layers + tokens * cfg.vocab * 4 * 3
     return 20 * gm.param_count(cfg) + activations
 
@@ -289,10 +294,12 @@ def main(argv=None):
     cfg = gm.WORKLOADS[args.model]
     os.environ.setdefault("RANNC_DEVICES", "cuda" if args.device == "cuda" else "cpu:2")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the daemon inherits it
-    need, have = host_bytes_needed(cfg), mem_available()
+    if args.trace_batch > 0:
+        os.environ.setdefault("RANNC_TRACE_BATCH", str(args.trace_batch))
+    need, have = host_bytes_needed(cfg, args.trace_batch), mem_available()
     if need > have and not args.force:
         emit({**base_record("rannc", args, cfg), "skipped":
-              f"pyrannc traces the model on the host at the full batch: about "
+              f"pyrannc traces the model on the host: about "
               f"{need / GIB:.0f} GiB of host memory needed, {have / GIB:.0f} GiB available "
               "(--force tries anyway)"}, args.out)
         return 0
