@@ -243,7 +243,8 @@ TEST_CASE("Over NCCL, one plan device per GPU, the engine trains as on the CPU",
     std::vector<c10::Device> placement;
     for (int d = 0; d < n; ++d) placement.emplace_back(c10::kCUDA, d);
     for (const Mode& mode : {Mode{"plain", false, false, {}}, Mode{"zero", true, false, {}},
-                             Mode{"offload", false, true, {}}}) {
+                             Mode{"offload", false, true, {}},
+                             Mode{"zero+offload", true, true, {}}}) {
       INFO(c.model << ", " << mode.name << ", " << c.devices.size() << " stage(s) over " << n
                    << " GPU(s), NCCL");
       FixtureIr f = BuildFixtureIr(c.model);
