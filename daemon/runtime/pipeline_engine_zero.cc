@@ -72,7 +72,8 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
     for (auto& [type, part] : by_type) {
       part.len = (sizes[type] + R - 1) / R;
       // Offloaded, the flat buffer is only where the host shard is cut from.
-      part.flat = at::zeros({part.len * R}, offload_ ? at::TensorOptions().dtype(type) : d.On(type));
+      part.flat =
+          at::zeros({part.len * R}, offload_ ? at::TensorOptions().dtype(type) : d.On(type));
       for (size_t i = 0; i < part.params.size(); ++i) {
         at::Tensor& p = d.Master(part.params[i]);
         part.flat.narrow(0, part.offsets[i], p.numel()).copy_(p.reshape(-1));

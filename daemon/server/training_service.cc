@@ -332,7 +332,9 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     config.placement.assign(config.plan_target.num_devices, c10::Device(c10::kCPU));
     for (size_t k = 0; k < config.local_devices.size() && k < facts_.devices.size(); ++k) {
       const int index = config.local_devices[k];
-      if (index >= 0 && index < config.plan_target.num_devices) config.placement[index] = PlaceOf(k);
+      if (index >= 0 && index < config.plan_target.num_devices) {
+        config.placement[index] = PlaceOf(k);
+      }
     }
   } else {
     absl::Status spanned = SpanCluster(id, spec, &config);
