@@ -138,25 +138,37 @@ Profiler::Profiler(const IrGraph& ir, std::vector<at::Tensor> tensors,
   }
 }
 
+absl::StatusOr<Profiler::Blocks> Profiler::BuildBlocks(const std::vector<int>& starts,
+                                                         int64_t batch,
+                                                         const std::string& options) const {
+  Blocks blocks;
+  const int n = static_cast<int>(starts.size());
+  for (int b = 0; b < n; ++b) {
+    const int end = b + 1 < n ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, starts[b], end);
+    if (!sub.ok()) return sub.status();
+    blocks.structures.push_back(Structure(ir_, *sub));
+    PlaceOnDevice(*sub->graph, options_.device);
+    blocks.keys.push_back({absl::StrCat("s/", StableHash(blocks.structures.back())), batch,
+                           options_.device_type, options});
+    blocks.cached.push_back(cache_ ? cache_->Find(blocks.keys.back()) : std::nullopt);
+    blocks.subs.push_back(std::move(*sub));
+  }
+  return blocks;
+}
+
 absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
   OnDevice on_device(options_.device);
   const int n = static_cast<int>(ir_.nodes.size());
   const std::string options = absl::StrCat("atomic-fwd,r", options_.repeats, ",", AutocastState());
-  std::vector<Subgraph> subs;
-  std::vector<std::string> structures;
-  std::vector<ProfileKey> keys;
-  std::vector<std::optional<ProfileRecord>> cached;
-  for (int i = 0; i < n; ++i) {
-    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, i, i + 1);
-    if (!sub.ok()) return sub.status();
-    structures.push_back(Structure(ir_, *sub));
-    PlaceOnDevice(*sub->graph, options_.device);
-    keys.push_back({absl::StrCat("s/", StableHash(structures.back())), ir_.example_batch,
-                    options_.device_type, options});
-    cached.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
-    subs.push_back(std::move(*sub));
-  }
-  node_classes_ = Classes(structures);
+  std::vector<int> every_node(n);
+  for (int i = 0; i < n; ++i) every_node[i] = i;
+  absl::StatusOr<Blocks> nodes = BuildBlocks(every_node, ir_.example_batch, options);
+  if (!nodes.ok()) return nodes.status();
+  const std::vector<Subgraph>& subs = nodes->subs;
+  const std::vector<ProfileKey>& keys = nodes->keys;
+  const std::vector<std::optional<ProfileRecord>>& cached = nodes->cached;
+  node_classes_ = Classes(nodes->structures);
   std::vector<double> node_ms(n);
   // The first node of each class; later ones take its time (and, in the pass below, its
   // outputs as theirs, which have the same shapes).
@@ -246,24 +258,14 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
                    options_.min_time_ms, ",l", options_.long_run_ms, ",", AutocastState());
   const int num_blocks = static_cast<int>(starts.size());
   std::vector<ProfileRecord> records(num_blocks);
-  std::vector<Subgraph> subs;
-  std::vector<std::string> structures;
-  std::vector<ProfileKey> keys;
-  std::vector<std::optional<ProfileRecord>> hits;
-  for (int b = 0; b < num_blocks; ++b) {
-    const int end = b + 1 < num_blocks ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
-    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir_, starts[b], end);
-    if (!sub.ok()) return sub.status();
-    structures.push_back(Structure(ir_, *sub));
-    PlaceOnDevice(*sub->graph, options_.device);
-    keys.push_back({absl::StrCat("s/", StableHash(structures.back())), micro_batch,
-                    options_.device_type, options});
-    hits.push_back(cache_ ? cache_->Find(keys.back()) : std::nullopt);
-    subs.push_back(std::move(*sub));
-  }
+  absl::StatusOr<Blocks> blocks = BuildBlocks(starts, micro_batch, options);
+  if (!blocks.ok()) return blocks.status();
+  const std::vector<Subgraph>& subs = blocks->subs;
+  const std::vector<ProfileKey>& keys = blocks->keys;
+  const std::vector<std::optional<ProfileRecord>>& hits = blocks->cached;
   // A block that repeats an earlier one (the same ops on the same kinds of inputs) is measured
   // once: it takes the earlier block's record, and its outputs as its own.
-  const std::vector<int> classes = Classes(structures);
+  const std::vector<int> classes = Classes(blocks->structures);
   std::vector<int> first(num_blocks, -1);
   int last_needed = -1;
   for (int b = 0; b < num_blocks; ++b) {

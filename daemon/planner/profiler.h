@@ -29,6 +29,7 @@
 #ifndef RANNC_DAEMON_PLANNER_PROFILER_H_
 #define RANNC_DAEMON_PLANNER_PROFILER_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/graph/ir.h"
+#include "daemon/graph/subgraph.h"
 #include "daemon/planner/profile_cache.h"
 
 namespace rannc {
@@ -82,6 +84,18 @@ class Profiler {
   int shared() const { return shared_; }
 
  private:
+  // The blocks [starts[b], starts[b+1]) (the last ends at the last node) as the profiler runs
+  // them: their subgraphs on the profiling device, their structures, their cache keys at `batch`
+  // samples under `options`, and the cache's records of them (none where not cached).
+  struct Blocks {
+    std::vector<Subgraph> subs;
+    std::vector<std::string> structures;
+    std::vector<ProfileKey> keys;
+    std::vector<std::optional<ProfileRecord>> cached;
+  };
+  absl::StatusOr<Blocks> BuildBlocks(const std::vector<int>& starts, int64_t batch,
+                                     const std::string& options) const;
+
   const IrGraph& ir_;
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> example_inputs_;
