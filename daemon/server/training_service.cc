@@ -273,9 +273,9 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   config.loss_scale = *loss_scale;
   config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
   for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
-  for (size_t k = 0; k < facts_.devices.size(); ++k) config.placement.push_back(PlaceOf(k));
+  config.placement = Placement(static_cast<int>(facts_.devices.size()), {});
   // Blocks are profiled on the kind of device they will run on: this daemon's first.
-  if (!facts_.devices.empty()) config.plan_target.profile_device = PlaceOf(0);
+  if (!config.placement.empty()) config.plan_target.profile_device = config.placement[0];
   if (!facts_.devices.empty()) {
     config.plan_target.device_type = facts_.devices[0].type;
     config.plan_target.device_memory_bytes = facts_.devices[0].memory_bytes;
@@ -328,14 +328,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     config.engine_store_address = part.store_address();
     config.engine_group = part.group();
     config.device_names.clear();
-    // The leader numbers a member's devices in the member's own order.
-    config.placement.assign(config.plan_target.num_devices, c10::Device(c10::kCPU));
-    for (size_t k = 0; k < config.local_devices.size() && k < facts_.devices.size(); ++k) {
-      const int index = config.local_devices[k];
-      if (index >= 0 && index < config.plan_target.num_devices) {
-        config.placement[index] = PlaceOf(k);
-      }
-    }
+    config.placement = Placement(config.plan_target.num_devices, config.local_devices);
   } else {
     absl::Status spanned = SpanCluster(id, spec, &config);
     if (!spanned.ok()) return Fail("CreateJob", spanned);
@@ -418,23 +411,26 @@ absl::Status TrainingServiceImpl::SpanCluster(const std::string& job_id, const v
     }
   }
   config->plan_target.num_devices = static_cast<int>(config->device_names.size());
-  config->placement.assign(config->plan_target.num_devices, c10::Device(c10::kCPU));
-  for (size_t k = 0; k < config->local_devices.size() && k < facts_.devices.size(); ++k) {
-    config->placement[config->local_devices[k]] = PlaceOf(k);
-  }
+  config->placement = Placement(config->plan_target.num_devices, config->local_devices);
   config->engine_store = store_;
   config->engine_group = job_id;
   config->spec = spec;
   return absl::OkStatus();
 }
 
-c10::Device TrainingServiceImpl::PlaceOf(size_t k) const {
-  const DaemonFacts::Device& device = facts_.devices[k];
-  if (device.type != "cuda") return c10::Device(c10::kCPU);
-  // Named "cuda:<index>" (daemon.cc).
-  const size_t colon = device.name.rfind(':');
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
-                                     std::stoi(device.name.substr(colon + 1))));
+std::vector<c10::Device> TrainingServiceImpl::Placement(int num_devices,
+                                                        const std::vector<int>& local) const {
+  std::vector<c10::Device> placement(std::max(num_devices, 0), c10::Device(c10::kCPU));
+  for (size_t k = 0; k < facts_.devices.size(); ++k) {
+    const int index = local.empty() ? static_cast<int>(k) : k < local.size() ? local[k] : -1;
+    const DaemonFacts::Device& device = facts_.devices[k];
+    if (index < 0 || index >= num_devices || device.type != "cuda") continue;
+    // Named "cuda:<index>" (daemon.cc).
+    const size_t colon = device.name.rfind(':');
+    placement[index] = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
+                                                   std::stoi(device.name.substr(colon + 1))));
+  }
+  return placement;
 }
 
 std::vector<std::string> TrainingServiceImpl::OtherMembers() const {

@@ -91,8 +91,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status AbortStep(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
 
  private:
-  // Where the engine runs this daemon's k-th device.
-  c10::Device PlaceOf(size_t k) const;
+  // Where the engine runs each of a plan's `num_devices` devices: this daemon's k-th device (a
+  // GPU, or the CPU) is plan device local[k], or k when `local` is empty (the daemon's own plan);
+  // other daemons' devices are the CPU here (not run by this daemon).
+  std::vector<c10::Device> Placement(int num_devices, const std::vector<int>& local) const;
   // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
   // Flush).
   // `client_rank`: the caller's (JobOptions.client_world).
