@@ -144,15 +144,14 @@ def test_a_file_that_is_not_a_deployment_fails_before_the_daemon(tmp_path, monke
         pyrannc.RaNNCModule(models.MLP(), load_deployment=tmp_path / "missing.deployment")
 
 
-def test_partition_num_gives_that_many_stages(monkeypatch, tmp_path):
-    monkeypatch.setenv("RANNC_PARTITION_NUM", "2")
-    torch.manual_seed(0)
-    model = MLP3()
+def _train_beside_pytorch(model, steps=2):
+    """Trains `model` through pyrannc and a copy of it in PyTorch (SGD, lr 0.1) on the same
+    batches; the losses must agree at every step. Returns the RaNNCModule and the copy."""
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     rmod = pyrannc.RaNNCModule(model, opt)
-    for step in range(2):
+    for step in range(steps):
         batch = models.mlp_batch(step)
         loss = rmod(*batch)
         loss.backward()
@@ -162,7 +161,14 @@ def test_partition_num_gives_that_many_stages(monkeypatch, tmp_path):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        assert_close(loss.detach(), ref_loss.detach(), f"two-stage loss of step {step}")
+        assert_close(loss.detach(), ref_loss.detach(), f"loss of step {step}")
+    return rmod, ref
+
+
+def test_partition_num_gives_that_many_stages(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANNC_PARTITION_NUM", "2")
+    torch.manual_seed(0)
+    rmod, _ = _train_beside_pytorch(MLP3())
     d = rmod.deployment
     assert len(d.stages) == 2
     _check_covers(d)
@@ -206,22 +212,7 @@ def test_trace_batch_traces_a_few_samples_and_plans_the_whole_batch(monkeypatch,
             return super().forward(x, y)
 
     torch.manual_seed(0)
-    model = Recording()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    rmod = pyrannc.RaNNCModule(model, opt)
-    for step in range(2):
-        batch = models.mlp_batch(step)
-        loss = rmod(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(*batch)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert_close(loss.detach(), ref_loss.detach(), f"loss of step {step}")
+    rmod, ref = _train_beside_pytorch(Recording())
     ours = rmod.state_dict()
     for name, value in ref.state_dict().items():
         assert_close(ours[name], value, f"{name} after 2 steps")
