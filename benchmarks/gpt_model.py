@@ -28,6 +28,7 @@ missing (1.13), attention is written out with a causal mask, as attention="math"
 """
 
 import dataclasses
+import json
 import math
 
 import torch
@@ -92,6 +93,16 @@ def throughput(cfg: GPTConfig, step_seconds: float, gpus: int) -> dict:
     tflops_per_gpu = tokens_per_s * flops_per_token(cfg) / max(gpus, 1) / 1e12
     return {"tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops_per_gpu,
             "mfu": tflops_per_gpu / PEAK_BF16_TFLOPS}
+
+
+def emit(record: dict, out=None) -> None:
+    """Prints `record` as one JSON line (the harnesses' result format) and, with `out`, appends
+    it to that file."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
 
 def stage_layers(cfg: GPTConfig, stage: int, stages: int):

@@ -37,7 +37,6 @@ and pipelining paths use PyTorch 2.x APIs and run on the GPU machine (PyTorch 2.
 import argparse
 import datetime
 import inspect
-import json
 import os
 import resource
 import statistics
@@ -72,14 +71,6 @@ def parse_args(argv=None):
                    help="sdpa: F.scaled_dot_product_attention (the issue's); math: written out")
     p.add_argument("--out", help="also append the JSON line to this file")
     return p.parse_args(argv)
-
-
-def emit(record, out):
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out:
-        with open(out, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
 
 
 def base_record(args, cfg, world):
@@ -319,20 +310,20 @@ def main(argv=None):
         skip = "no CUDA device"
     if skip:
         if rank == 0:
-            emit({**base_record(args, cfg, world), "skipped": skip}, args.out)
+            gm.emit({**base_record(args, cfg, world), "skipped": skip}, args.out)
         return 0
 
     try:
         device = init_process_group(args)
         record = run(args, cfg, device)
         if record is not None:
-            emit(record, args.out)
+            gm.emit(record, args.out)
         dist.barrier()
         dist.destroy_process_group()
         return 0
     except Exception as e:  # noqa: BLE001 - reported as the run's result, then re-raised as rc 1
         traceback.print_exc()
-        emit({**base_record(args, cfg, world), "rank": rank,
+        gm.emit({**base_record(args, cfg, world), "rank": rank,
               "error": f"{type(e).__name__}: {e}"[:600]}, args.out)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -47,7 +47,6 @@ and prints {"skipped": why} when MemAvailable is smaller (--force tries anyway).
 """
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -91,14 +90,6 @@ def parse_args(argv=None):
                    help="sdpa: F.scaled_dot_product_attention (the issue's); math: written out")
     p.add_argument("--out", help="also append the JSON lines to this file")
     return p.parse_args(argv)
-
-
-def emit(record, out):
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out:
-        with open(out, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
 
 
 def host_bytes_needed(cfg, trace_batch: int) -> int:
@@ -254,7 +245,7 @@ def run(args, cfg, phase):
         "loss_first": losses[0],
         "loss_last": losses[-1],
     })
-    emit(record, args.out)
+    gm.emit(record, args.out)
 
     if args.second_steps <= 0:
         return
@@ -286,7 +277,7 @@ def run(args, cfg, phase):
         "loss_first": losses[0],
         "loss_last": losses[-1],
     })
-    emit(record, args.out)
+    gm.emit(record, args.out)
 
 
 def main(argv=None):
@@ -298,7 +289,7 @@ def main(argv=None):
         os.environ.setdefault("RANNC_TRACE_BATCH", str(args.trace_batch))
     need, have = host_bytes_needed(cfg, args.trace_batch), mem_available()
     if need > have and not args.force:
-        emit({**base_record("rannc", args, cfg), "skipped":
+        gm.emit({**base_record("rannc", args, cfg), "skipped":
               f"pyrannc traces the model on the host: about "
               f"{need / GIB:.0f} GiB of host memory needed, {have / GIB:.0f} GiB available "
               "(--force tries anyway)"}, args.out)
@@ -309,7 +300,7 @@ def main(argv=None):
         return 0
     except Exception as e:  # noqa: BLE001 - reported as the run's result
         traceback.print_exc()
-        emit({**base_record(phase[0], args, cfg), "error": f"{type(e).__name__}: {e}"[:800]},
+        gm.emit({**base_record(phase[0], args, cfg), "error": f"{type(e).__name__}: {e}"[:800]},
              args.out)
         return 1
 
