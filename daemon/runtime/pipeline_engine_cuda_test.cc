@@ -35,10 +35,7 @@ namespace {
 using testing::BuildFixtureIr;
 using testing::FixtureIr;
 using testing::MakePlan;
-
-bool IsParam(const IrGraph& ir, size_t lifted_index) {
-  return ir.values[ir.inputs[ir.num_user_inputs + lifted_index]].role == ValueRole::kParam;
-}
+using testing::ParamIndices;
 
 int GpuCount() {
   // The CUDA hooks answer once libtorch_cuda is loaded (linked in a CUDA LibTorch build).
@@ -83,10 +80,7 @@ void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, b
   const IrGraph& ir = *f.ir;
   const double rtol = 1e-5, atol = amp ? 1e-3 : 1e-6;
   const double param_rtol = 1e-4, param_atol = amp ? 1e-3 : 1e-5;
-  std::vector<int> params;
-  for (size_t i = 0; i < f.tensors.size(); ++i) {
-    if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
-  }
+  const std::vector<int> params = ParamIndices(ir);
   HyperParams adam;
   adam.lr = 0.01;
   adam.weight_decay = 0.1;

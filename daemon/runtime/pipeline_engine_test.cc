@@ -23,14 +23,12 @@ namespace {
 
 using testing::BuildFixtureIr;
 using testing::FixtureIr;
+using testing::IsParam;
 using testing::MakePlan;
+using testing::ParamIndices;
 
 constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-6;
-
-bool IsParam(const IrGraph& ir, size_t lifted_index) {
-  return ir.values[ir.inputs[ir.num_user_inputs + lifted_index]].role == ValueRole::kParam;
-}
 
 const char* BackendName(comm::Backend b) { return b == comm::Backend::kUcx ? "ucx" : "fake"; }
 
@@ -359,10 +357,7 @@ TEST_CASE("Per-device optimizers match single-device SGD; state moves between en
   FixtureIr f = BuildFixtureIr("multi_io");
   REQUIRE(f.ir.ok());
   const IrGraph& ir = *f.ir;
-  std::vector<int> params;
-  for (size_t i = 0; i < f.tensors.size(); ++i) {
-    if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
-  }
+  const std::vector<int> params = ParamIndices(ir);
   HyperParams sgd;
   sgd.lr = 0.1;
   sgd.momentum = 0.9;
@@ -509,10 +504,7 @@ TEST_CASE("Delayed gradient reduction accumulates like PyTorch and all-reduces o
       delayed_counts.push_back(counter(delayed_group + g));
       eager_counts.push_back(counter(eager_group + g));
     }
-    std::vector<int> params;
-    for (size_t i = 0; i < f.tensors.size(); ++i) {
-      if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
-    }
+    const std::vector<int> params = ParamIndices(ir);
     Reference ref(f);
     auto backward = [&](PipelineEngine& e, const std::vector<at::Tensor>& batch) {
       absl::StatusOr<std::vector<at::Tensor>> out = e.Forward(batch, true);
@@ -709,10 +701,7 @@ TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less
       FixtureIr f = BuildFixtureIr(c.model);
       REQUIRE(f.ir.ok());
       const IrGraph& ir = *f.ir;
-      std::vector<int> params;
-      for (size_t i = 0; i < f.tensors.size(); ++i) {
-        if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
-      }
+      const std::vector<int> params = ParamIndices(ir);
       const v1::Deployment plan = MakePlan(ir, c.devices, c.m, v1::SCHEDULE_1F1B);
       std::unique_ptr<PipelineEngine> plain =
           zero_test::MakeEngine(f, plan, f.tensors, backend, false);
@@ -850,10 +839,7 @@ TEST_CASE("Loss scaling skips an overflowing step everywhere and otherwise train
       REQUIRE(f.ir.ok());
       const IrGraph& ir = *f.ir;
       const v1::Deployment plan = MakePlan(ir, {{0, 1}, {2, 3}}, 2, v1::SCHEDULE_1F1B);
-      std::vector<int> params;
-      for (size_t i = 0; i < f.tensors.size(); ++i) {
-        if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
-      }
+      const std::vector<int> params = ParamIndices(ir);
       LossScaleOptions scaling;
       scaling.enabled = true;
       scaling.init = 1024;
@@ -923,10 +909,7 @@ TEST_CASE("zero_grad(set_to_none=False) frees the gradients and keeps their zero
   REQUIRE(f.ir.ok());
   const IrGraph& ir = *f.ir;
   const v1::Deployment plan = MakePlan(ir, {{0, 1}, {2, 3}}, 2, v1::SCHEDULE_1F1B);
-  std::vector<int> params;
-  for (size_t i = 0; i < f.tensors.size(); ++i) {
-    if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
-  }
+  const std::vector<int> params = ParamIndices(ir);
   auto make = [&] {
     absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
         PipelineEngine::Create(ir, plan, f.tensors, comm::Backend::kFake, 4);

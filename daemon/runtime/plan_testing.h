@@ -1,4 +1,5 @@
-// Test helper: a deployment with given stages' devices over an IR's atomic nodes, split evenly.
+// Test helpers: a deployment with given stages' devices over an IR's atomic nodes, split evenly;
+// which lifted inputs are parameters.
 #ifndef RANNC_DAEMON_RUNTIME_PLAN_TESTING_H_
 #define RANNC_DAEMON_RUNTIME_PLAN_TESTING_H_
 
@@ -31,6 +32,20 @@ inline v1::Deployment MakePlan(const IrGraph& ir, const std::vector<std::vector<
     for (int d : devices[s]) st->add_devices(d);
   }
   return plan;
+}
+
+// Whether lifted input `lifted_index` of `ir` is a parameter (not a buffer or constant).
+inline bool IsParam(const IrGraph& ir, size_t lifted_index) {
+  return ir.values[ir.inputs[ir.num_user_inputs + lifted_index]].role == ValueRole::kParam;
+}
+
+// The lifted indices of `ir`'s parameters, ascending.
+inline std::vector<int> ParamIndices(const IrGraph& ir) {
+  std::vector<int> params;
+  for (size_t i = 0; i < ir.tensor_names.size(); ++i) {
+    if (IsParam(ir, i)) params.push_back(static_cast<int>(i));
+  }
+  return params;
 }
 
 }  // namespace rannc::testing
