@@ -8,7 +8,6 @@
 #include <unordered_map>
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -61,11 +60,8 @@ std::string InputKinds(const IrGraph& ir, const Subgraph& sub) {
 
 // Autocast (AMP) changes what every op computes, though not the graph.
 std::string AutocastState() {
-  return absl::StrCat(
-      "amp=", at::autocast::is_cpu_enabled() ? c10::toString(at::autocast::get_autocast_cpu_dtype())
-                                             : "off",
-      "/", at::autocast::is_enabled() ? c10::toString(at::autocast::get_autocast_gpu_dtype())
-                                      : "off");
+  auto name = [](AmpDtype d) { return d ? std::string(c10::toString(*d)) : std::string("off"); };
+  return absl::StrCat("amp=", name(CurrentAutocast()), "/", name(CurrentAutocast(/*cuda=*/true)));
 }
 
 // The structural identity of a block: equal for blocks that compute the same thing.
@@ -112,9 +108,7 @@ class OnDevice {
   explicit OnDevice(c10::Device device) {
     if (device.is_cpu()) return;
     guard_.emplace(device);
-    if (device.is_cuda() && at::autocast::is_cpu_enabled()) {
-      amp_.emplace(at::autocast::get_autocast_cpu_dtype(), /*cuda=*/true);
-    }
+    if (device.is_cuda()) amp_.emplace(CurrentAutocast(), /*cuda=*/true);
   }
 
  private:

@@ -42,6 +42,11 @@ absl::StatusOr<c10::ScalarType> ParseAmpDtype(const std::string& name) {
       "amp_dtype '", name, "': expected bf16 or fp16 (bf16 is what CPU devices support)"));
 }
 
+AmpDtype CurrentAutocast(bool cuda) {
+  if (!Enabled(cuda)) return std::nullopt;
+  return Dtype(cuda);
+}
+
 AutocastGuard::AutocastGuard(AmpDtype dtype, bool cuda) : active_(dtype.has_value()), cuda_(cuda) {
   if (!active_) return;
   prev_enabled_ = Enabled(cuda_);

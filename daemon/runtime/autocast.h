@@ -32,6 +32,9 @@ using AmpDtype = std::optional<c10::ScalarType>;
 // otherwise.
 absl::StatusOr<c10::ScalarType> ParseAmpDtype(const std::string& name);
 
+// This thread's autocast state for the CPU (or CUDA): its dtype while enabled, else none.
+AmpDtype CurrentAutocast(bool cuda = false);
+
 class AutocastGuard {
  public:
   // Nothing when `dtype` is empty. `cuda`: the CUDA autocast state instead of the CPU one.
