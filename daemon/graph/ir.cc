@@ -434,7 +434,7 @@ std::string StableHash(const std::string& bytes) {
 }
 
 at::Tensor RepeatSamples(const at::Tensor& t, int64_t n) {
-  return t.index_select(0, at::arange(n, at::kLong).remainder(t.size(0)));
+  return t.index_select(0, at::arange(n, t.options().dtype(at::kLong)).remainder(t.size(0)));
 }
 
 const char* ValueRoleName(ValueRole role) {

@@ -150,10 +150,16 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
     loaded.set_loaded(true);
     return loaded;
   }
-  absl::StatusOr<v1::Deployment> plan =
-      planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                         MemoryModelFor(config.optimizer, config.zero, config.offload, config.amp),
-                         config.planner, config.profile_cache, config.created_by);
+  // The planner runs the model (profiling): a LibTorch error there is a status, not a throw.
+  absl::StatusOr<v1::Deployment> plan = absl::InternalError("no plan");
+  absl::Status ran = TorchCall(absl::StatusCode::kInternal, "profiling", [&] {
+    plan = planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
+                              MemoryModelFor(config.optimizer, config.zero, config.offload,
+                                             config.amp),
+                              config.planner, config.profile_cache, config.created_by);
+    return absl::OkStatus();
+  });
+  if (!ran.ok()) return Annotate(ran, "planning the model");
   if (!plan.ok()) return Annotate(plan.status(), "planning the model");
   return plan;
 }
