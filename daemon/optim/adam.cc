@@ -4,8 +4,17 @@
 #include <ATen/ops/maximum.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros_like.h>
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#endif
 
 #include <cmath>
+#include <map>
+#include <tuple>
 
 #include "daemon/common/status.h"
 #include "daemon/optim/optimizer_internal.h"
@@ -27,6 +36,7 @@ absl::Status Adam::Step(const std::vector<HyperParams>& hypers) {
     // Params are autograd leaves that require grad: in-place updates must not be recorded.
     at::NoGradGuard no_grad;
     for (size_t g = 0; g < groups_.size(); ++g) {
+      StepFused(groups_[g], states_[g], hypers[g]);
       StepGroup(groups_[g], states_[g], hypers[g]);
     }
     return absl::OkStatus();
@@ -36,19 +46,84 @@ absl::Status Adam::Step(const std::vector<HyperParams>& hypers) {
 // Mirrors torch/optim/adam.py:_single_tensor_adam and adamw.py:_single_tensor_adamw (the
 // non-capturable branch) line by line; keep it that way, since results are compared against
 // PyTorch's to round-off.
+namespace {
+
+// Creates the param's moments at its first step, and amsgrad's maximum once amsgrad is on.
+template <typename State>
+void InitState(const at::Tensor& param, bool amsgrad, State& state) {
+  if (!state.exp_avg.defined()) {
+    state.exp_avg = at::zeros_like(param, at::MemoryFormat::Preserve);
+    state.exp_avg_sq = at::zeros_like(param, at::MemoryFormat::Preserve);
+  }
+  if (amsgrad && !state.max_exp_avg_sq.defined()) {
+    state.max_exp_avg_sq = at::zeros_like(param, at::MemoryFormat::Preserve);
+  }
+}
+
+}  // namespace
+
+bool Adam::Fused(const at::Tensor& param) {
+#if TORCH_VERSION_MAJOR >= 2
+  // The kernels walk flat memory: every tensor of a call dense, of one dtype and device.
+  const at::Tensor& grad = param.grad();
+  return param.is_cuda() && at::isFloatingType(param.scalar_type()) && param.is_contiguous() &&
+         grad.defined() && grad.is_contiguous() && grad.scalar_type() == param.scalar_type() &&
+         grad.device() == param.device();
+#else
+  return false;
+#endif
+}
+
+// PyTorch's _fused_adamw / _fused_adam (torch/optim/adam.py with fused=True): the parameters
+// of one device and dtype in one call, with the step counts as device tensors.
+void Adam::StepFused(ParamGroup& group, std::vector<ParamState>& states,
+                     const HyperParams& hyper) {
+#if TORCH_VERSION_MAJOR >= 2
+  struct Batch {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  };
+  std::map<std::tuple<int, int, at::ScalarType>, Batch> batches;  // (device type, index, dtype)
+  for (size_t i = 0; i < group.params.size(); ++i) {
+    at::Tensor& param = group.params[i];
+    if (!Fused(param)) continue;
+    ParamState& state = states[i];
+    InitState(param, hyper.amsgrad, state);
+    if (!state.device_step.defined()) {
+      state.device_step = at::scalar_tensor(static_cast<double>(state.step),
+                                            param.options().dtype(at::kFloat));
+    }
+    state.step += 1;
+    Batch& b = batches[{static_cast<int>(param.device().type()), param.device().index(),
+                        param.scalar_type()}];
+    b.params.push_back(param);
+    b.grads.push_back(param.grad());
+    b.exp_avgs.push_back(state.exp_avg);
+    b.exp_avg_sqs.push_back(state.exp_avg_sq);
+    if (hyper.amsgrad) b.max_exp_avg_sqs.push_back(state.max_exp_avg_sq);
+    b.steps.push_back(state.device_step);
+  }
+  for (auto& [key, b] : batches) {
+    at::_foreach_add_(b.steps, at::Scalar(1));
+    if (kind_ == OptimizerKind::kAdamW) {
+      at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
+                        hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.eps,
+                        hyper.amsgrad, hyper.maximize);
+    } else {
+      at::_fused_adam_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
+                       hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay, hyper.eps,
+                       hyper.amsgrad, hyper.maximize);
+    }
+  }
+#endif
+}
+
 void Adam::StepGroup(ParamGroup& group, std::vector<ParamState>& states, const HyperParams& hyper) {
   const bool decoupled = kind_ == OptimizerKind::kAdamW;
   for (size_t i = 0; i < group.params.size(); ++i) {
     at::Tensor& param = group.params[i];
-    if (!param.grad().defined()) continue;
+    if (!param.grad().defined() || Fused(param)) continue;
     ParamState& state = states[i];
-    if (!state.exp_avg.defined()) {
-      state.exp_avg = at::zeros_like(param, at::MemoryFormat::Preserve);
-      state.exp_avg_sq = at::zeros_like(param, at::MemoryFormat::Preserve);
-    }
-    if (hyper.amsgrad && !state.max_exp_avg_sq.defined()) {
-      state.max_exp_avg_sq = at::zeros_like(param, at::MemoryFormat::Preserve);
-    }
+    InitState(param, hyper.amsgrad, state);
 
     at::Tensor grad = hyper.maximize ? param.grad().neg() : param.grad();
     state.step += 1;

@@ -4,6 +4,11 @@
 // (decoupled). Private to //daemon/optim:optimizer; callers use MakeOptimizer. Thread-safety and
 // lifetimes as Optimizer's.
 //
+// On CUDA (LibTorch 2.x) the parameters of a group step through PyTorch's fused kernels
+// (torch.optim.AdamW(fused=True): at::_fused_adamw_ / _fused_adam_), one launch per device and
+// dtype instead of ten per parameter. Results equal the single-tensor algorithm's to fp32
+// round-off; the unfused loop made a 1.34B-parameter step ~25 ms slower on an H200.
+//
 // One departure: if amsgrad is switched on after a param's first step, PyTorch fails (its
 // max_exp_avg_sq was never created); here max_exp_avg_sq starts at zeros then, which makes the
 // first amsgrad step equal to a plain Adam step.
@@ -38,7 +43,12 @@ class Adam final : public Optimizer {
     at::Tensor exp_avg;
     at::Tensor exp_avg_sq;
     at::Tensor max_exp_avg_sq;  // only once amsgrad has been on
+    at::Tensor device_step;     // the fused kernels' copy of `step`: 0-dim fp32 on the device
   };
+
+  // True when `param` (which has a gradient) steps through the fused kernels.
+  static bool Fused(const at::Tensor& param);
+  void StepFused(ParamGroup& group, std::vector<ParamState>& states, const HyperParams& hyper);
 
   void StepGroup(ParamGroup& group, std::vector<ParamState>& states, const HyperParams& hyper);
 
