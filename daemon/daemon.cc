@@ -41,9 +41,12 @@ absl::StatusOr<std::vector<DaemonFacts::Device>> ResolveDevices(const DaemonOpti
   // CPU "devices" share the host's memory, so each gets an equal share unless told otherwise.
   const uint64_t cpu_share = PhysicalMemoryBytes() / std::max<size_t>(specs->size(), 1);
   for (const DeviceSpec& spec : *specs) {
-    uint64_t memory = spec.type == "cuda" ? comm::CudaDeviceMemory(spec.index) : cpu_share;
+    // A shared GPU's devices split its memory.
+    uint64_t memory =
+        spec.type == "cuda" ? comm::CudaDeviceMemory(spec.index) / spec.shares : cpu_share;
     if (options.device_memory != 0) memory = options.device_memory;
-    devices.push_back({absl::StrCat(spec.type, ":", spec.index), spec.type, memory});
+    devices.push_back({DeviceName(spec), spec.type, memory, spec.type == "cuda" ? spec.index : -1,
+                       spec.shares > 1});
   }
   return devices;
 }

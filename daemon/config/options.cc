@@ -36,8 +36,9 @@ absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data()
 constexpr char kHelpOrVersionPayload[] = "rannc.dev/HelpOrVersion";
 constexpr char kEnvPrefix[] = "RANNC_";
 constexpr char kConfFileName[] = "rannc.toml";
-constexpr char kDevicesHint[] = "expected cpu:N, cuda or cuda:I,J";
+constexpr char kDevicesHint[] = "expected cpu:N, cuda or cuda:I,J (I/N: GPU I as N devices)";
 constexpr int kMaxCpuDevices = 1024;
+constexpr int kMaxGpuShares = 64;
 
 // Keys the client reads from the same TOML file (RaNNC's job-level keys and ours); the daemon
 // accepts and ignores them so one file serves both. Keep in step with the client's config.
@@ -419,6 +420,7 @@ struct DevicesSyntax {
   enum class Form { kAuto, kCpu, kAllCuda, kCudaList } form = Form::kAuto;
   int cpu_count = 0;
   std::vector<int> cuda_indices;
+  std::vector<int> cuda_shares;  // per index: the plan devices sharing that GPU ("I/N")
 };
 
 // Errors name the problem only; callers add the spec and where it came from.
@@ -453,6 +455,18 @@ absl::StatusOr<DevicesSyntax> ParseDevicesSyntax(absl::string_view spec) {
     syntax.form = DevicesSyntax::Form::kCudaList;
     for (absl::string_view item : absl::StrSplit(rest, ',')) {
       item = absl::StripAsciiWhitespace(item);
+      // "I/N": GPU I as N plan devices (tests of multi-device plans on fewer GPUs).
+      int shares = 1;
+      const size_t slash = item.find('/');
+      if (slash != absl::string_view::npos) {
+        const absl::string_view count = absl::StripAsciiWhitespace(item.substr(slash + 1));
+        if (!absl::SimpleAtoi(count, &shares) || shares < 1 || shares > kMaxGpuShares) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "CUDA device share count '", count, "' is not a number from 1 to ",
+              kMaxGpuShares));
+        }
+        item = absl::StripAsciiWhitespace(item.substr(0, slash));
+      }
       int index = -1;
       if (!absl::SimpleAtoi(item, &index) || index < 0) {
         return absl::InvalidArgumentError(
@@ -463,6 +477,7 @@ absl::StatusOr<DevicesSyntax> ParseDevicesSyntax(absl::string_view spec) {
         return absl::InvalidArgumentError(absl::StrCat("CUDA device ", index, " given twice"));
       }
       syntax.cuda_indices.push_back(index);
+      syntax.cuda_shares.push_back(shares);
     }
     return syntax;
   }
@@ -515,7 +530,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
   };
   const std::map<std::string, std::string> descriptions = {
       {"listen", "gRPC address: host:port, [v6addr]:port or unix:/path (default 127.0.0.1:7411)"},
-      {"devices", "devices to own: cpu:N, cuda or cuda:I,J (default: every CUDA GPU, else cpu:1)"},
+      {"devices", "devices to own: cpu:N, cuda or cuda:I,J (I/N: GPU I as N devices; default: "
+                  "every CUDA GPU, else cpu:1)"},
       {"device_memory", "memory budget per device, e.g. 2GiB (default: the device's size)"},
       {"log_level", "trace, debug, info, warn or error (default info)"},
       {"max_message_size", "largest client message, e.g. 64MiB (default 64MiB)"},
@@ -701,12 +717,14 @@ absl::StatusOr<std::vector<DeviceSpec>> ParseDevices(std::string_view std_spec, 
       for (int i = 0; i < cuda_count; ++i) devices.push_back({"cuda", i});
       return devices;
     case DevicesSyntax::Form::kCudaList:
-      for (int index : syntax->cuda_indices) {
+      for (size_t k = 0; k < syntax->cuda_indices.size(); ++k) {
+        const int index = syntax->cuda_indices[k];
         if (index >= cuda_count) {
           return invalid(absl::StrCat("CUDA device ", index, " is not present (",
                                       std::max(cuda_count, 0), " found)"));
         }
-        devices.push_back({"cuda", index});
+        const int shares = syntax->cuda_shares[k];
+        for (int i = 0; i < shares; ++i) devices.push_back({"cuda", index, shares});
       }
       return devices;
   }

@@ -67,7 +67,8 @@ struct DaemonOptions {
   std::string listen = "127.0.0.1:7411";
 
   // Devices this daemon owns: "cpu:N" (N CPU virtual devices; "cpu" = "cpu:1"), "cuda" (every
-  // CUDA GPU) or "cuda:I,J" (those GPUs). Default "": every CUDA GPU if there is one, else
+  // CUDA GPU) or "cuda:I,J" (those GPUs; "I/N" makes GPU I N devices, for tests of plans with
+  // more devices than there are GPUs). Default "": every CUDA GPU if there is one, else
   // cpu:1. Only the syntax is checked when loading; ParseDevices resolves it at start.
   std::string devices = "";
 
@@ -150,19 +151,24 @@ absl::StatusOr<std::chrono::milliseconds> ParseDuration(std::string_view text);
 struct DeviceSpec {
   std::string type;  // "cpu" or "cuda"
   int index = 0;     // 0-based within the type
+  // Plan devices that share this GPU ("cuda:0/4": four, each with a quarter of its memory,
+  // talking through host memory); 1 for a device of its own.
+  int shares = 1;
   bool operator==(const DeviceSpec& other) const {
-    return type == other.type && index == other.index;
+    return type == other.type && index == other.index && shares == other.shares;
   }
 };
 
-// "cpu:0", "cuda:1": the name DeviceInfo.name carries on the wire.
+// "cpu:0", "cuda:1": the name DeviceInfo.name carries on the wire (each share of a shared GPU
+// is named after the GPU).
 std::string DeviceName(const DeviceSpec& device);
 
 // Resolves a devices spec against the CUDA GPUs present (`cuda_count`): "cpu:4" -> cpu:0..3;
 // "cuda" -> every GPU (error if none); "cuda:0,2" -> those, in the order given (error if one is
-// absent or repeated); "" -> every GPU if cuda_count > 0, else cpu:0. INVALID_ARGUMENT with the
-// spec and the accepted forms, e.g. "unknown device type 'tpu' in devices 'tpu:2'; expected
-// cpu:N, cuda or cuda:I,J". At most 1024 CPU devices.
+// absent or repeated); "cuda:0/4" -> four devices on GPU 0 (shares 4); "" -> every GPU if
+// cuda_count > 0, else cpu:0. INVALID_ARGUMENT with the spec and the accepted forms, e.g.
+// "unknown device type 'tpu' in devices 'tpu:2'; expected cpu:N, cuda or cuda:I,J (I/N: GPU I as
+// N devices)". At most 1024 CPU devices and 64 shares of a GPU.
 absl::StatusOr<std::vector<DeviceSpec>> ParseDevices(std::string_view spec, int cuda_count);
 
 }  // namespace rannc

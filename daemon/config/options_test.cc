@@ -406,9 +406,20 @@ TEST_CASE("ParseDevices", "[config]") {
   CHECK(Names(ParseDevices("cuda:2,0", 3)) == V{"cuda:2", "cuda:0"});
   CHECK(Names(ParseDevices(" CUDA: 1 , 2 ", 3)) == V{"cuda:1", "cuda:2"});
   CHECK(ParseDevices("cpu:2", 0)->at(1) == DeviceSpec{"cpu", 1});
+  // A shared GPU: one device per share, each knowing how many share it.
+  CHECK(Names(ParseDevices("cuda:0/3", 1)) == V{"cuda:0", "cuda:0", "cuda:0"});
+  CHECK(*ParseDevices("cuda:1/2, 0", 2) ==
+        std::vector<DeviceSpec>{{"cuda", 1, 2}, {"cuda", 1, 2}, {"cuda", 0, 1}});
+  CHECK(ParseDevices("cuda:0/1", 1)->at(0) == DeviceSpec{"cuda", 0});
 
   CHECK(ErrorIf(ParseDevices("tpu:2", 0), kInvalid) ==
-        "unknown device type 'tpu' in devices 'tpu:2'; expected cpu:N, cuda or cuda:I,J");
+        "unknown device type 'tpu' in devices 'tpu:2'; expected cpu:N, cuda or cuda:I,J (I/N: "
+        "GPU I as N devices)");
+  CHECK_THAT(ErrorIf(ParseDevices("cuda:0/0", 1), kInvalid), Catch::Contains("count '0'"));
+  CHECK_THAT(ErrorIf(ParseDevices("cuda:0/x", 1), kInvalid), Catch::Contains("count 'x'"));
+  CHECK_THAT(ErrorIf(ParseDevices("cuda:0/65", 1), kInvalid), Catch::Contains("1 to 64"));
+  CHECK_THAT(ErrorIf(ParseDevices("cuda:0/2,0", 1), kInvalid), Catch::Contains("given twice"));
+  CHECK_THAT(ErrorIf(ParseDevices("cuda:3/2", 1), kInvalid), Catch::Contains("not present"));
   CHECK_THAT(ErrorIf(ParseDevices("cuda", 0), kInvalid),
              Catch::Contains("no CUDA devices") && Catch::Contains("'cuda'"));
   CHECK_THAT(ErrorIf(ParseDevices("cuda:0,2", 2), kInvalid),

@@ -333,11 +333,15 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     absl::Status spanned = SpanCluster(id, spec, &config);
     if (!spanned.ok()) return Fail("CreateJob", spanned);
   }
-  // CUDA devices talk over NCCL where the build has it; else through host memory over UCX.
+  // CUDA devices talk over NCCL where the build has it; else, and when devices share a GPU
+  // (which NCCL refuses), through host memory over UCX.
   const bool cuda = std::any_of(config.placement.begin(), config.placement.end(),
                                 [](const c10::Device& d) { return d.is_cuda(); });
-  config.backend = cuda && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
-                                                                      : comm::Backend::kUcx;
+  const bool shared = std::any_of(facts_.devices.begin(), facts_.devices.end(),
+                                  [](const DaemonFacts::Device& d) { return d.shared; });
+  config.backend = cuda && !shared && comm::BackendBuiltIn(comm::Backend::kNccl)
+                       ? comm::Backend::kNccl
+                       : comm::Backend::kUcx;
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, std::move(config), model, *examples);
   if (!job.ok()) return Fail("CreateJob", job.status());
 
@@ -424,11 +428,8 @@ std::vector<c10::Device> TrainingServiceImpl::Placement(int num_devices,
   for (size_t k = 0; k < facts_.devices.size(); ++k) {
     const int index = local.empty() ? static_cast<int>(k) : k < local.size() ? local[k] : -1;
     const DaemonFacts::Device& device = facts_.devices[k];
-    if (index < 0 || index >= num_devices || device.type != "cuda") continue;
-    // Named "cuda:<index>" (daemon.cc).
-    const size_t colon = device.name.rfind(':');
-    placement[index] = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
-                                                   std::stoi(device.name.substr(colon + 1))));
+    if (index < 0 || index >= num_devices || device.cuda_index < 0) continue;
+    placement[index] = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.cuda_index));
   }
   return placement;
 }

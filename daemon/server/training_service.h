@@ -35,6 +35,8 @@ struct DaemonFacts {
     std::string name;
     std::string type;
     uint64_t memory_bytes = 0;
+    int cuda_index = -1;  // the GPU, for a CUDA device
+    bool shared = false;  // one of several devices on its GPU (--devices cuda:I/N)
   };
   std::vector<Device> devices;
   planner::Links links;                             // for the planner's cost model
