@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
@@ -15,6 +17,7 @@
 #include "daemon/cluster/peers.h"
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
+#include "daemon/runtime/link_probe.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/training_service.h"
 
@@ -49,6 +52,33 @@ absl::StatusOr<std::vector<DaemonFacts::Device>> ResolveDevices(const DaemonOpti
                        spec.shares > 1});
   }
   return devices;
+}
+
+// The planner's link speeds, measured at start while nothing else runs: between GPUs over the
+// communicator their jobs will use (NCCL; CPU copies say nothing about NVLink), else between
+// CPU devices. Small transfers keep the start fast; they still run long enough to leave the
+// caches.
+absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Device>& devices) {
+  if (devices.size() >= 2 && devices[0].cuda_index >= 0) {
+    CommLinkProbeOptions probe;
+    const bool shared = std::any_of(devices.begin(), devices.end(),
+                                    [](const DaemonFacts::Device& d) { return d.shared; });
+    probe.backend = JobBackend(/*cuda=*/true, shared);
+    for (const DaemonFacts::Device& d : devices) {
+      probe.devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(d.cuda_index));
+    }
+    absl::StatusOr<planner::Links> links = MeasureCommLinks(probe);
+    if (links.ok()) return links;
+    spdlog::warn("measuring the links between the GPUs failed ({}); the planner gets the host's "
+                 "copy speeds instead", links.status().ToString());
+  }
+  planner::LinkProbeOptions probe;
+  probe.num_devices = static_cast<int>(devices.size());
+  probe.p2p_bytes = 16 << 20;
+  probe.allreduce_bytes = 4 << 20;
+  probe.repeats = 2;
+  probe.time_budget_s = 0.5;
+  return planner::MeasureCpuLinks(probe);
 }
 
 // The address the other members know this daemon by: --advertise, else the bound address,
@@ -114,13 +144,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     if (!links.ok()) return Annotate(links.status(), "--links");
     facts.links = *links;
   } else {
-    planner::LinkProbeOptions probe;
-    probe.num_devices = static_cast<int>(facts.devices.size());
-    probe.p2p_bytes = 16 << 20;
-    probe.allreduce_bytes = 4 << 20;
-    probe.repeats = 2;
-    probe.time_budget_s = 0.5;
-    absl::StatusOr<planner::Links> links = planner::MeasureCpuLinks(probe);
+    absl::StatusOr<planner::Links> links = MeasureLinks(facts.devices);
     if (!links.ok()) return Annotate(links.status(), "measuring the links between devices");
     facts.links = *links;
   }

@@ -186,6 +186,11 @@ void TrainingServiceImpl::set_cluster(const cluster::Cluster* cluster) {
   cluster_ = cluster;
 }
 
+comm::Backend JobBackend(bool cuda, bool shared_gpu) {
+  return cuda && !shared_gpu && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
+                                                                           : comm::Backend::kUcx;
+}
+
 grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                                           v1::DaemonInfo* info) {
   info->set_version(facts_.version);
@@ -333,15 +338,11 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     absl::Status spanned = SpanCluster(id, spec, &config);
     if (!spanned.ok()) return Fail("CreateJob", spanned);
   }
-  // CUDA devices talk over NCCL where the build has it; else, and when devices share a GPU
-  // (which NCCL refuses), through host memory over UCX.
   const bool cuda = std::any_of(config.placement.begin(), config.placement.end(),
                                 [](const c10::Device& d) { return d.is_cuda(); });
   const bool shared = std::any_of(facts_.devices.begin(), facts_.devices.end(),
                                   [](const DaemonFacts::Device& d) { return d.shared; });
-  config.backend = cuda && !shared && comm::BackendBuiltIn(comm::Backend::kNccl)
-                       ? comm::Backend::kNccl
-                       : comm::Backend::kUcx;
+  config.backend = JobBackend(cuda, shared);
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, std::move(config), model, *examples);
   if (!job.ok()) return Fail("CreateJob", job.status());
 

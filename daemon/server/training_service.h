@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/comm/factory.h"
 #include "daemon/common/shm_transfer.h"
 #include "daemon/planner/cost_table.h"
 #include "daemon/planner/profile_cache.h"
@@ -44,6 +45,10 @@ struct DaemonFacts {
 };
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// The backend a job's devices talk over: NCCL between GPUs where the build has it; otherwise,
+// and when devices share a GPU (which NCCL refuses), UCX, through host memory for CUDA buffers.
+comm::Backend JobBackend(bool cuda, bool shared_gpu);
 
 class TrainingServiceImpl final : public v1::TrainingService::Service {
  public:

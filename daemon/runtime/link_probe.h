@@ -1,0 +1,55 @@
+// Link speeds between a daemon's devices (planner::Links), measured over the communicator its
+// jobs will use: NCCL between GPUs, or a host backend (through host copies for CUDA buffers, as
+// the engine does). planner/links.h measures CPU virtual devices with memcpys and a ring of
+// threads, which says nothing about NVLink; a planner fed that would price an all-reduce between
+// two H200s at a host copy's speed and never choose data parallelism.
+//
+//   CommLinkProbeOptions probe;
+//   probe.backend = comm::Backend::kNccl;
+//   probe.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
+//   absl::StatusOr<planner::Links> links = MeasureCommLinks(probe);
+//
+// What it measures, each the fastest of `repeats` runs after a warm-up, with every rank's
+// thread issuing the operation after a barrier and the time taken once its Work completes:
+//   p2p: rank 0 sends p2p_bytes to rank 1 (bandwidth), and a 4 KiB ping-pong (half the round
+//     trip is the latency);
+//   all-reduce: float32 buffers of allreduce_bytes over the first k devices, for k = 2, 4, 8,
+//     ... and the total (algbw = bytes / time, as planner::Links defines it; the first run's
+//     sum is checked), and 4 KiB over all devices for the latency.
+// Each measurement makes its own group (communicators are cheap next to the probe), so that
+// the result does not depend on a group's history.
+//
+// Errors: INVALID_ARGUMENT for fewer than 2 devices or bad sizes; the backend's errors
+// (UNIMPLEMENTED when not built in, a failed setup, DEADLINE_EXCEEDED when an operation takes
+// longer than `timeout`); INTERNAL for a wrong all-reduce sum. Starts one thread per device per
+// group and joins them before returning; run it while the devices are otherwise idle (at daemon
+// start).
+#ifndef RANNC_DAEMON_RUNTIME_LINK_PROBE_H_
+#define RANNC_DAEMON_RUNTIME_LINK_PROBE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include <c10/core/Device.h>
+
+#include "absl/status/statusor.h"
+#include "daemon/comm/factory.h"
+#include "daemon/planner/cost_table.h"
+
+namespace rannc {
+
+struct CommLinkProbeOptions {
+  comm::Backend backend = comm::Backend::kNccl;
+  std::vector<c10::Device> devices;    // rank r's device; at least two
+  uint64_t p2p_bytes = 64 << 20;        // both multiples of 4, at least 4 KiB
+  uint64_t allreduce_bytes = 64 << 20;
+  int repeats = 3;
+  std::chrono::milliseconds timeout = std::chrono::seconds(30);  // per setup and operation
+};
+
+absl::StatusOr<planner::Links> MeasureCommLinks(const CommLinkProbeOptions& options);
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_RUNTIME_LINK_PROBE_H_
