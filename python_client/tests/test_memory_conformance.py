@@ -15,8 +15,9 @@ atol 1e-6): losses and every gradient after each backward, clip_grad_norm, an un
 devices must hold the sharded share of gradients and optimizer state, or nothing between steps
 when offloaded.
 
-enable_apex_amp=True (bf16, the default amp_dtype): against PyTorch's autocast on the reference's
-device, with the tolerance stated above test_amp_bf16_trains_like_pytorch_autocast.
+enable_apex_amp=True (bf16, the default amp_dtype; and fp16 with dynamic loss scaling on a daemon
+with CUDA devices): against PyTorch's autocast on the reference's device, with the tolerance
+stated above test_amp_trains_like_pytorch_autocast.
 """
 
 import pytest
@@ -25,7 +26,7 @@ import torch
 import pyrannc
 from pyrannc import _daemon
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
-from conftest import REF_DEVICE, assert_close, ref_copy, to_cpu, to_ref
+from conftest import REF_DEVICE, assert_close, daemon_device_names, ref_copy, to_cpu, to_ref
 import models
 import test_pipeline_conformance as tpc
 
@@ -116,30 +117,35 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
         pyrannc.clear()
 
 
-# Mixed precision. The reference is PyTorch's torch.autocast(<its device type>, torch.bfloat16)
-# ("cpu", or "cuda" with RANNC_TEST_REF_DEVICE=cuda) around the model's forward, run on the same
-# shards of the batch as the plan's devices run (each micro-batch split over the replicas, as
-# DDP with autocast would): bf16 products round
-# differently over a whole batch than over its shards, by as much as bf16 differs from fp32, so
-# an unsharded reference could not tell a correct run from a wrong one. A loss the client
-# computes from the returned logits is computed outside autocast, as the client does. Each
-# shard's forward is an autocast region of its own, as each device's is (within one region the
-# cast of a weight is cached, and its gradient would be summed over the shards in bf16).
+# Mixed precision. The reference is PyTorch's torch.autocast(<its device type>, dtype) ("cpu", or
+# "cuda" with RANNC_TEST_REF_DEVICE=cuda) around the model's forward, run on the same shards of
+# the batch as the plan's devices run (each micro-batch split over the replicas, as DDP with
+# autocast would): low-precision products round differently over a whole batch than over its
+# shards, by as much as they differ from fp32, so an unsharded reference could not tell a correct
+# run from a wrong one. A loss the client computes from the returned logits is computed outside
+# autocast, as the client does. Each shard's forward is an autocast region of its own, as each
+# device's is (within one region the cast of a weight is cached, and its gradient would be summed
+# over the shards in low precision). fp16 adds GradScaler's loss scaling: each shard's loss times
+# the scale (65536, which never overflows here) is backpropagated and the gradients are
+# multiplied by its inverse, exactly (powers of two).
 # The stated tolerance: on one device the same ops run, and everything must be bitwise equal.
 # With a split batch only the order of fp32 sums differs, but one step's fp32-sized difference
-# can move a later activation across a bf16 rounding boundary (a bf16 ulp, 2^-8 relative): the
-# loss within rtol 1e-4 / atol 1e-5 each step, every gradient and parameter within a bf16 ulp
-# (BF16_RTOL / BF16_ATOL), and the parameters on average far closer to the reference than
-# full-precision training is (so the test fails if ranncd ran in fp32).
-BF16_RTOL, BF16_ATOL = 1e-2, 1e-4
+# can move a later activation across a rounding boundary of the low precision: the loss within
+# rtol 1e-4 / atol 1e-5 each step, every gradient and parameter within AMP_TOLERANCE (about a bf16
+# ulp, 2^-8 relative, or four fp16 ulps, 2^-11 each), and the parameters on average far closer to
+# the reference than full-precision training is (so the test fails if ranncd ran in fp32).
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_TOLERANCE = {"bf16": (1e-2, 1e-4), "fp16": (2e-3, 1e-5)}  # rtol, atol
+FP16_SCALE = 65536.0  # GradScaler's and the daemon's initial scale
 
 
-def _assert_amp_close(actual, expected, what, exact):
+def _assert_amp_close(actual, expected, what, exact, amp_dtype):
     expected = to_cpu(expected)
     if exact:
         assert torch.equal(actual, expected), f"{what}: not bitwise equal on one device"
     else:
-        assert_close(actual, expected, what, rtol=BF16_RTOL, atol=BF16_ATOL)
+        rtol, atol = AMP_TOLERANCE[amp_dtype]
+        assert_close(actual, expected, what, rtol=rtol, atol=atol)
 
 
 def _relative_differences(ours, theirs):
@@ -157,33 +163,45 @@ def _shards(plan, batch):
     return out
 
 
-def _autocast_loss(case, model, batch, shards):
-    """The loss, backpropagated, of `model` on `batch` computed shard by shard under autocast."""
+def _autocast_loss(case, model, batch, shards, dtype, scale):
+    """The loss of `model` on `batch` computed shard by shard under autocast to `dtype`, its
+    gradients (the loss times `scale`, backpropagated, then times 1 / scale) in the .grads."""
     n = len(batch[0])
     if case.loss is tpc._client_loss:
         logits = []
         for o, c in shards:
-            with torch.autocast(REF_DEVICE.type, dtype=torch.bfloat16):
+            with torch.autocast(REF_DEVICE.type, dtype=dtype):
                 logits.append(model(batch[0][o:o + c]))
         loss = torch.nn.functional.cross_entropy(torch.cat(logits), batch[1])
-        loss.backward()
-        return loss
-    total = 0
-    for o, c in shards:
-        with torch.autocast(REF_DEVICE.type, dtype=torch.bfloat16):
-            part = case.loss(model, tuple(t[o:o + c] for t in batch)) * (c / n)
-        part.backward()
-        total = total + part.detach()
+        (loss * scale).backward()
+        total = loss
+    else:
+        total = 0
+        for o, c in shards:
+            with torch.autocast(REF_DEVICE.type, dtype=dtype):
+                part = case.loss(model, tuple(t[o:o + c] for t in batch)) * (c / n)
+            (part * scale).backward()
+            total = total + part.detach()
+    if scale != 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1.0 / scale)
     return total
 
 
+def _cuda_daemon():
+    return daemon_device_names()[0].startswith("cuda")
+
+
+@pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))
 @pytest.mark.parametrize("plan_name", ["1x1x1", "1x1x4", "2x2x2"])
 @pytest.mark.parametrize("model_name", ["mlp", "gpt_tied", "client_loss"])
-def test_amp_bf16_trains_like_pytorch_autocast(model_name, plan_name, monkeypatch):
+def test_amp_trains_like_pytorch_autocast(model_name, plan_name, amp_dtype, monkeypatch):
     plan = dict(PLANS, **{"1x1x1": (1, 1, 1)})[plan_name]
     exact = plan == (1, 1, 1)
     case = tpc.MODELS[model_name]
     tpc._set_plan_config(monkeypatch, plan, "1f1b")
+    monkeypatch.setenv("RANNC_AMP_DTYPE", amp_dtype)
     torch.manual_seed(0)
     model = case.make()
     ref, fp32 = ref_copy(model), ref_copy(model)
@@ -194,19 +212,26 @@ def test_amp_bf16_trains_like_pytorch_autocast(model_name, plan_name, monkeypatc
     rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True)
     names = [n for n, _ in ref.named_parameters()]
     try:
+        if amp_dtype == "fp16" and not _cuda_daemon():
+            # CPU devices have no fp16 autocast: the job is refused, saying what to use.
+            with pytest.raises(pyrannc.RanncError, match="amp_dtype=fp16 needs CUDA devices"):
+                case.loss(rmod, case.batch(0))
+            return
+        scale = FP16_SCALE if amp_dtype == "fp16" else 1.0
         for step in range(tpc.STEPS):
             batch = case.batch(step)
             loss = case.loss(rmod, batch)
             loss.backward()
             ref_batch = to_ref(batch)
-            ref_loss = _autocast_loss(case, ref, ref_batch, _shards(plan, len(batch[0])))
+            ref_loss = _autocast_loss(case, ref, ref_batch, _shards(plan, len(batch[0])),
+                                      AMP_DTYPES[amp_dtype], scale)
             case.loss(fp32, ref_batch).backward()
             assert loss.dtype == ref_loss.dtype
             assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}",
                          rtol=0 if exact else 1e-4, atol=0 if exact else 1e-5)
             for name, p in zip(names, ref.parameters()):
                 _assert_amp_close(rmod.get_param_grad(name, amp_master_param=True), p.grad,
-                                  f"gradient of {name} at step {step}", exact)
+                                  f"gradient of {name} at step {step}", exact, amp_dtype)
 
             for opt_ in (opt, ref_opt, fp32_opt):
                 opt_.step()
@@ -216,13 +241,16 @@ def test_amp_bf16_trains_like_pytorch_autocast(model_name, plan_name, monkeypatc
         theirs = [p.detach() for p in ref.parameters()]
         ours_vs_ref = _relative_differences(ours, theirs)
         fp32_vs_ref = _relative_differences([p.detach() for p in fp32.parameters()], theirs)
-        print(f"{model_name} {plan_name}: parameters vs autocast's, mean relative difference: "
-              f"ranncd {sum(ours_vs_ref) / len(names):.1e}, "
+        print(f"{model_name} {plan_name} {amp_dtype}: parameters vs autocast's, mean relative "
+              f"difference: ranncd {sum(ours_vs_ref) / len(names):.1e}, "
               f"fp32 training {sum(fp32_vs_ref) / len(names):.1e}")
         for name, p, q in zip(names, ours, theirs):
-            _assert_amp_close(p, q, f"{name} after {tpc.STEPS} steps", exact)
+            _assert_amp_close(p, q, f"{name} after {tpc.STEPS} steps", exact, amp_dtype)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         assert mean(ours_vs_ref) < mean(fp32_vs_ref) / 10, (ours_vs_ref, fp32_vs_ref)
+        if amp_dtype == "fp16":
+            summary = _job_summary(rmod._job.id)
+            assert (summary.loss_scale, summary.skipped_steps) == (FP16_SCALE, 0)
     finally:
         pyrannc.clear()
 
