@@ -43,9 +43,6 @@ absl::Status Adam::Step(const std::vector<HyperParams>& hypers) {
   });
 }
 
-// Mirrors torch/optim/adam.py:_single_tensor_adam and adamw.py:_single_tensor_adamw (the
-// non-capturable branch) line by line; keep it that way, since results are compared against
-// PyTorch's to round-off.
 namespace {
 
 // Creates the param's moments at its first step, and amsgrad's maximum once amsgrad is on.
@@ -117,6 +114,9 @@ void Adam::StepFused(ParamGroup& group, std::vector<ParamState>& states,
 #endif
 }
 
+// Mirrors torch/optim/adam.py:_single_tensor_adam and adamw.py:_single_tensor_adamw (the
+// non-capturable branch) line by line; keep it that way, since results are compared against
+// PyTorch's to round-off.
 void Adam::StepGroup(ParamGroup& group, std::vector<ParamState>& states, const HyperParams& hyper) {
   const bool decoupled = kind_ == OptimizerKind::kAdamW;
   for (size_t i = 0; i < group.params.size(); ++i) {
