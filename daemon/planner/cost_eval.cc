@@ -158,12 +158,6 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   if (begin > 0) e.comm_ms += transfer_ms(begin);
   if (end < n) e.comm_ms += transfer_ms(end);
 
-  if (replicas > 1) {
-    e.allreduce_ms = (links.allreduce_latency_s +
-                      static_cast<double>(sums.trainable_bytes) / AllreduceBandwidth(links, replicas)) *
-                     1000.0;
-  }
-
   const double input = begin > 0 ? CutBytes(table, begin) * mbd : 0.0;
   const double limit =
       static_cast<double>(options.device_memory_bytes) * (1.0 - options.mem_margin);
@@ -190,6 +184,19 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   e.fixed_bytes = std::min(e.memory_bytes, static_cast<uint64_t>(std::floor(fixed)));
   e.feasible = static_cast<double>(e.memory_bytes) <= limit;
   e.time_ms = e.fwd_ms + e.bwd_ms + e.comm_ms;
+  if (replicas > 1) {
+    const double bandwidth = AllreduceBandwidth(links, replicas);
+    auto reduce_ms = [&](double bytes) {
+      return (links.allreduce_latency_s + bytes / bandwidth) * 1000.0;
+    };
+    const double trainable = static_cast<double>(sums.trainable_bytes);
+    e.allreduce_ms = reduce_ms(trainable);
+    if (options.overlap_allreduce) {
+      // Hidden behind the last backward (recomputation included), but for the last bucket.
+      const double last_bucket = reduce_ms(std::min(trainable, options.allreduce_bucket_bytes));
+      e.allreduce_ms = std::max(e.allreduce_ms - e.bwd_ms, last_bucket);
+    }
+  }
   return e;
 }
 

@@ -63,6 +63,13 @@ struct SearchOptions {
   int max_pipeline = 32;    // largest micro-batch count searched (ignored if pipeline_num set)
   bool allow_recompute = true;   // a stage that does not fit may recompute its forward
   bool use_all_devices = false;  // plans must use exactly num_devices devices
+  // The gradient all-reduce runs beside the device's last backward (GPUs: NCCL on its own
+  // stream, started bucket by bucket as autograd finishes them, runtime/grad_reducer.h), so a
+  // step pays only what outlasts that backward, and at least the last bucket's reduction. CPU
+  // devices' rings run on the cores that compute, so there they add up (false).
+  bool overlap_allreduce = false;
+  // The reducer's bucket size (GradReducer::Options::bucket_bytes), for the last bucket.
+  double allreduce_bucket_bytes = 25 << 20;
 };
 
 struct StageEval {
@@ -75,7 +82,9 @@ struct StageEval {
   // backward.
   double comm_ms = 0;
   double time_ms = 0;       // fwd_ms + bwd_ms + comm_ms: the stage's time per micro-batch
-  double allreduce_ms = 0;  // gradient all-reduce over the replicas once per step; 0 if 1 replica
+  // The gradient all-reduce over the replicas once per step (its part that the backward does
+  // not hide, with overlap_allreduce); 0 with 1 replica.
+  double allreduce_ms = 0;
   uint64_t memory_bytes = 0;     // estimated peak per device
   // The part of memory_bytes that does not grow with the micro-batch size (parameters, optimizer
   // state, gradient buffers, weight copies); the rest grows at most linearly with it, so
