@@ -122,6 +122,11 @@ absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
       return BadKey("profile_all_sizes", it->second, "true or false");
     }
   }
+  if (auto it = keys.find("auto_memory"); it != keys.end()) {
+    if (!absl::SimpleAtob(it->second, &c.auto_memory)) {
+      return BadKey("auto_memory", it->second, "true or false");
+    }
+  }
   if (auto it = keys.find("use_all_devices"); it != keys.end()) {
     bool all = true;
     if (!absl::SimpleAtob(it->second, &all)) {

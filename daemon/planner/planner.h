@@ -58,6 +58,10 @@ struct PlannerConfig {
   // client that traces the model on a few samples of its batch (pyrannc's trace_batch) sends
   // the whole batch's size here.
   int batch_size = 0;
+  // "auto_memory": when no plan fits with the job's memory switches, plan again with ZeRO,
+  // then with parameter offload, then with both (what a user would turn on by hand), and run
+  // the job in the first mode that fits. False: fail with the planner's RESOURCE_EXHAUSTED.
+  bool auto_memory = true;
 };
 
 // Reads the keys above from `keys` (other keys are ignored: clients send every RANNC_*

@@ -150,16 +150,45 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
     loaded.set_loaded(true);
     return loaded;
   }
-  // The planner runs the model (profiling): a LibTorch error there is a status, not a throw.
-  absl::StatusOr<v1::Deployment> plan = absl::InternalError("no plan");
-  absl::Status ran = TorchCall(absl::StatusCode::kInternal, "profiling", [&] {
-    plan = planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                              MemoryModelFor(config.optimizer, config.zero, config.offload,
-                                             config.amp),
-                              config.planner, config.profile_cache, config.created_by);
-    return absl::OkStatus();
-  });
-  if (!ran.ok()) return Annotate(ran, "planning the model");
+  auto plan_with = [&](bool zero, bool offload) -> absl::StatusOr<v1::Deployment> {
+    // The planner runs the model (profiling): a LibTorch error there is a status, not a throw.
+    absl::StatusOr<v1::Deployment> plan = absl::InternalError("no plan");
+    absl::Status ran = TorchCall(absl::StatusCode::kInternal, "profiling", [&] {
+      plan = planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
+                                MemoryModelFor(config.optimizer, zero, offload, config.amp),
+                                config.planner, config.profile_cache, config.created_by);
+      return absl::OkStatus();
+    });
+    if (!ran.ok()) return ran;
+    return plan;
+  };
+  absl::StatusOr<v1::Deployment> plan = plan_with(config.zero, config.offload);
+  if (!plan.ok() && plan.status().code() == absl::StatusCode::kResourceExhausted &&
+      config.planner.auto_memory) {
+    // Nothing fits as asked: the switches a user would turn on by hand, the cheapest first
+    // (ZeRO shards over replicas; offload moves each step's parameters over the host link).
+    // The profiles are cached, so each try is a search.
+    std::set<std::pair<bool, bool>> tried = {{config.zero, config.offload}};
+    for (auto [zero, offload] : std::vector<std::pair<bool, bool>>{
+             {true, config.offload}, {config.zero, true}, {true, true}}) {
+      if (!tried.insert({zero, offload}).second) continue;
+      absl::StatusOr<v1::Deployment> more = plan_with(zero, offload);
+      if (more.ok()) {
+        spdlog::info("no plan fits {}; planned with{}{} instead (planner key auto_memory)",
+                     config.zero || config.offload ? "with the job's memory switches"
+                                                   : "without ZeRO or offload",
+                     zero ? " ZeRO" : "", offload ? (zero ? " and offload" : " offload") : "");
+      }
+      if (more.ok() || more.status().code() != absl::StatusCode::kResourceExhausted) {
+        plan = std::move(more);
+        break;
+      }
+    }
+    if (!plan.ok() && plan.status().code() == absl::StatusCode::kResourceExhausted) {
+      plan = absl::ResourceExhaustedError(absl::StrCat(
+          plan.status().message(), "; with ZeRO and parameter offload (auto_memory) neither"));
+    }
+  }
   if (!plan.ok()) return Annotate(plan.status(), "planning the model");
   return plan;
 }
@@ -344,6 +373,10 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   if (!planned.ok()) return planned.status();
   job->ir_ = std::move(planned->ir);
   job->deployment_ = std::move(planned->plan);
+  // The plan's memory switches: the job's, or more when nothing fit without them
+  // (PlannerConfig::auto_memory), or those a loaded plan was made with.
+  job->zero_ = job->config_.zero || job->deployment_.zero();
+  job->offload_ = job->config_.offload || job->deployment_.offload();
 
   job->lifted_of_entry_ = LiftedOfEntries(job->store_, *job->ir_);
   if (job->config_.optimizer.enabled) {
@@ -385,8 +418,8 @@ absl::Status Job::Deploy() {
   options.local_devices = config_.local_devices;
   options.placement = config_.placement;
   options.group = config_.engine_group;
-  options.zero = config_.zero;
-  options.offload = config_.offload;
+  options.zero = zero_;
+  options.offload = offload_;
   options.loss_scaler = parked_loss_scaler_;
   options.amp = config_.amp;
   {

@@ -74,7 +74,8 @@ struct JobConfig {
   OptimizerConfig optimizer;
   bool check_unused_values = true;    // reject unused inputs and parameters, as RaNNC does
   // enable_zero: gradients and optimizer state sharded over each stage's replicas
-  // (EngineOptions::zero), and planned so.
+  // (EngineOptions::zero), and planned so. The job also runs with it (and offload) when its plan
+  // has it: planned so because nothing fit without (PlannerConfig::auto_memory), or loaded.
   bool zero = false;
   // offload_params: parameters and optimizer state in host memory, brought to the devices for
   // each step (EngineOptions::offload), and planned so.
@@ -304,6 +305,9 @@ class Job {
   std::vector<std::string> devices_;
   std::vector<InputSignature> signature_;
   v1::Deployment deployment_;
+  // The memory switches the engine runs with: the config's, and those the plan needs.
+  bool zero_ = false;
+  bool offload_ = false;
 
   std::mutex mu_;
   JobState state_ = JobState::kDeployed;

@@ -268,6 +268,7 @@ namespace {
 TEST_CASE("Job refuses a model whose state exceeds the devices' memory", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
   JobConfig config = SgdConfig();  // momentum: one state tensor per parameter
+  config.planner.auto_memory = false;
   // fc1 6x8+8, fc2 8x3+3 floats = 83 * 4 bytes; with grads and momentum, 3x that.
   config.plan_target.device_memory_bytes = 83 * 4 * 3 - 1;
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create("job-1", config, f.model_bytes, f.inputs);
@@ -276,6 +277,39 @@ TEST_CASE("Job refuses a model whose state exceeds the devices' memory", "[job]"
   CHECK_THAT(std::string(job.status().message()), Catch::Contains("planning the model"));
   config.plan_target.device_memory_bytes = 64 << 20;
   CHECK(Job::Create("job-1", config, f.model_bytes, f.inputs).ok());
+}
+
+TEST_CASE("Job offloads parameters by itself when nothing fits without, and trains the same",
+          "[job]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  // The least device memory any plain plan fits in, by bisection over dry runs.
+  JobConfig plain = SgdConfig();
+  plain.planner.auto_memory = false;
+  uint64_t too_little = 1, enough = 64 << 20;
+  while (enough - too_little > 1) {
+    const uint64_t mid = (too_little + enough) / 2;
+    plain.plan_target.device_memory_bytes = mid;
+    (Job::PlanOnly(plain, f.model_bytes, f.inputs).ok() ? enough : too_little) = mid;
+  }
+  JobConfig config = SgdConfig();
+  config.plan_target.device_memory_bytes = too_little;
+  std::unique_ptr<Job> job = MakeJob(f, config);
+  CHECK(job->deployment().offload());
+  CHECK_FALSE(job->deployment().zero());  // one device: nothing to shard over
+  TrainTwoSteps(*job, f);
+  for (const ParamStore::Entry& e : job->params().entries()) {
+    INFO(e.name);
+    CHECK(Close(Value(*job, e.name), f.Ref("step2", e.name)));
+  }
+  // Offloaded indeed: between steps the device holds none of the parameters' state.
+  const JobSummary summary = job->Summary();
+  REQUIRE(summary.device_bytes.size() == 1);
+  CHECK(summary.device_bytes[0] == 0);
+  CHECK(summary.peak_device_bytes[0] > 0);
+  // Told not to, it fails as before.
+  config.planner.auto_memory = false;
+  CHECK(Job::Create("job-2", config, f.model_bytes, f.inputs).status().code() ==
+        absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace
@@ -345,7 +379,8 @@ TEST_CASE("Job::PlanOnly plans for devices that are not there, and refuses what 
   config.plan_target.device_memory_bytes = 1024;
   absl::StatusOr<v1::Deployment> none = Job::PlanOnly(config, f.model_bytes, f.inputs);
   CHECK(none.status().code() == absl::StatusCode::kResourceExhausted);
-  CHECK_THAT(std::string(none.status().message()), Catch::Contains("planning the model"));
+  CHECK_THAT(std::string(none.status().message()),
+             Catch::Contains("planning the model") && Catch::Contains("offload (auto_memory)"));
 }
 
 }  // namespace
