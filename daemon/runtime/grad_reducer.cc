@@ -151,7 +151,8 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
     scatter_ = true;
     transient_ = true;
     for (size_t i = 0; i < params.size(); ++i) {
-      params_.push_back({params[i], options.numels.empty() ? params[i].numel() : options.numels[i]});
+      const int64_t numel = options.numels.empty() ? params[i].numel() : options.numels[i];
+      params_.push_back({params[i], numel});
     }
     absl::Status laid = LayOutScatter(params, options.scatter_buckets);
     if (!laid.ok()) return laid;
@@ -210,7 +211,8 @@ absl::Status GradReducer::Impl::LayOutScatter(const std::vector<at::Tensor>& par
     int64_t elements = 0;
     for (int i : buckets[b]) {
       if (i < 0 || i >= n) {
-        return absl::InvalidArgumentError(absl::StrCat("bucket ", b, " names param ", i, " of ", n));
+        return absl::InvalidArgumentError(
+            absl::StrCat("bucket ", b, " names param ", i, " of ", n));
       }
       if (placed[i]) {
         return absl::InvalidArgumentError(absl::StrCat("param ", i, " is in two buckets"));
@@ -234,7 +236,9 @@ absl::Status GradReducer::Impl::LayOutScatter(const std::vector<at::Tensor>& par
     bucket.bytes = static_cast<size_t>(elements) * bucket.options.dtype().itemsize();
   }
   for (int i = 0; i < n; ++i) {
-    if (!placed[i]) return absl::InvalidArgumentError(absl::StrCat("param ", i, " is in no bucket"));
+    if (!placed[i]) {
+      return absl::InvalidArgumentError(absl::StrCat("param ", i, " is in no bucket"));
+    }
   }
   return absl::OkStatus();
 }
@@ -344,9 +348,10 @@ void GradReducer::Impl::LaunchReady(bool early) {
 
 std::string GradReducer::Impl::Describe(int bucket) const {
   const Bucket& b = buckets_[bucket];
-  return absl::StrCat(scatter_ ? "reduce-scattering" : "all-reducing", " gradient bucket ", bucket, " of ", buckets_.size(), " (",
-                      b.params.size(), " params, #", b.params.back(), "..#", b.params.front(),
-                      ", ", b.bytes, " bytes of ", c10::toString(c10::typeMetaToScalarType(b.options.dtype())), ")");
+  return absl::StrCat(scatter_ ? "reduce-scattering" : "all-reducing", " gradient bucket ", bucket,
+                      " of ", buckets_.size(), " (", b.params.size(), " params, #",
+                      b.params.back(), "..#", b.params.front(), ", ", b.bytes, " bytes of ",
+                      c10::toString(c10::typeMetaToScalarType(b.options.dtype())), ")");
 }
 
 absl::Status GradReducer::Impl::Finish(const WaitFn& wait, std::vector<at::Tensor>* shards) {

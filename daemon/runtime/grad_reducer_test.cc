@@ -413,7 +413,8 @@ ScatterResult RunScatterRank(comm::Communicator* c, const std::string& group,
 const std::vector<std::vector<int>> kScatterBuckets = {{6, 5}, {4}, {3, 2}, {1, 0}};
 
 void CheckScatter(Backend backend, comm::Store* store, int size) {
-  const std::string group = absl::StrCat("grad_reducer/scatter/", backend == Backend::kUcx ? "ucx" : "fake", "/", size);
+  const std::string group = absl::StrCat(
+      "grad_reducer/scatter/", backend == Backend::kUcx ? "ucx" : "fake", "/", size);
   std::vector<std::unique_ptr<comm::Communicator>> comms =
       comm::MakeGroupConcurrently(backend, size, group, store);
   REQUIRE(comms.size() == static_cast<size_t>(size));
