@@ -16,6 +16,10 @@ several micro-batch counts m (and the single-stage data-parallel plan as a basel
    step's profiled compute spread evenly over the N devices), the bubble fraction
    1 - ideal / measured, and estimate / measured.
 
+With --zero-buckets B1,B2,... it instead times ZeRO's gradient reduction (enable_zero, AdamW)
+on the --stages x replicas plan, once per bucket size: a bucket as large as a stage's gradients
+is one reduce-scatter as the backward ends, smaller ones overlap it (docs/benchmarks.md).
+
 Prints a Markdown table (stdout); progress goes to stderr.
 """
 
@@ -48,6 +52,10 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--backend", choices=["ucx", "fake"], default="ucx")
     p.add_argument("--binary", default=BINARY)
+    p.add_argument("--zero-buckets", default="",
+                   help="comma-separated bucket sizes in bytes: ZeRO (AdamW) rows on the "
+                   "--stages x replicas plan with the first --micro-batches count, one per size, "
+                   "instead of the pipeline rows")
     args = p.parse_args()
 
     if not os.path.exists(args.binary):
@@ -65,7 +73,8 @@ def main():
             [args.binary, "--model", path, "--batch", str(args.batch), "--seq", str(args.seq),
              "--devices", str(args.devices), "--stages", str(args.stages),
              "--micro-batches", args.micro_batches, "--steps", str(args.steps),
-             "--backend", args.backend],
+             "--backend", args.backend] +
+            (["--zero-buckets", args.zero_buckets] if args.zero_buckets else []),
             check=False)
     sys.exit(result.returncode)
 

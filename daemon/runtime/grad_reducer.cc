@@ -28,7 +28,8 @@ class GradReducer::Impl {
   ~Impl();
   absl::Status Init(std::vector<at::Tensor> params, comm::Communicator* comm, Options options);
   void BeginFinalBackward();
-  absl::Status Finish(const WaitFn& wait);
+  absl::Status BindGrads();
+  absl::Status Finish(const WaitFn& wait, std::vector<at::Tensor>* shards);
   absl::Status Rebind();
   // The AccumulateGrad post-hook of param `index` (the backward's thread).
   void OnAccumulated(int index);
@@ -44,6 +45,7 @@ class GradReducer::Impl {
  private:
   struct Param {
     at::Tensor tensor;
+    int64_t numel = 0;  // Options::numels, or the tensor's at Create
     int bucket = 0;
     int64_t offset = 0;  // elements into the bucket's flat buffer
     bool ready = false;  // its gradient is in the flat buffer for this step
@@ -57,8 +59,11 @@ class GradReducer::Impl {
     at::Tensor flat;  // before `work`: a work in flight is destroyed before its buffer
     comm::Buffer buffer;
     std::vector<int> params;
-    size_t bytes = 0;
+    size_t bytes = 0;  // of `flat`, with reduce-scatter's padding
     int pending = 0;  // params not ready yet this step
+    // Reduce-scatter mode: this rank's chunk of the sum, written by `work`. Kept here until a
+    // Finish succeeds, so that a failed one leaves it alive with the reducer (see the header).
+    at::Tensor out;
     std::unique_ptr<comm::Work> work;
   };
 
@@ -67,11 +72,16 @@ class GradReducer::Impl {
   // Starts, in bucket order, every bucket whose params are all ready. Holds mu_.
   void LaunchReady(bool early);
   std::string Describe(int bucket) const;
-  // Allocates the buckets' flat buffers (once, or every step when transient).
+  // Allocates the buckets' flat buffers (once, or every step when transient); zeroed in
+  // reduce-scatter mode, whose padding is summed too.
   void AllocateBuckets();
+  // Reduce-scatter mode: lays out Options::scatter_buckets.
+  absl::Status LayOutScatter(const std::vector<at::Tensor>& params,
+                             const std::vector<std::vector<int>>& buckets);
 
-  comm::Communicator* comm_ = nullptr;
-  bool transient_ = false;  // null: the reducer is a no-op
+  comm::Communicator* comm_ = nullptr;  // null: the reducer is a no-op
+  bool transient_ = false;
+  bool scatter_ = false;  // reduce-scatter mode
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
 
@@ -133,6 +143,21 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
     return absl::InvalidArgumentError(absl::StrCat(options.numels.size(), " element counts for ",
                                                    params.size(), " params"));
   }
+  if (!options.scatter_buckets.empty()) {
+    if (comm == nullptr) {
+      return absl::InvalidArgumentError("a reduce-scatter reducer needs a group");
+    }
+    comm_ = comm;
+    scatter_ = true;
+    transient_ = true;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t numel = options.numels.empty() ? params[i].numel() : options.numels[i];
+      params_.push_back({params[i], numel});
+    }
+    absl::Status laid = LayOutScatter(params, options.scatter_buckets);
+    if (!laid.ok()) return laid;
+    return Rebind();
+  }
   if (comm == nullptr || comm->size() == 1) return absl::OkStatus();
   comm_ = comm;
   transient_ = options.transient;
@@ -163,6 +188,7 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
     }
     Bucket& bucket = buckets_[b];
     params_[i].tensor = t;
+    params_[i].numel = numel;
     params_[i].bucket = b;
     params_[i].offset = static_cast<int64_t>(bucket.bytes / t.element_size());
     bucket.params.push_back(i);
@@ -171,6 +197,50 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
   }
   if (!transient_) AllocateBuckets();
   return Rebind();
+}
+
+absl::Status GradReducer::Impl::LayOutScatter(const std::vector<at::Tensor>& params,
+                                              const std::vector<std::vector<int>>& buckets) {
+  const int n = static_cast<int>(params.size());
+  std::vector<bool> placed(params.size(), false);
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    if (buckets[b].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("bucket ", b, " is empty"));
+    }
+    Bucket& bucket = buckets_.emplace_back();
+    int64_t elements = 0;
+    for (int i : buckets[b]) {
+      if (i < 0 || i >= n) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("bucket ", b, " names param ", i, " of ", n));
+      }
+      if (placed[i]) {
+        return absl::InvalidArgumentError(absl::StrCat("param ", i, " is in two buckets"));
+      }
+      if (bucket.params.empty()) {
+        bucket.options = at::TensorOptions().dtype(params[i].dtype()).device(params[i].device());
+      } else if (params[i].dtype() != bucket.options.dtype() ||
+          params[i].device() != bucket.options.device()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "bucket ", b, " mixes dtypes or devices (param ", i, ")"));
+      }
+      placed[i] = true;
+      params_[i].bucket = static_cast<int>(b);
+      params_[i].offset = elements;
+      elements += params_[i].numel;
+      bucket.params.push_back(i);
+    }
+    // Padded so that the group's ranks get equal chunks.
+    const int64_t size = comm_->size();
+    elements = (elements + size - 1) / size * size;
+    bucket.bytes = static_cast<size_t>(elements) * bucket.options.dtype().itemsize();
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!placed[i]) {
+      return absl::InvalidArgumentError(absl::StrCat("param ", i, " is in no bucket"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GradReducer::Impl::Rebind() {
@@ -193,7 +263,8 @@ absl::Status GradReducer::Impl::Rebind() {
 void GradReducer::Impl::AllocateBuckets() {
   for (Bucket& b : buckets_) {
     const int64_t element_size = static_cast<int64_t>(b.options.dtype().itemsize());
-    b.flat = at::empty({static_cast<int64_t>(b.bytes) / element_size}, b.options);
+    const int64_t elements = static_cast<int64_t>(b.bytes) / element_size;
+    b.flat = scatter_ ? at::zeros({elements}, b.options) : at::empty({elements}, b.options);
     b.buffer = *BufferOf(b.flat);  // a dtype and device Create has checked
   }
 }
@@ -202,13 +273,32 @@ void GradReducer::Impl::BeginFinalBackward() {
   std::lock_guard<std::mutex> lock(mu_);
   // A second call before Finish would reset buckets whose all-reduce may be in flight.
   if (comm_ == nullptr || !broken_.ok() || armed_) return;
-  if (transient_) AllocateBuckets();
+  // Reduce-scatter mode: BindGrads has allocated them (where a backward ran before).
+  if (transient_ && (buckets_.empty() || !buckets_.front().flat.defined())) AllocateBuckets();
   for (Param& p : params_) p.ready = false;
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.params.size());
   next_launch_ = 0;
   started_early_ = 0;
   hook_error_ = absl::OkStatus();
   armed_ = true;
+}
+
+absl::Status GradReducer::Impl::BindGrads() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!scatter_ || !broken_.ok() || armed_) return absl::OkStatus();
+  at::NoGradGuard no_grad;
+  // Fresh buffers: a step that failed before its Finish may have left stale sums in the old.
+  AllocateBuckets();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    if (p.tensor.numel() != p.numel) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "param ", i, " has ", p.tensor.numel(), " elements, not ", p.numel));
+    }
+    p.tensor.mutable_grad() =
+        buckets_[p.bucket].flat.narrow(0, p.offset, p.numel).view(p.tensor.sizes());
+  }
+  return absl::OkStatus();
 }
 
 void GradReducer::Impl::OnAccumulated(int index) {
@@ -229,7 +319,9 @@ void GradReducer::Impl::MarkReady(int index) {
   at::NoGradGuard no_grad;
   at::Tensor slot = b.flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
   const at::Tensor& grad = p.tensor.grad();
-  if (grad.defined()) {
+  if (grad.defined() && grad.data_ptr() == slot.data_ptr() && grad.strides() == slot.strides()) {
+    // Bound by BindGrads, and autograd accumulated in place: already there.
+  } else if (grad.defined()) {
     slot.copy_(grad);  // any layout: copy_ follows the grad's strides
   } else {
     slot.zero_();
@@ -243,7 +335,12 @@ void GradReducer::Impl::LaunchReady(bool early) {
   // and autograd's order of parameters may differ between ranks.
   while (next_launch_ < static_cast<int>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
-    b.work = comm_->AllReduce(b.buffer, {comm::ReduceOp::kSum});
+    if (scatter_) {
+      b.out = at::empty({b.flat.numel() / comm_->size()}, b.options);
+      b.work = comm_->ReduceScatter(b.buffer, *BufferOf(b.out), {comm::ReduceOp::kSum});
+    } else {
+      b.work = comm_->AllReduce(b.buffer, {comm::ReduceOp::kSum});
+    }
     if (early) ++started_early_;
     ++next_launch_;
   }
@@ -251,12 +348,16 @@ void GradReducer::Impl::LaunchReady(bool early) {
 
 std::string GradReducer::Impl::Describe(int bucket) const {
   const Bucket& b = buckets_[bucket];
-  return absl::StrCat("all-reducing gradient bucket ", bucket, " of ", buckets_.size(), " (",
-                      b.params.size(), " params, #", b.params.back(), "..#", b.params.front(),
-                      ", ", b.bytes, " bytes of ", c10::toString(c10::typeMetaToScalarType(b.options.dtype())), ")");
+  return absl::StrCat(scatter_ ? "reduce-scattering" : "all-reducing", " gradient bucket ", bucket,
+                      " of ", buckets_.size(), " (", b.params.size(), " params, #",
+                      b.params.back(), "..#", b.params.front(), ", ", b.bytes, " bytes of ",
+                      c10::toString(c10::typeMetaToScalarType(b.options.dtype())), ")");
 }
 
-absl::Status GradReducer::Impl::Finish(const WaitFn& wait) {
+absl::Status GradReducer::Impl::Finish(const WaitFn& wait, std::vector<at::Tensor>* shards) {
+  if (scatter_ && shards == nullptr) {
+    return absl::InvalidArgumentError("a reduce-scatter Finish needs somewhere for the shards");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok()) {
@@ -291,6 +392,17 @@ absl::Status GradReducer::Impl::Finish(const WaitFn& wait) {
       broken_ = s;
       return s;
     }
+  }
+  if (scatter_) {
+    shards->clear();
+    for (Bucket& b : buckets_) {
+      shards->push_back(std::move(b.out));
+      b.out = at::Tensor();
+      b.flat.reset();
+    }
+    // The gradients were views of the flat buffers; their sums now live in the shards.
+    for (Param& p : params_) p.tensor.mutable_grad().reset();
+    return absl::OkStatus();
   }
   absl::Status s = TorchCall(absl::StatusCode::kInternal, "copying reduced gradients back", [&] {
     at::NoGradGuard no_grad;
@@ -331,7 +443,13 @@ GradReducer::GradReducer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GradReducer::~GradReducer() = default;
 
 void GradReducer::BeginFinalBackward() { impl_->BeginFinalBackward(); }
-absl::Status GradReducer::Finish(const WaitFn& wait) { return impl_->Finish(wait); }
+absl::Status GradReducer::Finish(const WaitFn& wait, std::vector<at::Tensor>* shards) {
+  return impl_->Finish(wait, shards);
+}
+absl::Status GradReducer::BindGrads() {
+  return TorchCall(absl::StatusCode::kInternal, "binding gradients to their buckets",
+                   [&] { return impl_->BindGrads(); });
+}
 int GradReducer::buckets() const { return impl_->buckets(); }
 int GradReducer::buckets_started_early() const { return impl_->buckets_started_early(); }
 int64_t GradReducer::buffer_bytes() const { return impl_->buffer_bytes(); }

@@ -38,6 +38,25 @@
 // it with operations in flight (armed but not finished, or broken) frees their buffers, as the
 // engine's teardown frees its abandoned operations': do so only once the group is failing or
 // torn down, so that no peer completes them.
+//
+// Reduce-scatter mode (ZeRO; Options::scatter_buckets): the caller lays out the buckets, and
+// each bucket's collective is a reduce-scatter that leaves rank r the r-th of comm->size()
+// equal chunks of the bucket's sum, instead of an all-reduce. Rank r thereby owns chunk r of
+// every bucket. The buckets' flat buffers are the parameters' gradients for the whole step:
+//
+//   options.scatter_buckets = {{2, 1}, {0}};   // bucket 0: params 2 then 1; bucket 1: param 0
+//   r = GradReducer::Create(params, replicas_comm, options);
+//   absl::Status s = (*r)->BindGrads();   // before the step's first backward
+//   ... earlier micro-batch backwards accumulate into the buckets in place ...
+//   (*r)->BeginFinalBackward();
+//   torch::autograd::backward(...);       // complete buckets start reduce-scattering here
+//   std::vector<at::Tensor> shards;
+//   s = (*r)->Finish(wait, &shards);      // shards[b]: chunk rank() of bucket b's sum
+//
+// A bucket holds its parameters' gradients contiguously in the listed order, padded with zeros
+// to a multiple of comm->size() elements. Its buffer exists from BindGrads (or
+// BeginFinalBackward) until Finish, which drops the parameters' gradients: between steps the
+// device holds only the shards the caller keeps.
 #ifndef RANNC_DAEMON_RUNTIME_GRAD_REDUCER_H_
 #define RANNC_DAEMON_RUNTIME_GRAD_REDUCER_H_
 
@@ -69,12 +88,19 @@ class GradReducer {
     // (offload: a device copy that exists only during steps; the tensor must have these
     // elements whenever a backward or Finish runs). Empty: each tensor's own numel().
     std::vector<int64_t> numels;
+    // Reduce-scatter mode (see above): each bucket's parameter indices, in layout order; the
+    // buckets start in this order. Every parameter is in exactly one bucket, and a bucket's
+    // parameters share a dtype and device. Replaces the automatic layout (bucket_bytes and
+    // transient are then unused: the buffers are always transient). Empty: all-reduce mode.
+    std::vector<std::vector<int>> scatter_buckets;
   };
 
   // `params`: this device's parameter leaves (requires_grad) whose gradients are summed over
   // the replica group `comm`. comm == nullptr or comm->size() == 1: every call is a cheap no-op
   // (no hooks, no buffers). INVALID_ARGUMENT for an undefined tensor, a non-leaf or one not
-  // requiring grad, the same tensor twice, or a dtype other than float32/64/16 and bfloat16.
+  // requiring grad, the same tensor twice, or a dtype other than float32/64/16 and bfloat16;
+  // in reduce-scatter mode also for a null `comm` (a group of one is fine: each shard is the
+  // whole bucket) and for buckets that are not a partition of the parameters as said above.
   static absl::StatusOr<std::unique_ptr<GradReducer>> Create(std::vector<at::Tensor> params,
                                                              comm::Communicator* comm,
                                                              Options options);
@@ -88,6 +114,14 @@ class GradReducer {
   // starts its all-reduce (sum) at once, asynchronously, once the buckets before it have.
   void BeginFinalBackward();
 
+  // Reduce-scatter mode: allocates the buckets' flat buffers, zeroed, and makes each
+  // parameter's .grad() a view of its slot, so that autograd accumulates every backward of the
+  // step there in place (no second copy of the gradients). Call before the step's first
+  // backward, after the parameters' previous gradients were set aside (it replaces them).
+  // Nothing in all-reduce mode or once broken. FAILED_PRECONDITION for a parameter whose
+  // element count is not its Create-time count (offload: its storage is not swapped in).
+  absl::Status BindGrads();
+
   // The engine's waiter: waits for `work`, enforcing its own timeout and abort flag; `keep` is
   // memory the operation may still write, to be kept alive if the waiter gives up on it.
   using WaitFn = std::function<absl::Status(std::unique_ptr<comm::Work> work, at::Tensor keep,
@@ -99,7 +133,10 @@ class GradReducer {
   // (in place where it is defined; a new tensor otherwise). The first error stops it and is
   // returned annotated with the bucket (see above for what it leaves behind).
   // FAILED_PRECONDITION without a BeginFinalBackward since the last Finish.
-  absl::Status Finish(const WaitFn& wait);
+  // Reduce-scatter mode: instead of copying sums back, sets `shards` to one tensor per bucket,
+  // this rank's chunk of its sum, and drops every parameter's .grad() and the buckets' buffers;
+  // INVALID_ARGUMENT when `shards` is null.
+  absl::Status Finish(const WaitFn& wait, std::vector<at::Tensor>* shards = nullptr);
 
   // Hooks the parameters' current gradient accumulators. Call after their storage was swapped
   // with set_ (parameter offload), which makes autograd drop a leaf's accumulator, shaped as
@@ -111,7 +148,7 @@ class GradReducer {
   // Finish found already started, i.e. overlapped with the backward. 0 for a no-op reducer.
   int buckets() const;
   int buckets_started_early() const;
-  // Bytes of the buckets' flat buffers allocated now.
+  // Bytes of the buckets' flat buffers allocated now (not counting reduce-scatter outputs).
   int64_t buffer_bytes() const;
 
   class Impl;

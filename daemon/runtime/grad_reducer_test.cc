@@ -359,3 +359,172 @@ TEST_CASE("GradReducer::Create rejects what it cannot reduce", "[runtime]") {
 
 }  // namespace
 }  // namespace rannc
+
+namespace rannc {
+namespace {
+
+// Reduce-scatter mode over the test model, with `buckets` of its params (see Model).
+struct ScatterResult {
+  absl::Status bound, finished;
+  int early = -1;
+  // Collectives this rank had issued when autograd reached the first layer (h's gradient),
+  // beyond those before the armed backward.
+  int64_t issued_before_first_layer = -1;
+  std::vector<at::Tensor> shards;
+  std::vector<bool> grads_left;  // per param: a .grad() after Finish
+  int64_t bound_bytes = -1, finished_bytes = -1;
+};
+
+ScatterResult RunScatterRank(comm::Communicator* c, const std::string& group,
+                             const std::vector<std::vector<int>>& buckets, const Model& m,
+                             const at::Tensor& x0, const at::Tensor& x1) {
+  ScatterResult result;
+  GradReducer::Options options;
+  options.scatter_buckets = buckets;
+  absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
+      GradReducer::Create(m.params(), c, options);
+  result.bound = reducer.status();
+  if (!reducer.ok()) return result;
+  result.bound = (*reducer)->BindGrads();
+  if (!result.bound.ok()) return result;
+  result.bound_bytes = (*reducer)->buffer_bytes();
+  Backward(m, x0, 0);  // accumulates into the buckets; starts nothing
+  const int64_t before = comm::FakeCollectivesIssued(group, c->rank());
+  (*reducer)->BeginFinalBackward();
+  // The armed backward, observed where autograd has finished layers 3 and 2 (their
+  // AccumulateGrad nodes run as soon as they are ready) and starts on layer 1.
+  at::Tensor h = at::tanh(x1.matmul(m.w1) + m.b1);
+  h.register_hook([&](const at::Tensor& grad) {
+    result.issued_before_first_layer = comm::FakeCollectivesIssued(group, c->rank()) - before;
+    return grad;
+  });
+  at::Tensor h2 = at::relu(h.matmul(m.w2));
+  at::Tensor out = h2.to(at::kDouble).matmul(m.w3) + m.b3;
+  torch::autograd::backward({out.pow(2).mean()});
+  result.finished = (*reducer)->Finish(WaitFor, &result.shards);
+  result.finished_bytes = (*reducer)->buffer_bytes();
+  result.early = (*reducer)->buckets_started_early();
+  for (const at::Tensor& p : m.params()) result.grads_left.push_back(p.grad().defined());
+  return result;
+}
+
+// Buckets of the test model (params: 0 unused, 1 early_only, 2 w1, 3 b1, 4 w2, 5 w3, 6 b3),
+// last layer first. Bucket sizes 3 + 21, 35, 5 + 40, 4 + 4 elements: odd ones get padding.
+const std::vector<std::vector<int>> kScatterBuckets = {{6, 5}, {4}, {3, 2}, {1, 0}};
+
+void CheckScatter(Backend backend, comm::Store* store, int size) {
+  const std::string group = absl::StrCat(
+      "grad_reducer/scatter/", backend == Backend::kUcx ? "ucx" : "fake", "/", size);
+  std::vector<std::unique_ptr<comm::Communicator>> comms =
+      comm::MakeGroupConcurrently(backend, size, group, store);
+  REQUIRE(comms.size() == static_cast<size_t>(size));
+  std::vector<Model> models;
+  std::vector<at::Tensor> inputs;
+  for (int r = 0; r < size; ++r) {
+    models.push_back(MakeModel());
+    inputs.push_back(Input(r, 0));
+    inputs.push_back(Input(r, 1));
+  }
+  std::vector<ScatterResult> results(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = RunScatterRank(comms[r].get(), group, kScatterBuckets, models[r],
+                                  inputs[2 * r], inputs[2 * r + 1]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  // The expected sums, bucket by bucket, flattened and padded as the reducer lays them out.
+  const std::vector<at::Tensor> want = ExpectedGrads(size);
+  for (int r = 0; r < size; ++r) {
+    INFO("rank " << r << " of " << group);
+    REQUIRE(results[r].bound.ok());
+    INFO(results[r].finished.ToString());
+    REQUIRE(results[r].finished.ok());
+    REQUIRE(results[r].shards.size() == kScatterBuckets.size());
+    int64_t bound_bytes = 0;
+    for (size_t b = 0; b < kScatterBuckets.size(); ++b) {
+      INFO("bucket " << b);
+      std::vector<at::Tensor> pieces;
+      for (int i : kScatterBuckets[b]) pieces.push_back(want[i].reshape(-1));
+      at::Tensor flat = at::cat(pieces);
+      const int64_t padded = (flat.numel() + size - 1) / size * size;
+      flat = at::cat({flat, at::zeros({padded - flat.numel()}, flat.options())});
+      bound_bytes += flat.nbytes();
+      const int64_t chunk = padded / size;
+      const at::Tensor& got = results[r].shards[b];
+      REQUIRE(got.numel() == chunk);
+      CHECK(got.scalar_type() == flat.scalar_type());
+      CHECK(at::allclose(got, flat.narrow(0, r * chunk, chunk), /*rtol=*/1e-6, /*atol=*/1e-6));
+    }
+    // The buckets were the gradients from BindGrads to Finish, and only then.
+    CHECK(results[r].bound_bytes == bound_bytes);
+    CHECK(results[r].finished_bytes == 0);
+    for (size_t i = 0; i < results[r].grads_left.size(); ++i) {
+      INFO("param " << i);
+      CHECK_FALSE(results[r].grads_left[i]);
+    }
+    // early_only and unused get no gradient in the armed backward: their bucket starts in
+    // Finish, the three others during the backward.
+    CHECK(results[r].early == 3);
+    if (backend == Backend::kFake) {
+      // Overlap: layer 3's and layer 2's buckets were issued before autograd reached layer 1.
+      CHECK(results[r].issued_before_first_layer == 2);
+    }
+  }
+}
+
+TEST_CASE("GradReducer reduce-scatters bucket by bucket during the backward", "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  SECTION("fake, 2 ranks") { CheckScatter(Backend::kFake, store.get(), 2); }
+  SECTION("fake, 3 ranks") { CheckScatter(Backend::kFake, store.get(), 3); }
+  SECTION("ucx, 2 ranks") { CheckScatter(Backend::kUcx, store.get(), 2); }
+  SECTION("ucx, 3 ranks") { CheckScatter(Backend::kUcx, store.get(), 3); }
+}
+
+TEST_CASE("GradReducer refuses reduce-scatter buckets that do not partition the params",
+          "[runtime][comm]") {
+  std::unique_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  std::vector<std::unique_ptr<comm::Communicator>> comms =
+      comm::MakeGroupConcurrently(Backend::kFake, 1, "grad_reducer/scatter/bad", store.get());
+  REQUIRE(comms.size() == 1);
+  Model m = MakeModel();
+  auto create = [&](std::vector<std::vector<int>> buckets, comm::Communicator* c) {
+    GradReducer::Options options;
+    options.scatter_buckets = std::move(buckets);
+    return GradReducer::Create(m.params(), c, options).status();
+  };
+  const std::vector<std::pair<std::vector<std::vector<int>>, const char*>> bad = {
+      {{{6, 5}, {4}, {3, 2}, {1}}, "param 0 is in no bucket"},
+      {{{6, 5}, {4, 6}, {3, 2}, {1, 0}}, "param 6 is in two buckets"},
+      {{{6, 5}, {4, 7}, {3, 2}, {1, 0}}, "names param 7 of 7"},
+      {{{6, 4}, {5}, {3, 2}, {1, 0}}, "mixes dtypes"},
+      {{{6, 5}, {}, {4, 3, 2}, {1, 0}}, "bucket 1 is empty"}};
+  for (const auto& [buckets, message] : bad) {
+    absl::Status s = create(buckets, comms[0].get());
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(s.message(), message));
+  }
+  CHECK(create(kScatterBuckets, nullptr).code() == absl::StatusCode::kInvalidArgument);
+  // A group of one: every shard is its whole (padding-free) bucket.
+  auto reducer = [&] {
+    GradReducer::Options options;
+    options.scatter_buckets = kScatterBuckets;
+    return GradReducer::Create(m.params(), comms[0].get(), options);
+  }();
+  REQUIRE(reducer.ok());
+  REQUIRE((*reducer)->BindGrads().ok());
+  (*reducer)->BeginFinalBackward();
+  Backward(m, Input(0, 1), 1);
+  const at::Tensor w2_grad = m.w2.grad().clone();
+  CHECK((*reducer)->Finish(WaitFor).code() == absl::StatusCode::kInvalidArgument);
+  std::vector<at::Tensor> shards;
+  REQUIRE((*reducer)->Finish(WaitFor, &shards).ok());
+  REQUIRE(shards.size() == 4);
+  CHECK(at::equal(shards[1], w2_grad.reshape(-1)));
+}
+
+}  // namespace
+}  // namespace rannc

@@ -23,6 +23,19 @@
 //             equal stages and free communication, what `bubble` would be on ideal devices
 //   est/meas  estimate / measured
 //
+// With --zero-buckets B1,B2,...: instead, ZeRO's gradient reduction, with AdamW, on the plan
+// --stages x (--devices / --stages) replicas with the first --micro-batches count, once per
+// bucket size Bi (EngineOptions::bucket_bytes). A bucket as large as the stage's gradients is
+// one reduce-scatter issued as the backward ends (what ZeRO did before its reduction was
+// bucketed); smaller ones start during the backward. Per row:
+//   buckets   ZeRO partitions (reduce-scatter buckets) on device 0, and how many of them its
+//             last step started during the backward
+//   train     median wall time of TrainStep (forwards, backwards, reduce-scatters)
+//   optimizer median wall time of Step (AdamW on the shards, all-gather of the parameters)
+//
+//   bazel-bin/daemon/runtime/pipeline_bench --model gpt.pt --devices 4 --stages 2
+//       --micro-batches 1 --zero-buckets 1073741824,1048576,262144 --steps 9   (one line)
+//
 // LibTorch intra-op threads are set to 1 (at::set_num_threads(1)) before profiling, so every
 // device thread (and the planner's profiling) runs single-threaded: N device threads share the
 // machine's cores the same way in every row, and the profiled costs match what a device pays.
@@ -62,12 +75,14 @@ struct Args {
   std::vector<int> micro_batches = {1, 2, 4, 8};
   int steps = 5;
   std::string backend = "ucx";
+  std::vector<int64_t> zero_buckets;  // ZeRO rows instead of the pipeline rows (see above)
 };
 
 [[noreturn]] void Usage(const std::string& why) {
   std::cerr << "pipeline_bench: " << why << "\n"
             << "usage: pipeline_bench --model FILE.pt [--batch B] [--seq T] [--devices N] "
-               "[--stages S] [--micro-batches 1,2,4,8] [--steps K] [--backend ucx|fake]\n";
+               "[--stages S] [--micro-batches 1,2,4,8] [--steps K] [--backend ucx|fake] "
+               "[--zero-buckets BYTES,...]\n";
   std::exit(2);
 }
 
@@ -103,6 +118,10 @@ Args ParseArgs(int argc, char** argv) {
         std::stringstream ss(value);
         std::string item;
         while (std::getline(ss, item, ',')) a.micro_batches.push_back(std::stoi(item));
+      } else if (key == "--zero-buckets") {
+        std::stringstream ss(value);
+        std::string item;
+        while (std::getline(ss, item, ',')) a.zero_buckets.push_back(std::stoll(item));
       } else {
         Usage("unknown flag " + key);
       }
@@ -235,6 +254,68 @@ int Main(int argc, char** argv) {
     std::cerr << label << " S=" << stages << " m=" << m << ": " << row.measured_ms << " ms\n";
     return row;
   };
+
+  if (!args.zero_buckets.empty()) {
+    const int replicas = args.devices / args.stages;
+    const int m = args.micro_batches[0];
+    planner::PlannerConfig config;
+    config.partition_num = args.stages;
+    config.replica_num = replicas;
+    config.pipeline_num = m;
+    absl::StatusOr<v1::Deployment> plan = planner::PlanModel(
+        *ir, tensors, inputs, target, memory, config, &cache, "pipeline_bench");
+    if (!plan.ok()) {
+      std::cerr << "plan: " << plan.status() << "\n";
+      return 1;
+    }
+    std::vector<int> params;
+    for (size_t i = 0; i < ir->tensor_names.size(); ++i) {
+      if (ir->values[ir->inputs[ir->num_user_inputs + i]].role == ValueRole::kParam) {
+        params.push_back(static_cast<int>(i));
+      }
+    }
+    HyperParams adamw;
+    adamw.lr = 1e-4;
+    std::cout << "ZeRO, devices " << args.devices << " (" << args.stages << " stages x "
+              << replicas << " replicas), m " << m << ", batch " << args.batch << " x seq "
+              << args.seq << ", backend " << args.backend << ", AdamW, " << args.steps
+              << " timed steps (median)\n\n";
+    std::cout << "| bucket bytes | buckets (started during backward) | train ms | optimizer ms "
+                 "| total ms |\n";
+    std::cout << "|---:|---:|---:|---:|---:|\n";
+    for (int64_t bucket_bytes : args.zero_buckets) {
+      EngineOptions options;
+      options.backend = backend;
+      options.num_devices = args.devices;
+      options.zero = true;
+      options.bucket_bytes = static_cast<size_t>(bucket_bytes);
+      absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
+          PipelineEngine::Create(*ir, *plan, tensors, options);
+      absl::Status s = engine.ok() ? (*engine)->SetOptimizer(OptimizerKind::kAdamW, {params})
+                                   : engine.status();
+      std::vector<double> train, step;
+      for (int i = 0; s.ok() && i < 2 + args.steps; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        absl::StatusOr<StepResult> result = (*engine)->TrainStep(inputs);
+        const auto t1 = std::chrono::steady_clock::now();
+        s = result.ok() ? (*engine)->Step({adamw}) : result.status();
+        const auto t2 = std::chrono::steady_clock::now();
+        (*engine)->ZeroGrad();
+        if (i < 2) continue;
+        train.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+        step.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+      }
+      if (!s.ok()) {
+        std::cout << "| " << bucket_bytes << " | error: " << s.message() << " | | | |\n";
+        continue;
+      }
+      const auto [early, buckets] = (*engine)->OverlappedBuckets(0);
+      std::cout << "| " << bucket_bytes << " | " << buckets << " (" << early << ") | "
+                << Fmt("%.1f", Median(train)) << " | " << Fmt("%.1f", Median(step)) << " | "
+                << Fmt("%.1f", Median(train) + Median(step)) << " |\n";
+    }
+    return 0;
+  }
 
   std::vector<Row> rows;
   rows.push_back(run("dp (1 stage)", planner::Schedule::k1F1B, 1, 1));

@@ -39,6 +39,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   ir_ = &ir;
   zero_ = options.zero;
   offload_ = options.offload;
+  bucket_bytes_ = options.bucket_bytes;
   scaler_ = options.loss_scaler;
   const AmpDtype amp = options.amp;
   timeout_ = options.timeout;
@@ -366,6 +367,7 @@ absl::StatusOr<std::unique_ptr<GradReducer>> PipelineEngine::Impl::MakeReducer(
     Device& d, const std::vector<int>& params) const {
   std::vector<at::Tensor> tensors;
   GradReducer::Options options;
+  options.bucket_bytes = bucket_bytes_;
   // Offloaded: the device handles are empty between steps, and so are the buckets.
   options.transient = offload_;
   for (int li : params) {
@@ -751,6 +753,20 @@ void PipelineEngine::Impl::ResetPeakDeviceBytes() {
   for (Device& d : devices_) d.peak_bytes = 0;
 }
 
+std::pair<int, int> PipelineEngine::Impl::OverlappedBuckets(int device) const {
+  std::pair<int, int> out{0, 0};
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return out;
+  }
+  const Device& d = devices_[world_rank_[device]];
+  for (const GradReducer* r : {d.reducer.get(), d.zero_reducer.get()}) {
+    if (r == nullptr) continue;
+    out.first += r->buckets_started_early();
+    out.second += r->buckets();
+  }
+  return out;
+}
+
 int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
   int64_t bytes = 0;
   for (const at::Tensor& t : d.lifted) {
@@ -899,5 +915,8 @@ int64_t PipelineEngine::PeakDeviceBytes(int device) const {
   return impl_->PeakDeviceBytes(device);
 }
 void PipelineEngine::ResetPeakDeviceBytes() { impl_->ResetPeakDeviceBytes(); }
+std::pair<int, int> PipelineEngine::OverlappedBuckets(int device) const {
+  return impl_->OverlappedBuckets(device);
+}
 
 }  // namespace rannc

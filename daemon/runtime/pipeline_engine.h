@@ -111,6 +111,11 @@ struct EngineOptions {
   bool zero = false;
   // Parameter offload: see "Offload" in the header comment.
   bool offload = false;
+  // Upper bound, in bytes, of a gradient bucket: of the replica all-reduce's buckets
+  // (GradReducer::Options::bucket_bytes) and of ZeRO's partitions, each of which is
+  // reduce-scattered as soon as the last backward of a step has produced its gradients, while
+  // the backward goes on. Default 25 MiB (PyTorch DDP's); a parameter larger gets its own.
+  size_t bucket_bytes = 25u << 20;
   // Mixed precision: every stage's forward runs under autocast to this dtype (runtime/autocast.h);
   // parameters, gradients and optimizer state stay in their own dtype (the fp32 masters). The
   // IR must have been built under the same autocast, so that values crossing stages have the
@@ -242,6 +247,11 @@ class PipelineEngine {
   // least DeviceBytes. 0 for a device this process does not run.
   int64_t PeakDeviceBytes(int device) const;
   void ResetPeakDeviceBytes();
+  // Of `device`'s gradient buckets over its stage's replicas (the all-reduce's and ZeRO's
+  // reduce-scatter's), {how many the last reduction found started during the backward, i.e.
+  // overlapped with it; how many there are}. {0, 0} for a device without replicas or not run
+  // by this process. Diagnostics and tests.
+  std::pair<int, int> OverlappedBuckets(int device) const;
 
   class Impl;
 

@@ -108,14 +108,16 @@ struct StageInfo {
   std::vector<int> lifted;  // lifted indices it reads (parameters and buffers)
 };
 
-// ZeRO (EngineOptions::zero): a stage's untied parameters of one optimizer param group and one
-// dtype, laid out in one flat buffer whose slices they are (set_ onto its storage, so the stage
-// executor and every reader see it), padded to a multiple of the replica count R. Replica r owns
-// `shard`, elements [r * len, (r + 1) * len): the optimizer's parameter there is `shard` itself,
-// a leaf sharing the flat buffer's storage, and its grad() is this replica's slice of the
-// gradient summed over the replicas (reduce-scattered after each backward). The parameters
-// keep no gradient of their own; after each optimizer step the shards are all-gathered into
-// every replica's flat buffer.
+// ZeRO (EngineOptions::zero): a bucket of a stage's untied parameters of one optimizer param
+// group and one dtype, at most EngineOptions::bucket_bytes (a larger parameter alone), laid out
+// in one flat buffer whose slices they are (set_ onto its storage, so the stage executor and
+// every reader see it), padded to a multiple of the replica count R. Replica r owns `shard`,
+// elements [r * len, (r + 1) * len), i.e. chunk r of every partition: the optimizer's
+// parameter there is `shard` itself, a leaf sharing the flat buffer's storage, and its grad()
+// is this replica's slice of the gradient summed over the replicas. The gradients are
+// reduce-scattered partition by partition by Device::zero_reducer, overlapped with each step's
+// last backward, and the parameters keep no gradient between steps; after each optimizer step
+// the shards are all-gathered into every replica's flat buffer.
 //
 // With offload, `shard` is a host tensor of its own (the master of the replica's slice of the
 // parameters, with its gradient and optimizer state) and `flat` exists on the device only while
@@ -128,9 +130,6 @@ struct ZeroPartition {
   at::Tensor shard;
   int64_t shard_offset = 0, len = 0;
   at::Tensor fused_grad;  // a fused forward's shard gradient, waiting for Backward
-  // During a step's backwards: the whole local gradient, which the parameters' grads view so
-  // that autograd accumulates into it (no second copy before the reduce-scatter).
-  at::Tensor flat_grad;
 };
 
 struct Device {
@@ -170,6 +169,11 @@ struct Device {
   // Per StageInfo::params: the gradients of a fused forward, waiting for the client's Backward.
   std::vector<at::Tensor> fused_grads;
   std::vector<ZeroPartition> zero;  // EngineOptions::zero, on a stage with replicas
+  // ZeRO's reduce-scatter, one bucket per partition (in `zero`'s order). Its hooks issue
+  // collectives on `replicas` during the last backward, so `reducer` is then armed only after
+  // the backward, once this one has issued all of its buckets (the group's collectives must
+  // be issued in the same order on every replica). Null without partitions.
+  std::unique_ptr<GradReducer> zero_reducer;
   // This step's outputs without a batch dimension (IR value -> sum or first shard's).
   std::map<int, at::Tensor> partial;
   std::unique_ptr<Optimizer> optimizer;
@@ -266,6 +270,7 @@ class PipelineEngine::Impl {
   int64_t DeviceBytes(int device) const;
   int64_t PeakDeviceBytes(int device) const;
   void ResetPeakDeviceBytes();
+  std::pair<int, int> OverlappedBuckets(int device) const;
   // What `d` holds between steps: parameters, buffers, gradients, optimizer state.
   int64_t HeldBytes(const Device& d) const;
 
@@ -396,11 +401,13 @@ class PipelineEngine::Impl {
   absl::Status SetUpZero(Device& d, const std::vector<std::vector<int>>& groups,
                          std::vector<ParamGroup>* device_groups,
                          std::vector<std::vector<int>>* ids);
-  // After a backward: reduce-scatters the parameters' gradients into the shards (a fused step's
-  // kept apart in fused_grad), leaving the parameters without gradients.
-  absl::Status ReduceScatterZero(Device& d, bool fused);
-  // Before a step's first backward: the parameters' grads become views of a zeroed flat_grad.
-  void PrepareZeroGrads(Device& d);
+  // After a backward: finishes zero_reducer's reduce-scatters (the buckets not started during
+  // the backward start now), leaving the parameters without gradients; per partition, this
+  // replica's shard of the step's gradient, unscaled, where the shard's master is.
+  absl::StatusOr<std::vector<at::Tensor>> ReduceScatterZero(Device& d);
+  // Adds ReduceScatterZero's shards to the shards' gradients (a fused step's are kept apart in
+  // fused_grad).
+  void AddZeroShards(Device& d, std::vector<at::Tensor> shards, bool fused);
   // Backward(g) of a fused step: shard grad += g x fused_grad.
   void AddZeroFusedGrads(Device& d, double g, bool retain_graph);
   // After an optimizer step: every replica's flat buffers get every shard.
@@ -450,6 +457,7 @@ class PipelineEngine::Impl {
   bool fused_ = false;
   bool zero_ = false;  // EngineOptions::zero
   bool offload_ = false;  // EngineOptions::offload
+  size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step
   milliseconds timeout_{120000};
   std::unique_ptr<comm::Store> owned_store_;

@@ -76,7 +76,12 @@ absl::Status PipelineEngine::Impl::Upload(Device& d) {
     }
   }
   d.resident = true;
-  return d.reducer ? d.reducer->Rebind() : absl::OkStatus();
+  for (GradReducer* r : {d.reducer.get(), d.zero_reducer.get()}) {
+    if (r == nullptr) continue;
+    absl::Status s = r->Rebind();
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 void PipelineEngine::Impl::Release(Device& d) {
@@ -87,10 +92,7 @@ void PipelineEngine::Impl::Release(Device& d) {
     t.mutable_grad().reset();
     SwapStorage(t, at::empty({0}, t.options()));
   }
-  for (ZeroPartition& part : d.zero) {
-    part.flat.reset();
-    part.flat_grad.reset();
-  }
+  for (ZeroPartition& part : d.zero) part.flat.reset();
   d.resident = false;
 }
 

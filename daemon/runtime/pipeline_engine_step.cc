@@ -327,14 +327,26 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   bool first_backward = true;
   for (size_t i = 0; i < ops.size(); ++i) {
     const PipelineOp& op = ops[i];
-    // ZeRO's flat gradient is needed from the first backward on, not during the forwards.
-    if (op.backward && first_backward) {
-      PrepareZeroGrads(d);
+    // ZeRO's buckets are the gradients from the first backward on, not during the forwards.
+    if (op.backward && first_backward && d.zero_reducer) {
+      absl::Status bound = d.zero_reducer->BindGrads();
+      if (!bound.ok()) {
+        WaitAll(d, pending).IgnoreError();
+        return fail(bound);
+      }
       first_backward = false;
     }
-    // The device's last op is its last backward: the reducer starts each bucket's all-reduce
-    // as soon as autograd has finished that bucket's gradients.
-    if (reduce && i + 1 == ops.size() && d.reducer) d.reducer->BeginFinalBackward();
+    // The device's last op is its last backward: the reducers start each bucket's collective
+    // as soon as autograd has finished that bucket's gradients. ZeRO's reduce-scatter runs
+    // after every backward, delayed or not; while its hooks issue collectives on the replica
+    // group, the all-reduce waits for the backward's end (Device::zero_reducer).
+    if (backward && i + 1 == ops.size()) {
+      if (d.zero_reducer) {
+        d.zero_reducer->BeginFinalBackward();
+      } else if (reduce && d.reducer) {
+        d.reducer->BeginFinalBackward();
+      }
+    }
     absl::Status s = op.backward ? RunBackward(d, step, op.micro_batch, pending)
                                  : RunForward(d, step, op.micro_batch, pending);
     if (!s.ok()) {
@@ -345,14 +357,18 @@ absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
   absl::Status sent = WaitAll(d, pending);
   if (!sent.ok()) return fail(sent);
   if (!backward) return end(absl::OkStatus());
+  // ZeRO's shards are reduce-scattered after every backward, delayed or not: sums are linear,
+  // so accumulating shards is exact, and the full local gradient is not kept. First, so that
+  // its remaining buckets are issued before the all-reduce's on the same group; added to the
+  // shards' gradients only once nothing can fail, as the others' are.
+  absl::StatusOr<std::vector<at::Tensor>> shards = ReduceScatterZero(d);
+  if (!shards.ok()) return fail(shards.status());
   if (reduce) {
+    if (d.zero_reducer && d.reducer) d.reducer->BeginFinalBackward();
     absl::Status reduced = ReduceGrads(d);
     if (!reduced.ok()) return fail(reduced);
   }
-  // ZeRO's shards are reduce-scattered after every backward, delayed or not: sums are linear,
-  // so accumulating shards is exact, and the full local gradient is not kept.
-  absl::Status scattered = ReduceScatterZero(d, step.phase == Phase::kFused);
-  if (!scattered.ok()) return fail(scattered);
+  AddZeroShards(d, std::move(*shards), step.phase == Phase::kFused);
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor step_grad = params[i].grad();
     if (scaler_.enabled() && step_grad.defined()) Unscale(step_grad);

@@ -662,8 +662,10 @@ namespace zero_test {
 std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deployment& plan,
                                            const std::vector<at::Tensor>& lifted,
                                            comm::Backend backend, bool zero,
-                                           bool offload = false) {
+                                           bool offload = false,
+                                           size_t bucket_bytes = EngineOptions().bucket_bytes) {
   EngineOptions options;
+  options.bucket_bytes = bucket_bytes;
   options.backend = backend;
   options.num_devices = 4;
   options.zero = zero;
@@ -682,6 +684,9 @@ TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less
   struct Mode {
     const char* name;
     bool zero, offload;
+    // Small buckets lay ZeRO out in several partitions (one per parameter or two), each
+    // reduce-scattered on its own, most of them during the backward.
+    size_t bucket_bytes = EngineOptions().bucket_bytes;
   };
   struct Case {
     const char* model;
@@ -694,8 +699,10 @@ TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less
                                    {"tiny_gpt", {{0, 1}, {2, 3}}, 2},
                                    {"multi_io", {{0, 1, 2}, {3}}, 1}};
   for (const Case& c : cases) {
-   for (const Mode& mode : {Mode{"zero", true, false}, Mode{"offload", false, true},
-                            Mode{"zero+offload", true, true}}) {
+   for (const Mode& mode :
+        {Mode{"zero", true, false}, Mode{"zero, 64-byte buckets", true, false, 64},
+         Mode{"offload", false, true}, Mode{"zero+offload", true, true},
+         Mode{"zero+offload, 64-byte buckets", true, true, 64}}) {
     for (comm::Backend backend : {comm::Backend::kFake, comm::Backend::kUcx}) {
       INFO(c.model << ", " << mode.name << ", " << BackendName(backend));
       FixtureIr f = BuildFixtureIr(c.model);
@@ -705,8 +712,8 @@ TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less
       const v1::Deployment plan = MakePlan(ir, c.devices, c.m, v1::SCHEDULE_1F1B);
       std::unique_ptr<PipelineEngine> plain =
           zero_test::MakeEngine(f, plan, f.tensors, backend, false);
-      std::unique_ptr<PipelineEngine> zero =
-          zero_test::MakeEngine(f, plan, f.tensors, backend, mode.zero, mode.offload);
+      std::unique_ptr<PipelineEngine> zero = zero_test::MakeEngine(
+          f, plan, f.tensors, backend, mode.zero, mode.offload, mode.bucket_bytes);
       HyperParams adam;
       adam.lr = 0.01;
       adam.weight_decay = 0.1;
@@ -737,6 +744,23 @@ TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less
           }
         }
         same_grads("after backward");
+        if (mode.zero && mode.bucket_bytes < 1024) {
+          // Every replica's reduce-scatter overlapped with its last backward: a bucket
+          // started while autograd ran (a hook issued it). mlp's and tiny_gpt's devices have
+          // several (multi_io's replicated stage shards one parameter).
+          int replicas = 0, all_buckets = 0;
+          for (const std::vector<int>& stage : c.devices) {
+            if (stage.size() == 1) continue;
+            for (int dev : stage) {
+              const auto [early, buckets] = zero->OverlappedBuckets(dev);
+              INFO("device " << dev << ": " << early << " of " << buckets << " buckets early");
+              CHECK(early > 0);
+              ++replicas;
+              all_buckets += buckets;
+            }
+          }
+          if (std::string(c.model) != "multi_io") CHECK(all_buckets > replicas);
+        }
         if (step == 1) {
           // Gradients added from outside the engine (another mode's backward), and clipping.
           for (int li : params) {
@@ -802,8 +826,8 @@ TEST_CASE("ZeRO, offload and both train exactly like the plain engine, with less
       for (size_t i = 0; i < f.tensors.size(); ++i) {
         now.push_back(plain->ParamAt(i).requires_grad_(IsParam(ir, i)));
       }
-      std::unique_ptr<PipelineEngine> moved =
-          zero_test::MakeEngine(f, plan, now, backend, mode.zero, mode.offload);
+      std::unique_ptr<PipelineEngine> moved = zero_test::MakeEngine(
+          f, plan, now, backend, mode.zero, mode.offload, mode.bucket_bytes);
       REQUIRE(moved->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
       REQUIRE(moved->LoadOptimizerState(got_state).ok());
       for (PipelineEngine* e : {plain.get(), moved.get()}) {

@@ -2,7 +2,9 @@
 // says how a stage's parameters are laid out and sharded over its replicas). Every function here
 // runs on one device's worker, or, for the reads, on the engine's calling thread between steps.
 #include <algorithm>
+#include <map>
 #include <set>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -52,57 +54,101 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
   }
   const std::set<int> tied(tied_.begin(), tied_.end());
   at::NoGradGuard no_grad;
+  d.zero_reducer.reset();  // its hooks and buffers refer to the old partitions
   d.zero.clear();
-  std::set<int> sharded;
+  // The optimizer group of each parameter ZeRO shards (the first group naming it).
+  std::map<int, int> group_of;
   for (size_t g = 0; g < groups.size(); ++g) {
-    // One partition per dtype, in a fixed order, so every replica lays out the same.
-    std::map<at::ScalarType, ZeroPartition> by_type;
-    std::map<at::ScalarType, int64_t> sizes;
     for (int li : groups[g]) {
-      if (!d.lifted[li].defined()) continue;
-      const at::Tensor& p = d.Master(li);
-      if (!p.requires_grad() || tied.count(li) || sharded.count(li)) continue;
-      ZeroPartition& part = by_type[p.scalar_type()];
-      part.group = static_cast<int>(g);
-      part.params.push_back(li);
-      part.offsets.push_back(sizes[p.scalar_type()]);
-      sizes[p.scalar_type()] += p.numel();
+      if (!d.lifted[li].defined() || !d.Master(li).requires_grad() || tied.count(li)) continue;
+      group_of.emplace(li, static_cast<int>(g));
+    }
+  }
+  // Partitions are the reduce-scatter's buckets, so they are laid out as GradReducer lays out
+  // its own: walking the parameters backwards (autograd produces gradients roughly in that
+  // order), one open partition per (group, dtype), closed once it holds bucket_bytes_. The
+  // first partitions are then complete early in the backward and reduce-scatter while it goes
+  // on. The order is the same on every replica.
+  std::vector<int64_t> sizes;  // elements per partition
+  std::map<std::pair<int, at::ScalarType>, int> open;
+  const std::vector<int>& stage_params = stages_[d.stage].params;
+  for (auto it = stage_params.rbegin(); it != stage_params.rend(); ++it) {
+    const int li = *it;
+    auto g = group_of.find(li);
+    if (g == group_of.end()) continue;
+    const at::Tensor& p = d.Master(li);
+    const std::pair<int, at::ScalarType> key{g->second, p.scalar_type()};
+    const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    auto o = open.find(key);
+    if (o != open.end() &&
+        (sizes[o->second] * static_cast<int64_t>(p.element_size()) + bytes) >
+            static_cast<int64_t>(bucket_bytes_)) {
+      open.erase(o);
+      o = open.end();
+    }
+    if (o == open.end()) {
+      o = open.emplace(key, static_cast<int>(d.zero.size())).first;
+      d.zero.emplace_back().group = g->second;
+      sizes.push_back(0);
+    }
+    const int k = o->second;
+    d.zero[k].params.push_back(li);
+    d.zero[k].offsets.push_back(sizes[k]);
+    sizes[k] += p.numel();
+    if (sizes[k] * static_cast<int64_t>(p.element_size()) >= static_cast<int64_t>(bucket_bytes_)) {
+      open.erase(o);
+    }
+  }
+  std::set<int> sharded;
+  GradReducer::Options scatter;
+  std::vector<at::Tensor> handles;  // the zero reducer's parameters, partition by partition
+  for (size_t k = 0; k < d.zero.size(); ++k) {
+    ZeroPartition& part = d.zero[k];
+    const at::ScalarType type = d.Master(part.params[0]).scalar_type();
+    part.len = (sizes[k] + R - 1) / R;
+    // Offloaded, the flat buffer is only where the host shard is cut from.
+    part.flat = at::zeros({part.len * R}, offload_ ? at::TensorOptions().dtype(type) : d.On(type));
+    for (size_t i = 0; i < part.params.size(); ++i) {
+      at::Tensor& p = d.Master(part.params[i]);
+      part.flat.narrow(0, part.offsets[i], p.numel()).copy_(p.reshape(-1));
+      // The parameter becomes a slice of the flat buffer, in place: the stage executor's
+      // handle to it sees the new storage. (Offloaded, it is empty until Upload gathers it.)
+      if (!offload_) {
+        p.set_(part.flat.storage(), part.offsets[i], p.sizes(), ContiguousStrides(p.sizes()));
+      }
+    }
+    part.shard_offset = d.replica * part.len;
+    if (offload_) {
+      // The host shard becomes the master of its slice; the whole parameters are not kept.
+      part.shard = part.flat.narrow(0, part.shard_offset, part.len).clone();
+      if (d.place.is_cuda()) part.shard = part.shard.pin_memory();
+      part.flat = at::Tensor();
+    } else {
+      part.shard = at::empty({0}, part.flat.options());
+      part.shard.set_(part.flat.storage(), part.shard_offset, {part.len}, {1});
+    }
+    part.shard.requires_grad_(true);
+    std::vector<int>& bucket = scatter.scatter_buckets.emplace_back();
+    for (size_t i = 0; i < part.params.size(); ++i) {
+      const int li = part.params[i];
+      zero_slots_[li] = {d.stage, static_cast<int>(k), static_cast<int>(i)};
       sharded.insert(li);
+      bucket.push_back(static_cast<int>(handles.size()));
+      handles.push_back(d.lifted[li]);
+      // Offloaded, the handles are empty between steps (Upload fills them).
+      if (offload_) scatter.numels.push_back(Numel(lifted_shapes_[li]));
     }
-    for (auto& [type, part] : by_type) {
-      part.len = (sizes[type] + R - 1) / R;
-      // Offloaded, the flat buffer is only where the host shard is cut from.
-      part.flat =
-          at::zeros({part.len * R}, offload_ ? at::TensorOptions().dtype(type) : d.On(type));
-      for (size_t i = 0; i < part.params.size(); ++i) {
-        at::Tensor& p = d.Master(part.params[i]);
-        part.flat.narrow(0, part.offsets[i], p.numel()).copy_(p.reshape(-1));
-        // The parameter becomes a slice of the flat buffer, in place: the stage executor's
-        // handle to it sees the new storage. (Offloaded, it is empty until Upload gathers it.)
-        if (!offload_) {
-          p.set_(part.flat.storage(), part.offsets[i], p.sizes(), ContiguousStrides(p.sizes()));
-        }
-      }
-      part.shard_offset = d.replica * part.len;
-      if (offload_) {
-        // The host shard becomes the master of its slice; the whole parameters are not kept.
-        part.shard = part.flat.narrow(0, part.shard_offset, part.len).clone();
-        if (d.place.is_cuda()) part.shard = part.shard.pin_memory();
-        part.flat = at::Tensor();
-        for (int li : part.params) d.host[li] = at::Tensor();
-      } else {
-        part.shard = at::empty({0}, part.flat.options());
-        part.shard.set_(part.flat.storage(), part.shard_offset, {part.len}, {1});
-      }
-      part.shard.requires_grad_(true);
-      const int k = static_cast<int>(d.zero.size());
-      for (size_t i = 0; i < part.params.size(); ++i) {
-        zero_slots_[part.params[i]] = {d.stage, k, static_cast<int>(i)};
-      }
-      (*device_groups)[g].params.push_back(part.shard);
-      (*ids)[g].push_back(-1 - k);
-      d.zero.push_back(std::move(part));
-    }
+    (*device_groups)[part.group].params.push_back(part.shard);
+    (*ids)[part.group].push_back(-1 - static_cast<int>(k));
+  }
+  if (offload_) {
+    for (int li : sharded) d.host[li] = at::Tensor();
+  }
+  if (!d.zero.empty()) {
+    absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
+        GradReducer::Create(std::move(handles), d.replicas.get(), scatter);
+    if (!reducer.ok()) return reducer.status();
+    d.zero_reducer = std::move(*reducer);
   }
   // The bucketed all-reduce keeps what ZeRO does not shard (parameters outside the optimizer).
   std::vector<int> rest;
@@ -116,51 +162,46 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
   return absl::OkStatus();
 }
 
-void PipelineEngine::Impl::PrepareZeroGrads(Device& d) {
-  at::NoGradGuard no_grad;
-  for (ZeroPartition& part : d.zero) {
-    part.flat_grad = at::zeros_like(part.flat);
-    for (size_t i = 0; i < part.params.size(); ++i) {
-      at::Tensor& p = d.lifted[part.params[i]];
-      p.mutable_grad() = part.flat_grad.narrow(0, part.offsets[i], p.numel()).view(p.sizes());
-    }
+absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::ReduceScatterZero(Device& d) {
+  std::vector<at::Tensor> shards;
+  if (!d.zero_reducer) return shards;
+  // Armed already when this step ran a backward on this device (nothing when so).
+  d.zero_reducer->BeginFinalBackward();
+  absl::Status s = d.zero_reducer->Finish(
+      [&](std::unique_ptr<comm::Work> work, at::Tensor keep, const std::string& what) {
+        return Wait(d, std::move(work), std::move(keep), absl::StrCat(what, " (ZeRO)"));
+      },
+      &shards);
+  if (!s.ok()) return s;
+  if (shards.size() != d.zero.size()) {
+    return absl::InternalError(
+        absl::StrCat(shards.size(), " ZeRO gradient shards for ", d.zero.size(), " partitions"));
   }
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    if (shards[k].numel() != d.zero[k].len) {
+      return absl::InternalError(absl::StrCat("ZeRO partition ", k, "'s gradient shard has ",
+                                              shards[k].numel(), " elements, not ",
+                                              d.zero[k].len));
+    }
+    if (scaler_.enabled()) Unscale(shards[k]);
+    if (offload_) shards[k] = ToHost(shards[k]);  // the shard's master is in host memory
+  }
+  return shards;
 }
 
-absl::Status PipelineEngine::Impl::ReduceScatterZero(Device& d, bool fused) {
+void PipelineEngine::Impl::AddZeroShards(Device& d, std::vector<at::Tensor> shards, bool fused) {
   at::NoGradGuard no_grad;
-  for (ZeroPartition& part : d.zero) {
-    if (!part.flat_grad.defined()) part.flat_grad = at::zeros_like(part.flat);
-    const at::Tensor flat_grad = part.flat_grad;
-    part.flat_grad.reset();
-    for (size_t i = 0; i < part.params.size(); ++i) {
-      at::Tensor& p = d.lifted[part.params[i]];
-      // Autograd accumulates into the view in place; had it replaced the gradient, copy it.
-      at::Tensor slot = flat_grad.narrow(0, part.offsets[i], p.numel());
-      if (p.grad().defined() && p.grad().data_ptr() != slot.data_ptr()) {
-        slot.copy_(p.grad().reshape(-1));
-      }
-      p.mutable_grad().reset();
-    }
-    at::Tensor out = at::empty({part.len}, part.flat.options());
-    absl::StatusOr<comm::Buffer> in = BufferOf(flat_grad);
-    if (!in.ok()) return in.status();
-    absl::StatusOr<comm::Buffer> mine = BufferOf(out);
-    if (!mine.ok()) return mine.status();
-    absl::Status s = Wait(d, d.replicas->ReduceScatter(*in, *mine, {comm::ReduceOp::kSum}),
-                          flat_grad, "reduce-scattering ZeRO gradients");
-    if (!s.ok()) return s;
-    if (scaler_.enabled()) Unscale(out);
-    if (offload_) out = ToHost(out);  // the shard's master is in host memory
+  for (size_t k = 0; k < shards.size(); ++k) {
+    ZeroPartition& part = d.zero[k];
     if (fused) {
-      part.fused_grad = out;
+      part.fused_grad = std::move(shards[k]);
     } else if (part.shard.grad().defined()) {
-      part.shard.mutable_grad().add_(out);
+      part.shard.mutable_grad().add_(shards[k]);
     } else {
-      part.shard.mutable_grad() = out;
+      part.shard.mutable_grad() = std::move(shards[k]);
     }
   }
-  return absl::OkStatus();
 }
 
 void PipelineEngine::Impl::AddZeroFusedGrads(Device& d, double g, bool retain_graph) {
