@@ -305,8 +305,10 @@ def start_daemon(args, tmp, log_path, log):
         time.sleep(0.1)
     links = [l for l in open(log_path).read().splitlines() if "links:" in l]
     log(f"ranncd --devices cpu:4 --device-memory 1GiB; {links[0].split('] ')[-1]}")
+    # Each mode exactly as asked: without auto_memory a plain job that does not fit would be
+    # offloaded by the daemon instead of failing.
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python_client"),
-               RANNC_DAEMON=address)
+               RANNC_DAEMON=address, RANNC_AUTO_MEMORY="false")
     return daemon, env
 
 
