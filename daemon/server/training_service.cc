@@ -1,6 +1,7 @@
 #include "daemon/server/training_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -224,6 +225,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     return Fail("CreateJob", absl::InvalidArgumentError(
         "CreateJob must start with a JobSpec message, then the model's bytes"));
   }
+  const auto received = std::chrono::steady_clock::now();
   const v1::JobSpec spec = request.spec();
   std::string model;
   // A hint from the client, so bounded: a bogus size must not make the daemon allocate it.
@@ -241,10 +243,25 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (model.empty()) {
     return Fail("CreateJob", absl::InvalidArgumentError("CreateJob carried no model bytes"));
   }
+  const double receive_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - received).count();
   absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
   if (!optimizer.ok()) return Fail("CreateJob", optimizer.status());
   absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec.example_inputs(), "example input", shm_);
   if (!examples.ok()) return Fail("CreateJob", examples.status());
+  const auto decoding = std::chrono::steady_clock::now();
+  SentTensors sent;
+  for (const v1::NamedTensor& t : spec.model_tensors()) {
+    absl::StatusOr<at::Tensor> value =
+        DecodeTensor(t.tensor(), absl::StrCat("model tensor '", t.name(), "'"), &shm_);
+    if (!value.ok()) return Fail("CreateJob", value.status());
+    if (!sent.emplace(t.name(), std::move(*value)).second) {
+      return Fail("CreateJob", absl::InvalidArgumentError(
+          absl::StrCat("model tensor '", t.name(), "' was sent twice")));
+    }
+  }
+  const double tensors_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - decoding).count();
 
   JobConfig config;
   config.name = spec.name();
@@ -309,7 +326,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
       if (!links.ok()) return Fail("CreateJob", Annotate(links.status(), "dry_run.links"));
       config.plan_target.links = *links;
     }
-    absl::StatusOr<v1::Deployment> plan = Job::PlanOnly(config, model, *examples);
+    absl::StatusOr<v1::Deployment> plan = Job::PlanOnly(config, model, *examples, sent);
     if (!plan.ok()) return Fail("CreateJob", plan.status());
     response->set_plan_summary(planner::DescribeDeployment(*plan));
     *response->mutable_deployment() = std::move(*plan);
@@ -338,7 +355,8 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
                                 [](const c10::Device& d) { return d.is_cuda(); });
   config.backend = cuda && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
                                                                       : comm::Backend::kUcx;
-  absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, std::move(config), model, *examples);
+  absl::StatusOr<std::unique_ptr<Job>> job =
+      Job::Create(id, std::move(config), model, *examples, sent);
   if (!job.ok()) return Fail("CreateJob", job.status());
 
   response->set_job_id(id);
@@ -349,9 +367,13 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   }
   for (const at::Tensor& out : (*job)->example_outputs()) EncodeSpec(out, response->add_outputs());
   for (const std::string& d : (*job)->devices()) response->add_devices(d);
-  spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}", id,
-               spec.name(), (*job)->params().NumParameterElements(), model.size(),
-               response->plan_summary());
+  const CreateTimings& t = (*job)->create_timings();
+  spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}; seconds: "
+               "receive {:.2f}, tensors apart {:.2f} ({} of them), import {:.2f}, check {:.2f}, "
+               "IR {:.2f}, plan {:.2f}, place {:.2f}",
+               id, spec.name(), (*job)->params().NumParameterElements(), model.size(),
+               response->plan_summary(), receive_s, tensors_s, sent.size(), t.import_s, t.check_s,
+               t.ir_s, t.plan_s, t.place_s);
   if ((*job)->client_world() > 1) {
     std::lock_guard<std::mutex> lock(joinable_mu_);
     joinable_[id] = *response;

@@ -61,8 +61,9 @@ class _File:
 class _Session:
     """One RPC's use of the regions: tensors placed for sending, and the reply region."""
 
-    def __init__(self, transfer: "Transfer"):
+    def __init__(self, transfer: "Transfer", send: Optional[_File] = None):
         self._t = transfer
+        self._send = send  # None: the transfer's send file
         self._next = 0
 
     def encode(self, t: torch.Tensor) -> pb.Tensor:
@@ -71,7 +72,7 @@ class _Session:
         nbytes = t.numel() * t.element_size()
         if nbytes < MIN_BYTES:
             return _codec.encode(t)
-        f = self._t.send_file()
+        f = self._send if self._send is not None else self._t.send_file()
         offset = self._next
         f.ensure(offset + nbytes)
         view = memoryview(_codec.numpy_view(t)).cast("B")
@@ -168,6 +169,27 @@ class _NoLock:
 def session(transfer: Optional[Transfer]):
     """`with session(conn.shm) as s:` encodes one RPC's tensors, through shm when offered."""
     return transfer.session() if transfer is not None else _NoLock()
+
+
+class _Bulk:
+    def __init__(self, transfer: Transfer):
+        self._t = transfer
+        self._file: Optional[_File] = None
+
+    def __enter__(self):
+        self._file = _File(self._t.directory, "bulk")
+        return _Session(self._t, self._file)
+
+    def __exit__(self, *exc):
+        self._file.close()
+        return False
+
+
+def bulk_session(transfer: Optional[Transfer]):
+    """Like session(), but tensors go to a file of their own that is removed when the block
+    ends, so a one-off upload (a model's parameters: GiBs) does not stay in shared memory for the
+    connection's life as the reused send file would. Sessions of one transfer may overlap."""
+    return _Bulk(transfer) if transfer is not None else _NoLock()
 
 
 def _is_local_address(address: str) -> bool:
