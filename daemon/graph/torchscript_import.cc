@@ -121,8 +121,12 @@ absl::Status BindSentTensors(torch::jit::Module& module, const SentTensors& sent
   for (const torch::jit::NameModule& sub : module.named_modules()) {
     torch::jit::Module owner = sub.value;
     std::vector<std::pair<std::string, at::Tensor>> slots;
-    for (const auto& p : owner.named_parameters(/*recurse=*/false)) slots.emplace_back(p.name, p.value);
-    for (const auto& b : owner.named_buffers(/*recurse=*/false)) slots.emplace_back(b.name, b.value);
+    for (const auto& p : owner.named_parameters(/*recurse=*/false)) {
+      slots.emplace_back(p.name, p.value);
+    }
+    for (const auto& b : owner.named_buffers(/*recurse=*/false)) {
+      slots.emplace_back(b.name, b.value);
+    }
     for (const auto& [name, tensor] : slots) {
       auto found = by_storage.find(tensor.storage().unsafeGetStorageImpl());
       if (found != by_storage.end()) owner.setattr(name, found->second);

@@ -1,6 +1,7 @@
 #include "daemon/server/training_service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -79,6 +80,37 @@ absl::StatusOr<std::vector<at::Tensor>> DecodeAll(
     out.push_back(std::move(*t));
   }
   return out;
+}
+
+// Decodes JobSpec.model_tensors on several threads: copying GiBs out of shared memory into new
+// host memory is bound by page faults on the new memory, which threads take in parallel
+// (measured here, one thread: 5.4 GB in 11.6 s).
+absl::StatusOr<SentTensors> DecodeModelTensors(
+    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& tensors, const ShmDirectory& shm) {
+  const int n = tensors.size();
+  std::vector<absl::StatusOr<at::Tensor>> decoded(n, absl::UnknownError("not decoded"));
+  std::atomic<int> next{0};
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int threads = std::min(n, std::clamp(cores, 1, 8));
+  std::vector<std::thread> pool;
+  for (int w = 0; w < threads; ++w) {
+    pool.emplace_back([&] {
+      for (int i = next++; i < n; i = next++) {
+        decoded[i] = DecodeTensor(tensors[i].tensor(),
+                                  absl::StrCat("model tensor '", tensors[i].name(), "'"), &shm);
+      }
+    });
+  }
+  for (std::thread& t : pool) t.join();
+  SentTensors sent;
+  for (int i = 0; i < n; ++i) {
+    if (!decoded[i].ok()) return decoded[i].status();
+    if (!sent.emplace(tensors[i].name(), std::move(*decoded[i])).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model tensor '", tensors[i].name(), "' was sent twice"));
+    }
+  }
+  return sent;
 }
 
 void FillParamInfo(const ParamStore::Entry& e, v1::ParamInfo* info) {
@@ -250,16 +282,9 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec.example_inputs(), "example input", shm_);
   if (!examples.ok()) return Fail("CreateJob", examples.status());
   const auto decoding = std::chrono::steady_clock::now();
-  SentTensors sent;
-  for (const v1::NamedTensor& t : spec.model_tensors()) {
-    absl::StatusOr<at::Tensor> value =
-        DecodeTensor(t.tensor(), absl::StrCat("model tensor '", t.name(), "'"), &shm_);
-    if (!value.ok()) return Fail("CreateJob", value.status());
-    if (!sent.emplace(t.name(), std::move(*value)).second) {
-      return Fail("CreateJob", absl::InvalidArgumentError(
-          absl::StrCat("model tensor '", t.name(), "' was sent twice")));
-    }
-  }
+  absl::StatusOr<SentTensors> decoded = DecodeModelTensors(spec.model_tensors(), shm_);
+  if (!decoded.ok()) return Fail("CreateJob", decoded.status());
+  const SentTensors sent = std::move(*decoded);
   const double tensors_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - decoding).count();
 

@@ -4,16 +4,20 @@ gRPC copies a tensor several times on its way through protobuf; a file under the
 DaemonInfo.shm_dir (normally /dev/shm) is one copy each way, and is not bound by the daemon's
 --max-message-size. The client owns two files, "rannc-pyrannc-<pid>-<n>-in" for tensors it sends
 and "...-out" for outputs the daemon writes back; the daemon copies in or out before the RPC
-returns, so a region is reused by the next call (see training.proto, Tensor.shm).
+returns, so a region is reused by the next call (see training.proto, Tensor.shm). A one-off
+upload (the model's tensors at CreateJob, GiBs) goes to a "...-bulk" file of its own, removed
+when the RPC is done (bulk_session).
 
 Used when the daemon offers a directory and runs on this host: the embedded daemon, or a
 loopback/unix address whose DaemonInfo.hostname is this host's name. RANNC_SHM=0 turns it off,
 RANNC_SHM=1 forces it on whenever the daemon offers a directory. Only tensors of at least
 MIN_BYTES go this way.
 
-Thread-safety: `Transfer` hands its regions to one RPC at a time (`with transfer.session():`).
+Thread-safety: `Transfer` hands its regions to one RPC at a time (`with transfer.session():`);
+bulk sessions use files of their own and may overlap them.
 """
 
+import concurrent.futures
 import itertools
 import os
 import socket
@@ -68,20 +72,44 @@ class _Session:
 
     def encode(self, t: torch.Tensor) -> pb.Tensor:
         """A Tensor message, its bytes in the send file when large enough."""
-        t = _codec.host_contiguous(t)
-        nbytes = t.numel() * t.element_size()
-        if nbytes < MIN_BYTES:
-            return _codec.encode(t)
-        f = self._send if self._send is not None else self._t.send_file()
-        offset = self._next
-        f.ensure(offset + nbytes)
-        view = memoryview(_codec.numpy_view(t)).cast("B")
-        done = 0
-        while done < nbytes:
-            done += os.pwrite(f.fd, view[done:], offset + done)
-        self._next = _align(offset + nbytes)
-        return pb.Tensor(dtype=_codec.wire_dtype(t.dtype), shape=list(t.shape),
-                         shm=pb.ShmRef(path=f.path, offset=offset, length=nbytes))
+        return self.encode_all([t])[0]
+
+    def encode_all(self, tensors, threads: int = 1) -> list:
+        """encode() of each tensor, the file writes spread over `threads` threads: writing GiBs
+        into new pages of the file is bound by page faults, which threads take in parallel
+        (os.pwrite releases the GIL)."""
+        messages, writes = [], []
+        f = None
+        for t in tensors:
+            t = _codec.host_contiguous(t)
+            nbytes = t.numel() * t.element_size()
+            if nbytes < MIN_BYTES:
+                messages.append(_codec.encode(t))
+                continue
+            f = self._send if self._send is not None else self._t.send_file()
+            offset = self._next
+            self._next = _align(offset + nbytes)
+            writes.append((t, offset, nbytes))
+            messages.append(pb.Tensor(dtype=_codec.wire_dtype(t.dtype), shape=list(t.shape),
+                                      shm=pb.ShmRef(path=f.path, offset=offset, length=nbytes)))
+        if f is None:
+            return messages
+        f.ensure(self._next)
+
+        def write(item):
+            t, offset, nbytes = item
+            view = memoryview(_codec.numpy_view(t)).cast("B")
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(f.fd, view[done:], offset + done)
+
+        if threads <= 1 or len(writes) == 1:
+            for item in writes:
+                write(item)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(write, writes))
+        return messages
 
     def reply_region(self) -> Optional[pb.ShmRef]:
         """Where the daemon may write outputs; None until outputs large enough were seen."""
@@ -148,6 +176,10 @@ class _InlineSession:
     @staticmethod
     def encode(t: torch.Tensor) -> pb.Tensor:
         return _codec.encode(t)
+
+    @staticmethod
+    def encode_all(tensors, threads: int = 1) -> list:
+        return [_codec.encode(t) for t in tensors]
 
     @staticmethod
     def reply_region() -> Optional[pb.ShmRef]:

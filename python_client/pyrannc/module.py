@@ -372,7 +372,9 @@ class RaNNCModule(torch.nn.Module):
                 mode=mode, optimizer=optimizer_spec, options=options,
                 example_inputs=[wire.encode(x) for x in inputs],
                 input_names=self._input_names(len(inputs)), model_bytes=len(model_bytes),
-                model_tensors=[pb.NamedTensor(name=n, tensor=bulk.encode(t)) for n, t in apart])
+                model_tensors=[pb.NamedTensor(name=n, tensor=m) for (n, _), m in zip(
+                    apart, bulk.encode_all([t for _, t in apart],
+                                           threads=min(8, os.cpu_count() or 1)))])
             if apart:
                 logger.debug("pyrannc: wrote %d model tensors to shared memory in %.2f s",
                              len(apart), time.perf_counter() - started)
