@@ -47,6 +47,7 @@ and prints {"skipped": why} when MemAvailable is smaller (--force tries anyway).
 """
 
 import argparse
+import dataclasses
 import os
 import resource
 import statistics
@@ -89,7 +90,19 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="sdpa", choices=gm.ATTENTIONS,
                    help="sdpa: F.scaled_dot_product_attention (the issue's); math: written out")
     p.add_argument("--out", help="also append the JSON lines to this file")
+    # A model with the workload's parameters but less compute, for timing a start (time to
+    # first step) on a CPU machine: e.g. --model A --seq 32 --batch 2.
+    p.add_argument("--layers", type=int, help="override the workload's layer count")
+    p.add_argument("--seq", type=int, help="override the workload's sequence length")
+    p.add_argument("--batch", type=int, help="override the workload's global batch")
     return p.parse_args(argv)
+
+
+def workload(args):
+    cfg = gm.WORKLOADS[args.model]
+    overrides = {k: getattr(args, k) for k in ("layers", "seq", "batch")
+                 if getattr(args, k) is not None}
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 def host_bytes_needed(cfg, trace_batch: int) -> int:
@@ -282,7 +295,7 @@ def run(args, cfg, phase):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = gm.WORKLOADS[args.model]
+    cfg = workload(args)
     os.environ.setdefault("RANNC_DEVICES", "cuda" if args.device == "cuda" else "cpu:2")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the daemon inherits it
     if args.trace_batch > 0:

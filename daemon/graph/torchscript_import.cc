@@ -93,15 +93,72 @@ absl::Status LiftAttributes(Graph& graph, const torch::jit::Module& module,
   return absl::OkStatus();
 }
 
+// Puts `sent` in place of the stand-ins. Tied weights share one stand-in (one storage in the
+// archive), so every slot holding a sent name's storage takes its value.
+absl::Status BindSentTensors(torch::jit::Module& module, const SentTensors& sent) {
+  std::vector<ModuleTensor> current;
+  CollectTensors(module, "", &current);
+  std::unordered_map<std::string, const at::Tensor*> by_name;
+  for (const ModuleTensor& t : current) by_name[t.name] = &t.tensor;
+  std::unordered_map<const c10::StorageImpl*, at::Tensor> by_storage;
+  for (const auto& [name, value] : sent) {
+    auto found = by_name.find(name);
+    if (found == by_name.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a tensor was sent for '", name, "', which the model does not have"));
+    }
+    const at::Tensor& stand_in = *found->second;
+    if (value.scalar_type() != stand_in.scalar_type() || !value.sizes().equals(stand_in.sizes())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the tensor sent for '", name, "' is ", c10::toString(value.scalar_type()),
+          c10::str(value.sizes()), "; the model's is ", c10::toString(stand_in.scalar_type()),
+          c10::str(stand_in.sizes())));
+    }
+    at::Tensor bound = value.detach();
+    bound.set_requires_grad(stand_in.requires_grad());
+    by_storage[stand_in.storage().unsafeGetStorageImpl()] = bound;
+  }
+  for (const torch::jit::NameModule& sub : module.named_modules()) {
+    torch::jit::Module owner = sub.value;
+    std::vector<std::pair<std::string, at::Tensor>> slots;
+    for (const auto& p : owner.named_parameters(/*recurse=*/false)) {
+      slots.emplace_back(p.name, p.value);
+    }
+    for (const auto& b : owner.named_buffers(/*recurse=*/false)) {
+      slots.emplace_back(b.name, b.value);
+    }
+    for (const auto& [name, tensor] : slots) {
+      auto found = by_storage.find(tensor.storage().unsafeGetStorageImpl());
+      if (found != by_storage.end()) owner.setattr(name, found->second);
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes) {
+absl::StatusOr<std::string> SerializeModule(const ImportedModel& model) {
+  std::ostringstream out;
+  absl::Status status = TorchCall(absl::StatusCode::kInternal, "serializing the model", [&] {
+    model.module->save(out);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return out.str();
+}
+
+absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes,
+                                                const SentTensors& sent) {
   ImportedModel model;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument,
                                   "the model is not a loadable TorchScript module", [&] {
     std::istringstream stream(bytes);
     model.module = std::make_shared<torch::jit::Module>(
         torch::jit::load(stream, c10::Device(c10::kCPU)));
+    if (!sent.empty()) {
+      absl::Status bound = BindSentTensors(*model.module, sent);
+      if (!bound.ok()) return bound;
+    }
     const torch::jit::Module& module = *model.module;
     auto method = module.find_method("forward");
     if (!method) {

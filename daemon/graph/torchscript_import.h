@@ -12,6 +12,7 @@
 #ifndef RANNC_DAEMON_GRAPH_TORCHSCRIPT_IMPORT_H_
 #define RANNC_DAEMON_GRAPH_TORCHSCRIPT_IMPORT_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,9 +50,22 @@ struct ImportedModel {
   std::vector<ModuleTensor> tensors;
 };
 
+// Module tensors sent apart from the archive, by dotted name (JobSpec.model_tensors).
+using SentTensors = std::map<std::string, at::Tensor>;
+
 // INVALID_ARGUMENT when the bytes are not a TorchScript archive, have no forward method, or use
 // module attributes in a way that cannot be lifted.
-absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes);
+//
+// `sent` replaces the archive's stand-ins: each named tensor of the module (and every other
+// name of the same tensor, tied weights) takes the sent value, which must have the stand-in's
+// dtype and shape and gets its requires_grad. INVALID_ARGUMENT names a sent tensor the module
+// lacks or one that does not match.
+absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes,
+                                                const SentTensors& sent = {});
+
+// The module with its sent tensors in place, serialized again (for daemons that take the whole
+// archive: a cluster job's parts).
+absl::StatusOr<std::string> SerializeModule(const ImportedModel& model);
 
 }  // namespace rannc
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include <ATen/ATen.h>
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <torch/csrc/jit/ir/ir.h>
 #include <catch2/catch.hpp>
@@ -52,6 +53,67 @@ TEST_CASE("ImportTorchScript lists buffers after parameters of the same module",
   CHECK(names == std::vector<std::string>{"conv.weight", "conv.bias", "bn.weight", "bn.bias",
                                           "bn.running_mean", "bn.running_var",
                                           "bn.num_batches_tracked"});
+}
+
+const ModuleTensor* FindTensor(const ImportedModel& model, const std::string& name) {
+  for (const ModuleTensor& t : model.tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+TEST_CASE("ImportTorchScript puts sent tensors in place, under every name of a tied weight",
+          "[graph]") {
+  testing::Fixture f = testing::LoadFixture("tied_lm");
+  absl::StatusOr<ImportedModel> plain = ImportTorchScript(f.model_bytes);
+  REQUIRE(plain.ok());
+  const at::Tensor archived = FindTensor(*plain, "emb.weight")->tensor;
+  const at::Tensor value = at::arange(archived.numel(), archived.options())
+                               .reshape(archived.sizes())
+                               .set_requires_grad(false);
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(f.model_bytes, {{"head.weight", value}});
+  REQUIRE(model.ok());
+  for (const char* name : {"emb.weight", "head.weight"}) {
+    const ModuleTensor* t = FindTensor(*model, name);
+    REQUIRE(t != nullptr);
+    CHECK(t->tensor.equal(value));
+    // The archive's requires_grad, not the sent tensor's; tied names still share one tensor.
+    CHECK(t->tensor.requires_grad() == archived.requires_grad());
+    CHECK(t->tensor.data_ptr() == value.data_ptr());
+  }
+
+  // A cluster job's parts get the bound values inside one archive again.
+  absl::StatusOr<std::string> whole = SerializeModule(*model);
+  REQUIRE(whole.ok());
+  absl::StatusOr<ImportedModel> reloaded = ImportTorchScript(*whole);
+  REQUIRE(reloaded.ok());
+  CHECK(FindTensor(*reloaded, "emb.weight")->tensor.equal(value));
+  CHECK(FindTensor(*reloaded, "head.weight")->tensor.equal(value));
+}
+
+TEST_CASE("ImportTorchScript rejects a sent tensor the model lacks or that does not match",
+          "[graph]") {
+  testing::Fixture f = testing::LoadFixture("tied_lm");
+  absl::StatusOr<ImportedModel> plain = ImportTorchScript(f.model_bytes);
+  REQUIRE(plain.ok());
+  const at::Tensor archived = FindTensor(*plain, "emb.weight")->tensor;
+
+  absl::StatusOr<ImportedModel> unknown =
+      ImportTorchScript(f.model_bytes, {{"nope.weight", archived.clone()}});
+  REQUIRE_FALSE(unknown.ok());
+  CHECK(unknown.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(unknown.status().message()).find("'nope.weight'") != std::string::npos);
+
+  absl::StatusOr<ImportedModel> reshaped =
+      ImportTorchScript(f.model_bytes, {{"emb.weight", archived.reshape({-1}).clone()}});
+  REQUIRE_FALSE(reshaped.ok());
+  CHECK(reshaped.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(reshaped.status().message()).find("'emb.weight'") != std::string::npos);
+
+  absl::StatusOr<ImportedModel> retyped =
+      ImportTorchScript(f.model_bytes, {{"emb.weight", archived.to(at::kDouble)}});
+  REQUIRE_FALSE(retyped.ok());
+  CHECK(retyped.status().code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("ImportTorchScript rejects bytes that are not TorchScript", "[graph]") {

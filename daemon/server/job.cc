@@ -196,7 +196,13 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
 struct PlannedModel {
   std::unique_ptr<IrGraph> ir;
   v1::Deployment plan;
+  double ir_s = 0;
+  double plan_s = 0;
 };
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 // The model's IR (for the store's tensors) and its plan.
 absl::StatusOr<PlannedModel> PlanJobModel(const JobConfig& config, const ImportedModel& model,
@@ -209,14 +215,16 @@ absl::StatusOr<PlannedModel> PlanJobModel(const JobConfig& config, const Importe
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<IrGraph> ir = BuildIr(model, tensors, example_inputs);
   if (!ir.ok()) return Annotate(ir.status(), "building the model's IR");
-  spdlog::info("IR: {} atomic nodes, {} of them run per probe, built in {:.2f} s", ir->nodes.size(),
-               ir->nodes_probed,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   PlannedModel out;
+  out.ir_s = SecondsSince(start);
+  spdlog::info("IR: {} atomic nodes, {} of them run per probe, built in {:.2f} s", ir->nodes.size(),
+               ir->nodes_probed, out.ir_s);
   out.ir = std::make_unique<IrGraph>(std::move(*ir));
+  const auto planning = std::chrono::steady_clock::now();
   absl::StatusOr<v1::Deployment> plan = PlanIr(config, *out.ir, tensors, example_inputs);
   if (!plan.ok()) return plan.status();
   out.plan = std::move(*plan);
+  out.plan_s = SecondsSince(planning);
   return out;
 }
 
@@ -318,12 +326,16 @@ Job::Job(std::string id, JobConfig config)
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig config,
                                                  const std::string& model_bytes,
-                                                 const std::vector<at::Tensor>& example_inputs) {
-  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes);
+                                                 const std::vector<at::Tensor>& example_inputs,
+                                                 const SentTensors& sent) {
+  auto phase = std::chrono::steady_clock::now();
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
   if (!model.ok()) return model.status();
   absl::Status counted = CheckExampleCount(*model, example_inputs);
   if (!counted.ok()) return counted;
   std::unique_ptr<Job> job(new Job(std::move(id), std::move(config)));
+  job->create_timings_.import_s = SecondsSince(phase);
+  phase = std::chrono::steady_clock::now();
   job->store_ = ParamStore::FromModuleTensors(model->tensors);
   if (job->config_.check_unused_values) {
     absl::Status unused = CheckUnusedValues(*model, job->store_);
@@ -361,6 +373,7 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
     return Annotate(outputs.status(), "checking the model on the example inputs");
   }
   job->example_outputs_ = std::move(*outputs);
+  job->create_timings_.check_s = SecondsSince(phase);
   {
     size_t b = 0;
     at::NoGradGuard no_grad;
@@ -377,6 +390,9 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   // (PlannerConfig::auto_memory), or those a loaded plan was made with.
   job->zero_ = job->config_.zero || job->deployment_.zero();
   job->offload_ = job->config_.offload || job->deployment_.offload();
+  job->create_timings_.ir_s = planned->ir_s;
+  job->create_timings_.plan_s = planned->plan_s;
+  phase = std::chrono::steady_clock::now();
 
   job->lifted_of_entry_ = LiftedOfEntries(job->store_, *job->ir_);
   if (job->config_.optimizer.enabled) {
@@ -388,10 +404,18 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
                                 ? job->config_.device_names[d]
                                 : absl::StrCat(job->config_.plan_target.device_type, ":", d));
   }
-  absl::Status deployed = job->config_.members.empty()
-                              ? job->Deploy()
-                              : job->CreateParts(model_bytes, example_inputs);
+  absl::Status deployed;
+  if (job->config_.members.empty()) {
+    deployed = job->Deploy();
+  } else if (sent.empty()) {
+    deployed = job->CreateParts(model_bytes, example_inputs);
+  } else {
+    // The parts take one whole archive: the sent tensors go back into it.
+    absl::StatusOr<std::string> whole = SerializeModule(*model);
+    deployed = whole.ok() ? job->CreateParts(*whole, example_inputs) : whole.status();
+  }
   if (!deployed.ok()) return Annotate(deployed, "deploying the model on its devices");
+  job->create_timings_.place_s = SecondsSince(phase);
   if (job->config_.client_world > 1) {
     job->client_ranks_ = std::make_unique<ClientRendezvous>(job->config_.client_world,
                                                             job->config_.client_timeout);
@@ -521,8 +545,9 @@ absl::Status Job::EnsureDeployed() {
 
 absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
                                               const std::string& model_bytes,
-                                              const std::vector<at::Tensor>& example_inputs) {
-  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes);
+                                              const std::vector<at::Tensor>& example_inputs,
+                                              const SentTensors& sent) {
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
   if (!model.ok()) return model.status();
   absl::Status counted = CheckExampleCount(*model, example_inputs);
   if (!counted.ok()) return counted;
@@ -546,6 +571,7 @@ absl::Status Job::CreateParts(const std::string& model_bytes,
   v1::JobSpec spec = config_.spec;
   spec.mutable_options()->set_load_deployment(deployment_.SerializeAsString());
   spec.clear_example_inputs();
+  spec.clear_model_tensors();  // in model_bytes; they may name the client's shm files
   for (const at::Tensor& t : example_inputs) {
     absl::Status encoded = EncodeTensor(t, spec.add_example_inputs(), nullptr);
     if (!encoded.ok()) return encoded;

@@ -43,6 +43,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/comm/factory.h"
 #include "daemon/graph/ir.h"
+#include "daemon/graph/torchscript_import.h"
 #include "daemon/optim/optimizer.h"
 #include "daemon/planner/planner.h"
 #include "daemon/planner/profile_cache.h"
@@ -151,9 +152,18 @@ struct StateEntry {
   bool is_buffer = false;
 };
 
+// Where Job::Create spent its time, for the daemon's CreateJob log line (seconds each).
+struct CreateTimings {
+  double import_s = 0;  // loading the TorchScript archive, lifting its tensors
+  double check_s = 0;   // the validation run on the example inputs
+  double ir_s = 0;      // building the IR (which probes the model)
+  double plan_s = 0;    // planning, or checking a loaded deployment
+  double place_s = 0;   // placing parameters (and optimizer state) on the devices
+};
+
 class Job {
  public:
-  // Imports `model_bytes`, checks it against `config`, and runs it once on `example_inputs`
+  // Imports `model_bytes` (with `sent` in place of its stand-ins: see ImportTorchScript), checks it against `config`, and runs it once on `example_inputs`
   // (no gradients, buffers restored afterwards) to validate it and learn its outputs.
   // INVALID_ARGUMENT for a bad model or one that fails on the example inputs.
   // Then builds the model's IR and plans it for config.plan_target (or checks and adopts
@@ -162,17 +172,20 @@ class Job {
 
   static absl::StatusOr<std::unique_ptr<Job>> Create(std::string id, JobConfig config,
                                                      const std::string& model_bytes,
-                                                     const std::vector<at::Tensor>& example_inputs);
+                                                     const std::vector<at::Tensor>& example_inputs,
+                                                     const SentTensors& sent = {});
 
   // A dry run: the same checks and planning as Create, for config.plan_target, with no job.
   static absl::StatusOr<v1::Deployment> PlanOnly(const JobConfig& config,
                                                  const std::string& model_bytes,
-                                                 const std::vector<at::Tensor>& example_inputs);
+                                                 const std::vector<at::Tensor>& example_inputs,
+                                                 const SentTensors& sent = {});
 
   const std::string& id() const { return id_; }
   // The outputs of the validation run; parameters and buffers with their aliases (names and
   // shapes: the values live on the devices; read them with GetTensor or StateDict).
   const std::vector<at::Tensor>& example_outputs() const { return example_outputs_; }
+  const CreateTimings& create_timings() const { return create_timings_; }
   const ParamStore& params() const { return store_; }
   const std::vector<std::string>& devices() const { return devices_; }
   // The job's plan (planned at creation or loaded from a deployment file).
@@ -341,6 +354,7 @@ class Job {
   // The loss scaler's state while no engine holds it (undeployed), and each engine's start.
   LossScaler parked_loss_scaler_;
   std::vector<at::Tensor> example_outputs_;
+  CreateTimings create_timings_;
   int64_t steps_ = 0;
   int64_t forwards_ = 0;
 };

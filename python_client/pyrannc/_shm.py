@@ -4,16 +4,20 @@ gRPC copies a tensor several times on its way through protobuf; a file under the
 DaemonInfo.shm_dir (normally /dev/shm) is one copy each way, and is not bound by the daemon's
 --max-message-size. The client owns two files, "rannc-pyrannc-<pid>-<n>-in" for tensors it sends
 and "...-out" for outputs the daemon writes back; the daemon copies in or out before the RPC
-returns, so a region is reused by the next call (see training.proto, Tensor.shm).
+returns, so a region is reused by the next call (see training.proto, Tensor.shm). A one-off
+upload (the model's tensors at CreateJob, GiBs) goes to a "...-bulk" file of its own, removed
+when the RPC is done (bulk_session).
 
 Used when the daemon offers a directory and runs on this host: the embedded daemon, or a
 loopback/unix address whose DaemonInfo.hostname is this host's name. RANNC_SHM=0 turns it off,
 RANNC_SHM=1 forces it on whenever the daemon offers a directory. Only tensors of at least
 MIN_BYTES go this way.
 
-Thread-safety: `Transfer` hands its regions to one RPC at a time (`with transfer.session():`).
+Thread-safety: `Transfer` hands its regions to one RPC at a time (`with transfer.session():`);
+bulk sessions use files of their own and may overlap them.
 """
 
+import concurrent.futures
 import itertools
 import os
 import socket
@@ -61,26 +65,51 @@ class _File:
 class _Session:
     """One RPC's use of the regions: tensors placed for sending, and the reply region."""
 
-    def __init__(self, transfer: "Transfer"):
+    def __init__(self, transfer: "Transfer", send: Optional[_File] = None):
         self._t = transfer
+        self._send = send  # None: the transfer's send file
         self._next = 0
 
     def encode(self, t: torch.Tensor) -> pb.Tensor:
         """A Tensor message, its bytes in the send file when large enough."""
-        t = _codec.host_contiguous(t)
-        nbytes = t.numel() * t.element_size()
-        if nbytes < MIN_BYTES:
-            return _codec.encode(t)
-        f = self._t.send_file()
-        offset = self._next
-        f.ensure(offset + nbytes)
-        view = memoryview(_codec.numpy_view(t)).cast("B")
-        done = 0
-        while done < nbytes:
-            done += os.pwrite(f.fd, view[done:], offset + done)
-        self._next = _align(offset + nbytes)
-        return pb.Tensor(dtype=_codec.wire_dtype(t.dtype), shape=list(t.shape),
-                         shm=pb.ShmRef(path=f.path, offset=offset, length=nbytes))
+        return self.encode_all([t])[0]
+
+    def encode_all(self, tensors, threads: int = 1) -> list:
+        """encode() of each tensor, the file writes spread over `threads` threads: writing GiBs
+        into new pages of the file is bound by page faults, which threads take in parallel
+        (os.pwrite releases the GIL)."""
+        messages, writes = [], []
+        f = None
+        for t in tensors:
+            t = _codec.host_contiguous(t)
+            nbytes = t.numel() * t.element_size()
+            if nbytes < MIN_BYTES:
+                messages.append(_codec.encode(t))
+                continue
+            f = self._send if self._send is not None else self._t.send_file()
+            offset = self._next
+            self._next = _align(offset + nbytes)
+            writes.append((t, offset, nbytes))
+            messages.append(pb.Tensor(dtype=_codec.wire_dtype(t.dtype), shape=list(t.shape),
+                                      shm=pb.ShmRef(path=f.path, offset=offset, length=nbytes)))
+        if f is None:
+            return messages
+        f.ensure(self._next)
+
+        def write(item):
+            t, offset, nbytes = item
+            view = memoryview(_codec.numpy_view(t)).cast("B")
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(f.fd, view[done:], offset + done)
+
+        if threads <= 1 or len(writes) == 1:
+            for item in writes:
+                write(item)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(write, writes))
+        return messages
 
     def reply_region(self) -> Optional[pb.ShmRef]:
         """Where the daemon may write outputs; None until outputs large enough were seen."""
@@ -149,6 +178,10 @@ class _InlineSession:
         return _codec.encode(t)
 
     @staticmethod
+    def encode_all(tensors, threads: int = 1) -> list:
+        return [_codec.encode(t) for t in tensors]
+
+    @staticmethod
     def reply_region() -> Optional[pb.ShmRef]:
         return None
 
@@ -168,6 +201,27 @@ class _NoLock:
 def session(transfer: Optional[Transfer]):
     """`with session(conn.shm) as s:` encodes one RPC's tensors, through shm when offered."""
     return transfer.session() if transfer is not None else _NoLock()
+
+
+class _Bulk:
+    def __init__(self, transfer: Transfer):
+        self._t = transfer
+        self._file: Optional[_File] = None
+
+    def __enter__(self):
+        self._file = _File(self._t.directory, "bulk")
+        return _Session(self._t, self._file)
+
+    def __exit__(self, *exc):
+        self._file.close()
+        return False
+
+
+def bulk_session(transfer: Optional[Transfer]):
+    """Like session(), but tensors go to a file of their own that is removed when the block
+    ends, so a one-off upload (a model's parameters: GiBs) does not stay in shared memory for the
+    connection's life as the reused send file would. Sessions of one transfer may overlap."""
+    return _Bulk(transfer) if transfer is not None else _NoLock()
 
 
 def _is_local_address(address: str) -> bool:

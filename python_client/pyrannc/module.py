@@ -16,6 +16,7 @@ import inspect
 import io
 import logging
 import os
+import time
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -60,6 +61,33 @@ class _Job:
         # A backward without keep_graph released the last forward's graph; mirrored here so a
         # second backward fails at once even while the first is deferred.
         self.graph_released = False
+
+
+def _leave_out_tensors(traced: torch.jit.ScriptModule,
+                       min_bytes: int) -> List[Tuple[str, torch.Tensor]]:
+    """Replaces each parameter and buffer of at least `min_bytes` in `traced` by a stand-in and
+    returns the tensors replaced, by dotted name, each once (see JobSpec.model_tensors).
+
+    A stand-in has the tensor's dtype, shape and requires_grad but one stored element (stride 0),
+    so the archive keeps the module's structure and costs bytes only for what stays in it. Tied
+    tensors share one stand-in, which keeps them tied in the archive. Only the traced module's
+    slots change: the user's model keeps its tensors.
+    """
+    stand_ins: Dict[int, torch.Tensor] = {}
+    apart: List[Tuple[str, torch.Tensor]] = []
+    for prefix, sub in traced.named_modules():
+        slots = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))
+        for name, t in slots:
+            if t.numel() * t.element_size() < min_bytes:
+                continue
+            stand_in = stand_ins.get(id(t))
+            if stand_in is None:
+                stand_in = torch.zeros((), dtype=t.dtype).expand(t.shape)
+                stand_in.requires_grad_(t.requires_grad)
+                stand_ins[id(t)] = stand_in
+                apart.append((f"{prefix}.{name}" if prefix else name, t.detach()))
+            sub._c.setattr(name, stand_in)
+    return apart
 
 
 def _defer_ops() -> bool:
@@ -236,8 +264,13 @@ class RaNNCModule(torch.nn.Module):
             return inputs, None
         return [x[:n] if isinstance(x, torch.Tensor) else x for x in inputs], batch
 
-    def _trace(self, inputs, mode: pb.Mode) -> Tuple[bytes, object]:
-        """Traces the model in `mode`; returns the serialized module and its output spec.
+    def _trace(self, inputs, mode: pb.Mode, apart_bytes: Optional[int] = None
+               ) -> Tuple[bytes, object, List[Tuple[str, torch.Tensor]]]:
+        """Traces the model in `mode`; returns the serialized module, its output spec and the
+        tensors left out of it.
+
+        With `apart_bytes` set, every parameter or buffer of at least that many bytes is left out
+        of the archive (see _leave_out_tensors) and returned by name, to be sent beside it.
 
         Tracing runs forward once; the model's buffers (BatchNorm statistics), its RNG stream
         and its train/eval flags are restored afterwards, so the daemon starts from the state
@@ -268,7 +301,9 @@ class RaNNCModule(torch.nn.Module):
                 # Python values on every trace; warnings about the user's code still show.
                 warnings.filterwarnings("ignore", category=torch.jit.TracerWarning,
                                         module=r"torch\.")
+                started = time.perf_counter()
                 traced = torch.jit.trace(model, inputs, check_trace=False)
+                logger.debug("pyrannc: traced the model in %.2f s", time.perf_counter() - started)
         finally:
             handle.remove()
             for m, flag in saved_flags:
@@ -276,9 +311,14 @@ class RaNNCModule(torch.nn.Module):
             with torch.no_grad():
                 for b, value in saved_buffers:
                     b.copy_(value)
+        started = time.perf_counter()
+        apart = _leave_out_tensors(traced, apart_bytes) if apart_bytes is not None else []
         buf = io.BytesIO()
         torch.jit.save(traced, buf)
-        return buf.getvalue(), captured["spec"]
+        model_bytes = buf.getvalue()
+        logger.debug("pyrannc: serialized the traced model (%d bytes, %d tensors apart) in %.2f s",
+                     len(model_bytes), len(apart), time.perf_counter() - started)
+        return model_bytes, captured["spec"], apart
 
     def _connection(self) -> _daemon.Connection:
         """The connection to the daemon that leads this module's job."""
@@ -291,10 +331,14 @@ class RaNNCModule(torch.nn.Module):
         conn = _daemon.connection()
         _delete_orphaned_jobs(conn)
         inputs, plan_batch = self._trace_inputs(inputs)
-        model_bytes, spec = self._trace(inputs, mode)
+        rank, world = _runtime.get_rank(), _runtime.get_world_size()
+        # On the daemon's host, large tensors skip the archive and travel through shared memory
+        # (the archive would copy them into a zip, the model stream and the daemon's string).
+        # Ranks other than 0 send no model: their trace only gives the outputs' structure.
+        apart_bytes = 0 if rank > 0 else _shm.MIN_BYTES if conn.shm is not None else None
+        model_bytes, spec, apart = self._trace(inputs, mode, apart_bytes)
         names_by_id = self._names_by_id()
         optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
-        rank, world = _runtime.get_rank(), _runtime.get_world_size()
         if rank > 0:
             # Rank 0 creates the job; the others join it by name.
             join = pb.JoinJobRequest(name=job_name(self.model), client_rank=rank,
@@ -321,12 +365,19 @@ class RaNNCModule(torch.nn.Module):
                                 config=_job_config(plan_batch),
                                 load_deployment=self._deployment_bytes,
                                 client_world=world, client_timeout_ms=client_timeout_ms())
-        with _shm.session(conn.shm) as wire:
+        with _shm.session(conn.shm) as wire, _shm.bulk_session(conn.shm) as bulk:
+            started = time.perf_counter()
             job_spec = pb.JobSpec(
                 name=job_name(self.model),
                 mode=mode, optimizer=optimizer_spec, options=options,
                 example_inputs=[wire.encode(x) for x in inputs],
-                input_names=self._input_names(len(inputs)), model_bytes=len(model_bytes))
+                input_names=self._input_names(len(inputs)), model_bytes=len(model_bytes),
+                model_tensors=[pb.NamedTensor(name=n, tensor=m) for (n, _), m in zip(
+                    apart, bulk.encode_all([t for _, t in apart],
+                                           threads=min(8, os.cpu_count() or 1)))])
+            if apart:
+                logger.debug("pyrannc: wrote %d model tensors to shared memory in %.2f s",
+                             len(apart), time.perf_counter() - started)
 
             step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
 
@@ -336,7 +387,10 @@ class RaNNCModule(torch.nn.Module):
                     yield pb.CreateJobRequest(model_chunk=model_bytes[off:off + step])
 
             try:
+                started = time.perf_counter()
                 resp = conn.call_streaming_request("CreateJob", requests())
+                logger.debug("pyrannc: CreateJob (sending the model, the daemon's import, "
+                             "planning and placement) took %.2f s", time.perf_counter() - started)
             except RanncError as err:
                 if self._deployment_path is not None and err.code in (
                         grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
@@ -369,7 +423,9 @@ class RaNNCModule(torch.nn.Module):
         resp = conn.call("SetMode", pb.SetModeRequest(job_id=job.id, mode=mode))
         key = _mode_key(mode)
         if not resp.has_graph or key not in job.specs:
-            model_bytes, spec = self._trace(self._trace_inputs(inputs)[0], mode)
+            # The daemon reads only the graph of another mode (the job has the tensors), so
+            # every tensor stays out of the archive.
+            model_bytes, spec, _ = self._trace(self._trace_inputs(inputs)[0], mode, apart_bytes=0)
             job.specs[key] = spec
             if not resp.has_graph:
                 step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)

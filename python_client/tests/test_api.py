@@ -580,6 +580,71 @@ def test_large_tensors_go_through_shared_memory_past_the_message_limit():
     assert not inline["shm"] and inline.get("error") == "RESOURCE_EXHAUSTED", inline
 
 
+class _LargeTiedLm(torch.nn.Module):
+    """Tensors of at least 1 MiB (tied embedding/head, a frozen projection, a buffer) beside
+    small ones: the large ones leave the archive when the daemon shares the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(1024, 256)     # 1 MiB, tied to head
+        self.frozen = torch.nn.Linear(256, 1024)     # 1 MiB weight, requires_grad=False
+        self.frozen.weight.requires_grad_(False)
+        self.mix = torch.nn.Linear(1024, 256)        # 1 MiB weight, small bias
+        self.head = torch.nn.Linear(256, 1024, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.rand(1024, 256) + 0.5)  # 1 MiB
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = self.mix(torch.tanh(self.frozen(h))) * self.scale[ids]
+        return F.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def test_large_model_tensors_travel_beside_the_archive_through_shared_memory(caplog, tmp_path):
+    """With shared memory, the tied weight (once), the frozen weight, the buffer and mix.weight
+    go apart from the TorchScript archive, and the job trains as PyTorch does (rtol=1e-5,
+    atol=1e-6): tied stays tied, frozen stays frozen. No upload file is left behind, and a
+    mode switch (whose archive carries no tensors at all) still evaluates the trained values."""
+    conn = _daemon.connection()
+    assert conn.shm is not None, "the embedded daemon offers shared memory"
+    torch.manual_seed(0)
+    model = _LargeTiedLm()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    param_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with caplog.at_level("DEBUG", logger="pyrannc"):
+        for step in range(2):
+            ids = torch.randint(0, 1024, (4, 8), generator=torch.Generator().manual_seed(step))
+            loss = rmod(ids)
+            loss.backward()
+            ref_loss = ref(ids)
+            ref_loss.backward()
+            assert_close(loss.detach(), ref_loss.detach(), f"loss {step}")
+            opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+    serialized = [r.getMessage() for r in caplog.records if "serialized the traced" in r.message]
+    assert len(serialized) == 1, serialized
+    # emb.weight (= head.weight), frozen.weight, mix.weight, scale.
+    assert "4 tensors apart" in serialized[0], serialized[0]
+    archive_bytes = int(serialized[0].split("(")[1].split(" bytes")[0])
+    assert archive_bytes < param_bytes // 4, (archive_bytes, param_bytes)
+    assert not [f for f in os.listdir(conn.info.shm_dir) if f.endswith("-bulk")]
+
+    state = rmod.state_dict()
+    for k, v in ref.state_dict().items():
+        assert_close(state[k], v, k)
+    assert torch.equal(state["emb.weight"], state["head.weight"])
+    assert not rmod.get_param("frozen.weight").requires_grad
+    assert_close(rmod.get_param("frozen.weight"), ref.frozen.weight, "frozen.weight unchanged")
+
+    rmod.eval()
+    ref.eval()
+    ids = torch.randint(0, 1024, (4, 8), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert_close(rmod(ids), ref(ids), "eval loss after a mode switch")
+
+
 def test_garbage_collected_modules_release_their_jobs(pyrannc_daemon):
     import gc
 
