@@ -224,6 +224,16 @@ def bulk_session(transfer: Optional[Transfer]):
     return _Bulk(transfer) if transfer is not None else _NoLock()
 
 
+def has_room(transfer: Transfer, nbytes: int) -> bool:
+    """Whether the transfer's directory has `nbytes` free (with a 5% margin): tmpfs pages
+    written past its size fail the write, so a large upload checks first."""
+    try:
+        st = os.statvfs(transfer.directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= nbytes * 1.05
+
+
 def _is_local_address(address: str) -> bool:
     if address.startswith("unix:"):
         return True

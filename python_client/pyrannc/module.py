@@ -14,6 +14,7 @@ in a training loop.
 import collections
 import inspect
 import io
+import itertools
 import logging
 import os
 import time
@@ -336,6 +337,11 @@ class RaNNCModule(torch.nn.Module):
         # (the archive would copy them into a zip, the model stream and the daemon's string).
         # Ranks other than 0 send no model: their trace only gives the outputs' structure.
         apart_bytes = 0 if rank > 0 else _shm.MIN_BYTES if conn.shm is not None else None
+        if rank == 0 and apart_bytes is not None and not _shm.has_room(
+                conn.shm, _tensor_bytes(self.model, apart_bytes)):
+            logger.info("pyrannc: %s has too little free space for the model's tensors; they go "
+                        "inside the TorchScript archive instead", conn.shm.directory)
+            apart_bytes = None
         model_bytes, spec, apart = self._trace(inputs, mode, apart_bytes)
         names_by_id = self._names_by_id()
         optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
@@ -829,6 +835,18 @@ def _job_config(plan_batch: Optional[int]) -> Dict[str, str]:
 def client_timeout_ms() -> int:
     """How long a client rank waits for the others (RANNC_CLIENT_TIMEOUT seconds, default 300)."""
     return int(float(_config.client_setting("client_timeout", "300")) * 1000)
+
+
+def _tensor_bytes(model: torch.nn.Module, min_bytes: int) -> int:
+    """Bytes of the model's distinct parameters and buffers of at least `min_bytes` each: what
+    _leave_out_tensors would send apart."""
+    seen, total = set(), 0
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= min_bytes and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += nbytes
+    return total
 
 
 def _delete_orphaned_jobs(conn) -> None:
