@@ -6,10 +6,11 @@
 // go through host memory (host-staged fake backend); with NCCL built in, a case per GPU count
 // runs over NCCL with one plan device per GPU.
 //
-// fp32 is held to the CPU engine: losses and gradients to rtol 1e-5 / atol 1e-6 (fp32 round-off:
-// CUDA's kernels sum in other orders), parameters after three AdamW steps to rtol 1e-4 /
-// atol 1e-5. AdamW runs with eps 1e-4: with PyTorch's 1e-8 it turns the round-off on a gradient
-// that is zero in exact arithmetic (the attention's key bias, which softmax ignores) into
+// fp32 is held to the CPU engine: losses and gradients of the first step to rtol 1e-5 /
+// atol 1e-6 (fp32 round-off: CUDA's kernels sum in other orders), parameters after each of
+// three AdamW steps, and the later steps' losses and gradients, to rtol 1e-4 / atol 1e-5. AdamW
+// runs with eps 1e-4: with PyTorch's 1e-8 it turns the round-off on a gradient that is zero in
+// exact arithmetic (the attention's key bias, which softmax ignores) into
 // lr-sized steps of either sign, on any two devices. bf16 autocast differs between the CPU and
 // CUDA (other ops cast), so a bf16 plan is held to the same model on one device of the same GPU
 // instead: each tensor within 2% of the reference's norm (atol 1e-3), since the batch split
@@ -84,8 +85,11 @@ bool Close(const at::Tensor& got, const at::Tensor& want, double rtol, double at
 // `cpu`, the same plan and mode: losses, gradients, parameters and optimizer state agree.
 void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, bool amp) {
   const IrGraph& ir = *f.ir;
-  const double rtol = 1e-5, atol = amp ? 1e-3 : 1e-6;
   const double param_rtol = 1e-4, param_atol = amp ? 1e-3 : 1e-5;
+  // Outputs and gradients of later steps come from parameters that already differ by the
+  // optimizer's round-off (on CUDA, AdamW's fused kernel orders its arithmetic differently),
+  // so they are held to the parameters' bound; the first step's, to fp32 round-off.
+  double rtol = 1e-5, atol = amp ? 1e-3 : 1e-6;
   const std::vector<int> params = ParamIndices(ir);
   HyperParams adam;
   adam.lr = 0.01;
@@ -96,6 +100,10 @@ void TrainAlike(const FixtureIr& f, PipelineEngine& cpu, PipelineEngine& cuda, b
   }
   for (int step = 0; step < 3; ++step) {
     INFO("step " << step);
+    if (step > 0) {
+      rtol = param_rtol;
+      atol = param_atol;
+    }
     for (double g : {1.0, 0.5}) {
       absl::StatusOr<std::vector<at::Tensor>> want = cpu.Forward(f.fixture.inputs, true);
       absl::StatusOr<std::vector<at::Tensor>> got = cuda.Forward(f.fixture.inputs, true);

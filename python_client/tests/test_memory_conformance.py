@@ -149,7 +149,7 @@ def _assert_amp_close(actual, expected, what, exact, amp_dtype):
 
 
 def _relative_differences(ours, theirs):
-    theirs = to_cpu(theirs)
+    ours, theirs = to_cpu(ours), to_cpu(theirs)  # the fp32 run's are on the reference's device
     return [float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(ours, theirs)]
 
 
