@@ -150,21 +150,33 @@ RankResult RunRank(comm::Communicator* c, size_t bucket_bytes, const Model& m,
   return result;
 }
 
+// A group of `size` ranks, each with the test model and its two inputs (rank r's at 2r, 2r + 1).
+struct Ranks {
+  std::vector<std::unique_ptr<comm::Communicator>> comms;
+  std::vector<Model> models;
+  std::vector<at::Tensor> inputs;
+};
+
+Ranks MakeRanks(Backend backend, comm::Store* store, int size, const std::string& group) {
+  Ranks ranks{comm::MakeGroupConcurrently(backend, size, group, store), {}, {}};
+  REQUIRE(ranks.comms.size() == static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    ranks.models.push_back(MakeModel());
+    ranks.inputs.push_back(Input(r, 0));
+    ranks.inputs.push_back(Input(r, 1));
+  }
+  return ranks;
+}
+
 void CheckReduction(Backend backend, comm::Store* store, int size, size_t bucket_bytes,
                     int want_buckets, int want_early, bool transient = false) {
   const std::string group =
       absl::StrCat("grad_reducer/", backend == Backend::kUcx ? "ucx" : "fake", "/", size, "/",
                    bucket_bytes, transient ? "/transient" : "");
-  std::vector<std::unique_ptr<comm::Communicator>> comms =
-      comm::MakeGroupConcurrently(backend, size, group, store);
-  REQUIRE(comms.size() == static_cast<size_t>(size));
-  std::vector<Model> models;
-  std::vector<at::Tensor> inputs;
-  for (int r = 0; r < size; ++r) {
-    models.push_back(MakeModel());
-    inputs.push_back(Input(r, 0));
-    inputs.push_back(Input(r, 1));
-  }
+  Ranks ranks = MakeRanks(backend, store, size, group);
+  auto& comms = ranks.comms;
+  auto& models = ranks.models;
+  auto& inputs = ranks.inputs;
   std::vector<RankResult> results(size);
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
@@ -415,16 +427,10 @@ const std::vector<std::vector<int>> kScatterBuckets = {{6, 5}, {4}, {3, 2}, {1, 
 void CheckScatter(Backend backend, comm::Store* store, int size) {
   const std::string group = absl::StrCat(
       "grad_reducer/scatter/", backend == Backend::kUcx ? "ucx" : "fake", "/", size);
-  std::vector<std::unique_ptr<comm::Communicator>> comms =
-      comm::MakeGroupConcurrently(backend, size, group, store);
-  REQUIRE(comms.size() == static_cast<size_t>(size));
-  std::vector<Model> models;
-  std::vector<at::Tensor> inputs;
-  for (int r = 0; r < size; ++r) {
-    models.push_back(MakeModel());
-    inputs.push_back(Input(r, 0));
-    inputs.push_back(Input(r, 1));
-  }
+  Ranks ranks = MakeRanks(backend, store, size, group);
+  auto& comms = ranks.comms;
+  auto& models = ranks.models;
+  auto& inputs = ranks.inputs;
   std::vector<ScatterResult> results(size);
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
