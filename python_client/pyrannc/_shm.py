@@ -2,11 +2,12 @@
 
 gRPC copies a tensor several times on its way through protobuf; a file under the daemon's
 DaemonInfo.shm_dir (normally /dev/shm) is one copy each way, and is not bound by the daemon's
---max-message-size. The client owns two files, "rannc-pyrannc-<pid>-<n>-in" for tensors it sends
+--max-message-size. The client owns two files, "rannc-pyrannc-<pid>-<tag>-<n>-in" for tensors it sends
 and "...-out" for outputs the daemon writes back; the daemon copies in or out before the RPC
 returns, so a region is reused by the next call (see training.proto, Tensor.shm). A one-off
 upload (the model's tensors at CreateJob, GiBs) goes to a "...-bulk" file of its own, removed
-when the RPC is done (bulk_session).
+when the RPC is done (bulk_session). <tag> is random per process: processes in other PID
+namespaces (containers, Bazel's sandboxes) share the directory and may have the same pid.
 
 Used when the daemon offers a directory and runs on this host: the embedded daemon, or a
 loopback/unix address whose DaemonInfo.hostname is this host's name. RANNC_SHM=0 turns it off,
@@ -20,6 +21,7 @@ bulk sessions use files of their own and may overlap them.
 import concurrent.futures
 import itertools
 import os
+import secrets
 import socket
 import threading
 from typing import Optional
@@ -32,6 +34,7 @@ from pyrannc.proto.rannc.v1 import training_pb2 as pb
 MIN_BYTES = 1 << 20
 _ALIGN = 64
 _counter = itertools.count()
+_TAG = secrets.token_hex(4)  # other PID namespaces may reuse this process's pid (module doc)
 
 
 def _align(n: int) -> int:
@@ -42,8 +45,8 @@ class _File:
     """A client-owned rannc-* file that grows as needed."""
 
     def __init__(self, directory: str, suffix: str):
-        self.path = os.path.join(directory,
-                                 f"rannc-pyrannc-{os.getpid()}-{next(_counter)}-{suffix}")
+        self.path = os.path.join(
+            directory, f"rannc-pyrannc-{os.getpid()}-{_TAG}-{next(_counter)}-{suffix}")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self.size = 0
 
