@@ -61,9 +61,7 @@ absl::StatusOr<std::vector<DaemonFacts::Device>> ResolveDevices(const DaemonOpti
 absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Device>& devices) {
   if (devices.size() >= 2 && devices[0].cuda_index >= 0) {
     CommLinkProbeOptions probe;
-    const bool shared = std::any_of(devices.begin(), devices.end(),
-                                    [](const DaemonFacts::Device& d) { return d.shared; });
-    probe.backend = JobBackend(/*cuda=*/true, shared);
+    probe.backend = JobBackend(/*cuda=*/true, devices);
     for (const DaemonFacts::Device& d : devices) {
       probe.devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(d.cuda_index));
     }

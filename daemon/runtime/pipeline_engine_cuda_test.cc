@@ -219,9 +219,30 @@ TEST_CASE("On CUDA devices the engine trains as on the CPU: plain, ZeRO, offload
   }
 }
 
-// The IR is built as a job builds it, under the CPU's autocast, whose op lists differ from
-// CUDA's, so values crossing stages may be cast to dtypes the one-device CUDA run does not use;
-// the 2% bound holds all the same (passed on an H200, 2026-12-02).
+// A low-precision case's IR, built as a job builds it: on the host under the CPU's autocast,
+// whose op lists differ from CUDA's, so values crossing stages may be cast to dtypes the
+// one-device CUDA run does not use; the 2% bound holds all the same (passed on an H200,
+// 2026-12-02).
+FixtureIr LowPrecisionIr(const Case& c, const Mode& mode) {
+  AutocastGuard amp(mode.amp);
+  return BuildFixtureIr(c.model);
+}
+
+// The case's plan over 4 plan devices on the GPUs (staged), and the whole model on one device of
+// GPU 0, both in `mode` with `scaling`. They read `f`, which must outlive them.
+struct LowPrecisionEngines {
+  std::unique_ptr<PipelineEngine> staged, one;
+};
+
+LowPrecisionEngines MakeLowPrecisionEngines(const FixtureIr& f, const Case& c, const Mode& mode,
+                                            int gpus, const LossScaleOptions& scaling = {}) {
+  const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
+  const v1::Deployment whole = MakePlan(*f.ir, {{0}}, 1, v1::SCHEDULE_1F1B, 1);
+  return {MakeEngine(f, plan, comm::Backend::kFake, mode, RoundRobin(4, gpus), scaling),
+          MakeEngine(f, whole, comm::Backend::kFake, mode, {c10::Device(c10::kCUDA, 0)},
+                     scaling)};
+}
+
 TEST_CASE("bf16 on CUDA devices trains as the same model on one device of the GPU", "[gpu]") {
   const int gpus = GpuCount();
   INFO("this test needs a CUDA build of LibTorch and a GPU");
@@ -229,19 +250,10 @@ TEST_CASE("bf16 on CUDA devices trains as the same model on one device of the GP
   const Mode bf16{"bf16", false, false, at::kBFloat16};
   for (const Case& c : StagedCases()) {
     INFO(c.model << ", bf16, 4 plan devices on " << gpus << " GPU(s), staged");
-    // The IR as a job builds it: on the host, under the CPU's autocast.
-    FixtureIr f = [&] {
-      AutocastGuard amp(bf16.amp);
-      return BuildFixtureIr(c.model);
-    }();
+    const FixtureIr f = LowPrecisionIr(c, bf16);
     REQUIRE(f.ir.ok());
-    const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
-    std::unique_ptr<PipelineEngine> cuda =
-        MakeEngine(f, plan, comm::Backend::kFake, bf16, RoundRobin(4, gpus));
-    const v1::Deployment whole = MakePlan(*f.ir, {{0}}, 1, v1::SCHEDULE_1F1B, 1);
-    std::unique_ptr<PipelineEngine> one =
-        MakeEngine(f, whole, comm::Backend::kFake, bf16, {c10::Device(c10::kCUDA, 0)});
-    TrainAlike(f, *one, *cuda, true);
+    LowPrecisionEngines e = MakeLowPrecisionEngines(f, c, bf16, gpus);
+    TrainAlike(f, *e.one, *e.staged, true);
   }
 }
 
@@ -257,21 +269,15 @@ TEST_CASE("fp16 with loss scaling on CUDA devices: an overflow skips the step ev
   scaling.backoff = std::ldexp(1.0, -44);  // then 2^12, which does not
   for (const Case& c : StagedCases()) {
     INFO(c.model << ", fp16, 4 plan devices on " << gpus << " GPU(s), staged");
-    FixtureIr f = [&] {
-      AutocastGuard amp(fp16.amp);
-      return BuildFixtureIr(c.model);
-    }();
+    const FixtureIr f = LowPrecisionIr(c, fp16);
     REQUIRE(f.ir.ok());
-    const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
-    std::unique_ptr<PipelineEngine> cuda =
-        MakeEngine(f, plan, comm::Backend::kFake, fp16, RoundRobin(4, gpus), scaling);
-    const v1::Deployment whole = MakePlan(*f.ir, {{0}}, 1, v1::SCHEDULE_1F1B, 1);
-    std::unique_ptr<PipelineEngine> one = MakeEngine(
-        f, whole, comm::Backend::kFake, fp16, {c10::Device(c10::kCUDA, 0)}, scaling);
+    LowPrecisionEngines engines = MakeLowPrecisionEngines(f, c, fp16, gpus, scaling);
+    PipelineEngine& cuda = *engines.staged;
+    PipelineEngine& one = *engines.one;
     const std::vector<int> params = ParamIndices(*f.ir);
     HyperParams adam;
     adam.lr = 0.01;
-    for (PipelineEngine* e : {one.get(), cuda.get()}) {
+    for (PipelineEngine* e : {&one, &cuda}) {
       INFO("the overflowing step");
       REQUIRE(e->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
       std::vector<at::Tensor> before;
@@ -292,9 +298,9 @@ TEST_CASE("fp16 with loss scaling on CUDA devices: an overflow skips the step ev
       }
       e->ZeroGrad(/*set_to_none=*/true);
     }
-    TrainAlike(f, *one, *cuda, true);
-    CHECK(one->loss_scaler().skipped_steps() == 1);
-    CHECK(cuda->loss_scaler().skipped_steps() == 1);
+    TrainAlike(f, one, cuda, true);
+    CHECK(one.loss_scaler().skipped_steps() == 1);
+    CHECK(cuda.loss_scaler().skipped_steps() == 1);
   }
 }
 

@@ -219,9 +219,11 @@ void TrainingServiceImpl::set_cluster(const cluster::Cluster* cluster) {
   cluster_ = cluster;
 }
 
-comm::Backend JobBackend(bool cuda, bool shared_gpu) {
-  return cuda && !shared_gpu && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
-                                                                           : comm::Backend::kUcx;
+comm::Backend JobBackend(bool cuda, const std::vector<DaemonFacts::Device>& devices) {
+  const bool shared = std::any_of(devices.begin(), devices.end(),
+                                  [](const DaemonFacts::Device& d) { return d.shared; });
+  return cuda && !shared && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
+                                                                       : comm::Backend::kUcx;
 }
 
 grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
@@ -382,9 +384,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   }
   const bool cuda = std::any_of(config.placement.begin(), config.placement.end(),
                                 [](const c10::Device& d) { return d.is_cuda(); });
-  const bool shared = std::any_of(facts_.devices.begin(), facts_.devices.end(),
-                                  [](const DaemonFacts::Device& d) { return d.shared; });
-  config.backend = JobBackend(cuda, shared);
+  config.backend = JobBackend(cuda, facts_.devices);
   absl::StatusOr<std::unique_ptr<Job>> job =
       Job::Create(id, std::move(config), model, *examples, sent);
   if (!job.ok()) return Fail("CreateJob", job.status());

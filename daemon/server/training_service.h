@@ -46,9 +46,10 @@ struct DaemonFacts {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-// The backend a job's devices talk over: NCCL between GPUs where the build has it; otherwise,
-// and when devices share a GPU (which NCCL refuses), UCX, through host memory for CUDA buffers.
-comm::Backend JobBackend(bool cuda, bool shared_gpu);
+// The backend a job's devices talk over: NCCL between GPUs (`cuda`) where the build has it;
+// otherwise, and when any of the daemon's `devices` shares its GPU (which NCCL refuses), UCX,
+// through host memory for CUDA buffers.
+comm::Backend JobBackend(bool cuda, const std::vector<DaemonFacts::Device>& devices);
 
 class TrainingServiceImpl final : public v1::TrainingService::Service {
  public:
