@@ -14,7 +14,8 @@ RANNC_DAEMON=host:port it uses a running daemon instead.
 
 The training loop is an ordinary one over pyrannc.RaNNCModule(model, optimizer,
 enable_apex_amp=True): the daemon's mixed precision in bf16 (the config key amp_dtype, whose
-default is bf16; RANNC_AMP_DTYPE overrides it) with fp32 master weights, AdamW (lr 1e-4, betas
+default is bf16; RANNC_AMP_DTYPE overrides it) with fp32 master weights, under autocast or
+(--amp-level O2) with the whole forward in bf16, AdamW (lr 1e-4, betas
 0.9/0.95, weight decay 0.1) as gpt_peers.py uses, the workload's global batch (16 sequences)
 from one client, the same seeded model (built on the host, where pyrannc traces it). The daemon
 plans the model itself (stages x replicas x micro-batches); RANNC_PARTITION_NUM and friends
@@ -81,6 +82,10 @@ def parse_args(argv=None):
                    "temporary file)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--zero", action="store_true", help="enable_zero=True")
+    p.add_argument("--amp-level", default="O1", choices=("O1", "O2"),
+                   help="the config key amp_level (RANNC_AMP_LEVEL): O1 autocast, O2 the whole "
+                   "forward in bf16 (as FSDP2's bf16 parameters); O2 names the systems "
+                   "\"rannc O2\" and \"rannc O2 (saved deployment)\"")
     p.add_argument("--trace-batch", type=int, default=1,
                    help="samples of the first batch the model is traced on (RANNC_TRACE_BATCH; "
                         "0: the whole batch)")
@@ -196,8 +201,13 @@ def make_optimizer(model, args):
                              weight_decay=0.1)
 
 
+def system_name(args, suffix=""):
+    return ("rannc" if args.amp_level == "O1" else f"rannc {args.amp_level}") + suffix
+
+
 def base_record(system, args, cfg):
-    return {"system": system, "workload": cfg.name, "device": args.device}
+    return {"system": system, "workload": cfg.name, "device": args.device,
+            "amp_level": args.amp_level}
 
 
 def run(args, cfg, phase):
@@ -227,7 +237,7 @@ def run(args, cfg, phase):
     gpus = len(devices)
     step_s = times[args.warmup:]
     median = statistics.median(step_s)
-    record = base_record("rannc", args, cfg)
+    record = base_record(system_name(args), args, cfg)
     record.update({
         "gpus": gpus,
         "daemon_devices": devices,
@@ -262,7 +272,7 @@ def run(args, cfg, phase):
 
     if args.second_steps <= 0:
         return
-    phase[0] = "rannc (saved deployment)"
+    phase[0] = system_name(args, " (saved deployment)")
     path = args.deployment or os.path.join(tempfile.mkdtemp(prefix="gpt_rannc."),
                                            f"gpt_{cfg.name}.deployment")
     rmod.save_deployment(path)
@@ -276,7 +286,7 @@ def run(args, cfg, phase):
     times, losses, first = train(rmod, opt, cfg, gen, args.second_steps, started)
     deployment = rmod.deployment
     summary = job_summary(rmod)
-    record = base_record("rannc (saved deployment)", args, cfg)
+    record = base_record(system_name(args, " (saved deployment)"), args, cfg)
     record.update({
         "gpus": len(summary.devices),
         "deployment_file": path,
@@ -298,16 +308,17 @@ def main(argv=None):
     cfg = workload(args)
     os.environ.setdefault("RANNC_DEVICES", "cuda" if args.device == "cuda" else "cpu:2")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the daemon inherits it
+    os.environ["RANNC_AMP_LEVEL"] = args.amp_level
     if args.trace_batch > 0:
         os.environ.setdefault("RANNC_TRACE_BATCH", str(args.trace_batch))
     need, have = host_bytes_needed(cfg, args.trace_batch), mem_available()
     if need > have and not args.force:
-        gm.emit({**base_record("rannc", args, cfg), "skipped":
+        gm.emit({**base_record(system_name(args), args, cfg), "skipped":
               f"pyrannc traces the model on the host: about "
               f"{need / GIB:.0f} GiB of host memory needed, {have / GIB:.0f} GiB available "
               "(--force tries anyway)"}, args.out)
         return 0
-    phase = ["rannc"]
+    phase = [system_name(args)]
     try:
         run(args, cfg, phase)
         return 0

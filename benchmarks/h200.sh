@@ -6,16 +6,17 @@
 #   NCCL_NVLS_ENABLE=0 benchmarks/h200.sh [OUTDIR]           workload A (1.34B)
 #   WORKLOAD=B NCCL_NVLS_ENABLE=0 benchmarks/h200.sh [OUTDIR] workload B (10.5B): FSDP2 and rannc
 #
-# OUTDIR defaults to $OUT, else ./bench-out. It receives at most 6 files: results.jsonl (one JSON
-# line per system: gpt_peers.py's and gpt_rannc.py's fields, or {"skipped"|"error": why}),
-# table.md, log.txt (every run's output), build.log, ranncd.log and rannc_<W>.deployment.
+# OUTDIR defaults to $OUT, else ./bench-out. It receives: results.jsonl (one JSON line per
+# system: gpt_peers.py's and gpt_rannc.py's fields, or {"skipped"|"error": why}), table.md,
+# log.txt (every run's output), build.log, and per amp_level L ranncd_L.log and
+# rannc_<W>_L.deployment.
 # The build needs the Debian .debs in .gpu/debs (docs/building.md "On the GPU machine"): through
 # the device tool, carry ".gpu".
 #
 # Systems, each under `timeout` (a hung or failed one yields an "error" line and the rest go on):
 #   A: ddp, fsdp2, gpipe, 1f1b (benchmarks/gpt_peers.py under torchrun, one process per GPU;
-#      gpipe/1f1b print "skipped" on 1 GPU), then rannc (benchmarks/gpt_rannc.py: the daemon on
-#      --devices cuda, run 1 with planning, run 2 from the saved deployment).
+#      gpipe/1f1b print "skipped" on 1 GPU), then rannc per AMP_LEVELS (benchmarks/gpt_rannc.py:
+#      the daemon on --devices cuda, run 1 with planning, run 2 from the saved deployment).
 #   B: fsdp2 (activation checkpointing per block), then rannc with enable_zero (which skips
 #      itself when the host cannot hold pyrannc's full-batch trace of a 10.5B model: hundreds of
 #      GiB, more than these machines have).
@@ -39,6 +40,8 @@
 # Other knobs: RANNCD=path uses an existing ranncd and skips the build; SYS (default /tmp/sys);
 # PYTHON (default python3); RANNC_FLAGS (extra gpt_rannc.py flags; B's default --zero); PEERS (the
 # peer systems to run, default all of the workload's); PEER_CAP (seconds per peer system);
+# AMP_LEVELS (the amp_level of each rannc run, default "O1 O2": autocast, then the whole forward in
+# bf16; each gets an even share of the time left);
 # ATTENTION=math (every system writes attention out instead of F.scaled_dot_product_attention:
 # for a run where the fused op is what fails).
 #
@@ -101,6 +104,7 @@ case "$workload" in
   *) say "WORKLOAD must be A or B, not $workload"; exit 2 ;;
 esac
 peers=${PEERS:-$peers}
+amp_levels=${AMP_LEVELS:-O1 O2}
 peer_cap=${PEER_CAP:-$peer_cap}
 
 # piece NAME EXPECTED CAP CMD...: runs CMD under `timeout` (at most CAP seconds, and never past
@@ -205,30 +209,41 @@ reserve=0
 
 # --- rannc ------------------------------------------------------------------------------------
 wait_build
-json=$tmp/rannc.jsonl
 if [ -x "$ranncd" ]; then
-  # shellcheck disable=SC2086
-  piece rannc "rannc,rannc (saved deployment)" "$(left)" env RANNC_DAEMON_BIN="$ranncd" \
-    RANNC_DEVICES="$rannc_devices" RANNC_DAEMON_LOG="$out/ranncd.log" \
-    RANNC_DAEMON_ARGS="--profile-cache $tmp/profiles.tsv" PYTHONPATH=python_client \
-    "$python" benchmarks/gpt_rannc.py --model "$model" --device "$device" \
-    --attention "${ATTENTION:-sdpa}" --out "$json" \
-    --deployment "$out/rannc_$model.deployment" --pid-file "$tmp/ranncd.pid" $rannc_flags
-  # pyrannc stops its daemon at exit, and the kernel does if the client is killed; in case not:
-  if [ -s "$tmp/ranncd.pid" ] && kill -0 "$(cat "$tmp/ranncd.pid")" 2>/dev/null; then
-    kill "$(cat "$tmp/ranncd.pid")"
-  fi
+  # Each amp_level gets an even share of what is left.
+  set -- $amp_levels
+  for level in $amp_levels; do
+    name=rannc; [ "$level" = O1 ] || name="rannc $level"
+    json=$tmp/rannc_$level.jsonl
+    # shellcheck disable=SC2086
+    piece "$name" "$name,$name (saved deployment)" "$(( $(left) / $# ))" env \
+      RANNC_DAEMON_BIN="$ranncd" RANNC_DEVICES="$rannc_devices" \
+      RANNC_DAEMON_LOG="$out/ranncd_$level.log" \
+      RANNC_DAEMON_ARGS="--profile-cache $tmp/profiles.tsv" PYTHONPATH=python_client \
+      "$python" benchmarks/gpt_rannc.py --model "$model" --device "$device" \
+      --attention "${ATTENTION:-sdpa}" --amp-level "$level" --out "$json" \
+      --deployment "$out/rannc_${model}_$level.deployment" --pid-file "$tmp/ranncd.pid" \
+      $rannc_flags
+    # pyrannc stops its daemon at exit, and the kernel does if the client is killed; in case not:
+    if [ -s "$tmp/ranncd.pid" ] && kill -0 "$(cat "$tmp/ranncd.pid")" 2>/dev/null; then
+      kill "$(cat "$tmp/ranncd.pid")"
+    fi
+    shift
+  done
 else
   why="the build (status $(cat "$tmp/build.rc" 2>/dev/null || echo killed)) made no $ranncd; see build.log"
   [ -n "${RANNCD:-}" ] && why="RANNCD=$RANNCD is not an executable"
-  for system in rannc "rannc (saved deployment)"; do
-    printf '{"system": "%s", "workload": "%s", "error": "no ranncd: %s"}\n' \
-      "$system" "$model" "$why" >>"$results"
+  for level in $amp_levels; do
+    name=rannc; [ "$level" = O1 ] || name="rannc $level"
+    for system in "$name" "$name (saved deployment)"; do
+      printf '{"system": "%s", "workload": "%s", "error": "no ranncd: %s"}\n' \
+        "$system" "$model" "$why" >>"$results"
+    done
   done
 fi
 
 # --- table ------------------------------------------------------------------------------------
-for f in log.txt build.log ranncd.log; do  # the device tool brings back files up to 16 MiB
+for f in log.txt build.log ranncd_*.log; do  # the device tool brings back files up to 16 MiB
   if [ -f "$out/$f" ] && [ "$(stat -c %s "$out/$f")" -gt 12000000 ]; then
     tail -c 12000000 "$out/$f" >"$tmp/trunc" && mv "$tmp/trunc" "$out/$f"
   fi

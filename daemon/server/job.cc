@@ -20,6 +20,7 @@
 #include "daemon/optim/grad_norm.h"
 #include "daemon/common/status.h"
 #include "daemon/graph/ir.h"
+#include "daemon/graph/low_precision.h"
 #include "daemon/planner/deployment.h"
 
 namespace rannc {
@@ -101,6 +102,20 @@ absl::Status CheckExampleCount(const ImportedModel& model,
       "the model's forward takes ", model.input_names.size(), " inputs (",
       absl::StrJoin(model.input_names, ", "), "), but ", example_inputs.size(),
       " example inputs were given"));
+}
+
+// With amp_level=O2, the imported forward rewritten to compute in the AMP dtype from end to end
+// (graph/low_precision.h); `inputs`: the job's inputs, whose floating ones are cast on entry.
+absl::Status LowerPrecision(const JobConfig& config, ImportedModel* model,
+                            const std::vector<c10::ScalarType>& inputs) {
+  if (!config.amp_o2) return absl::OkStatus();
+  return CastForwardTo(model, *config.amp, inputs);
+}
+
+std::vector<c10::ScalarType> Dtypes(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::ScalarType> out;
+  for (const at::Tensor& t : tensors) out.push_back(t.scalar_type());
+  return out;
 }
 
 // What the planner counts per trainable parameter byte: optimizer state (and whether it is sharded
@@ -333,6 +348,8 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   if (!model.ok()) return model.status();
   absl::Status counted = CheckExampleCount(*model, example_inputs);
   if (!counted.ok()) return counted;
+  absl::Status lowered = LowerPrecision(config, &*model, Dtypes(example_inputs));
+  if (!lowered.ok()) return lowered;
   std::unique_ptr<Job> job(new Job(std::move(id), std::move(config)));
   job->create_timings_.import_s = SecondsSince(phase);
   phase = std::chrono::steady_clock::now();
@@ -364,9 +381,10 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   for (const ParamStore::Entry& e : job->store_.entries()) {
     if (!e.is_parameter) saved_buffers.push_back(e.tensor.clone());
   }
-  // Every forward of an AMP job runs under autocast, this one (whose outputs the client learns
-  // dtypes from) and the IR's and profiler's below included.
-  AutocastGuard amp(job->config_.amp);
+  // Every forward of an AMP job at O1 runs under autocast, this one (whose outputs the client
+  // learns dtypes from) and the IR's and profiler's below included; at O2 the graph itself
+  // computes in the AMP dtype.
+  AutocastGuard amp(job->config_.autocast());
   absl::StatusOr<std::vector<at::Tensor>> outputs =
       job->runner_->Forward(job->mode_, job->signature_, example_inputs, /*requires_grad=*/false);
   if (!outputs.ok()) {
@@ -445,7 +463,7 @@ absl::Status Job::Deploy() {
   options.zero = zero_;
   options.offload = offload_;
   options.loss_scaler = parked_loss_scaler_;
-  options.amp = config_.amp;
+  options.amp = config_.autocast();
   {
     // A fresh flag per engine: an aborted step leaves the next engine untouched.
     std::lock_guard<std::mutex> lock(lost_mu_);
@@ -551,12 +569,14 @@ absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
   if (!model.ok()) return model.status();
   absl::Status counted = CheckExampleCount(*model, example_inputs);
   if (!counted.ok()) return counted;
+  absl::Status lowered = LowerPrecision(config, &*model, Dtypes(example_inputs));
+  if (!lowered.ok()) return lowered;
   ParamStore store = ParamStore::FromModuleTensors(model->tensors);
   if (config.check_unused_values) {
     absl::Status unused = CheckUnusedValues(*model, store);
     if (!unused.ok()) return unused;
   }
-  AutocastGuard amp(config.amp);
+  AutocastGuard amp(config.autocast());
   absl::StatusOr<PlannedModel> planned = PlanJobModel(config, *model, store, example_inputs);
   if (!planned.ok()) return planned.status();
   return std::move(planned->plan);
@@ -788,6 +808,10 @@ absl::Status Job::AddMode(const ModelMode& mode, const std::string& model_bytes)
         "the ", mode.ToString(), " graph takes ", model->input_names.size(),
         " inputs; the job's model takes ", signature_.size()));
   }
+  std::vector<c10::ScalarType> inputs;
+  for (const InputSignature& in : signature_) inputs.push_back(in.dtype);
+  absl::Status lowered = LowerPrecision(config_, &*model, inputs);
+  if (!lowered.ok()) return lowered;
   return runner_->AddMode(mode, *model);
 }
 
@@ -870,7 +894,7 @@ absl::StatusOr<std::vector<at::Tensor>> Job::Forward(const std::vector<at::Tenso
     }
     SyncStore(/*grads=*/false);
     {
-      AutocastGuard amp(config_.amp);
+      AutocastGuard amp(config_.autocast());
       outputs = runner_->Forward(mode_, signature_, inputs, requires_grad);
     }
     std::map<std::string, at::Tensor> buffers;

@@ -81,9 +81,15 @@ struct JobConfig {
   // offload_params: parameters and optimizer state in host memory, brought to the devices for
   // each step (EngineOptions::offload), and planned so.
   bool offload = false;
-  // enable_apex_amp: every forward of the model (validation, planning, the stages, other
-  // modes) runs under autocast to this dtype; the parameters stay fp32 (the masters).
+  // enable_apex_amp: the forwards of the model (validation, planning, the stages, other modes)
+  // compute in this dtype; the parameters, their gradients and the optimizer state stay fp32
+  // (the masters). How much of the forward runs in it is the config key amp_level: O1 (the
+  // default) runs under autocast; O2 (`amp_o2`) rewrites the graph so that the whole forward
+  // does, parameters and floating inputs cast on entry (graph/low_precision.h), without autocast.
   AmpDtype amp;
+  bool amp_o2 = false;
+  // The autocast the model's forwards run under: `amp` at O1, none at O2.
+  AmpDtype autocast() const { return amp_o2 ? AmpDtype() : amp; }
   // Loss scaling (EngineOptions::loss_scaler): config keys loss_scale, loss_scale_init,
   // loss_scale_window; dynamic by default with fp16.
   LossScaleOptions loss_scale;

@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
@@ -314,6 +315,15 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
           "(amp_dtype=bf16)"));
     }
     config.amp = *amp;
+    auto level = spec.options().config().find("amp_level");
+    const std::string amp_level =
+        level == spec.options().config().end() ? "O1" : absl::AsciiStrToUpper(level->second);
+    if (amp_level != "O1" && amp_level != "O2") {
+      return Fail("CreateJob", absl::InvalidArgumentError(absl::StrCat(
+          "amp_level=", level->second, ": expected O1 (autocast, the default) or O2 (the whole "
+          "forward in amp_dtype, fp32 master parameters)")));
+    }
+    config.amp_o2 = amp_level == "O2";
   }
   const std::map<std::string, std::string> keys(spec.options().config().begin(),
                                                 spec.options().config().end());

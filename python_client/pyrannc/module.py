@@ -132,7 +132,9 @@ class RaNNCModule(torch.nn.Module):
     enable_zero=True shards gradients and optimizer state over each stage's replicas (ZeRO
     stage 2; results equal the unsharded job's). enable_apex_amp=True runs every forward under
     torch.autocast to the config key amp_dtype (bf16, the default and what CPU devices support,
-    or fp16 on CUDA) with the parameters, gradients and optimizer state kept fp32 (the
+    or fp16 on CUDA), or with the config key amp_level=O2 the whole forward in amp_dtype
+    (parameters and floating inputs cast on entry, as FSDP2's bf16 parameters and Apex's O2 do;
+    outputs in amp_dtype), with the parameters, gradients and optimizer state kept fp32 (the
     masters, which amp_master_param(s)=True reads); allreduce_amp_master_params is accepted (the
     fp32 gradients are what replicas all-reduce). offload_params=True keeps the parameters,
     their gradients between steps and the optimizer state in host memory, each device holding

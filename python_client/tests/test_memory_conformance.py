@@ -16,9 +16,12 @@ devices must hold the sharded share of gradients and optimizer state, or nothing
 when offloaded.
 
 enable_apex_amp=True (bf16, the default amp_dtype; and fp16 with dynamic loss scaling on a daemon
-with CUDA devices): against PyTorch's autocast on the reference's device, with the tolerance
-stated above test_amp_trains_like_pytorch_autocast.
+with CUDA devices), at amp_level O1 (autocast) and O2 (the whole forward in the low precision):
+against PyTorch's autocast, or the model reading bf16/fp16 casts of its parameters, on the
+reference's device, with the tolerance stated above test_amp_trains_like_pytorch.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -123,17 +126,23 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
 # autocast would): low-precision products round differently over a whole batch than over its
 # shards, by as much as they differ from fp32, so an unsharded reference could not tell a correct
 # run from a wrong one. A loss the client computes from the returned logits is computed outside
-# autocast, as the client does. Each shard's forward is an autocast region of its own, as each
+# autocast and on the CPU, as the client does. Each shard's forward is an autocast region of its own, as each
 # device's is (within one region the cast of a weight is cached, and its gradient would be summed
 # over the shards in low precision). fp16 adds GradScaler's loss scaling: each shard's loss times
 # the scale (65536, which never overflows here) is backpropagated and the gradients are
 # multiplied by its inverse, exactly (powers of two).
+# amp_level=O2's reference is the same with the parameters read through casts (and floating
+# inputs cast) instead of autocast: _whole_forward_in.
 # The stated tolerance: on one device the same ops run, and everything must be bitwise equal.
 # With a split batch only the order of fp32 sums differs, but one step's fp32-sized difference
 # can move a later activation across a rounding boundary of the low precision: the loss within
-# rtol 1e-4 / atol 1e-5 each step, every gradient and parameter within AMP_TOLERANCE (about a bf16
-# ulp, 2^-8 relative, or four fp16 ulps, 2^-11 each), and the parameters on average far closer to
-# the reference than full-precision training is (so the test fails if ranncd ran in fp32).
+# rtol 1e-4 / atol 1e-5 each step (AMP_TOLERANCE at O2, whose loss is low precision itself), every
+# gradient and parameter within AMP_TOLERANCE of the reference's as a whole tensor, in norm
+# (|ours - ref| <= rtol |ref| + atol sqrt(n): about a bf16 ulp, 2^-8 relative, or four fp16 ulps,
+# 2^-11 each; not elementwise: an element summed from larger terms that cancel, such as a
+# LayerNorm weight's gradient over the tokens, carries their rounding, not its own), and the
+# parameters on average far closer to the reference than full-precision training is (so the test
+# fails if ranncd ran in fp32).
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_TOLERANCE = {"bf16": (1e-2, 1e-4), "fp16": (2e-3, 1e-5)}  # rtol, atol
 FP16_SCALE = 65536.0  # GradScaler's and the daemon's initial scale
@@ -145,7 +154,10 @@ def _assert_amp_close(actual, expected, what, exact, amp_dtype):
         assert torch.equal(actual, expected), f"{what}: not bitwise equal on one device"
     else:
         rtol, atol = AMP_TOLERANCE[amp_dtype]
-        assert_close(actual, expected, what, rtol=rtol, atol=atol)
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+        error = float((actual.double() - expected.double()).norm())
+        bound = rtol * float(expected.double().norm()) + atol * expected.numel() ** 0.5
+        assert error <= bound, f"{what}: |ours - reference| = {error:.3g} > {bound:.3g}"
 
 
 def _relative_differences(ours, theirs):
@@ -163,22 +175,54 @@ def _shards(plan, batch):
     return out
 
 
-def _autocast_loss(case, model, batch, shards, dtype, scale):
-    """The loss of `model` on `batch` computed shard by shard under autocast to `dtype`, its
-    gradients (the loss times `scale`, backpropagated, then times 1 / scale) in the .grads."""
+@contextlib.contextmanager
+def _whole_forward_in(model, dtype):
+    """amp_level=O2's reference: while inside, the model reads each floating parameter through
+    one differentiable cast to `dtype` (tied weights share theirs), as FSDP2's bf16 parameters
+    and Apex's O2 do, and gradients reach the fp32 parameters through the casts."""
+    saved, casts = [], {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in casts:
+                casts[id(p)] = p.to(dtype)
+            saved.append((module, name, p))
+            module._parameters[name] = casts[id(p)]
+    try:
+        yield
+    finally:
+        for module, name, p in saved:
+            module._parameters[name] = p
+
+
+def _low_precision(level, model, dtype):
+    """The region one shard's forward runs in: autocast at O1, cast parameters at O2."""
+    if level == "O1":
+        return torch.autocast(REF_DEVICE.type, dtype=dtype)
+    return _whole_forward_in(model, dtype)
+
+
+def _reference_loss(case, model, batch, shards, dtype, scale, level):
+    """The loss of `model` on `batch` computed shard by shard in `dtype` at amp_level `level`
+    (O2 also casts floating inputs, as the daemon's graph does on entry), its gradients (the loss
+    times `scale`, backpropagated, then times 1 / scale) in the .grads."""
     n = len(batch[0])
+    if level == "O2":
+        batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
     if case.loss is tpc._client_loss:
         logits = []
         for o, c in shards:
-            with torch.autocast(REF_DEVICE.type, dtype=dtype):
+            with _low_precision(level, model, dtype):
                 logits.append(model(batch[0][o:o + c]))
-        loss = torch.nn.functional.cross_entropy(torch.cat(logits), batch[1])
+        # On the CPU, where the client computes it from the returned logits.
+        loss = torch.nn.functional.cross_entropy(torch.cat(logits).cpu(), batch[1].cpu())
         (loss * scale).backward()
         total = loss
     else:
         total = 0
         for o, c in shards:
-            with torch.autocast(REF_DEVICE.type, dtype=dtype):
+            with _low_precision(level, model, dtype):
                 part = case.loss(model, tuple(t[o:o + c] for t in batch)) * (c / n)
             (part * scale).backward()
             total = total + part.detach()
@@ -193,15 +237,17 @@ def _cuda_daemon():
     return daemon_device_names()[0].startswith("cuda")
 
 
+@pytest.mark.parametrize("amp_level", ["O1", "O2"])
 @pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))
 @pytest.mark.parametrize("plan_name", ["1x1x1", "1x1x4", "2x2x2"])
 @pytest.mark.parametrize("model_name", ["mlp", "gpt_tied", "client_loss"])
-def test_amp_trains_like_pytorch_autocast(model_name, plan_name, amp_dtype, monkeypatch):
+def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, monkeypatch):
     plan = dict(PLANS, **{"1x1x1": (1, 1, 1)})[plan_name]
     exact = plan == (1, 1, 1)
     case = tpc.MODELS[model_name]
     tpc._set_plan_config(monkeypatch, plan, "1f1b")
     monkeypatch.setenv("RANNC_AMP_DTYPE", amp_dtype)
+    monkeypatch.setenv("RANNC_AMP_LEVEL", amp_level)
     torch.manual_seed(0)
     model = case.make()
     ref, fp32 = ref_copy(model), ref_copy(model)
@@ -223,12 +269,15 @@ def test_amp_trains_like_pytorch_autocast(model_name, plan_name, amp_dtype, monk
             loss = case.loss(rmod, batch)
             loss.backward()
             ref_batch = to_ref(batch)
-            ref_loss = _autocast_loss(case, ref, ref_batch, _shards(plan, len(batch[0])),
-                                      AMP_DTYPES[amp_dtype], scale)
+            ref_loss = _reference_loss(case, ref, ref_batch, _shards(plan, len(batch[0])),
+                                       AMP_DTYPES[amp_dtype], scale, amp_level)
             case.loss(fp32, ref_batch).backward()
             assert loss.dtype == ref_loss.dtype
+            # An O2 loss is itself in the low precision: a shard's rounding moves it by an ulp.
+            rtol, atol = (0, 0) if exact else (1e-4, 1e-5) if amp_level == "O1" else \
+                AMP_TOLERANCE[amp_dtype]
             assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}",
-                         rtol=0 if exact else 1e-4, atol=0 if exact else 1e-5)
+                         rtol=rtol, atol=atol)
             for name, p in zip(names, ref.parameters()):
                 _assert_amp_close(rmod.get_param_grad(name, amp_master_param=True), p.grad,
                                   f"gradient of {name} at step {step}", exact, amp_dtype)
@@ -241,8 +290,8 @@ def test_amp_trains_like_pytorch_autocast(model_name, plan_name, amp_dtype, monk
         theirs = [p.detach() for p in ref.parameters()]
         ours_vs_ref = _relative_differences(ours, theirs)
         fp32_vs_ref = _relative_differences([p.detach() for p in fp32.parameters()], theirs)
-        print(f"{model_name} {plan_name} {amp_dtype}: parameters vs autocast's, mean relative "
-              f"difference: ranncd {sum(ours_vs_ref) / len(names):.1e}, "
+        print(f"{model_name} {plan_name} {amp_dtype} {amp_level}: parameters vs the reference's, "
+              f"mean relative difference: ranncd {sum(ours_vs_ref) / len(names):.1e}, "
               f"fp32 training {sum(fp32_vs_ref) / len(names):.1e}")
         for name, p, q in zip(names, ours, theirs):
             _assert_amp_close(p, q, f"{name} after {tpc.STEPS} steps", exact, amp_dtype)
@@ -251,6 +300,18 @@ def test_amp_trains_like_pytorch_autocast(model_name, plan_name, amp_dtype, monk
         if amp_dtype == "fp16":
             summary = _job_summary(rmod._job.id)
             assert (summary.loss_scale, summary.skipped_steps) == (FP16_SCALE, 0)
+    finally:
+        pyrannc.clear()
+
+
+def test_unknown_amp_level_is_refused(monkeypatch):
+    tpc._set_plan_config(monkeypatch, (1, 1, 1), "1f1b")
+    monkeypatch.setenv("RANNC_AMP_LEVEL", "O3")
+    case = tpc.MODELS["mlp"]
+    rmod = pyrannc.RaNNCModule(case.make(), enable_apex_amp=True)
+    try:
+        with pytest.raises(pyrannc.RanncError, match="amp_level=O3: expected O1 .* or O2"):
+            case.loss(rmod, case.batch(0))
     finally:
         pyrannc.clear()
 
