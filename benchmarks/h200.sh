@@ -209,6 +209,9 @@ reserve=0
 
 # --- rannc ------------------------------------------------------------------------------------
 wait_build
+# A ranncd built against the unpacked .debs finds their libraries there (gRPC, abseil, UCX...).
+sys_libs=${SYS:-/tmp/sys}/usr/lib/x86_64-linux-gnu
+[ -d "$sys_libs" ] && export LD_LIBRARY_PATH=$sys_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ -x "$ranncd" ]; then
   # Each amp_level gets an even share of what is left.
   set -- $amp_levels
