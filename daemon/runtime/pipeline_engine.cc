@@ -7,11 +7,14 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/optim/grad_norm.h"
+#include "daemon/runtime/device_copy.h"
 #include "daemon/runtime/host_staged_communicator.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
 #include "daemon/runtime/tensor_buffer.h"
@@ -31,11 +34,28 @@ using std::chrono::milliseconds;
 
 std::atomic<int> engine_count{0};
 
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Seconds (and bytes) of Init's parts, for its log line.
+struct InitTimings {
+  double routing_s = 0;  // checking the plan, building the stages' subgraphs
+  double copy_s = 0;     // the stages' parameters and buffers to their devices
+  int64_t copied_bytes = 0;
+  double offload_s = 0;    // pinning offloaded parameters
+  double executors_s = 0;  // subgraphs, stage executors (constants placed, code compiled), workers
+  double communicators_s = 0;
+};
+
 }  // namespace
 
 absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment& plan,
                                         const std::vector<at::Tensor>& lifted,
                                         const EngineOptions& options) {
+  const Clock::time_point start = Clock::now();
+  InitTimings timings;
   ir_ = &ir;
   zero_ = options.zero;
   offload_ = options.offload;
@@ -229,6 +249,9 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   }
   primary_.assign(lifted.size(), -1);
 
+  timings.routing_s = Since(start);
+  Clock::time_point phase;
+
   // Devices: own copies of the stage's tensors, an executor, a worker.
   for (int dev : used) {
     world_rank_[dev] = static_cast<int>(devices_.size());
@@ -267,23 +290,37 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       d.replica = static_cast<int>(r);
       d.world_rank = world_rank_[d.index];
       if (!d.local) continue;  // another process runs it
-      absl::Status copied = TorchCall(absl::StatusCode::kInternal, "copying tensors", [&] {
-        const std::set<int> params(stages_[s].params.begin(), stages_[s].params.end());
-        for (int li : stages_[s].lifted) {
-          // Offloaded parameters stay in host memory (SetUpOffload).
-          const c10::Device place = offload_ && params.count(li) ? c10::Device(c10::kCPU) : d.place;
-          at::Tensor t = lifted[li].detach().to(place, lifted[li].scalar_type(),
-                                                /*non_blocking=*/false, /*copy=*/true);
+      phase = Clock::now();
+      // Offloaded parameters stay in host memory (SetUpOffload), the rest go to the device.
+      const std::set<int> params(stages_[s].params.begin(), stages_[s].params.end());
+      std::vector<int> on_device, on_host;
+      for (int li : stages_[s].lifted) {
+        (offload_ && params.count(li) ? on_host : on_device).push_back(li);
+      }
+      for (const auto& [indices, place] : {std::make_pair(&on_device, d.place),
+                                           std::make_pair(&on_host, c10::Device(c10::kCPU))}) {
+        std::vector<at::Tensor> sources;
+        for (int li : *indices) {
+          sources.push_back(lifted[li]);
+          timings.copied_bytes += lifted[li].numel() * lifted[li].element_size();
+        }
+        absl::StatusOr<std::vector<at::Tensor>> copies = CopyToDevice(sources, place);
+        if (!copies.ok()) return Annotate(copies.status(), absl::StrCat("stage ", s));
+        for (size_t k = 0; k < indices->size(); ++k) {
+          const int li = (*indices)[k];
+          at::Tensor& t = (*copies)[k];
           if (ir.values[ir.inputs[ir.num_user_inputs + li]].role == ValueRole::kParam &&
               lifted[li].requires_grad()) {
             t.requires_grad_(true);
           }
-          d.lifted[li] = t;
+          d.lifted[li] = std::move(t);
         }
-        return absl::OkStatus();
-      });
-      if (!copied.ok()) return copied;
+      }
+      timings.copy_s += Since(phase);
+      phase = Clock::now();
       if (offload_) SetUpOffload(d);  // before the executor takes the device handles
+      timings.offload_s += Since(phase);
+      phase = Clock::now();
       absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stages_[s].first, stages_[s].end);
       if (!sub.ok()) return sub.status();
       StageOptions options;
@@ -307,8 +344,10 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
           })
           .get()
           .IgnoreError();
+      timings.executors_s += Since(phase);
     }
   }
+  phase = Clock::now();
 
   // Communicators, created concurrently on the devices' threads (each blocks for its group).
   if (options.store == nullptr) {
@@ -350,7 +389,21 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     absl::Status s = f.get();
     if (status.ok() && !s.ok()) status = s;
   }
-  return status;
+  if (!status.ok()) return status;
+  timings.communicators_s = Since(phase);
+  // Where a deployment's "place" time goes (issue 7); at info level only once it is worth
+  // reading, so that tests making many small engines stay quiet.
+  const double total_s = Since(start);
+  spdlog::log(
+      total_s >= 0.1 ? spdlog::level::info : spdlog::level::debug,
+      "engine {}: {} local device(s) set up in {:.2f} s: routing {:.2f}, tensors to devices "
+      "{:.2f} ({:.2f} GB, {:.1f} GB/s), offload pinning {:.2f}, stage executors {:.2f}, "
+      "communicators {:.2f}",
+      id_, std::count_if(devices_.begin(), devices_.end(), [](const Device& d) { return d.local; }),
+      total_s, timings.routing_s, timings.copy_s, timings.copied_bytes / 1e9,
+      timings.copy_s > 0 ? timings.copied_bytes / 1e9 / timings.copy_s : 0.0, timings.offload_s,
+      timings.executors_s, timings.communicators_s);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<comm::Communicator>> PipelineEngine::Impl::MakeDeviceCommunicator(

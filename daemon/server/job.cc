@@ -480,9 +480,11 @@ absl::Status Job::Deploy() {
     // A redeployed job's communicators must not meet the previous deployment's keys.
     options.group = absl::StrCat(options.group, "/", deployments_++);
   }
+  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
       PipelineEngine::Create(*ir_, deployment_, lifted, options);
   if (!engine.ok()) return engine.status();
+  const double engine_s = SecondsSince(start);
   if (config_.optimizer.enabled) {
     absl::Status s = (*engine)->SetOptimizer(config_.optimizer.kind, optimizer_groups_);
     if (s.ok()) s = (*engine)->LoadOptimizerState(parked_optimizer_state_);
@@ -503,6 +505,11 @@ absl::Status Job::Deploy() {
   grad_shares_ = false;
   parked_optimizer_state_.clear();
   engine_ = std::move(*engine);
+  const double deploy_s = SecondsSince(start);
+  spdlog::log(deploy_s >= 0.1 ? spdlog::level::info : spdlog::level::debug,
+              "deployed in {:.2f} s: engine {:.2f} (split in its own line), optimizer state "
+              "and gradients {:.2f}",
+              deploy_s, engine_s, deploy_s - engine_s);
   if (held_.empty()) {
     for (size_t li = 0; li < lifted.size(); ++li) {
       held_.push_back(engine_->ParamAt(static_cast<int>(li)).defined());
