@@ -49,6 +49,7 @@ and prints {"skipped": why} when MemAvailable is smaller (--force tries anyway).
 
 import argparse
 import dataclasses
+import logging
 import os
 import resource
 import statistics
@@ -306,6 +307,10 @@ def run(args, cfg, phase):
 def main(argv=None):
     args = parse_args(argv)
     cfg = workload(args)
+    # pyrannc's phases (trace, serialize, tensors to shared memory, CreateJob) on stderr: where
+    # the time to first step goes.
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("pyrannc").setLevel(logging.DEBUG)
     os.environ.setdefault("RANNC_DEVICES", "cuda" if args.device == "cuda" else "cpu:2")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the daemon inherits it
     os.environ["RANNC_AMP_LEVEL"] = args.amp_level
