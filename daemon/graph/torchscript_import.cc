@@ -137,6 +137,24 @@ absl::Status BindSentTensors(torch::jit::Module& module, const SentTensors& sent
 
 }  // namespace
 
+absl::Status CheckNoStandIns(const ImportedModel& model) {
+  for (const ModuleTensor& t : model.tensors) {
+    if (t.tensor.numel() <= 1) continue;
+    bool stand_in = true;
+    for (int64_t d = 0; d < t.tensor.dim() && stand_in; ++d) {
+      stand_in = t.tensor.size(d) <= 1 || t.tensor.stride(d) == 0;
+    }
+    if (stand_in) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the model's ", t.is_parameter ? "parameter" : "buffer", " '", t.name, "' ",
+          c10::str(t.tensor.sizes()), " is a stand-in (all its elements share one stored "
+          "value) and no tensor was sent for it in JobSpec.model_tensors; send its values "
+          "there or leave them in the TorchScript archive"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> SerializeModule(const ImportedModel& model) {
   std::ostringstream out;
   absl::Status status = TorchCall(absl::StatusCode::kInternal, "serializing the model", [&] {

@@ -63,6 +63,13 @@ using SentTensors = std::map<std::string, at::Tensor>;
 absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes,
                                                 const SentTensors& sent = {});
 
+// INVALID_ARGUMENT naming the first parameter or buffer of `model` that is still a stand-in
+// (more than one element, all sharing one stored value: what a client writes in the archive for
+// a tensor it sends in JobSpec.model_tensors) because no tensor was sent for it. A job created
+// from such a module would train on one value per tensor. AddMode's archives are all stand-ins
+// on purpose (the job already has the tensors), so only a job's first import checks this.
+absl::Status CheckNoStandIns(const ImportedModel& model);
+
 // The module with its sent tensors in place, serialized again (for daemons that take the whole
 // archive: a cluster job's parts).
 absl::StatusOr<std::string> SerializeModule(const ImportedModel& model);

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
+#include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <catch2/catch.hpp>
 
@@ -114,6 +115,32 @@ TEST_CASE("ImportTorchScript rejects a sent tensor the model lacks or that does 
       ImportTorchScript(f.model_bytes, {{"emb.weight", archived.to(at::kDouble)}});
   REQUIRE_FALSE(retyped.ok());
   CHECK(retyped.status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("CheckNoStandIns rejects a stand-in that no sent tensor replaced", "[graph]") {
+  testing::Fixture f = testing::LoadFixture("mlp");
+  absl::StatusOr<ImportedModel> plain = ImportTorchScript(f.model_bytes);
+  REQUIRE(plain.ok());
+  CHECK(CheckNoStandIns(*plain).ok());
+
+  // What a client writes for a tensor it sends apart: one stored element, stride 0.
+  const at::Tensor weight = FindTensor(*plain, "fc1.weight")->tensor.detach().clone();
+  torch::jit::Module fc1 = plain->module->attr("fc1").toModule();
+  fc1.setattr("weight", at::zeros({}, weight.options()).expand(weight.sizes()));
+  absl::StatusOr<std::string> stood_in = SerializeModule(*plain);
+  REQUIRE(stood_in.ok());
+
+  absl::StatusOr<ImportedModel> unbound = ImportTorchScript(*stood_in);
+  REQUIRE(unbound.ok());  // AddMode reads such archives for their graph only
+  absl::Status status = CheckNoStandIns(*unbound);
+  CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(status.message()).find("parameter 'fc1.weight'") != std::string::npos);
+  CHECK(std::string(status.message()).find("stand-in") != std::string::npos);
+
+  absl::StatusOr<ImportedModel> bound = ImportTorchScript(*stood_in, {{"fc1.weight", weight}});
+  REQUIRE(bound.ok());
+  CHECK(CheckNoStandIns(*bound).ok());
+  CHECK(FindTensor(*bound, "fc1.weight")->tensor.equal(weight));
 }
 
 TEST_CASE("ImportTorchScript rejects bytes that are not TorchScript", "[graph]") {

@@ -158,6 +158,9 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobConfig& config, const IrGraph& ir
       return absl::InvalidArgumentError(
           "load_deployment: the file is not a deployment (a serialized rannc.v1.Deployment)");
     }
+    // The client's saved trace (MBs of TorchScript) is the client's business: dropped so the
+    // job's plan, the CreateJob reply and a cluster part's spec do not carry it.
+    loaded.clear_saved_trace();
     planner::PlanTarget target = config.plan_target;
     if (target.batch_size <= 0) target.batch_size = ir.example_batch;
     absl::Status fits = planner::CheckDeployment(loaded, ir, target);
@@ -346,6 +349,7 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   auto phase = std::chrono::steady_clock::now();
   absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
   if (!model.ok()) return model.status();
+  if (absl::Status bound = CheckNoStandIns(*model); !bound.ok()) return bound;
   absl::Status counted = CheckExampleCount(*model, example_inputs);
   if (!counted.ok()) return counted;
   absl::Status lowered = LowerPrecision(config, &*model, Dtypes(example_inputs));
@@ -574,6 +578,7 @@ absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
                                               const SentTensors& sent) {
   absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
   if (!model.ok()) return model.status();
+  if (absl::Status bound = CheckNoStandIns(*model); !bound.ok()) return bound;
   absl::Status counted = CheckExampleCount(*model, example_inputs);
   if (!counted.ok()) return counted;
   absl::Status lowered = LowerPrecision(config, &*model, Dtypes(example_inputs));

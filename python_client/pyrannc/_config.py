@@ -16,6 +16,8 @@ CLIENT_KEYS = frozenset({
     "client_timeout",
     "listen", "peers", "log_level", "max_message_size", "shm_dir", "links", "profile_cache",
     "advertise", "cluster_size", "heartbeat_interval", "peer_timeout", "trace_batch",
+    # 0: never reuse a deployment file's saved trace (pyrannc._saved_trace); default 1.
+    "reuse_trace",
 })
 
 

@@ -2,7 +2,9 @@
 
 A deployment file is one serialized rannc.v1.Deployment (proto/rannc/v1/deployment.proto):
 RaNNCModule.save_deployment(path) writes it, RaNNCModule(..., load_deployment=path) sends it
-back so the daemon skips planning, and show_deployment(path, batch_size) prints it:
+back so the daemon skips planning, and show_deployment(path, batch_size) prints it. pyrannc also
+keeps its trace of the model in the file (Deployment.saved_trace, see pyrannc._saved_trace), so
+that a start from the file can skip tracing; the daemon never reads it.
 
     import pyrannc
     text = pyrannc.show_deployment("mlp.deployment", batch_size=64)
@@ -14,7 +16,7 @@ is created. Functions are pure apart from file I/O and are safe to call from any
 import math
 import os
 import warnings
-from typing import Dict, List, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from google.protobuf.message import DecodeError
 
@@ -81,15 +83,35 @@ def read_deployment_bytes(path: PathLike) -> bytes:
     return data
 
 
+def split_saved_trace(data: bytes) -> Tuple[bytes, Optional[deployment_pb2.SavedTrace]]:
+    """The deployment bytes without their saved trace (what the daemon needs: it drops the
+    trace anyway), and the trace (None when the file has none). Fields this client does not
+    know survive: protobuf keeps unknown fields through a parse and serialize."""
+    deployment = Deployment.FromString(data)
+    if not deployment.HasField("saved_trace"):
+        return data, None
+    trace = deployment_pb2.SavedTrace()
+    trace.CopyFrom(deployment.saved_trace)
+    deployment.ClearField("saved_trace")
+    return deployment.SerializeToString(), trace
+
+
 def load_deployment_file(path: PathLike) -> Deployment:
     """Reads a deployment file; ValueError naming the path if it is unreadable or not one."""
     name = os.fspath(path)
     return parse_deployment(read_deployment_bytes(name), name)
 
 
-def save_deployment_file(deployment: Deployment, path: PathLike) -> None:
-    """Writes `deployment` to `path`, replacing it whole: a reader never sees half a file."""
+def save_deployment_file(deployment: Deployment, path: PathLike,
+                         saved_trace: Optional[deployment_pb2.SavedTrace] = None) -> None:
+    """Writes `deployment` (with `saved_trace`, when given, in its saved_trace field) to `path`,
+    replacing it whole: a reader never sees half a file."""
     name = os.fspath(path)
+    if saved_trace is not None:
+        copy = Deployment()
+        copy.CopyFrom(deployment)
+        copy.saved_trace.CopyFrom(saved_trace)
+        deployment = copy
     tmp = f"{name}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(deployment.SerializeToString())

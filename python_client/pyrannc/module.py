@@ -1,7 +1,9 @@
 """RaNNCModule: a torch.nn.Module whose forward, backward and optimizer step run in ranncd.
 
 Lifecycle: the wrapped model stays local until the first forward, which traces it
-(torch.jit.trace on those inputs, in the current train/eval/dropout mode) and creates the job.
+(torch.jit.trace on those inputs, in the current train/eval/dropout mode; or reuses the trace
+kept in load_deployment's file when the model is the same, see save_deployment) and creates the
+job.
 From then on the daemon owns parameters, buffers, gradients and optimizer state; the local model
 is a mirror refreshed on demand (named_parameters(), state_dict(), ...) after anything that may
 have changed it (a step, a training-mode forward, a load). A change of mode traces the model
@@ -15,6 +17,7 @@ import collections
 import inspect
 import io
 import itertools
+import json
 import logging
 import os
 import time
@@ -24,8 +27,10 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from pyrannc import _codec, _config, _daemon, _deployment, _optim, _outputs, _runtime, _shm
+from pyrannc import (_codec, _config, _daemon, _deployment, _optim, _outputs, _runtime,
+                     _saved_trace, _shm)
 from pyrannc.errors import RanncError
+from pyrannc.proto.rannc.v1 import deployment_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
 logger = logging.getLogger("pyrannc")
@@ -151,9 +156,11 @@ class RaNNCModule(torch.nn.Module):
         # Read now, so a bad file fails here rather than at the first forward.
         deployment_bytes = b""
         deployment_path = None
+        loaded_trace = None
         if load_deployment is not None:
             deployment_path = os.fspath(load_deployment)
-            deployment_bytes = _deployment.read_deployment_bytes(deployment_path)
+            deployment_bytes, loaded_trace = _deployment.split_saved_trace(
+                _deployment.read_deployment_bytes(deployment_path))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"RaNNCModule wraps a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, torch.jit.ScriptModule):
@@ -174,8 +181,13 @@ class RaNNCModule(torch.nn.Module):
         self._job: Optional[_Job] = None
         self._deployment_bytes = deployment_bytes
         self._deployment_path = deployment_path
+        # The trace load_deployment's file holds, which a job of this module may reuse.
+        self._loaded_trace: Optional[deployment_pb2.SavedTrace] = loaded_trace
         # The plan of the latest job; kept past clear()/undeploy so it can still be saved.
         self._deployment = None
+        # The latest job's trace (graph only), saved with its plan; None when unfingerprintable.
+        self._saved_trace: Optional[deployment_pb2.SavedTrace] = None
+        self._no_trace_reason = ""  # why _saved_trace is None after a job was created
         self._plan_summary: Optional[str] = None
         self._dropout: Optional[bool] = None  # enable_dropout(); None: follows training
         self._state_dirty = False
@@ -267,10 +279,12 @@ class RaNNCModule(torch.nn.Module):
             return inputs, None
         return [x[:n] if isinstance(x, torch.Tensor) else x for x in inputs], batch
 
-    def _trace(self, inputs, mode: pb.Mode, apart_bytes: Optional[int] = None
-               ) -> Tuple[bytes, object, List[Tuple[str, torch.Tensor]]]:
-        """Traces the model in `mode`; returns the serialized module, its output spec and the
-        tensors left out of it.
+    def _trace(self, inputs, mode: pb.Mode, apart_bytes: Optional[int] = None,
+               graph_only: bool = False
+               ) -> Tuple[bytes, object, List[Tuple[str, torch.Tensor]], Optional[bytes]]:
+        """Traces the model in `mode`; returns the serialized module, its output spec, the
+        tensors left out of it and, with `graph_only`, the module serialized with every tensor
+        left out (for a deployment file's saved trace; else None).
 
         With `apart_bytes` set, every parameter or buffer of at least that many bytes is left out
         of the archive (see _leave_out_tensors) and returned by name, to be sent beside it.
@@ -321,7 +335,18 @@ class RaNNCModule(torch.nn.Module):
         model_bytes = buf.getvalue()
         logger.debug("pyrannc: serialized the traced model (%d bytes, %d tensors apart) in %.2f s",
                      len(model_bytes), len(apart), time.perf_counter() - started)
-        return model_bytes, captured["spec"], apart
+        graph_bytes = None
+        if graph_only:
+            if apart_bytes == 0:
+                graph_bytes = model_bytes
+            else:
+                # The tensors still in the archive become stand-ins too: a few MB of graph and
+                # code, whatever the model's size.
+                _leave_out_tensors(traced, 0)
+                buf = io.BytesIO()
+                torch.jit.save(traced, buf)
+                graph_bytes = buf.getvalue()
+        return model_bytes, captured["spec"], apart, graph_bytes
 
     def _connection(self) -> _daemon.Connection:
         """The connection to the daemon that leads this module's job."""
@@ -335,16 +360,30 @@ class RaNNCModule(torch.nn.Module):
         _delete_orphaned_jobs(conn)
         inputs, plan_batch = self._trace_inputs(inputs)
         rank, world = _runtime.get_rank(), _runtime.get_world_size()
-        # On the daemon's host, large tensors skip the archive and travel through shared memory
-        # (the archive would copy them into a zip, the model stream and the daemon's string).
-        # Ranks other than 0 send no model: their trace only gives the outputs' structure.
-        apart_bytes = 0 if rank > 0 else _shm.MIN_BYTES if conn.shm is not None else None
-        if rank == 0 and apart_bytes is not None and not _shm.has_room(
-                conn.shm, _tensor_bytes(self.model, apart_bytes)):
-            logger.info("pyrannc: %s has too little free space for the model's tensors; they go "
-                        "inside the TorchScript archive instead", conn.shm.directory)
-            apart_bytes = None
-        model_bytes, spec, apart = self._trace(inputs, mode, apart_bytes)
+        started = time.perf_counter()
+        fingerprint, why_not = _saved_trace.fingerprint(self.model, inputs, mode.training,
+                                                        mode.dropout)
+        logger.debug("pyrannc: fingerprinted the model in %.3f s", time.perf_counter() - started)
+        self._no_trace_reason = why_not
+        reused = self._reuse_trace(conn, rank, fingerprint, why_not)
+        if reused is not None:
+            model_bytes, spec, apart = reused
+        else:
+            # On the daemon's host, large tensors skip the archive and travel through shared
+            # memory (the archive would copy them into a zip, the model stream and the daemon's
+            # string). Ranks other than 0 send no model: their trace only gives the outputs'
+            # structure.
+            apart_bytes = 0 if rank > 0 else _shm.MIN_BYTES if conn.shm is not None else None
+            if rank == 0 and apart_bytes is not None and not _shm.has_room(
+                    conn.shm, _tensor_bytes(self.model, apart_bytes)):
+                logger.info("pyrannc: %s has too little free space for the model's tensors; they "
+                            "go inside the TorchScript archive instead", conn.shm.directory)
+                apart_bytes = None
+            model_bytes, spec, apart, graph_bytes = self._trace(
+                inputs, mode, apart_bytes, graph_only=fingerprint is not None)
+            self._saved_trace = None if fingerprint is None else deployment_pb2.SavedTrace(
+                archive=graph_bytes, outputs=_saved_trace.outputs_to_json(spec),
+                fingerprint=json.dumps(fingerprint))
         names_by_id = self._names_by_id()
         optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
         if rank > 0:
@@ -410,6 +449,62 @@ class RaNNCModule(torch.nn.Module):
                 raise
         self._adopt_job(conn, resp, mode, spec, owner=True)
 
+    def _reuse_trace(self, conn, rank: int, fingerprint, why_not: str
+                     ) -> Optional[Tuple[bytes, object, List[Tuple[str, torch.Tensor]]]]:
+        """The saved trace of load_deployment's file, as _trace's first three results with every
+        tensor of the model apart, when it is a trace of this model as it is now; else None
+        (the caller traces), saying why at INFO level.
+
+        Rank 0 sends all the tensors (small ones inline, the rest through shared memory); ranks
+        other than 0 only need the outputs' structure.
+        """
+        saved = self._loaded_trace
+        if saved is None:
+            if self._deployment_path is not None:
+                logger.info("pyrannc: tracing the model: %s holds no saved trace (written by "
+                            "an older pyrannc, `rannc plan`, or from a model without a stable "
+                            "fingerprint)", self._deployment_path)
+            return None
+
+        def no(why: str) -> None:
+            logger.info("pyrannc: tracing the model instead of reusing the trace saved in %s: "
+                        "%s", self._deployment_path, why)
+            return None
+
+        if not _saved_trace.reuse_enabled():
+            return no("RANNC_REUSE_TRACE=0")
+        if fingerprint is None:
+            return no(why_not)
+        try:
+            why = _saved_trace.mismatch(json.loads(saved.fingerprint), fingerprint)
+        except (ValueError, AttributeError) as err:
+            why = f"the saved fingerprint is unreadable ({err})"
+        if why is not None:
+            return no(why)
+        try:
+            spec = _saved_trace.outputs_from_json(saved.outputs)
+        except ValueError as err:
+            return no(str(err))
+        apart: List[Tuple[str, torch.Tensor]] = []
+        if rank == 0:
+            apart = _saved_trace.model_tensors(self.model)
+            if conn.shm is None:
+                # Without shared memory every tensor rides inline in the JobSpec message.
+                total = _tensor_bytes(self.model, 0)
+                limit = conn.info.max_message_bytes // 2
+                if total > limit:
+                    return no(f"without shared memory to the daemon the model's tensors "
+                              f"({_deployment.human_bytes(total)}) would go inline in one "
+                              f"message, over half the daemon's limit "
+                              f"({_deployment.human_bytes(conn.info.max_message_bytes)})")
+            elif not _shm.has_room(conn.shm, _tensor_bytes(self.model, _shm.MIN_BYTES)):
+                return no(f"{conn.shm.directory} has too little free space for the model's "
+                          "tensors")
+        self._saved_trace = saved
+        logger.info("pyrannc: reusing the trace saved in %s (the model was not traced)",
+                    self._deployment_path)
+        return saved.archive, spec, apart
+
     def _adopt_job(self, conn, resp, mode: pb.Mode, spec, owner: bool,
                    address: Optional[str] = None) -> None:
         expected = len(_outputs.leaves(spec))
@@ -433,7 +528,8 @@ class RaNNCModule(torch.nn.Module):
         if not resp.has_graph or key not in job.specs:
             # The daemon reads only the graph of another mode (the job has the tensors), so
             # every tensor stays out of the archive.
-            model_bytes, spec, _ = self._trace(self._trace_inputs(inputs)[0], mode, apart_bytes=0)
+            model_bytes, spec, _, _ = self._trace(self._trace_inputs(inputs)[0], mode,
+                                                  apart_bytes=0)
             job.specs[key] = spec
             if not resp.has_graph:
                 step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
@@ -763,7 +859,16 @@ class RaNNCModule(torch.nn.Module):
 
     def save_deployment(self, file) -> None:
         """Writes the job's deployment to `file`, for RaNNCModule(load_deployment=file) and
-        pyrannc.show_deployment. The plan is made at the first forward, so call this after it."""
+        pyrannc.show_deployment. The plan is made at the first forward, so call this after it.
+
+        The file also keeps the first forward's trace (graph and code only, no tensor values;
+        see pyrannc._saved_trace): a RaNNCModule loading it reuses the trace instead of tracing
+        the model again when the model is the same (its module tree, tensor names, shapes and
+        dtypes, module class sources and attributes), the inputs have the same signature, the
+        mode is the same and so is the torch version, unless RANNC_REUSE_TRACE=0. The values
+        always come from the model passed to that RaNNCModule. Code the forward calls outside
+        the module classes (a helper function in another file) is not compared: after changing
+        only such code, set RANNC_REUSE_TRACE=0 or save the deployment again."""
         if self._deployment is None:
             if self._job is None:
                 raise RuntimeError(
@@ -771,7 +876,10 @@ class RaNNCModule(torch.nn.Module):
                     "first forward, so call save_deployment after the first forward")
             raise RuntimeError("save_deployment: ranncd returned no deployment for this job "
                                "(a daemon older than the planner?)")
-        _deployment.save_deployment_file(self._deployment, file)
+        if self._saved_trace is None:
+            logger.info("pyrannc: %s keeps no trace of the model, so a start from it traces "
+                        "again: %s", os.fspath(file), self._no_trace_reason)
+        _deployment.save_deployment_file(self._deployment, file, self._saved_trace)
 
     def undeploy(self, sync: bool = True) -> None:
         """Copies the daemon's state into the local model and frees the job's device memory.

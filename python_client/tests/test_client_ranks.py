@@ -124,6 +124,57 @@ def test_a_missing_rank_is_a_clear_error(tmp_path, daemon):
     assert "DEADLINE_EXCEEDED" in stderr and "client rank(s) 1 of 2" in stderr, stderr
 
 
+_REUSE_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    rank = pyrannc.get_rank()
+    if {load!r}:
+        def no_trace(*args, **kwargs):
+            raise AssertionError("traced although the deployment file holds the trace")
+        torch.jit.trace = no_trace
+    torch.manual_seed(0)
+    model = models.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rmod = pyrannc.RaNNCModule(model, opt, load_deployment={path!r} if {load!r} else None)
+    losses = []
+    for step in range({steps}):
+        x, y = models.mlp_batch(step, batch=8)
+        loss = rmod(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    pyrannc.barrier()
+    if not {load!r} and rank == 0:
+        rmod.save_deployment({path!r})
+    state = {{k: v.tolist() for k, v in rmod.state_dict().items()}}
+    json.dump({{"losses": losses, "state": state}}, open({out!r} + str(rank), "w"))
+""")
+
+
+def test_two_ranks_reuse_a_saved_trace(tmp_path, daemon):
+    """Two ranks started from a deployment the two-rank job saved: neither traces the model
+    (rank 0 sends the graph from the file with every tensor, rank 1 needs only the outputs'
+    structure), and the job trains like one model on the whole batch."""
+    path = str(tmp_path / "ranks.deployment")
+    for load in (False, True):
+        out, results = _run_ranks(tmp_path, daemon, True, template=_REUSE_SCRIPT,
+                                  job=f"reuse-{load}", path=path, load=load)
+        for rank, (code, stderr) in enumerate(results):
+            assert code == 0, f"rank {rank} (load={load}) failed:\n{stderr}"
+        losses, state = _reference(True)
+        for rank in range(2):
+            got = json.load(open(out + str(rank)))
+            for step in range(STEPS):
+                assert_close(torch.tensor(got["losses"][step]), losses[step],
+                             f"rank {rank} loss at step {step}, load={load}")
+            for k, v in state.items():
+                assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v,
+                             f"rank {rank} {k}, load={load}")
+
+
 _ACCUMULATE_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import pyrannc

@@ -89,6 +89,9 @@ def test_deployment_after_first_forward_saves_and_shows(tmp_path):
     path = tmp_path / "mlp.deployment"
     rmod.save_deployment(path)
     saved = dpb.Deployment.FromString(path.read_bytes())
+    # The file is the daemon's plan plus pyrannc's trace of the model (test_saved_trace.py).
+    assert saved.HasField("saved_trace") and not d.HasField("saved_trace")
+    saved.ClearField("saved_trace")
     assert saved == d
     batch = d.batch_size or 16
     text = pyrannc.show_deployment(path, batch)
@@ -192,8 +195,10 @@ def test_deployment_survives_clear(tmp_path):
     pyrannc.clear()
     # The job is gone; its plan can still be saved.
     rmod.save_deployment(tmp_path / "after_clear.deployment")
-    assert dpb.Deployment.FromString(
-        (tmp_path / "after_clear.deployment").read_bytes()) == planned
+    saved = dpb.Deployment.FromString((tmp_path / "after_clear.deployment").read_bytes())
+    assert saved.HasField("saved_trace")
+    saved.ClearField("saved_trace")
+    assert saved == planned
 
 
 def test_trace_batch_traces_a_few_samples_and_plans_the_whole_batch(monkeypatch, tmp_path):
@@ -228,7 +233,8 @@ def test_trace_batch_traces_a_few_samples_and_plans_the_whole_batch(monkeypatch,
     again_opt = torch.optim.SGD(again.parameters(), lr=0.1)
     loaded = pyrannc.RaNNCModule(again, again_opt, load_deployment=str(path))
     loss = loaded(*models.mlp_batch(0))
-    assert Recording.traced_batches == [2, 2]
+    # The saved trace of 2 samples is reused: the model is not traced again.
+    assert Recording.traced_batches == [2]
     assert loaded.deployment.loaded
     assert loaded.deployment.batch_size == 16
     assert torch.isfinite(loss).all()

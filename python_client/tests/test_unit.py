@@ -1,15 +1,18 @@
 """Client-side pieces that need no daemon: tensor codec, output structures, config, optimizer
-mapping, version check."""
+mapping, version check, the saved trace's fingerprint and output codec."""
 
 import collections
+import json
 import os
 
 import pytest
 import torch
 
-from pyrannc import _codec, _config, _daemon, _optim, _outputs
+from pyrannc import _codec, _config, _daemon, _deployment, _optim, _outputs, _saved_trace
 from pyrannc.errors import RanncError
+from pyrannc.proto.rannc.v1 import deployment_pb2 as dpb
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
+import models
 
 ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -225,3 +228,81 @@ def test_received_buffers_are_reused():
     assert b.shape == (1 << 20,)
     c = pool.empty(torch.bfloat16, (3, 4))  # small: not pooled
     assert c.dtype == torch.bfloat16 and c.shape == (3, 4)
+
+
+# Saved traces (pyrannc._saved_trace).
+def _fp(model, inputs=None, training=True, dropout=True):
+    inputs = inputs if inputs is not None else models.mlp_batch(0)
+    fp, why = _saved_trace.fingerprint(model, inputs, training, dropout)
+    assert fp is not None, why
+    return fp
+
+
+def test_fingerprint_ignores_values_and_sees_what_makes_the_graph():
+    torch.manual_seed(0)
+    a = _fp(models.MLP())
+    torch.manual_seed(1)
+    assert _saved_trace.mismatch(a, _fp(models.MLP())) is None  # other values, same graph
+    json.dumps(a)  # stored as JSON
+
+    assert "mode" in _saved_trace.mismatch(a, _fp(models.MLP(), dropout=False))
+    short = _fp(models.MLP(), inputs=models.mlp_batch(0, batch=8))
+    assert "trace inputs" in _saved_trace.mismatch(a, short)
+    frozen = models.MLP()
+    frozen.l1.weight.requires_grad_(False)
+    assert "'l1.weight', 'parameter', 'torch.float32', [16, 8], False" in \
+        _saved_trace.mismatch(a, _fp(frozen))
+    extra = models.MLP()
+    extra.add_module("idle", torch.nn.Identity())
+    assert "module trees" in _saved_trace.mismatch(a, _fp(extra))
+
+    gpt = _fp(models.TinyGPT(), inputs=models.gpt_batch(0))
+    heads = _fp(models.TinyGPT(heads=4), inputs=models.gpt_batch(0))
+    # Same shapes, another head count: a constant the trace bakes in.
+    assert "module attributes" in _saved_trace.mismatch(gpt, heads)
+    assert "blocks.0.attn.heads" in _saved_trace.mismatch(gpt, heads)
+
+
+def test_fingerprint_sees_ties_and_refuses_hooks():
+    tied = models.TinyGPT()
+    untied = models.TinyGPT()
+    untied.head.weight = torch.nn.Parameter(untied.tok.weight.detach().clone())
+    inputs = models.gpt_batch(0)
+    a, b = _fp(tied, inputs), _fp(untied, inputs)
+    assert "tied to" in _saved_trace.mismatch(a, b)
+
+    hooked = models.MLP()
+    hooked.l1.register_forward_hook(lambda m, i, o: o * 2)
+    fp, why = _saved_trace.fingerprint(hooked, models.mlp_batch(0), True, True)
+    assert fp is None and "hooks" in why
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+def test_output_structure_round_trips_through_json():
+    out = {"loss": torch.zeros(()), "parts": _Pair(torch.ones(2, requires_grad=True), [None, 3]),
+           "od": collections.OrderedDict(x=torch.ones(1))}
+    flat, spec = _outputs.flatten(out)
+    back = _saved_trace.outputs_from_json(_saved_trace.outputs_to_json(spec))
+    rebuilt = _outputs.unflatten(back, flat)
+    assert type(rebuilt["parts"]) is _Pair and rebuilt["parts"].b == [None, 3]
+    assert type(rebuilt["od"]) is collections.OrderedDict
+    assert [leaf.requires_grad for leaf in _outputs.leaves(back)] == [False, True, False]
+    with pytest.raises(ValueError, match="not among the imported modules"):
+        _saved_trace.outputs_from_json('{"seq": "nowhere.Pair", "items": []}')
+
+
+def test_split_saved_trace_keeps_the_rest_of_the_file():
+    d = dpb.Deployment(format_version=1, model_hash="h", num_nodes=1)
+    d.stages.add(index=0, first_node=0, end_node=1, devices=[0])
+    d.saved_trace.archive = b"graph"
+    d.saved_trace.outputs = "{}"
+    rest, trace = _deployment.split_saved_trace(d.SerializeToString())
+    assert trace.archive == b"graph"
+    stripped = dpb.Deployment.FromString(rest)
+    assert not stripped.HasField("saved_trace")
+    d.ClearField("saved_trace")
+    assert stripped == d
+    same, none = _deployment.split_saved_trace(rest)
+    assert same == rest and none is None
