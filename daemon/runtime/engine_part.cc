@@ -101,6 +101,10 @@ int Main(int argc, char** argv) {
   }
   for (int li : params) {
     const at::Tensor value = (*engine)->ParamAt(li);
+    if (value.defined() != (*engine)->Holds(li)) {
+      std::fprintf(stderr, "Holds(%s) disagrees with ParamAt\n", ir.tensor_names[li].c_str());
+      ++mismatches;
+    }
     if (!value.defined()) continue;
     if (!at::allclose(value, f.fixture.Ref("step2", ir.tensor_names[li]), 1e-5, 1e-6)) {
       std::fprintf(stderr, "%s after two steps differs\n", ir.tensor_names[li].c_str());

@@ -14,7 +14,6 @@
 #include "daemon/common/tensor_codec.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/optim/grad_norm.h"
-#include "daemon/runtime/device_copy.h"
 #include "daemon/runtime/host_staged_communicator.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
 #include "daemon/runtime/tensor_buffer.h"
@@ -291,31 +290,23 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       d.world_rank = world_rank_[d.index];
       if (!d.local) continue;  // another process runs it
       phase = Clock::now();
-      // Offloaded parameters stay in host memory (SetUpOffload), the rest go to the device.
-      const std::set<int> params(stages_[s].params.begin(), stages_[s].params.end());
-      std::vector<int> on_device, on_host;
-      for (int li : stages_[s].lifted) {
-        (offload_ && params.count(li) ? on_host : on_device).push_back(li);
-      }
-      for (const auto& [indices, place] : {std::make_pair(&on_device, d.place),
-                                           std::make_pair(&on_host, c10::Device(c10::kCPU))}) {
-        std::vector<at::Tensor> sources;
-        for (int li : *indices) {
-          sources.push_back(lifted[li]);
-          timings.copied_bytes += lifted[li].numel() * lifted[li].element_size();
-        }
-        absl::StatusOr<std::vector<at::Tensor>> copies = CopyToDevice(sources, place);
-        if (!copies.ok()) return Annotate(copies.status(), absl::StrCat("stage ", s));
-        for (size_t k = 0; k < indices->size(); ++k) {
-          const int li = (*indices)[k];
-          at::Tensor& t = (*copies)[k];
+      absl::Status copied = TorchCall(absl::StatusCode::kInternal, "copying tensors", [&] {
+        const std::set<int> params(stages_[s].params.begin(), stages_[s].params.end());
+        for (int li : stages_[s].lifted) {
+          // Offloaded parameters stay in host memory (SetUpOffload).
+          const c10::Device place = offload_ && params.count(li) ? c10::Device(c10::kCPU) : d.place;
+          at::Tensor t = lifted[li].detach().to(place, lifted[li].scalar_type(),
+                                                /*non_blocking=*/false, /*copy=*/true);
+          timings.copied_bytes += t.numel() * t.element_size();
           if (ir.values[ir.inputs[ir.num_user_inputs + li]].role == ValueRole::kParam &&
               lifted[li].requires_grad()) {
             t.requires_grad_(true);
           }
-          d.lifted[li] = std::move(t);
+          d.lifted[li] = t;
         }
-      }
+        return absl::OkStatus();
+      });
+      if (!copied.ok()) return copied;
       timings.copy_s += Since(phase);
       phase = Clock::now();
       if (offload_) SetUpOffload(d);  // before the executor takes the device handles
@@ -918,6 +909,8 @@ at::Tensor PipelineEngine::GradAt(int lifted) const {
 }
 
 at::Tensor PipelineEngine::ParamAt(int lifted) const { return impl_->ParamValue(lifted); }
+
+bool PipelineEngine::Holds(int lifted) const { return impl_->Holds(lifted); }
 
 void PipelineEngine::SetParam(int lifted, const at::Tensor& value) {
   impl_->SetParam(lifted, value);

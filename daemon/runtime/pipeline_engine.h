@@ -194,6 +194,9 @@ class PipelineEngine {
   // By lifted index; an undefined tensor when no stage holds it (or, for Grad, it has none).
   at::Tensor GradAt(int lifted) const;
   at::Tensor ParamAt(int lifted) const;
+  // Whether a stage of this process holds lifted tensor `lifted` (ParamAt would return a
+  // value), without copying it.
+  bool Holds(int lifted) const;
 
   // Copies `value` into every device's copy of lifted tensor `lifted` (load_state_dict).
   void SetParam(int lifted, const at::Tensor& value);

@@ -246,6 +246,10 @@ class PipelineEngine::Impl {
   at::Tensor OwnerTensor(int lifted) const {
     return owner_[lifted] < 0 ? at::Tensor() : devices_[owner_[lifted]].Master(lifted);
   }
+  // Whether ParamValue(lifted) has a value (its owner holds it), without the copy.
+  bool Holds(int lifted) const {
+    return owner_[lifted] >= 0 && devices_[owner_[lifted]].lifted[lifted].defined();
+  }
   // A copy of lifted tensor `lifted`'s value on `device` (-1: its owner); undefined when not
   // held there.
   at::Tensor ParamValue(int lifted, int device = -1) const;

@@ -15,8 +15,6 @@
 #include <ATen/core/grad_mode.h>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status.h"
-#include "daemon/runtime/device_copy.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
 #include "daemon/runtime/tensor_buffer.h"
 
@@ -53,18 +51,12 @@ void PipelineEngine::Impl::SetUpOffload(Device& d) {
 absl::Status PipelineEngine::Impl::Upload(Device& d) {
   if (d.resident) return absl::OkStatus();
   at::NoGradGuard no_grad;
-  // One batch: the pinned masters are copied asynchronously, with one wait at the end rather
-  // than one per parameter.
-  std::vector<int> uploaded;
-  std::vector<at::Tensor> masters;
   for (int li : stages_[d.stage].params) {
     if (!d.host[li].defined()) continue;
-    uploaded.push_back(li);
-    masters.push_back(d.host[li]);
+    const at::Tensor& master = d.host[li];
+    SwapStorage(d.lifted[li], master.detach().to(d.place, master.scalar_type(),
+                                                 /*non_blocking=*/false, /*copy=*/true));
   }
-  absl::StatusOr<std::vector<at::Tensor>> copies = CopyToDevice(masters, d.place);
-  if (!copies.ok()) return Annotate(copies.status(), "uploading offloaded parameters");
-  for (size_t k = 0; k < uploaded.size(); ++k) SwapStorage(d.lifted[uploaded[k]], (*copies)[k]);
   const int64_t R = static_cast<int64_t>(stages_[d.stage].devices.size());
   for (ZeroPartition& part : d.zero) {
     part.flat = at::empty({part.len * R}, d.On(part.shard.scalar_type()));

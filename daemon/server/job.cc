@@ -516,7 +516,7 @@ absl::Status Job::Deploy() {
               deploy_s, engine_s, deploy_s - engine_s);
   if (held_.empty()) {
     for (size_t li = 0; li < lifted.size(); ++li) {
-      held_.push_back(engine_->ParamAt(static_cast<int>(li)).defined());
+      held_.push_back(engine_->Holds(static_cast<int>(li)));
     }
   }
   return absl::OkStatus();

@@ -143,6 +143,15 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
 # LayerNorm weight's gradient over the tokens, carries their rounding, not its own), and the
 # parameters on average far closer to the reference than full-precision training is (so the test
 # fails if ranncd ran in fp32).
+#
+# CUDA_KERNELS_DIFFER: on a daemon with CUDA devices, the daemon's attention (batched GEMMs,
+# masked softmax) differs from the same ops run eagerly in the test's process by up to a bf16 ulp
+# even on one device, while its linear layers, LayerNorm, MLP and loss are bitwise equal, and the
+# traced module run in the test's process (on either stream, on another thread) is bitwise equal
+# to eager: the kernels cuBLAS picks in the daemon's process are not always the test's. There,
+# every plan is held to the split-batch bounds (the loss too within AMP_TOLERANCE), and the
+# parameters must be at least twice as close to the reference as full precision is (bf16
+# differences compound over the steps on CUDA; fp32 training is still told apart).
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_TOLERANCE = {"bf16": (1e-2, 1e-4), "fp16": (2e-3, 1e-5)}  # rtol, atol
 FP16_SCALE = 65536.0  # GradScaler's and the daemon's initial scale
@@ -243,7 +252,8 @@ def _cuda_daemon():
 @pytest.mark.parametrize("model_name", ["mlp", "gpt_tied", "client_loss"])
 def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, monkeypatch):
     plan = dict(PLANS, **{"1x1x1": (1, 1, 1)})[plan_name]
-    exact = plan == (1, 1, 1)
+    # On CUDA devices even one device is not bitwise: see CUDA_KERNELS_DIFFER above.
+    exact = plan == (1, 1, 1) and not _cuda_daemon()
     case = tpc.MODELS[model_name]
     tpc._set_plan_config(monkeypatch, plan, "1f1b")
     monkeypatch.setenv("RANNC_AMP_DTYPE", amp_dtype)
@@ -274,8 +284,8 @@ def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, mo
             case.loss(fp32, ref_batch).backward()
             assert loss.dtype == ref_loss.dtype
             # An O2 loss is itself in the low precision: a shard's rounding moves it by an ulp.
-            rtol, atol = (0, 0) if exact else (1e-4, 1e-5) if amp_level == "O1" else \
-                AMP_TOLERANCE[amp_dtype]
+            rtol, atol = (0, 0) if exact else (1e-4, 1e-5) if amp_level == "O1" and \
+                not _cuda_daemon() else AMP_TOLERANCE[amp_dtype]
             assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}",
                          rtol=rtol, atol=atol)
             for name, p in zip(names, ref.parameters()):
@@ -296,7 +306,8 @@ def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, mo
         for name, p, q in zip(names, ours, theirs):
             _assert_amp_close(p, q, f"{name} after {tpc.STEPS} steps", exact, amp_dtype)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        assert mean(ours_vs_ref) < mean(fp32_vs_ref) / 10, (ours_vs_ref, fp32_vs_ref)
+        closer = 2 if _cuda_daemon() else 10
+        assert mean(ours_vs_ref) < mean(fp32_vs_ref) / closer, (ours_vs_ref, fp32_vs_ref)
         if amp_dtype == "fp16":
             summary = _job_summary(rmod._job.id)
             assert (summary.loss_scale, summary.skipped_steps) == (FP16_SCALE, 0)
