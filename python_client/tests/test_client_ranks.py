@@ -106,14 +106,19 @@ def test_two_ranks_train_like_one_model(tmp_path, daemon, gather):
         assert code == 0, f"rank {rank} failed:\n{stderr}"
     # gather: two halves of each batch = one model on the whole batch; otherwise rank 0's batch,
     # which is the whole batch here too.
+    _check_ranks(out, gather)
+
+
+def _check_ranks(out, gather, what=""):
+    """Each rank's losses and final state (the JSON its script wrote) against _reference."""
     losses, state = _reference(gather)
     for rank in range(2):
         got = json.load(open(out + str(rank)))
         for step in range(STEPS):
             assert_close(torch.tensor(got["losses"][step]), losses[step],
-                         f"rank {rank} loss at step {step}")
+                         f"rank {rank} loss at step {step}{what}")
         for k, v in state.items():
-            assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, f"rank {rank} {k}")
+            assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v, f"rank {rank} {k}{what}")
 
 
 def test_a_missing_rank_is_a_clear_error(tmp_path, daemon):
@@ -164,15 +169,7 @@ def test_two_ranks_reuse_a_saved_trace(tmp_path, daemon):
                                   job=f"reuse-{load}", path=path, load=load)
         for rank, (code, stderr) in enumerate(results):
             assert code == 0, f"rank {rank} (load={load}) failed:\n{stderr}"
-        losses, state = _reference(True)
-        for rank in range(2):
-            got = json.load(open(out + str(rank)))
-            for step in range(STEPS):
-                assert_close(torch.tensor(got["losses"][step]), losses[step],
-                             f"rank {rank} loss at step {step}, load={load}")
-            for k, v in state.items():
-                assert_close(torch.tensor(got["state"][k], dtype=v.dtype), v,
-                             f"rank {rank} {k}, load={load}")
+        _check_ranks(out, True, f", load={load}")
 
 
 _ACCUMULATE_SCRIPT = textwrap.dedent("""
