@@ -60,7 +60,9 @@ bool ReadAs(const ImportedModel& model, const std::string& name, c10::ScalarType
     const torch::jit::Value* v = model.graph->inputs()[model.input_names.size() + k];
     for (const torch::jit::Use& use : v->uses()) {
       if (use.user->kind() != c10::aten::to) return false;
-      if (torch::jit::toIValue(use.user->input(1))->toInt() != static_cast<int64_t>(dtype)) return false;
+      if (torch::jit::toIValue(use.user->input(1))->toInt() != static_cast<int64_t>(dtype)) {
+        return false;
+      }
     }
     return !v->uses().empty();
   }

@@ -112,10 +112,25 @@ absl::Status LowerPrecision(const JobConfig& config, ImportedModel* model,
   return CastForwardTo(model, *config.amp, inputs);
 }
 
-std::vector<c10::ScalarType> Dtypes(const std::vector<at::Tensor>& tensors) {
-  std::vector<c10::ScalarType> out;
-  for (const at::Tensor& t : tensors) out.push_back(t.scalar_type());
-  return out;
+// The client's archive as a job (or a dry run) takes it: the sent tensors in place of their
+// stand-ins, none left unbound, as many forward inputs as example inputs, and the forward
+// lowered for amp_level=O2.
+absl::StatusOr<ImportedModel> ImportJobModel(const JobConfig& config,
+                                             const std::string& model_bytes,
+                                             const SentTensors& sent,
+                                             const std::vector<at::Tensor>& example_inputs) {
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
+  if (!model.ok()) return model.status();
+  if (absl::Status bound = CheckNoStandIns(*model); !bound.ok()) return bound;
+  if (absl::Status counted = CheckExampleCount(*model, example_inputs); !counted.ok()) {
+    return counted;
+  }
+  std::vector<c10::ScalarType> dtypes;
+  for (const at::Tensor& x : example_inputs) dtypes.push_back(x.scalar_type());
+  if (absl::Status lowered = LowerPrecision(config, &*model, dtypes); !lowered.ok()) {
+    return lowered;
+  }
+  return model;
 }
 
 // What the planner counts per trainable parameter byte: optimizer state (and whether it is sharded
@@ -347,13 +362,8 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
                                                  const std::vector<at::Tensor>& example_inputs,
                                                  const SentTensors& sent) {
   auto phase = std::chrono::steady_clock::now();
-  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
+  absl::StatusOr<ImportedModel> model = ImportJobModel(config, model_bytes, sent, example_inputs);
   if (!model.ok()) return model.status();
-  if (absl::Status bound = CheckNoStandIns(*model); !bound.ok()) return bound;
-  absl::Status counted = CheckExampleCount(*model, example_inputs);
-  if (!counted.ok()) return counted;
-  absl::Status lowered = LowerPrecision(config, &*model, Dtypes(example_inputs));
-  if (!lowered.ok()) return lowered;
   std::unique_ptr<Job> job(new Job(std::move(id), std::move(config)));
   job->create_timings_.import_s = SecondsSince(phase);
   phase = std::chrono::steady_clock::now();
@@ -576,13 +586,8 @@ absl::StatusOr<v1::Deployment> Job::PlanOnly(const JobConfig& config,
                                               const std::string& model_bytes,
                                               const std::vector<at::Tensor>& example_inputs,
                                               const SentTensors& sent) {
-  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
+  absl::StatusOr<ImportedModel> model = ImportJobModel(config, model_bytes, sent, example_inputs);
   if (!model.ok()) return model.status();
-  if (absl::Status bound = CheckNoStandIns(*model); !bound.ok()) return bound;
-  absl::Status counted = CheckExampleCount(*model, example_inputs);
-  if (!counted.ok()) return counted;
-  absl::Status lowered = LowerPrecision(config, &*model, Dtypes(example_inputs));
-  if (!lowered.ok()) return lowered;
   ParamStore store = ParamStore::FromModuleTensors(model->tensors);
   if (config.check_unused_values) {
     absl::Status unused = CheckUnusedValues(*model, store);
