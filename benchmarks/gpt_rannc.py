@@ -40,6 +40,14 @@ Run 2 (JSON line with "system": "rannc (saved deployment)"): the plan of run 1 i
 load_deployment= trains --second-steps steps (default 1) from the same host model: its
 time_to_first_step_s is the cost of a start that skips planning. --second-steps 0 skips it.
 
+Run 3 (with --job-bench; JSON line "rannc (in-process)"): what the client/daemon split costs.
+A third RaNNCModule from the saved deployment saves its job (RANNC_SAVE_JOB: the JobSpec, the
+TorchScript, the model's tensors and one training batch) and is deleted; then daemon/job_bench
+trains that job, with run 2's plan, inside one process: the daemon's own Job code, no client, no
+gRPC. Its step_s_median is over --warmup + --steps steps as run 1's, each forward (the loss
+copied to the host), backward, optimizer step and zero_grad; split_cost is run 1's median over
+it, less 1 (the target: at most 3%).
+
 The host must hold the traced model: pyrannc traces the model on the host (with autograd) on
 --trace-batch samples of the first batch (RANNC_TRACE_BATCH; default 1, the plan is still for
 the whole batch; 0 traces the whole batch), serializes it, and the daemon loads it and keeps
@@ -96,6 +104,11 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="sdpa", choices=gm.ATTENTIONS,
                    help="sdpa: F.scaled_dot_product_attention (the issue's); math: written out")
     p.add_argument("--out", help="also append the JSON lines to this file")
+    p.add_argument("--job-bench", metavar="BIN",
+                   help="after run 2, run 3: the same job (run 2's plan) trained in one process "
+                   "by BIN (daemon/job_bench, built beside ranncd)")
+    p.add_argument("--job-dir", help="where run 3 saves the job for --job-bench (default: a "
+                   "folder under /dev/shm, removed afterwards)")
     # A model with the workload's parameters but less compute, for timing a start (time to
     # first step) on a CPU machine: e.g. --model A --seq 32 --batch 2.
     p.add_argument("--layers", type=int, help="override the workload's layer count")
@@ -300,6 +313,58 @@ def run(args, cfg, phase):
         "peak_mem_gib": [b / GIB for b in summary.peak_device_bytes],
         "loss_first": losses[0],
         "loss_last": losses[-1],
+    })
+    gm.emit(record, args.out)
+    if args.job_bench:
+        delete_job(rmod)
+        del rmod, opt
+        phase[0] = system_name(args, " (in-process)")
+        in_process(args, cfg, model, path, gen, client_median=median, gpus=gpus)
+
+
+def in_process(args, cfg, model, deployment_path, gen, client_median, gpus):
+    """Run 3 (module doc): the job saved by pyrannc, then trained by daemon/job_bench."""
+    import json
+    import shutil
+    import subprocess
+
+    import pyrannc
+    job_dir = args.job_dir or tempfile.mkdtemp(prefix="rannc-job-", dir="/dev/shm")
+    os.environ["RANNC_SAVE_JOB"] = job_dir
+    try:
+        opt = make_optimizer(model, args)
+        rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero,
+                                   load_deployment=deployment_path)
+        x, y = gm.batch(cfg, cfg.batch, gen)
+        rmod(x, y)  # creates the job and saves it, and this training batch
+        delete_job(rmod)
+        del rmod, opt
+    finally:
+        del os.environ["RANNC_SAVE_JOB"]
+    try:
+        cmd = [args.job_bench, job_dir, "--devices", os.environ["RANNC_DEVICES"],
+               "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, check=False, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: exit status {done.returncode}")
+        bench = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        if not args.job_dir:
+            shutil.rmtree(job_dir, ignore_errors=True)
+    median = bench["step_s_median"]
+    record = base_record(system_name(args, " (in-process)"), args, cfg)
+    record.update({
+        "gpus": gpus,
+        "daemon_devices": bench["devices"],
+        "step_s_median": median,
+        "step_s": bench["step_s"],
+        **gm.throughput(cfg, median, gpus),
+        "job_create_s": bench["create_s"],
+        "plan_summary": bench["plan_summary"],
+        "client_step_s_median": client_median,
+        "split_cost": client_median / median - 1,
+        "loss_first": bench["loss_first"],
+        "loss_last": bench["loss_last"],
     })
     gm.emit(record, args.out)
 

@@ -16,7 +16,8 @@
 # Systems, each under `timeout` (a hung or failed one yields an "error" line and the rest go on):
 #   A: ddp, fsdp2, gpipe, 1f1b (benchmarks/gpt_peers.py under torchrun, one process per GPU;
 #      gpipe/1f1b print "skipped" on 1 GPU), then rannc per AMP_LEVELS (benchmarks/gpt_rannc.py:
-#      the daemon on --devices cuda, run 1 with planning, run 2 from the saved deployment).
+#      the daemon on --devices cuda, run 1 with planning, run 2 from the saved deployment, run 3
+#      the same job trained in-process by daemon/job_bench when the build made it).
 #   B: fsdp2 (activation checkpointing per block), then rannc with enable_zero (which skips
 #      itself when the host cannot hold pyrannc's full-batch trace of a 10.5B model: hundreds of
 #      GiB, more than these machines have).
@@ -37,7 +38,8 @@
 #           then run 2 repeats the trace and the send but loads the plan, and trains 1 step.
 # If the build outlasts the budget, rannc reports an error and the peers' lines still stand.
 #
-# Other knobs: RANNCD=path uses an existing ranncd and skips the build; SYS (default /tmp/sys);
+# Other knobs: RANNCD=path uses an existing ranncd and skips the build (JOB_BENCH=path: its
+# job_bench, default beside it); SYS (default /tmp/sys);
 # PYTHON (default python3); RANNC_FLAGS (extra gpt_rannc.py flags; B's default --zero); PEERS (the
 # peer systems to run, default all of the workload's); PEER_CAP (seconds per peer system);
 # AMP_LEVELS (the amp_level of each rannc run, default "O1 O2": autocast, then the whole forward in
@@ -213,20 +215,26 @@ wait_build
 sys_libs=${SYS:-/tmp/sys}/usr/lib/x86_64-linux-gnu
 [ -d "$sys_libs" ] && export LD_LIBRARY_PATH=$sys_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ -x "$ranncd" ]; then
+  # Run 3 of gpt_rannc.py (the job trained in-process) where the build made job_bench.
+  job_bench=${JOB_BENCH:-$(dirname "$ranncd")/job_bench}
+  bench_flags=()
+  [ -x "$job_bench" ] && bench_flags=(--job-bench "$job_bench")
   # Each amp_level gets an even share of what is left.
   set -- $amp_levels
   for level in $amp_levels; do
     name=rannc; [ "$level" = O1 ] || name="rannc $level"
     json=$tmp/rannc_$level.jsonl
+    expected="$name,$name (saved deployment)"
+    [ -x "$job_bench" ] && expected="$expected,$name (in-process)"
     # shellcheck disable=SC2086
-    piece "$name" "$name,$name (saved deployment)" "$(( $(left) / $# ))" env \
+    piece "$name" "$expected" "$(( $(left) / $# ))" env \
       RANNC_DAEMON_BIN="$ranncd" RANNC_DEVICES="$rannc_devices" \
       RANNC_DAEMON_LOG="$out/ranncd_$level.log" \
       RANNC_DAEMON_ARGS="--profile-cache $tmp/profiles.tsv" PYTHONPATH=python_client \
       "$python" benchmarks/gpt_rannc.py --model "$model" --device "$device" \
       --attention "${ATTENTION:-sdpa}" --amp-level "$level" --out "$json" \
       --deployment "$out/rannc_${model}_$level.deployment" --pid-file "$tmp/ranncd.pid" \
-      $rannc_flags
+      "${bench_flags[@]}" $rannc_flags
     # pyrannc stops its daemon at exit, and the kernel does if the client is killed; in case not:
     if [ -s "$tmp/ranncd.pid" ] && kill -0 "$(cat "$tmp/ranncd.pid")" 2>/dev/null; then
       kill "$(cat "$tmp/ranncd.pid")"
@@ -275,6 +283,10 @@ def note(r):
         bits.append(f"{r['micro_batches']} micro-batches")
     if r.get("activation_checkpoint"):
         bits.append("activation checkpointing")
+    if r.get("split_cost") is not None:
+        bits.append(f"the client/daemon split costs {100 * r['split_cost']:.1f}% (a step through "
+                    f"pyrannc {1000 * r['client_step_s_median']:.1f} ms, in-process "
+                    f"{1000 * r['step_s_median']:.1f} ms)")
     if r.get("loss_last") is not None:
         bits.append(f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
     return "; ".join(bits)

@@ -118,15 +118,9 @@ absl::StatusOr<std::unique_ptr<cluster::Cluster>> JoinCluster(const DaemonOption
 
 }  // namespace
 
-Daemon::Daemon() = default;
-
-Daemon::~Daemon() { Shutdown(std::chrono::milliseconds(0)); }
-
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+absl::StatusOr<DaemonFacts> ResolveFacts(const DaemonOptions& options) {
   absl::StatusOr<std::vector<DaemonFacts::Device>> devices = ResolveDevices(options);
   if (!devices.ok()) return devices.status();
-
-  std::unique_ptr<Daemon> daemon(new Daemon());
   DaemonFacts facts;
   facts.version = kRanncVersion;
   facts.torch_version = TORCH_VERSION;
@@ -147,6 +141,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     facts.links = *links;
   }
   spdlog::info("links: {}", planner::DescribeLinks(facts.links));
+  return facts;
+}
+
+Daemon::Daemon() = default;
+
+Daemon::~Daemon() { Shutdown(std::chrono::milliseconds(0)); }
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+  absl::StatusOr<DaemonFacts> resolved = ResolveFacts(options);
+  if (!resolved.ok()) return resolved.status();
+  DaemonFacts facts = std::move(*resolved);
+  std::unique_ptr<Daemon> daemon(new Daemon());
 
   const std::string cache_path = options.profile_cache == "none" ? ""
                                  : options.profile_cache.empty() ? planner::DefaultProfileCachePath()

@@ -141,9 +141,13 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto,
 }
 
 void EncodeSpec(const at::Tensor& tensor, v1::TensorSpec* spec) {
-  absl::StatusOr<v1::DType> dtype = ToProtoDType(tensor.scalar_type());
-  spec->set_dtype(dtype.ok() ? *dtype : v1::DTYPE_UNSPECIFIED);
-  for (int64_t d : tensor.sizes()) spec->add_shape(d);
+  EncodeSpec(tensor.scalar_type(), tensor.sizes(), spec);
+}
+
+void EncodeSpec(at::ScalarType dtype, c10::IntArrayRef shape, v1::TensorSpec* spec) {
+  absl::StatusOr<v1::DType> wire = ToProtoDType(dtype);
+  spec->set_dtype(wire.ok() ? *wire : v1::DTYPE_UNSPECIFIED);
+  for (int64_t d : shape) spec->add_shape(d);
 }
 
 absl::Status EncodeStateChunks(const std::string& name, const at::Tensor& tensor, bool is_buffer,

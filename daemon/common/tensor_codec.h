@@ -43,6 +43,7 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* proto,
                           ShmDirectory::Writer* reply = nullptr);
 
 void EncodeSpec(const at::Tensor& tensor, v1::TensorSpec* spec);
+void EncodeSpec(at::ScalarType dtype, c10::IntArrayRef shape, v1::TensorSpec* spec);
 
 // One state_dict entry as StateDictChunks of at most `chunk_bytes` of data each (at least one,
 // also for an empty tensor), handed to `write` in order; stops when `write` returns false

@@ -705,6 +705,21 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   }
   for (const auto* run : {&run_a, &run_b}) {
     if (run->ok()) continue;
+    // A model that fails on its example inputs as they are is simply wrong there (a shape, a
+    // dtype); one that only fails on other batch sizes fixed its batch size. Only a failure
+    // costs this run of the whole example.
+    std::vector<c10::IValue> example(example_inputs.begin(), example_inputs.end());
+    example.insert(example.end(), tensors.begin(), tensors.end());
+    absl::StatusOr<ProbeRun> whole;
+    {
+      at::NoGradGuard no_grad;
+      whole = RunProbes(ir, *probes, example, /*share=*/false);
+      saved.Restore();
+    }
+    if (!whole.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the model fails on its example inputs: ", whole.status().message()));
+    }
     const int64_t probe = run == &run_a ? kProbeA : kProbeB;
     return absl::InvalidArgumentError(absl::StrCat(
         "the model fails with a batch of ", probe, " samples (the example has ",

@@ -366,7 +366,6 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   if (!model.ok()) return model.status();
   std::unique_ptr<Job> job(new Job(std::move(id), std::move(config)));
   job->create_timings_.import_s = SecondsSince(phase);
-  phase = std::chrono::steady_clock::now();
   job->store_ = ParamStore::FromModuleTensors(model->tensors);
   if (job->config_.check_unused_values) {
     absl::Status unused = CheckUnusedValues(*model, job->store_);
@@ -389,33 +388,19 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
     if (!optimizer.ok()) return optimizer.status();
   }
 
-  // The validation run must not advance BatchNorm statistics: the job starts from exactly the
-  // client's state.
-  std::vector<at::Tensor> saved_buffers;
-  for (const ParamStore::Entry& e : job->store_.entries()) {
-    if (!e.is_parameter) saved_buffers.push_back(e.tensor.clone());
-  }
-  // Every forward of an AMP job at O1 runs under autocast, this one (whose outputs the client
-  // learns dtypes from) and the IR's and profiler's below included; at O2 the graph itself
-  // computes in the AMP dtype.
+  // Every forward of an AMP job at O1 runs under autocast, the IR's and profiler's below
+  // included (so the outputs' dtypes the client learns are the training run's); at O2 the graph
+  // itself computes in the AMP dtype.
   AutocastGuard amp(job->config_.autocast());
-  absl::StatusOr<std::vector<at::Tensor>> outputs =
-      job->runner_->Forward(job->mode_, job->signature_, example_inputs, /*requires_grad=*/false);
-  if (!outputs.ok()) {
-    return Annotate(outputs.status(), "checking the model on the example inputs");
-  }
-  job->example_outputs_ = std::move(*outputs);
-  job->create_timings_.check_s = SecondsSince(phase);
-  {
-    size_t b = 0;
-    at::NoGradGuard no_grad;
-    for (const ParamStore::Entry& e : job->store_.entries()) {
-      if (!e.is_parameter) e.tensor.copy_(saved_buffers[b++]);
-    }
-  }
   absl::StatusOr<PlannedModel> planned =
       PlanJobModel(job->config_, *model, job->store_, example_inputs);
   if (!planned.ok()) return planned.status();
+  // The outputs' specs come from the IR's example run (its probes, extrapolated to the example
+  // batch): no forward of the whole example batch on the host is needed.
+  for (int id : planned->ir->outputs) {
+    const IrValue& v = planned->ir->values[id];
+    job->output_specs_.push_back({v.dtype, v.shape});
+  }
   job->ir_ = std::move(planned->ir);
   job->deployment_ = std::move(planned->plan);
   // The plan's memory switches: the job's, or more when nothing fit without them

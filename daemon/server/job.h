@@ -158,10 +158,15 @@ struct StateEntry {
   bool is_buffer = false;
 };
 
+// One output of the model for the example inputs (CreateJobResponse.outputs).
+struct OutputSpec {
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  std::vector<int64_t> shape;
+};
+
 // Where Job::Create spent its time, for the daemon's CreateJob log line (seconds each).
 struct CreateTimings {
   double import_s = 0;  // loading the TorchScript archive, lifting its tensors
-  double check_s = 0;   // the validation run on the example inputs
   double ir_s = 0;      // building the IR (which probes the model)
   double plan_s = 0;    // planning, or checking a loaded deployment
   double place_s = 0;   // placing parameters (and optimizer state) on the devices
@@ -188,9 +193,10 @@ class Job {
                                                  const SentTensors& sent = {});
 
   const std::string& id() const { return id_; }
-  // The outputs of the validation run; parameters and buffers with their aliases (names and
-  // shapes: the values live on the devices; read them with GetTensor or StateDict).
-  const std::vector<at::Tensor>& example_outputs() const { return example_outputs_; }
+  // The dtype and shape of each (flattened) output for the example inputs, from the IR's
+  // example run; parameters and buffers with their aliases (names and shapes: the values live
+  // on the devices; read them with GetTensor or StateDict).
+  const std::vector<OutputSpec>& output_specs() const { return output_specs_; }
   const CreateTimings& create_timings() const { return create_timings_; }
   const ParamStore& params() const { return store_; }
   const std::vector<std::string>& devices() const { return devices_; }
@@ -359,7 +365,7 @@ class Job {
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> parked_optimizer_state_;
   // The loss scaler's state while no engine holds it (undeployed), and each engine's start.
   LossScaler parked_loss_scaler_;
-  std::vector<at::Tensor> example_outputs_;
+  std::vector<OutputSpec> output_specs_;
   CreateTimings create_timings_;
   int64_t steps_ = 0;
   int64_t forwards_ = 0;

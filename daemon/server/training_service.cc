@@ -83,37 +83,6 @@ absl::StatusOr<std::vector<at::Tensor>> DecodeAll(
   return out;
 }
 
-// Decodes JobSpec.model_tensors on several threads: copying GiBs out of shared memory into new
-// host memory is bound by page faults on the new memory, which threads take in parallel
-// (measured here, one thread: 5.4 GB in 11.6 s).
-absl::StatusOr<SentTensors> DecodeModelTensors(
-    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& tensors, const ShmDirectory& shm) {
-  const int n = tensors.size();
-  std::vector<absl::StatusOr<at::Tensor>> decoded(n, absl::UnknownError("not decoded"));
-  std::atomic<int> next{0};
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const int threads = std::min(n, std::clamp(cores, 1, 8));
-  std::vector<std::thread> pool;
-  for (int w = 0; w < threads; ++w) {
-    pool.emplace_back([&] {
-      for (int i = next++; i < n; i = next++) {
-        decoded[i] = DecodeTensor(tensors[i].tensor(),
-                                  absl::StrCat("model tensor '", tensors[i].name(), "'"), &shm);
-      }
-    });
-  }
-  for (std::thread& t : pool) t.join();
-  SentTensors sent;
-  for (int i = 0; i < n; ++i) {
-    if (!decoded[i].ok()) return decoded[i].status();
-    if (!sent.emplace(tensors[i].name(), std::move(*decoded[i])).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("model tensor '", tensors[i].name(), "' was sent twice"));
-    }
-  }
-  return sent;
-}
-
 void FillParamInfo(const ParamStore::Entry& e, v1::ParamInfo* info) {
   info->set_name(e.name);
   EncodeSpec(e.tensor, info->mutable_spec());
@@ -185,6 +154,37 @@ class ChunkAssembler {
 
 }  // namespace
 
+// Decodes JobSpec.model_tensors on several threads: copying GiBs out of shared memory into new
+// host memory is bound by page faults on the new memory, which threads take in parallel
+// (measured here, one thread: 5.4 GB in 11.6 s).
+absl::StatusOr<SentTensors> DecodeModelTensors(
+    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& tensors, const ShmDirectory& shm) {
+  const int n = tensors.size();
+  std::vector<absl::StatusOr<at::Tensor>> decoded(n, absl::UnknownError("not decoded"));
+  std::atomic<int> next{0};
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int threads = std::min(n, std::clamp(cores, 1, 8));
+  std::vector<std::thread> pool;
+  for (int w = 0; w < threads; ++w) {
+    pool.emplace_back([&] {
+      for (int i = next++; i < n; i = next++) {
+        decoded[i] = DecodeTensor(tensors[i].tensor(),
+                                  absl::StrCat("model tensor '", tensors[i].name(), "'"), &shm);
+      }
+    });
+  }
+  for (std::thread& t : pool) t.join();
+  SentTensors sent;
+  for (int i = 0; i < n; ++i) {
+    if (!decoded[i].ok()) return decoded[i].status();
+    if (!sent.emplace(tensors[i].name(), std::move(*decoded[i])).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model tensor '", tensors[i].name(), "' was sent twice"));
+    }
+  }
+  return sent;
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl and gRPC share the canonical code numbering.
@@ -225,6 +225,71 @@ comm::Backend JobBackend(bool cuda, const std::vector<DaemonFacts::Device>& devi
                                   [](const DaemonFacts::Device& d) { return d.shared; });
   return cuda && !shared && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
                                                                        : comm::Backend::kUcx;
+}
+
+absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts) {
+  JobConfig config;
+  config.name = spec.name();
+  config.mode = FromProto(spec.mode());
+  absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
+  if (!optimizer.ok()) return optimizer.status();
+  config.optimizer = std::move(*optimizer);
+  config.check_unused_values = spec.options().check_unused_values();
+  config.zero = spec.options().enable_zero();
+  config.offload = spec.options().offload_params();
+  if (spec.options().enable_apex_amp()) {
+    auto key = spec.options().config().find("amp_dtype");
+    absl::StatusOr<c10::ScalarType> amp =
+        ParseAmpDtype(key == spec.options().config().end() ? "bf16" : key->second);
+    if (!amp.ok()) return amp.status();
+    const bool cpu = facts.devices.empty() || facts.devices[0].type == "cpu";
+    if (*amp == c10::ScalarType::Half && cpu) {
+      return absl::InvalidArgumentError(
+          "amp_dtype=fp16 needs CUDA devices; CPU devices run mixed precision in bf16 "
+          "(amp_dtype=bf16)");
+    }
+    config.amp = *amp;
+    auto level = spec.options().config().find("amp_level");
+    const std::string amp_level =
+        level == spec.options().config().end() ? "O1" : absl::AsciiStrToUpper(level->second);
+    if (amp_level != "O1" && amp_level != "O2") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "amp_level=", level->second, ": expected O1 (autocast, the default) or O2 (the whole "
+          "forward in amp_dtype, fp32 master parameters)"));
+    }
+    config.amp_o2 = amp_level == "O2";
+  }
+  const std::map<std::string, std::string> keys(spec.options().config().begin(),
+                                                spec.options().config().end());
+  absl::StatusOr<LossScaleOptions> loss_scale = ParseLossScale(keys, config.amp);
+  if (!loss_scale.ok()) return loss_scale.status();
+  config.loss_scale = *loss_scale;
+  config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
+  for (const auto& device : facts.devices) config.device_names.push_back(device.name);
+  config.placement = Placement(facts.devices, static_cast<int>(facts.devices.size()), {});
+  // Blocks are profiled on the kind of device they will run on: this daemon's first.
+  if (!config.placement.empty()) config.plan_target.profile_device = config.placement[0];
+  if (!facts.devices.empty()) {
+    config.plan_target.device_type = facts.devices[0].type;
+    config.plan_target.device_memory_bytes = facts.devices[0].memory_bytes;
+  }
+  config.plan_target.num_devices = static_cast<int>(facts.devices.size());
+  config.plan_target.links = facts.links;
+  config.profile_cache = facts.profile_cache;
+  config.created_by = absl::StrCat("ranncd ", facts.version, " (LibTorch ", facts.torch_version,
+                                   ")");
+  config.load_deployment = spec.options().load_deployment();
+  config.client_world = std::max<int>(1, static_cast<int>(spec.options().client_world()));
+  config.gather_inputs = spec.options().gather_inputs();
+  if (spec.options().client_timeout_ms() > 0) {
+    config.client_timeout = std::chrono::milliseconds(spec.options().client_timeout_ms());
+  }
+  absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(
+      {spec.options().config().begin(), spec.options().config().end()});
+  if (!planner.ok()) return planner.status();
+  config.planner = *planner;
+  config.plan_target.batch_size = config.planner.batch_size;  // a dry run's may override it
+  return config;
 }
 
 grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
@@ -285,9 +350,10 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   }
   const double receive_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - received).count();
-  absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
-  if (!optimizer.ok()) return Fail("CreateJob", optimizer.status());
-  absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec.example_inputs(), "example input", shm_);
+  absl::StatusOr<JobConfig> made = JobConfigFromSpec(spec, facts_);
+  if (!made.ok()) return Fail("CreateJob", made.status());
+  absl::StatusOr<std::vector<at::Tensor>> examples =
+      DecodeAll(spec.example_inputs(), "example input", shm_);
   if (!examples.ok()) return Fail("CreateJob", examples.status());
   const auto decoding = std::chrono::steady_clock::now();
   absl::StatusOr<SentTensors> decoded = DecodeModelTensors(spec.model_tensors(), shm_);
@@ -296,65 +362,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   const double tensors_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - decoding).count();
 
-  JobConfig config;
-  config.name = spec.name();
-  config.mode = FromProto(spec.mode());
-  config.optimizer = std::move(*optimizer);
-  config.check_unused_values = spec.options().check_unused_values();
-  config.zero = spec.options().enable_zero();
-  config.offload = spec.options().offload_params();
-  if (spec.options().enable_apex_amp()) {
-    auto key = spec.options().config().find("amp_dtype");
-    absl::StatusOr<c10::ScalarType> amp =
-        ParseAmpDtype(key == spec.options().config().end() ? "bf16" : key->second);
-    if (!amp.ok()) return Fail("CreateJob", amp.status());
-    const bool cpu = facts_.devices.empty() || facts_.devices[0].type == "cpu";
-    if (*amp == c10::ScalarType::Half && cpu) {
-      return Fail("CreateJob", absl::InvalidArgumentError(
-          "amp_dtype=fp16 needs CUDA devices; CPU devices run mixed precision in bf16 "
-          "(amp_dtype=bf16)"));
-    }
-    config.amp = *amp;
-    auto level = spec.options().config().find("amp_level");
-    const std::string amp_level =
-        level == spec.options().config().end() ? "O1" : absl::AsciiStrToUpper(level->second);
-    if (amp_level != "O1" && amp_level != "O2") {
-      return Fail("CreateJob", absl::InvalidArgumentError(absl::StrCat(
-          "amp_level=", level->second, ": expected O1 (autocast, the default) or O2 (the whole "
-          "forward in amp_dtype, fp32 master parameters)")));
-    }
-    config.amp_o2 = amp_level == "O2";
-  }
-  const std::map<std::string, std::string> keys(spec.options().config().begin(),
-                                                spec.options().config().end());
-  absl::StatusOr<LossScaleOptions> loss_scale = ParseLossScale(keys, config.amp);
-  if (!loss_scale.ok()) return Fail("CreateJob", loss_scale.status());
-  config.loss_scale = *loss_scale;
-  config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
-  for (const auto& device : facts_.devices) config.device_names.push_back(device.name);
-  config.placement = Placement(static_cast<int>(facts_.devices.size()), {});
-  // Blocks are profiled on the kind of device they will run on: this daemon's first.
-  if (!config.placement.empty()) config.plan_target.profile_device = config.placement[0];
-  if (!facts_.devices.empty()) {
-    config.plan_target.device_type = facts_.devices[0].type;
-    config.plan_target.device_memory_bytes = facts_.devices[0].memory_bytes;
-  }
-  config.plan_target.num_devices = static_cast<int>(facts_.devices.size());
-  config.plan_target.links = facts_.links;
-  config.profile_cache = facts_.profile_cache;
-  config.created_by = absl::StrCat("ranncd ", facts_.version, " (LibTorch ", facts_.torch_version,
-                                   ")");
-  config.load_deployment = spec.options().load_deployment();
-  config.client_world = std::max<int>(1, static_cast<int>(spec.options().client_world()));
-  config.gather_inputs = spec.options().gather_inputs();
-  if (spec.options().client_timeout_ms() > 0) {
-    config.client_timeout = std::chrono::milliseconds(spec.options().client_timeout_ms());
-  }
-  absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(
-      {spec.options().config().begin(), spec.options().config().end()});
-  if (!planner.ok()) return Fail("CreateJob", planner.status());
-  config.planner = *planner;
-  config.plan_target.batch_size = config.planner.batch_size;  // a dry run's may override it
+  JobConfig config = std::move(*made);
 
   if (spec.dry_run().num_devices() > 0) {
     const v1::PlanTarget& dry = spec.dry_run();
@@ -387,7 +395,8 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     config.engine_store_address = part.store_address();
     config.engine_group = part.group();
     config.device_names.clear();
-    config.placement = Placement(config.plan_target.num_devices, config.local_devices);
+    config.placement =
+        Placement(facts_.devices, config.plan_target.num_devices, config.local_devices);
   } else {
     absl::Status spanned = SpanCluster(id, spec, &config);
     if (!spanned.ok()) return Fail("CreateJob", spanned);
@@ -405,15 +414,17 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   for (const ParamStore::Entry& e : (*job)->params().entries()) {
     FillParamInfo(e, e.is_parameter ? response->add_params() : response->add_buffers());
   }
-  for (const at::Tensor& out : (*job)->example_outputs()) EncodeSpec(out, response->add_outputs());
+  for (const OutputSpec& out : (*job)->output_specs()) {
+    EncodeSpec(out.dtype, out.shape, response->add_outputs());
+  }
   for (const std::string& d : (*job)->devices()) response->add_devices(d);
   const CreateTimings& t = (*job)->create_timings();
   spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}; seconds: "
-               "receive {:.2f}, tensors apart {:.2f} ({} of them), import {:.2f}, check {:.2f}, "
-               "IR {:.2f}, plan {:.2f}, place {:.2f}",
+               "receive {:.2f}, tensors apart {:.2f} ({} of them), import {:.2f}, IR {:.2f}, "
+               "plan {:.2f}, place {:.2f}",
                id, spec.name(), (*job)->params().NumParameterElements(), model.size(),
-               response->plan_summary(), receive_s, tensors_s, sent.size(), t.import_s, t.check_s,
-               t.ir_s, t.plan_s, t.place_s);
+               response->plan_summary(), receive_s, tensors_s, sent.size(), t.import_s, t.ir_s,
+               t.plan_s, t.place_s);
   if ((*job)->client_world() > 1) {
     std::lock_guard<std::mutex> lock(joinable_mu_);
     joinable_[id] = *response;
@@ -473,19 +484,20 @@ absl::Status TrainingServiceImpl::SpanCluster(const std::string& job_id, const v
     }
   }
   config->plan_target.num_devices = static_cast<int>(config->device_names.size());
-  config->placement = Placement(config->plan_target.num_devices, config->local_devices);
+  config->placement =
+      Placement(facts_.devices, config->plan_target.num_devices, config->local_devices);
   config->engine_store = store_;
   config->engine_group = job_id;
   config->spec = spec;
   return absl::OkStatus();
 }
 
-std::vector<c10::Device> TrainingServiceImpl::Placement(int num_devices,
-                                                        const std::vector<int>& local) const {
+std::vector<c10::Device> Placement(const std::vector<DaemonFacts::Device>& devices,
+                                   int num_devices, const std::vector<int>& local) {
   std::vector<c10::Device> placement(std::max(num_devices, 0), c10::Device(c10::kCPU));
-  for (size_t k = 0; k < facts_.devices.size(); ++k) {
+  for (size_t k = 0; k < devices.size(); ++k) {
     const int index = local.empty() ? static_cast<int>(k) : k < local.size() ? local[k] : -1;
-    const DaemonFacts::Device& device = facts_.devices[k];
+    const DaemonFacts::Device& device = devices[k];
     if (index < 0 || index >= num_devices || device.cuda_index < 0) continue;
     placement[index] = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.cuda_index));
   }

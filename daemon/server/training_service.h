@@ -51,6 +51,22 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // through host memory for CUDA buffers.
 comm::Backend JobBackend(bool cuda, const std::vector<DaemonFacts::Device>& devices);
 
+// Where the engine runs each of a plan's `num_devices` devices: the daemon's k-th device of
+// `devices` (a GPU, or the CPU) is plan device local[k], or k when `local` is empty (the daemon's
+// own plan); other daemons' devices are the CPU here (not run by this daemon).
+std::vector<c10::Device> Placement(const std::vector<DaemonFacts::Device>& devices,
+                                   int num_devices, const std::vector<int>& local);
+
+// The job config CreateJob makes of a client's JobSpec on a daemon with `facts`, before a dry
+// run, a part of a cluster job or a cluster's devices change it; the backend is not set
+// (JobBackend). daemon/job_bench.cc builds its in-process job with it.
+absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts);
+
+// JobSpec.model_tensors, decoded on several threads (out of files under `shm` where they name
+// one).
+absl::StatusOr<SentTensors> DecodeModelTensors(
+    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& tensors, const ShmDirectory& shm);
+
 class TrainingServiceImpl final : public v1::TrainingService::Service {
  public:
   TrainingServiceImpl(DaemonFacts facts, JobManager* jobs);
@@ -99,10 +115,6 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status AbortStep(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
 
  private:
-  // Where the engine runs each of a plan's `num_devices` devices: this daemon's k-th device (a
-  // GPU, or the CPU) is plan device local[k], or k when `local` is empty (the daemon's own plan);
-  // other daemons' devices are the CPU here (not run by this daemon).
-  std::vector<c10::Device> Placement(int num_devices, const std::vector<int>& local) const;
   // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
   // Flush).
   // `client_rank`: the caller's (JobOptions.client_world).

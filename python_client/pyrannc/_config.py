@@ -18,6 +18,8 @@ CLIENT_KEYS = frozenset({
     "advertise", "cluster_size", "heartbeat_interval", "peer_timeout", "trace_batch",
     # 0: never reuse a deployment file's saved trace (pyrannc._saved_trace); default 1.
     "reuse_trace",
+    # A folder to write the job to, for daemon/job_bench.cc (pyrannc._save_job).
+    "save_job",
 })
 
 

@@ -2,12 +2,13 @@
 
 gRPC copies a tensor several times on its way through protobuf; a file under the daemon's
 DaemonInfo.shm_dir (normally /dev/shm) is one copy each way, and is not bound by the daemon's
---max-message-size. The client owns two files, "rannc-pyrannc-<pid>-<tag>-<n>-in" for tensors it sends
-and "...-out" for outputs the daemon writes back; the daemon copies in or out before the RPC
-returns, so a region is reused by the next call (see training.proto, Tensor.shm). A one-off
-upload (the model's tensors at CreateJob, GiBs) goes to a "...-bulk" file of its own, removed
-when the RPC is done (bulk_session). <tag> is random per process: processes in other PID
-namespaces (containers, Bazel's sandboxes) share the directory and may have the same pid.
+--max-message-size. The client owns two files, "rannc-pyrannc-<pid>-<tag>-<n>-in" for tensors it
+sends and "...-out" for outputs the daemon writes back; the daemon copies in or out before the
+RPC returns, so a region is reused by the next call (see training.proto, Tensor.shm). A one-off
+upload (the model's tensors at CreateJob, GiBs) goes to "...-bulk" files of its own (one per
+writing thread), removed when the RPC is done (bulk_session). <tag> is random per process:
+processes in other PID namespaces (containers, Bazel's sandboxes) share the directory and may
+have the same pid.
 
 Used when the daemon offers a directory and runs on this host: the embedded daemon, or a
 loopback/unix address whose DaemonInfo.hostname is this host's name. RANNC_SHM=0 turns it off,
@@ -68,50 +69,63 @@ class _File:
 class _Session:
     """One RPC's use of the regions: tensors placed for sending, and the reply region."""
 
-    def __init__(self, transfer: "Transfer", send: Optional[_File] = None):
+    def __init__(self, transfer: "Transfer", bulk_files: Optional[list] = None):
         self._t = transfer
-        self._send = send  # None: the transfer's send file
-        self._next = 0
+        # None: tensors go to the transfer's send file. A list: a bulk session's own files,
+        # made as encode_all needs them and removed by the caller (bulk_session).
+        self._bulk_files = bulk_files
+        self._next = {}  # per file, the next free offset
 
     def encode(self, t: torch.Tensor) -> pb.Tensor:
         """A Tensor message, its bytes in the send file when large enough."""
         return self.encode_all([t])[0]
 
+    def _files_for(self, count: int) -> list:
+        if self._bulk_files is None:
+            return [self._t.send_file()]
+        while len(self._bulk_files) < count:
+            self._bulk_files.append(_File(self._t.directory, "bulk"))
+        return self._bulk_files
+
     def encode_all(self, tensors, threads: int = 1) -> list:
-        """encode() of each tensor, the file writes spread over `threads` threads: writing GiBs
-        into new pages of the file is bound by page faults, which threads take in parallel
-        (os.pwrite releases the GIL)."""
-        messages, writes = [], []
-        f = None
-        for t in tensors:
+        """encode() of each tensor. In a bulk session the bytes are spread over up to `threads`
+        files, each written by a thread of its own: tmpfs serializes the writes to one file (they
+        hold its inode lock while they fault in its new pages), not writes to different files.
+        The largest tensors are placed first, each in the least filled file."""
+        messages = [None] * len(tensors)
+        large = []
+        for i, t in enumerate(tensors):
             t = _codec.host_contiguous(t)
             nbytes = t.numel() * t.element_size()
             if nbytes < MIN_BYTES:
-                messages.append(_codec.encode(t))
-                continue
-            f = self._send if self._send is not None else self._t.send_file()
-            offset = self._next
-            self._next = _align(offset + nbytes)
-            writes.append((t, offset, nbytes))
-            messages.append(pb.Tensor(dtype=_codec.wire_dtype(t.dtype), shape=list(t.shape),
-                                      shm=pb.ShmRef(path=f.path, offset=offset, length=nbytes)))
-        if f is None:
+                messages[i] = _codec.encode(t)
+            else:
+                large.append((nbytes, i, t))
+        if not large:
             return messages
-        f.ensure(self._next)
+        files = self._files_for(max(1, min(threads, len(large))))
+        writes = {}  # file -> [(tensor, offset, nbytes)]
+        for nbytes, i, t in sorted(large, key=lambda item: -item[0]):
+            f = min(files, key=lambda f: self._next.get(f, 0))
+            offset = self._next.get(f, 0)
+            self._next[f] = _align(offset + nbytes)
+            writes.setdefault(f, []).append((t, offset, nbytes))
+            messages[i] = pb.Tensor(dtype=_codec.wire_dtype(t.dtype), shape=list(t.shape),
+                                    shm=pb.ShmRef(path=f.path, offset=offset, length=nbytes))
 
-        def write(item):
-            t, offset, nbytes = item
-            view = memoryview(_codec.numpy_view(t)).cast("B")
-            done = 0
-            while done < nbytes:
-                done += os.pwrite(f.fd, view[done:], offset + done)
+        def write_file(f):
+            f.ensure(self._next[f])
+            for t, offset, nbytes in writes[f]:
+                view = memoryview(_codec.numpy_view(t)).cast("B")
+                done = 0
+                while done < nbytes:
+                    done += os.pwrite(f.fd, view[done:], offset + done)
 
-        if threads <= 1 or len(writes) == 1:
-            for item in writes:
-                write(item)
+        if len(writes) == 1:
+            write_file(next(iter(writes)))
         else:
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(write, writes))
+            with concurrent.futures.ThreadPoolExecutor(len(writes)) as pool:
+                list(pool.map(write_file, writes))  # os.pwrite releases the GIL
         return messages
 
     def reply_region(self) -> Optional[pb.ShmRef]:
@@ -209,19 +223,19 @@ def session(transfer: Optional[Transfer]):
 class _Bulk:
     def __init__(self, transfer: Transfer):
         self._t = transfer
-        self._file: Optional[_File] = None
+        self._files: list = []
 
     def __enter__(self):
-        self._file = _File(self._t.directory, "bulk")
-        return _Session(self._t, self._file)
+        return _Session(self._t, self._files)
 
     def __exit__(self, *exc):
-        self._file.close()
+        for f in self._files:
+            f.close()
         return False
 
 
 def bulk_session(transfer: Optional[Transfer]):
-    """Like session(), but tensors go to a file of their own that is removed when the block
+    """Like session(), but tensors go to files of their own that are removed when the block
     ends, so a one-off upload (a model's parameters: GiBs) does not stay in shared memory for the
     connection's life as the reused send file would. Sessions of one transfer may overlap."""
     return _Bulk(transfer) if transfer is not None else _NoLock()

@@ -28,7 +28,7 @@ import grpc
 import torch
 
 from pyrannc import (_codec, _config, _daemon, _deployment, _optim, _outputs, _runtime,
-                     _saved_trace, _shm)
+                     _save_job, _saved_trace, _shm)
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -188,6 +188,7 @@ class RaNNCModule(torch.nn.Module):
         # The latest job's trace (graph only), saved with its plan; None when unfingerprintable.
         self._saved_trace: Optional[deployment_pb2.SavedTrace] = None
         self._no_trace_reason = ""  # why _saved_trace is None after a job was created
+        self._save_forward = False  # RANNC_SAVE_JOB: the next training forward is saved too
         self._plan_summary: Optional[str] = None
         self._dropout: Optional[bool] = None  # enable_dropout(); None: follows training
         self._state_dirty = False
@@ -267,8 +268,8 @@ class RaNNCModule(torch.nn.Module):
         With the client setting trace_batch (RANNC_TRACE_BATCH) = n, a batch of more than n
         samples (every tensor input with the same first dimension) is traced on its first n
         samples, and the daemon plans for the whole batch (planner key batch_size, unless set):
-        the trace's forward, the daemon's validation run and its IR cost n samples' compute and
-        memory, not the batch's. The model must not fix its batch size (x.view(batch, ...)).
+        the trace's forward and the daemon's IR cost n samples' compute and memory, not the
+        batch's. The model must not fix its batch size (x.view(batch, ...)).
         """
         n = int(_config.client_setting("trace_batch", "0") or 0)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
@@ -425,6 +426,7 @@ class RaNNCModule(torch.nn.Module):
             if apart:
                 logger.debug("pyrannc: wrote %d model tensors to shared memory in %.2f s",
                              len(apart), time.perf_counter() - started)
+            self._save_forward = _save_job.save_job(job_spec, model_bytes)
 
             step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
 
@@ -553,6 +555,9 @@ class RaNNCModule(torch.nn.Module):
                 client_rank=_runtime.get_rank(),
                 delay_grad_allreduce=requires_grad and _runtime.delay_grad_allreduce_flag)
             job.pending = []
+            if requires_grad and self._save_forward:
+                _save_job.save_forward(req, inputs)
+                self._save_forward = False
             region = wire.reply_region()
             if region is not None:
                 req.reply_shm.CopyFrom(region)

@@ -47,20 +47,25 @@ REF_DEVICE = torch.device(os.environ.get("RANNC_TEST_REF_DEVICE") or "cpu")
 
 def daemon_binary() -> str:
     """The ranncd under test; fails (not skips) when there is none."""
-    explicit = os.environ.get("RANNC_DAEMON_BIN")
+    return built_binary("ranncd", "RANNC_DAEMON_BIN")
+
+
+def built_binary(name: str, env: str) -> str:
+    """The daemon/ binary `name`: $`env` if set, else the Bazel runfile (under `bazel test`),
+    else the checkout's bazel-bin; fails (not skips) when there is none."""
+    explicit = os.environ.get(env)
     if explicit:
         return explicit
     candidates = []
     srcdir = os.environ.get("TEST_SRCDIR")
     if srcdir:
         candidates.append(os.path.join(srcdir, os.environ.get("TEST_WORKSPACE", "rannc"),
-                                       "daemon", "ranncd"))
-    candidates.append(os.path.join(REPO_ROOT, "bazel-bin", "daemon", "ranncd"))
+                                       "daemon", name))
+    candidates.append(os.path.join(REPO_ROOT, "bazel-bin", "daemon", name))
     for c in candidates:
         if os.path.isfile(c) and os.access(c, os.X_OK):
             return c
-    pytest.fail(f"no ranncd binary: build //daemon:ranncd or set RANNC_DAEMON_BIN "
-                f"(looked at {candidates})")
+    pytest.fail(f"no {name} binary: build //daemon:{name} or set {env} (looked at {candidates})")
 
 
 def free_port() -> int:
