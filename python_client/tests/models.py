@@ -30,10 +30,10 @@ def mlp_batch(step, batch=16, d_in=8, classes=4):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d, heads, max_len, dropout=0.0):
+    def __init__(self, d, heads, max_len, dropout=0.0, qkv_bias=True):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
+        self.qkv = nn.Linear(d, 3 * d, bias=qkv_bias)
         self.proj = nn.Linear(d, d)
         self.drop = nn.Dropout(dropout)
         self.register_buffer("mask", torch.tril(torch.ones(max_len, max_len)).view(
@@ -54,10 +54,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, max_len, dropout=0.0):
+    def __init__(self, d, heads, max_len, dropout=0.0, qkv_bias=True):
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads, max_len, dropout)
+        self.attn = CausalSelfAttention(d, heads, max_len, dropout, qkv_bias)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d),
                                  nn.Dropout(dropout))
@@ -68,14 +68,19 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A GPT whose LM head shares the token embedding's weight (tied: two names, one tensor)."""
+    """A GPT whose LM head shares the token embedding's weight (tied: two names, one tensor).
 
-    def __init__(self, vocab=32, d=16, heads=2, layers=2, max_len=8, dropout=0.0):
+    With qkv_bias (the default) the attention's key bias is a parameter whose true gradient is
+    zero (softmax ignores a shift shared by a query's logits): its gradient is round-off."""
+
+    def __init__(self, vocab=32, d=16, heads=2, layers=2, max_len=8, dropout=0.0,
+                 qkv_bias=True):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(1, max_len, d) * 0.02)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.Sequential(*[Block(d, heads, max_len, dropout) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[Block(d, heads, max_len, dropout, qkv_bias)
+                                      for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight

@@ -1,8 +1,8 @@
 """RANNC_SAVE_JOB (pyrannc._save_job) and daemon/job_bench, against the real ranncd: a job
 pyrannc saved and job_bench then trains in one process, with no client and no gRPC, is the job
 the daemon trained. Its plan is the one loaded from the deployment file, and its losses are the
-client's, bitwise, step after step (the same plan on the same CPU devices, the same batch each
-step, the same AdamW). The model has a tensor of more than a MiB, so the saved job carries a
+client's, bitwise, step after step (the same plan on the same devices, the same batch each step,
+the same AdamW). The model has a tensor of more than a MiB, so the saved job carries a
 shared-memory file. A folder without a saved job is a clear error.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 import pyrannc
 import models
-from conftest import built_binary
+from conftest import built_binary, daemon_device_names
 
 pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
 
@@ -40,8 +40,9 @@ def _bench(job_dir, steps=STEPS):
 
 
 def test_saved_job_trains_in_process_as_through_the_daemon(tmp_path, monkeypatch):
+    replicas = min(2, len(daemon_device_names()))  # data-parallel where there are 2 devices
     monkeypatch.setenv("RANNC_PARTITION_NUM", "1")
-    monkeypatch.setenv("RANNC_REPLICA_NUM", "2")
+    monkeypatch.setenv("RANNC_REPLICA_NUM", str(replicas))
     plan = tmp_path / "gpt.deployment"
     model = _gpt()
     rmod = pyrannc.RaNNCModule(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -60,7 +61,7 @@ def test_saved_job_trains_in_process_as_through_the_daemon(tmp_path, monkeypatch
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     summary = rmod.plan_summary
     pyrannc.clear()
     monkeypatch.delenv("RANNC_SAVE_JOB")
@@ -74,7 +75,7 @@ def test_saved_job_trains_in_process_as_through_the_daemon(tmp_path, monkeypatch
     bench = json.loads(done.stdout.strip().splitlines()[-1])
     assert "loaded from a file" in bench["plan_summary"], bench["plan_summary"]
     assert bench["plan_summary"].split(";")[0] == summary.split(";")[0]
-    assert len(bench["devices"]) == 2
+    assert len(bench["devices"]) == replicas
     assert len(bench["step_s"]) == STEPS
     # float32 losses, printed by job_bench with every digit: equal, not close.
     assert bench["loss_first"] == losses[0], (bench["loss_first"], losses)
