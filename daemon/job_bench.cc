@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/elapsed.h"
 #include "daemon/common/shm_transfer.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
@@ -117,10 +118,6 @@ absl::StatusOr<std::vector<at::Tensor>> DecodeInputs(
     out.push_back(std::move(*t));
   }
   return out;
-}
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 absl::Status Run(const BenchOptions& o) {

@@ -28,16 +28,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "daemon/common/elapsed.h"
 
 namespace rannc {
 namespace planner {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)

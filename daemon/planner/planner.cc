@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/elapsed.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/planner/coarsen.h"
 #include "daemon/planner/links.h"
@@ -33,10 +34,6 @@ absl::Status ReadInt(const std::map<std::string, std::string>& keys, const std::
     return BadKey(key, it->second, absl::StrCat("an integer >= ", min));
   }
   return absl::OkStatus();
-}
-
-double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
 }
 
 // The per-device micro-batch sizes to profile: powers of two from just below the smallest the
@@ -203,7 +200,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     pieces = std::move(c.pieces);
     spdlog::info("planning: {} atomic nodes ({} measured, {} cached, {} repeats) timed in {:.2f} s; "
                  "{} blocks of {} pieces", num_nodes, profiler.measured(), profiler.cache_hits(),
-                 profiler.shared(), Seconds(profile_start), starts.size(), pieces.size());
+                 profiler.shared(), SecondsSince(profile_start), starts.size(), pieces.size());
   }
   const int num_blocks = static_cast<int>(starts.size());
   auto block_end = [&](int b) { return b + 1 < num_blocks ? starts[b + 1] : num_nodes; };
@@ -262,7 +259,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
       }
     }
     spdlog::info("planning: micro-batch {}: {} pieces measured in {:.2f} s", mb,
-                 profiler.measured() - measured, Seconds(size_start));
+                 profiler.measured() - measured, SecondsSince(size_start));
     if (k == 0) smallest = *records;
     if (k == 1 && !config.profile_all_sizes && sizes.size() > 2 &&
         CostsProportional(sizes[0], smallest, mb, *records)) {
@@ -271,7 +268,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
       break;
     }
   }
-  const double profiling_s = Seconds(profile_start);
+  const double profiling_s = SecondsSince(profile_start);
   if (cache != nullptr) (void)cache->Flush();  // a failed write only costs a re-profile
 
   const auto search_start = std::chrono::steady_clock::now();
@@ -283,7 +280,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   }
   spdlog::info("planning: profiled in {:.2f} s ({} measured, {} cached, {} repeats), searched "
                "in {:.2f} s", profiling_s, profiler.measured(), profiler.cache_hits(),
-               profiler.shared(), Seconds(search_start));
+               profiler.shared(), SecondsSince(search_start));
   if (!plan.ok()) return plan.status();
 
   v1::Deployment d;
@@ -343,7 +340,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     if (!verified.ok()) return verified;
   }
   d.set_profiling_seconds(profiling_s);
-  d.set_planning_seconds(Seconds(start));
+  d.set_planning_seconds(SecondsSince(start));
   return d;
 }
 

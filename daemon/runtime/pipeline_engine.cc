@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/graph/subgraph.h"
@@ -34,10 +35,6 @@ using std::chrono::milliseconds;
 std::atomic<int> engine_count{0};
 
 using Clock = std::chrono::steady_clock;
-double Since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 // Seconds (and bytes) of Init's parts, for its log line.
 struct InitTimings {
   double routing_s = 0;  // checking the plan, building the stages' subgraphs
@@ -248,7 +245,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   }
   primary_.assign(lifted.size(), -1);
 
-  timings.routing_s = Since(start);
+  timings.routing_s = SecondsSince(start);
   Clock::time_point phase;
 
   // Devices: own copies of the stage's tensors, an executor, a worker.
@@ -307,10 +304,10 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
         return absl::OkStatus();
       });
       if (!copied.ok()) return copied;
-      timings.copy_s += Since(phase);
+      timings.copy_s += SecondsSince(phase);
       phase = Clock::now();
       if (offload_) SetUpOffload(d);  // before the executor takes the device handles
-      timings.offload_s += Since(phase);
+      timings.offload_s += SecondsSince(phase);
       phase = Clock::now();
       absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, stages_[s].first, stages_[s].end);
       if (!sub.ok()) return sub.status();
@@ -335,7 +332,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
           })
           .get()
           .IgnoreError();
-      timings.executors_s += Since(phase);
+      timings.executors_s += SecondsSince(phase);
     }
   }
   phase = Clock::now();
@@ -381,10 +378,10 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
     if (status.ok() && !s.ok()) status = s;
   }
   if (!status.ok()) return status;
-  timings.communicators_s = Since(phase);
+  timings.communicators_s = SecondsSince(phase);
   // Where a deployment's "place" time goes (issue 7); at info level only once it is worth
   // reading, so that tests making many small engines stay quiet.
-  const double total_s = Since(start);
+  const double total_s = SecondsSince(start);
   spdlog::log(
       total_s >= 0.1 ? spdlog::level::info : spdlog::level::debug,
       "engine {}: {} local device(s) set up in {:.2f} s: routing {:.2f}, tensors to devices "

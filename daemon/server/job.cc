@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/comm/grpc_store.h"
+#include "daemon/common/elapsed.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/optim/grad_norm.h"
 #include "daemon/common/status.h"
@@ -232,10 +233,6 @@ struct PlannedModel {
   double ir_s = 0;
   double plan_s = 0;
 };
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // The model's IR (for the store's tensors) and its plan.
 absl::StatusOr<PlannedModel> PlanJobModel(const JobConfig& config, const ImportedModel& model,

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
+#include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/planner/deployment.h"
@@ -348,8 +349,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (model.empty()) {
     return Fail("CreateJob", absl::InvalidArgumentError("CreateJob carried no model bytes"));
   }
-  const double receive_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - received).count();
+  const double receive_s = SecondsSince(received);
   absl::StatusOr<JobConfig> made = JobConfigFromSpec(spec, facts_);
   if (!made.ok()) return Fail("CreateJob", made.status());
   absl::StatusOr<std::vector<at::Tensor>> examples =
@@ -359,8 +359,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   absl::StatusOr<SentTensors> decoded = DecodeModelTensors(spec.model_tensors(), shm_);
   if (!decoded.ok()) return Fail("CreateJob", decoded.status());
   const SentTensors sent = std::move(*decoded);
-  const double tensors_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - decoding).count();
+  const double tensors_s = SecondsSince(decoding);
 
   JobConfig config = std::move(*made);
 
