@@ -351,6 +351,7 @@ Job::Job(std::string id, JobConfig config)
     : id_(std::move(id)),
       config_(std::move(config)),
       created_(std::chrono::system_clock::now()),
+      touched_ns_(std::chrono::steady_clock::now().time_since_epoch().count()),
       mode_(config_.mode),
       parked_loss_scaler_(config_.loss_scale) {}
 
@@ -435,6 +436,18 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
                                                             job->config_.client_timeout);
   }
   return job;
+}
+
+void Job::Touch() {
+  touched_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                    std::memory_order_relaxed);
+}
+
+bool Job::LeaseExpired(std::chrono::steady_clock::time_point now) const {
+  if (config_.lease.count() <= 0) return false;
+  const std::chrono::steady_clock::time_point touched{
+      std::chrono::steady_clock::duration(touched_ns_.load(std::memory_order_relaxed))};
+  return now - touched > config_.lease;
 }
 
 std::vector<int> Job::deployment_devices() const {
@@ -591,6 +604,8 @@ absl::Status Job::CreateParts(const std::string& model_bytes,
   spec.mutable_options()->set_load_deployment(deployment_.SerializeAsString());
   spec.clear_example_inputs();
   spec.clear_model_tensors();  // in model_bytes; they may name the client's shm files
+  // A part lives as long as the job that leads it (~Job deletes the parts), not by a lease.
+  spec.mutable_options()->set_lease_ms(0);
   for (const at::Tensor& t : example_inputs) {
     absl::Status encoded = EncodeTensor(t, spec.add_example_inputs(), nullptr);
     if (!encoded.ok()) return encoded;

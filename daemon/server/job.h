@@ -114,6 +114,9 @@ struct JobConfig {
   int client_world = 1;
   bool gather_inputs = true;
   std::chrono::milliseconds client_timeout = std::chrono::minutes(5);
+  // JobOptions.lease_ms: the job is deleted once no call has named it for this long (Touch,
+  // LeaseExpired); zero: never.
+  std::chrono::milliseconds lease{0};
 
   // A job over several daemons (docs/cluster.md): the plan's devices this daemon runs (empty:
   // all), where the parts' communicators meet (this daemon's own store when it leads, else the
@@ -243,6 +246,11 @@ class Job {
   absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> GradNorms(double norm_type);
   absl::Status ScaleGrads(const at::Tensor& coefficient);
   int client_world() const { return config_.client_world; }
+  // The client's lease (JobConfig::lease): every call naming the job renews it
+  // (JobManager::Get). Callable from any thread, without the job's lock.
+  void Touch();
+  bool LeaseExpired(std::chrono::steady_clock::time_point now) const;
+  std::chrono::milliseconds lease() const { return config_.lease; }
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,
                         bool retain_graph, bool delay_grad_allreduce = false);
   absl::Status Step(const std::vector<HyperParams>& hypers);
@@ -327,6 +335,8 @@ class Job {
   const std::string id_;
   const JobConfig config_;
   const std::chrono::system_clock::time_point created_;
+  // When a call last named the job (steady clock, nanoseconds since its epoch).
+  std::atomic<int64_t> touched_ns_;
   std::vector<std::string> devices_;
   std::vector<InputSignature> signature_;
   v1::Deployment deployment_;

@@ -25,6 +25,7 @@ std::string JobManager::NewJobId() {
 }
 
 void JobManager::Add(std::shared_ptr<Job> job) {
+  job->Touch();
   std::lock_guard<std::mutex> lock(mu_);
   jobs_[job->id()] = std::move(job);
 }
@@ -37,6 +38,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Get(const std::string& id) cons
         "no job '", id, "' on this daemon (it was deleted, or the daemon restarted); "
         "`rannc jobs` lists the live ones"));
   }
+  it->second->Touch();
   return it->second;
 }
 
@@ -51,6 +53,33 @@ absl::Status JobManager::Remove(const std::string& id) {
     job = std::move(it->second);
     jobs_.erase(it);
   }
+  Release(std::move(job));
+  return absl::OkStatus();
+}
+
+std::vector<JobManager::Expired> JobManager::RemoveExpired(
+    std::chrono::steady_clock::time_point now) {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (it->second->LeaseExpired(now)) {
+        jobs.push_back(std::move(it->second));
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  std::vector<Expired> expired;
+  for (std::shared_ptr<Job>& job : jobs) {
+    expired.push_back({job->id(), job->name(), job->lease()});
+    Release(std::move(job));
+  }
+  return expired;
+}
+
+void JobManager::Release(std::shared_ptr<Job> job) {
   // Destroyed here unless a call in flight still holds it. glibc keeps what a job's many
   // threads freed in their arenas; hand it back, so that a long-running daemon's footprint
   // follows its live jobs (without this, creating and deleting jobs grew it by ~100 MiB a job).
@@ -58,7 +87,6 @@ absl::Status JobManager::Remove(const std::string& id) {
 #ifdef __GLIBC__
   malloc_trim(0);
 #endif
-  return absl::OkStatus();
 }
 
 std::vector<std::shared_ptr<Job>> JobManager::List() const {

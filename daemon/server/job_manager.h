@@ -6,6 +6,7 @@
 #define RANNC_DAEMON_SERVER_JOB_MANAGER_H_
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,14 +24,25 @@ class JobManager {
 
   // A new id, unique within this daemon's lifetime ("job-1a2b3c4d-7").
   std::string NewJobId();
+  // Add starts the job's lease (Job::Touch), and Get renews it.
   void Add(std::shared_ptr<Job> job);
   // NOT_FOUND with a message naming the id when it is unknown.
   absl::StatusOr<std::shared_ptr<Job>> Get(const std::string& id) const;
   absl::Status Remove(const std::string& id);
+  // Removes (as Remove does) the jobs whose lease has run out at `now` (Job::LeaseExpired) and
+  // says which, for the caller's log. A call in flight keeps its job alive until it ends.
+  struct Expired {
+    std::string id;
+    std::string name;
+    std::chrono::milliseconds lease;
+  };
+  std::vector<Expired> RemoveExpired(std::chrono::steady_clock::time_point now);
   std::vector<std::shared_ptr<Job>> List() const;
   size_t size() const;
 
  private:
+  static void Release(std::shared_ptr<Job> job);
+
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_;
   std::atomic<uint64_t> next_id_{1};

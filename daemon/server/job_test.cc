@@ -1,11 +1,16 @@
 #include "daemon/server/job.h"
 
+#include <chrono>
 #include <map>
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
+#include "daemon/server/job_manager.h"
 #include "tests/fixtures/fixture.h"
 
 namespace rannc {
@@ -514,6 +519,39 @@ TEST_CASE("Job delays gradient reduction until AllReduceGrads, across an undeplo
       CHECK(Close(Value(*job, param), value - f.Ref("grad", param) * 3 * h.lr));
     }
   }
+}
+
+TEST_CASE("JobManager deletes a job whose client lease ran out; a call renews it", "[job]") {
+  using std::chrono::milliseconds;
+  testing::Fixture f = testing::LoadFixture("mlp");
+  JobManager jobs;
+  for (const char* id : {"leased", "unleased"}) {
+    JobConfig config = SgdConfig();
+    if (std::string(id) == "leased") config.lease = milliseconds(500);  // else 0: no lease
+    absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, config, f.model_bytes, f.inputs);
+    REQUIRE(job.ok());
+    jobs.Add(std::move(*job));
+  }
+  REQUIRE(jobs.size() == 2);
+
+  // Add started the lease; a call naming the job (Get) renews it from the time of the call.
+  REQUIRE(jobs.Get("leased").ok());
+  const auto now = std::chrono::steady_clock::now();
+  CHECK(jobs.RemoveExpired(now).empty());
+  CHECK(jobs.RemoveExpired(now + milliseconds(400)).empty());
+  std::this_thread::sleep_for(milliseconds(50));
+  REQUIRE(jobs.Get("leased").ok());
+  CHECK(jobs.RemoveExpired(now + milliseconds(520)).empty());
+  std::vector<JobManager::Expired> expired =
+      jobs.RemoveExpired(std::chrono::steady_clock::now() + milliseconds(600));
+  REQUIRE(expired.size() == 1);
+  CHECK(expired[0].id == "leased");
+  CHECK(expired[0].name == "test");
+  CHECK(expired[0].lease == milliseconds(500));
+  CHECK(jobs.Get("leased").status().code() == absl::StatusCode::kNotFound);
+  // A job without a lease stays, however long nobody calls.
+  CHECK(jobs.RemoveExpired(std::chrono::steady_clock::now() + std::chrono::hours(24)).empty());
+  CHECK(jobs.Get("unleased").ok());
 }
 
 }  // namespace

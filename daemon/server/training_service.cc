@@ -193,7 +193,36 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs)
-    : facts_(std::move(facts)), shm_(facts_.shm_dir), jobs_(jobs) {}
+    : facts_(std::move(facts)),
+      shm_(facts_.shm_dir),
+      jobs_(jobs),
+      reaper_([this] { ReapExpiredJobs(); }) {}
+
+TrainingServiceImpl::~TrainingServiceImpl() {
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    stopping_ = true;
+  }
+  reaper_cv_.notify_all();
+  reaper_.join();
+}
+
+void TrainingServiceImpl::ReapExpiredJobs() {
+  std::unique_lock<std::mutex> lock(reaper_mu_);
+  while (!reaper_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stopping_; })) {
+    lock.unlock();
+    for (const JobManager::Expired& e : jobs_->RemoveExpired(std::chrono::steady_clock::now())) {
+      {
+        std::lock_guard<std::mutex> joinable(joinable_mu_);
+        joinable_.erase(e.id);
+      }
+      spdlog::warn("deleted job {} '{}': no call from its client for its lease of {} ms (the "
+                   "client exited or hung without deleting it)",
+                   e.id, e.name, e.lease.count());
+    }
+    lock.lock();
+  }
+}
 
 absl::Status TrainingServiceImpl::EncodeReply(
     const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
@@ -285,6 +314,7 @@ absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const Daemo
   if (spec.options().client_timeout_ms() > 0) {
     config.client_timeout = std::chrono::milliseconds(spec.options().client_timeout_ms());
   }
+  config.lease = std::chrono::milliseconds(spec.options().lease_ms());
   absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(
       {spec.options().config().begin(), spec.options().config().end()});
   if (!planner.ok()) return planner.status();
@@ -637,6 +667,15 @@ grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobR
   absl::Status status = jobs_->Remove(ref->job_id());
   if (!status.ok()) return Fail("DeleteJob", status);
   spdlog::info("deleted job {}", ref->job_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::RenewLeases(grpc::ServerContext*,
+                                              const v1::RenewLeasesRequest* request,
+                                              v1::RenewLeasesResponse* response) {
+  for (const std::string& id : request->job_ids()) {
+    if (!jobs_->Get(id).ok()) response->add_unknown(id);  // Get renews the lease
+  }
   return grpc::Status::OK;
 }
 

@@ -7,10 +7,12 @@
 #ifndef RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 #define RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "daemon/comm/factory.h"
@@ -69,7 +71,10 @@ absl::StatusOr<SentTensors> DecodeModelTensors(
 
 class TrainingServiceImpl final : public v1::TrainingService::Service {
  public:
+  // Starts a thread that deletes, once a second, the jobs whose client lease ran out
+  // (JobOptions.lease_ms); the destructor stops it.
   TrainingServiceImpl(DaemonFacts facts, JobManager* jobs);
+  ~TrainingServiceImpl() override;
 
   // The bound address is known only once the server runs (--listen may ask for port 0).
   void set_address(std::string address);
@@ -91,6 +96,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                              v1::Empty*) override;
   grpc::Status DeleteJob(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const v1::Empty*, v1::ListJobsResponse*) override;
+  grpc::Status RenewLeases(grpc::ServerContext*, const v1::RenewLeasesRequest*,
+                           v1::RenewLeasesResponse*) override;
   grpc::Status Forward(grpc::ServerContext*, const v1::ForwardRequest*,
                        v1::ForwardResponse*) override;
   grpc::Status Backward(grpc::ServerContext*, const v1::BackwardRequest*, v1::Empty*) override;
@@ -154,6 +161,12 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   std::map<std::pair<std::string, int>, std::shared_ptr<ClientRendezvous>> barriers_;
   mutable std::mutex peers_mu_;
   mutable std::map<std::string, std::unique_ptr<v1::TrainingService::Stub>> peers_;
+  // The lease reaper (see the constructor).
+  void ReapExpiredJobs();
+  std::mutex reaper_mu_;
+  std::condition_variable reaper_cv_;
+  bool stopping_ = false;  // guarded by reaper_mu_
+  std::thread reaper_;     // last: starts once everything above is constructed
 };
 
 }  // namespace rannc

@@ -20,6 +20,8 @@ CLIENT_KEYS = frozenset({
     "reuse_trace",
     # A folder to write the job to, for daemon/job_bench.cc (pyrannc._save_job).
     "save_job",
+    # Seconds of the client's lease on its jobs (JobOptions.lease_ms; pyrannc.module).
+    "job_lease",
 })
 
 

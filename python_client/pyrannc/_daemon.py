@@ -161,6 +161,47 @@ class Connection:
         # Same-host shared-memory transfer; set once the daemon answered (see _shm).
         self.shm: Optional[_shm.Transfer] = None
         self.closed = False
+        # Jobs whose lease (JobOptions.lease_ms) this connection renews: id -> lease seconds.
+        # Plain dict operations, atomic under the GIL: release_lease may run in a finalizer.
+        self._leases: Dict[str, float] = {}
+        self._renewer: Optional[threading.Thread] = None
+        self._renewer_lock = threading.Lock()
+        self._stop_renewing = threading.Event()
+
+    def hold_lease(self, job_id: str, lease_s: float) -> None:
+        """Renews the job's lease from a thread of this connection, every fifth of the lease,
+        until release_lease (or the daemon no longer knows the job, or the connection closes).
+        While this process lives its jobs stay; once it is gone the daemon deletes them."""
+        if lease_s <= 0:
+            return
+        self._leases[job_id] = lease_s
+        with self._renewer_lock:
+            if self._renewer is None and not self.closed:
+                self._renewer = threading.Thread(target=self._renew_leases, daemon=True,
+                                                 name="pyrannc-leases")
+                self._renewer.start()
+
+    def release_lease(self, job_id: str) -> None:
+        self._leases.pop(job_id, None)
+
+    def _renew_leases(self) -> None:
+        while True:
+            leases = dict(self._leases)
+            interval = min(leases.values()) / 5 if leases else 1.0
+            if self._stop_renewing.wait(interval):
+                return
+            leases = dict(self._leases)
+            if not leases:
+                continue
+            try:
+                resp = self.stub.RenewLeases(pb.RenewLeasesRequest(job_ids=list(leases)),
+                                             timeout=max(interval, 1.0))
+            except grpc.RpcError as err:  # the next round tries again
+                logger.debug("pyrannc: renewing job leases at %s: %s", self.address,
+                             err.details())
+                continue
+            for job_id in resp.unknown:
+                self._leases.pop(job_id, None)
 
     def _hint(self, err: grpc.RpcError) -> str:
         if self.embedded is not None and self.embedded.exited() is not None:
@@ -207,6 +248,7 @@ class Connection:
                          code=grpc.StatusCode.DEADLINE_EXCEEDED, details=detail)
 
     def close(self):
+        self._stop_renewing.set()
         if not self.closed:
             self.closed = True
             self.channel.close()

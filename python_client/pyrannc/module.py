@@ -56,6 +56,7 @@ class _Job:
         self.specs = {_mode_key(mode): spec}  # output structure per traced mode
         self.group_ids = group_ids
         self.devices = devices
+        self.lease_conn = None  # the connection renewing the job's lease (hold_lease)
         # Counted here rather than taken from ForwardResponse.forward_id, so the check that a
         # backward belongs to the last forward does not depend on the daemon numbering them.
         self.forwards = 0
@@ -67,6 +68,12 @@ class _Job:
         # A backward without keep_graph released the last forward's graph; mirrored here so a
         # second backward fails at once even while the first is deferred.
         self.graph_released = False
+
+    def __del__(self):
+        # Once the client lets go of the job (deleted, dropped, or its module collected), the
+        # lease is no longer renewed: a job still on the daemon expires there.
+        if self.lease_conn is not None:
+            self.lease_conn.release_lease(self.id)
 
 
 def _leave_out_tensors(traced: torch.jit.ScriptModule,
@@ -412,7 +419,8 @@ class RaNNCModule(torch.nn.Module):
                                 allreduce_amp_master_params=self._allreduce_amp_master_params,
                                 config=_job_config(plan_batch),
                                 load_deployment=self._deployment_bytes,
-                                client_world=world, client_timeout_ms=client_timeout_ms())
+                                client_world=world, client_timeout_ms=client_timeout_ms(),
+                                lease_ms=int(lease_seconds() * 1000))
         with _shm.session(conn.shm) as wire, _shm.bulk_session(conn.shm) as bulk:
             started = time.perf_counter()
             job_spec = pb.JobSpec(
@@ -517,6 +525,8 @@ class RaNNCModule(torch.nn.Module):
                                f"the trace returned {expected}")
         group_ids = _optim.group_param_ids(self._optimizer) if self._optimizer else []
         self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices), owner, address)
+        conn.hold_lease(resp.job_id, lease_seconds())
+        self._job.lease_conn = conn
         self._deployment = resp.deployment if resp.HasField("deployment") else None
         self._plan_summary = resp.plan_summary or None
         logger.info("pyrannc: job %s on %s", resp.job_id, ", ".join(resp.devices))
@@ -945,6 +955,13 @@ def _job_config(plan_batch: Optional[int]) -> Dict[str, str]:
     if plan_batch is not None:
         config.setdefault("batch_size", str(plan_batch))
     return config
+
+
+def lease_seconds() -> float:
+    """The client's lease on its jobs (RANNC_JOB_LEASE seconds, default 300; 0: none): a job
+    whose client has not been heard from for that long is deleted by the daemon (a client that
+    died does not hold a shared daemon's devices). pyrannc renews it while the process lives."""
+    return float(_config.client_setting("job_lease", "300"))
 
 
 def client_timeout_ms() -> int:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import pyrannc
 from pyrannc import _daemon
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
-from conftest import CLIENT_ROOT, assert_close, free_port
+from conftest import CLIENT_ROOT, DaemonProcess, assert_close, free_port
 import models
 
 pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
@@ -461,6 +461,56 @@ def test_embedded_daemon_ends_with_its_client(ending):
     if not _wait_gone(pid):
         os.kill(pid, 9)
         pytest.fail(f"embedded ranncd (pid {pid}) still runs after its client ended ({ending})")
+
+
+_LEASED_SCRIPT = textwrap.dedent("""
+    import sys, time, torch, pyrannc
+    m = pyrannc.RaNNCModule(torch.nn.Linear(3, 1))
+    m(torch.ones(2, 3))
+    print("JOB", m._job.id, flush=True)
+    time.sleep(600)  # killed by the test
+""")
+
+
+def _live_jobs(conn):
+    return {j.job_id for j in conn.stub.ListJobs(pb.Empty()).jobs}
+
+
+@pytest.mark.parametrize("lease_s", ["2", "0"])
+def test_a_dead_clients_job_is_deleted_once_its_lease_runs_out(pyrannc_daemon, lease_s):
+    """A client killed without deleting its job (a shared daemon, RANNC_DAEMON): with a lease
+    (RANNC_JOB_LEASE=2) the job stays while the client lives, renewed by pyrannc's thread well
+    past the lease, and the daemon deletes it within a lease (and its once-a-second sweep) of the
+    client's death, saying why; with RANNC_JOB_LEASE=0 it stays until someone deletes it."""
+    daemon = DaemonProcess()
+    try:
+        env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=daemon.address,
+                   RANNC_JOB_LEASE=lease_s)
+        client = subprocess.Popen([sys.executable, "-c", _LEASED_SCRIPT], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = client.stdout.readline()
+            assert line.startswith("JOB"), client.stderr.read() if client.poll() is not None \
+                else line
+            job_id = line.split()[1]
+            time.sleep(4)  # two leases: only the renewals keep the job
+            assert job_id in _live_jobs(daemon.conn)
+        finally:
+            client.kill()
+            client.wait()
+        if lease_s == "0":
+            time.sleep(4)  # longer than the leased case's lease and sweep
+            assert job_id in _live_jobs(daemon.conn)
+            daemon.conn.call("DeleteJob", pb.JobRef(job_id=job_id))
+        else:
+            deadline = time.monotonic() + 8
+            while job_id in _live_jobs(daemon.conn) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert job_id not in _live_jobs(daemon.conn), daemon.output()[-2000:]
+            assert f"deleted job {job_id}" in daemon.output()
+            assert "lease of 2000 ms" in daemon.output()
+    finally:
+        daemon.stop()
 
 
 def test_missing_daemon_binary_is_a_clear_error(tmp_path):

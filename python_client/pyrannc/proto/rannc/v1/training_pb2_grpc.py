@@ -49,6 +49,11 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.ListJobsResponse.FromString,
                 )
+        self.RenewLeases = channel.unary_unary(
+                '/rannc.v1.TrainingService/RenewLeases',
+                request_serializer=rannc_dot_v1_dot_training__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.RenewLeasesResponse.FromString,
+                )
         self.Forward = channel.unary_unary(
                 '/rannc.v1.TrainingService/Forward',
                 request_serializer=rannc_dot_v1_dot_training__pb2.ForwardRequest.SerializeToString,
@@ -162,6 +167,13 @@ class TrainingServiceServicer(object):
 
     def ListJobs(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLeases(self, request, context):
+        """Renews the client's lease on these jobs (JobOptions.lease_ms); any call naming a job does.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -291,6 +303,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.RenewLeasesResponse.SerializeToString,
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
@@ -488,6 +505,23 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ListJobs',
             rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
             rannc_dot_v1_dot_training__pb2.ListJobsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/RenewLeases',
+            rannc_dot_v1_dot_training__pb2.RenewLeasesRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.RenewLeasesResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
