@@ -315,8 +315,12 @@ absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const Daemo
     config.client_timeout = std::chrono::milliseconds(spec.options().client_timeout_ms());
   }
   config.lease = std::chrono::milliseconds(spec.options().lease_ms());
-  absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(
-      {spec.options().config().begin(), spec.options().config().end()});
+  if (config.lease.count() > 0 && config.lease < std::chrono::seconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease_ms=", spec.options().lease_ms(), ": a job's lease is 0 (none) or at least 1000 ms "
+        "(the daemon looks for expired leases once a second); pyrannc: RANNC_JOB_LEASE seconds"));
+  }
+  absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(keys);
   if (!planner.ok()) return planner.status();
   config.planner = *planner;
   config.plan_target.batch_size = config.planner.batch_size;  // a dry run's may override it

@@ -961,7 +961,14 @@ def lease_seconds() -> float:
     """The client's lease on its jobs (RANNC_JOB_LEASE seconds, default 300; 0: none): a job
     whose client has not been heard from for that long is deleted by the daemon (a client that
     died does not hold a shared daemon's devices). pyrannc renews it while the process lives."""
-    return float(_config.client_setting("job_lease", "300"))
+    value = _config.client_setting("job_lease", "300")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r} is not a number of seconds") from None
+    if seconds < 0:
+        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r}: 0 (no lease) or seconds >= 1")
+    return seconds
 
 
 def client_timeout_ms() -> int:

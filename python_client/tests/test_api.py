@@ -513,6 +513,14 @@ def test_a_dead_clients_job_is_deleted_once_its_lease_runs_out(pyrannc_daemon, l
         daemon.stop()
 
 
+def test_a_lease_under_a_second_is_refused(monkeypatch):
+    monkeypatch.setenv("RANNC_JOB_LEASE", "0.2")
+    with pytest.raises(pyrannc.RanncError) as err:
+        pyrannc.RaNNCModule(torch.nn.Linear(3, 1))(torch.ones(2, 3))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lease_ms=200" in str(err.value) and "RANNC_JOB_LEASE" in str(err.value)
+
+
 def test_missing_daemon_binary_is_a_clear_error(tmp_path):
     script = "import torch, pyrannc\npyrannc.RaNNCModule(torch.nn.Linear(3, 1))(torch.ones(2, 3))"
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON_BIN=str(tmp_path / "nope"))
