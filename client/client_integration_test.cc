@@ -400,6 +400,51 @@ TEST_CASE("a linear model trains with AdamW exactly as in PyTorch", "[integratio
   REQUIRE(client.DeleteJob(job_id).ok());
 }
 
+bool Listed(Client& client, const std::string& job_id, v1::JobSummary* summary = nullptr) {
+  absl::StatusOr<std::vector<v1::JobSummary>> jobs = client.ListJobs();
+  REQUIRE(jobs.ok());
+  for (const v1::JobSummary& job : *jobs) {
+    if (job.job_id() != job_id) continue;
+    if (summary != nullptr) *summary = job;
+    return true;
+  }
+  return false;
+}
+
+TEST_CASE("a leased job lives while its LeaseKeeper does and is deleted after", "[integration]") {
+  Client& client = Daemon().client();
+  JobConfig config;
+  config.name = "linear-leased";
+  config.mode.set_training(true);
+  config.optimizer.set_type(v1::SGD);
+  config.example_inputs = {Linear().x, Linear().y};
+  config.options.set_lease_ms(1000);
+  absl::StatusOr<v1::CreateJobResponse> job = client.CreateJob(Linear().model, config);
+  INFO(job.status().ToString());
+  REQUIRE(job.ok());
+  const std::string id = job->job_id();
+  {
+    LeaseKeeper keeper(client, id, absl::Seconds(1));
+    // Two and a half leases with no call of ours: only the keeper's renewals keep the job.
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    v1::JobSummary summary;
+    REQUIRE(Listed(client, id, &summary));
+    CHECK(summary.lease_ms() == 1000);
+    CHECK(summary.idle_ms() < 1000);
+    CHECK(ForwardLoss(client, id) > 0);
+  }
+  // Now nobody renews it: gone within its lease and the daemon's once-a-second sweep.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(6);
+  while (Listed(client, id) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  CHECK_FALSE(Listed(client, id));
+  CHECK(client.ZeroGrad(id).code() == absl::StatusCode::kNotFound);
+  absl::StatusOr<std::vector<std::string>> unknown = client.RenewLeases({id});
+  REQUIRE(unknown.ok());
+  CHECK(*unknown == std::vector<std::string>{id});
+}
+
 TEST_CASE("state_dict round-trips through StateDict and LoadStateDict", "[integration]") {
   Client& client = Daemon().client();
   const std::string job_id = CreateLinearJob(client, v1::SGD, "linear-state");

@@ -23,6 +23,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -157,10 +158,12 @@ int RunJobs(const Client& client) {
   absl::StatusOr<std::vector<v1::JobSummary>> jobs = client.ListJobs();
   if (!jobs.ok()) return Fail(jobs.status());
   std::vector<std::vector<std::string>> rows = {
-      {"JOB ID", "NAME", "STATE", "PARAMS", "STEPS", "DEVICES"}};
+      {"JOB ID", "NAME", "STATE", "PARAMS", "STEPS", "IDLE", "LEASE", "DEVICES"}};
+  auto seconds = [](uint64_t ms) { return absl::StrFormat("%ds", ms / 1000); };
   for (const v1::JobSummary& job : *jobs) {
     rows.push_back({job.job_id(), job.name().empty() ? "-" : job.name(), StateName(job.state()),
                     HumanCount(job.num_params()), std::to_string(job.steps()),
+                    seconds(job.idle_ms()), job.lease_ms() == 0 ? "-" : seconds(job.lease_ms()),
                     absl::StrJoin(job.devices(), ",")});
   }
   PrintTable(rows, "");
@@ -191,6 +194,7 @@ struct TrainFlags {
   uint64_t seed = 0;
   int64_t log_every = 10;
   std::string name;
+  double lease_s = 300;  // the job's lease (JobOptions.lease_ms); 0: none
 };
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
@@ -211,6 +215,9 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   if (flags.batch <= 0 || flags.seq <= 0 || flags.steps <= 0) {
     return Fail("--batch, --seq and --steps must be positive");
   }
+  if (flags.lease_s != 0 && !(flags.lease_s >= 1)) {
+    return Fail("--lease is 0 (no lease) or at least 1 second");
+  }
   absl::StatusOr<std::string> model = ReadFile(flags.model);
   if (!model.ok()) return Fail(model.status());
   absl::StatusOr<TokenFile> tokens = TokenFile::Open(flags.tokens, flags.token_dtype);
@@ -224,6 +231,9 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   hyper.set_lr(flags.lr);
   JobConfig config;
   config.name = flags.name.empty() ? "rannc-train" : flags.name;
+  // If this process dies (SIGKILL, a lost machine), the daemon deletes the job once the lease
+  // runs out; the keeper below renews it while we live.
+  config.options.set_lease_ms(static_cast<uint32_t>(flags.lease_s * 1000));
   config.mode.set_training(true);
   config.mode.set_dropout(true);
   if (flags.optimizer == "sgd") {
@@ -250,6 +260,8 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   absl::StatusOr<v1::CreateJobResponse> job = client.CreateJob(*model, config);
   if (!job.ok()) return Fail(job.status());
   const std::string job_id = job->job_id();
+  std::optional<LeaseKeeper> lease;
+  if (flags.lease_s > 0) lease.emplace(client, job_id, absl::Seconds(flags.lease_s));
 
   // From here on every exit path deletes the job.
   auto finish = [&](int code, const absl::Status& error) {
@@ -481,6 +493,10 @@ int Main(int argc, char** argv) {
   train->add_option("--log-every", flags.log_every, "steps between log lines when not on a TTY")
       ->capture_default_str();
   train->add_option("--name", flags.name, "job name shown by `rannc jobs`");
+  train->add_option("--lease", flags.lease_s,
+                    "seconds after which the daemon deletes the job if this process died "
+                    "(0: never)")
+      ->capture_default_str();
 
   CLI::App* plan = app.add_subcommand(
       "plan", "plan a TorchScript model for N devices without creating a job (a dry run), or "

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -167,6 +168,49 @@ absl::Status Client::AddMode(const std::string& job_id, const v1::Mode& mode,
   request.mutable_header()->set_model_bytes(model_bytes.size());
   WriteModelStream(writer.get(), std::move(request), model_bytes, options_.model_chunk_bytes);
   return Convert("AddMode", writer->Finish());
+}
+
+absl::StatusOr<std::vector<std::string>> Client::RenewLeases(
+    const std::vector<std::string>& job_ids) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  // A renewal is quick; a daemon that does not answer must not hold a LeaseKeeper for long.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  if (options_.rpc_timeout == absl::InfiniteDuration() ||
+      options_.rpc_timeout > absl::Seconds(10)) {
+    context.set_deadline(absl::ToChronoTime(deadline));
+  }
+  v1::RenewLeasesRequest request;
+  for (const std::string& id : job_ids) request.add_job_ids(id);
+  v1::RenewLeasesResponse response;
+  grpc::Status s = stub_->RenewLeases(&context, request, &response);
+  if (!s.ok()) return Convert("RenewLeases", s);
+  return std::vector<std::string>(response.unknown().begin(), response.unknown().end());
+}
+
+LeaseKeeper::LeaseKeeper(const Client& client, std::string job_id, absl::Duration lease)
+    : client_(client), job_id_(std::move(job_id)) {
+  const auto every = std::chrono::milliseconds(std::max<int64_t>(
+      100, absl::ToInt64Milliseconds(lease) / 5));
+  thread_ = std::thread([this, every] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, every, [this] { return stop_; })) {
+      lock.unlock();
+      // A failed renewal is tried again next round; the job's lease outlasts several rounds.
+      absl::StatusOr<std::vector<std::string>> unknown = client_.RenewLeases({job_id_});
+      lock.lock();
+      if (unknown.ok() && !unknown->empty()) return;  // the job is gone: nothing to keep
+    }
+  });
+}
+
+LeaseKeeper::~LeaseKeeper() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
 }
 
 absl::Status Client::DeleteJob(const std::string& job_id) const {

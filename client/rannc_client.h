@@ -30,13 +30,16 @@
 #ifndef RANNC_CLIENT_RANNC_CLIENT_H_
 #define RANNC_CLIENT_RANNC_CLIENT_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -135,6 +138,11 @@ class Client {
   absl::Status AddMode(const std::string& job_id, const v1::Mode& mode,
                        std::string_view model_bytes) const;
   absl::Status DeleteJob(const std::string& job_id) const;
+  // Renews the client's lease on these jobs (JobOptions.lease_ms); returns the ids the daemon
+  // does not know (deleted, or expired). Any call naming a job renews it too; LeaseKeeper
+  // renews from a thread.
+  absl::StatusOr<std::vector<std::string>> RenewLeases(
+      const std::vector<std::string>& job_ids) const;
 
   // requires_grad=false is torch.no_grad(): the daemon keeps no graph for Backward.
   absl::StatusOr<ForwardResult> Forward(const std::string& job_id,
@@ -181,6 +189,31 @@ class Client {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::TrainingService::Stub> stub_;
+};
+
+// Keeps a leased job (JobOptions.lease_ms) alive while it lives: renews the lease every fifth of
+// `lease` from a thread of its own, so a long pause between calls (or one long call) does not
+// let the daemon delete the job; once the keeper (or the whole process) is gone, the daemon
+// deletes the job when its lease runs out. Must not outlive `client`.
+//
+//   config.options.set_lease_ms(300000);
+//   absl::StatusOr<v1::CreateJobResponse> job = client.CreateJob(model, config);
+//   rannc::LeaseKeeper keeper(client, job->job_id(), absl::Minutes(5));
+class LeaseKeeper {
+ public:
+  LeaseKeeper(const Client& client, std::string job_id, absl::Duration lease);
+  ~LeaseKeeper();
+
+  LeaseKeeper(const LeaseKeeper&) = delete;
+  LeaseKeeper& operator=(const LeaseKeeper&) = delete;
+
+ private:
+  const Client& client_;
+  const std::string job_id_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
 };
 
 // Maps a gRPC status to an absl::Status with the same code, "RPC: message" as the message.

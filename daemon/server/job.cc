@@ -443,11 +443,14 @@ void Job::Touch() {
                     std::memory_order_relaxed);
 }
 
-bool Job::LeaseExpired(std::chrono::steady_clock::time_point now) const {
-  if (config_.lease.count() <= 0) return false;
+std::chrono::milliseconds Job::IdleFor(std::chrono::steady_clock::time_point now) const {
   const std::chrono::steady_clock::time_point touched{
       std::chrono::steady_clock::duration(touched_ns_.load(std::memory_order_relaxed))};
-  return now - touched > config_.lease;
+  return std::chrono::duration_cast<std::chrono::milliseconds>(now - touched);
+}
+
+bool Job::LeaseExpired(std::chrono::steady_clock::time_point now) const {
+  return config_.lease.count() > 0 && IdleFor(now) > config_.lease;
 }
 
 std::vector<int> Job::deployment_devices() const {

@@ -249,6 +249,7 @@ class Job {
   // The client's lease (JobConfig::lease): every call naming the job renews it
   // (JobManager::Get). Callable from any thread, without the job's lock.
   void Touch();
+  std::chrono::milliseconds IdleFor(std::chrono::steady_clock::time_point now) const;
   bool LeaseExpired(std::chrono::steady_clock::time_point now) const;
   std::chrono::milliseconds lease() const { return config_.lease; }
   absl::Status Backward(const std::vector<std::pair<size_t, at::Tensor>>& output_grads,

@@ -685,6 +685,7 @@ grpc::Status TrainingServiceImpl::RenewLeases(grpc::ServerContext*,
 
 grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty*,
                                            v1::ListJobsResponse* response) {
+  const auto now = std::chrono::steady_clock::now();
   for (const std::shared_ptr<Job>& job : jobs_->List()) {
     JobSummary s = job->Summary();
     v1::JobSummary* out = response->add_jobs();
@@ -703,6 +704,8 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
     out->set_skipped_steps(static_cast<uint64_t>(s.skipped_steps));
     out->set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                                  s.created.time_since_epoch()).count());
+    out->set_lease_ms(static_cast<uint32_t>(job->lease().count()));
+    out->set_idle_ms(static_cast<uint64_t>(std::max<int64_t>(0, job->IdleFor(now).count())));
   }
   return grpc::Status::OK;
 }
