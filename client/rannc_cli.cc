@@ -215,8 +215,8 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   if (flags.batch <= 0 || flags.seq <= 0 || flags.steps <= 0) {
     return Fail("--batch, --seq and --steps must be positive");
   }
-  if (flags.lease_s != 0 && !(flags.lease_s >= 1)) {
-    return Fail("--lease is 0 (no lease) or at least 1 second");
+  if (flags.lease_s != 0 && !(flags.lease_s >= 1 && flags.lease_s <= 4e6)) {
+    return Fail("--lease is 0 (no lease) or 1 to 4,000,000 seconds");
   }
   absl::StatusOr<std::string> model = ReadFile(flags.model);
   if (!model.ok()) return Fail(model.status());

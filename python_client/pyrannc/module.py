@@ -966,8 +966,9 @@ def lease_seconds() -> float:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r} is not a number of seconds") from None
-    if seconds < 0:
-        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r}: 0 (no lease) or seconds >= 1")
+    if not 0 <= seconds <= 4e6:
+        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r}: 0 (no lease) or 1 to 4,000,000 "
+                         "seconds")
     return seconds
 
 
