@@ -35,7 +35,6 @@
 #include "daemon/common/elapsed.h"
 #include "daemon/common/shm_transfer.h"
 #include "daemon/common/status.h"
-#include "daemon/common/tensor_codec.h"
 #include "daemon/config/options.h"
 #include "daemon/daemon.h"
 #include "daemon/planner/deployment.h"
@@ -109,17 +108,6 @@ void MoveShmRefs(const std::string& dir, v1::Tensor* t) {
   t->mutable_shm()->set_path(absl::StrCat(dir, "/", path.substr(path.rfind('/') + 1)));
 }
 
-absl::StatusOr<std::vector<at::Tensor>> DecodeInputs(
-    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors, const ShmDirectory& shm) {
-  std::vector<at::Tensor> out;
-  for (int i = 0; i < tensors.size(); ++i) {
-    absl::StatusOr<at::Tensor> t = DecodeTensor(tensors[i], absl::StrCat("input #", i), &shm);
-    if (!t.ok()) return t.status();
-    out.push_back(std::move(*t));
-  }
-  return out;
-}
-
 absl::Status Run(const BenchOptions& o) {
   absl::StatusOr<v1::JobSpec> spec = ReadMessage<v1::JobSpec>(o.dir + "/job.pb");
   if (!spec.ok()) return spec.status();
@@ -136,14 +124,12 @@ absl::Status Run(const BenchOptions& o) {
   if (!facts.ok()) return facts.status();
   absl::StatusOr<JobConfig> config = JobConfigFromSpec(*spec, *facts);
   if (!config.ok()) return config.status();
-  const bool cuda = std::any_of(config->placement.begin(), config->placement.end(),
-                                [](const c10::Device& d) { return d.is_cuda(); });
-  config->backend = JobBackend(cuda, facts->devices);
+  config->backend = JobBackend(config->placement, facts->devices);
   const std::vector<HyperParams> hypers = config->optimizer.group_hyper;
 
-  absl::StatusOr<std::vector<at::Tensor>> examples = DecodeInputs(spec->example_inputs(), shm);
+  absl::StatusOr<std::vector<at::Tensor>> examples = DecodeAll(spec->example_inputs(), "example input", shm);
   if (!examples.ok()) return examples.status();
-  absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeInputs(forward->inputs(), shm);
+  absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(forward->inputs(), "input", shm);
   if (!inputs.ok()) return inputs.status();
 
   // What ranncd's CreateJob does after receiving the spec: the tensors apart, then the job.

@@ -72,18 +72,6 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
   return config;
 }
 
-absl::StatusOr<std::vector<at::Tensor>> DecodeAll(
-    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors, const char* what,
-    const ShmDirectory& shm) {
-  std::vector<at::Tensor> out;
-  for (int i = 0; i < tensors.size(); ++i) {
-    absl::StatusOr<at::Tensor> t = DecodeTensor(tensors[i], absl::StrCat(what, " #", i), &shm);
-    if (!t.ok()) return t.status();
-    out.push_back(std::move(*t));
-  }
-  return out;
-}
-
 void FillParamInfo(const ParamStore::Entry& e, v1::ParamInfo* info) {
   info->set_name(e.name);
   EncodeSpec(e.tensor, info->mutable_spec());
@@ -154,6 +142,18 @@ class ChunkAssembler {
 };
 
 }  // namespace
+
+absl::StatusOr<std::vector<at::Tensor>> DecodeAll(
+    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors, const char* what,
+    const ShmDirectory& shm) {
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < tensors.size(); ++i) {
+    absl::StatusOr<at::Tensor> t = DecodeTensor(tensors[i], absl::StrCat(what, " #", i), &shm);
+    if (!t.ok()) return t.status();
+    out.push_back(std::move(*t));
+  }
+  return out;
+}
 
 // Decodes JobSpec.model_tensors on several threads: copying GiBs out of shared memory into new
 // host memory is bound by page faults on the new memory, which threads take in parallel
@@ -255,6 +255,13 @@ comm::Backend JobBackend(bool cuda, const std::vector<DaemonFacts::Device>& devi
                                   [](const DaemonFacts::Device& d) { return d.shared; });
   return cuda && !shared && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
                                                                        : comm::Backend::kUcx;
+}
+
+comm::Backend JobBackend(const std::vector<c10::Device>& placement,
+                         const std::vector<DaemonFacts::Device>& devices) {
+  const bool cuda = std::any_of(placement.begin(), placement.end(),
+                                [](const c10::Device& d) { return d.is_cuda(); });
+  return JobBackend(cuda, devices);
 }
 
 absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts) {
@@ -434,9 +441,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     absl::Status spanned = SpanCluster(id, spec, &config);
     if (!spanned.ok()) return Fail("CreateJob", spanned);
   }
-  const bool cuda = std::any_of(config.placement.begin(), config.placement.end(),
-                                [](const c10::Device& d) { return d.is_cuda(); });
-  config.backend = JobBackend(cuda, facts_.devices);
+  config.backend = JobBackend(config.placement, facts_.devices);
   absl::StatusOr<std::unique_ptr<Job>> job =
       Job::Create(id, std::move(config), model, *examples, sent);
   if (!job.ok()) return Fail("CreateJob", job.status());

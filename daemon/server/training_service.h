@@ -52,6 +52,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // otherwise, and when any of the daemon's `devices` shares its GPU (which NCCL refuses), UCX,
 // through host memory for CUDA buffers.
 comm::Backend JobBackend(bool cuda, const std::vector<DaemonFacts::Device>& devices);
+// The same for a job placed on `placement` (JobConfig::placement): cuda when any device is.
+comm::Backend JobBackend(const std::vector<c10::Device>& placement,
+                         const std::vector<DaemonFacts::Device>& devices);
 
 // Where the engine runs each of a plan's `num_devices` devices: the daemon's k-th device of
 // `devices` (a GPU, or the CPU) is plan device local[k], or k when `local` is empty (the daemon's
@@ -63,6 +66,12 @@ std::vector<c10::Device> Placement(const std::vector<DaemonFacts::Device>& devic
 // run, a part of a cluster job or a cluster's devices change it; the backend is not set
 // (JobBackend). daemon/job_bench.cc builds its in-process job with it.
 absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts);
+
+// Tensors of a request (example inputs, a forward's inputs), out of files under `shm` where
+// they name one; errors name each as "`what` #i".
+absl::StatusOr<std::vector<at::Tensor>> DecodeAll(
+    const google::protobuf::RepeatedPtrField<v1::Tensor>& tensors, const char* what,
+    const ShmDirectory& shm);
 
 // JobSpec.model_tensors, decoded on several threads (out of files under `shm` where they name
 // one).
