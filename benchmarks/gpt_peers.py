@@ -1,7 +1,8 @@
 """Issue 7's GPT trained by plain PyTorch systems, the peers ranncd is compared with: one JSON line.
 
     python3 -m torch.distributed.run --standalone --nproc_per_node NGPUS \
-        benchmarks/gpt_peers.py --system ddp|fsdp2|gpipe|1f1b [--model A|B|tiny] [--out FILE]
+        benchmarks/gpt_peers.py --system ddp|fsdp2|gpipe|1f1b|ddp+compile|fsdp2+compile \
+        [--model A|B|tiny] [--out FILE] [--profile DIR]
 
     # the CPU check of the harness (gloo, bf16 CPU autocast, the tiny model):
     /usr/bin/python3 -m torch.distributed.run --nproc_per_node 2 \
@@ -19,6 +20,11 @@ gpt_model.py, with bf16 compute and fp32 master weights:
   1f1b    embeddings, the second half with the head; PipelineStage built by hand) under
           ScheduleGPipe / Schedule1F1B with 8 micro-batches of 2 sequences; each stage runs under
           torch.autocast(bf16). Exactly 2 GPUs: on 1 GPU the line says "skipped": "needs 2 GPUs".
+  ddp+compile, fsdp2+compile
+          ddp or fsdp2 with the model compiled by torch.compile (Inductor: the elementwise work
+          around the matrix products fused into Triton kernels): DDP's whole model, FSDP2's each
+          block before it is sharded. Not a peer the issue names: a measure of what fusing the
+          elementwise work is worth on this model.
 
 Timing: 3 warm-up steps, then 10 timed steps (--warmup, --steps); each step (forward, backward,
 optimizer step, zero_grad) between torch.cuda.synchronize() calls after a barrier, so every rank
@@ -30,11 +36,16 @@ state and the steps count but not the one-off init), time to the first step's en
 of setup, first and last loss. A system that cannot run prints {"skipped": why} instead; one that
 fails prints {"error": why} (from whichever rank failed) and exits 1.
 
+--profile DIR: after the timed steps every rank runs PROFILE_STEPS more, rank 0 under
+torch.profiler (CUDA activity), which writes DIR/<system>.trace.json; the JSON line gets
+"profile" (the path) and "kernels" (benchmarks/kernel_profile.py's summary of it).
+
 Checked on this machine only with --device cpu (PyTorch 1.13, gloo): the ddp path. The fsdp2
 and pipelining paths use PyTorch 2.x APIs and run on the GPU machine (PyTorch 2.11).
 """
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import os
@@ -51,7 +62,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_model as gm  # noqa: E402
 
-SYSTEMS = ("ddp", "fsdp2", "gpipe", "1f1b")
+SYSTEMS = ("ddp", "fsdp2", "gpipe", "1f1b", "ddp+compile", "fsdp2+compile")
+PROFILE_STEPS = 3
 PIPELINE_STAGES = 2
 MICRO_BATCHES = 8
 GIB = 1 << 30
@@ -70,7 +82,12 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="sdpa", choices=gm.ATTENTIONS,
                    help="sdpa: F.scaled_dot_product_attention (the issue's); math: written out")
     p.add_argument("--out", help="also append the JSON line to this file")
-    return p.parse_args(argv)
+    p.add_argument("--profile", metavar="DIR",
+                   help=f"profile {PROFILE_STEPS} more steps; the trace goes to DIR")
+    args = p.parse_args(argv)
+    args.base, _, compiled = args.system.partition("+")
+    args.compile = compiled == "compile"
+    return args
 
 
 def base_record(args, cfg, world):
@@ -116,6 +133,8 @@ class Autocast(nn.Module):
 def setup_ddp(args, cfg, device, ac):
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = gm.build(cfg, device, activation_checkpoint=ac, attention=args.attention)
+    if args.compile:
+        model.compile()
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
     opt = make_adamw(model.parameters(), args, device)
@@ -138,6 +157,8 @@ def setup_fsdp2(args, cfg, device, ac):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = gm.build(cfg, device, activation_checkpoint=ac, attention=args.attention)
     for block in model.blocks:
+        if args.compile:
+            block.compile()
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = make_adamw(model.parameters(), args, device)
@@ -160,7 +181,7 @@ def setup_pipeline(args, cfg, device, ac):
                     activation_checkpoint=ac, attention=args.attention)
     stage = PipelineStage(Autocast(part, device.type), stage_index=rank,
                           num_stages=PIPELINE_STAGES, device=device)
-    schedule_cls = ScheduleGPipe if args.system == "gpipe" else Schedule1F1B
+    schedule_cls = ScheduleGPipe if args.base == "gpipe" else Schedule1F1B
     schedule = schedule_cls(stage, n_microbatches=MICRO_BATCHES, loss_fn=gm.lm_loss)
     step_kwargs = {}
     if "return_outputs" in inspect.signature(schedule.step).parameters:
@@ -212,16 +233,35 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def profile_steps(args, cfg, device, step, local_batch, gen):
+    """PROFILE_STEPS more steps on every rank, rank 0's under torch.profiler; its trace's path."""
+    from torch.profiler import ProfilerActivity, profile
+    rank = dist.get_rank()
+    activities = [ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]
+    path = os.path.join(args.profile, f"{args.system}.trace.json")
+    with profile(activities=activities) if rank == 0 else contextlib.nullcontext() as prof:
+        for _ in range(PROFILE_STEPS):
+            x, y = gm.batch(cfg, local_batch, gen, device)
+            dist.barrier()
+            step(x, y)
+            sync(device)
+    if rank != 0:
+        return None
+    os.makedirs(args.profile, exist_ok=True)
+    prof.export_chrome_trace(path)
+    return path
+
+
 def run(args, cfg, device):
     rank, world = dist.get_rank(), dist.get_world_size()
-    ac = args.ac == "on" or (args.ac == "auto" and args.system == "fsdp2" and cfg.name == "B")
-    data_parallel = args.system in ("ddp", "fsdp2")
+    ac = args.ac == "on" or (args.ac == "auto" and args.base == "fsdp2" and cfg.name == "B")
+    data_parallel = args.base in ("ddp", "fsdp2")
     if data_parallel and cfg.batch % world:
         raise ValueError(f"the global batch {cfg.batch} does not split over {world} ranks")
     local_batch = cfg.batch // world if data_parallel else cfg.batch
 
     setup_start = time.perf_counter()
-    step, _ = SETUP[args.system](args, cfg, device, ac)
+    step, _ = SETUP[args.base](args, cfg, device, ac)
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -241,6 +281,7 @@ def run(args, cfg, device):
         times.append(t1 - t0)
         losses.append(None if loss is None else float(loss))
 
+    trace = profile_steps(args, cfg, device, step, local_batch, gen) if args.profile else None
     mine = {"times": times[args.warmup:], "losses": losses,
             "time_to_first_step_s": first_step_end - setup_start}
     if device.type == "cuda":
@@ -279,6 +320,11 @@ def run(args, cfg, device):
         "loss_first": known[0] if known else None,
         "loss_last": known[-1] if known else None,
     })
+    if trace:
+        import kernel_profile
+        record["profile"] = trace
+        if device.type == "cuda":
+            record["kernels"] = kernel_profile.summarize(trace, PROFILE_STEPS)
     if device.type == "cuda":
         record["peak_mem_gib"] = [r["peak"] / GIB for r in everyone]
         record["peak_mem_gib_max"] = max(record["peak_mem_gib"])
@@ -296,11 +342,13 @@ def main(argv=None):
     rank = int(os.environ.get("RANK", "0"))
 
     skip = None
-    if args.system in ("gpipe", "1f1b") and world != PIPELINE_STAGES:
+    if args.compile and not hasattr(nn.Module, "compile"):
+        skip = f"torch.compile of a module needs PyTorch 2.2 or later, not {torch.__version__}"
+    elif args.base in ("gpipe", "1f1b") and world != PIPELINE_STAGES:
         skip = "needs 2 GPUs" if world < PIPELINE_STAGES else \
             f"runs on exactly {PIPELINE_STAGES} GPUs (2 stages, no data parallelism)"
     elif args.device == "cuda" and torch.cuda.is_available():
-        need = state_bytes_per_gpu(cfg, args.system, world)
+        need = state_bytes_per_gpu(cfg, args.base, world)
         have = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))) \
             .total_memory
         if need > 0.95 * have:

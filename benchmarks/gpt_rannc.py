@@ -46,7 +46,10 @@ TorchScript, the model's tensors and one training batch) and is deleted; then da
 trains that job, with run 2's plan, inside one process: the daemon's own Job code, no client, no
 gRPC. Its step_s_median is over --warmup + --steps steps as run 1's, each forward (the loss
 copied to the host), backward, optimizer step and zero_grad; split_cost is run 1's median over
-it, less 1 (the target: at most 3%).
+it, less 1 (the target: at most 3%). With --profile DIR, job_bench then profiles 3 more steps
+(its --profile: the GPU's kernels, through LibTorch's Kineto) into DIR/<system>.trace.json, and
+the line gets "kernels" (benchmarks/kernel_profile.py's summary: GPU busy and idle time a step,
+kernel time by category).
 
 The host must hold the traced model: pyrannc traces the model on the host (with autograd) on
 --trace-batch samples of the first batch (RANNC_TRACE_BATCH; default 1, the plan is still for
@@ -76,6 +79,7 @@ import torch  # noqa: E402
 import gpt_model as gm  # noqa: E402
 
 GIB = 1 << 30
+PROFILE_STEPS = 3  # steps of run 3 profiled with --profile
 
 
 def parse_args(argv=None):
@@ -107,6 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--job-bench", metavar="BIN",
                    help="after run 2, run 3: the same job (run 2's plan) trained in one process "
                    "by BIN (daemon/job_bench, built beside ranncd)")
+    p.add_argument("--profile", metavar="DIR", help="with --job-bench: profile 3 more steps of "
+                   "run 3 into DIR (module doc)")
     p.add_argument("--job-dir", help="where run 3 saves the job for --job-bench (default: a "
                    "folder under /dev/shm, removed afterwards)")
     # A model with the workload's parameters but less compute, for timing a start (time to
@@ -344,6 +350,12 @@ def in_process(args, cfg, model, deployment_path, gen, client_median, gpus):
     try:
         cmd = [args.job_bench, job_dir, "--devices", os.environ["RANNC_DEVICES"],
                "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            trace = os.path.join(args.profile, system_name(args, " (in-process)")
+                                 .replace(" ", "_").replace("(", "").replace(")", "")
+                                 + ".trace.json")
+            cmd += ["--profile", trace, "--profile-steps", str(PROFILE_STEPS)]
         done = subprocess.run(cmd, stdout=subprocess.PIPE, check=False, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}: exit status {done.returncode}")
@@ -366,6 +378,11 @@ def in_process(args, cfg, model, deployment_path, gen, client_median, gpus):
         "loss_first": bench["loss_first"],
         "loss_last": bench["loss_last"],
     })
+    if "profile" in bench:
+        import kernel_profile
+        record["profile"] = bench["profile"]
+        if args.device == "cuda":
+            record["kernels"] = kernel_profile.summarize(bench["profile"], PROFILE_STEPS)
     gm.emit(record, args.out)
 
 

@@ -45,7 +45,9 @@
 # AMP_LEVELS (the amp_level of each rannc run, default "O1 O2": autocast, then the whole forward in
 # bf16; each gets an even share of the time left);
 # ATTENTION=math (every system writes attention out instead of F.scaled_dot_product_attention:
-# for a run where the fused op is what fails).
+# for a run where the fused op is what fails); PROFILE=1 (each peer and run 3 of rannc profile
+# 3 more steps after the timed ones into OUTDIR/profiles, and kernels.md gets
+# benchmarks/kernel_profile.py's table of where their GPU time goes).
 #
 # CPU_CHECK=1 checks this script itself on a machine without GPUs: the tiny model on CPU
 # (gloo; the daemon on RANNC_DEVICES=cpu:2, from RANNCD or else the build), as if there were 2 GPUs;
@@ -108,6 +110,8 @@ esac
 peers=${PEERS:-$peers}
 amp_levels=${AMP_LEVELS:-O1 O2}
 peer_cap=${PEER_CAP:-$peer_cap}
+profile_flags=()
+[ "${PROFILE:-0}" = 1 ] && profile_flags=(--profile "$out/profiles")
 
 # piece NAME EXPECTED CAP CMD...: runs CMD under `timeout` (at most CAP seconds, and never past
 # the budget less $reserve) with its JSON lines going to $json, then appends them to results:
@@ -205,7 +209,7 @@ for system in $peers; do
   piece "$system" "$system" "$peer_cap" taskset -c "$peer_cpus" "$python" -m torch.distributed.run \
     --standalone --nproc_per_node "$gpus" ${TORCHRUN_ARGS:-} benchmarks/gpt_peers.py \
     --system "$system" --model "$model" --device "$device" --attention "${ATTENTION:-sdpa}" \
-    --out "$json"
+    --out "$json" "${profile_flags[@]}"
 done
 reserve=0
 
@@ -218,7 +222,7 @@ if [ -x "$ranncd" ]; then
   # Run 3 of gpt_rannc.py (the job trained in-process) where the build made job_bench.
   job_bench=${JOB_BENCH:-$(dirname "$ranncd")/job_bench}
   bench_flags=()
-  [ -x "$job_bench" ] && bench_flags=(--job-bench "$job_bench")
+  [ -x "$job_bench" ] && bench_flags=(--job-bench "$job_bench" "${profile_flags[@]}")
   # Each amp_level gets an even share of what is left.
   set -- $amp_levels
   for level in $amp_levels; do
@@ -310,5 +314,25 @@ for r in rows:
           f"{note(r)} |")
 EOF
 cat "$out/table.md"
+if [ "${PROFILE:-0}" = 1 ]; then
+  # Every profiled system, in the results' order: its label and its trace.
+  mapfile -t profiled < <("$python" -c '
+import json, sys
+for l in open(sys.argv[1], encoding="utf-8"):
+    r = json.loads(l) if l.strip() else {}
+    if r.get("profile"):
+        print(r["system"]); print(r["profile"])' "$results")
+  labels=() traces=()
+  for (( i = 0; i + 1 < ${#profiled[@]}; i += 2 )); do
+    labels+=("${profiled[i]}"); traces+=("${profiled[i+1]}")
+  done
+  if (( ${#traces[@]} )); then
+    (IFS=,; "$python" benchmarks/kernel_profile.py "${traces[@]}" --steps 3 \
+      --labels "${labels[*]}") >"$out/kernels.md" 2>&1
+    cat "$out/kernels.md"
+  fi
+  # Traces over the device tool's 16 MiB limit on a file would not come back: compress them.
+  gzip -f "$out"/profiles/*.json 2>/dev/null
+fi
 say "done; files in $out"
 rm -rf "$tmp"

@@ -4,6 +4,7 @@
 // client/daemon split costs (issue 7: "within 3% of the same plan run in-process").
 //
 //   job_bench DIR [--devices SPEC] [--links LINKS] [--warmup N] [--steps N]
+//             [--profile FILE [--profile-steps N]]
 //
 // DIR holds job.pb, model.pt, the shared-memory files job.pb names and forward.pb. --devices and
 // --links are ranncd's (default: every CUDA GPU, else cpu:1; links measured). The job is created
@@ -14,6 +15,11 @@
 // the optimizer's hyper-parameters from job.pb, ZeroGrad(set_to_none). Prints one JSON line:
 // {"create_s", "step_s": [...], "step_s_median", "warmup", "steps", "plan_summary",
 //  "devices", "loss_first", "loss_last"}; logs go to stderr.
+//
+// --profile FILE: after the timed steps, --profile-steps more (default 3) run under LibTorch's
+// Kineto profiler (the GPU's kernels, copies and sets on CUDA devices; the host's operators on
+// CPU devices), and its Chrome trace is written to FILE (benchmarks/kernel_profile.py reads it);
+// the JSON line then also has "profile" and "profile_steps". The timed steps are not profiled.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,14 +27,18 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "absl/algorithm/container.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -49,14 +59,16 @@ struct BenchOptions {
   DaemonOptions daemon;
   int warmup = 3;
   int steps = 10;
+  std::string profile;  // a Chrome trace of profile_steps more steps goes here
+  int profile_steps = 3;
 };
 
 absl::StatusOr<BenchOptions> ParseArgs(int argc, char** argv) {
   BenchOptions o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    const bool takes_value =
-        arg == "--devices" || arg == "--links" || arg == "--warmup" || arg == "--steps";
+    const bool takes_value = arg == "--devices" || arg == "--links" || arg == "--warmup" ||
+                             arg == "--steps" || arg == "--profile" || arg == "--profile-steps";
     if (takes_value && i + 1 >= argc) {
       return absl::InvalidArgumentError(absl::StrCat(arg, " needs a value"));
     }
@@ -69,15 +81,20 @@ absl::StatusOr<BenchOptions> ParseArgs(int argc, char** argv) {
       o.warmup = std::atoi(v.c_str());
     } else if (arg == "--steps") {
       o.steps = std::atoi(v.c_str());
+    } else if (arg == "--profile") {
+      o.profile = v;
+    } else if (arg == "--profile-steps") {
+      o.profile_steps = std::atoi(v.c_str());
     } else if (!arg.empty() && arg[0] != '-' && o.dir.empty()) {
       o.dir = arg;
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown argument ", arg));
     }
   }
-  if (o.dir.empty() || o.steps < 1 || o.warmup < 0) {
+  if (o.dir.empty() || o.steps < 1 || o.warmup < 0 || o.profile_steps < 1) {
     return absl::InvalidArgumentError(
-        "usage: job_bench DIR [--devices SPEC] [--links LINKS] [--warmup N] [--steps N]");
+        "usage: job_bench DIR [--devices SPEC] [--links LINKS] [--warmup N] [--steps N] "
+        "[--profile FILE [--profile-steps N]]");
   }
   return o;
 }
@@ -106,6 +123,51 @@ void MoveShmRefs(const std::string& dir, v1::Tensor* t) {
   if (!t->has_shm()) return;
   const std::string& path = t->shm().path();
   t->mutable_shm()->set_path(absl::StrCat(dir, "/", path.substr(path.rfind('/') + 1)));
+}
+
+// `s` for inside a JSON string (newlines become spaces).
+std::string JsonEscaped(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c == '\n' ? ' ' : c;
+  }
+  return out;
+}
+
+// Runs `steps` calls of `step` under Kineto and writes its Chrome trace to `path`: the GPU's
+// activity (every thread's kernels, copies and sets) on CUDA devices, else the host's operators.
+template <typename Step>
+absl::Status ProfileSteps(const std::string& path, int steps, bool cuda, Step& step) {
+  namespace profiler = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  const torch::profiler::impl::ProfilerConfig config(
+      torch::profiler::impl::ProfilerState::KINETO);
+  const std::set<ActivityType> activities = {cuda ? ActivityType::CUDA : ActivityType::CPU};
+  try {
+    profiler::prepareProfiler(config, activities);
+    profiler::enableProfiler(config, activities);
+  } catch (const std::exception& e) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot start the profiler: ", e.what()));
+  }
+  absl::Status ran = absl::OkStatus();
+  for (int s = 0; s < steps && ran.ok(); ++s) ran = step().status();
+  std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
+  if (!ran.ok()) return Annotate(ran, "a profiled step");
+  std::remove(path.c_str());
+  try {
+    result->save(path);  // throws where LibTorch was built without Kineto (Debian's 1.13)
+  } catch (const std::exception& e) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot write the profile to ", path, ": ", e.what()));
+  }
+  std::ifstream written(path);
+  if (!written || written.peek() == std::ifstream::traits_type::eof()) {
+    return absl::InternalError(absl::StrCat("the profiler wrote no trace to ", path, " (",
+                                            result->events().size(), " events)"));
+  }
+  spdlog::info("profiled {} steps ({} events) into {}", steps, result->events().size(), path);
+  return absl::OkStatus();
 }
 
 absl::Status Run(const BenchOptions& o) {
@@ -144,10 +206,8 @@ absl::Status Run(const BenchOptions& o) {
   const std::string plan = planner::DescribeDeployment((*job)->deployment());
   spdlog::info("job created in {:.2f} s: {}", create_s, plan);
 
-  std::vector<double> step_s;
-  std::vector<double> losses;
-  for (int s = 0; s < o.warmup + o.steps; ++s) {
-    const auto start = std::chrono::steady_clock::now();
+  // One training step as pyrannc asks for it; returns the loss the client would receive.
+  auto train_step = [&]() -> absl::StatusOr<float> {
     absl::StatusOr<std::vector<at::Tensor>> out = (*job)->Forward(*inputs, true);
     if (!out.ok()) return Annotate(out.status(), "forward");
     const at::Tensor loss = (*out)[0].to(at::kCPU);
@@ -155,25 +215,42 @@ absl::Status Run(const BenchOptions& o) {
     if (status.ok()) status = (*job)->Step(hypers);
     if (!status.ok()) return Annotate(status, "backward and step");
     (*job)->ZeroGrad(true);
+    return loss.to(at::kFloat).item<float>();
+  };
+  std::vector<double> step_s;
+  std::vector<double> losses;
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<float> loss = train_step();
+    if (!loss.ok()) return loss.status();
     if (s >= o.warmup) step_s.push_back(SecondsSince(start));
-    losses.push_back(loss.to(at::kFloat).item<float>());
+    losses.push_back(*loss);
+  }
+  if (!o.profile.empty()) {
+    const bool cuda = absl::c_any_of((*job)->devices(), [](const std::string& d) {
+      return d.rfind("cuda", 0) == 0;
+    });
+    if (absl::Status p = ProfileSteps(o.profile, o.profile_steps, cuda, train_step); !p.ok()) {
+      return p;
+    }
   }
   std::vector<double> sorted = step_s;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
   const double median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
-  std::string escaped_plan;
-  for (char c : plan) {
-    if (c == '"' || c == '\\') escaped_plan += '\\';
-    escaped_plan += c == '\n' ? ' ' : c;
-  }
+
   // Every digit of a double: a float32 loss read back by Python equals the client's.
   std::cout << std::setprecision(17) << "{\"create_s\": " << create_s << ", \"step_s\": ["
             << absl::StrJoin(step_s, ", ") << "], \"step_s_median\": " << median
             << ", \"warmup\": " << o.warmup << ", \"steps\": " << o.steps
-            << ", \"plan_summary\": \"" << escaped_plan << "\", \"devices\": [\""
+            << ", \"plan_summary\": \"" << JsonEscaped(plan) << "\", \"devices\": [\""
             << absl::StrJoin((*job)->devices(), "\", \"") << "\"], \"loss_first\": "
-            << losses.front() << ", \"loss_last\": " << losses.back() << "}" << std::endl;
+            << losses.front() << ", \"loss_last\": " << losses.back();
+  if (!o.profile.empty()) {
+    std::cout << ", \"profile\": \"" << JsonEscaped(o.profile)
+              << "\", \"profile_steps\": " << o.profile_steps;
+  }
+  std::cout << "}" << std::endl;
   return absl::OkStatus();
 }
 

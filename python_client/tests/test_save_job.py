@@ -32,9 +32,10 @@ def _batch():
     return models.gpt_batch(0, batch=4, seq=8, vocab=8192)
 
 
-def _bench(job_dir, steps=STEPS):
+def _bench(job_dir, steps=STEPS, *extra):
     cmd = [built_binary("job_bench", "RANNC_JOB_BENCH_BIN"), str(job_dir),
-           "--devices", os.environ["RANNC_DEVICES"], "--warmup", "0", "--steps", str(steps)]
+           "--devices", os.environ["RANNC_DEVICES"], "--warmup", "0", "--steps", str(steps),
+           *extra]
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           check=False, timeout=300)
 
@@ -81,6 +82,24 @@ def test_saved_job_trains_in_process_as_through_the_daemon(tmp_path, monkeypatch
     assert bench["loss_first"] == losses[0], (bench["loss_first"], losses)
     assert bench["loss_last"] == losses[-1], (bench["loss_last"], losses)
     assert losses[-1] < losses[0]
+
+    # --profile: two more steps under Kineto, their trace written (the GPU's kernels on CUDA
+    # devices, else the host's operators) where LibTorch has Kineto; a clear error where not.
+    trace = tmp_path / "steps.trace.json"
+    done = _bench(job_dir, 1, "--profile", str(trace), "--profile-steps", "2")
+    if done.returncode == 0:
+        bench = json.loads(done.stdout.strip().splitlines()[-1])
+        assert bench["profile"] == str(trace) and bench["profile_steps"] == 2
+        with open(trace, encoding="utf-8") as f:
+            events = json.load(f)["traceEvents"]
+        cuda = bench["devices"][0].startswith("cuda")
+        wanted = "kernel" if cuda else "cpu_op"
+        assert sum(e.get("cat") == wanted for e in events) >= 2, [e.get("cat") for e in events]
+    else:
+        # Only a LibTorch without Kineto may refuse: Debian's 1.13, as the tests' PyTorch is.
+        assert not torch.autograd.kineto_available(), done.stderr[-3000:]
+        assert done.returncode == 1 and "Kineto" in done.stderr, done.stderr[-3000:]
+        assert not trace.exists()
 
 
 def test_job_bench_without_a_saved_job_says_what_is_missing(tmp_path):
