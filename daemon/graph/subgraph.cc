@@ -19,6 +19,51 @@
 namespace rannc {
 namespace {
 
+// Shape arithmetic that torch.jit.trace records (`hd = x.size(2) // heads`: prim::NumToTensor of
+// the size, aten::floor_divide by a 0-dim integer tensor constant, aten::Int of the result) runs
+// on host scalars. Such a constant stays on the host: on the device, every aten::Int of the
+// result would copy it back and wait for the device (three times a layer for a GPT's views).
+bool IsHostRead(const torch::jit::Node* n) {
+  static const std::set<c10::Symbol> kinds = {
+      c10::aten::Int,         c10::aten::Float,        c10::aten::ScalarImplicit,
+      c10::aten::IntImplicit, c10::aten::FloatImplicit, c10::aten::item};
+  return kinds.count(n->kind()) > 0;
+}
+
+bool IsScalarArithmetic(const torch::jit::Node* n) {
+  static const std::set<c10::Symbol> kinds = {
+      c10::aten::add,  c10::aten::sub, c10::aten::rsub, c10::aten::mul,
+      c10::aten::div,  c10::aten::floor_divide, c10::aten::true_divide, c10::aten::remainder,
+      c10::aten::eq,   c10::aten::ne,  c10::aten::lt,   c10::aten::le,
+      c10::aten::gt,   c10::aten::ge};
+  return kinds.count(n->kind()) > 0 && n->outputs().size() == 1;
+}
+
+bool IsHostIntegerConstant(const torch::jit::Value* v) {
+  if (v->node()->kind() != c10::prim::Constant ||
+      v->type()->kind() != c10::TypeKind::TensorType) {
+    return false;
+  }
+  std::optional<c10::IValue> value = torch::jit::toIValue(v);
+  if (!value || !value->isTensor()) return false;
+  const at::Tensor& t = value->toTensor();
+  return t.device().is_cpu() && t.dim() == 0 && at::isIntegralType(t.scalar_type(), true);
+}
+
+// Whether everything computed from `v` is element-wise arithmetic or comparison, ending in host
+// reads. A 0-dim host tensor may meet device tensors in such ops (PyTorch takes it as a scalar,
+// and the result is on the device as before); a result computed from host scalars alone is then
+// on the host where it was on the device, and only such ops and host reads ever see it.
+bool OnlyHostScalarUses(const torch::jit::Value* v, int depth = 0) {
+  if (depth > 32) return false;
+  for (const torch::jit::Use& use : v->uses()) {
+    const torch::jit::Node* n = use.user;
+    if (IsHostRead(n)) continue;
+    if (!IsScalarArithmetic(n) || !OnlyHostScalarUses(n->output(), depth + 1)) return false;
+  }
+  return true;
+}
+
 void PlaceConstantsIn(torch::jit::Block* block, c10::Device device) {
   std::vector<torch::jit::Node*> constants;
   for (torch::jit::Node* n : block->nodes()) {
@@ -35,7 +80,8 @@ void PlaceConstantsIn(torch::jit::Block* block, c10::Device device) {
       if (value && value->toDevice().is_cpu()) placed = c10::IValue(device);
     } else if (type->kind() == c10::TypeKind::TensorType) {
       std::optional<c10::IValue> value = torch::jit::toIValue(out);
-      if (value && value->isTensor() && value->toTensor().device().is_cpu()) {
+      if (value && value->isTensor() && value->toTensor().device().is_cpu() &&
+          !(IsHostIntegerConstant(out) && OnlyHostScalarUses(out))) {
         placed = c10::IValue(value->toTensor().to(device));
       }
     }

@@ -42,8 +42,10 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end);
 // For running `graph` on `device` (a CUDA device; nothing for the CPU): the host the model was
 // traced on becomes the device. Its device constants naming the CPU (factory ops such as
 // torch.ones(..., device="cpu") recorded by torch.jit.trace) name `device`, and its tensor
-// constants move there. A model that moves a value to the host on purpose then keeps it on the
-// device.
+// constants move there, except 0-dim integer constants of the shape arithmetic torch.jit.trace
+// records (x.size(2) // heads, read back with aten::Int): those stay host scalars, so that
+// reading the result does not wait for the device. A model that moves a value to the host on
+// purpose then keeps it on the device.
 void PlaceOnDevice(torch::jit::Graph& graph, c10::Device device);
 
 // Runs `graph` (any graph whose outputs are values, e.g. a Subgraph's) on `inputs`.

@@ -2,6 +2,7 @@
 
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>
+#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <catch2/catch.hpp>
 
@@ -110,6 +111,59 @@ TEST_CASE("VerifySplit catches a split whose result differs", "[graph]") {
   CHECK_THAT(std::string(s.message()), Catch::Contains("differs from the whole model"));
   CHECK(VerifySplit(*f.ir, {1}, f.tensors, f.fixture.inputs).code() ==
         absl::StatusCode::kInvalidArgument);
+}
+
+// The device of each tensor constant of `graph`, in order.
+std::vector<c10::Device> ConstantDevices(const torch::jit::Graph& graph) {
+  std::vector<c10::Device> devices;
+  for (const torch::jit::Node* n : graph.nodes()) {
+    const bool tensor = n->output()->type()->kind() == c10::TypeKind::TensorType;
+    if (n->kind() != c10::prim::Constant || !tensor) continue;
+    devices.push_back(torch::jit::toIValue(n->output())->toTensor().device());
+  }
+  return devices;
+}
+
+TEST_CASE("PlaceOnDevice keeps the traced shape arithmetic's constants on the host", "[graph]") {
+  // What torch.jit.trace records for `y = (x + bias) * half; n = x.size(1) // 4`: the size as a
+  // 0-dim tensor (prim::NumToTensor), divided by a 0-dim integer tensor constant, read back with
+  // aten::Int. That constant stays on the host (on the device, every aten::Int would wait for
+  // the device); the others move. The meta device stands in for a GPU.
+  auto graph = std::make_shared<torch::jit::Graph>();
+  torch::jit::Value* x = graph->addInput("x");
+  x->setType(c10::TensorType::get());
+  torch::jit::Value* size = graph->insert(c10::aten::size, {x, 1});
+  torch::jit::Node* to_tensor = graph->create(c10::prim::NumToTensor, {size});
+  to_tensor->output()->setType(c10::TensorType::get());
+  graph->insertNode(to_tensor);
+  torch::jit::Value* four = graph->insertConstant(at::scalar_tensor(4, at::kLong));
+  torch::jit::Value* heads = graph->insert(c10::aten::floor_divide, {to_tensor->output(), four});
+  torch::jit::Value* n = graph->insert(c10::aten::Int, {heads});
+  torch::jit::Value* bias = graph->insertConstant(at::ones({8}));
+  torch::jit::Value* half = graph->insertConstant(at::scalar_tensor(0.5));
+  // An integer constant that meets the device's data is not shape arithmetic: it moves.
+  torch::jit::Value* two = graph->insertConstant(at::scalar_tensor(2, at::kLong));
+  torch::jit::Value* shifted = graph->insert(c10::aten::add, {x, bias});
+  torch::jit::Value* scaled = graph->insert(c10::aten::mul, {shifted, half});
+  torch::jit::Value* y = graph->insert(c10::aten::mul, {scaled, two});
+  graph->registerOutput(y);
+  graph->registerOutput(n);
+
+  const c10::Device meta(c10::kMeta);
+  PlaceOnDevice(*graph, meta);
+  const std::vector<c10::Device> devices = ConstantDevices(*graph);
+  // four, bias, half, two (PlaceOnDevice re-inserts moved constants where they were).
+  REQUIRE(devices.size() == 4);
+  CHECK(devices[0].is_cpu());
+  CHECK(devices[1] == meta);
+  CHECK(devices[2] == meta);
+  CHECK(devices[3] == meta);
+
+  absl::StatusOr<std::vector<c10::IValue>> out =
+      RunGraph(graph, {c10::IValue(at::empty({2, 8}, at::TensorOptions().device(meta)))});
+  REQUIRE(out.ok());
+  CHECK((*out)[0].toTensor().device() == meta);
+  CHECK((*out)[1].toInt() == 2);
 }
 
 }  // namespace
