@@ -72,6 +72,22 @@ absl::Status CheckInputs(const std::vector<InputSignature>& signature,
           " (dimension 0, the batch, may vary), got ", DescribeTensor(in.scalar_type(),
                                                                        in.sizes())));
     }
+    for (const IndexRange& range : sig.ranges) {
+      if (in.numel() == 0) break;
+      at::Tensor bad = at::logical_or(in < 0, in >= range.limit);
+      if (range.ignore) bad.logical_and_(in != *range.ignore);
+      if (!bad.any().item<bool>()) continue;
+      const at::Tensor first = bad.nonzero()[0];  // the first bad value's position
+      const std::vector<int64_t> pos(first.data_ptr<int64_t>(),
+                                     first.data_ptr<int64_t>() + first.numel());
+      at::Tensor value = in;
+      for (int64_t d : pos) value = value[d];
+      return absl::InvalidArgumentError(absl::StrCat(
+          Describe(sig, i), ": value ", value.item<int64_t>(), " at [", absl::StrJoin(pos, ", "),
+          "] is out of range for ", range.what, ": every value must be in [0, ", range.limit,
+          ")", range.ignore ? absl::StrCat(" or be ", *range.ignore) : "",
+          "; the batch was refused before any device ran it"));
+    }
   }
   return absl::OkStatus();
 }

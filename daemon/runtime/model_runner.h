@@ -40,11 +40,20 @@ struct ModelMode {
   std::string ToString() const;
 };
 
+// A range an integer input's values must stay in (they index a table: graph/index_bounds.h).
+struct IndexRange {
+  int64_t limit = 0;              // [0, limit) ...
+  std::optional<int64_t> ignore;  // ... or this value
+  std::string what;               // what the values index, for messages
+};
+
 // The dtype and shape of one forward input; dimension 0 (the batch) may vary between calls.
+// `ranges`: the ranges its values must stay in (checked with every batch, on the host).
 struct InputSignature {
   std::string name;
   at::ScalarType dtype;
   std::vector<int64_t> shape;
+  std::vector<IndexRange> ranges;
 };
 
 class ModelRunner {
@@ -84,7 +93,8 @@ class ModelRunner {
   std::vector<at::Tensor> outputs_;
 };
 
-// Checks `inputs` against `signature`; messages name the input and both shapes.
+// Checks `inputs` against `signature`; messages name the input and both shapes, or the first
+// value out of one of its ranges, where it is and what it indexes.
 absl::Status CheckInputs(const std::vector<InputSignature>& signature,
                          const std::vector<at::Tensor>& inputs);
 

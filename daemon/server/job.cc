@@ -21,6 +21,7 @@
 #include "daemon/optim/grad_norm.h"
 #include "daemon/common/status.h"
 #include "daemon/graph/ir.h"
+#include "daemon/graph/index_bounds.h"
 #include "daemon/graph/low_precision.h"
 #include "daemon/planner/deployment.h"
 
@@ -398,6 +399,11 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobConfig confi
   for (int id : planned->ir->outputs) {
     const IrValue& v = planned->ir->values[id];
     job->output_specs_.push_back({v.dtype, v.shape});
+  }
+  // Integer inputs that index tables (token ids, class targets) are range-checked on the host
+  // with every batch: on a GPU an index out of range would be a device-side assert.
+  for (const IndexBound& b : FindIndexBounds(*planned->ir)) {
+    job->signature_[b.input].ranges.push_back({b.limit, b.ignore, b.what});
   }
   job->ir_ = std::move(planned->ir);
   job->deployment_ = std::move(planned->plan);

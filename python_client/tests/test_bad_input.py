@@ -173,6 +173,56 @@ def test_tensor_bytes_not_matching_shape(stub, job):
     assert_serves(stub)
 
 
+class _TokenModel(torch.nn.Module):
+    """Token ids into a 10-row embedding, class targets (5 classes) through view(-1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, ids, targets):
+        logits = self.head(self.emb(ids))
+        return torch.nn.functional.cross_entropy(logits.view(-1, 5), targets.view(-1))
+
+
+def test_out_of_range_indices_are_refused_before_any_device_runs(stub):
+    # On a GPU an index past the table is a device-side assert, which would leave the daemon's
+    # CUDA context unusable for every job; the daemon checks token ids and targets on the host.
+    torch.manual_seed(0)
+    model = _TokenModel()
+    ids = torch.randint(0, 10, (4, 6))
+    targets = torch.randint(0, 5, (4, 6))
+    job = _create(stub, _traced(model, ids, targets), [ids, targets],
+                  input_names=("ids", "targets")).job_id
+    try:
+        bad_ids = ids.clone()
+        bad_ids[2, 3] = 10
+        _expect(C.INVALID_ARGUMENT, lambda: _forward(stub, job, bad_ids, targets),
+                r"'ids'", r"value 10 at \[2, 3\]", r"embedding emb\.weight \(10 rows\)",
+                r"\[0, 10\)")
+        bad_ids[2, 3] = -1
+        _expect(C.INVALID_ARGUMENT, lambda: _forward(stub, job, bad_ids, targets),
+                r"'ids'", r"value -1 at \[2, 3\]")
+        bad_targets = targets.clone()
+        bad_targets[0, 5] = 7
+        _expect(C.INVALID_ARGUMENT, lambda: _forward(stub, job, ids, bad_targets),
+                r"'targets'", r"value 7 at \[0, 5\]", r"5 classes", r"-100")
+        out = _forward(stub, job, ids, targets, requires_grad=False)
+        with torch.no_grad():
+            assert_close(_codec.decode(out.outputs[0]), model(ids, targets), "loss after refusals")
+        # cross_entropy's ignore_index is a valid target. (Not compared: over several replicas
+        # the daemon averages the replicas' means, as DDP does, which differs from the mean over
+        # the whole batch when the replicas ignore different numbers of targets.)
+        ignored = targets.clone()
+        ignored[1, 1] = -100
+        out = _forward(stub, job, ids, ignored, requires_grad=False)
+        assert torch.isfinite(_codec.decode(out.outputs[0])).all()
+    finally:
+        stub.DeleteJob(pb.JobRef(job_id=job))
+    assert_serves(stub)
+
+
 def test_backward_before_forward(stub, job):
     grad = _codec.encode(torch.ones(4, 2))
     _expect(C.FAILED_PRECONDITION, lambda: stub.Backward(pb.BackwardRequest(

@@ -1,8 +1,12 @@
-"""Jobs over a cluster: two or three ranncd processes with `cpu:2` each form a cluster on
+"""Jobs over a cluster: two or three ranncd processes with two devices each form a cluster on
 loopback (--peers), a pyrannc client talks to one of them, and the job is planned over all their
 devices and trained with a stage per daemon. It must train exactly like one PyTorch model
 (conftest.assert_close: rtol 1e-5, atol 1e-6). A daemon SIGKILLed mid-training fails the job
-at once with UNAVAILABLE naming it, and the others go on."""
+at once with UNAVAILABLE naming it, and the others go on.
+
+RANNC_CLUSTER_DEVICES: each daemon's --devices (default cpu:2; two devices each). On a GPU
+machine, e.g. cuda:0/2: every daemon holds two shares of GPU 0 and the stages exchange CUDA
+tensors across the daemons."""
 
 import json
 import os
@@ -24,6 +28,7 @@ from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from pyrannc.proto.rannc.v1 import training_pb2_grpc as rpc
 
 STEPS = 3
+CLUSTER_DEVICES = os.environ.get("RANNC_CLUSTER_DEVICES", "cpu:2")
 
 _CLIENT = textwrap.dedent("""
     import json, sys, torch
@@ -69,11 +74,12 @@ def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a 
         log = tempfile.NamedTemporaryFile(prefix="ranncd-", suffix=".log", delete=False)
         logs.append(log)
         procs.append(subprocess.Popen(
-            [daemon_binary(), "--listen", address, "--devices", "cpu:2", "--peers",
+            [daemon_binary(), "--listen", address, "--devices", CLUSTER_DEVICES, "--peers",
              ",".join(peers), "--heartbeat-interval", "200ms", "--peer-timeout", "5s",
              "--profile-cache", "none", "--links", "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s"],
             stdout=log, stderr=subprocess.STDOUT))
     deadline = time.time() + 60
+    names = []  # each daemon's device names
     for address in peers:
         stub = rpc.TrainingServiceStub(grpc.insecure_channel(address))
         while True:
@@ -81,12 +87,16 @@ def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a 
                 info = stub.GetInfo(pb.GetInfoRequest(), timeout=2)
                 if len(info.cluster) == count and all(
                         m.state == cluster_pb2.MEMBER_UP for m in info.cluster):
+                    names.append([d.name for d in info.devices])
+                    assert len(names[-1]) == 2, (
+                        f"RANNC_CLUSTER_DEVICES={CLUSTER_DEVICES!r} gives {address} the devices "
+                        f"{names[-1]}; these tests need two a daemon")
                     break
             except grpc.RpcError:
                 pass
             assert time.time() < deadline, open(logs[0].name).read()
             time.sleep(0.1)
-    yield peers, logs, procs
+    yield peers, logs, procs, names
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -97,7 +107,7 @@ def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a 
 
 @pytest.mark.parametrize("cluster", [2, 3], indirect=True, ids=["2daemons", "3daemons"])
 def test_a_job_spans_the_daemons_and_trains_like_pytorch(tmp_path, cluster):
-    peers, logs, _ = cluster
+    peers, logs, _, names = cluster
     out = str(tmp_path / "client.json")
     # One stage per daemon, its two replicas on that daemon's two devices.
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
@@ -110,7 +120,8 @@ def test_a_job_spans_the_daemons_and_trains_like_pytorch(tmp_path, cluster):
     assert done.returncode == 0, done.stderr + "\n" + "".join(open(l.name).read() for l in logs)
     got = json.load(open(out))
     # Every daemon's two devices.
-    assert sorted(got["devices"]) == sorted(f"{a}/cpu:{i}" for a in peers for i in range(2))
+    assert sorted(got["devices"]) == sorted(f"{a}/{n}" for a, own in zip(peers, names)
+                                            for n in own)
     assert sorted(d for s in got["stages"] for d in s) == list(range(2 * len(peers)))
 
     _assert_trains_like_pytorch(got)
@@ -160,7 +171,7 @@ _TRAIN_UNTIL_ERROR = textwrap.dedent("""
 
 def test_a_lost_daemon_fails_its_jobs_promptly_and_the_leader_goes_on(tmp_path, cluster):
     # ... and serves new jobs on the daemons that are left.
-    peers, logs, procs = cluster
+    peers, logs, procs, names = cluster
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
                RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
                RANNC_DEFER_OPS="0")
@@ -197,7 +208,7 @@ def test_a_lost_daemon_fails_its_jobs_promptly_and_the_leader_goes_on(tmp_path, 
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr + open(logs[0].name).read()
     got = json.load(open(out))
-    assert sorted(got["devices"]) == ["cpu:0", "cpu:1"], got["devices"]
+    assert sorted(got["devices"]) == sorted(names[0]), got["devices"]
     _assert_trains_like_pytorch(got)
 
 
@@ -253,7 +264,7 @@ def test_the_runtime_conformance_models_train_like_pytorch_across_daemons(cluste
     # inputs and a weight used twice, a loss the client computes) with 2 stages x 2 replicas x
     # 2 micro-batches: a stage (with its replicas) per daemon; the tied embedding is held by
     # both daemons.
-    peers, logs, _ = cluster
+    peers, logs, _, _ = cluster
     stdout = _run_over_two_stages(_CONFORMANCE, peers, logs)
     assert stdout.split().count("ok") == 4, stdout
 
@@ -263,7 +274,7 @@ def test_two_client_ranks_train_one_job_over_the_cluster(tmp_path, cluster):
     # model on the whole batch, over both daemons' devices.
     import types
     import test_client_ranks as ranks
-    peers, logs, _ = cluster
+    peers, logs, _, _ = cluster
     os.environ["RANNC_PARTITION_NUM"] = "2"
     try:
         out, results = ranks._run_ranks(tmp_path, types.SimpleNamespace(address=peers[0]), True)
@@ -345,7 +356,7 @@ def test_clip_undeploy_recreate_and_load_state_span_the_daemons(cluster):
     # The GPT with its tied embedding held by both daemons (2 stages x 2 replicas): its norm
     # counted once; undeploy frees both daemons' devices and training resumes exactly;
     # recreate_all_communicators rebuilds every part's; load_state_dict reaches every part.
-    peers, logs, _ = cluster
+    peers, logs, _, _ = cluster
     stdout = _run_over_two_stages(_STATE_OPS, peers, logs)
     assert stdout.split().count("ok") == 5, stdout
 
@@ -394,25 +405,39 @@ def test_gradient_accumulation_spans_the_daemons(cluster):
     # delay_grad_allreduce + allreduce_grads with the GPT's tied embedding held by both daemons
     # (2 stages x 2 replicas): each daemon keeps its replicas' gradients until allreduce_grads,
     # through an undeploy and a recreate_all_communicators in between.
-    peers, logs, _ = cluster
+    peers, logs, _, _ = cluster
     stdout = _run_over_two_stages(_ACCUMULATE, peers, logs)
     assert stdout.split().count("ok") == 3, stdout
 
 
 _BAD_INPUTS = textwrap.dedent("""
-    import copy, sys, time, torch
+    import copy, os, sys, time, torch
     sys.path.insert(0, {tests!r})
     import pyrannc
     import test_pipeline_conformance as tpc
     from conftest import assert_close
+    SHIFT = int(os.environ["BAD_BATCH_SHIFT"])
+
+    class Shifted(torch.nn.Module):
+        # Ids and targets arrive SHIFT too high and are shifted back inside the model: through a
+        # subtraction, the daemon cannot range-check them on the host, so bad ones reach the
+        # stages.
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, targets):
+            return self.inner(ids - SHIFT, targets - SHIFT)
+
     case = tpc.MODELS["gpt_tied"]
     torch.manual_seed(0)
-    model = case.make()
+    model = Shifted(case.make()) if SHIFT else case.make()
     ref = copy.deepcopy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
     rmod = pyrannc.RaNNCModule(model, opt)
     for step in range(4):
         x, y = case.batch(step)
+        x, y = x + SHIFT, y + SHIFT
         if step == 1:
             stages = sorted(rmod.deployment.stages, key=lambda s: s.index)
             print("STAGES", *(rmod._job.devices[s.devices[0]].split("/")[0] for s in stages))
@@ -446,12 +471,23 @@ _BAD_INPUTS = textwrap.dedent("""
 """)
 
 
-def test_a_bad_batch_fails_promptly_on_every_daemon_and_loses_nothing(cluster):
-    peers, logs, _ = cluster
-    stdout = _run_over_two_stages(_BAD_INPUTS, peers, logs, RANNC_DEFER_OPS="0")
+def _bad_batch_failures(stdout):
     failures = [line.split(maxsplit=2) for line in stdout.splitlines()
                 if line.startswith("FAILED")]
     assert len(failures) == 2, stdout
+    return failures
+
+
+def test_a_bad_batch_fails_promptly_on_every_daemon_and_loses_nothing(cluster):
+    # Indices the host cannot check (the model computes them) fail inside the stages.
+    if CLUSTER_DEVICES.startswith("cuda"):
+        pytest.skip("on CUDA an out-of-range index inside a kernel is a device-side assert, "
+                    "after which no CUDA call of the daemon's process succeeds (CUDA's design); "
+                    "the host's range check below is what keeps such a batch off the GPUs")
+    peers, logs, _, _ = cluster
+    stdout = _run_over_two_stages(_BAD_INPUTS, peers, logs, RANNC_DEFER_OPS="0",
+                                  BAD_BATCH_SHIFT="1")
+    failures = _bad_batch_failures(stdout)
     for _, seconds, message in failures:
         print(f"failed after {seconds} s: {message}")
         # The cause, not the abandoned waits it leads to; long before any transfer timeout.
@@ -468,12 +504,25 @@ def test_a_bad_batch_fails_promptly_on_every_daemon_and_loses_nothing(cluster):
     assert stdout.rstrip().endswith("ok"), stdout
 
 
+def test_an_out_of_range_batch_is_refused_on_the_host_and_loses_nothing(cluster):
+    # Token ids and targets that the model reads as they are: the leader refuses the batch
+    # before any daemon runs it (runtime/model_runner.h CheckInputs), and training goes on.
+    peers, logs, _, _ = cluster
+    stdout = _run_over_two_stages(_BAD_INPUTS, peers, logs, RANNC_DEFER_OPS="0",
+                                  BAD_BATCH_SHIFT="0")
+    (_, token_s, token), (_, target_s, target) = _bad_batch_failures(stdout)
+    assert "'idx'" in token and "out of range for the rows of embedding" in token, token
+    assert "'targets'" in target and "classes of" in target, target
+    assert float(token_s) < 2 and float(target_s) < 2, (token_s, target_s)
+    assert stdout.rstrip().endswith("ok"), stdout
+
+
 def test_client_ranks_on_different_daemons_train_one_job(tmp_path, cluster):
     # Rank 0 talks to the first daemon, rank 1 to the second: rank 1's JoinJob is sent on to
     # the leading daemon, and barrier() meets across them.
     import types
     import test_client_ranks as ranks
-    peers, logs, _ = cluster
+    peers, logs, _, _ = cluster
     os.environ["RANNC_PARTITION_NUM"] = "2"
     try:
         out, results = ranks._run_ranks(tmp_path, types.SimpleNamespace(address=peers[0]), True,
@@ -494,7 +543,7 @@ def test_client_ranks_on_different_daemons_train_one_job(tmp_path, cluster):
 
 
 def test_a_lost_leader_fails_its_client_and_its_parts_go(cluster):
-    peers, logs, procs = cluster
+    peers, logs, procs, _ = cluster
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
                RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
                RANNC_DEFER_OPS="0")
