@@ -56,9 +56,12 @@ std::optional<int64_t> IntConstant(const torch::jit::Value* v) {
 std::optional<IndexBound> BoundOfUse(const IrGraph& ir, const torch::jit::Node* n,
                                      size_t offset) {
   const c10::Symbol kind = n->kind();
+  // A table whose indexed dimension is the batch's has no fixed size (the batch varies): those
+  // indices are not bounded here. (Such a model's samples are not independent, so the IR's
+  // probes on sample subsets refuse it anyway; this keeps the bounds right regardless.)
   if (kind == c10::aten::embedding && offset == 1) {
     const IrValue* weight = Known(ir, n->input(0));
-    if (weight == nullptr || weight->shape.empty()) return std::nullopt;
+    if (weight == nullptr || weight->shape.empty() || weight->batch_dim == 0) return std::nullopt;
     IndexBound b;
     b.limit = weight->shape[0];
     b.what = absl::StrCat("the rows of embedding ", WeightName(ir, n->input(0)), " (", b.limit,
@@ -75,8 +78,10 @@ std::optional<IndexBound> BoundOfUse(const IrGraph& ir, const torch::jit::Node* 
         !at::isIntegralType(target->dtype, false)) {
       return std::nullopt;
     }
+    const int classes = scores->shape.size() >= 2 ? 1 : 0;
+    if (scores->batch_dim == classes) return std::nullopt;
     IndexBound b;
-    b.limit = scores->shape.size() >= 2 ? scores->shape[1] : scores->shape[0];
+    b.limit = scores->shape[classes];
     b.ignore = IntConstant(n->input(4));
     b.what = absl::StrCat("the classes of ", kind.toUnqualString(), " (", b.limit, " classes",
                           b.ignore ? absl::StrCat(", ignore_index ", *b.ignore) : "", ")");
@@ -88,7 +93,7 @@ std::optional<IndexBound> BoundOfUse(const IrGraph& ir, const torch::jit::Node* 
     if (self == nullptr || !dim) return std::nullopt;
     const int64_t rank = static_cast<int64_t>(self->shape.size());
     const int64_t d = *dim < 0 ? *dim + rank : *dim;
-    if (d < 0 || d >= rank) return std::nullopt;
+    if (d < 0 || d >= rank || self->batch_dim == d) return std::nullopt;
     IndexBound b;
     b.limit = self->shape[d];
     b.what = absl::StrCat("dimension ", d, " of ", kind.toUnqualString(), "'s input (size ",
