@@ -90,7 +90,7 @@ def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a 
                     names.append([d.name for d in info.devices])
                     assert len(names[-1]) == 2, (
                         f"RANNC_CLUSTER_DEVICES={CLUSTER_DEVICES!r} gives {address} the devices "
-                        f"{names[-1]}; these tests need two a daemon")
+                        f"{names[-1]}; these tests need two per daemon")
                     break
             except grpc.RpcError:
                 pass
