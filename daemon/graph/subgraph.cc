@@ -39,14 +39,8 @@ bool IsScalarArithmetic(const torch::jit::Node* n) {
   return kinds.count(n->kind()) > 0 && n->outputs().size() == 1;
 }
 
-bool IsHostIntegerConstant(const torch::jit::Value* v) {
-  if (v->node()->kind() != c10::prim::Constant ||
-      v->type()->kind() != c10::TypeKind::TensorType) {
-    return false;
-  }
-  std::optional<c10::IValue> value = torch::jit::toIValue(v);
-  if (!value || !value->isTensor()) return false;
-  const at::Tensor& t = value->toTensor();
+// A host 0-dim integer tensor: the constant of traced shape arithmetic.
+bool IsHostIntegerScalar(const at::Tensor& t) {
   return t.device().is_cpu() && t.dim() == 0 && at::isIntegralType(t.scalar_type(), true);
 }
 
@@ -81,7 +75,7 @@ void PlaceConstantsIn(torch::jit::Block* block, c10::Device device) {
     } else if (type->kind() == c10::TypeKind::TensorType) {
       std::optional<c10::IValue> value = torch::jit::toIValue(out);
       if (value && value->isTensor() && value->toTensor().device().is_cpu() &&
-          !(IsHostIntegerConstant(out) && OnlyHostScalarUses(out))) {
+          !(IsHostIntegerScalar(value->toTensor()) && OnlyHostScalarUses(out))) {
         placed = c10::IValue(value->toTensor().to(device));
       }
     }
