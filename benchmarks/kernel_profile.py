@@ -59,38 +59,30 @@ def gpu_events(path: str):
     return out
 
 
-def union_us(intervals) -> float:
-    total, end = 0.0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
-
-
 GAP_BINS_US = (20.0, 200.0, 2000.0)  # idle gaps: under 20 us, 20-200 us, 0.2-2 ms, over 2 ms
 
 
-def gaps(events, top: int):
-    """The GPU's idle gaps between activities: a histogram (GAP_BINS_US) of (count, total us)
-    and the `top` largest, each with the activities before and after it."""
-    ordered = sorted(events, key=lambda e: e[1])
+def gaps(events):
+    """The GPU's idle gaps between activities, in start order: (length us, the activity before,
+    the activity after). Their sum is the profiled span's idle time; the rest of it is busy."""
     found = []
     end, last = None, None
-    for name, start, dur in ordered:
+    for name, start, dur in sorted(events, key=lambda e: e[1]):
         if end is not None and start > end:
             found.append((start - end, last, name))
         if end is None or start + dur > end:
             end, last = start + dur, name
+    return found
+
+
+def gap_bins(found):
+    """[count, total us] of the gaps in each GAP_BINS_US range."""
     bins = [[0, 0.0] for _ in range(len(GAP_BINS_US) + 1)]
     for g, _, _ in found:
         i = next((k for k, edge in enumerate(GAP_BINS_US) if g < edge), len(GAP_BINS_US))
         bins[i][0] += 1
         bins[i][1] += g
-    return bins, sorted(found, reverse=True)[:top]
+    return bins
 
 
 def summarize(path: str, steps: int, top: int = 12) -> dict:
@@ -107,9 +99,9 @@ def summarize(path: str, steps: int, top: int = 12) -> dict:
         per_name[name] += dur
         count[name] += 1
     span = max(t + d for _, t, d in events) - min(t for _, t, _ in events)
-    busy = union_us((t, t + d) for _, t, d in events)
+    idle = gaps(events)
+    busy = span - sum(g for g, _, _ in idle)
     ms = 1e-3 / steps
-    bins, largest_gaps = gaps(events, top)
     edges = ["0"] + [f"{e:g}" for e in GAP_BINS_US] + ["inf"]
     return {
         "trace": path,
@@ -124,9 +116,9 @@ def summarize(path: str, steps: int, top: int = 12) -> dict:
                      "calls_per_step": count[n] / steps} for n, t in per_name.most_common(top)],
         # Idle gaps by length in us ("20-200"): how many a step, and their ms a step.
         "idle_gaps": {f"{edges[i]}-{edges[i + 1]}": {"per_step": n / steps, "ms_per_step": t * ms}
-                      for i, (n, t) in enumerate(bins)},
+                      for i, (n, t) in enumerate(gap_bins(idle))},
         "largest_gaps": [{"us": g, "after": a[:120], "before": b[:120]}
-                         for g, a, b in largest_gaps],
+                         for g, a, b in sorted(idle, reverse=True)[:top]],
     }
 
 
