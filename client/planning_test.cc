@@ -150,6 +150,13 @@ TEST_CASE("FormatDeployment shows micro-batch sizes per device", "[planning]") {
                         Catch::Contains("1.2 GiB per device") &&
                         Catch::Contains("recompute yes"));
 
+  CHECK_THAT(*text, !Catch::Contains("batch kept whole"));
+  v1::Deployment whole = d;
+  whole.set_batch_whole("aten::batch_norm in bn (BatchNorm2d) normalizes over the batch");
+  text = FormatDeployment(whole, 64);
+  REQUIRE(text.ok());
+  CHECK_THAT(*text, Catch::Contains("  batch kept whole: aten::batch_norm in bn (BatchNorm2d)"));
+
   absl::StatusOr<std::string> small = FormatDeployment(d, 7);
   REQUIRE(!small.ok());
   CHECK_THAT(std::string(small.status().message()),

@@ -21,8 +21,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "spdlog/spdlog.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/graph/batch_flow.h"
 #include "daemon/graph/structure.h"
 
 namespace rannc {
@@ -297,34 +299,32 @@ class SavedTensors {
   std::vector<std::pair<size_t, at::Tensor>> saved_;
 };
 
-// Runs the model on each of the two samples of `run_pair` apart and compares the outputs with
-// the pair's: sets each loss's reduction and ir.batch_separable. Buffers are restored.
-absl::Status CheckSeparable(const std::vector<at::Tensor>& example_inputs,
-                            const std::vector<at::Tensor>& tensors,
-                            std::vector<NodeProbe>& probes, bool share,
-                            const ProbeRun& run_pair, IrGraph& ir) {
+// The runtime check behind the static one (graph/batch_flow.h): runs the model on each of the
+// two samples of `run_pair` apart (with the pair's step inputs, as shards of one batch get) and
+// compares the outputs with the pair's: batched outputs row by row, the others as the means or
+// sums the static analysis says they are. "" when they agree, else why not. Buffers are restored.
+absl::StatusOr<std::string> CrossCheckSeparable(const std::vector<at::Tensor>& pair_inputs,
+                                                const std::vector<at::Tensor>& tensors,
+                                                std::vector<NodeProbe>& probes, bool share,
+                                                const ProbeRun& run_pair, const IrGraph& ir) {
   const SavedTensors saved(ir, tensors);
   std::vector<absl::StatusOr<ProbeRun>> single;
   {
     at::NoGradGuard no_grad;
     for (int64_t sample = 0; sample < 2; ++sample) {
       std::vector<c10::IValue> inputs;
-      for (const at::Tensor& t : example_inputs) {
-        inputs.emplace_back(RepeatSamples(t, 2).narrow(0, sample, 1));
+      for (size_t i = 0; i < pair_inputs.size(); ++i) {
+        const at::Tensor& t = pair_inputs[i];
+        inputs.emplace_back(i < ir.num_client_inputs ? t.narrow(0, sample, 1) : t);
       }
       for (const at::Tensor& t : tensors) inputs.emplace_back(t);
       single.push_back(RunProbes(ir, probes, inputs, share));
       saved.Restore();
     }
   }
-  auto not_separable = [&](std::string why) {
-    ir.batch_separable = false;
-    ir.not_separable = std::move(why);
-    return absl::OkStatus();
-  };
   for (const auto& run : single) {
     if (!run.ok()) {
-      return not_separable(absl::StrCat("it fails on a single sample: ", run.status().message()));
+      return absl::StrCat("the model fails on a single sample: ", run.status().message());
     }
   }
   auto close = [](const at::Tensor& a, const at::Tensor& b) {
@@ -333,9 +333,10 @@ absl::Status CheckSeparable(const std::vector<at::Tensor>& example_inputs,
                 ? at::allclose(a.to(at::kDouble), b.to(at::kDouble), 1e-4, 1e-5)
                 : at::equal(a, b));
   };
-  return TorchCall(absl::StatusCode::kInternal, "checking samples' independence", [&] {
+  std::string why;
+  absl::Status status = TorchCall(absl::StatusCode::kInternal, "checking samples' independence", [&] {
     for (int id : ir.outputs) {
-      IrValue& value = ir.values[id];
+      const IrValue& value = ir.values[id];
       if (!value.is_tensor || value.role != ValueRole::kActivation) continue;
       const at::Tensor pair = run_pair.values[id].toTensor();
       const at::Tensor one = single[0]->values[id].toTensor();
@@ -344,21 +345,26 @@ absl::Status CheckSeparable(const std::vector<at::Tensor>& example_inputs,
         const int64_t rows = pair.size(value.batch_dim) / 2;
         if (!close(pair.narrow(value.batch_dim, 0, rows), one) ||
             !close(pair.narrow(value.batch_dim, rows, rows), two)) {
-          return not_separable(absl::StrCat(
-              "output %", value.name, " of a sample depends on the other samples of the batch "
-              "(e.g. BatchNorm in training mode)"));
+          why = absl::StrCat("output %", value.name, " of a sample depends on the other samples "
+                             "of the batch");
+          break;
         }
-      } else if (at::isFloatingType(pair.scalar_type()) && close(pair, (one + two) / 2)) {
-        value.reduction = IrValue::Reduction::kMean;
-      } else if (close(pair, one + two)) {
-        value.reduction = IrValue::Reduction::kSum;
-      } else {
-        return not_separable(absl::StrCat("output %", value.name,
-                                          " is neither a mean nor a sum over the samples"));
+      } else if (value.reduction == IrValue::Reduction::kMean) {
+        if (!close(pair, (one + two) / 2)) {
+          why = absl::StrCat("output %", value.name, " is not the mean of the samples' values");
+          break;
+        }
+      } else if (value.reduction == IrValue::Reduction::kSum) {
+        if (!close(pair, one + two)) {
+          why = absl::StrCat("output %", value.name, " is not the sum of the samples' values");
+          break;
+        }
       }
     }
     return absl::OkStatus();
   });
+  if (!status.ok()) return status;
+  return why;
 }
 
 // Merges overlapping [first, last] ranges over `count` anchors; returns group start indices.
@@ -375,6 +381,50 @@ std::vector<int> MergeRanges(int count, std::vector<std::pair<int, int>> ranges)
     end = std::max(end, reach[i]);
   }
   return starts;
+}
+
+// Joins the atomic nodes of each [first, last] range of `ranges` (and of overlapping ranges)
+// into one node, keeping the IR's indices (producers, consumers, node_of_op) consistent.
+void MergeNodes(IrGraph& ir, const std::vector<std::pair<int, int>>& ranges) {
+  const int count = static_cast<int>(ir.nodes.size());
+  const std::vector<int> starts = MergeRanges(count, ranges);
+  if (static_cast<int>(starts.size()) == count) return;
+  std::vector<int> group(count);
+  for (size_t g = 0; g < starts.size(); ++g) {
+    const int end = g + 1 < starts.size() ? starts[g + 1] : count;
+    for (int i = starts[g]; i < end; ++i) group[i] = static_cast<int>(g);
+  }
+  for (IrValue& v : ir.values) {
+    if (v.producer >= 0) v.producer = group[v.producer];
+    std::set<int> consumers;
+    for (int c : v.consumers) {
+      if (group[c] != v.producer) consumers.insert(group[c]);
+    }
+    v.consumers.assign(consumers.begin(), consumers.end());
+  }
+  std::vector<IrNode> merged(starts.size());
+  for (int i = 0; i < count; ++i) {
+    IrNode& m = merged[group[i]];
+    IrNode& old = ir.nodes[i];
+    m.ops.insert(m.ops.end(), old.ops.begin(), old.ops.end());
+    m.label = m.label.empty() ? old.label : absl::StrCat(m.label, ",", old.label);
+  }
+  for (size_t g = 0; g < merged.size(); ++g) {
+    std::set<int> inputs, outputs;
+    const int end = g + 1 < starts.size() ? starts[g + 1] : count;
+    for (int i = starts[g]; i < end; ++i) {
+      for (int v : ir.nodes[i].inputs) {
+        if (ir.values[v].producer != static_cast<int>(g)) inputs.insert(v);
+      }
+      for (int v : ir.nodes[i].outputs) {
+        if (!ir.values[v].consumers.empty() || ir.values[v].is_output) outputs.insert(v);
+      }
+    }
+    merged[g].inputs.assign(inputs.begin(), inputs.end());
+    merged[g].outputs.assign(outputs.begin(), outputs.end());
+  }
+  ir.nodes = std::move(merged);
+  for (auto& [op, node] : ir.node_of_op) node = group[node];
 }
 
 }  // namespace
@@ -454,9 +504,10 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
                                 const IrOptions& options) {
   IrGraph ir;
   ir.module = model.module;
-  ir.num_user_inputs = model.input_names.size();
+  ir.num_client_inputs = model.input_names.size();
+  ir.num_user_inputs = ir.num_client_inputs;
   ir.tensor_names = model.graph_tensor_names;
-  if (example_inputs.size() != ir.num_user_inputs || tensors.size() != ir.tensor_names.size()) {
+  if (example_inputs.size() != ir.num_client_inputs || tensors.size() != ir.tensor_names.size()) {
     return absl::InternalError("BuildIr: inputs do not match the graph");
   }
   for (const at::Tensor& t : example_inputs) {
@@ -491,6 +542,12 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   });
   if (!prepared.ok()) return prepared;
   Graph& graph = *ir.graph;
+  // Mean losses over counted targets become sums over a per-batch denominator, so that any
+  // split of the batch gives the whole batch's mean (graph/loss_denominators.h).
+  absl::StatusOr<LossRewrite> rewrite = RewriteMeanLosses(graph, ir.num_client_inputs);
+  if (!rewrite.ok()) return rewrite.status();
+  ir.loss_rewrite = std::make_shared<const LossRewrite>(std::move(*rewrite));
+  ir.num_user_inputs += ir.loss_rewrite->denominators.size();
 
   // Values, roles and batch dimensions.
   std::map<std::string, bool> is_param;
@@ -638,6 +695,14 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     }
     if (first < last) together.emplace_back(first, last);
   }
+  // A rewritten mean loss stays one piece with its division (graph/loss_denominators.h).
+  for (const LossDenominator& d : ir.loss_rewrite->denominators) {
+    auto loss = anchor_index.find(d.loss);
+    auto mean = anchor_index.find(d.mean);
+    if (loss != anchor_index.end() && mean != anchor_index.end()) {
+      together.emplace_back(loss->second, mean->second);
+    }
+  }
   std::vector<int> starts = MergeRanges(static_cast<int>(anchors.size()), together);
 
   // Atomic nodes.
@@ -686,11 +751,18 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   const bool share = options.share_repeated_nodes && ShapesFollowFromShapes(graph);
   constexpr int64_t kProbeA = 2, kProbeB = 3;
   const SavedTensors saved(ir, tensors);
-  std::vector<c10::IValue> inputs_a, inputs_b;
-  for (const at::Tensor& t : example_inputs) {
-    inputs_a.emplace_back(RepeatSamples(t, kProbeA));
-    inputs_b.emplace_back(RepeatSamples(t, kProbeB));
-  }
+  const LiftedTensor lifted = [&](int i) { return tensors[i]; };
+  auto batch_of = [&](int64_t samples) -> absl::StatusOr<std::vector<at::Tensor>> {
+    std::vector<at::Tensor> client;
+    for (const at::Tensor& t : example_inputs) client.push_back(RepeatSamples(t, samples));
+    return WithStepInputs(ir, std::move(client), lifted);
+  };
+  absl::StatusOr<std::vector<at::Tensor>> batch_a = batch_of(kProbeA);
+  if (!batch_a.ok()) return batch_a.status();
+  absl::StatusOr<std::vector<at::Tensor>> batch_b = batch_of(kProbeB);
+  if (!batch_b.ok()) return batch_b.status();
+  std::vector<c10::IValue> inputs_a(batch_a->begin(), batch_a->end());
+  std::vector<c10::IValue> inputs_b(batch_b->begin(), batch_b->end());
   for (const at::Tensor& t : tensors) {
     inputs_a.emplace_back(t);
     inputs_b.emplace_back(t);
@@ -708,7 +780,9 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     // A model that fails on its example inputs as they are is simply wrong there (a shape, a
     // dtype); one that only fails on other batch sizes fixed its batch size. Only a failure
     // costs this run of the whole example.
-    std::vector<c10::IValue> example(example_inputs.begin(), example_inputs.end());
+    absl::StatusOr<std::vector<at::Tensor>> whole_batch = WithStepInputs(ir, example_inputs, lifted);
+    if (!whole_batch.ok()) return whole_batch.status();
+    std::vector<c10::IValue> example(whole_batch->begin(), whole_batch->end());
     example.insert(example.end(), tensors.begin(), tensors.end());
     absl::StatusOr<ProbeRun> whole;
     {
@@ -728,6 +802,7 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
         "instead. The error: ", run->status().message()));
   }
   ir.nodes_probed = run_a->nodes_run;
+  std::unordered_map<const Value*, ValueFacts> facts;
   for (size_t i = 0; i < ir.values.size(); ++i) {
     IrValue& value = ir.values[i];
     if (!run_a->set[i] || !run_b->set[i]) continue;
@@ -745,14 +820,21 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
               DescribeTensor(ta.scalar_type(), ta.sizes()), " vs ",
               DescribeTensor(tb.scalar_type(), tb.sizes()), "); the planner cannot split it"));
         }
+        ValueFacts& f = facts[value.jit];
         for (int64_t d = 0; d < ta.dim(); ++d) {
-          if (ta.size(d) != tb.size(d)) {
-            value.batch_dim = static_cast<int>(d);
-            // Sizes along the batch are affine in it (b, b * seq, ...).
-            value.shape[d] = ta.size(d) + (tb.size(d) - ta.size(d)) * (ir.example_batch - kProbeA);
-            break;
-          }
+          if (ta.size(d) == tb.size(d)) continue;
+          // A whole number of rows per sample, in one dimension only: what the runtime's
+          // shards assume (PerSample).
+          f.regular = f.regular && value.batch_dim < 0 && ta.size(d) * kProbeB == tb.size(d) * kProbeA;
+          if (value.batch_dim >= 0) continue;
+          value.batch_dim = static_cast<int>(d);
+          // Sizes along the batch are affine in it (b, b * seq, ...).
+          value.shape[d] = ta.size(d) + (tb.size(d) - ta.size(d)) * (ir.example_batch - kProbeA);
         }
+        f.batch_dim = value.batch_dim;
+        f.shape = value.shape;
+      } else {
+        facts[value.jit].shape = value.shape;
       }
       int64_t numel = 1;
       for (int64_t s : value.shape) numel *= s;
@@ -763,13 +845,58 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     IrValue& value = ir.values[id];
     value.is_loss = value.role == ValueRole::kActivation && value.batch_dim < 0;
   }
-  if (HasRandomOps(graph.block())) {
-    for (int id : ir.outputs) {
-      if (ir.values[id].is_loss) ir.values[id].reduction = IrValue::Reduction::kMean;
+
+  // Whether the batch may be split: decided op by op (graph/batch_flow.h), then, for models
+  // without random ops, checked on two samples run apart.
+  BatchFlowInputs flow_inputs;
+  flow_inputs.graph = &graph;
+  flow_inputs.num_client_inputs = ir.num_client_inputs;
+  flow_inputs.num_step_inputs = ir.num_user_inputs - ir.num_client_inputs;
+  flow_inputs.example_batch = ir.example_batch;
+  flow_inputs.losses = ir.loss_rewrite.get();
+  flow_inputs.facts = [&](const Value* v) -> const ValueFacts* {
+    auto it = facts.find(v);
+    return it == facts.end() ? nullptr : &it->second;
+  };
+  BatchFlow flow;
+  absl::Status analyzed = TorchCall(absl::StatusCode::kInternal, "following the batch", [&] {
+    flow = AnalyzeBatchFlow(flow_inputs);
+    return absl::OkStatus();
+  });
+  if (!analyzed.ok()) return analyzed;
+  ir.batch_separable = flow.separable;
+  ir.not_separable = flow.why;
+  for (const auto& [v, reduction] : flow.reductions) {
+    ir.values[ir.ValueOf(v)].reduction = reduction == SampleReduction::kMean
+                                             ? IrValue::Reduction::kMean
+                                             : IrValue::Reduction::kSum;
+  }
+  if (ir.batch_separable && !HasRandomOps(graph.block())) {
+    absl::StatusOr<std::string> checked =
+        CrossCheckSeparable(*batch_a, tensors, *probes, share, *run_a, ir);
+    if (!checked.ok()) return checked.status();
+    if (!checked->empty()) {
+      spdlog::warn("the batch looked separable op by op, but {}; it stays whole", *checked);
+      ir.batch_separable = false;
+      ir.not_separable = *checked;
     }
+  }
+  if (!ir.batch_separable) {
+    for (IrValue& v : ir.values) v.reduction = IrValue::Reduction::kUnknown;
   } else {
-    absl::Status checked = CheckSeparable(example_inputs, tensors, *probes, share, *run_a, ir);
-    if (!checked.ok()) return checked;
+    // A value computed from the batch without a batch dimension (a sum over the samples) is
+    // each shard's own: it cannot be re-split between stages of different replica counts, so
+    // it never crosses a stage boundary.
+    std::vector<std::pair<int, int>> keep;
+    for (const IrValue& v : ir.values) {
+      if (v.role != ValueRole::kActivation || !v.is_tensor || v.batch_dim >= 0 || v.producer < 0) {
+        continue;
+      }
+      int last = v.producer;
+      for (int c : v.consumers) last = std::max(last, c);
+      if (last > v.producer) keep.emplace_back(v.producer, last);
+    }
+    if (!keep.empty()) MergeNodes(ir, keep);
   }
 
   // A structural hash: ops in order, how they connect, dtypes and non-batch shapes, constants.
@@ -805,6 +932,21 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   }
   ir.hash = StableHash(sig.str());
   return ir;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,
+                                                       std::vector<at::Tensor> client_inputs,
+                                                       const LiftedTensor& lifted) {
+  if (client_inputs.size() != ir.num_client_inputs) {
+    return absl::InvalidArgumentError(absl::StrCat(client_inputs.size(), " inputs for ",
+                                                   ir.num_client_inputs));
+  }
+  if (ir.loss_rewrite == nullptr || ir.loss_rewrite->denominators.empty()) return client_inputs;
+  absl::StatusOr<std::vector<at::Tensor>> steps =
+      DenominatorInputs(*ir.loss_rewrite, client_inputs, lifted);
+  if (!steps.ok()) return steps.status();
+  client_inputs.insert(client_inputs.end(), steps->begin(), steps->end());
+  return client_inputs;
 }
 
 double CutBytesPerSample(const IrGraph& ir, int boundary) {

@@ -29,6 +29,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "daemon/graph/loss_denominators.h"
 #include "daemon/graph/torchscript_import.h"
 
 namespace torch {
@@ -43,7 +44,7 @@ struct Value;
 namespace rannc {
 
 enum class ValueRole {
-  kInput,         // a forward argument from the client (batched along dim 0)
+  kInput,         // a forward argument from the client (batched along dim 0), or a step input
   kParam,         // a lifted parameter
   kBuffer,        // a lifted buffer (BatchNorm statistics; may be mutated by the model)
   kActivation,    // computed from the batch
@@ -92,14 +93,20 @@ struct IrGraph {
   std::vector<IrNode> nodes;  // atomic nodes, topologically ordered
   std::vector<int> inputs;    // graph inputs: user inputs, then lifted tensors
   std::vector<int> outputs;   // flattened model outputs
+  // User inputs: the client's forward arguments, then the step inputs, values the daemon
+  // computes from each whole batch and every shard reads whole (the denominators of mean
+  // losses over counted targets: WithStepInputs).
   size_t num_user_inputs = 0;
+  size_t num_client_inputs = 0;
+  std::shared_ptr<const LossRewrite> loss_rewrite;
   std::vector<std::string> tensor_names;  // per lifted input, the module tensor's dotted name
   int64_t example_batch = 0;
   // Whether the model treats samples independently: batched outputs of a batch are its
   // samples' outputs, and every loss is a mean or a sum of its samples'. BatchNorm in training
   // mode (statistics over the batch) is not. A model that is not cannot have its batch split
-  // into micro-batches or replicas without changing its results; `not_separable` says why.
-  // Models with random ops (dropout) are not checked and count as separable, losses as means.
+  // into micro-batches or replicas without changing its results; `not_separable` says why (the
+  // op, where it is in the model, what it does). Decided op by op (graph/batch_flow.h) and, for
+  // models without random ops, checked on two samples run apart.
   bool batch_separable = true;
   std::string not_separable;
   // A stable hash of the graph's structure, dtypes and non-batch shapes: equal for retraces of
@@ -157,6 +164,12 @@ std::string StableHash(const std::string& bytes);
 // loss's, a scalar the runtime can apply afterwards). Otherwise every micro-batch's forward
 // must keep its graph until the client's output gradients arrive (GPipe's order and memory).
 bool FusesForwardBackward(const IrGraph& ir);
+
+// The graph's user inputs for one batch: `client_inputs` (the whole batch), then the step inputs
+// computed from them. `lifted(i)`: the module tensor of lifted input i (loss class weights).
+absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,
+                                                       std::vector<at::Tensor> client_inputs,
+                                                       const LiftedTensor& lifted);
 
 // Whether `block` (or a block nested in it) has an op that draws from a random generator
 // (dropout, bernoulli, rand*, ...).

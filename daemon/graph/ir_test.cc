@@ -43,7 +43,11 @@ TEST_CASE("BuildIr types an MLP with two inputs and a loss", "[graph]") {
   REQUIRE(f.ir.ok());
   const IrGraph& ir = *f.ir;
   CheckTopologicalAndConnected(ir);
-  REQUIRE(ir.num_user_inputs == 2);
+  // The client's two inputs, then the cross entropy's denominator (graph/loss_denominators.h).
+  REQUIRE(ir.num_client_inputs == 2);
+  REQUIRE(ir.num_user_inputs == 3);
+  CHECK(Input(ir, 2).role == ValueRole::kInput);
+  CHECK(Input(ir, 2).batch_dim == -1);
   CHECK(Input(ir, 0).role == ValueRole::kInput);
   CHECK(Input(ir, 0).batch_dim == 0);
   CHECK(Input(ir, 0).shape == std::vector<int64_t>{5, 6});
@@ -80,8 +84,9 @@ TEST_CASE("BuildIr finds how losses combine samples, and models whose samples in
   FixtureIr bn = BuildFixtureIr("bn_net");
   REQUIRE(bn.ir.ok());
   CHECK_FALSE(bn.ir->batch_separable);
-  CHECK_THAT(bn.ir->not_separable, Catch::Contains("depends on the other samples"));
-  // Random ops are not checked: the model counts as separable, its losses as means.
+  CHECK_THAT(bn.ir->not_separable, Catch::Contains("normalizes over the batch"));
+  // Random ops are followed op by op like any other (dropout keeps samples apart); only the
+  // run of samples apart cannot check them.
   FixtureIr dropout = BuildFixtureIr("dropout_net");
   REQUIRE(dropout.ir.ok());
   CHECK(dropout.ir->batch_separable);

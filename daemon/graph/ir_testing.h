@@ -17,6 +17,9 @@ struct FixtureIr {
   ImportedModel model;
   std::vector<at::Tensor> tensors;  // per lifted input, the module's tensor
   absl::StatusOr<IrGraph> ir = absl::UnknownError("not built");
+  // The fixture's inputs followed by the step inputs computed from them (IrGraph's user
+  // inputs for the whole batch): what a StageExecutor reads. Empty when the IR failed.
+  std::vector<at::Tensor> user_inputs;
 };
 
 FixtureIr BuildFixtureIr(const std::string& name);

@@ -296,7 +296,8 @@ absl::Status VerifySplit(const IrGraph& ir, const std::vector<int>& stage_starts
 
 absl::Status VerifyPartition(const IrGraph& ir, const std::vector<std::vector<int>>& stages,
                              const std::vector<at::Tensor>& tensors,
-                             const std::vector<at::Tensor>& inputs, double rtol, double atol) {
+                             const std::vector<at::Tensor>& client_inputs, double rtol,
+                             double atol) {
   std::vector<int> covered(ir.nodes.size(), 0);
   for (const std::vector<int>& stage : stages) {
     for (int i : stage) {
@@ -312,6 +313,10 @@ absl::Status VerifyPartition(const IrGraph& ir, const std::vector<std::vector<in
           "the stages must hold every atomic node once; node ", i, " is in ", covered[i]));
     }
   }
+  absl::StatusOr<std::vector<at::Tensor>> batch =
+      WithStepInputs(ir, client_inputs, [&](int i) { return tensors[i]; });
+  if (!batch.ok()) return batch.status();
+  const std::vector<at::Tensor>& inputs = *batch;
   // Whole model.
   std::vector<at::Tensor> whole_leaves = Leaves(ir, tensors);
   std::vector<c10::IValue> stack(inputs.begin(), inputs.end());

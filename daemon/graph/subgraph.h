@@ -53,7 +53,8 @@ absl::StatusOr<std::vector<c10::IValue>> RunGraph(const std::shared_ptr<torch::j
                                                   std::vector<c10::IValue> inputs);
 
 // Splits `ir` at `stage_starts` (the first atomic node of each stage; must start with 0 and
-// increase) and checks, on copies of `tensors` (the lifted inputs), that running the stages in
+// increase) and checks, on copies of `tensors` (the lifted inputs) and the client's `inputs`
+// (the step inputs are computed from them), that running the stages in
 // sequence gives the whole model's outputs, and the same gradients of the sum of its floating
 // outputs, within rtol/atol. INTERNAL with the first mismatch otherwise.
 absl::Status VerifySplit(const IrGraph& ir, const std::vector<int>& stage_starts,

@@ -135,6 +135,53 @@ absl::Status BindSentTensors(torch::jit::Module& module, const SentTensors& sent
   return absl::OkStatus();
 }
 
+// torch.jit.trace records a Python number in an expression (`loss * 1e-3`, `x + 1`) as a 0-dim
+// double or long tensor constant, and a saved module keeps it so. Eager PyTorch treats such a
+// number as a "wrapped number" that never promotes a tensor's dtype, as does PyTorch's graph
+// executor running the traced module (its optimized graph holds the number as a scalar); the
+// interpreter the daemon runs graphs with does not, so `float_loss * double_constant` would come
+// out double. Each such constant operand becomes a scalar where the op has a Scalar overload.
+void ScalarizeTracedNumbers(Graph& graph) {
+  std::vector<Node*> nodes(graph.nodes().begin(), graph.nodes().end());
+  for (Node* n : nodes) {
+    if (n->kind() == c10::prim::Constant || n->inputs().size() < 2 || !n->blocks().empty()) {
+      continue;
+    }
+    std::vector<Value*> inputs(n->inputs().begin(), n->inputs().end());
+    bool changed = false;
+    for (size_t i = 1; i < inputs.size(); ++i) {
+      Node* c = inputs[i]->node();
+      if (c->kind() != c10::prim::Constant || !c->hasAttribute(c10::attr::value) ||
+          c->kindOf(c10::attr::value) != torch::jit::AttributeKind::t) {
+        continue;
+      }
+      const at::Tensor t = c->t(c10::attr::value);
+      if (!t.defined() || t.dim() != 0 || !t.device().is_cpu() || t.requires_grad() ||
+          (t.scalar_type() != at::kDouble && t.scalar_type() != at::kLong)) {
+        continue;
+      }
+      torch::jit::WithInsertPoint guard(n);
+      inputs[i] = t.scalar_type() == at::kDouble ? graph.insertConstant(t.item<double>())
+                                                 : graph.insertConstant(t.item<int64_t>());
+      changed = true;
+    }
+    if (!changed) continue;
+    Node* scalar = graph.create(n->kind(), inputs, n->outputs().size());
+    scalar->copyMetadata(n);
+    if (scalar->maybeOperator() == nullptr) {  // no Scalar overload: keep the tensor constant
+      scalar->destroy();
+      continue;
+    }
+    scalar->insertBefore(n);
+    for (size_t o = 0; o < n->outputs().size(); ++o) {
+      scalar->output(o)->setType(n->output(o)->type());
+      scalar->output(o)->copyMetadata(n->output(o));
+      n->output(o)->replaceAllUsesWith(scalar->output(o));
+    }
+    n->destroy();
+  }
+}
+
 }  // namespace
 
 absl::Status CheckNoStandIns(const ImportedModel& model) {
@@ -190,6 +237,7 @@ absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes,
     CollectTensors(module, "", &model.tensors);
     absl::Status lift = LiftAttributes(*model.graph, module, &model.graph_tensor_names);
     if (!lift.ok()) return lift;
+    ScalarizeTracedNumbers(*model.graph);
     torch::jit::EliminateDeadCode(model.graph);
     return absl::OkStatus();
   });

@@ -297,6 +297,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   d.set_estimated_step_ms(plan->simulated_ms);
   d.set_objective_ms(plan->objective_ms);
   d.set_optimizer(memory.optimizer);
+  if (!ir.batch_separable) d.set_batch_whole(ir.not_separable);
   d.set_zero(memory.zero);
   d.set_offload(memory.offload);
   d.set_created_by(created_by);

@@ -72,6 +72,33 @@ TEST_CASE("PlanModel gives a model that fits one device a plan covering every no
   CHECK_THAT(DescribeDeployment(*d), Catch::Contains("stage 0: nodes [0, "));
 }
 
+TEST_CASE("PlanModel keeps a batch whole when samples interact, and says why", "[planner]") {
+  FixtureIr f = BuildFixtureIr("bn_dropout_net");
+  REQUIRE(f.ir.ok());
+  absl::StatusOr<v1::Deployment> d = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                               Target(4, 1ull << 30), {}, Config({}), nullptr, "test");
+  REQUIRE(d.ok());
+  CHECK(d->micro_batches() == 1);
+  for (const v1::DeploymentStage& s : d->stages()) CHECK(s.devices_size() == 1);
+  CHECK_THAT(d->batch_whole(), Catch::Contains("features.1 (BatchNorm2d)"));
+  CHECK_THAT(DescribeDeployment(*d), Catch::Contains("batch kept whole: aten::batch_norm in "
+                                                     "features.1 (BatchNorm2d)"));
+  absl::StatusOr<v1::Deployment> forced =
+      PlanModel(*f.ir, f.tensors, f.fixture.inputs, Target(4, 1ull << 30), {},
+                Config({{"replica_num", "2"}}), nullptr, "test");
+  CHECK(forced.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(forced.status().message()),
+             Catch::Contains("features.1 (BatchNorm2d)") &&
+                 Catch::Contains("splitting it would change the results"));
+  // A model whose samples are independent says nothing.
+  FixtureIr mlp = BuildFixtureIr("mlp");
+  REQUIRE(mlp.ir.ok());
+  d = PlanModel(*mlp.ir, mlp.tensors, mlp.fixture.inputs, Target(2, 1ull << 30), {}, Config({}),
+                nullptr, "test");
+  REQUIRE(d.ok());
+  CHECK(d->batch_whole().empty());
+}
+
 TEST_CASE("PlanModel honours forced stage, replica and micro-batch counts", "[planner]") {
   FixtureIr f = BuildFixtureIr("tiny_gpt");
   REQUIRE(f.ir.ok());

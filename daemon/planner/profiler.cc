@@ -132,6 +132,16 @@ Profiler::Profiler(const IrGraph& ir, std::vector<at::Tensor> tensors,
   }
 }
 
+absl::StatusOr<std::vector<at::Tensor>> Profiler::Batch(int64_t samples) const {
+  std::vector<at::Tensor> client;
+  for (const at::Tensor& t : example_inputs_) client.push_back(RepeatSamples(t, samples));
+  absl::StatusOr<std::vector<at::Tensor>> batch =
+      WithStepInputs(ir_, std::move(client), [&](int i) { return tensors_[i]; });
+  if (!batch.ok()) return batch.status();
+  for (at::Tensor& t : *batch) t = t.to(options_.device);
+  return batch;
+}
+
 absl::StatusOr<Profiler::Blocks> Profiler::BuildBlocks(const std::vector<int>& starts,
                                                          int64_t batch,
                                                          const std::string& options) const {
@@ -181,8 +191,10 @@ absl::StatusOr<std::vector<double>> Profiler::AtomicForwardMs() {
     return node_ms;
   }
 
+  absl::StatusOr<std::vector<at::Tensor>> batch = Batch(ir_.example_batch);
+  if (!batch.ok()) return batch.status();
   std::unordered_map<int, c10::IValue> env;
-  for (size_t i = 0; i < example_inputs_.size(); ++i) env[ir_.inputs[i]] = example_inputs_[i];
+  for (size_t i = 0; i < batch->size(); ++i) env[ir_.inputs[i]] = (*batch)[i];
   for (size_t i = 0; i < tensors_.size(); ++i) {
     const int v = ir_.inputs[ir_.num_user_inputs + i];
     env[v] = ir_.values[v].written ? tensors_[i].clone() : tensors_[i];  // buffers may change
@@ -276,10 +288,10 @@ absl::StatusOr<std::vector<ProfileRecord>> Profiler::ProfileBlocks(const std::ve
   }
   // Values passed between blocks, detached: each block is profiled as a stage that receives
   // activations and returns their gradients.
+  absl::StatusOr<std::vector<at::Tensor>> batch = Batch(micro_batch);
+  if (!batch.ok()) return batch.status();
   std::unordered_map<int, at::Tensor> env;
-  for (size_t i = 0; i < example_inputs_.size(); ++i) {
-    env[ir_.inputs[i]] = RepeatSamples(example_inputs_[i], micro_batch);
-  }
+  for (size_t i = 0; i < batch->size(); ++i) env[ir_.inputs[i]] = (*batch)[i];
   for (int b = 0; b < num_blocks; ++b) {
     const int end = b + 1 < num_blocks ? starts[b + 1] : static_cast<int>(ir_.nodes.size());
     const Subgraph* sub = &subs[b];

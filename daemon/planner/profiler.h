@@ -95,6 +95,9 @@ class Profiler {
   };
   absl::StatusOr<Blocks> BuildBlocks(const std::vector<int>& starts, int64_t batch,
                                      const std::string& options) const;
+  // The user inputs of a batch of `samples` (the example's, repeated), step inputs included,
+  // on the profiled device.
+  absl::StatusOr<std::vector<at::Tensor>> Batch(int64_t samples) const;
 
   const IrGraph& ir_;
   std::vector<at::Tensor> tensors_;

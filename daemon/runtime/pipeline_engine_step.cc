@@ -470,12 +470,22 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
   absl::Status usable = CheckUsable();
   if (!usable.ok()) return usable;
   const IrGraph& ir = *ir_;
-  if (inputs.size() != ir.num_user_inputs) {
+  if (inputs.size() != ir.num_client_inputs) {
     return absl::InvalidArgumentError(
-        absl::StrCat(inputs.size(), " inputs for ", ir.num_user_inputs));
+        absl::StrCat(inputs.size(), " inputs for ", ir.num_client_inputs));
   }
+  // The step inputs (loss denominators) come from the whole batch; every shard reads them.
+  // A loss's class weights come from a device of this process that holds them (the loss's
+  // stage, the only one that reads its denominator).
+  absl::StatusOr<std::vector<at::Tensor>> batch = WithStepInputs(ir, inputs, [&](int lifted) {
+    for (const Device& d : devices_) {
+      if (d.local && d.lifted[lifted].defined()) return ParamValue(lifted, d.index);
+    }
+    return at::Tensor();
+  });
+  if (!batch.ok()) return batch.status();
   StepPlan step;
-  step.inputs = &inputs;
+  step.inputs = &*batch;
   step.requires_grad = requires_grad;
   step.phase = requires_grad && fused_ ? Phase::kFused : Phase::kForward;
   step.delay = delay_;

@@ -132,7 +132,7 @@ TEST_CASE("Three SGD steps keep every replica equal to single-device SGD", "[run
         INFO("step " << it);
         // Reference step.
         std::vector<at::Tensor> in;
-        for (int v : (*ref)->data_inputs()) in.push_back(f.fixture.inputs[v]);
+        for (int v : (*ref)->data_inputs()) in.push_back(f.user_inputs[v]);
         absl::StatusOr<std::vector<at::Tensor>> out = (*ref)->Forward(0, in, true);
         REQUIRE(out.ok());
         std::vector<at::Tensor> out_grads((*ref)->outputs().size());
@@ -448,9 +448,12 @@ class Reference {
     exec_ = std::move(*exec);
   }
   // Forward and backward with the gradient of the first output all ones.
-  void Backward(const std::vector<at::Tensor>& inputs) {
+  void Backward(const std::vector<at::Tensor>& client_inputs) {
+    absl::StatusOr<std::vector<at::Tensor>> inputs =
+        WithStepInputs(*f_.ir, client_inputs, [&](int i) { return leaves_[i]; });
+    REQUIRE(inputs.ok());
     std::vector<at::Tensor> in;
-    for (int v : exec_->data_inputs()) in.push_back(inputs[v]);
+    for (int v : exec_->data_inputs()) in.push_back((*inputs)[v]);
     absl::StatusOr<std::vector<at::Tensor>> out = exec_->Forward(0, in, true);
     REQUIRE(out.ok());
     std::vector<at::Tensor> out_grads(exec_->outputs().size());

@@ -45,7 +45,9 @@ at::Tensor PipelineStep(const FixtureIr& f, int num_stages, int m,
   for (int mb = 0; mb < m; ++mb) {
     std::map<int, at::Tensor> env;
     for (size_t i = 0; i < ir.num_user_inputs; ++i) {
-      env[ir.inputs[i]] = f.fixture.inputs[i].narrow(0, offsets[mb], sizes[mb]);
+      env[ir.inputs[i]] = i < ir.num_client_inputs
+                              ? f.user_inputs[i].narrow(0, offsets[mb], sizes[mb])
+                              : f.user_inputs[i];
     }
     for (auto& stage : stages) {
       std::vector<at::Tensor> in;
@@ -204,7 +206,9 @@ StepRecord RunStep(const FixtureIr& f, int num_stages, int m, const std::vector<
   at::manual_seed(seed);
   auto forward = [&](int mb) {
     for (size_t i = 0; i < ir.num_user_inputs; ++i) {
-      env[mb][ir.inputs[i]] = f.fixture.inputs[i].narrow(0, offsets[mb], sizes[mb]);
+      env[mb][ir.inputs[i]] = i < ir.num_client_inputs
+                                  ? f.user_inputs[i].narrow(0, offsets[mb], sizes[mb])
+                                  : f.user_inputs[i];
     }
     for (int s = 0; s < num_stages; ++s) {
       std::vector<at::Tensor> in;
@@ -338,14 +342,14 @@ TEST_CASE("StageExecutor with recompute keeps only its inputs for pending micro-
   std::vector<at::Tensor> in;
   for (int v : (*producer)->data_inputs()) {
     for (size_t i = 0; i < ir.num_user_inputs; ++i) {
-      if (ir.inputs[i] == v) in.push_back(f.fixture.inputs[i]);
+      if (ir.inputs[i] == v) in.push_back(f.user_inputs[i]);
     }
   }
   absl::StatusOr<std::vector<at::Tensor>> acts = (*producer)->Forward(0, in, false);
   REQUIRE(acts.ok());
   std::map<int, at::Tensor> env;
   for (size_t i = 0; i < acts->size(); ++i) env[(*producer)->outputs()[i]] = (*acts)[i];
-  for (size_t i = 0; i < ir.num_user_inputs; ++i) env[ir.inputs[i]] = f.fixture.inputs[i];
+  for (size_t i = 0; i < ir.num_user_inputs; ++i) env[ir.inputs[i]] = f.user_inputs[i];
 
   for (bool recompute : {false, true}) {
     INFO("recompute " << recompute);

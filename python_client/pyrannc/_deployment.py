@@ -195,6 +195,8 @@ def format_deployment(deployment: Deployment, batch_size: int) -> str:
         extra.append("loaded from a file")
     if extra:
         lines.append("  " + "; ".join(extra))
+    if d.batch_whole:
+        lines.append(f"  batch kept whole: {d.batch_whole}")
     lines.append(f"Batch size {batch_size}:")
     for s in d.stages:
         replicas = max(len(s.devices), 1)

@@ -152,6 +152,9 @@ def fingerprint(model: torch.nn.Module, inputs, training: bool, dropout: bool
         "scheme": _SCHEME,
         "torch": torch.__version__,
         "mode": {"training": bool(training), "dropout": bool(dropout)},
+        # Modules whose train/eval flag is not the model's (a frozen BatchNorm): traced as set.
+        "other_mode": [name for name, m in model.named_modules(remove_duplicate=False)
+                       if m.training != model.training],
         "inputs": [[str(x.dtype), list(x.shape), str(x.device)] for x in inputs],
         "modules": modules,
         "tensors": tensors,

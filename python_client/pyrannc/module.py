@@ -316,10 +316,12 @@ class RaNNCModule(torch.nn.Module):
 
         handle = model.register_forward_hook(flatten_output)
         try:
-            model.train(mode.training)
-            for m in model.modules():
-                if isinstance(m, _DROPOUT_TYPES):
-                    m.training = mode.dropout
+            # The modules' own flags are the mode (a BatchNorm the user froze in eval mode stays
+            # so, as in PyTorch); only enable_dropout() overrides the dropouts'.
+            if mode.dropout != mode.training:
+                for m in model.modules():
+                    if isinstance(m, _DROPOUT_TYPES):
+                        m.training = mode.dropout
             with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
                     warnings.catch_warnings():
                 # PyTorch's own modules (BatchNorm's batch-size check, Tensor.split) warn about

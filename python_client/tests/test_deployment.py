@@ -92,6 +92,11 @@ def test_header_and_stage_details(tmp_path):
     assert "recompute yes" in text and "recompute no" in text
     assert "1.2 GiB per device" in text
     assert "fwd 1.50 ms, bwd 3.00 ms" in text
+    assert "batch kept whole" not in text
+    d = _plan()
+    d.batch_whole = "aten::batch_norm in bn (BatchNorm2d) normalizes over the batch"
+    assert ("  batch kept whole: aten::batch_norm in bn (BatchNorm2d) normalizes over the batch"
+            in _deployment.format_deployment(d, 64))
 
 
 def test_unused_devices_and_cpu_and_gpipe():

@@ -1,0 +1,156 @@
+"""Real models nobody here wrote (torchvision's, random init) train exactly like PyTorch on the
+daemon's devices (RANNC_DEVICES: the Bazel targets run cpu:1, cpu:2 and cpu:4), under the
+planner's own plan and under forced ones.
+
+  - MobileNetV3-small and ResNet-18 in training mode: their BatchNorms normalize over the
+    batch, so every plan keeps it whole (and says so: Deployment.batch_whole names the
+    BatchNorm); a forced plan that would split it is refused; stages alone are allowed.
+    Adam, as a user would train them.
+  - MobileNetV3-small with its BatchNorms frozen in eval mode (fine-tuning) and SqueezeNet
+    (no normalization): samples independent, so forced plans split the batch into micro-batches
+    and replicas, and the results still equal PyTorch's. SGD with momentum: a split reorders
+    fp32 sums, and Adam would turn the round-off of gradients whose true value is zero into
+    lr-sized steps (test_pipeline_conformance.py says more).
+
+Losses, every gradient and every parameter and buffer after two steps: rtol 1e-5, atol 1e-6.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import pyrannc
+from pyrannc.errors import RanncError
+from conftest import assert_close, daemon_device_names
+
+pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
+
+PLAN_KEYS = ("RANNC_PARTITION_NUM", "RANNC_PIPELINE_NUM", "RANNC_REPLICA_NUM")
+STEPS = 2
+BATCH = 8
+
+
+class WithLoss(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(x), y)
+
+
+def _mobilenet():
+    return torchvision.models.mobilenet_v3_small(num_classes=10, dropout=0.0)
+
+
+def _frozen_bn_mobilenet():
+    net = _mobilenet()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.normal_(0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+            m.eval()
+    return net
+
+
+def _squeezenet():
+    net = torchvision.models.squeezenet1_1(num_classes=10)
+    net.classifier[0].p = 0.0
+    return net
+
+
+def _adam(m):
+    return torch.optim.Adam(m.parameters(), lr=1e-3)
+
+
+def _sgd(m):
+    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+
+# name -> (model factory, optimizer, image size, whether the batch must stay whole)
+MODELS = {
+    "mobilenet_v3_small": (_mobilenet, _adam, 32, True),
+    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), _adam, 32, True),
+    "mobilenet_v3_small_frozen_bn": (_frozen_bn_mobilenet, _sgd, 32, False),
+    "squeezenet1_1": (_squeezenet, _sgd, 64, False),
+}
+
+# Per device count: forced (partition, pipeline, replica) plans.
+FORCED = {
+    1: [(1, 2, 1), (1, 4, 1)],
+    2: [(1, 1, 2), (2, 2, 1)],
+    4: [(1, 2, 4), (2, 2, 2)],
+}
+
+
+def _batch(step, size):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 3, size, size, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def _run(name, plan, monkeypatch):
+    for key in PLAN_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in zip(PLAN_KEYS, plan or ()):
+        monkeypatch.setenv(key, str(value))
+    make, optimizer, size, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = WithLoss(make())
+    ref = WithLoss(make())
+    ref.load_state_dict(model.state_dict())
+    for a, b in zip(model.modules(), ref.modules()):
+        b.train(a.training)
+    opt, ref_opt = optimizer(model), optimizer(ref)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    try:
+        for step in range(STEPS):
+            x, y = _batch(step, size)
+            loss = rmod(x, y)
+            loss.backward()
+            ref_loss = ref(x, y)
+            ref_loss.backward()
+            what = f"{name}, plan {plan or 'default'}, step {step}"
+            assert_close(loss.detach(), ref_loss.detach(), f"{what}: loss")
+            for pname, p in ref.named_parameters():
+                assert_close(rmod.get_param_grad(pname), p.grad, f"{what}: grad of {pname}")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        ours = rmod.state_dict()
+        for key, value in ref.state_dict().items():
+            assert_close(ours[key], value, f"{name}, plan {plan or 'default'}: {key}")
+        return rmod.deployment
+    finally:
+        pyrannc.clear()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_default_plan_trains_like_pytorch(name, monkeypatch):
+    whole = MODELS[name][3]
+    deployment = _run(name, None, monkeypatch)
+    if whole:
+        assert "BatchNorm2d" in deployment.batch_whole, deployment.batch_whole
+        assert "normalizes over the batch" in deployment.batch_whole
+        assert deployment.micro_batches == 1
+        assert all(len(s.devices) == 1 for s in deployment.stages)
+    else:
+        assert not deployment.batch_whole, deployment.batch_whole
+
+
+@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forced_plan_trains_like_pytorch_or_is_refused(name, index, monkeypatch):
+    plan = FORCED[len(daemon_device_names())][index]
+    splits = plan[1] > 1 or plan[2] > 1
+    if MODELS[name][3] and splits:
+        with pytest.raises(RanncError, match="BatchNorm2d.*splitting it would change the results"):
+            _run(name, plan, monkeypatch)
+        return
+    deployment = _run(name, plan, monkeypatch)
+    assert len(deployment.stages) == plan[0]
+    assert deployment.micro_batches == plan[1]
+    assert all(len(s.devices) == plan[2] for s in deployment.stages)
