@@ -6,6 +6,7 @@
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
 #include <catch2/catch.hpp>
 
 #include "tests/fixtures/fixture.h"
@@ -141,6 +142,33 @@ TEST_CASE("CheckNoStandIns rejects a stand-in that no sent tensor replaced", "[g
   REQUIRE(bound.ok());
   CHECK(CheckNoStandIns(*bound).ok());
   CHECK(FindTensor(*bound, "fc1.weight")->tensor.equal(weight));
+}
+
+TEST_CASE("ImportTorchScript keeps a traced model's numbers scalars, as PyTorch runs them",
+          "[graph]") {
+  // loss * 0.5 + penalty * 1e-3 + 2: traced, each number is a 0-dim double tensor constant,
+  // which the interpreter would let promote the float loss to double.
+  testing::Fixture f = testing::LoadFixture("scaled_loss");
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(f.model_bytes);
+  REQUIRE(model.ok());
+  for (torch::jit::Node* node : model->graph->nodes()) {
+    if (node->kind() != c10::prim::Constant || !node->hasAttribute(c10::attr::value) ||
+        node->kindOf(c10::attr::value) != torch::jit::AttributeKind::t) {
+      continue;
+    }
+    CHECK(node->t(c10::attr::value).dim() != 0);
+  }
+  torch::jit::Stack stack(f.inputs.begin(), f.inputs.end());
+  for (const std::string& name : model->graph_tensor_names) {
+    for (const ModuleTensor& t : model->tensors) {
+      if (t.name == name) stack.push_back(t.tensor);
+    }
+  }
+  torch::jit::Code code(model->graph, "test");
+  torch::jit::InterpreterState(code).run(stack);
+  const at::Tensor loss = stack.at(0).toTensor();
+  CHECK(loss.scalar_type() == at::kFloat);
+  CHECK(at::equal(loss, f.ref.at("out_0")));
 }
 
 TEST_CASE("ImportTorchScript rejects bytes that are not TorchScript", "[graph]") {
