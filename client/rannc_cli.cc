@@ -35,6 +35,7 @@
 #include "client/planning.h"
 #include "client/rannc_client.h"
 #include "client/token_data.h"
+#include "daemon/config/keys.h"
 
 namespace rannc {
 namespace {
@@ -450,6 +451,22 @@ int RunPlan(const Client& client, const PlanFlags& flags) {
   return 0;
 }
 
+int RunKeys(const std::string& format) {
+  if (format == "markdown") {
+    std::cout << ConfigKeysMarkdown();
+  } else if (format == "python") {
+    std::cout << ConfigKeysPython();
+  } else {
+    for (const ConfigKey& k : ConfigKeys()) {
+      if (k.scope == KeyScope::kRaNNC) continue;
+      std::cout << k.name << " (" << KeyScopeName(k.scope) << ", " << KeyTypeName(k.type)
+                << (*k.default_value ? std::string(", default ") + k.default_value : "")
+                << "): " << k.doc << "\n";
+    }
+  }
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   CLI::App app{"rannc: the command-line client of the ranncd training daemon"};
   app.require_subcommand(1);
@@ -534,8 +551,17 @@ int Main(int argc, char** argv) {
   plan->add_option("--seed", plan_flags.seed, "seed of the random example inputs")
       ->capture_default_str();
 
+  CLI::App* keys = app.add_subcommand(
+      "keys", "list the configuration keys rannc.toml and RANNC_<KEY> may hold (no daemon)");
+  std::string keys_format = "text";
+  keys->add_option("--format", keys_format,
+                   "text, markdown (docs/config.md's table) or python (pyrannc/_keys.py)")
+      ->check(CLI::IsMember({"text", "markdown", "python"}))
+      ->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
 
+  if (*keys) return RunKeys(keys_format);
   if (*plan && !plan_flags.show.empty()) return RunShow(plan_flags);
 
   Client client(daemon);

@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "daemon/cluster/peers.h"
+#include "daemon/config/keys.h"
 
 extern char** environ;
 
@@ -39,64 +40,6 @@ constexpr char kConfFileName[] = "rannc.toml";
 constexpr char kDevicesHint[] = "expected cpu:N, cuda or cuda:I,J (I/N: GPU I as N devices)";
 constexpr int kMaxCpuDevices = 1024;
 constexpr int kMaxGpuShares = 64;
-
-// Keys the client reads from the same TOML file (RaNNC's job-level keys and ours); the daemon
-// accepts and ignores them so one file serves both. Keep in step with the client's config.
-const std::set<std::string, std::less<>>& ClientKeys() {
-  static const auto* keys = new std::set<std::string, std::less<>>{
-      "alloc_repl_flat",
-      "auto_parallel",
-      "checkpointing",
-      "checkpointing_no_last",
-      "coarsen_by_time",
-      "consolidate_grads",
-      "decomposer",
-      "deployment_file",
-      "disable_balancing",
-      "display_comm_value",
-      "do_coarsening",
-      "do_uncoarsening",
-      "dp_search_all",
-      "dump_dp_node_profiles",
-      "dump_graph",
-      "dump_graph_prefix",
-      "event_trace_file",
-      "graph_profile_file",
-      "graph_profiling",
-      "limit_dev_num_more_than_bs",
-      "limit_dev_num_pot",
-      "load_deployment",
-      "load_graph_profile",
-      "max_mp_num",
-      "max_partition_num",
-      "max_pipeline",
-      "mem_limit_gb",
-      "mem_margin",
-      "min_partition_num",
-      "min_pipeline",
-      "min_pipeline_bs",
-      "opt_param_factor",
-      "p2p_comm",
-      "partition_num",
-      "pipeline_num",
-      "profile_by_acc",
-      "profile_dump_path",
-      "profiling",
-      "profiling_iter",
-      "replica_num",
-      "save_deployment",
-      "save_graph_profile",
-      "show_config_items",
-      "skip_grad_scaling",
-      "sync_allreduce",
-      "trace_events",
-      "use_amp_master_param",
-      "validate_comm",
-      "verify_partitioning",
-      "verify_recomp",
-  };
-  return *keys;
-}
 
 // ---- Per-key checks. Each takes the value as given and may normalise it. -------------------
 
@@ -348,14 +291,18 @@ absl::Status ApplyTomlFile(const std::string& path, DaemonOptions& options) {
     const std::string name(toml_key.str());
     const std::string source =
         absl::StrCat("'", name, "' in ", path, " (line ", node.source().begin.line, ")");
+    if (node.is_table()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, " is a section; rannc.toml's keys are at the top level (docs/config.md)"));
+    }
     auto key =
         std::find_if(Keys().begin(), Keys().end(), [&](const Key& k) { return name == k.name; });
     if (key == Keys().end()) {
-      if (ClientKeys().count(name)) continue;
-      std::vector<std::string> known;
-      for (const Key& k : Keys()) known.push_back(k.name);
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown key ", source, "; daemon keys are ", absl::StrJoin(known, ", ")));
+      // One file serves the daemon and its clients: their keys (config/keys.h) are theirs.
+      const ConfigKey* registered = FindConfigKey(name);
+      if (registered != nullptr && registered->scope != KeyScope::kDaemon) continue;
+      return CheckRegisteredKey(
+          name, absl::StrCat(path, " (line ", node.source().begin.line, ")"));
     }
     const bool number_key = key->size != nullptr || key->count != nullptr;
     if (node.is_string()) {
@@ -496,6 +443,12 @@ absl::Status CheckDevicesSyntax(std::string& value) {
 }  // namespace
 
 // ---- Public functions. ---------------------------------------------------------------------
+
+std::vector<std::string> DaemonOptionKeys() {
+  std::vector<std::string> names;
+  for (const Key& k : Keys()) names.push_back(k.name);
+  return names;
+}
 
 bool IsHelpOrVersion(const absl::Status& status) {
   return status.code() == absl::StatusCode::kCancelled &&

@@ -9,9 +9,9 @@
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
 // names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
 // profile_cache, peers, advertise, cluster_size, heartbeat_interval, peer_timeout) at the top
-// level; `peers` may also be an array of strings. The same file also holds job-level keys that the client reads (partition_num,
-// mem_margin, ...; RaNNC's names): those are accepted and ignored here. Any other key is an
-// error naming the key and the file.
+// level; `peers` may also be an array of strings. The same file may hold any other key of the
+// registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
+// unregistered key is an error naming the key, the file and the nearest registered key.
 //
 // Environment: RANNC_ + upper-case key (RANNC_DEVICE_MEMORY=2GiB). A variable that is set
 // counts even when empty (RANNC_SHM_DIR= disables shared memory). Other RANNC_* variables
@@ -132,6 +132,10 @@ struct DaemonOptions {
 absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                                                 const std::map<std::string, std::string>& env,
                                                 std::string_view version = "");
+
+// The keys LoadDaemonOptions reads (each a field above): the registry's daemon keys
+// (config/keys.h), which keys_test checks.
+std::vector<std::string> DaemonOptionKeys();
 
 // True for the status LoadDaemonOptions returns on --help or --version (code CANCELLED with a
 // marker payload, so no other CANCELLED status is taken for it).

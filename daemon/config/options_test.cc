@@ -202,9 +202,22 @@ TEST_CASE("LoadDaemonOptions: TOML file errors", "[config]") {
                                                      Catch::Contains(file.string()) &&
                                                      Catch::Contains("line 2"));
   }
-  SECTION("a section is an unknown key") {
+  SECTION("a section is refused") {
     WriteFile(file, "[daemon]\nlisten = \"a:1\"\n");
-    CHECK_THAT(ErrorIf(Load({}, env), kInvalid), Catch::Contains("unknown key 'daemon'"));
+    CHECK_THAT(ErrorIf(Load({}, env), kInvalid),
+               Catch::Contains("'daemon'") && Catch::Contains("is a section"));
+  }
+  SECTION("a job's and a client's keys are theirs; a misspelt key names the nearest") {
+    // What a RaNNC user keeps in rannc.toml beside the daemon's keys.
+    WriteFile(file, "amp_level = \"O2\"\njob_lease = 30\npartition_num = 2\n"
+                    "dump_graph = true\ndevices = \"cpu:2\"\n");
+    auto options = Load({}, env);
+    REQUIRE_OK(options);
+    CHECK(options->devices == "cpu:2");
+    WriteFile(file, "devices = \"cpu:2\"\namp_levle = \"O2\"\n");
+    CHECK_THAT(ErrorIf(Load({}, env), kInvalid),
+               Catch::Contains("unknown key 'amp_levle'") && Catch::Contains("line 2") &&
+                   Catch::Contains("did you mean 'amp_level'"));
   }
   SECTION("peers as an array, and what may not be in it") {
     WriteFile(file, "peers = [\"b:1\", \" a:2\"]\npeer_timeout = \"3s\"\ncluster_size = 2\n");

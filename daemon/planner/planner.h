@@ -64,9 +64,8 @@ struct PlannerConfig {
   bool auto_memory = true;
 };
 
-// Reads the keys above from `keys` (other keys are ignored: clients send every RANNC_*
-// variable). INVALID_ARGUMENT naming the key for a value that does not parse or is out of
-// range.
+// Reads the keys above from `keys` (other keys are other readers': config/keys.h lists them
+// all). INVALID_ARGUMENT naming the key for a value that does not parse or is out of range.
 absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(const std::map<std::string, std::string>& keys);
 
 // The devices to plan for.

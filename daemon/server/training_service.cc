@@ -17,6 +17,7 @@
 #include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/config/keys.h"
 #include "daemon/planner/deployment.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/planner.h"
@@ -265,6 +266,10 @@ comm::Backend JobBackend(const std::vector<c10::Device>& placement,
 }
 
 absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts) {
+  for (const auto& [key, value] : spec.options().config()) {
+    absl::Status known = CheckJobKey(key);
+    if (!known.ok()) return known;
+  }
   JobConfig config;
   config.name = spec.name();
   config.mode = FromProto(spec.mode());

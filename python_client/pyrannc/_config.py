@@ -1,28 +1,32 @@
-"""Job-level configuration the client reads and sends with each job (JobOptions.config).
+"""Configuration the client reads: a job's keys, sent with each job (JobOptions.config), and
+the client's own settings.
 
 Sources, later ones winning: `$RANNC_CONF_DIR/rannc.toml` (default `~/.rannc/rannc.toml`), then
-`RANNC_<KEY>` environment variables, as RaNNC reads its config. Keys that configure the client
-itself or the daemon process (not a job) are not sent.
+`RANNC_<KEY>` environment variables, as RaNNC reads its config. The keys come from the registry
+(daemon/config/keys.cc, as the generated pyrannc._keys): a job's keys are sent, the client's are
+read here, the daemon's and RaNNC's are left to others. An unregistered key in the file is an
+error naming the nearest registered key; the environment is read only for registered keys
+(other programs' RANNC_* variables are no concern).
 """
 
+import difflib
 import os
 import tomllib
 from typing import Dict
 
-# Keys that steer the client or the daemon process rather than a job.
-CLIENT_KEYS = frozenset({
-    "daemon", "daemon_bin", "daemon_args", "daemon_log", "daemon_start_timeout",
-    "devices", "device_memory", "conf_dir", "client_rank", "client_world", "job", "job_name",
-    "client_timeout",
-    "listen", "peers", "log_level", "max_message_size", "shm_dir", "links", "profile_cache",
-    "advertise", "cluster_size", "heartbeat_interval", "peer_timeout", "trace_batch",
-    # 0: never reuse a deployment file's saved trace (pyrannc._saved_trace); default 1.
-    "reuse_trace",
-    # A folder to write the job to, for daemon/job_bench.cc (pyrannc._save_job).
-    "save_job",
-    # Seconds of the client's lease on its jobs (JobOptions.lease_ms; pyrannc.module).
-    "job_lease",
-})
+from pyrannc._keys import KEYS
+
+
+def did_you_mean(name: str) -> str:
+    """" (did you mean 'x'?)" for the registered key nearest to `name`, or ""."""
+    close = difflib.get_close_matches(name, KEYS, n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_registered(name: str, where: str) -> None:
+    if name not in KEYS:
+        raise ValueError(f"pyrannc: unknown key '{name}' in {where}{did_you_mean(name)}; the "
+                         "keys are listed in docs/config.md and by `rannc keys`")
 
 
 def config_path() -> str:
@@ -61,17 +65,27 @@ def read_file_config(path: str) -> Dict[str, str]:
 
 
 def job_config() -> Dict[str, str]:
-    """The job-level keys to send in JobOptions.config, lower-case, values as strings."""
-    values = read_file_config(config_path())
-    for name, value in os.environ.items():
-        if name.startswith("RANNC_") and len(name) > len("RANNC_"):
-            values[name[len("RANNC_"):].lower()] = value
-    return {k: v for k, v in values.items() if k not in CLIENT_KEYS}
+    """The job's keys to send in JobOptions.config, lower-case, values as strings."""
+    path = config_path()
+    values = read_file_config(path)
+    for name in values:
+        _check_registered(name, path)
+    for name, (scope, _, _, _) in KEYS.items():
+        env = os.environ.get("RANNC_" + name.upper())
+        if env is not None and scope == "job":
+            values[name] = env
+    return {k: v for k, v in values.items() if KEYS[k][0] == "job"}
 
 
 def client_setting(key: str, default: str = "") -> str:
     """A client-side setting: the RANNC_<KEY> environment variable, else the TOML file."""
+    if KEYS.get(key, ("",))[0] not in ("client", "daemon"):
+        raise KeyError(f"pyrannc: '{key}' is not a client or daemon key of the registry")
     env = os.environ.get("RANNC_" + key.upper())
     if env is not None:
         return env
-    return read_file_config(config_path()).get(key, default)
+    path = config_path()
+    values = read_file_config(path)
+    for name in values:
+        _check_registered(name, path)
+    return values.get(key, default)

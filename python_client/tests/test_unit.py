@@ -121,10 +121,19 @@ def test_config_file_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RANNC_CONF_DIR", str(tmp_path))
     monkeypatch.setenv("RANNC_REPLICA_NUM", "4")
     monkeypatch.setenv("RANNC_DAEMON", "127.0.0.1:1")
+    monkeypatch.setenv("RANNC_SOMETHING_ELSE", "x")  # another program's: not a concern
+    # RaNNC's `profiling` is accepted and not sent; the daemon's `devices` is the daemon's.
     assert _config.job_config() == {"partition_num": "2", "mem_margin": "0.1",
-                                    "profiling": "true", "replica_num": "4"}
+                                    "replica_num": "4"}
     assert _config.client_setting("daemon") == "127.0.0.1:1"
     assert _config.client_setting("devices") == "cpu:4"
+
+
+def test_config_file_with_a_misspelt_key_names_the_nearest(tmp_path, monkeypatch):
+    (tmp_path / "rannc.toml").write_text('amp_level = "O2"\npipline_num = 2\n')
+    monkeypatch.setenv("RANNC_CONF_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=r"unknown key 'pipline_num'.*did you mean 'pipeline_num'"):
+        _config.job_config()
 
 
 def test_config_parse_error_names_file(tmp_path, monkeypatch):
