@@ -1,6 +1,6 @@
-"""Usage: bazel build -c opt //daemon/comm/ucx:comm_bench && /usr/bin/python3 benchmarks/comm_bandwidth.py
+"""Usage: bazel build -c opt //benchmarks:comm_bench && /usr/bin/python3 benchmarks/comm_bandwidth.py
 
-Runs the UCX backend (ranks as threads of one process, daemon/comm/ucx/comm_bench.cc) and
+Runs the UCX backend (ranks as threads of one process, benchmarks/comm_bench.cc) and
 torch.distributed's Gloo (one process per rank, benchmarks/comm_gloo.py) in one run, on the same
 machine, and prints one Markdown table: send/recv bandwidth rank 0 -> 1 (bytes / time) and
 all_reduce algbw (bytes / time) and busbw (algbw * 2(n-1)/n), float32, median after warm-up.
@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--chunk_kib", type=int, default=1024)
     args = parser.parse_args()
     common = ["--ranks", str(args.ranks), "--sizes_mib", args.sizes_mib, "--reps", str(args.reps)]
-    bench = os.path.join(ROOT, "bazel-bin/daemon/comm/ucx/comm_bench")
+    bench = os.path.join(ROOT, "bazel-bin/benchmarks/comm_bench")
     ucx = parse(subprocess.run([bench] + common + ["--chunk_kib", str(args.chunk_kib)],
                                check=True, capture_output=True, text=True).stdout)
     gloo = parse(subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks/comm_gloo.py")]

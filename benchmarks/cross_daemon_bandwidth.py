@@ -1,9 +1,9 @@
 #!/usr/bin/python3
 """Data-plane bandwidth across daemons vs inside one daemon (issue 5), in one run.
 
-    bazel build //daemon/comm/ucx:comm_bench && /usr/bin/python3 benchmarks/cross_daemon_bandwidth.py
+    bazel build //benchmarks:comm_bench && /usr/bin/python3 benchmarks/cross_daemon_bandwidth.py
 
-Runs daemon/comm/ucx/comm_bench three ways with the same ranks, sizes and repetitions:
+Runs benchmarks/comm_bench three ways with the same ranks, sizes and repetitions:
   - threads: every rank a thread of one process, as one daemon's CPU devices are;
   - processes: one process per rank meeting through the gRPC store (comm/grpc_store.h), as
     ranks on different daemons of one host are; UCX picks its transports (shared memory);
@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bazel-bin/daemon/comm/ucx/comm_bench")
+BENCH = os.path.join(ROOT, "bazel-bin/benchmarks/comm_bench")
 
 
 def parse(text):
@@ -59,7 +59,7 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     if not os.path.exists(BENCH):
-        sys.exit(f"{BENCH} not found; run: bazel build //daemon/comm/ucx:comm_bench")
+        sys.exit(f"{BENCH} not found; run: bazel build //benchmarks:comm_bench")
     common = ["--ranks", str(args.ranks), "--sizes_mib", args.sizes_mib, "--reps", str(args.reps)]
     env = dict(os.environ)
     threads = parse(subprocess.run([BENCH] + common, check=True, capture_output=True,

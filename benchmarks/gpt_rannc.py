@@ -42,7 +42,7 @@ time_to_first_step_s is the cost of a start that skips planning. --second-steps 
 
 Run 3 (with --job-bench; JSON line "rannc (in-process)"): what the client/daemon split costs.
 A third RaNNCModule from the saved deployment saves its job (RANNC_SAVE_JOB: the JobSpec, the
-TorchScript, the model's tensors and one training batch) and is deleted; then daemon/job_bench
+TorchScript, the model's tensors and one training batch) and is deleted; then benchmarks/job_bench
 trains that job, with run 2's plan, inside one process: the daemon's own Job code, no client, no
 gRPC. Its step_s_median is over --warmup + --steps steps as run 1's, each forward (the loss
 copied to the host), backward, optimizer step and zero_grad; split_cost is run 1's median over
@@ -110,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument("--job-bench", metavar="BIN",
                    help="after run 2, run 3: the same job (run 2's plan) trained in one process "
-                   "by BIN (daemon/job_bench, built beside ranncd)")
+                   "by BIN (benchmarks/job_bench, built beside ranncd)")
     p.add_argument("--profile", metavar="DIR", help="with --job-bench: profile 3 more steps of "
                    "run 3 into DIR (module doc)")
     p.add_argument("--job-dir", help="where run 3 saves the job for --job-bench (default: a "
@@ -329,7 +329,7 @@ def run(args, cfg, phase):
 
 
 def in_process(args, cfg, model, deployment_path, gen, client_median, gpus):
-    """Run 3 (module doc): the job saved by pyrannc, then trained by daemon/job_bench."""
+    """Run 3 (module doc): the job saved by pyrannc, then trained by benchmarks/job_bench."""
     import json
     import shutil
     import subprocess

@@ -17,7 +17,7 @@
 #   A: ddp, fsdp2, gpipe, 1f1b (benchmarks/gpt_peers.py under torchrun, one process per GPU;
 #      gpipe/1f1b print "skipped" on 1 GPU), then rannc per AMP_LEVELS (benchmarks/gpt_rannc.py:
 #      the daemon on --devices cuda, run 1 with planning, run 2 from the saved deployment, run 3
-#      the same job trained in-process by daemon/job_bench when the build made it).
+#      the same job trained in-process by benchmarks/job_bench when the build made it).
 #   B: fsdp2 (activation checkpointing per block), then rannc with enable_zero (which skips
 #      itself when the host cannot hold pyrannc's full-batch trace of a 10.5B model: hundreds of
 #      GiB, more than these machines have).
@@ -39,7 +39,7 @@
 # If the build outlasts the budget, rannc reports an error and the peers' lines still stand.
 #
 # Other knobs: RANNCD=path uses an existing ranncd and skips the build (JOB_BENCH=path: its
-# job_bench, default beside it); SYS (default /tmp/sys);
+# job_bench, default ../benchmarks/job_bench from ranncd's folder, as the CMake build puts it); SYS (default /tmp/sys);
 # PYTHON (default python3); RANNC_FLAGS (extra gpt_rannc.py flags; B's default --zero); PEERS (the
 # peer systems to run, default all of the workload's); PEER_CAP (seconds per peer system);
 # AMP_LEVELS (the amp_level of each rannc run, default "O1 O2": autocast, then the whole forward in
@@ -220,7 +220,7 @@ sys_libs=${SYS:-/tmp/sys}/usr/lib/x86_64-linux-gnu
 [ -d "$sys_libs" ] && export LD_LIBRARY_PATH=$sys_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ -x "$ranncd" ]; then
   # Run 3 of gpt_rannc.py (the job trained in-process) where the build made job_bench.
-  job_bench=${JOB_BENCH:-$(dirname "$ranncd")/job_bench}
+  job_bench=${JOB_BENCH:-$(dirname "$ranncd")/../benchmarks/job_bench}
   bench_flags=()
   [ -x "$job_bench" ] && bench_flags=(--job-bench "$job_bench" "${profile_flags[@]}")
   # Each amp_level gets an even share of what is left.

@@ -2,7 +2,7 @@
 
     python3 benchmarks/kernel_profile.py TRACE.json [TRACE.json ...] --steps N [--json]
 
-The traces come from `daemon/job_bench --profile` (LibTorch's Kineto, the daemon's own step
+The traces come from `benchmarks/job_bench --profile` (LibTorch's Kineto, the daemon's own step
 in-process) and `gpt_peers.py --profile` (torch.profiler around the same number of steps of a
 peer): `benchmarks/h200.sh` with PROFILE=1 makes both, runs this and writes kernels.md.
 

@@ -1,11 +1,11 @@
 #!/usr/bin/python3
 """Pipeline efficiency of ranncd's engine on this machine's CPU devices (issue 4).
 
-    bazel build //daemon/runtime:pipeline_bench && /usr/bin/python3 benchmarks/pipeline_efficiency.py
+    bazel build //benchmarks:pipeline_bench && /usr/bin/python3 benchmarks/pipeline_efficiency.py
 
 Traces a small GPT (examples/train_gpt.py's ByteGPT; defaults 4 layers, d_model 128, 4 heads,
 seq 64, batch 16, dropout 0) with torch.jit.trace into a temporary .pt and runs
-bazel-bin/daemon/runtime/pipeline_bench on it, which for the 1F1B and GPipe schedules at
+bazel-bin/benchmarks/pipeline_bench on it, which for the 1F1B and GPipe schedules at
 several micro-batch counts m (and the single-stage data-parallel plan as a baseline):
 
 1. plans the model with the stages, replicas, m and schedule forced (links measured once for
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from train_gpt import ByteGPT  # noqa: E402
 
-BINARY = os.path.join(ROOT, "bazel-bin", "daemon", "runtime", "pipeline_bench")
+BINARY = os.path.join(ROOT, "bazel-bin", "benchmarks", "pipeline_bench")
 
 
 def main():
@@ -59,7 +59,7 @@ def main():
     args = p.parse_args()
 
     if not os.path.exists(args.binary):
-        sys.exit(f"{args.binary} not found; run: bazel build //daemon/runtime:pipeline_bench")
+        sys.exit(f"{args.binary} not found; run: bazel build //benchmarks:pipeline_bench")
 
     torch.manual_seed(0)
     model = ByteGPT(args.layers, args.d_model, args.heads, args.seq, 0.0)

@@ -36,6 +36,7 @@
 #include "client/rannc_client.h"
 #include "client/token_data.h"
 #include "daemon/config/keys.h"
+#include "daemon/common/files.h"
 
 namespace rannc {
 namespace {
@@ -197,14 +198,6 @@ struct TrainFlags {
   std::string name;
   double lease_s = 300;  // the job's lease (JobOptions.lease_ms); 0: none
 };
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError("cannot read " + path);
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
-}
 
 // "[#######.............]", `width` cells filled in proportion to done/total.
 std::string Bar(int64_t done, int64_t total, int width) {

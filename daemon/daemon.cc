@@ -17,7 +17,7 @@
 #include "daemon/cluster/peers.h"
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
-#include "daemon/runtime/link_probe.h"
+#include "daemon/planner/link_probe.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/training_service.h"
 

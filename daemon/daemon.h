@@ -39,7 +39,7 @@ inline constexpr char kRanncVersion[] = "0.1.0";
 
 // What a daemon started with `options` knows of itself: its devices (--devices resolved), and
 // the links between them (--links, else measured now); no profile cache. Daemon::Start begins
-// with it, and daemon/job_bench.cc runs a job in-process with it.
+// with it, and benchmarks/job_bench.cc runs a job in-process with it.
 absl::StatusOr<DaemonFacts> ResolveFacts(const DaemonOptions& options);
 
 class Daemon {

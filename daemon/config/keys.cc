@@ -105,7 +105,7 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"reuse_trace", T::kBool, S::kClient, "true",
        "reuse a saved deployment's trace when the model is the same"},
       {"save_job", T::kString, S::kClient, "",
-       "folder to write each created job to, for daemon/job_bench"},
+       "folder to write each created job to, for benchmarks/job_bench"},
       {"shm", T::kBool, S::kClient, "true when the daemon is on this host",
        "send large tensors through shared memory"},
       {"defer_ops", T::kBool, S::kClient, "true",

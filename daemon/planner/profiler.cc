@@ -25,6 +25,7 @@
 #include "daemon/graph/structure.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/runtime/autocast.h"
+#include "daemon/common/stats.h"
 
 namespace rannc {
 namespace planner {
@@ -71,11 +72,6 @@ std::string Structure(const IrGraph& ir, const Subgraph& sub) {
 
 double Ms(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double, std::milli>(d).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 uint64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }

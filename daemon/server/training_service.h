@@ -64,7 +64,7 @@ std::vector<c10::Device> Placement(const std::vector<DaemonFacts::Device>& devic
 
 // The job config CreateJob makes of a client's JobSpec on a daemon with `facts`, before a dry
 // run, a part of a cluster job or a cluster's devices change it; the backend is not set
-// (JobBackend). daemon/job_bench.cc builds its in-process job with it.
+// (JobBackend). benchmarks/job_bench.cc builds its in-process job with it.
 absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts);
 
 // Tensors of a request (example inputs, a forward's inputs), out of files under `shm` where

@@ -98,7 +98,7 @@ KEYS = {
     "reuse_trace": ("client", "bool", "true",
         "reuse a saved deployment's trace when the model is the same"),
     "save_job": ("client", "string", "",
-        "folder to write each created job to, for daemon/job_bench"),
+        "folder to write each created job to, for benchmarks/job_bench"),
     "shm": ("client", "bool", "true when the daemon is on this host",
         "send large tensors through shared memory"),
     "defer_ops": ("client", "bool", "true",

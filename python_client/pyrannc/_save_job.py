@@ -1,5 +1,5 @@
 """RANNC_SAVE_JOB=DIR: what this client sends to create its job, and its first training batch,
-written to DIR, so that daemon/job_bench.cc can train the same job in one process, with no
+written to DIR, so that benchmarks/job_bench.cc can train the same job in one process, with no
 client and no gRPC in between (issue 7's in-process comparison; also a way to hand a job that
 misbehaves to someone without the client's code).
 

@@ -370,6 +370,7 @@ class RaNNCModule(torch.nn.Module):
         _delete_orphaned_jobs(conn)
         inputs, plan_batch = self._trace_inputs(inputs)
         rank, world = _runtime.get_rank(), _runtime.get_world_size()
+        lease = lease_seconds()  # read once: the daemon's lease and this process's renewals agree
         started = time.perf_counter()
         fingerprint, why_not = _saved_trace.fingerprint(self.model, inputs, mode.training,
                                                         mode.dropout)
@@ -407,7 +408,7 @@ class RaNNCModule(torch.nn.Module):
                 address = resp.leader
                 conn = _daemon.connection(address)
                 resp = conn.call("JoinJob", join)
-            self._adopt_job(conn, resp, mode, spec, owner=False, address=address)
+            self._adopt_job(conn, resp, mode, spec, lease, owner=False, address=address)
             if _runtime.sync_params_on_init_flag:
                 # Every rank's local model starts as the job's (rank 0's), as RaNNC's broadcast
                 # from rank 0 makes it.
@@ -422,7 +423,7 @@ class RaNNCModule(torch.nn.Module):
                                 config=_job_config(plan_batch),
                                 load_deployment=self._deployment_bytes,
                                 client_world=world, client_timeout_ms=client_timeout_ms(),
-                                lease_ms=int(lease_seconds() * 1000))
+                                lease_ms=int(lease * 1000))
         with _shm.session(conn.shm) as wire, _shm.bulk_session(conn.shm) as bulk:
             started = time.perf_counter()
             job_spec = pb.JobSpec(
@@ -459,7 +460,7 @@ class RaNNCModule(torch.nn.Module):
                         "planned for and devices it still fits on; drop load_deployment to "
                         "plan again)", code=err.code, details=err.details) from None
                 raise
-        self._adopt_job(conn, resp, mode, spec, owner=True)
+        self._adopt_job(conn, resp, mode, spec, lease, owner=True)
 
     def _reuse_trace(self, conn, rank: int, fingerprint, why_not: str
                      ) -> Optional[Tuple[bytes, object, List[Tuple[str, torch.Tensor]]]]:
@@ -517,7 +518,7 @@ class RaNNCModule(torch.nn.Module):
                     self._deployment_path)
         return saved.archive, spec, apart
 
-    def _adopt_job(self, conn, resp, mode: pb.Mode, spec, owner: bool,
+    def _adopt_job(self, conn, resp, mode: pb.Mode, spec, lease: float, owner: bool,
                    address: Optional[str] = None) -> None:
         expected = len(_outputs.leaves(spec))
         if len(resp.outputs) != expected:
@@ -527,7 +528,7 @@ class RaNNCModule(torch.nn.Module):
                                f"the trace returned {expected}")
         group_ids = _optim.group_param_ids(self._optimizer) if self._optimizer else []
         self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices), owner, address)
-        conn.hold_lease(resp.job_id, lease_seconds())
+        conn.hold_lease(resp.job_id, lease)
         self._job.lease_conn = conn
         self._deployment = resp.deployment if resp.HasField("deployment") else None
         self._plan_summary = resp.plan_summary or None

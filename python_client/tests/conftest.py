@@ -50,9 +50,9 @@ def daemon_binary() -> str:
     return built_binary("ranncd", "RANNC_DAEMON_BIN")
 
 
-def built_binary(name: str, env: str) -> str:
-    """The daemon/ binary `name`: $`env` if set, else the Bazel runfile (under `bazel test`),
-    else the checkout's bazel-bin; fails (not skips) when there is none."""
+def built_binary(name: str, env: str, package: str = "daemon") -> str:
+    """The binary `name` of the Bazel package `package`: $`env` if set, else the Bazel runfile
+    (under `bazel test`), else the checkout's bazel-bin; fails (not skips) when there is none."""
     explicit = os.environ.get(env)
     if explicit:
         return explicit
@@ -60,12 +60,13 @@ def built_binary(name: str, env: str) -> str:
     srcdir = os.environ.get("TEST_SRCDIR")
     if srcdir:
         candidates.append(os.path.join(srcdir, os.environ.get("TEST_WORKSPACE", "rannc"),
-                                       "daemon", name))
-    candidates.append(os.path.join(REPO_ROOT, "bazel-bin", "daemon", name))
+                                       package, name))
+    candidates.append(os.path.join(REPO_ROOT, "bazel-bin", package, name))
     for c in candidates:
         if os.path.isfile(c) and os.access(c, os.X_OK):
             return c
-    pytest.fail(f"no {name} binary: build //daemon:{name} or set {env} (looked at {candidates})")
+    pytest.fail(f"no {name} binary: build //{package}:{name} or set {env} (looked at "
+                f"{candidates})")
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""RANNC_SAVE_JOB (pyrannc._save_job) and daemon/job_bench, against the real ranncd: a job
+"""RANNC_SAVE_JOB (pyrannc._save_job) and benchmarks/job_bench, against the real ranncd: a job
 pyrannc saved and job_bench then trains in one process, with no client and no gRPC, is the job
 the daemon trained. Its plan is the one loaded from the deployment file, and its losses are the
 client's, bitwise, step after step (the same plan on the same devices, the same batch each step,
@@ -33,7 +33,7 @@ def _batch():
 
 
 def _bench(job_dir, steps=STEPS, *extra):
-    cmd = [built_binary("job_bench", "RANNC_JOB_BENCH_BIN"), str(job_dir),
+    cmd = [built_binary("job_bench", "RANNC_JOB_BENCH_BIN", "benchmarks"), str(job_dir),
            "--devices", os.environ["RANNC_DEVICES"], "--warmup", "0", "--steps", str(steps),
            *extra]
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

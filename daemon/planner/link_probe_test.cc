@@ -1,7 +1,7 @@
 // The communicator link probe on CPU devices over the in-process backends (the same code path
 // NCCL takes between GPUs): every field measured and plausible, the k it measures, the checks
 // on its options.
-#include "daemon/runtime/link_probe.h"
+#include "daemon/planner/link_probe.h"
 
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>

@@ -1,4 +1,4 @@
-#include "daemon/runtime/link_probe.h"
+#include "daemon/planner/link_probe.h"
 
 #include <algorithm>
 #include <functional>

@@ -4,8 +4,8 @@
 // devices), for the 1F1B and GPipe schedules at several micro-batch counts, plus the
 // single-stage data-parallel plan as a baseline. Prints a Markdown table on stdout.
 //
-//   bazel build //daemon/runtime:pipeline_bench
-//   bazel-bin/daemon/runtime/pipeline_bench --model gpt.pt --batch 16 --seq 64 \
+//   bazel build //benchmarks:pipeline_bench
+//   bazel-bin/benchmarks/pipeline_bench --model gpt.pt --batch 16 --seq 64 \
 //       --devices 2 --stages 2 --micro-batches 1,2,4,8 --steps 5 --backend ucx
 //
 // The model takes two int64 [batch, seq] tensors of token ids in [0, 256) (examples/
@@ -33,7 +33,7 @@
 //   train     median wall time of TrainStep (forwards, backwards, reduce-scatters)
 //   optimizer median wall time of Step (AdamW on the shards, all-gather of the parameters)
 //
-//   bazel-bin/daemon/runtime/pipeline_bench --model gpt.pt --devices 4 --stages 2
+//   bazel-bin/benchmarks/pipeline_bench --model gpt.pt --devices 4 --stages 2
 //       --micro-batches 1 --zero-buckets 1073741824,1048576,262144 --steps 9   (one line)
 //
 // LibTorch intra-op threads are set to 1 (at::set_num_threads(1)) before profiling, so every
@@ -62,6 +62,7 @@
 #include "daemon/planner/profile_cache.h"
 #include "daemon/runtime/pipeline_engine.h"
 #include "rannc/v1/deployment.pb.h"
+#include "daemon/common/stats.h"
 
 namespace rannc {
 namespace {
@@ -136,12 +137,6 @@ Args ParseArgs(int argc, char** argv) {
   if (a.steps < 1 || a.batch < 1 || a.seq < 1 || a.micro_batches.empty()) Usage("bad sizes");
   if (a.backend != "ucx" && a.backend != "fake") Usage("--backend must be ucx or fake");
   return a;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 struct Row {

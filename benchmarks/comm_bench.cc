@@ -4,8 +4,8 @@
 // do; rank 0's process serves the store). Rank 0 prints one line per measurement,
 // "op bytes seconds" (the slowest rank's time), for benchmarks/comm_bandwidth.py to tabulate.
 //
-//   bazel build -c opt //daemon/comm/ucx:comm_bench
-//   bazel-bin/daemon/comm/ucx/comm_bench --ranks 4 --sizes_mib 1,4,16 --reps 5
+//   bazel build -c opt //benchmarks:comm_bench
+//   bazel-bin/benchmarks/comm_bench --ranks 4 --sizes_mib 1,4,16 --reps 5
 //   # one process per rank:
 //   comm_bench --ranks 4 --rank 0 --serve_store 127.0.0.1:PORT ... &
 //   comm_bench --ranks 4 --rank R --store 127.0.0.1:PORT ...        (R = 1..3)
@@ -22,11 +22,14 @@
 
 #include "daemon/comm/grpc_store.h"
 #include "daemon/comm/ucx/ucx_communicator.h"
+#include "daemon/common/stats.h"
 
 using namespace rannc::comm;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+using rannc::Median;
 
 struct Settings {
   int ranks = 4, reps = 5, warmup = 2;
@@ -45,11 +48,6 @@ double MaxOverRanks(Communicator& c, double seconds) {
   double v = seconds;
   Check(c.AllReduce({&v, 1, DataType::kFloat64}, {ReduceOp::kMax})->Wait());
   return v;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 void RunRank(Communicator& c, const Settings& s) {

@@ -50,6 +50,7 @@
 #include "daemon/planner/deployment.h"
 #include "daemon/server/job.h"
 #include "daemon/server/training_service.h"
+#include "daemon/common/files.h"
 
 namespace rannc {
 namespace {
@@ -97,14 +98,6 @@ absl::StatusOr<BenchOptions> ParseArgs(int argc, char** argv) {
         "[--profile FILE [--profile-steps N]]");
   }
   return o;
-}
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
 }
 
 template <typename Message>

@@ -2,7 +2,7 @@
 // a daemon with --devices cuda:0/2 measures), and with two GPUs or more, NCCL between them,
 // which must see more than a host copy's speed. Needs a CUDA LibTorch and a GPU (tag gpu; fails,
 // not skips, without).
-#include "daemon/runtime/link_probe.h"
+#include "daemon/planner/link_probe.h"
 
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>

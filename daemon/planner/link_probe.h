@@ -24,8 +24,8 @@
 // longer than `timeout`); INTERNAL for a wrong all-reduce sum. Starts one thread per device per
 // group and joins them before returning; run it while the devices are otherwise idle (at daemon
 // start).
-#ifndef RANNC_DAEMON_RUNTIME_LINK_PROBE_H_
-#define RANNC_DAEMON_RUNTIME_LINK_PROBE_H_
+#ifndef RANNC_DAEMON_PLANNER_LINK_PROBE_H_
+#define RANNC_DAEMON_PLANNER_LINK_PROBE_H_
 
 #include <chrono>
 #include <cstdint>
@@ -52,4 +52,4 @@ absl::StatusOr<planner::Links> MeasureCommLinks(const CommLinkProbeOptions& opti
 
 }  // namespace rannc
 
-#endif  // RANNC_DAEMON_RUNTIME_LINK_PROBE_H_
+#endif  // RANNC_DAEMON_PLANNER_LINK_PROBE_H_
