@@ -39,7 +39,8 @@
 # If the build outlasts the budget, rannc reports an error and the peers' lines still stand.
 #
 # Other knobs: RANNCD=path uses an existing ranncd and skips the build (JOB_BENCH=path: its
-# job_bench, default ../benchmarks/job_bench from ranncd's folder, as the CMake build puts it); SYS (default /tmp/sys);
+# job_bench, default ../benchmarks/job_bench from ranncd's folder, as the CMake build puts it);
+# SYS (default /tmp/sys);
 # PYTHON (default python3); RANNC_FLAGS (extra gpt_rannc.py flags; B's default --zero); PEERS (the
 # peer systems to run, default all of the workload's); PEER_CAP (seconds per peer system);
 # AMP_LEVELS (the amp_level of each rannc run, default "O1 O2": autocast, then the whole forward in

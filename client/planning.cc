@@ -219,7 +219,9 @@ absl::StatusOr<std::string> FormatDeployment(const v1::Deployment& d, int64_t ba
       d.device_type().empty() ? "cpu" : d.device_type(), HumanBytes(d.device_memory_bytes()),
       d.mem_margin(), ScheduleName(d.schedule()), d.micro_batches(), d.estimated_step_ms(),
       d.batch_size());
-  if (!d.batch_whole().empty()) absl::StrAppend(&out, "  batch kept whole: ", d.batch_whole(), "\n");
+  if (!d.batch_whole().empty()) {
+    absl::StrAppend(&out, "  batch kept whole: ", d.batch_whole(), "\n");
+  }
   absl::StrAppend(&out, "Batch size ", batch_size, ":\n");
   std::map<uint32_t, std::vector<std::string>> by_device;
   for (const v1::DeploymentStage& s : d.stages()) {

@@ -94,7 +94,8 @@ std::vector<ConfigKey>* MakeRegistry() {
        "this client process's rank in a job that several processes train"},
       {"client_world", T::kInt, S::kClient, "1 (or torchrun's / MPI's world size)",
        "client processes in the job"},
-      {"job", T::kString, S::kClient, "", "the job's name: client ranks with one name join one job"},
+      {"job", T::kString, S::kClient, "",
+       "the job's name: client ranks with one name join one job"},
       {"job_name", T::kString, S::kClient, "", "the same as job"},
       {"client_timeout", T::kFloat, S::kClient, "300",
        "seconds the daemon waits for every client rank of a step"},
@@ -180,7 +181,8 @@ std::string DidYouMean(std::string_view name) {
     }
   }
   // A slip, not another word: at most a third of the name's letters changed.
-  if (best == nullptr || best_distance == 0 || best_distance * 3 > std::max<size_t>(name.size(), 3)) {
+  if (best == nullptr || best_distance == 0 ||
+      best_distance * 3 > std::max<size_t>(name.size(), 3)) {
     return "";
   }
   return absl::StrCat(" (did you mean '", best->name, "'?)");
@@ -198,10 +200,11 @@ absl::Status CheckJobKey(std::string_view name) {
   if (key == nullptr) return CheckRegisteredKey(name, "the job's config");
   if (key->scope == KeyScope::kJob || key->scope == KeyScope::kRaNNC) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "key '", std::string(name), "' in the job's config is a ", KeyScopeName(key->scope), " setting, not a "
-      "job's: ", key->scope == KeyScope::kDaemon ? "set it where ranncd starts (its flags, "
-                                                   "rannc.toml or environment)"
-                                                 : "the client reads it; do not send it"));
+      "key '", std::string(name), "' in the job's config is a ", KeyScopeName(key->scope),
+      " setting, not a job's: ",
+      key->scope == KeyScope::kDaemon
+          ? "set it where ranncd starts (its flags, rannc.toml or environment)"
+          : "the client reads it; do not send it"));
 }
 
 const char* KeyScopeName(KeyScope scope) {

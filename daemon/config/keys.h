@@ -37,7 +37,7 @@ enum class KeyScope { kDaemon, kJob, kClient, kRaNNC };
 enum class KeyType { kString, kBool, kInt, kFloat, kBytes, kDuration, kList };
 
 struct ConfigKey {
-  const char* name;           // lower-case; RANNC_<NAME upper-case> in the environment
+  const char* name;  // lower-case; RANNC_<NAME upper-case> in the environment
   KeyType type;
   KeyScope scope;
   const char* default_value;  // as documentation: "64MiB", "1f1b", "(the planner's choice)"

@@ -288,7 +288,9 @@ class Analysis {
     if (v->type()->kind() != c10::TypeKind::TensorType) return "";
     const ValueFacts* f = Facts(v);
     if (k == Kind::kBatched) {
-      if (f == nullptr) return absl::StrCat("makes %", v->debugName(), ", whose shape no run recorded");
+      if (f == nullptr) {
+        return absl::StrCat("makes %", v->debugName(), ", whose shape no run recorded");
+      }
       if (f->batch_dim < 0) {
         return absl::StrCat("makes %", v->debugName(),
                             " without a batch dimension from per-sample values");
@@ -705,9 +707,10 @@ class Analysis {
     for (const Value* in : n->inputs()) shape = shape || KindOf(in) == Kind::kShape;
     if (kinds.size() > 1) return "adds a mean over the batch to a sum over it";
     const Kind k = *kinds.begin();
-    const size_t tensors = std::count_if(n->inputs().begin(), n->inputs().end(), [](const Value* v) {
-      return v->type()->kind() == c10::TypeKind::TensorType;
-    });
+    const size_t tensors =
+        std::count_if(n->inputs().begin(), n->inputs().end(), [](const Value* v) {
+          return v->type()->kind() == c10::TypeKind::TensorType;
+        });
     const bool first = !reduced.empty() && reduced[0] == n->input(0);
     if (op == "add" || op == "sub" || op == "subtract" || op == "rsub") {
       if (shape) return "adds the batch's size to a loss";
@@ -887,7 +890,8 @@ class Analysis {
     const Value* a = n->input(0);
     const Value* b = n->input(1);
     const Kind ka = KindOf(a), kb = KindOf(b);
-    if ((ka != Kind::kFree && ka != Kind::kBatched) || (kb != Kind::kFree && kb != Kind::kBatched)) {
+    if ((ka != Kind::kFree && ka != Kind::kBatched) ||
+        (kb != Kind::kFree && kb != Kind::kBatched)) {
       return "multiplies a batch size or reduced value";
     }
     const int ra = Rank(a), rb = Rank(b);
@@ -985,7 +989,9 @@ class Analysis {
       if (k == Kind::kFree) continue;
       if (k != Kind::kBatched) return "reads a batch size or reduced value";
       const int bd = BatchDim(v);
-      if (bd < 0 || bd >= static_cast<int>(terms[i].size())) return "has an equation that does not match";
+      if (bd < 0 || bd >= static_cast<int>(terms[i].size())) {
+        return "has an equation that does not match";
+      }
       if (letter != 0 && terms[i][bd] != letter) return "pairs up samples of two operands";
       letter = terms[i][bd];
     }
@@ -1229,7 +1235,9 @@ class Analysis {
   // with one per-sample input every output is per-sample (batch-free ones repeat per sample).
   std::string BroadcastTensors(const Node* n) {
     const Node* list = n->input(0)->node();
-    if (list->kind() != c10::prim::ListConstruct) return "broadcasts a list the analysis cannot read";
+    if (list->kind() != c10::prim::ListConstruct) {
+      return "broadcasts a list the analysis cannot read";
+    }
     const Value* first = nullptr;
     for (const Value* v : list->inputs()) {
       const Kind k = KindOf(v);
@@ -1295,7 +1303,9 @@ class Analysis {
   std::string Index(const Node* n, const OpName& name) {
     const Value* x = n->input(0);
     const Node* list = n->input(1)->node();
-    if (list->kind() != c10::prim::ListConstruct) return "indexes with a list the analysis cannot read";
+    if (list->kind() != c10::prim::ListConstruct) {
+      return "indexes with a list the analysis cannot read";
+    }
     const Kind kx = KindOf(x);
     std::vector<const Value*> batched_indices;
     for (size_t i = 0; i < list->inputs().size(); ++i) {

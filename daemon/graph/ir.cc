@@ -334,7 +334,8 @@ absl::StatusOr<std::string> CrossCheckSeparable(const std::vector<at::Tensor>& p
                 : at::equal(a, b));
   };
   std::string why;
-  absl::Status status = TorchCall(absl::StatusCode::kInternal, "checking samples' independence", [&] {
+  absl::Status status = TorchCall(absl::StatusCode::kInternal, "checking samples' independence",
+                                  [&] {
     for (int id : ir.outputs) {
       const IrValue& value = ir.values[id];
       if (!value.is_tensor || value.role != ValueRole::kActivation) continue;
@@ -780,7 +781,8 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     // A model that fails on its example inputs as they are is simply wrong there (a shape, a
     // dtype); one that only fails on other batch sizes fixed its batch size. Only a failure
     // costs this run of the whole example.
-    absl::StatusOr<std::vector<at::Tensor>> whole_batch = WithStepInputs(ir, example_inputs, lifted);
+    absl::StatusOr<std::vector<at::Tensor>> whole_batch =
+        WithStepInputs(ir, example_inputs, lifted);
     if (!whole_batch.ok()) return whole_batch.status();
     std::vector<c10::IValue> example(whole_batch->begin(), whole_batch->end());
     example.insert(example.end(), tensors.begin(), tensors.end());
@@ -825,7 +827,8 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
           if (ta.size(d) == tb.size(d)) continue;
           // A whole number of rows per sample, in one dimension only: what the runtime's
           // shards assume (PerSample).
-          f.regular = f.regular && value.batch_dim < 0 && ta.size(d) * kProbeB == tb.size(d) * kProbeA;
+          f.regular = f.regular && value.batch_dim < 0 &&
+                      ta.size(d) * kProbeB == tb.size(d) * kProbeA;
           if (value.batch_dim >= 0) continue;
           value.batch_dim = static_cast<int>(d);
           // Sizes along the batch are affine in it (b, b * seq, ...).

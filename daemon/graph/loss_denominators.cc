@@ -162,8 +162,9 @@ absl::StatusOr<LossRewrite> RewriteMeanLosses(Graph& graph, size_t num_client_in
     for (size_t k = 0; k < chosen.size(); ++k) {
       Candidate& c = chosen[k];
       Node* loss = c.loss;
-      Value* step = graph.insertInput(num_client_inputs + k, absl::StrCat("loss_denominator_", k))
-                        ->setType(c10::TensorType::createContiguous(at::kDouble, at::kCPU, {}));
+      Value* step =
+          graph.insertInput(num_client_inputs + k, absl::StrCat("loss_denominator_", k))
+              ->setType(c10::TensorType::createContiguous(at::kDouble, at::kCPU, {}));
       Value* sum;
       {
         torch::jit::WithInsertPoint before(loss);
@@ -182,10 +183,12 @@ absl::StatusOr<LossRewrite> RewriteMeanLosses(Graph& graph, size_t num_client_in
       };
       const c10::TypePtr as_double_type = c10::TensorType::get()->withScalarType(at::kDouble);
       Node* to = add(c10::aten::to, {loss_value, as_double, no, no, none}, as_double_type);
-      Node* count = add(c10::Symbol::fromQualString("aten::numel"), {loss->input(1)}, c10::IntType::get());
+      const c10::Symbol numel = c10::Symbol::fromQualString("aten::numel");
+      const c10::Symbol type_as = c10::Symbol::fromQualString("aten::type_as");
+      Node* count = add(numel, {loss->input(1)}, c10::IntType::get());
       Node* denom = add(c10::aten::mul, {step, count->output()}, as_double_type);
       Node* quotient = add(c10::aten::div, {to->output(), denom->output()}, as_double_type);
-      Node* mean = add(c10::Symbol::fromQualString("aten::type_as"), {quotient->output(), loss_value}, loss_value->type());
+      Node* mean = add(type_as, {quotient->output(), loss_value}, loss_value->type());
       loss_value->replaceAllUsesAfterNodeWith(mean, mean->output());
       c.d.loss = loss;
       c.d.mean = mean;

@@ -101,7 +101,9 @@ std::string DescribeDeployment(const v1::Deployment& d) {
                 d.estimated_step_ms(), d.planning_seconds(), d.profiling_seconds(),
                 d.loaded() ? ", loaded from a file" : "");
   out += buf;
-  if (!d.batch_whole().empty()) absl::StrAppend(&out, "  batch kept whole: ", d.batch_whole(), "\n");
+  if (!d.batch_whole().empty()) {
+    absl::StrAppend(&out, "  batch kept whole: ", d.batch_whole(), "\n");
+  }
   for (const v1::DeploymentStage& s : d.stages()) {
     std::vector<std::string> devices;
     for (uint32_t dev : s.devices()) devices.push_back(absl::StrCat(d.device_type(), ":", dev));
