@@ -457,7 +457,7 @@ class Analysis {
         op == "hstack" || op == "vstack" || op == "dstack" || op == "column_stack") {
       return Concat(n, op);
     }
-    if (op == "linear") return Contracts(n, {{0, /*contracted from right*/ 1}}, {1, 2});
+    if (op == "linear") return LinearLayer(n, {1, 2});
     if (op == "_convolution" || op == "convolution" || op == "conv1d" || op == "conv2d" ||
         op == "conv3d" || op == "conv_transpose1d" || op == "conv_transpose2d" ||
         op == "conv_transpose3d" || op == "cudnn_convolution" || op == "mkldnn_convolution" ||
@@ -465,7 +465,7 @@ class Analysis {
       return LeadingBatch(n, {0}, /*free=*/{1, 2});
     }
     if (op == "matmul") return Matmul(n);
-    if (op == "mm") return LeadingBatch(n, {0}, {1}, /*only_row=*/true);
+    if (op == "mm") return LeadingBatch(n, {0}, {1});
     if (op == "bmm") return Bmm(n, 0, 1);
     if (op == "addmm") return Addmm(n);
     if (op == "baddbmm") return Baddbmm(n);
@@ -842,10 +842,9 @@ class Analysis {
   }
 
   // Ops whose operands in `batched_args` must hold the batch in dimension 0 (convolutions,
-  // group norm) and whose `free_args` must be free of it. `only_row`: mm's rows.
+  // group norm, mm's rows) and whose `free_args` must be free of it.
   std::string LeadingBatch(const Node* n, std::vector<int> batched_args,
-                           std::vector<int> free_args, bool only_row = false) {
-    (void)only_row;
+                           std::vector<int> free_args) {
     bool any = false;
     for (int i : batched_args) {
       if (i >= static_cast<int>(n->inputs().size())) continue;
@@ -874,7 +873,7 @@ class Analysis {
   }
 
   // linear(x, w, b): the batch anywhere but x's last dimension.
-  std::string Contracts(const Node* n, std::vector<std::pair<int, int>>, std::vector<int> free) {
+  std::string LinearLayer(const Node* n, std::vector<int> free) {
     const Value* x = n->input(0);
     if (KindOf(x) != Kind::kBatched) return "reads batch values where it expects weights";
     for (int i : free) {
@@ -1434,8 +1433,7 @@ class Analysis {
         return "pairs inputs and targets that hold the batch differently";
       }
     }
-    const bool classes = op == "nll_loss" || op == "nll_loss2d" || op == "nll_loss_nd" ||
-                         op == "cross_entropy_loss" || op == "multi_margin_loss" ||
+    const bool classes = IsCountedMeanLoss(n) || op == "multi_margin_loss" ||
                          op == "multilabel_margin_loss";
     if (classes && BatchDim(x) != 0) return "holds the batch in a dimension other than 0";
     switch (*reduction) {
@@ -1451,8 +1449,7 @@ class Analysis {
                                 refused->second);
           }
         }
-        if (op == "nll_loss" || op == "nll_loss2d" || op == "nll_loss_nd" ||
-            op == "cross_entropy_loss") {
+        if (IsCountedMeanLoss(n)) {
           return "takes a mean over the targets it does not ignore, which no rewrite covered";
         }
         return SetAll(n, Kind::kMean);

@@ -752,11 +752,10 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   const bool share = options.share_repeated_nodes && ShapesFollowFromShapes(graph);
   constexpr int64_t kProbeA = 2, kProbeB = 3;
   const SavedTensors saved(ir, tensors);
-  const LiftedTensor lifted = [&](int i) { return tensors[i]; };
   auto batch_of = [&](int64_t samples) -> absl::StatusOr<std::vector<at::Tensor>> {
     std::vector<at::Tensor> client;
     for (const at::Tensor& t : example_inputs) client.push_back(RepeatSamples(t, samples));
-    return WithStepInputs(ir, std::move(client), lifted);
+    return WithStepInputs(ir, std::move(client), tensors);
   };
   absl::StatusOr<std::vector<at::Tensor>> batch_a = batch_of(kProbeA);
   if (!batch_a.ok()) return batch_a.status();
@@ -782,7 +781,7 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
     // dtype); one that only fails on other batch sizes fixed its batch size. Only a failure
     // costs this run of the whole example.
     absl::StatusOr<std::vector<at::Tensor>> whole_batch =
-        WithStepInputs(ir, example_inputs, lifted);
+        WithStepInputs(ir, example_inputs, tensors);
     if (!whole_batch.ok()) return whole_batch.status();
     std::vector<c10::IValue> example(whole_batch->begin(), whole_batch->end());
     example.insert(example.end(), tensors.begin(), tensors.end());
@@ -950,6 +949,12 @@ absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,
   if (!steps.ok()) return steps.status();
   client_inputs.insert(client_inputs.end(), steps->begin(), steps->end());
   return client_inputs;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,
+                                                       std::vector<at::Tensor> client_inputs,
+                                                       const std::vector<at::Tensor>& tensors) {
+  return WithStepInputs(ir, std::move(client_inputs), [&](int i) { return tensors[i]; });
 }
 
 double CutBytesPerSample(const IrGraph& ir, int boundary) {

@@ -170,6 +170,10 @@ bool FusesForwardBackward(const IrGraph& ir);
 absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,
                                                        std::vector<at::Tensor> client_inputs,
                                                        const LiftedTensor& lifted);
+// The same with every lifted tensor at hand (`tensors`, in IrGraph::tensor_names order).
+absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,
+                                                       std::vector<at::Tensor> client_inputs,
+                                                       const std::vector<at::Tensor>& tensors);
 
 // Whether `block` (or a block nested in it) has an op that draws from a random generator
 // (dropout, bernoulli, rand*, ...).

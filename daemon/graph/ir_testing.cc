@@ -17,8 +17,8 @@ FixtureIr BuildFixtureIr(const std::string& name) {
   }
   out.ir = BuildIr(out.model, out.tensors, out.fixture.inputs);
   if (out.ir.ok()) {
-    absl::StatusOr<std::vector<at::Tensor>> user = WithStepInputs(
-        *out.ir, out.fixture.inputs, [&](int i) { return out.tensors[i]; });
+    absl::StatusOr<std::vector<at::Tensor>> user =
+        WithStepInputs(*out.ir, out.fixture.inputs, out.tensors);
     if (!user.ok()) throw std::runtime_error(std::string(user.status().message()));
     out.user_inputs = std::move(*user);
   }

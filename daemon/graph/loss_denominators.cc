@@ -12,6 +12,13 @@
 #include "daemon/common/status.h"
 
 namespace rannc {
+
+bool IsCountedMeanLoss(const torch::jit::Node* n) {
+  const std::string kind = n->kind().toQualString();
+  return kind == "aten::nll_loss" || kind == "aten::nll_loss2d" || kind == "aten::nll_loss_nd" ||
+         kind == "aten::cross_entropy_loss";
+}
+
 namespace {
 
 using torch::jit::Graph;
@@ -20,13 +27,6 @@ using torch::jit::Value;
 
 constexpr int64_t kReductionMean = 1;
 constexpr int64_t kReductionSum = 2;
-
-// Ops with the layout (self, target, weight, reduction, ignore_index, ...).
-bool IsClassLoss(const Node* n) {
-  const std::string kind = n->kind().toQualString();
-  return kind == "aten::nll_loss" || kind == "aten::nll_loss2d" || kind == "aten::nll_loss_nd" ||
-         kind == "aten::cross_entropy_loss";
-}
 
 // The ops `target` is computed by, in graph order, when they read only the client's inputs and
 // constants; otherwise why not.
@@ -101,7 +101,7 @@ absl::StatusOr<LossRewrite> RewriteMeanLosses(Graph& graph, size_t num_client_in
     };
     std::vector<Candidate> chosen;
     for (Node* n : graph.nodes()) {
-      if (!IsClassLoss(n) || n->inputs().size() < 5 || !batch.count(n->input(0))) continue;
+      if (!IsCountedMeanLoss(n) || n->inputs().size() < 5 || !batch.count(n->input(0))) continue;
       const c10::optional<int64_t> reduction = torch::jit::constant_as<int64_t>(n->input(3));
       if (reduction && *reduction != kReductionMean) continue;
       auto refuse = [&](std::string why) { rewrite.refused[n] = std::move(why); };

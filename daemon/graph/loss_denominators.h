@@ -73,6 +73,10 @@ struct LossRewrite {
   size_t num_client_inputs = 0;
 };
 
+// The ops this rewrites when their reduction is 'mean': nll_loss (and its 2d and nd forms) and
+// cross_entropy_loss, all laid out (self, target, weight, reduction, ignore_index, ...).
+bool IsCountedMeanLoss(const torch::jit::Node* n);
+
 // Rewrites the graph as the header says. `num_client_inputs`: the graph's first inputs, the
 // client's (batched); the step inputs are inserted right after them.
 absl::StatusOr<LossRewrite> RewriteMeanLosses(torch::jit::Graph& graph, size_t num_client_inputs);

@@ -314,7 +314,7 @@ absl::Status VerifyPartition(const IrGraph& ir, const std::vector<std::vector<in
     }
   }
   absl::StatusOr<std::vector<at::Tensor>> batch =
-      WithStepInputs(ir, client_inputs, [&](int i) { return tensors[i]; });
+      WithStepInputs(ir, client_inputs, tensors);
   if (!batch.ok()) return batch.status();
   const std::vector<at::Tensor>& inputs = *batch;
   // Whole model.

@@ -132,7 +132,7 @@ absl::StatusOr<std::vector<at::Tensor>> Profiler::Batch(int64_t samples) const {
   std::vector<at::Tensor> client;
   for (const at::Tensor& t : example_inputs_) client.push_back(RepeatSamples(t, samples));
   absl::StatusOr<std::vector<at::Tensor>> batch =
-      WithStepInputs(ir_, std::move(client), [&](int i) { return tensors_[i]; });
+      WithStepInputs(ir_, std::move(client), tensors_);
   if (!batch.ok()) return batch.status();
   for (at::Tensor& t : *batch) t = t.to(options_.device);
   return batch;

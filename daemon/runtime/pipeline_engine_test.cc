@@ -450,7 +450,7 @@ class Reference {
   // Forward and backward with the gradient of the first output all ones.
   void Backward(const std::vector<at::Tensor>& client_inputs) {
     absl::StatusOr<std::vector<at::Tensor>> inputs =
-        WithStepInputs(*f_.ir, client_inputs, [&](int i) { return leaves_[i]; });
+        WithStepInputs(*f_.ir, client_inputs, leaves_);
     REQUIRE(inputs.ok());
     std::vector<at::Tensor> in;
     for (int v : exec_->data_inputs()) in.push_back((*inputs)[v]);
