@@ -8,7 +8,7 @@
 //
 // DIR holds job.pb, model.pt, the shared-memory files job.pb names and forward.pb. --devices and
 // --links are ranncd's (default: every CUDA GPU, else cpu:1; links measured). The job is created
-// as ranncd's CreateJob creates it (JobConfigFromSpec, the devices' backend); a job saved from a
+// as ranncd's CreateJob creates it (JobSettingsFromSpec, the devices' backend); a job saved from a
 // run with load_deployment keeps that plan. Each step is what pyrannc's training loop asks of
 // the daemon: Forward (requires_grad) with forward.pb's inputs and its first output copied to the
 // host (the loss the client receives), Backward of that output with a gradient of ones, Step with
@@ -177,7 +177,7 @@ absl::Status Run(const BenchOptions& o) {
 
   absl::StatusOr<DaemonFacts> facts = ResolveFacts(o.daemon);
   if (!facts.ok()) return facts.status();
-  absl::StatusOr<JobConfig> config = JobConfigFromSpec(*spec, *facts);
+  absl::StatusOr<JobSettings> config = JobSettingsFromSpec(*spec, *facts);
   if (!config.ok()) return config.status();
   config->backend = JobBackend(config->placement, facts->devices);
   const std::vector<HyperParams> hypers = config->optimizer.group_hyper;
@@ -196,18 +196,23 @@ absl::Status Run(const BenchOptions& o) {
   if (!job.ok()) return Annotate(job.status(), "creating the job");
   sent->clear();
   const double create_s = SecondsSince(created);
-  const std::string plan = planner::DescribeDeployment((*job)->deployment());
+  const std::string plan = planner::DescribeDeployment((*job)->info().plan);
   spdlog::info("job created in {:.2f} s: {}", create_s, plan);
 
   // One training step as pyrannc asks for it; returns the loss the client would receive.
   auto train_step = [&]() -> absl::StatusOr<float> {
-    absl::StatusOr<std::vector<at::Tensor>> out = (*job)->Forward(*inputs, true);
+    absl::StatusOr<std::vector<at::Tensor>> out = (*job)->Forward(0, *inputs, true);
     if (!out.ok()) return Annotate(out.status(), "forward");
     const at::Tensor loss = (*out)[0].to(at::kCPU);
-    absl::Status status = (*job)->Backward({{0, at::ones_like(loss)}}, false);
-    if (status.ok()) status = (*job)->Step(hypers);
+    absl::Status status = (*job)->Backward(0, {{0, at::ones_like(loss)}}, false);
+    JobOp step;
+    step.hypers = hypers;
+    if (status.ok()) status = (*job)->Run(0, step).status();
     if (!status.ok()) return Annotate(status, "backward and step");
-    (*job)->ZeroGrad(true);
+    JobOp zero;
+    zero.kind = JobOp::Kind::kZeroGrad;
+    zero.set_to_none = true;
+    (*job)->Run(0, zero).IgnoreError();
     return loss.to(at::kFloat).item<float>();
   };
   std::vector<double> step_s;
@@ -220,7 +225,7 @@ absl::Status Run(const BenchOptions& o) {
     losses.push_back(*loss);
   }
   if (!o.profile.empty()) {
-    const bool cuda = absl::c_any_of((*job)->devices(), [](const std::string& d) {
+    const bool cuda = absl::c_any_of((*job)->info().devices, [](const std::string& d) {
       return d.rfind("cuda", 0) == 0;
     });
     if (absl::Status p = ProfileSteps(o.profile, o.profile_steps, cuda, train_step); !p.ok()) {
@@ -237,7 +242,7 @@ absl::Status Run(const BenchOptions& o) {
             << absl::StrJoin(step_s, ", ") << "], \"step_s_median\": " << median
             << ", \"warmup\": " << o.warmup << ", \"steps\": " << o.steps
             << ", \"plan_summary\": \"" << JsonEscaped(plan) << "\", \"devices\": [\""
-            << absl::StrJoin((*job)->devices(), "\", \"") << "\"], \"loss_first\": "
+            << absl::StrJoin((*job)->info().devices, "\", \"") << "\"], \"loss_first\": "
             << losses.front() << ", \"loss_last\": " << losses.back();
   if (!o.profile.empty()) {
     std::cout << ", \"profile\": \"" << JsonEscaped(o.profile)

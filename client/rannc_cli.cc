@@ -7,7 +7,9 @@
 //   rannc plan   MODEL.pt --devices N [--device-memory 80GiB] [--batch B] --input DTYPE:SHAPE
 //                [--input ...] [--config KEY=VALUE ...] [--links SPEC] [--schedule 1f1b|gpipe]
 //                [--save FILE]                 plan only (a dry run): no job is created
-//   rannc plan   --show FILE [--batch B]      print a saved deployment; no daemon involved
+//   rannc plan   --show FILE|- [--batch B]    print a saved deployment (- reads it from standard
+//                                              input); no daemon involved. pyrannc's
+//                                              show_deployment prints through this.
 //
 // The daemon address comes from --daemon, else $RANNC_DAEMON, else 127.0.0.1:7411. Errors print
 // the daemon's message and exit non-zero.
@@ -22,6 +24,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <random>
@@ -349,7 +352,7 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
 
 struct PlanFlags {
   std::string model;
-  std::string show;          // a deployment file to print instead of planning
+  std::string show;          // a deployment file to print instead of planning; "-": stdin
   uint32_t devices = 0;
   std::string device_memory;  // empty: the daemon's own devices' budget
   int64_t batch = 0;          // 0: the inputs' dim 0 (or, with --show, the planned batch)
@@ -363,9 +366,13 @@ struct PlanFlags {
 };
 
 int RunShow(const PlanFlags& flags) {
-  absl::StatusOr<std::string> bytes = ReadFile(flags.show);
+  const bool from_stdin = flags.show == "-";
+  absl::StatusOr<std::string> bytes =
+      from_stdin ? std::string(std::istreambuf_iterator<char>(std::cin), {})
+                 : ReadFile(flags.show);
   if (!bytes.ok()) return Fail(bytes.status());
-  absl::StatusOr<v1::Deployment> deployment = ParseDeployment(*bytes, flags.show);
+  absl::StatusOr<v1::Deployment> deployment =
+      ParseDeployment(*bytes, from_stdin ? "standard input" : flags.show);
   if (!deployment.ok()) return Fail(deployment.status());
   const int64_t batch = flags.batch > 0 ? flags.batch : deployment->batch_size();
   absl::StatusOr<std::string> text = FormatDeployment(*deployment, batch);
@@ -516,8 +523,12 @@ int Main(int argc, char** argv) {
                    "TorchScript file (torch.jit.save of a model traced in training mode)")
       ->check(CLI::ExistingFile);
   plan->add_option("--show", plan_flags.show,
-                   "print this deployment file (for --batch) instead of planning; no daemon")
-      ->check(CLI::ExistingFile);
+                   "print this deployment file (for --batch) instead of planning; no daemon; "
+                   "- reads the deployment from standard input")
+      ->check([](const std::string& path) {
+        std::string checked = path;
+        return path == "-" ? std::string() : CLI::ExistingFile(checked);
+      });
   plan->add_option("--devices", plan_flags.devices, "devices to plan for (need not exist)");
   plan->add_option("--device-memory", plan_flags.device_memory,
                    "memory per device, e.g. 80GiB, 512MiB, 1e9 (default: the daemon's devices')");

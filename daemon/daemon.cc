@@ -18,7 +18,9 @@
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/link_probe.h"
+#include "daemon/server/grpc_part_channel.h"
 #include "daemon/server/job_manager.h"
+#include "daemon/server/job_part_service.h"
 #include "daemon/server/training_service.h"
 
 namespace rannc {
@@ -177,8 +179,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   builder.SetMaxSendMessageSize(std::numeric_limits<int>::max());
 
   const std::string host = options.listen.substr(0, options.listen.rfind(':'));
-  daemon->training_ = std::make_unique<TrainingServiceImpl>(facts, daemon->jobs_.get());
+  daemon->part_channels_ = std::make_unique<GrpcPartChannels>();
+  daemon->training_ = std::make_unique<TrainingServiceImpl>(facts, daemon->jobs_.get(),
+                                                            daemon->part_channels_.get());
   builder.RegisterService(daemon->training_.get());
+  daemon->job_parts_ = std::make_unique<JobPartServiceImpl>(facts, daemon->jobs_.get());
+  builder.RegisterService(daemon->job_parts_.get());
   // Registered now, attached to the cluster once the bound port (hence this daemon's own
   // address) is known; until then peers' heartbeats get UNAVAILABLE.
   daemon->cluster_service_ = std::make_unique<cluster::ClusterServiceImpl>();
@@ -207,10 +213,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   // The parts of jobs it led are useless: they go, their devices freed.
   daemon->cluster_->OnMemberDown([jobs = daemon->jobs_.get()](
                                      const cluster::MemberInfo& member, const std::string& why) {
-    for (const std::shared_ptr<Job>& job : jobs->List()) {
-      if (job->MemberLost(member.address, why)) {
-        spdlog::warn("deleting job {}: its leading daemon {} is lost", job->id(), member.address);
-        jobs->Remove(job->id()).IgnoreError();
+    for (const JobManager::Listed& listed : jobs->List()) {
+      if (listed.job->coordinator().MemberLost(member.address, why)) {
+        const std::string& id = listed.job->info().id;
+        spdlog::warn("deleting job {}: its leading daemon {} is lost", id, member.address);
+        jobs->Remove(id).IgnoreError();
       }
     }
   });

@@ -28,8 +28,10 @@ class JobManager;
 namespace comm {
 class StoreServiceImpl;
 }  // namespace comm
+class GrpcPartChannels;
+class JobPartServiceImpl;
 class TrainingServiceImpl;
-struct DaemonFacts;  // daemon/server/training_service.h
+struct DaemonFacts;  // daemon/server/job_settings.h
 namespace cluster {
 class Cluster;
 class ClusterServiceImpl;
@@ -68,7 +70,9 @@ class Daemon {
   // Declared before the services so that it outlives the server, which calls into it.
   std::unique_ptr<cluster::Cluster> cluster_;
   std::unique_ptr<cluster::ClusterServiceImpl> cluster_service_;
+  std::unique_ptr<GrpcPartChannels> part_channels_;  // before the services that use it
   std::unique_ptr<TrainingServiceImpl> training_;
+  std::unique_ptr<JobPartServiceImpl> job_parts_;
   // The rendezvous of the data plane for jobs this daemon leads across the cluster.
   std::unique_ptr<comm::StoreServiceImpl> store_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -5,8 +5,8 @@
 # CLI11, toml++ and Catch2 from the Debian 12 .debs in .gpu/debs (../shared/tools/gpu-debs.sh)
 # unpacked into $SYS, as tools/torch2_compile_check.sh does. Then runs the smoke check
 # (tools/cmake_smoke.sh, CPU devices); with TESTS=1 it also builds the C++ tests and runs them,
-# the NCCL backend's GPU test included, but not client_integration_test, which traces its
-# models with /usr/bin/python3.
+# the NCCL backend's GPU test included, but not the client's integration tests
+# (client_*integration_test, label integration), which trace their models with /usr/bin/python3.
 #
 # TARGETS="ranncd pipeline_engine_cuda_test" builds only those (with the tests configured when
 # TESTS=1), and CTEST="-L gpu" picks the tests ctest runs (default: all but integration). The

@@ -175,4 +175,56 @@ absl::Status EncodeStateChunks(const std::string& name, const at::Tensor& tensor
   return absl::OkStatus();
 }
 
+absl::Status StateDictAssembler::Add(const v1::StateDictChunk& chunk) {
+  if (chunk.offset() == 0) {
+    const std::string what = absl::StrCat("state_dict '", chunk.name(), "'");
+    absl::StatusOr<at::ScalarType> type = FromProtoDType(chunk.dtype());
+    if (!type.ok()) return Annotate(type.status(), what);
+    if (state_.count(chunk.name())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state_dict key '", chunk.name(), "' sent twice"));
+    }
+    std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
+    absl::StatusOr<size_t> expected = DenseBytes(*type, shape, what);
+    if (!expected.ok()) return expected.status();
+    if (chunk.total_bytes() != *expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", chunk.total_bytes(), " bytes for ", DescribeTensor(*type, shape),
+          ", which needs ", *expected));
+    }
+    absl::Status allocated = TorchCall(absl::StatusCode::kResourceExhausted, what, [&] {
+      current_ = at::empty(shape, at::TensorOptions().dtype(*type));
+      return absl::OkStatus();
+    });
+    if (!allocated.ok()) return allocated;
+    name_ = chunk.name();
+    filled_ = 0;
+    state_[name_] = current_;
+  } else if (chunk.name() != name_ || chunk.offset() != filled_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state_dict chunk for '", chunk.name(), "' at offset ", chunk.offset(),
+        " does not continue '", name_, "' at ", filled_));
+  }
+  const uint64_t total = current_.numel() * current_.element_size();
+  if (filled_ + chunk.data().size() > total) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dict '", chunk.name(), "': more data than its shape holds"));
+  }
+  std::memcpy(static_cast<char*>(current_.data_ptr()) + filled_, chunk.data().data(),
+              chunk.data().size());
+  filled_ += chunk.data().size();
+  if (filled_ == total) done_.insert(name_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> StateDictAssembler::Finish() {
+  for (const auto& [name, t] : state_) {
+    if (!done_.count(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("state_dict '", name, "' is incomplete"));
+    }
+  }
+  return std::move(state_);
+}
+
+
 }  // namespace rannc

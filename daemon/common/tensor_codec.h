@@ -9,6 +9,8 @@
 #define RANNC_DAEMON_COMMON_TENSOR_CODEC_H_
 
 #include <functional>
+#include <map>
+#include <set>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -51,6 +53,22 @@ void EncodeSpec(at::ScalarType dtype, c10::IntArrayRef shape, v1::TensorSpec* sp
 absl::Status EncodeStateChunks(const std::string& name, const at::Tensor& tensor, bool is_buffer,
                                size_t chunk_bytes,
                                const std::function<bool(const v1::StateDictChunk&)>& write);
+
+// Reassembles state_dict entries from StateDictChunks (EncodeStateChunks' output), checking
+// each chunk against its entry's first: the dtype, the shape and the bytes they announce agree,
+// offsets continue, no entry comes twice, none ends incomplete.
+class StateDictAssembler {
+ public:
+  absl::Status Add(const v1::StateDictChunk& chunk);
+  absl::StatusOr<std::map<std::string, at::Tensor>> Finish();
+
+ private:
+  std::map<std::string, at::Tensor> state_;
+  std::set<std::string> done_;
+  at::Tensor current_;
+  std::string name_;
+  uint64_t filled_ = 0;
+};
 
 }  // namespace rannc
 

@@ -1,7 +1,9 @@
+// BuildIr (ir.h): the imported graph prepared, its values and their roles, the atomic nodes and
+// what must stay together, each value's facts from the probe runs (ir_probes.cc), whether the
+// batch may be split, and the structural hash; and the step inputs of a batch.
 #include "daemon/graph/ir.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <functional>
 #include <map>
 #include <set>
@@ -17,7 +19,6 @@
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/csrc/jit/passes/lower_tuples.h>
 #include <torch/csrc/jit/passes/remove_mutation.h>
-#include <torch/csrc/jit/runtime/interpreter.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -25,10 +26,18 @@
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/graph/batch_flow.h"
-#include "daemon/graph/structure.h"
+#include "daemon/graph/ir_internal.h"
 
 namespace rannc {
 namespace {
+
+using ir_internal::BuildProbes;
+using ir_internal::CrossCheckSeparable;
+using ir_internal::IsShapeOp;
+using ir_internal::NodeProbe;
+using ir_internal::ProbeRun;
+using ir_internal::RunProbes;
+using ir_internal::SavedTensors;
 
 using torch::jit::Graph;
 using torch::jit::Node;
@@ -69,303 +78,6 @@ std::vector<Value*> TopLevelValues(Graph& graph) {
     for (Value* o : n->outputs()) values.push_back(o);
   }
   return values;
-}
-
-// Ops whose results are sizes or shapes, not data.
-bool IsShapeOp(const Node* n) {
-  static const std::unordered_set<std::string> kinds = {
-      "aten::size", "aten::dim", "aten::numel", "prim::shape", "aten::len"};
-  return kinds.count(n->kind().toQualString()) > 0;
-}
-
-}  // namespace
-
-bool ShapesFollowFromShapes(Graph& graph) {
-  static const std::unordered_set<std::string> kinds = {
-      "aten::nonzero",    "aten::nonzero_numpy", "aten::argwhere",       "aten::masked_select",
-      "aten::unique",     "aten::_unique",       "aten::_unique2",       "aten::unique_dim",
-      "aten::unique_consecutive", "aten::unique_dim_consecutive",         "aten::bincount",
-      "aten::repeat_interleave",  "aten::item",  "aten::_local_scalar_dense", "aten::Int",
-      "aten::Float",      "aten::Bool",          "aten::IntImplicit",    "aten::FloatImplicit",
-      "aten::ComplexImplicit", "aten::ScalarImplicit", "aten::tolist",   "prim::tolist",
-      "aten::equal",      "aten::is_nonzero",    "aten::allclose",       "aten::index",
-  };
-  // where(condition) alone is nonzero by another name.
-  auto contents_to_shape = [&](const Node* n) {
-    return kinds.count(n->kind().toQualString()) > 0 ||
-           (n->kind() == c10::aten::where && n->inputs().size() == 1);
-  };
-  std::function<bool(torch::jit::Block*)> nested_ok = [&](torch::jit::Block* b) {
-    for (Node* n : b->nodes()) {
-      if (contents_to_shape(n)) return false;
-      for (torch::jit::Block* inner : n->blocks()) {
-        if (!nested_ok(inner)) return false;
-      }
-    }
-    return true;
-  };
-  std::unordered_set<const Value*> from_contents(graph.inputs().begin(), graph.inputs().end());
-  for (Node* n : graph.nodes()) {
-    bool contents = false;
-    for (Value* in : ExternalInputs(n)) contents = contents || from_contents.count(in) > 0;
-    if (contents && (contents_to_shape(n) || !n->blocks().empty())) {
-      return false;
-    }
-    for (torch::jit::Block* b : n->blocks()) {
-      if (!nested_ok(b)) return false;
-    }
-    if (contents && !IsShapeOp(n)) {
-      for (Value* o : n->outputs()) from_contents.insert(o);
-    }
-  }
-  return true;
-}
-
-namespace {
-
-// One atomic node, runnable alone: its ops and every helper they read, with every value it
-// computes as an output, so a run of all probes in order records every top-level value.
-struct NodeProbe {
-  std::shared_ptr<Graph> graph;
-  std::vector<int> inputs;   // IR value ids, in the graph's input order
-  std::vector<int> outputs;  // IR value ids of every value the graph computes, in order
-  std::string structure;     // CanonicalGraphText(*graph)
-  std::unique_ptr<torch::jit::Code> code;  // made at the first run
-};
-
-absl::StatusOr<std::vector<NodeProbe>> BuildProbes(const IrGraph& ir) {
-  const std::unordered_map<const Node*, int>& position = ir.op_position;
-  const std::unordered_map<const Node*, int>& owner = ir.node_of_op;
-  std::vector<NodeProbe> probes(ir.nodes.size());
-  absl::Status status = TorchCall(absl::StatusCode::kInternal, "building probe graphs", [&] {
-    for (size_t i = 0; i < ir.nodes.size(); ++i) {
-      std::unordered_set<Node*> members(ir.nodes[i].ops.begin(), ir.nodes[i].ops.end());
-      std::vector<Node*> work(ir.nodes[i].ops.begin(), ir.nodes[i].ops.end());
-      while (!work.empty()) {
-        Node* n = work.back();
-        work.pop_back();
-        for (Value* in : ExternalInputs(n)) {
-          Node* p = in->node();
-          if (p->kind() == c10::prim::Param || owner.count(p) || members.count(p)) continue;
-          members.insert(p);
-          work.push_back(p);
-        }
-      }
-      std::vector<Node*> ordered(members.begin(), members.end());
-      std::sort(ordered.begin(), ordered.end(),
-                [&](Node* a, Node* b) { return position.at(a) < position.at(b); });
-      std::set<int> inputs;
-      for (Node* n : ordered) {
-        for (Value* in : ExternalInputs(n)) {
-          if (!members.count(in->node())) inputs.insert(ir.ValueOf(in));
-        }
-      }
-      NodeProbe& probe = probes[i];
-      probe.graph = std::make_shared<Graph>();
-      std::unordered_map<const Value*, Value*> env;
-      for (int v : inputs) {
-        probe.inputs.push_back(v);
-        env[ir.values[v].jit] = probe.graph->addInput()->setType(ir.values[v].jit->type());
-      }
-      auto lookup = [&](Value* v) -> Value* {
-        auto it = env.find(v);
-        if (it == env.end()) {
-          throw std::runtime_error(absl::StrCat("value %", v->debugName(),
-                                                " is not available to the probe"));
-        }
-        return it->second;
-      };
-      for (Node* n : ordered) {
-        Node* clone = probe.graph->insertNode(probe.graph->createClone(n, lookup));
-        for (size_t o = 0; o < n->outputs().size(); ++o) {
-          env[n->output(o)] = clone->output(o);
-          probe.graph->registerOutput(clone->output(o));
-          probe.outputs.push_back(ir.ValueOf(n->output(o)));
-        }
-      }
-      probe.structure = CanonicalGraphText(*probe.graph);
-    }
-    return absl::OkStatus();
-  });
-  if (!status.ok()) return status;
-  return probes;
-}
-
-// The value of every IR value in one run of the model; `set[i]` says whether value i has one.
-struct ProbeRun {
-  std::vector<c10::IValue> values;
-  std::vector<bool> set;
-  int nodes_run = 0;
-};
-
-// Runs the probes in order on `graph_inputs` (user inputs, then lifted tensors). With `share`,
-// a node whose ops and input kinds (dtype, sizes, strides) equal an earlier node's does not run:
-// its values are that node's, which have the same shapes (ShapesFollowFromShapes), so the
-// layers of a deep model cost one layer's run.
-absl::StatusOr<ProbeRun> RunProbes(const IrGraph& ir, std::vector<NodeProbe>& probes,
-                                   const std::vector<c10::IValue>& graph_inputs, bool share) {
-  ProbeRun run;
-  run.values.resize(ir.values.size());
-  run.set.assign(ir.values.size(), false);
-  for (size_t i = 0; i < graph_inputs.size(); ++i) {
-    run.values[ir.inputs[i]] = graph_inputs[i];
-    run.set[ir.inputs[i]] = true;
-  }
-  std::unordered_map<std::string, size_t> seen;
-  for (size_t n = 0; n < probes.size(); ++n) {
-    NodeProbe& probe = probes[n];
-    std::vector<c10::IValue> stack;
-    std::string key = share ? probe.structure : "";
-    for (int v : probe.inputs) {
-      if (!run.set[v]) {
-        return absl::InternalError(absl::StrCat("atomic node ", n, " reads %",
-                                                ir.values[v].name, " before it is computed"));
-      }
-      stack.push_back(run.values[v]);
-      if (share) absl::StrAppend(&key, DescribeRuntimeValue(stack.back()), ";");
-    }
-    if (share) {
-      auto [it, added] = seen.emplace(std::move(key), n);
-      if (!added) {
-        const NodeProbe& same = probes[it->second];
-        for (size_t k = 0; k < probe.outputs.size(); ++k) {
-          if (run.set[probe.outputs[k]]) continue;
-          run.values[probe.outputs[k]] = run.values[same.outputs[k]];
-          run.set[probe.outputs[k]] = true;
-        }
-        continue;
-      }
-    }
-    absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument,
-                                    "the model's forward failed", [&] {
-      if (!probe.code) probe.code = std::make_unique<torch::jit::Code>(probe.graph, "probe");
-      torch::jit::InterpreterState(*probe.code).run(stack);
-      return absl::OkStatus();
-    });
-    if (!status.ok()) return status;
-    ++run.nodes_run;
-    if (stack.size() != probe.outputs.size()) {
-      return absl::InternalError(absl::StrCat("probe of atomic node ", n, " returned ",
-                                              stack.size(), " values, expected ",
-                                              probe.outputs.size()));
-    }
-    for (size_t k = 0; k < probe.outputs.size(); ++k) {
-      if (run.set[probe.outputs[k]]) continue;
-      run.values[probe.outputs[k]] = std::move(stack[k]);
-      run.set[probe.outputs[k]] = true;
-    }
-  }
-  return run;
-}
-
-// Ops that draw from a generator. Node::isNondeterministic() knows most of them from their
-// schemas; the names also catch ops whose schema it does not list (and are cheap to over-lock).
-bool IsRandomKind(const torch::jit::Node* n) {
-  static const std::set<std::string> kinds = {
-      "aten::dropout",          "aten::dropout_",         "aten::feature_dropout",
-      "aten::feature_dropout_", "aten::alpha_dropout",    "aten::alpha_dropout_",
-      "aten::feature_alpha_dropout", "aten::feature_alpha_dropout_", "aten::native_dropout",
-      "aten::_fused_dropout",   "aten::bernoulli",        "aten::bernoulli_",
-      "aten::rand",             "aten::rand_like",        "aten::randn",
-      "aten::randn_like",       "aten::randint",          "aten::randint_like",
-      "aten::randperm",         "aten::normal",           "aten::normal_",
-      "aten::uniform_",         "aten::multinomial",      "aten::poisson",
-      "aten::binomial",         "aten::exponential_",     "aten::geometric_",
-      "aten::cauchy_",          "aten::log_normal_",      "aten::random_",
-      "aten::rrelu",            "aten::rrelu_",           "aten::rrelu_with_noise",
-      "aten::rrelu_with_noise_", "aten::_standard_gamma", "aten::_sample_dirichlet",
-  };
-  return kinds.count(n->kind().toQualString()) > 0;
-}
-
-// Copies of the lifted tensors the graph may write (buffers), to put back after a run; the
-// others (all parameters, usually) are only read and need no copy.
-class SavedTensors {
- public:
-  SavedTensors(const IrGraph& ir, const std::vector<at::Tensor>& tensors) : tensors_(tensors) {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (ir.values[ir.inputs[ir.num_user_inputs + i]].written) {
-        saved_.emplace_back(i, tensors[i].clone());
-      }
-    }
-  }
-  void Restore() const {
-    at::NoGradGuard no_grad;
-    for (const auto& [i, t] : saved_) tensors_[i].copy_(t);
-  }
-
- private:
-  const std::vector<at::Tensor>& tensors_;
-  std::vector<std::pair<size_t, at::Tensor>> saved_;
-};
-
-// The runtime check behind the static one (graph/batch_flow.h): runs the model on each of the
-// two samples of `run_pair` apart (with the pair's step inputs, as shards of one batch get) and
-// compares the outputs with the pair's: batched outputs row by row, the others as the means or
-// sums the static analysis says they are. "" when they agree, else why not. Buffers are restored.
-absl::StatusOr<std::string> CrossCheckSeparable(const std::vector<at::Tensor>& pair_inputs,
-                                                const std::vector<at::Tensor>& tensors,
-                                                std::vector<NodeProbe>& probes, bool share,
-                                                const ProbeRun& run_pair, const IrGraph& ir) {
-  const SavedTensors saved(ir, tensors);
-  std::vector<absl::StatusOr<ProbeRun>> single;
-  {
-    at::NoGradGuard no_grad;
-    for (int64_t sample = 0; sample < 2; ++sample) {
-      std::vector<c10::IValue> inputs;
-      for (size_t i = 0; i < pair_inputs.size(); ++i) {
-        const at::Tensor& t = pair_inputs[i];
-        inputs.emplace_back(i < ir.num_client_inputs ? t.narrow(0, sample, 1) : t);
-      }
-      for (const at::Tensor& t : tensors) inputs.emplace_back(t);
-      single.push_back(RunProbes(ir, probes, inputs, share));
-      saved.Restore();
-    }
-  }
-  for (const auto& run : single) {
-    if (!run.ok()) {
-      return absl::StrCat("the model fails on a single sample: ", run.status().message());
-    }
-  }
-  auto close = [](const at::Tensor& a, const at::Tensor& b) {
-    return a.sizes().equals(b.sizes()) &&
-           (at::isFloatingType(a.scalar_type())
-                ? at::allclose(a.to(at::kDouble), b.to(at::kDouble), 1e-4, 1e-5)
-                : at::equal(a, b));
-  };
-  std::string why;
-  absl::Status status = TorchCall(absl::StatusCode::kInternal, "checking samples' independence",
-                                  [&] {
-    for (int id : ir.outputs) {
-      const IrValue& value = ir.values[id];
-      if (!value.is_tensor || value.role != ValueRole::kActivation) continue;
-      const at::Tensor pair = run_pair.values[id].toTensor();
-      const at::Tensor one = single[0]->values[id].toTensor();
-      const at::Tensor two = single[1]->values[id].toTensor();
-      if (value.batch_dim >= 0) {
-        const int64_t rows = pair.size(value.batch_dim) / 2;
-        if (!close(pair.narrow(value.batch_dim, 0, rows), one) ||
-            !close(pair.narrow(value.batch_dim, rows, rows), two)) {
-          why = absl::StrCat("output %", value.name, " of a sample depends on the other samples "
-                             "of the batch");
-          break;
-        }
-      } else if (value.reduction == IrValue::Reduction::kMean) {
-        if (!close(pair, (one + two) / 2)) {
-          why = absl::StrCat("output %", value.name, " is not the mean of the samples' values");
-          break;
-        }
-      } else if (value.reduction == IrValue::Reduction::kSum) {
-        if (!close(pair, one + two)) {
-          why = absl::StrCat("output %", value.name, " is not the sum of the samples' values");
-          break;
-        }
-      }
-    }
-    return absl::OkStatus();
-  });
-  if (!status.ok()) return status;
-  return why;
 }
 
 // Merges overlapping [first, last] ranges over `count` anchors; returns group start indices.
@@ -429,76 +141,6 @@ void MergeNodes(IrGraph& ir, const std::vector<std::pair<int, int>>& ranges) {
 }
 
 }  // namespace
-
-bool FusesForwardBackward(const IrGraph& ir) {
-  if (ir.outputs.empty()) return false;
-  const IrValue& first = ir.values[ir.outputs[0]];
-  if (!first.is_loss || !first.shape.empty() || !at::isFloatingType(first.dtype)) return false;
-  for (size_t i = 1; i < ir.outputs.size(); ++i) {
-    if (at::isFloatingType(ir.values[ir.outputs[i]].dtype)) return false;
-  }
-  return true;
-}
-
-bool HasRandomOps(const torch::jit::Block* block) {
-  for (const torch::jit::Node* n : block->nodes()) {
-    if (IsRandomKind(n) || n->isNondeterministic()) return true;
-    for (const torch::jit::Block* b : n->blocks()) {
-      if (HasRandomOps(b)) return true;
-    }
-  }
-  return false;
-}
-
-std::vector<Value*> ExternalInputs(Node* n) {
-  std::vector<Value*> out(n->inputs().begin(), n->inputs().end());
-  if (n->blocks().empty()) return out;
-  std::unordered_set<const Value*> inside;
-  std::function<void(torch::jit::Block*)> visit = [&](torch::jit::Block* b) {
-    for (Value* p : b->inputs()) inside.insert(p);
-    for (Node* inner : b->nodes()) {
-      for (Value* v : inner->inputs()) {
-        if (!inside.count(v)) out.push_back(v);
-      }
-      for (Value* o : inner->outputs()) inside.insert(o);
-      for (torch::jit::Block* nested : inner->blocks()) visit(nested);
-    }
-    for (Value* v : b->outputs()) {
-      if (!inside.count(v)) out.push_back(v);
-    }
-  };
-  for (torch::jit::Block* b : n->blocks()) visit(b);
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
-}
-
-std::string StableHash(const std::string& bytes) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
-  return hex;
-}
-
-at::Tensor RepeatSamples(const at::Tensor& t, int64_t n) {
-  return t.index_select(0, at::arange(n, t.options().dtype(at::kLong)).remainder(t.size(0)));
-}
-
-const char* ValueRoleName(ValueRole role) {
-  switch (role) {
-    case ValueRole::kInput: return "input";
-    case ValueRole::kParam: return "param";
-    case ValueRole::kBuffer: return "buffer";
-    case ValueRole::kActivation: return "activation";
-    case ValueRole::kParamDerived: return "param-derived";
-    case ValueRole::kConst: return "const";
-  }
-  return "unknown";
-}
 
 absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
                                 const std::vector<at::Tensor>& example_inputs,
@@ -955,37 +597,6 @@ absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,
                                                        std::vector<at::Tensor> client_inputs,
                                                        const std::vector<at::Tensor>& tensors) {
   return WithStepInputs(ir, std::move(client_inputs), [&](int i) { return tensors[i]; });
-}
-
-double CutBytesPerSample(const IrGraph& ir, int boundary) {
-  double bytes = 0;
-  for (const IrValue& v : ir.values) {
-    if (v.producer < 0 || v.producer >= boundary || !v.is_tensor) continue;
-    bool crosses = false;
-    for (int c : v.consumers) crosses = crosses || c >= boundary;
-    if (crosses) bytes += static_cast<double>(v.bytes) / ir.example_batch;
-  }
-  return bytes;
-}
-
-std::string DescribeIr(const IrGraph& ir) {
-  std::ostringstream out;
-  auto describe = [&](int id) {
-    const IrValue& v = ir.values[id];
-    std::string s = absl::StrCat("%", v.name, ":", ValueRoleName(v.role));
-    if (v.is_tensor) absl::StrAppend(&s, ":", DescribeTensor(v.dtype, v.shape));
-    if (v.batch_dim >= 0) absl::StrAppend(&s, "@", v.batch_dim);
-    return s;
-  };
-  for (size_t i = 0; i < ir.nodes.size(); ++i) {
-    const IrNode& n = ir.nodes[i];
-    std::vector<std::string> ins, outs;
-    for (int v : n.inputs) ins.push_back(describe(v));
-    for (int v : n.outputs) outs.push_back(describe(v));
-    out << i << ' ' << n.label << " (" << absl::StrJoin(ins, ", ") << ") -> ("
-        << absl::StrJoin(outs, ", ") << ")\n";
-  }
-  return out.str();
 }
 
 }  // namespace rannc

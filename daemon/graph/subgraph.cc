@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/graph/host_reads.h"
 
 namespace rannc {
 namespace {
@@ -22,14 +23,8 @@ namespace {
 // Shape arithmetic that torch.jit.trace records (`hd = x.size(2) // heads`: prim::NumToTensor of
 // the size, aten::floor_divide by a 0-dim integer tensor constant, aten::Int of the result) runs
 // on host scalars. Such a constant stays on the host: on the device, every aten::Int of the
-// result would copy it back and wait for the device (three times a layer for a GPT's views).
-bool IsHostRead(const torch::jit::Node* n) {
-  static const std::set<c10::Symbol> kinds = {
-      c10::aten::Int,         c10::aten::Float,        c10::aten::ScalarImplicit,
-      c10::aten::IntImplicit, c10::aten::FloatImplicit, c10::aten::item};
-  return kinds.count(n->kind()) > 0;
-}
-
+// result (a host read, graph/host_reads.h) would copy it back and wait for the device (three
+// times a layer for a GPT's views).
 bool IsScalarArithmetic(const torch::jit::Node* n) {
   static const std::set<c10::Symbol> kinds = {
       c10::aten::add,  c10::aten::sub, c10::aten::rsub, c10::aten::mul,

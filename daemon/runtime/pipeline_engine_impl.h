@@ -1,6 +1,7 @@
 // Private to //daemon/runtime:pipeline_engine: the engine's implementation class and the
-// per-device state it drives, shared by pipeline_engine.cc (setup, parameters, optimizers) and
-// pipeline_engine_step.cc (forward, backward and gradient reduction over the devices).
+// per-device state it drives, shared by pipeline_engine.cc (setup), pipeline_engine_params.cc
+// (parameters, gradients, optimizers), pipeline_engine_step.cc (forward, backward and gradient
+// reduction over the devices), pipeline_engine_offload.cc and pipeline_engine_zero.cc.
 #ifndef RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_IMPL_H_
 #define RANNC_DAEMON_RUNTIME_PIPELINE_ENGINE_IMPL_H_
 

@@ -20,17 +20,41 @@ uint64_t JobManager::MakeInstanceTag() {
          0xffffffffu;
 }
 
+JobManager::JobManager(std::function<Clock::time_point()> now) : now_(std::move(now)) {}
+
 std::string JobManager::NewJobId() {
   return absl::StrFormat("job-%08x-%d", instance_, next_id_.fetch_add(1));
 }
 
-void JobManager::Add(std::shared_ptr<Job> job) {
-  job->Touch();
-  std::lock_guard<std::mutex> lock(mu_);
-  jobs_[job->id()] = std::move(job);
+void JobManager::Add(std::shared_ptr<Job> job, std::optional<v1::CreateJobResponse> joinable) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string id = job->info().id;
+    jobs_[id] = Entry{std::move(job), now_(), std::move(joinable)};
+    ++adds_;
+  }
+  added_.notify_all();
 }
 
-absl::StatusOr<std::shared_ptr<Job>> JobManager::Get(const std::string& id) const {
+std::optional<v1::CreateJobResponse> JobManager::FindJoinable(const std::string& name,
+                                                               int client_world) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, entry] : jobs_) {
+    const JobInfo& info = entry.job->info();
+    if (entry.joinable && info.name == name && info.client_world == client_world) {
+      return entry.joinable;
+    }
+  }
+  return std::nullopt;
+}
+
+void JobManager::WaitForAdd(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t seen = adds_;
+  added_.wait_for(lock, timeout, [&] { return adds_ != seen; });
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Get(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(id);
   if (it == jobs_.end()) {
@@ -38,8 +62,8 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Get(const std::string& id) cons
         "no job '", id, "' on this daemon (it was deleted, or the daemon restarted); "
         "`rannc jobs` lists the live ones"));
   }
-  it->second->Touch();
-  return it->second;
+  it->second.touched = now_();
+  return it->second.job;
 }
 
 absl::Status JobManager::Remove(const std::string& id) {
@@ -50,21 +74,22 @@ absl::Status JobManager::Remove(const std::string& id) {
     if (it == jobs_.end()) {
       return absl::NotFoundError(absl::StrCat("no job '", id, "' on this daemon"));
     }
-    job = std::move(it->second);
+    job = std::move(it->second.job);
     jobs_.erase(it);
   }
   Release(std::move(job));
   return absl::OkStatus();
 }
 
-std::vector<JobManager::Expired> JobManager::RemoveExpired(
-    std::chrono::steady_clock::time_point now) {
+std::vector<JobManager::Expired> JobManager::RemoveExpired() {
+  const Clock::time_point now = now_();
   std::vector<std::shared_ptr<Job>> jobs;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = jobs_.begin(); it != jobs_.end();) {
-      if (it->second->LeaseExpired(now)) {
-        jobs.push_back(std::move(it->second));
+      const std::chrono::milliseconds lease = it->second.job->info().lease;
+      if (lease.count() > 0 && now - it->second.touched > lease) {
+        jobs.push_back(std::move(it->second.job));
         it = jobs_.erase(it);
       } else {
         ++it;
@@ -73,7 +98,7 @@ std::vector<JobManager::Expired> JobManager::RemoveExpired(
   }
   std::vector<Expired> expired;
   for (std::shared_ptr<Job>& job : jobs) {
-    expired.push_back({job->id(), job->name(), job->lease()});
+    expired.push_back({job->info().id, job->info().name, job->info().lease});
     Release(std::move(job));
   }
   return expired;
@@ -89,10 +114,14 @@ void JobManager::Release(std::shared_ptr<Job> job) {
 #endif
 }
 
-std::vector<std::shared_ptr<Job>> JobManager::List() const {
+std::vector<JobManager::Listed> JobManager::List() const {
+  const Clock::time_point now = now_();
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::shared_ptr<Job>> jobs;
-  for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  std::vector<Listed> jobs;
+  for (const auto& [id, entry] : jobs_) {
+    jobs.push_back({entry.job, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   now - entry.touched)});
+  }
   return jobs;
 }
 

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include "daemon/server/job_manager.h"
+#include "daemon/server/job_model.h"
 #include "tests/fixtures/fixture.h"
 
 namespace rannc {
@@ -24,8 +25,8 @@ bool Close(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes().equals(b.sizes()) && at::allclose(a, b, kRtol, kAtol);
 }
 
-JobConfig SgdConfig() {
-  JobConfig config;
+JobSettings SgdConfig() {
+  JobSettings config;
   config.name = "test";
   config.optimizer.enabled = true;
   config.optimizer.kind = OptimizerKind::kSgd;
@@ -36,6 +37,26 @@ JobConfig SgdConfig() {
   return config;
 }
 
+// The optimizer step, allreduce_grads() and zero_grad() as the services call them.
+absl::Status Step(Job& job, std::vector<HyperParams> hypers) {
+  JobOp op;
+  op.hypers = std::move(hypers);
+  return job.Run(0, op).status();
+}
+
+absl::Status AllReduceGrads(Job& job) {
+  JobOp op;
+  op.kind = JobOp::Kind::kAllReduceGrads;
+  return job.Run(0, op).status();
+}
+
+void ZeroGrad(Job& job, bool set_to_none) {
+  JobOp op;
+  op.kind = JobOp::Kind::kZeroGrad;
+  op.set_to_none = set_to_none;
+  REQUIRE(job.Run(0, op).ok());
+}
+
 // A parameter's or buffer's current value, wherever the job keeps it.
 at::Tensor Value(Job& job, const std::string& name) {
   absl::StatusOr<std::optional<at::Tensor>> t = job.GetTensor(name, false);
@@ -44,7 +65,7 @@ at::Tensor Value(Job& job, const std::string& name) {
   return **t;
 }
 
-std::unique_ptr<Job> MakeJob(const testing::Fixture& f, JobConfig config = SgdConfig()) {
+std::unique_ptr<Job> MakeJob(const testing::Fixture& f, JobSettings config = SgdConfig()) {
   absl::StatusOr<std::unique_ptr<Job>> job = Job::Create("job-1", config, f.model_bytes, f.inputs);
   INFO(job.status().ToString());
   REQUIRE(job.ok());
@@ -55,10 +76,10 @@ std::unique_ptr<Job> MakeJob(const testing::Fixture& f, JobConfig config = SgdCo
 void TrainTwoSteps(Job& job, const testing::Fixture& f) {
   const HyperParams h = SgdConfig().optimizer.group_hyper[0];
   for (int step = 0; step < 2; ++step) {
-    absl::StatusOr<std::vector<at::Tensor>> out = job.Forward(f.inputs, true);
+    absl::StatusOr<std::vector<at::Tensor>> out = job.Forward(0, f.inputs, true);
     REQUIRE(out.ok());
     if (step == 0 && f.ref.count("out_0")) CHECK(Close((*out)[0], f.ref.at("out_0")));
-    REQUIRE(job.Backward({{0, at::ones_like((*out)[0])}}, false).ok());
+    REQUIRE(job.Backward(0, {{0, at::ones_like((*out)[0])}}, false).ok());
     if (step == 0) {
       for (const ParamStore::Entry& e : job.params().entries()) {
         if (!e.is_parameter) continue;
@@ -69,8 +90,8 @@ void TrainTwoSteps(Job& job, const testing::Fixture& f) {
         CHECK(Close(**grad, f.Ref("grad", e.name)));
       }
     }
-    REQUIRE(job.Step({h}).ok());
-    job.ZeroGrad(false);
+    REQUIRE(Step(job, {h}).ok());
+    ZeroGrad(job, false);
   }
 }
 
@@ -79,9 +100,9 @@ TEST_CASE("Job matches PyTorch on an MLP: outputs, grads, two SGD steps", "[job]
   std::unique_ptr<Job> job = MakeJob(f);
   // The client learns the outputs' dtypes and shapes from CreateJob; the IR supplies them.
   const at::Tensor& ref = f.ref.at("out_0");
-  REQUIRE(job->output_specs().size() == 1);
-  CHECK(job->output_specs()[0].dtype == ref.scalar_type());
-  CHECK(job->output_specs()[0].shape == ref.sizes().vec());
+  REQUIRE(job->info().outputs.size() == 1);
+  CHECK(job->info().outputs[0].dtype == ref.scalar_type());
+  CHECK(job->info().outputs[0].shape == ref.sizes().vec());
   TrainTwoSteps(*job, f);
   for (const ParamStore::Entry& e : job->params().entries()) {
     INFO(e.name);
@@ -132,84 +153,84 @@ TEST_CASE("Job rejects unused parameters unless told not to check", "[job]") {
   CHECK_THAT(std::string(job.status().message()),
              Catch::Contains("unused.weight") && Catch::Contains("check_unused_values=False"));
 
-  JobConfig lenient = SgdConfig();
+  JobSettings lenient = SgdConfig();
   lenient.check_unused_values = false;
   std::unique_ptr<Job> ok = MakeJob(f, lenient);
   // The unused parameter has no gradient, so the step leaves it alone, as PyTorch does.
   at::Tensor before = Value(*ok, "unused.weight").clone();
-  absl::StatusOr<std::vector<at::Tensor>> out = ok->Forward(f.inputs, true);
+  absl::StatusOr<std::vector<at::Tensor>> out = ok->Forward(0, f.inputs, true);
   REQUIRE(out.ok());
-  REQUIRE(ok->Backward({{0, at::ones_like((*out)[0])}}, false).ok());
-  REQUIRE(ok->Step({SgdConfig().optimizer.group_hyper[0]}).ok());
+  REQUIRE(ok->Backward(0, {{0, at::ones_like((*out)[0])}}, false).ok());
+  REQUIRE(Step(*ok, {SgdConfig().optimizer.group_hyper[0]}).ok());
   CHECK(at::equal(before, Value(*ok, "unused.weight")));
 }
 
 TEST_CASE("Job names the input and both shapes for a bad input", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
-  JobConfig config = SgdConfig();
+  JobSettings config = SgdConfig();
   config.input_names = {"x", "y"};
   std::unique_ptr<Job> job = MakeJob(f, config);
 
   absl::StatusOr<std::vector<at::Tensor>> shape =
-      job->Forward({at::zeros({5, 7}), f.inputs[1]}, true);
+      job->Forward(0, {at::zeros({5, 7}), f.inputs[1]}, true);
   CHECK(shape.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(shape.status().message()),
              Catch::Contains("input 'x' (#0)") && Catch::Contains("float32[5, 6]") &&
                  Catch::Contains("float32[5, 7]"));
 
   absl::StatusOr<std::vector<at::Tensor>> dtype =
-      job->Forward({f.inputs[0], f.inputs[1].to(at::kFloat)}, true);
+      job->Forward(0, {f.inputs[0], f.inputs[1].to(at::kFloat)}, true);
   CHECK_THAT(std::string(dtype.status().message()),
              Catch::Contains("input 'y' (#1)") && Catch::Contains("int64[5]"));
 
-  absl::StatusOr<std::vector<at::Tensor>> count = job->Forward({f.inputs[0]}, true);
+  absl::StatusOr<std::vector<at::Tensor>> count = job->Forward(0, {f.inputs[0]}, true);
   CHECK_THAT(std::string(count.status().message()), Catch::Contains("takes 2 inputs"));
 
   // A different batch size is fine.
   absl::StatusOr<std::vector<at::Tensor>> batch =
-      job->Forward({f.inputs[0].narrow(0, 0, 3), f.inputs[1].narrow(0, 0, 3)}, true);
+      job->Forward(0, {f.inputs[0].narrow(0, 0, 3), f.inputs[1].narrow(0, 0, 3)}, true);
   CHECK(batch.ok());
 }
 
 TEST_CASE("Job refuses calls out of order and keeps working", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
   std::unique_ptr<Job> job = MakeJob(f);
-  absl::Status early = job->Backward({{0, at::ones({})}}, false);
+  absl::Status early = job->Backward(0, {{0, at::ones({})}}, false);
   CHECK(early.code() == absl::StatusCode::kFailedPrecondition);
 
-  absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(f.inputs, true);
+  absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, f.inputs, true);
   REQUIRE(out.ok());
-  absl::Status bad_grad = job->Backward({{0, at::ones({2})}}, false);
+  absl::Status bad_grad = job->Backward(0, {{0, at::ones({2})}}, false);
   CHECK(bad_grad.code() == absl::StatusCode::kInvalidArgument);
-  CHECK(job->Backward({{3, at::ones({})}}, false).code() == absl::StatusCode::kInvalidArgument);
-  CHECK(job->Backward({{0, at::ones({})}}, /*retain_graph=*/true).ok());
-  CHECK(job->Backward({{0, at::ones({})}}, false).ok());  // keep_graph: second backward
-  CHECK(job->Backward({{0, at::ones({})}}, false).code() ==
+  CHECK(job->Backward(0, {{3, at::ones({})}}, false).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(job->Backward(0, {{0, at::ones({})}}, /*retain_graph=*/true).ok());
+  CHECK(job->Backward(0, {{0, at::ones({})}}, false).ok());  // keep_graph: second backward
+  CHECK(job->Backward(0, {{0, at::ones({})}}, false).code() ==
         absl::StatusCode::kFailedPrecondition);
   // Two backwards accumulated twice the gradient.
   CHECK(Close(**job->GetTensor("fc1.weight", true), 2 * f.Ref("grad", "fc1.weight")));
 
-  CHECK(job->Step({}).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(Step(*job, {}).code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("Job without an optimizer refuses step", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
-  JobConfig config;
+  JobSettings config;
   std::unique_ptr<Job> job = MakeJob(f, config);
-  CHECK(job->Step({HyperParams()}).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(Step(*job, {HyperParams()}).code() == absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_CASE("Job clip_grad_norm equals torch.nn.utils.clip_grad_norm_", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
   std::unique_ptr<Job> job = MakeJob(f);
-  absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(f.inputs, true);
-  REQUIRE(job->Backward({{0, at::ones({})}}, false).ok());
+  absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, f.inputs, true);
+  REQUIRE(job->Backward(0, {{0, at::ones({})}}, false).ok());
   std::vector<at::Tensor> norms;
   for (const char* n : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
     norms.push_back(f.Ref("grad", n).norm());
   }
   const double expected = at::stack(norms).norm().item<double>();
-  absl::StatusOr<double> total = job->ClipGradNorm(0.01, 2.0);
+  absl::StatusOr<double> total = job->ClipGradNorm(0, 0.01, 2.0);
   REQUIRE(total.ok());
   CHECK(*total == Approx(expected).epsilon(1e-6));
   const double coef = 0.01 / (expected + 1e-6);
@@ -219,11 +240,11 @@ TEST_CASE("Job clip_grad_norm equals torch.nn.utils.clip_grad_norm_", "[job]") {
 TEST_CASE("Job zero_grad(set_to_none) leaves no gradient", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
   std::unique_ptr<Job> job = MakeJob(f);
-  REQUIRE(job->Forward(f.inputs, true).ok());
-  REQUIRE(job->Backward({{0, at::ones({})}}, false).ok());
-  job->ZeroGrad(false);
+  REQUIRE(job->Forward(0, f.inputs, true).ok());
+  REQUIRE(job->Backward(0, {{0, at::ones({})}}, false).ok());
+  ZeroGrad(*job, false);
   CHECK(at::equal(**job->GetTensor("fc2.bias", true), at::zeros({3})));
-  job->ZeroGrad(true);
+  ZeroGrad(*job, true);
   CHECK_FALSE(job->GetTensor("fc2.bias", true)->has_value());
   CHECK(job->GetTensor("nope", false).status().code() == absl::StatusCode::kNotFound);
 }
@@ -276,7 +297,7 @@ namespace {
 
 TEST_CASE("Job refuses a model whose state exceeds the devices' memory", "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
-  JobConfig config = SgdConfig();  // momentum: one state tensor per parameter
+  JobSettings config = SgdConfig();  // momentum: one state tensor per parameter
   config.planner.auto_memory = false;
   // fc1 6x8+8, fc2 8x3+3 floats = 83 * 4 bytes; with grads and momentum, 3x that.
   config.plan_target.device_memory_bytes = 83 * 4 * 3 - 1;
@@ -292,19 +313,19 @@ TEST_CASE("Job offloads parameters by itself when nothing fits without, and trai
           "[job]") {
   testing::Fixture f = testing::LoadFixture("mlp");
   // The least device memory any plain plan fits in, by bisection over dry runs.
-  JobConfig plain = SgdConfig();
+  JobSettings plain = SgdConfig();
   plain.planner.auto_memory = false;
   uint64_t too_little = 1, enough = 64 << 20;
   while (enough - too_little > 1) {
     const uint64_t mid = (too_little + enough) / 2;
     plain.plan_target.device_memory_bytes = mid;
-    (Job::PlanOnly(plain, f.model_bytes, f.inputs).ok() ? enough : too_little) = mid;
+    (PlanJob(plain, f.model_bytes, f.inputs).ok() ? enough : too_little) = mid;
   }
-  JobConfig config = SgdConfig();
+  JobSettings config = SgdConfig();
   config.plan_target.device_memory_bytes = too_little;
   std::unique_ptr<Job> job = MakeJob(f, config);
-  CHECK(job->deployment().offload());
-  CHECK_FALSE(job->deployment().zero());  // one device: nothing to shard over
+  CHECK(job->info().plan.offload());
+  CHECK_FALSE(job->info().plan.zero());  // one device: nothing to shard over
   TrainTwoSteps(*job, f);
   for (const ParamStore::Entry& e : job->params().entries()) {
     INFO(e.name);
@@ -327,8 +348,8 @@ TEST_CASE("Job offloads parameters by itself when nothing fits without, and trai
 namespace rannc {
 namespace {
 
-JobConfig PlannedConfig(int devices) {
-  JobConfig config = SgdConfig();
+JobSettings PlannedConfig(int devices) {
+  JobSettings config = SgdConfig();
   config.plan_target.num_devices = devices;
   config.plan_target.device_memory_bytes = 256ull << 20;
   config.planner.profiling.repeats = 1;
@@ -337,26 +358,26 @@ JobConfig PlannedConfig(int devices) {
 
 TEST_CASE("Job plans its model at creation and adopts a saved deployment", "[job]") {
   testing::Fixture f = testing::LoadFixture("tiny_gpt");
-  JobConfig config = PlannedConfig(2);
+  JobSettings config = PlannedConfig(2);
   config.planner.partition_num = 2;
   absl::StatusOr<std::unique_ptr<Job>> planned =
       Job::Create("job-1", config, f.model_bytes, f.inputs);
   REQUIRE(planned.ok());
-  const v1::Deployment& d = (*planned)->deployment();
+  const v1::Deployment& d = (*planned)->info().plan;
   REQUIRE(d.stages_size() == 2);
   CHECK(d.stages(0).first_node() == 0);
   CHECK(d.stages(1).first_node() == d.stages(0).end_node());
   CHECK_FALSE(d.loaded());
 
-  JobConfig reload = PlannedConfig(2);
+  JobSettings reload = PlannedConfig(2);
   reload.load_deployment = d.SerializeAsString();
   absl::StatusOr<std::unique_ptr<Job>> loaded =
       Job::Create("job-2", reload, f.model_bytes, f.inputs);
   REQUIRE(loaded.ok());
-  CHECK((*loaded)->deployment().loaded());
-  CHECK((*loaded)->deployment().stages(1).first_node() == d.stages(1).first_node());
+  CHECK((*loaded)->info().plan.loaded());
+  CHECK((*loaded)->info().plan.stages(1).first_node() == d.stages(1).first_node());
   // The loaded job trains like PyTorch all the same.
-  absl::StatusOr<std::vector<at::Tensor>> out = (*loaded)->Forward(f.inputs, false);
+  absl::StatusOr<std::vector<at::Tensor>> out = (*loaded)->Forward(0, f.inputs, false);
   REQUIRE(out.ok());
   CHECK(Close((*out)[0], f.ref.at("out_0")));
 
@@ -369,24 +390,24 @@ TEST_CASE("Job plans its model at creation and adopts a saved deployment", "[job
   CHECK(Job::Create("job-4", reload, f.model_bytes, f.inputs).status().code() ==
         absl::StatusCode::kInvalidArgument);
   // A deployment that places stages on more devices than the daemon has.
-  JobConfig fewer = PlannedConfig(1);
+  JobSettings fewer = PlannedConfig(1);
   fewer.load_deployment = d.SerializeAsString();
   CHECK(Job::Create("job-5", fewer, f.model_bytes, f.inputs).status().code() ==
         absl::StatusCode::kFailedPrecondition);
 }
 
-TEST_CASE("Job::PlanOnly plans for devices that are not there, and refuses what cannot fit",
+TEST_CASE("PlanJob plans for devices that are not there, and refuses what cannot fit",
           "[job]") {
   testing::Fixture f = testing::LoadFixture("tiny_gpt");
-  JobConfig config = PlannedConfig(8);
-  absl::StatusOr<v1::Deployment> d = Job::PlanOnly(config, f.model_bytes, f.inputs);
+  JobSettings config = PlannedConfig(8);
+  absl::StatusOr<v1::Deployment> d = PlanJob(config, f.model_bytes, f.inputs);
   REQUIRE(d.ok());
   CHECK(d->num_devices() == 8);
   int devices = 0;
   for (const v1::DeploymentStage& s : d->stages()) devices += s.devices_size();
   CHECK(devices <= 8);
   config.plan_target.device_memory_bytes = 1024;
-  absl::StatusOr<v1::Deployment> none = Job::PlanOnly(config, f.model_bytes, f.inputs);
+  absl::StatusOr<v1::Deployment> none = PlanJob(config, f.model_bytes, f.inputs);
   CHECK(none.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(std::string(none.status().message()),
              Catch::Contains("planning the model") && Catch::Contains("offload (auto_memory)"));
@@ -405,16 +426,16 @@ TEST_CASE("Job runs its plan over the devices, undeploys and redeploys, survives
   for (const char* name : {"tiny_gpt", "multi_io"}) {
     INFO(name);
     testing::Fixture f = testing::LoadFixture(name);
-    JobConfig config = PlannedConfig(4);
+    JobSettings config = PlannedConfig(4);
     config.planner.partition_num = 2;
     config.planner.replica_num = 2;
     config.planner.pipeline_num = 2;
     std::unique_ptr<Job> job = MakeJob(f, config);
-    const v1::Deployment& d = job->deployment();
+    const v1::Deployment& d = job->info().plan;
     REQUIRE(d.stages_size() == 2);
     CHECK(d.micro_batches() == 2);
     JobSummary before = job->Summary();
-    CHECK(before.devices == std::vector<std::string>{"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
+    CHECK(job->info().devices == std::vector<std::string>{"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
     for (int64_t bytes : before.device_bytes) CHECK(bytes > 0);
 
     const HyperParams h = SgdConfig().optimizer.group_hyper[0];
@@ -430,17 +451,17 @@ TEST_CASE("Job runs its plan over the devices, undeploys and redeploys, survives
         if (std::string(name) == "tiny_gpt") {
           bad[0] = bad[0].clone();
           bad[0][1][0] = 1000;  // out of the vocabulary, on one replica of micro-batch 0
-          absl::StatusOr<std::vector<at::Tensor>> failed = job->Forward(bad, true);
+          absl::StatusOr<std::vector<at::Tensor>> failed = job->Forward(0, bad, true);
           CHECK(failed.status().code() == absl::StatusCode::kInvalidArgument);
         }
         bad[0] = bad[0].to(at::kDouble);
-        CHECK(job->Forward(bad, true).status().code() == absl::StatusCode::kInvalidArgument);
+        CHECK(job->Forward(0, bad, true).status().code() == absl::StatusCode::kInvalidArgument);
       }
-      absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(f.inputs, true);
+      absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, f.inputs, true);
       INFO(out.status().ToString());
       REQUIRE(out.ok());
       CHECK(Close((*out)[0], step == 0 ? f.ref.at("out_0") : (*out)[0]));
-      REQUIRE(job->Backward({{0, at::ones_like((*out)[0])}}, false).ok());
+      REQUIRE(job->Backward(0, {{0, at::ones_like((*out)[0])}}, false).ok());
       if (step == 0) {
         for (const ParamStore::Entry& e : job->params().entries()) {
           if (!e.is_parameter) continue;
@@ -451,8 +472,8 @@ TEST_CASE("Job runs its plan over the devices, undeploys and redeploys, survives
           CHECK(Close(**grad, f.Ref("grad", e.name)));
         }
       }
-      REQUIRE(job->Step({h}).ok());
-      job->ZeroGrad(false);
+      REQUIRE(Step(*job, {h}).ok());
+      ZeroGrad(*job, false);
     }
     CHECK(job->Summary().state == JobState::kDeployed);
     for (const ParamStore::Entry& e : job->params().entries()) {
@@ -474,16 +495,16 @@ TEST_CASE("Job delays gradient reduction until AllReduceGrads, across an undeplo
   for (const char* name : {"tiny_gpt", "multi_io"}) {
     INFO(name);
     testing::Fixture f = testing::LoadFixture(name);
-    JobConfig config = PlannedConfig(4);
+    JobSettings config = PlannedConfig(4);
     config.planner.partition_num = 2;
     config.planner.replica_num = 2;
     config.planner.pipeline_num = 2;
     std::unique_ptr<Job> job = MakeJob(f, config);
     auto delayed_backward = [&] {
       absl::StatusOr<std::vector<at::Tensor>> out =
-          job->Forward(f.inputs, true, /*delay_grad_allreduce=*/true);
+          job->Forward(0, f.inputs, true, /*delay_grad_allreduce=*/true);
       REQUIRE(out.ok());
-      REQUIRE(job->Backward({{0, at::ones_like((*out)[0])}}, false, true).ok());
+      REQUIRE(job->Backward(0, {{0, at::ones_like((*out)[0])}}, false, true).ok());
     };
     auto check_grads = [&](double times) {
       for (const ParamStore::Entry& e : job->params().entries()) {
@@ -499,21 +520,21 @@ TEST_CASE("Job delays gradient reduction until AllReduceGrads, across an undeplo
     delayed_backward();
     delayed_backward();
     check_grads(2);  // read before the reduction: the devices' sum
-    absl::Status step = job->Step({h});
+    absl::Status step = Step(*job, {h});
     CHECK(step.code() == absl::StatusCode::kFailedPrecondition);
     CHECK(step.message().find("allreduce_grads()") != std::string::npos);
-    CHECK(job->ClipGradNorm(1.0, 2.0).status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(job->ClipGradNorm(0, 1.0, 2.0).status().code() == absl::StatusCode::kFailedPrecondition);
     // Undeployed with reductions pending, the job parks the reduced gradients and goes on.
     job->Undeploy();
     check_grads(2);
     delayed_backward();
-    REQUIRE(job->AllReduceGrads().ok());
+    REQUIRE(AllReduceGrads(*job).ok());
     check_grads(3);
     std::map<std::string, at::Tensor> before;
     for (const ParamStore::Entry& e : job->params().entries()) {
       if (e.is_parameter) before[e.name] = Value(*job, e.name);
     }
-    REQUIRE(job->Step({h}).ok());
+    REQUIRE(Step(*job, {h}).ok());
     for (const auto& [param, value] : before) {
       INFO(param);
       CHECK(Close(Value(*job, param), value - f.Ref("grad", param) * 3 * h.lr));
@@ -524,9 +545,10 @@ TEST_CASE("Job delays gradient reduction until AllReduceGrads, across an undeplo
 TEST_CASE("JobManager deletes a job whose client lease ran out; a call renews it", "[job]") {
   using std::chrono::milliseconds;
   testing::Fixture f = testing::LoadFixture("mlp");
-  JobManager jobs;
+  auto now = std::chrono::steady_clock::now();
+  JobManager jobs([&now] { return now; });
   for (const char* id : {"leased", "unleased"}) {
-    JobConfig config = SgdConfig();
+    JobSettings config = SgdConfig();
     if (std::string(id) == "leased") config.lease = milliseconds(500);  // else 0: no lease
     absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, config, f.model_bytes, f.inputs);
     REQUIRE(job.ok());
@@ -535,22 +557,25 @@ TEST_CASE("JobManager deletes a job whose client lease ran out; a call renews it
   REQUIRE(jobs.size() == 2);
 
   // Add started the lease; a call naming the job (Get) renews it from the time of the call.
+  CHECK(jobs.RemoveExpired().empty());
+  now += milliseconds(400);
+  CHECK(jobs.RemoveExpired().empty());
   REQUIRE(jobs.Get("leased").ok());
-  const auto now = std::chrono::steady_clock::now();
-  CHECK(jobs.RemoveExpired(now).empty());
-  CHECK(jobs.RemoveExpired(now + milliseconds(400)).empty());
-  std::this_thread::sleep_for(milliseconds(50));
-  REQUIRE(jobs.Get("leased").ok());
-  CHECK(jobs.RemoveExpired(now + milliseconds(520)).empty());
-  std::vector<JobManager::Expired> expired =
-      jobs.RemoveExpired(std::chrono::steady_clock::now() + milliseconds(600));
+  now += milliseconds(400);  // 800 ms after Add, 400 after the call
+  CHECK(jobs.RemoveExpired().empty());
+  for (const JobManager::Listed& l : jobs.List()) {
+    CHECK(l.idle == milliseconds(l.job->info().id == "leased" ? 400 : 800));
+  }
+  now += milliseconds(101);
+  std::vector<JobManager::Expired> expired = jobs.RemoveExpired();
   REQUIRE(expired.size() == 1);
   CHECK(expired[0].id == "leased");
   CHECK(expired[0].name == "test");
   CHECK(expired[0].lease == milliseconds(500));
   CHECK(jobs.Get("leased").status().code() == absl::StatusCode::kNotFound);
   // A job without a lease stays, however long nobody calls.
-  CHECK(jobs.RemoveExpired(std::chrono::steady_clock::now() + std::chrono::hours(24)).empty());
+  now += std::chrono::hours(24);
+  CHECK(jobs.RemoveExpired().empty());
   CHECK(jobs.Get("unleased").ok());
 }
 

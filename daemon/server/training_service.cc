@@ -17,61 +17,19 @@
 #include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
-#include "daemon/config/keys.h"
 #include "daemon/planner/deployment.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/planner.h"
+#include "daemon/server/job_model.h"
+#include "daemon/server/rpc_status.h"
 
 namespace rannc {
 namespace {
 
+grpc::Status Fail(const char* rpc, const absl::Status& status) { return FailRpc(rpc, status); }
+
 // State_dict streams cut tensors into pieces this large, well under any message limit.
 constexpr size_t kStateChunkBytes = 4 << 20;
-
-grpc::Status Fail(const char* rpc, const absl::Status& status) {
-  spdlog::warn("{} failed: {}", rpc, status.ToString());
-  return ToGrpcStatus(status);
-}
-
-ModelMode FromProto(const v1::Mode& mode) { return ModelMode{mode.training(), mode.dropout()}; }
-
-HyperParams FromProto(const v1::HyperParams& h) {
-  HyperParams out;
-  out.lr = h.lr();
-  out.weight_decay = h.weight_decay();
-  out.momentum = h.momentum();
-  out.dampening = h.dampening();
-  out.nesterov = h.nesterov();
-  out.beta1 = h.beta1();
-  out.beta2 = h.beta2();
-  out.eps = h.eps();
-  out.amsgrad = h.amsgrad();
-  out.maximize = h.maximize();
-  return out;
-}
-
-absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
-  OptimizerConfig config;
-  switch (spec.type()) {
-    case v1::OPTIMIZER_NONE: return config;
-    case v1::SGD: config.kind = OptimizerKind::kSgd; break;
-    case v1::ADAM: config.kind = OptimizerKind::kAdam; break;
-    case v1::ADAMW: config.kind = OptimizerKind::kAdamW; break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown optimizer type ", static_cast<int>(spec.type())));
-  }
-  config.enabled = true;
-  if (spec.groups().empty()) {
-    config.group_hyper.push_back(HyperParams());
-    return config;
-  }
-  for (const v1::ParamGroup& g : spec.groups()) {
-    config.group_params.emplace_back(g.params().begin(), g.params().end());
-    config.group_hyper.push_back(FromProto(g.hyper()));
-  }
-  return config;
-}
 
 void FillParamInfo(const ParamStore::Entry& e, v1::ParamInfo* info) {
   info->set_name(e.name);
@@ -79,68 +37,6 @@ void FillParamInfo(const ParamStore::Entry& e, v1::ParamInfo* info) {
   for (const std::string& a : e.aliases) info->add_aliases(a);
   info->set_requires_grad(e.tensor.requires_grad());
 }
-
-// Reassembles a tensor from StateDictChunks, checking each against the first.
-class ChunkAssembler {
- public:
-  absl::Status Add(const v1::StateDictChunk& chunk) {
-    if (chunk.offset() == 0) {
-      const std::string what = absl::StrCat("state_dict '", chunk.name(), "'");
-      absl::StatusOr<at::ScalarType> type = FromProtoDType(chunk.dtype());
-      if (!type.ok()) return Annotate(type.status(), what);
-      if (state_.count(chunk.name())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("state_dict key '", chunk.name(), "' sent twice"));
-      }
-      std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
-      absl::StatusOr<size_t> expected = DenseBytes(*type, shape, what);
-      if (!expected.ok()) return expected.status();
-      if (chunk.total_bytes() != *expected) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": ", chunk.total_bytes(), " bytes for ", DescribeTensor(*type, shape),
-            ", which needs ", *expected));
-      }
-      absl::Status allocated = TorchCall(absl::StatusCode::kResourceExhausted, what, [&] {
-        current_ = at::empty(shape, at::TensorOptions().dtype(*type));
-        return absl::OkStatus();
-      });
-      if (!allocated.ok()) return allocated;
-      name_ = chunk.name();
-      filled_ = 0;
-      state_[name_] = current_;
-    } else if (chunk.name() != name_ || chunk.offset() != filled_) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "state_dict chunk for '", chunk.name(), "' at offset ", chunk.offset(),
-          " does not continue '", name_, "' at ", filled_));
-    }
-    const uint64_t total = current_.numel() * current_.element_size();
-    if (filled_ + chunk.data().size() > total) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("state_dict '", chunk.name(), "': more data than its shape holds"));
-    }
-    std::memcpy(static_cast<char*>(current_.data_ptr()) + filled_, chunk.data().data(),
-                chunk.data().size());
-    filled_ += chunk.data().size();
-    if (filled_ == total) done_.insert(name_);
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<std::map<std::string, at::Tensor>> Finish() {
-    for (const auto& [name, t] : state_) {
-      if (!done_.count(name)) {
-        return absl::InvalidArgumentError(absl::StrCat("state_dict '", name, "' is incomplete"));
-      }
-    }
-    return std::move(state_);
-  }
-
- private:
-  std::map<std::string, at::Tensor> state_;
-  std::set<std::string> done_;
-  at::Tensor current_;
-  std::string name_;
-  uint64_t filled_ = 0;
-};
 
 }  // namespace
 
@@ -187,16 +83,12 @@ absl::StatusOr<SentTensors> DecodeModelTensors(
   return sent;
 }
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  // absl and gRPC share the canonical code numbering.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
-TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs)
+TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
+                                         PartChannels* parts)
     : facts_(std::move(facts)),
       shm_(facts_.shm_dir),
       jobs_(jobs),
+      parts_(parts),
       reaper_([this] { ReapExpiredJobs(); }) {}
 
 TrainingServiceImpl::~TrainingServiceImpl() {
@@ -212,11 +104,7 @@ void TrainingServiceImpl::ReapExpiredJobs() {
   std::unique_lock<std::mutex> lock(reaper_mu_);
   while (!reaper_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stopping_; })) {
     lock.unlock();
-    for (const JobManager::Expired& e : jobs_->RemoveExpired(std::chrono::steady_clock::now())) {
-      {
-        std::lock_guard<std::mutex> joinable(joinable_mu_);
-        joinable_.erase(e.id);
-      }
+    for (const JobManager::Expired& e : jobs_->RemoveExpired()) {
       spdlog::warn("deleted job {} '{}': no call from its client for its lease of {} ms (the "
                    "client exited or hung without deleting it)",
                    e.id, e.name, e.lease.count());
@@ -249,94 +137,6 @@ void TrainingServiceImpl::set_address(std::string address) {
 void TrainingServiceImpl::set_cluster(const cluster::Cluster* cluster) {
   std::lock_guard<std::mutex> lock(address_mu_);
   cluster_ = cluster;
-}
-
-comm::Backend JobBackend(bool cuda, const std::vector<DaemonFacts::Device>& devices) {
-  const bool shared = std::any_of(devices.begin(), devices.end(),
-                                  [](const DaemonFacts::Device& d) { return d.shared; });
-  return cuda && !shared && comm::BackendBuiltIn(comm::Backend::kNccl) ? comm::Backend::kNccl
-                                                                       : comm::Backend::kUcx;
-}
-
-comm::Backend JobBackend(const std::vector<c10::Device>& placement,
-                         const std::vector<DaemonFacts::Device>& devices) {
-  const bool cuda = std::any_of(placement.begin(), placement.end(),
-                                [](const c10::Device& d) { return d.is_cuda(); });
-  return JobBackend(cuda, devices);
-}
-
-absl::StatusOr<JobConfig> JobConfigFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts) {
-  for (const auto& [key, value] : spec.options().config()) {
-    absl::Status known = CheckJobKey(key);
-    if (!known.ok()) return known;
-  }
-  JobConfig config;
-  config.name = spec.name();
-  config.mode = FromProto(spec.mode());
-  absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
-  if (!optimizer.ok()) return optimizer.status();
-  config.optimizer = std::move(*optimizer);
-  config.check_unused_values = spec.options().check_unused_values();
-  config.zero = spec.options().enable_zero();
-  config.offload = spec.options().offload_params();
-  if (spec.options().enable_apex_amp()) {
-    auto key = spec.options().config().find("amp_dtype");
-    absl::StatusOr<c10::ScalarType> amp =
-        ParseAmpDtype(key == spec.options().config().end() ? "bf16" : key->second);
-    if (!amp.ok()) return amp.status();
-    const bool cpu = facts.devices.empty() || facts.devices[0].type == "cpu";
-    if (*amp == c10::ScalarType::Half && cpu) {
-      return absl::InvalidArgumentError(
-          "amp_dtype=fp16 needs CUDA devices; CPU devices run mixed precision in bf16 "
-          "(amp_dtype=bf16)");
-    }
-    config.amp = *amp;
-    auto level = spec.options().config().find("amp_level");
-    const std::string amp_level =
-        level == spec.options().config().end() ? "O1" : absl::AsciiStrToUpper(level->second);
-    if (amp_level != "O1" && amp_level != "O2") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "amp_level=", level->second, ": expected O1 (autocast, the default) or O2 (the whole "
-          "forward in amp_dtype, fp32 master parameters)"));
-    }
-    config.amp_o2 = amp_level == "O2";
-  }
-  const std::map<std::string, std::string> keys(spec.options().config().begin(),
-                                                spec.options().config().end());
-  absl::StatusOr<LossScaleOptions> loss_scale = ParseLossScale(keys, config.amp);
-  if (!loss_scale.ok()) return loss_scale.status();
-  config.loss_scale = *loss_scale;
-  config.input_names.assign(spec.input_names().begin(), spec.input_names().end());
-  for (const auto& device : facts.devices) config.device_names.push_back(device.name);
-  config.placement = Placement(facts.devices, static_cast<int>(facts.devices.size()), {});
-  // Blocks are profiled on the kind of device they will run on: this daemon's first.
-  if (!config.placement.empty()) config.plan_target.profile_device = config.placement[0];
-  if (!facts.devices.empty()) {
-    config.plan_target.device_type = facts.devices[0].type;
-    config.plan_target.device_memory_bytes = facts.devices[0].memory_bytes;
-  }
-  config.plan_target.num_devices = static_cast<int>(facts.devices.size());
-  config.plan_target.links = facts.links;
-  config.profile_cache = facts.profile_cache;
-  config.created_by = absl::StrCat("ranncd ", facts.version, " (LibTorch ", facts.torch_version,
-                                   ")");
-  config.load_deployment = spec.options().load_deployment();
-  config.client_world = std::max<int>(1, static_cast<int>(spec.options().client_world()));
-  config.gather_inputs = spec.options().gather_inputs();
-  if (spec.options().client_timeout_ms() > 0) {
-    config.client_timeout = std::chrono::milliseconds(spec.options().client_timeout_ms());
-  }
-  config.lease = std::chrono::milliseconds(spec.options().lease_ms());
-  if (config.lease.count() > 0 && config.lease < std::chrono::seconds(1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lease_ms=", spec.options().lease_ms(), ": a job's lease is 0 (none) or at least 1000 ms "
-        "(the daemon looks for expired leases once a second); pyrannc: RANNC_JOB_LEASE seconds"));
-  }
-  absl::StatusOr<planner::PlannerConfig> planner = planner::PlannerConfigFromKeys(keys);
-  if (!planner.ok()) return planner.status();
-  config.planner = *planner;
-  config.plan_target.batch_size = config.planner.batch_size;  // a dry run's may override it
-  return config;
 }
 
 grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
@@ -396,7 +196,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     return Fail("CreateJob", absl::InvalidArgumentError("CreateJob carried no model bytes"));
   }
   const double receive_s = SecondsSince(received);
-  absl::StatusOr<JobConfig> made = JobConfigFromSpec(spec, facts_);
+  absl::StatusOr<JobSettings> made = JobSettingsFromSpec(spec, facts_);
   if (!made.ok()) return Fail("CreateJob", made.status());
   absl::StatusOr<std::vector<at::Tensor>> examples =
       DecodeAll(spec.example_inputs(), "example input", shm_);
@@ -406,152 +206,73 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (!decoded.ok()) return Fail("CreateJob", decoded.status());
   const SentTensors sent = std::move(*decoded);
   const double tensors_s = SecondsSince(decoding);
-
-  JobConfig config = std::move(*made);
+  JobSettings settings = std::move(*made);
 
   if (spec.dry_run().num_devices() > 0) {
-    const v1::PlanTarget& dry = spec.dry_run();
-    config.plan_target.num_devices = static_cast<int>(dry.num_devices());
-    if (dry.device_memory_bytes() != 0) {
-      config.plan_target.device_memory_bytes = dry.device_memory_bytes();
-    }
-    if (dry.batch_size() > 0) config.plan_target.batch_size = dry.batch_size();
-    if (!dry.links().empty()) {
-      absl::StatusOr<planner::Links> links = planner::LinksFromString(dry.links());
-      if (!links.ok()) return Fail("CreateJob", Annotate(links.status(), "dry_run.links"));
-      config.plan_target.links = *links;
-    }
-    absl::StatusOr<v1::Deployment> plan = Job::PlanOnly(config, model, *examples, sent);
+    absl::Status dry = ApplyDryRun(spec.dry_run(), &settings);
+    if (!dry.ok()) return Fail("CreateJob", dry);
+    absl::StatusOr<v1::Deployment> plan = PlanJob(settings, model, *examples, sent);
     if (!plan.ok()) return Fail("CreateJob", plan.status());
     response->set_plan_summary(planner::DescribeDeployment(*plan));
     *response->mutable_deployment() = std::move(*plan);
     spdlog::info("planned '{}' for {} devices (dry run, {:.2f} s)", spec.name(),
-                 dry.num_devices(), response->deployment().planning_seconds());
+                 spec.dry_run().num_devices(), response->deployment().planning_seconds());
     return grpc::Status::OK;
   }
 
   const std::string id = jobs_->NewJobId();
-  if (spec.options().has_part()) {
-    // This daemon's part of a job another daemon leads over the cluster.
-    const v1::JobPart& part = spec.options().part();
-    config.is_part = true;
-    config.plan_target.num_devices = static_cast<int>(part.num_devices());
-    config.local_devices.assign(part.local_devices().begin(), part.local_devices().end());
-    config.engine_store_address = part.store_address();
-    config.engine_group = part.group();
-    config.device_names.clear();
-    config.placement =
-        Placement(facts_.devices, config.plan_target.num_devices, config.local_devices);
-  } else {
-    absl::Status spanned = SpanCluster(id, spec, &config);
-    if (!spanned.ok()) return Fail("CreateJob", spanned);
+  comm::Store* store = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(address_mu_);
+    store = cluster_ != nullptr ? store_ : nullptr;
   }
-  config.backend = JobBackend(config.placement, facts_.devices);
+  if (store != nullptr) {
+    std::vector<std::string> left_out;
+    absl::Status spanned =
+        SpanCluster(id, spec, Members(), facts_, store, &settings, &left_out);
+    if (!spanned.ok()) return Fail("CreateJob", spanned);
+    if (!left_out.empty()) {
+      spdlog::warn("job {} leaves out cluster member(s) {}, which are DOWN", id,
+                   absl::StrJoin(left_out, ", "));
+    }
+  }
+  settings.backend = JobBackend(settings.placement, facts_.devices);
   absl::StatusOr<std::unique_ptr<Job>> job =
-      Job::Create(id, std::move(config), model, *examples, sent);
+      Job::Create(id, std::move(settings), model, *examples, sent, parts_);
   if (!job.ok()) return Fail("CreateJob", job.status());
+  const JobInfo& info = (*job)->info();
 
   response->set_job_id(id);
-  *response->mutable_deployment() = (*job)->deployment();
-  response->set_plan_summary(planner::DescribeDeployment((*job)->deployment()));
+  *response->mutable_deployment() = info.plan;
+  response->set_plan_summary(planner::DescribeDeployment(info.plan));
   for (const ParamStore::Entry& e : (*job)->params().entries()) {
     FillParamInfo(e, e.is_parameter ? response->add_params() : response->add_buffers());
   }
-  for (const OutputSpec& out : (*job)->output_specs()) {
+  for (const OutputSpec& out : info.outputs) {
     EncodeSpec(out.dtype, out.shape, response->add_outputs());
   }
-  for (const std::string& d : (*job)->devices()) response->add_devices(d);
-  const CreateTimings& t = (*job)->create_timings();
+  for (const std::string& d : info.devices) response->add_devices(d);
   spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}; seconds: "
                "receive {:.2f}, tensors apart {:.2f} ({} of them), import {:.2f}, IR {:.2f}, "
                "plan {:.2f}, place {:.2f}",
                id, spec.name(), (*job)->params().NumParameterElements(), model.size(),
-               response->plan_summary(), receive_s, tensors_s, sent.size(), t.import_s, t.ir_s,
-               t.plan_s, t.place_s);
-  if ((*job)->client_world() > 1) {
-    std::lock_guard<std::mutex> lock(joinable_mu_);
-    joinable_[id] = *response;
-  }
-  jobs_->Add(std::move(*job));
+               response->plan_summary(), receive_s, tensors_s, sent.size(), info.import_s,
+               info.ir_s, info.plan_s, info.place_s);
+  std::optional<v1::CreateJobResponse> joinable;
+  if (info.client_world > 1) joinable = *response;
+  jobs_->Add(std::move(*job), std::move(joinable));
   return grpc::Status::OK;
 }
 
-absl::Status TrainingServiceImpl::SpanCluster(const std::string& job_id, const v1::JobSpec& spec,
-                                              JobConfig* config) const {
-  std::vector<cluster::MemberInfo> members;
-  {
-    std::lock_guard<std::mutex> lock(address_mu_);
-    if (cluster_ == nullptr || store_ == nullptr) return absl::OkStatus();
-    members = cluster_->Members();
-  }
-  // A job runs on every member that is UP. One not heard from yet (the cluster is starting) is
-  // waited for; one that is DOWN is left out, so a lost daemon does not stop new jobs.
-  std::vector<std::string> left_out;
-  for (const cluster::MemberInfo& m : members) {
-    if (m.state == cluster::MemberState::kUnknown) {
-      return absl::UnavailableError(absl::StrCat(
-          "cluster member ", m.address, " has not been heard from yet; a job runs on every "
-          "daemon of the cluster, so wait until all are up (rannc info)"));
-    }
-    if (m.state == cluster::MemberState::kDown) left_out.push_back(m.address);
-  }
-  members.erase(std::remove_if(members.begin(), members.end(),
-                               [](const cluster::MemberInfo& m) {
-                                 return m.state != cluster::MemberState::kUp;
-                               }),
-                members.end());
-  if (!left_out.empty()) {
-    spdlog::warn("job {} leaves out cluster member(s) {}, which are DOWN", job_id,
-                 absl::StrJoin(left_out, ", "));
-  }
-  if (members.size() < 2) return absl::OkStatus();
-  std::sort(members.begin(), members.end(),
-            [](const cluster::MemberInfo& a, const cluster::MemberInfo& b) {
-              return a.rank < b.rank;
-            });
-  // The cluster's devices, numbered by member rank, then each member's own order.
-  config->device_names.clear();
-  config->local_devices.clear();
-  config->members.clear();
-  for (const cluster::MemberInfo& m : members) {
-    JobConfig::Member member{m.address, {}};
-    for (const cluster::DeviceSummary& d : m.devices) {
-      const int index = static_cast<int>(config->device_names.size());
-      config->device_names.push_back(absl::StrCat(m.address, "/", d.name));
-      (m.self ? config->local_devices : member.devices).push_back(index);
-    }
-    if (m.self) {
-      config->self_address = m.address;
-    } else {
-      config->members.push_back(std::move(member));
-    }
-  }
-  config->plan_target.num_devices = static_cast<int>(config->device_names.size());
-  config->placement =
-      Placement(facts_.devices, config->plan_target.num_devices, config->local_devices);
-  config->engine_store = store_;
-  config->engine_group = job_id;
-  config->spec = spec;
-  return absl::OkStatus();
-}
-
-std::vector<c10::Device> Placement(const std::vector<DaemonFacts::Device>& devices,
-                                   int num_devices, const std::vector<int>& local) {
-  std::vector<c10::Device> placement(std::max(num_devices, 0), c10::Device(c10::kCPU));
-  for (size_t k = 0; k < devices.size(); ++k) {
-    const int index = local.empty() ? static_cast<int>(k) : k < local.size() ? local[k] : -1;
-    const DaemonFacts::Device& device = devices[k];
-    if (index < 0 || index >= num_devices || device.cuda_index < 0) continue;
-    placement[index] = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.cuda_index));
-  }
-  return placement;
+std::vector<cluster::MemberInfo> TrainingServiceImpl::Members() const {
+  std::lock_guard<std::mutex> lock(address_mu_);
+  if (cluster_ == nullptr) return {};
+  return cluster_->Members();
 }
 
 std::vector<std::string> TrainingServiceImpl::OtherMembers() const {
-  std::lock_guard<std::mutex> lock(address_mu_);
   std::vector<std::string> out;
-  if (cluster_ == nullptr) return out;
-  for (const cluster::MemberInfo& m : cluster_->Members()) {
+  for (const cluster::MemberInfo& m : Members()) {
     if (!m.self && m.state == cluster::MemberState::kUp) out.push_back(m.address);
   }
   return out;
@@ -578,42 +299,44 @@ v1::TrainingService::Stub* TrainingServiceImpl::PeerStub(const std::string& addr
   return stub.get();
 }
 
+v1::JobPartService::Stub* TrainingServiceImpl::PartStub(const std::string& address) const {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  std::unique_ptr<v1::JobPartService::Stub>& stub = part_stubs_[address];
+  if (!stub) {
+    stub = v1::JobPartService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  }
+  return stub.get();
+}
+
 grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
                                           const v1::JoinJobRequest* request,
                                           v1::CreateJobResponse* response) {
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(request->timeout_ms());
+  const JobManager::Clock::time_point deadline =
+      jobs_->Now() + std::chrono::milliseconds(request->timeout_ms());
+  const int world = static_cast<int>(request->client_world());
   // Rank 0 may still be creating the job (planning takes a while), and on another daemon of the
   // cluster: wait for it, asking the others too.
   for (;;) {
-    for (const std::shared_ptr<Job>& job : jobs_->List()) {
-      if (job->name() != request->name() ||
-          job->client_world() != static_cast<int>(request->client_world())) {
-        continue;
-      }
-      std::lock_guard<std::mutex> lock(joinable_mu_);
-      auto it = joinable_.find(job->id());
-      if (it == joinable_.end()) continue;
-      *response = it->second;
+    if (std::optional<v1::CreateJobResponse> found = jobs_->FindJoinable(request->name(), world)) {
+      *response = std::move(*found);
       return grpc::Status::OK;
     }
-    if (request->local_only()) {
-      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no such job here");
-    }
     for (const std::string& peer : OtherMembers()) {
-      v1::JoinJobRequest ask = *request;
-      ask.set_local_only(true);
-      v1::CreateJobResponse found;
+      v1::FindJobRequest ask;
+      ask.set_name(request->name());
+      ask.set_client_world(request->client_world());
+      v1::Empty found;
       grpc::ClientContext peer_context;
       peer_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      if (PeerStub(peer)->JoinJob(&peer_context, ask, &found).ok()) {
+      if (PartStub(peer)->FindJob(&peer_context, ask, &found).ok()) {
         response->Clear();
         response->set_leader(peer);  // the client joins there
         return grpc::Status::OK;
       }
     }
-    if (context->IsCancelled() || std::chrono::steady_clock::now() >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (context->IsCancelled() || jobs_->Now() >= deadline) break;
+    jobs_->WaitForAdd(std::chrono::milliseconds(100));  // a job here, or time to ask again
   }
   return Fail("JoinJob", absl::DeadlineExceededError(absl::StrCat(
       "no job named '", request->name(), "' for ", request->client_world(),
@@ -674,10 +397,6 @@ grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext*,
 
 grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobRef* ref,
                                             v1::Empty*) {
-  {
-    std::lock_guard<std::mutex> lock(joinable_mu_);
-    joinable_.erase(ref->job_id());
-  }
   absl::Status status = jobs_->Remove(ref->job_id());
   if (!status.ok()) return Fail("DeleteJob", status);
   spdlog::info("deleted job {}", ref->job_id());
@@ -695,17 +414,17 @@ grpc::Status TrainingServiceImpl::RenewLeases(grpc::ServerContext*,
 
 grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty*,
                                            v1::ListJobsResponse* response) {
-  const auto now = std::chrono::steady_clock::now();
-  for (const std::shared_ptr<Job>& job : jobs_->List()) {
-    JobSummary s = job->Summary();
+  for (const JobManager::Listed& listed : jobs_->List()) {
+    const JobInfo& info = listed.job->info();
+    JobSummary s = listed.job->Summary();
     v1::JobSummary* out = response->add_jobs();
-    out->set_job_id(s.id);
-    out->set_name(s.name);
+    out->set_job_id(info.id);
+    out->set_name(info.name);
     out->set_state(s.state == JobState::kDeployed ? v1::DEPLOYED : v1::UNDEPLOYED);
     out->set_num_params(s.num_params);
     out->set_steps(s.steps);
     out->set_forwards(s.forwards);
-    for (const std::string& d : s.devices) out->add_devices(d);
+    for (const std::string& d : info.devices) out->add_devices(d);
     for (int64_t bytes : s.device_bytes) out->add_device_bytes(static_cast<uint64_t>(bytes));
     for (int64_t bytes : s.peak_device_bytes) {
       out->add_peak_device_bytes(static_cast<uint64_t>(bytes));
@@ -713,9 +432,9 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
     out->set_loss_scale(s.loss_scale);
     out->set_skipped_steps(static_cast<uint64_t>(s.skipped_steps));
     out->set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                 s.created.time_since_epoch()).count());
-    out->set_lease_ms(static_cast<uint32_t>(job->lease().count()));
-    out->set_idle_ms(static_cast<uint64_t>(std::max<int64_t>(0, job->IdleFor(now).count())));
+                                 info.created.time_since_epoch()).count());
+    out->set_lease_ms(static_cast<uint32_t>(info.lease.count()));
+    out->set_idle_ms(static_cast<uint64_t>(std::max<int64_t>(0, listed.idle.count())));
   }
   return grpc::Status::OK;
 }
@@ -739,7 +458,7 @@ grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::Forwar
 
 absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest& request,
                                              int client_rank) const {
-  std::vector<std::pair<size_t, at::Tensor>> grads;
+  OutputGrads grads;
   for (const v1::OutputGrad& g : request.grads()) {
     absl::StatusOr<at::Tensor> t =
         DecodeTensor(g.grad(), absl::StrCat("gradient for output #", g.output_index()), &shm_);
@@ -752,14 +471,18 @@ absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest
 
 absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& request,
                                          int client_rank) const {
-  std::vector<HyperParams> hypers;
-  for (const v1::HyperParams& h : request.groups()) hypers.push_back(FromProto(h));
-  return job.Step(client_rank, hypers);
+  JobOp op;
+  op.kind = JobOp::Kind::kStep;
+  for (const v1::HyperParams& h : request.groups()) op.hypers.push_back(FromProto(h));
+  return job.Run(client_rank, op).status();
 }
 
 absl::Status TrainingServiceImpl::DoZeroGrad(Job& job, const v1::ZeroGradRequest& request,
                                              int client_rank) const {
-  return job.ZeroGrad(client_rank, request.set_to_none());
+  JobOp op;
+  op.kind = JobOp::Kind::kZeroGrad;
+  op.set_to_none = request.set_to_none();
+  return job.Run(client_rank, op).status();
 }
 
 absl::Status TrainingServiceImpl::RunDeferred(
@@ -817,7 +540,9 @@ grpc::Status TrainingServiceImpl::AllReduceGrads(grpc::ServerContext*,
                                                  v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("AllReduceGrads", job.status());
-  absl::Status status = (*job)->AllReduceGrads(static_cast<int>(request->client_rank()));
+  JobOp op;
+  op.kind = JobOp::Kind::kAllReduceGrads;
+  absl::Status status = (*job)->Run(static_cast<int>(request->client_rank()), op).status();
   if (!status.ok()) return Fail("AllReduceGrads", status);
   return grpc::Status::OK;
 }
@@ -838,29 +563,6 @@ grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext*,
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("ClipGradNorm", job.status());
   const double norm_type = request->norm_type() == 0 ? 2.0 : request->norm_type();
-  switch (request->part().phase()) {
-    case v1::ClipGradNormPart::NORMS: {
-      absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> norms =
-          (*job)->GradNorms(norm_type);
-      if (!norms.ok()) return Fail("ClipGradNorm", norms.status());
-      for (const auto& [name, norm] : *norms) {
-        response->add_norm_names(name);
-        absl::Status encoded = EncodeTensor(norm, response->add_norms(), nullptr);
-        if (!encoded.ok()) return Fail("ClipGradNorm", encoded);
-      }
-      return grpc::Status::OK;
-    }
-    case v1::ClipGradNormPart::SCALE: {
-      absl::StatusOr<at::Tensor> coefficient =
-          DecodeTensor(request->part().coefficient(), "clip coefficient", nullptr);
-      if (!coefficient.ok()) return Fail("ClipGradNorm", coefficient.status());
-      absl::Status scaled = (*job)->ScaleGrads(*coefficient);
-      if (!scaled.ok()) return Fail("ClipGradNorm", scaled);
-      return grpc::Status::OK;
-    }
-    default:
-      break;
-  }
   absl::StatusOr<double> norm = (*job)->ClipGradNorm(static_cast<int>(request->client_rank()),
                                                      request->max_norm(), norm_type);
   if (!norm.ok()) return Fail("ClipGradNorm", norm.status());
@@ -873,7 +575,7 @@ grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext*,
                                            v1::GetParamResponse* response) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("GetParam", job.status());
-  if (request->amp_master_param() && !(*job)->amp()) {
+  if (request->amp_master_param() && !(*job)->info().amp) {
     return Fail("GetParam", absl::FailedPreconditionError(
         "amp_master_param=True: this job has no mixed-precision master parameters (create it "
         "with enable_apex_amp=True)"));
@@ -896,7 +598,7 @@ grpc::Status TrainingServiceImpl::StateDict(grpc::ServerContext* context,
                                             grpc::ServerWriter<v1::StateDictChunk>* writer) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("StateDict", job.status());
-  if (request->amp_master_params() && !(*job)->amp()) {
+  if (request->amp_master_params() && !(*job)->info().amp) {
     return Fail("StateDict", absl::FailedPreconditionError(
         "amp_master_params=True: this job has no mixed-precision master parameters (create it "
         "with enable_apex_amp=True)"));
@@ -925,7 +627,7 @@ grpc::Status TrainingServiceImpl::LoadStateDict(
   const v1::LoadStateDictRequest::Header header = request.header();
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(header.job_id());
   if (!job.ok()) return Fail("LoadStateDict", job.status());
-  ChunkAssembler assembler;
+  StateDictAssembler assembler;
   absl::Status status = absl::OkStatus();
   while (reader->Read(&request)) {
     if (status.ok()) status = assembler.Add(request.chunk());  // drain the stream either way
@@ -957,19 +659,13 @@ grpc::Status TrainingServiceImpl::Undeploy(grpc::ServerContext*, const v1::JobRe
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::AbortStep(grpc::ServerContext*, const v1::JobRef* ref,
-                                            v1::Empty*) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
-  if (!job.ok()) return Fail("AbortStep", job.status());
-  (*job)->AbortStep();
-  return grpc::Status::OK;
-}
-
 grpc::Status TrainingServiceImpl::RecreateCommunicators(grpc::ServerContext*,
                                                         const v1::JobRef* ref, v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
   if (!job.ok()) return Fail("RecreateCommunicators", job.status());
-  absl::Status status = (*job)->RecreateCommunicators();
+  JobOp op;
+  op.kind = JobOp::Kind::kRecreateCommunicators;
+  absl::Status status = (*job)->Run(0, op).status();
   if (!status.ok()) return Fail("RecreateCommunicators", status);
   return grpc::Status::OK;
 }

@@ -11,12 +11,12 @@ first forward; RaNNCModule.save_deployment / load_deployment and show_deployment
 saved plans (see pyrannc._deployment and docs/planner.md).
 """
 
-from pyrannc import _daemon, _runtime
-from pyrannc import module as _module
+from pyrannc import _daemon, _jobs, _runtime
 from pyrannc._deployment import show_deployment
 from pyrannc._runtime import get_rank, get_world_size
 from pyrannc.errors import RanncError
 from pyrannc.module import RaNNCModule
+from pyrannc.proto.rannc.v1 import training_pb2 as _pb
 
 __all__ = [
     "RaNNCModule", "RanncError", "barrier", "clear", "delay_grad_allreduce", "get_rank",
@@ -31,9 +31,9 @@ def barrier() -> None:
     world = _runtime.get_world_size()
     if world <= 1:
         return
-    _daemon.connection().call("ClientBarrier", _module.pb.ClientBarrierRequest(
-        name=_module.job_name(None), client_rank=_runtime.get_rank(), client_world=world,
-        timeout_ms=_module.client_timeout_ms()))
+    _daemon.connection().call("ClientBarrier", _pb.ClientBarrierRequest(
+        name=_jobs.job_name(None), client_rank=_runtime.get_rank(), client_world=world,
+        timeout_ms=_jobs.client_timeout_ms()))
 
 
 def clear() -> None:

@@ -5,7 +5,8 @@ One channel per process, created on first use by `connection()` (thread-safe). W
 a free loopback port with `--devices $RANNC_DEVICES` (default `cpu:2`) plus any flags in
 `RANNC_DAEMON_ARGS`, and stops it at interpreter exit (SIGTERM, then SIGKILL after
 RANNC_DAEMON_STOP_TIMEOUT seconds). The daemon binary is `RANNC_DAEMON_BIN`, else Bazel's
-`bazel-bin/daemon/ranncd` under the repository this package lives in, else `ranncd` on PATH.
+`bazel-bin/daemon/ranncd` under the repository this package lives in, else `ranncd` on PATH
+(pyrannc._binaries).
 
 Every RPC goes through `Connection.call`/`Connection.stream`, which turn gRPC errors into
 RanncError carrying the status code and the daemon's message.
@@ -29,6 +30,7 @@ import grpc
 import torch
 
 from pyrannc import _config, _shm
+from pyrannc._binaries import find_daemon_binary
 from pyrannc.errors import RanncError, from_rpc_error
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from pyrannc.proto.rannc.v1 import training_pb2_grpc as pb_grpc
@@ -42,31 +44,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
 ]
-
-
-def _package_repo_root() -> str:
-    # <root>/python_client/pyrannc/_daemon.py, both in a checkout and in Bazel runfiles.
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def find_daemon_binary() -> str:
-    explicit = os.environ.get("RANNC_DAEMON_BIN")
-    if explicit:
-        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
-            raise RanncError(f"RANNC_DAEMON_BIN={explicit} is not an executable file")
-        return explicit
-    root = _package_repo_root()
-    for candidate in (os.path.join(root, "bazel-bin", "daemon", "ranncd"),
-                      os.path.join(root, "daemon", "ranncd")):
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    on_path = shutil.which("ranncd")
-    if on_path:
-        return on_path
-    raise RanncError(
-        "pyrannc found no daemon: set RANNC_DAEMON=host:port to use a running ranncd, or "
-        "RANNC_DAEMON_BIN to the ranncd binary, or build it with `bazel build //daemon:ranncd` "
-        f"(looked in {root}/bazel-bin/daemon/ranncd and on PATH)")
 
 
 def _free_loopback_port() -> int:

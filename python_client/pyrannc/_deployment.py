@@ -10,16 +10,21 @@ that a start from the file can skip tracing; the daemon never reads it.
     text = pyrannc.show_deployment("mlp.deployment", batch_size=64)
 
 Everything here is local: nothing contacts the daemon, so a bad file is reported before any job
-is created. Functions are pure apart from file I/O and are safe to call from any thread.
+is created. Reading and checking a file is done here; printing one runs the rannc CLI (`rannc
+plan --show -`), whose formatter is the only one, so pyrannc and the CLI print a deployment
+alike. Functions are pure apart from file I/O and that child process, and are safe to call from
+any thread.
 """
 
-import math
 import os
+import subprocess
 import warnings
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 from google.protobuf.message import DecodeError
 
+from pyrannc import _binaries
+from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2
 
 Deployment = deployment_pb2.Deployment
@@ -27,9 +32,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 # The only format this client reads; a newer daemon bumps it only when old readers must refuse.
 FORMAT_VERSION = 1
-
-# How many ops of a stage the summary names before it only counts the rest.
-_OPS_SHOWN = 4
 
 
 def parse_deployment(data: bytes, source: str = "<bytes>") -> Deployment:
@@ -128,99 +130,33 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _device_name(deployment: Deployment, index: int) -> str:
-    return f"{deployment.device_type or 'cpu'}:{index}"
-
-
-def _schedule_name(schedule: int) -> str:
-    return {deployment_pb2.SCHEDULE_1F1B: "1F1B",
-            deployment_pb2.SCHEDULE_GPIPE: "GPipe"}.get(schedule, f"schedule {schedule}")
-
-
-def ops_summary(ops: List[str]) -> str:
-    """The stage's ops condensed: the first few, then how many there are in all.
-
-    Each entry of `ops` is one atomic node's ops joined by commas.
-    """
-    flat = [op for node in ops for op in node.split(",") if op]
-    if not flat:
-        return "(no ops recorded)"
-    shown = ", ".join(flat[:_OPS_SHOWN])
-    if len(flat) > _OPS_SHOWN:
-        shown += ", ..."
-    return f"{shown} ({len(flat)} ops)"
-
-
-def micro_batch_sizes(deployment: Deployment, batch_size: int) -> Dict[int, int]:
-    """Samples per device per micro-batch of each stage (by stage index) for `batch_size`.
-
-    A stage's replicas split each micro-batch, so its devices get
-    ceil(batch_size / (micro_batches * replicas)) samples (the last replica may get fewer).
-    ValueError when the batch is too small for every replica of every micro-batch to get one.
-    """
+def _check_batch_size(batch_size) -> None:
+    # `rannc plan --show` reads --batch 0 as "the planned batch"; here a batch must be given.
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"pyrannc: batch_size must be a positive integer, got {batch_size!r}")
-    micro = max(deployment.micro_batches, 1)
-    replicas = max(max(len(s.devices), 1) for s in deployment.stages)
-    if batch_size < micro * replicas:
-        raise ValueError(
-            f"pyrannc: this plan cannot run batch size {batch_size}: it splits each batch into "
-            f"{micro} micro-batches over up to {replicas} replicas, so it needs a batch of at "
-            f"least {micro * replicas}")
-    return {s.index: math.ceil(batch_size / (micro * max(len(s.devices), 1)))
-            for s in deployment.stages}
 
 
 def format_deployment(deployment: Deployment, batch_size: int) -> str:
-    """The deployment for people: header, one block per stage, then which device runs what.
+    """The deployment for people at `batch_size`, as `rannc plan --show` prints it: a header,
+    one block per stage (with its per-device micro-batch size), then which device runs what.
 
-    Memory and time estimates are the planner's, at the batch size it planned for.
+    The text is the rannc CLI's (client/planning.cc, FormatDeployment), so pyrannc and the CLI
+    print a deployment alike; the CLI is found as pyrannc._binaries says. ValueError when the
+    plan cannot run `batch_size`; RanncError when there is no CLI to run.
     """
-    sizes = micro_batch_sizes(deployment, batch_size)
-    d = deployment
-    lines = [
-        f"Deployment of model {d.model_hash or '(unknown)'} ({d.num_nodes} atomic nodes)",
-        f"  devices:   {d.num_devices} x {d.device_type or 'cpu'}, "
-        f"{human_bytes(d.device_memory_bytes)} each (mem_margin {d.mem_margin:g})",
-        f"  schedule:  {_schedule_name(d.schedule)}, {d.micro_batches} micro-batches",
-        f"  estimated step time: {d.estimated_step_ms:.2f} ms at the planned batch size "
-        f"{d.batch_size}",
-    ]
-    extra = []
-    if d.optimizer:
-        extra.append(f"optimizer {d.optimizer}{' + ZeRO' if d.zero else ''}")
-    if d.created_by:
-        extra.append(f"created by {d.created_by}")
-    if d.loaded:
-        extra.append("loaded from a file")
-    if extra:
-        lines.append("  " + "; ".join(extra))
-    if d.batch_whole:
-        lines.append(f"  batch kept whole: {d.batch_whole}")
-    lines.append(f"Batch size {batch_size}:")
-    for s in d.stages:
-        replicas = max(len(s.devices), 1)
-        devices = ", ".join(_device_name(d, i) for i in s.devices) or "(none)"
-        lines += [
-            f"Stage {s.index}: nodes [{s.first_node}, {s.end_node})  ops: {ops_summary(s.ops)}",
-            f"  devices: {devices} ({replicas} replica{'s' if replicas != 1 else ''}), "
-            f"micro-batch size {sizes[s.index]} per device, "
-            f"recompute {'yes' if s.recompute else 'no'}",
-            f"  memory: {human_bytes(s.memory_bytes)} per device (params "
-            f"{human_bytes(s.param_bytes)}, fixed {human_bytes(s.fixed_bytes)}, activations "
-            f"{human_bytes(s.activation_bytes)}); fwd {s.fwd_ms:.2f} ms, bwd {s.bwd_ms:.2f} ms "
-            "per micro-batch",
-        ]
-    lines.append("Devices:")
-    assigned: Dict[int, List[str]] = {}
-    for s in d.stages:
-        for i in s.devices:
-            assigned.setdefault(i, []).append(
-                f"stage {s.index}, micro-batch size {sizes[s.index]}")
-    for i in range(max([d.num_devices] + [k + 1 for k in assigned])):
-        what = "; ".join(assigned.get(i, [])) or "unused"
-        lines.append(f"  {_device_name(d, i)} -> {what}")
-    return "\n".join(lines) + "\n"
+    _check_batch_size(batch_size)
+    cli = _binaries.find_cli_binary()
+    try:
+        done = subprocess.run([cli, "plan", "--show", "-", "--batch", str(batch_size)],
+                              input=deployment.SerializeToString(), capture_output=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise RanncError(f"pyrannc: running {cli} to print the deployment failed: {err}") from None
+    if done.returncode != 0:
+        why = done.stderr.decode("utf-8", "replace").strip()
+        why = why[len("rannc: "):] if why.startswith("rannc: ") else why
+        raise ValueError(f"pyrannc: {why or f'{cli} exited with status {done.returncode}'}")
+    return done.stdout.decode("utf-8", "replace")
 
 
 def show_deployment(path: PathLike, batch_size: int) -> str:

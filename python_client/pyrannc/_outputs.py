@@ -2,10 +2,11 @@
 
 The daemon returns outputs flattened depth-first. `flatten` turns a traced output (tensors inside
 tuples, lists, dicts, namedtuples, with non-tensor constants such as None) into that flat tensor
-list plus a spec; `unflatten` rebuilds the same nesting from a spec and a new flat list.
+list plus a spec; `unflatten` rebuilds the same nesting from a spec and a new flat list. Every walk
+over a spec (leaves, unflatten, pyrannc._saved_trace's JSON) is `fold`.
 """
 
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 
@@ -74,38 +75,47 @@ def flatten(obj: Any) -> Tuple[List[torch.Tensor], Any]:
     return tensors, spec
 
 
+def fold(spec, leaf: Callable, const: Callable, seq: Callable, mapping: Callable) -> Any:
+    """The one walk over a spec, depth-first, children before their container: leaf(Leaf),
+    const(Const), seq(Seq, [its items folded]), mapping(Mapping, [its items folded])."""
+    # A module-level recursion: a nested recursive closure would form a reference cycle, and
+    # one that holds what the callbacks hold (unflatten's every output tensor) stays alive until
+    # the garbage collector runs.
+    if isinstance(spec, Leaf):
+        return leaf(spec)
+    if isinstance(spec, Const):
+        return const(spec)
+    if isinstance(spec, Seq):
+        return seq(spec, [fold(i, leaf, const, seq, mapping) for i in spec.items])
+    if isinstance(spec, Mapping):
+        return mapping(spec, [fold(i, leaf, const, seq, mapping) for i in spec.items])
+    raise AssertionError(f"unknown output spec {spec!r}")
+
+
+def _concat(_container, items: List[List[Leaf]]) -> List[Leaf]:
+    return [leaf for item in items for leaf in item]
+
+
 def leaves(spec) -> List[Leaf]:
-    out: List[Leaf] = []
+    return fold(spec, lambda leaf: [leaf], lambda _: [], _concat, _concat)
 
-    def walk(s):
-        if isinstance(s, Leaf):
-            out.append(s)
-        elif isinstance(s, (Seq, Mapping)):
-            for item in s.items:
-                walk(item)
 
-    walk(spec)
-    return out
+def _rebuild_seq(spec: Seq, items: List[Any]) -> Any:
+    if spec.kind is list:
+        return items
+    if spec.kind is tuple:
+        return tuple(items)
+    return spec.kind(*items)
+
+
+def _rebuild_mapping(spec: Mapping, items: List[Any]) -> Any:
+    pairs = list(zip(spec.keys, items))
+    try:
+        return spec.kind(pairs)
+    except TypeError:
+        return dict(pairs)
 
 
 def unflatten(spec, flat: List[torch.Tensor]) -> Any:
-    # A module-level recursion: a nested recursive closure would form a reference cycle that
-    # keeps `flat` (every output tensor) alive until the garbage collector runs.
-    if isinstance(spec, Leaf):
-        return flat[spec.index]
-    if isinstance(spec, Const):
-        return spec.value
-    if isinstance(spec, Seq):
-        items = [unflatten(i, flat) for i in spec.items]
-        if spec.kind is list:
-            return items
-        if spec.kind is tuple:
-            return tuple(items)
-        return spec.kind(*items)
-    if isinstance(spec, Mapping):
-        pairs = [(k, unflatten(i, flat)) for k, i in zip(spec.keys, spec.items)]
-        try:
-            return spec.kind(pairs)
-        except TypeError:
-            return dict(pairs)
-    raise AssertionError(f"unknown output spec {spec!r}")
+    return fold(spec, lambda leaf: flat[leaf.index], lambda const: const.value, _rebuild_seq,
+                _rebuild_mapping)

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from pyrannc import _config, _outputs
+from pyrannc import _config, _outputs, _tensors
 
 # Bumped when the fingerprint's contents change: an older fingerprint never matches.
 _SCHEME = 1
@@ -136,14 +136,11 @@ def fingerprint(model: torch.nn.Module, inputs, training: bool, dropout: bool
                 attributes.append([f"{name + '.' if name else ''}{key}", _describe(value, where)])
         first_name: Dict[int, str] = {}
         tensors = []
-        for prefix, m in model.named_modules(remove_duplicate=False):
-            slots = [("parameter", n, t) for n, t in m._parameters.items() if t is not None]
-            slots += [("buffer", n, t) for n, t in m._buffers.items() if t is not None]
-            for kind, n, t in slots:
-                full = f"{prefix}.{n}" if prefix else n
-                tied = first_name.setdefault(id(t), full)
-                tensors.append([full, kind, str(t.dtype), list(t.shape), bool(t.requires_grad),
-                                "" if tied == full else tied])
+        for s in _tensors.slots(model):
+            t = s.tensor
+            tied = first_name.setdefault(id(t), s.name)
+            tensors.append([s.name, s.kind, str(t.dtype), list(t.shape), bool(t.requires_grad),
+                            "" if tied == s.name else tied])
     except _Unfingerprintable as err:
         return None, str(err)
     except Exception as err:  # noqa: BLE001 - a model this code did not foresee: no reuse
@@ -228,19 +225,12 @@ def _resolve(name: str) -> type:
 
 
 def outputs_to_json(spec) -> str:
-    def walk(s):
-        if isinstance(s, _outputs.Leaf):
-            return {"leaf": s.index, "grad": s.requires_grad}
-        if isinstance(s, _outputs.Const):
-            return {"const": s.value}
-        if isinstance(s, _outputs.Seq):
-            return {"seq": _kind_name(s.kind), "items": [walk(i) for i in s.items]}
-        if isinstance(s, _outputs.Mapping):
-            return {"map": _kind_name(s.kind), "keys": list(s.keys),
-                    "items": [walk(i) for i in s.items]}
-        raise AssertionError(f"unknown output spec {s!r}")
-
-    return json.dumps(walk(spec))
+    return json.dumps(_outputs.fold(
+        spec,
+        lambda leaf: {"leaf": leaf.index, "grad": leaf.requires_grad},
+        lambda const: {"const": const.value},
+        lambda seq, items: {"seq": _kind_name(seq.kind), "items": items},
+        lambda m, items: {"map": _kind_name(m.kind), "keys": list(m.keys), "items": items}))
 
 
 def outputs_from_json(text: str):
@@ -267,12 +257,4 @@ def model_tensors(model: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """Every distinct parameter and buffer of `model`, each once under its first name (in
     named_modules order, as the traced module names them): what binds a saved archive's
     stand-ins."""
-    seen, out = set(), []
-    for prefix, m in model.named_modules(remove_duplicate=False):
-        slots = list(m._parameters.items()) + list(m._buffers.items())
-        for n, t in slots:
-            if t is None or id(t) in seen:
-                continue
-            seen.add(id(t))
-            out.append((f"{prefix}.{n}" if prefix else n, t.detach()))
-    return out
+    return [(s.name, s.tensor.detach()) for s in _tensors.distinct(model)]

@@ -9,14 +9,13 @@ is a mirror refreshed on demand (named_parameters(), state_dict(), ...) after an
 have changed it (a step, a training-mode forward, a load). A change of mode traces the model
 again in the new mode on the next forward, if the daemon has no graph for it yet.
 
+Tracing lives in pyrannc._tracing, the client's record of its job in pyrannc._jobs; this module
+drives the job through the daemon's RPCs.
+
 Threading: one RaNNCModule is meant to be driven from one thread at a time, like a torch module
 in a training loop.
 """
 
-import collections
-import inspect
-import io
-import itertools
 import json
 import logging
 import os
@@ -27,86 +26,13 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from pyrannc import (_codec, _config, _daemon, _deployment, _optim, _outputs, _runtime,
-                     _save_job, _saved_trace, _shm)
+from pyrannc import (_codec, _daemon, _deployment, _jobs, _optim, _outputs, _runtime, _save_job,
+                     _saved_trace, _shm, _tensors, _tracing)
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
 logger = logging.getLogger("pyrannc")
-
-_DROPOUT_TYPES = (torch.nn.modules.dropout._DropoutNd,)
-
-
-def _mode_key(mode: pb.Mode) -> Tuple[bool, bool]:
-    return (mode.training, mode.dropout)
-
-
-class _Job:
-    """What the client knows of its daemon job."""
-
-    def __init__(self, job_id: str, mode: pb.Mode, spec, group_ids: List[List[int]],
-                 devices: List[str], owner: bool = True, address: Optional[str] = None):
-        self.id = job_id
-        # The daemon that leads the job: RANNC_DAEMON's (None), or the one JoinJob named.
-        self.address = address
-        # Client rank 0 created the job and deletes it; other ranks only joined it.
-        self.owner = owner
-        self.mode = mode
-        self.specs = {_mode_key(mode): spec}  # output structure per traced mode
-        self.group_ids = group_ids
-        self.devices = devices
-        self.lease_conn = None  # the connection renewing the job's lease (hold_lease)
-        # Counted here rather than taken from ForwardResponse.forward_id, so the check that a
-        # backward belongs to the last forward does not depend on the daemon numbering them.
-        self.forwards = 0
-        self.last_forward_id: Optional[int] = None
-        self.undeployed = False
-        # backward/step/zero_grad calls not yet sent: they ride on the next Forward (or a Flush
-        # before anything that reads daemon state), so a training step is one round trip.
-        self.pending: List[pb.DeferredOp] = []
-        # A backward without keep_graph released the last forward's graph; mirrored here so a
-        # second backward fails at once even while the first is deferred.
-        self.graph_released = False
-
-    def __del__(self):
-        # Once the client lets go of the job (deleted, dropped, or its module collected), the
-        # lease is no longer renewed: a job still on the daemon expires there.
-        if self.lease_conn is not None:
-            self.lease_conn.release_lease(self.id)
-
-
-def _leave_out_tensors(traced: torch.jit.ScriptModule,
-                       min_bytes: int) -> List[Tuple[str, torch.Tensor]]:
-    """Replaces each parameter and buffer of at least `min_bytes` in `traced` by a stand-in and
-    returns the tensors replaced, by dotted name, each once (see JobSpec.model_tensors).
-
-    A stand-in has the tensor's dtype, shape and requires_grad but one stored element (stride 0),
-    so the archive keeps the module's structure and costs bytes only for what stays in it. Tied
-    tensors share one stand-in, which keeps them tied in the archive. Only the traced module's
-    slots change: the user's model keeps its tensors.
-    """
-    stand_ins: Dict[int, torch.Tensor] = {}
-    apart: List[Tuple[str, torch.Tensor]] = []
-    for prefix, sub in traced.named_modules():
-        slots = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))
-        for name, t in slots:
-            if t.numel() * t.element_size() < min_bytes:
-                continue
-            stand_in = stand_ins.get(id(t))
-            if stand_in is None:
-                stand_in = torch.zeros((), dtype=t.dtype).expand(t.shape)
-                stand_in.requires_grad_(t.requires_grad)
-                stand_ins[id(t)] = stand_in
-                apart.append((f"{prefix}.{name}" if prefix else name, t.detach()))
-            sub._c.setattr(name, stand_in)
-    return apart
-
-
-def _defer_ops() -> bool:
-    """RANNC_DEFER_OPS=0 sends each backward/step/zero_grad at once, so an error in one is
-    raised by that call rather than by the next forward."""
-    return os.environ.get("RANNC_DEFER_OPS", "1") != "0"
 
 
 class _RemoteForward(torch.autograd.Function):
@@ -185,7 +111,7 @@ class RaNNCModule(torch.nn.Module):
         self._offload_params = bool(offload_params)
         self._amp = bool(enable_apex_amp)
         self._allreduce_amp_master_params = bool(allreduce_amp_master_params)
-        self._job: Optional[_Job] = None
+        self._job: Optional[_jobs.Job] = None
         self._deployment_bytes = deployment_bytes
         self._deployment_path = deployment_path
         # The trace load_deployment's file holds, which a job of this module may reuse.
@@ -228,9 +154,9 @@ class RaNNCModule(torch.nn.Module):
         mode = self._current_mode()
         if self._job is None:
             self._create_job(inputs, mode)
-        elif _mode_key(self._job.mode) != _mode_key(mode):
+        elif _jobs.mode_key(self._job.mode) != _jobs.mode_key(mode):
             self._switch_mode(inputs, mode)
-        spec = self._job.specs[_mode_key(self._job.mode)]
+        spec = self._job.specs[_jobs.mode_key(self._job.mode)]
         if torch.is_grad_enabled():
             differentiable = [leaf.requires_grad for leaf in _outputs.leaves(spec)]
             flat = _RemoteForward.apply(self._grad_anchor, self, inputs, differentiable)
@@ -238,25 +164,10 @@ class RaNNCModule(torch.nn.Module):
             flat, _ = self._forward_rpc(inputs, requires_grad=False)
         return _outputs.unflatten(spec, list(flat))
 
-    def _input_names(self, count: int) -> List[str]:
-        names: List[str] = []
-        try:
-            params = list(inspect.signature(self.model.forward).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        for p in params:
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                names.append(p.name)
-            elif p.kind == p.VAR_POSITIONAL:
-                names.extend(f"{p.name}[{i}]" for i in range(count - len(names)))
-                break
-        names.extend(f"input{i}" for i in range(len(names), count))
-        return names[:count]
-
     def _check_inputs(self, args) -> Tuple[torch.Tensor, ...]:
         if not args:
             raise ValueError("RaNNCModule needs at least one input tensor")
-        names = self._input_names(len(args))
+        names = _tracing.input_names(self.model, len(args))
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 raise TypeError(f"RaNNCModule inputs must be tensors; input '{names[i]}' (#{i}) "
@@ -268,96 +179,6 @@ class RaNNCModule(torch.nn.Module):
         dropout = training if self._dropout is None else self._dropout
         return pb.Mode(training=training, dropout=dropout)
 
-    def _trace_inputs(self, inputs):
-        """The inputs the model is traced on and sent as the job's examples, and the batch to
-        plan for (None: theirs).
-
-        With the client setting trace_batch (RANNC_TRACE_BATCH) = n, a batch of more than n
-        samples (every tensor input with the same first dimension) is traced on its first n
-        samples, and the daemon plans for the whole batch (planner key batch_size, unless set):
-        the trace's forward and the daemon's IR cost n samples' compute and memory, not the
-        batch's. The model must not fix its batch size (x.view(batch, ...)).
-        """
-        n = int(_config.client_setting("trace_batch", "0") or 0)
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        if n <= 0 or not tensors or any(t.dim() == 0 for t in tensors):
-            return inputs, None
-        batch = tensors[0].size(0)
-        if batch <= n or any(t.size(0) != batch for t in tensors):
-            return inputs, None
-        return [x[:n] if isinstance(x, torch.Tensor) else x for x in inputs], batch
-
-    def _trace(self, inputs, mode: pb.Mode, apart_bytes: Optional[int] = None,
-               graph_only: bool = False
-               ) -> Tuple[bytes, object, List[Tuple[str, torch.Tensor]], Optional[bytes]]:
-        """Traces the model in `mode`; returns the serialized module, its output spec, the
-        tensors left out of it and, with `graph_only`, the module serialized with every tensor
-        left out (for a deployment file's saved trace; else None).
-
-        With `apart_bytes` set, every parameter or buffer of at least that many bytes is left out
-        of the archive (see _leave_out_tensors) and returned by name, to be sent beside it.
-
-        Tracing runs forward once; the model's buffers (BatchNorm statistics), its RNG stream
-        and its train/eval flags are restored afterwards, so the daemon starts from the state
-        plain PyTorch would have.
-        """
-        model = self.model
-        saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        saved_flags = [(m, m.training) for m in model.modules()]
-        captured = {}
-
-        def flatten_output(_module, _inputs, output):
-            tensors, spec = _outputs.flatten(output)
-            captured["spec"] = spec
-            # The daemon sees one flat tuple (or a lone tensor); the spec rebuilds the rest.
-            if isinstance(spec, _outputs.Leaf):
-                return tensors[0]
-            return tuple(tensors)
-
-        handle = model.register_forward_hook(flatten_output)
-        try:
-            # The modules' own flags are the mode (a BatchNorm the user froze in eval mode stays
-            # so, as in PyTorch); only enable_dropout() overrides the dropouts'.
-            if mode.dropout != mode.training:
-                for m in model.modules():
-                    if isinstance(m, _DROPOUT_TYPES):
-                        m.training = mode.dropout
-            with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
-                    warnings.catch_warnings():
-                # PyTorch's own modules (BatchNorm's batch-size check, Tensor.split) warn about
-                # Python values on every trace; warnings about the user's code still show.
-                warnings.filterwarnings("ignore", category=torch.jit.TracerWarning,
-                                        module=r"torch\.")
-                started = time.perf_counter()
-                traced = torch.jit.trace(model, inputs, check_trace=False)
-                logger.debug("pyrannc: traced the model in %.2f s", time.perf_counter() - started)
-        finally:
-            handle.remove()
-            for m, flag in saved_flags:
-                m.training = flag
-            with torch.no_grad():
-                for b, value in saved_buffers:
-                    b.copy_(value)
-        started = time.perf_counter()
-        apart = _leave_out_tensors(traced, apart_bytes) if apart_bytes is not None else []
-        buf = io.BytesIO()
-        torch.jit.save(traced, buf)
-        model_bytes = buf.getvalue()
-        logger.debug("pyrannc: serialized the traced model (%d bytes, %d tensors apart) in %.2f s",
-                     len(model_bytes), len(apart), time.perf_counter() - started)
-        graph_bytes = None
-        if graph_only:
-            if apart_bytes == 0:
-                graph_bytes = model_bytes
-            else:
-                # The tensors still in the archive become stand-ins too: a few MB of graph and
-                # code, whatever the model's size.
-                _leave_out_tensors(traced, 0)
-                buf = io.BytesIO()
-                torch.jit.save(traced, buf)
-                graph_bytes = buf.getvalue()
-        return model_bytes, captured["spec"], apart, graph_bytes
-
     def _connection(self) -> _daemon.Connection:
         """The connection to the daemon that leads this module's job."""
         return _daemon.connection(self._job.address if self._job is not None else None)
@@ -367,10 +188,11 @@ class RaNNCModule(torch.nn.Module):
 
     def _create_job(self, inputs, mode: pb.Mode) -> None:
         conn = _daemon.connection()
-        _delete_orphaned_jobs(conn)
-        inputs, plan_batch = self._trace_inputs(inputs)
+        _jobs.delete_orphaned_jobs(conn)
+        inputs, plan_batch = _tracing.trace_inputs(inputs)
         rank, world = _runtime.get_rank(), _runtime.get_world_size()
-        lease = lease_seconds()  # read once: the daemon's lease and this process's renewals agree
+        # Read once: the daemon's lease and this process's renewals agree.
+        lease = _jobs.lease_seconds()
         started = time.perf_counter()
         fingerprint, why_not = _saved_trace.fingerprint(self.model, inputs, mode.training,
                                                         mode.dropout)
@@ -386,12 +208,12 @@ class RaNNCModule(torch.nn.Module):
             # structure.
             apart_bytes = 0 if rank > 0 else _shm.MIN_BYTES if conn.shm is not None else None
             if rank == 0 and apart_bytes is not None and not _shm.has_room(
-                    conn.shm, _tensor_bytes(self.model, apart_bytes)):
+                    conn.shm, _tensors.distinct_bytes(self.model, apart_bytes)):
                 logger.info("pyrannc: %s has too little free space for the model's tensors; they "
                             "go inside the TorchScript archive instead", conn.shm.directory)
                 apart_bytes = None
-            model_bytes, spec, apart, graph_bytes = self._trace(
-                inputs, mode, apart_bytes, graph_only=fingerprint is not None)
+            model_bytes, spec, apart, graph_bytes = _tracing.trace(
+                self.model, inputs, mode, apart_bytes, graph_only=fingerprint is not None)
             self._saved_trace = None if fingerprint is None else deployment_pb2.SavedTrace(
                 archive=graph_bytes, outputs=_saved_trace.outputs_to_json(spec),
                 fingerprint=json.dumps(fingerprint))
@@ -399,8 +221,8 @@ class RaNNCModule(torch.nn.Module):
         optimizer_spec = _optim.optimizer_spec(self._optimizer, names_by_id)
         if rank > 0:
             # Rank 0 creates the job; the others join it by name.
-            join = pb.JoinJobRequest(name=job_name(self.model), client_rank=rank,
-                                     client_world=world, timeout_ms=client_timeout_ms())
+            join = pb.JoinJobRequest(name=_jobs.job_name(self.model), client_rank=rank,
+                                     client_world=world, timeout_ms=_jobs.client_timeout_ms())
             resp = conn.call("JoinJob", join)
             address = None
             if resp.leader:
@@ -420,17 +242,18 @@ class RaNNCModule(torch.nn.Module):
                                 offload_params=self._offload_params,
                                 enable_apex_amp=self._amp,
                                 allreduce_amp_master_params=self._allreduce_amp_master_params,
-                                config=_job_config(plan_batch),
+                                config=_jobs.job_config(plan_batch),
                                 load_deployment=self._deployment_bytes,
-                                client_world=world, client_timeout_ms=client_timeout_ms(),
+                                client_world=world, client_timeout_ms=_jobs.client_timeout_ms(),
                                 lease_ms=int(lease * 1000))
         with _shm.session(conn.shm) as wire, _shm.bulk_session(conn.shm) as bulk:
             started = time.perf_counter()
             job_spec = pb.JobSpec(
-                name=job_name(self.model),
+                name=_jobs.job_name(self.model),
                 mode=mode, optimizer=optimizer_spec, options=options,
                 example_inputs=[wire.encode(x) for x in inputs],
-                input_names=self._input_names(len(inputs)), model_bytes=len(model_bytes),
+                input_names=_tracing.input_names(self.model, len(inputs)),
+                model_bytes=len(model_bytes),
                 model_tensors=[pb.NamedTensor(name=n, tensor=m) for (n, _), m in zip(
                     apart, bulk.encode_all([t for _, t in apart],
                                            threads=min(8, os.cpu_count() or 1)))])
@@ -503,14 +326,14 @@ class RaNNCModule(torch.nn.Module):
             apart = _saved_trace.model_tensors(self.model)
             if conn.shm is None:
                 # Without shared memory every tensor rides inline in the JobSpec message.
-                total = _tensor_bytes(self.model, 0)
+                total = _tensors.distinct_bytes(self.model, 0)
                 limit = conn.info.max_message_bytes // 2
                 if total > limit:
                     return no(f"without shared memory to the daemon the model's tensors "
                               f"({_deployment.human_bytes(total)}) would go inline in one "
                               f"message, over half the daemon's limit "
                               f"({_deployment.human_bytes(conn.info.max_message_bytes)})")
-            elif not _shm.has_room(conn.shm, _tensor_bytes(self.model, _shm.MIN_BYTES)):
+            elif not _shm.has_room(conn.shm, _tensors.distinct_bytes(self.model, _shm.MIN_BYTES)):
                 return no(f"{conn.shm.directory} has too little free space for the model's "
                           "tensors")
         self._saved_trace = saved
@@ -527,7 +350,8 @@ class RaNNCModule(torch.nn.Module):
             raise RuntimeError(f"ranncd reports {len(resp.outputs)} outputs for the model but "
                                f"the trace returned {expected}")
         group_ids = _optim.group_param_ids(self._optimizer) if self._optimizer else []
-        self._job = _Job(resp.job_id, mode, spec, group_ids, list(resp.devices), owner, address)
+        self._job = _jobs.Job(resp.job_id, mode, spec, group_ids, list(resp.devices), owner,
+                              address)
         conn.hold_lease(resp.job_id, lease)
         self._job.lease_conn = conn
         self._deployment = resp.deployment if resp.HasField("deployment") else None
@@ -539,12 +363,12 @@ class RaNNCModule(torch.nn.Module):
         conn = self._connection()
         self._flush()
         resp = conn.call("SetMode", pb.SetModeRequest(job_id=job.id, mode=mode))
-        key = _mode_key(mode)
+        key = _jobs.mode_key(mode)
         if not resp.has_graph or key not in job.specs:
             # The daemon reads only the graph of another mode (the job has the tensors), so
             # every tensor stays out of the archive.
-            model_bytes, spec, _, _ = self._trace(self._trace_inputs(inputs)[0], mode,
-                                                  apart_bytes=0)
+            model_bytes, spec, _, _ = _tracing.trace(
+                self.model, _tracing.trace_inputs(inputs)[0], mode, apart_bytes=0)
             job.specs[key] = spec
             if not resp.has_graph:
                 step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
@@ -612,7 +436,7 @@ class RaNNCModule(torch.nn.Module):
                     req.grads.add(output_index=i, grad=wire.encode(g))
             # Grads placed in shared memory must be read before the region is reused, so only
             # all-inline backwards (a loss's scalar grad, typically) wait for the next forward.
-            if _defer_ops() and not any(g.grad.HasField("shm") for g in req.grads):
+            if _jobs.defer_ops() and not any(g.grad.HasField("shm") for g in req.grads):
                 job.pending.append(pb.DeferredOp(backward=req))
                 return
             self._flush()
@@ -620,7 +444,7 @@ class RaNNCModule(torch.nn.Module):
 
     def _defer(self, op: pb.DeferredOp) -> None:
         self._job.pending.append(op)
-        if not _defer_ops():
+        if not _jobs.defer_ops():
             self._flush()
 
     def _flush(self) -> None:
@@ -933,69 +757,4 @@ class RaNNCModule(torch.nn.Module):
         # deletion; the next job creation deletes it.
         job = self.__dict__.get("_job")
         if job is not None and job.owner:
-            _orphaned_jobs.append(job.id)
-
-
-# Jobs of RaNNCModules that were garbage-collected; deque appends are thread-safe.
-_orphaned_jobs: "collections.deque[str]" = collections.deque()
-
-
-def job_name(model) -> str:
-    """The job's name: RANNC_JOB (every client rank of a job gives the same), else the model's
-    class name."""
-    name = _config.client_setting("job") or _config.client_setting("job_name")
-    if name:
-        return name
-    if model is None:
-        raise ValueError("pyrannc: set RANNC_JOB to name the job that several client ranks share")
-    return type(model).__name__
-
-
-def _job_config(plan_batch: Optional[int]) -> Dict[str, str]:
-    """JobOptions.config: the job keys, and the batch to plan for when the model was traced on
-    part of it (a batch_size the user set wins)."""
-    config = _config.job_config()
-    if plan_batch is not None:
-        config.setdefault("batch_size", str(plan_batch))
-    return config
-
-
-def lease_seconds() -> float:
-    """The client's lease on its jobs (RANNC_JOB_LEASE seconds, default 300; 0: none): a job
-    whose client has not been heard from for that long is deleted by the daemon (a client that
-    died does not hold a shared daemon's devices). pyrannc renews it while the process lives."""
-    value = _config.client_setting("job_lease", "300")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r} is not a number of seconds") from None
-    if not 0 <= seconds <= 4e6:
-        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r}: 0 (no lease) or 1 to 4,000,000 "
-                         "seconds")
-    return seconds
-
-
-def client_timeout_ms() -> int:
-    """How long a client rank waits for the others (RANNC_CLIENT_TIMEOUT seconds, default 300)."""
-    return int(float(_config.client_setting("client_timeout", "300")) * 1000)
-
-
-def _tensor_bytes(model: torch.nn.Module, min_bytes: int) -> int:
-    """Bytes of the model's distinct parameters and buffers of at least `min_bytes` each: what
-    _leave_out_tensors would send apart."""
-    seen, total = set(), 0
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= min_bytes and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += nbytes
-    return total
-
-
-def _delete_orphaned_jobs(conn) -> None:
-    while _orphaned_jobs:
-        job_id = _orphaned_jobs.popleft()
-        try:
-            conn.call("DeleteJob", pb.JobRef(job_id=job_id), timeout=10.0)
-        except Exception as err:  # noqa: BLE001 - cleanup of a job nobody can use any more
-            logger.debug("pyrannc: deleting orphaned job %s: %s", job_id, err)
+            _jobs.orphan(job.id)

@@ -1,13 +1,17 @@
 """Deployment files without a daemon: reading, writing, checking and printing them
-(pyrannc._deployment and pyrannc.show_deployment), on Deployment protos built by hand."""
+(pyrannc._deployment and pyrannc.show_deployment, which prints through the rannc CLI), on
+Deployment protos built by hand."""
 
 import re
+import subprocess
 
 import pytest
 
 import pyrannc
 from pyrannc import _deployment
+from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2 as dpb
+from conftest import built_binary
 
 
 def _plan(micro_batches=4, stage_devices=((0, 1), (2, 3)), device_type="cuda",
@@ -106,6 +110,21 @@ def test_unused_devices_and_cpu_and_gpipe():
     assert "  cpu:0 -> stage 0, micro-batch size 5" in text
     assert "  cpu:1 -> unused" in text
     assert "GPipe, 1 micro-batches" in text
+
+
+def test_the_text_is_the_cli_s(tmp_path):
+    # One formatter: pyrannc prints what `rannc plan --show` prints, byte for byte.
+    path = _write(tmp_path, _plan(stage_devices=((0, 1, 2), (3,)), micro_batches=2))
+    cli = subprocess.run([built_binary("rannc", "RANNC_CLI_BIN", "client"), "plan", "--show",
+                          str(path), "--batch", "13"], capture_output=True, text=True, check=True)
+    assert pyrannc.show_deployment(path, 13) == cli.stdout
+
+
+def test_a_missing_cli_is_a_clear_error(tmp_path, monkeypatch):
+    path = _write(tmp_path, _plan())
+    monkeypatch.setenv("RANNC_CLI_BIN", str(tmp_path / "no_rannc"))
+    with pytest.raises(RanncError, match="RANNC_CLI_BIN=.*no_rannc is not an executable"):
+        pyrannc.show_deployment(path, 8)
 
 
 def test_too_small_batch_is_refused(tmp_path):

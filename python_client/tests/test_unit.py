@@ -1,5 +1,6 @@
 """Client-side pieces that need no daemon: tensor codec, output structures, config, optimizer
-mapping, version check, the saved trace's fingerprint and output codec."""
+mapping, version check, finding the binaries, the walk over a model's tensors, the saved trace's
+fingerprint and output codec."""
 
 import collections
 import json
@@ -8,7 +9,8 @@ import os
 import pytest
 import torch
 
-from pyrannc import _codec, _config, _daemon, _deployment, _optim, _outputs, _saved_trace
+from pyrannc import (_binaries, _codec, _config, _daemon, _deployment, _optim, _outputs,
+                     _saved_trace, _tensors)
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2 as dpb
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -200,6 +202,59 @@ def test_find_daemon_binary(monkeypatch, tmp_path):
     monkeypatch.setenv("RANNC_DAEMON_BIN", str(tmp_path / "missing"))
     with pytest.raises(RanncError, match="not an executable"):
         _daemon.find_daemon_binary()
+
+
+def test_find_cli_binary(monkeypatch, tmp_path):
+    exe = tmp_path / "rannc"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("RANNC_CLI_BIN", str(exe))
+    assert _binaries.find_cli_binary() == str(exe)
+    monkeypatch.setenv("RANNC_CLI_BIN", str(tmp_path / "missing"))
+    with pytest.raises(RanncError, match="RANNC_CLI_BIN=.*not an executable"):
+        _binaries.find_cli_binary()
+
+
+class _Shared(torch.nn.Module):
+    """A submodule reached by two paths, a weight tied across modules, buffers, an empty slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.block = torch.nn.Linear(16, 16)
+        self.again = self.block
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.bn(self.again(self.block(self.emb(x).mean(1)))))
+
+
+def test_tensor_walk_names_every_slot_and_each_tensor_once():
+    model = _Shared()
+    names = [(s.name, s.kind) for s in _tensors.slots(model)]
+    assert ("block.weight", "parameter") in names and ("again.weight", "parameter") in names
+    assert ("head.weight", "parameter") in names and ("bn.running_mean", "buffer") in names
+    assert "head.bias" not in [n for n, _ in names]  # bias=False leaves the slot empty
+    distinct = [s.name for s in _tensors.distinct(model)]
+    assert "again.weight" not in distinct and "head.weight" not in distinct
+    assert distinct == [n for n, _ in _saved_trace.model_tensors(model)]
+    unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    assert _tensors.distinct_bytes(model, 0) == sum(_tensors.nbytes(t) for t in unique.values())
+    assert _tensors.distinct_bytes(model, 1024) == _tensors.nbytes(model.emb.weight) + \
+        _tensors.nbytes(model.block.weight)
+
+
+def test_leave_out_keeps_ties_and_leaves_the_model_alone():
+    model = _Shared().eval()
+    traced = torch.jit.trace(model, torch.randint(0, 50, (4, 3)), check_trace=False)
+    apart = _tensors.leave_out(traced, 1024)
+    assert [n for n, _ in apart] == ["emb.weight", "block.weight"]
+    assert _tensors.distinct_bytes(model, 1024) == sum(_tensors.nbytes(t) for _, t in apart)
+    assert traced.emb.weight.stride() == (0, 0) and traced.block.bias.stride() == (1,)
+    assert traced.head.weight is traced.emb.weight  # one stand-in for the tied pair
+    assert model.emb.weight.stride() == (16, 1)  # the user's model keeps its tensors
 
 
 def test_chunk_bytes_fit_the_message_limit():

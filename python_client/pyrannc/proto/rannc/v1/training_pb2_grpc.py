@@ -119,11 +119,6 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
                 )
-        self.AbortStep = channel.unary_unary(
-                '/rannc.v1.TrainingService/AbortStep',
-                request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
-                response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
-                )
 
 
 class TrainingServiceServicer(object):
@@ -258,14 +253,6 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AbortStep(self, request, context):
-        """Between daemons: the daemon leading a job over the cluster fails the step this daemon's part
-        of it is running, at once (another daemon's step failed). Returns without waiting for it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_TrainingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -371,11 +358,6 @@ def add_TrainingServiceServicer_to_server(servicer, server):
             ),
             'RecreateCommunicators': grpc.unary_unary_rpc_method_handler(
                     servicer.RecreateCommunicators,
-                    request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
-                    response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
-            ),
-            'AbortStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortStep,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
             ),
@@ -741,23 +723,6 @@ class TrainingService(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/RecreateCommunicators',
-            rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
-            rannc_dot_v1_dot_training__pb2.Empty.FromString,
-            options, channel_credentials,
-            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
-
-    @staticmethod
-    def AbortStep(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/AbortStep',
             rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
             rannc_dot_v1_dot_training__pb2.Empty.FromString,
             options, channel_credentials,

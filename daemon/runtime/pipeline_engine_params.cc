@@ -1,0 +1,436 @@
+// The engine's parameters, gradients and optimizers between steps (see pipeline_engine.h):
+// reads and writes of the lifted tensors by name or index, gradient accumulation from outside,
+// zeroing, norms and clipping, the per-device optimizers and their state, the loss scaler's
+// overflow check, and each device's held bytes. Called on the engine's calling thread between
+// steps; OnEveryDevice runs the parts that need the devices on their workers.
+#include <algorithm>
+#include <atomic>
+#include <future>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/common/tensor_codec.h"
+#include "daemon/optim/grad_norm.h"
+#include "daemon/runtime/pipeline_engine_impl.h"
+#include "daemon/runtime/tensor_buffer.h"
+
+namespace rannc {
+
+using pipeline_internal::Device;
+
+absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& name,
+                                                             int device) const {
+  for (size_t li = 0; li < ir_->tensor_names.size(); ++li) {
+    if (ir_->tensor_names[li] != name) continue;
+    if (device >= 0) {
+      if (device < static_cast<int>(world_rank_.size()) && world_rank_[device] >= 0 &&
+          devices_[world_rank_[device]].lifted[li].defined()) {
+        return &devices_[world_rank_[device]].Master(li);
+      }
+      break;
+    }
+    if (owner_[li] >= 0) return &devices_[owner_[li]].Master(li);
+  }
+  return absl::NotFoundError(absl::StrCat("no stage", device >= 0 ? " on that device" : "",
+                                          " holds a tensor named ", name));
+}
+
+void PipelineEngine::Impl::SetParam(int lifted, const at::Tensor& value) {
+  at::NoGradGuard no_grad;
+  auto slot = zero_slots_.find(lifted);
+  for (Device& d : devices_) {
+    if (!d.lifted[lifted].defined()) continue;
+    if (offload_ && slot != zero_slots_.end()) {
+      // The master is the replicas' shards: each gets its slice.
+      const at::Tensor flat = value.reshape(-1);
+      pipeline_internal::ZeroPartition& part = d.zero[slot->second.partition];
+      ForShardSlice(part, slot->second.index, [&](int64_t shard_from, int64_t from, int64_t n) {
+        part.shard.narrow(0, shard_from, n).copy_(flat.narrow(0, from, n));
+      });
+      if (d.resident) d.lifted[lifted].copy_(value);
+      continue;
+    }
+    d.Master(lifted).copy_(value);
+    if (!d.host.empty() && d.host[lifted].defined() && d.resident) d.lifted[lifted].copy_(value);
+  }
+}
+
+at::Tensor PipelineEngine::Impl::ParamValue(int lifted, int device) const {
+  const Device* d = nullptr;
+  if (device < 0) {
+    if (owner_[lifted] >= 0) d = &devices_[owner_[lifted]];
+  } else if (device < static_cast<int>(world_rank_.size()) && world_rank_[device] >= 0) {
+    d = &devices_[world_rank_[device]];
+  }
+  if (d == nullptr || !d->lifted[lifted].defined()) return at::Tensor();
+  if (offload_ && sharded(lifted)) return ShardedValue(lifted);
+  return HostCopy(d->Master(lifted).detach());
+}
+
+void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
+  at::NoGradGuard no_grad;
+  if (auto slot = zero_slots_.find(lifted); slot != zero_slots_.end()) {
+    const at::Tensor flat = grad.reshape(-1);
+    for (Device& d : devices_) {
+      if (!d.local || d.stage != slot->second.stage) continue;
+      pipeline_internal::ZeroPartition& part = d.zero[slot->second.partition];
+      ForShardSlice(part, slot->second.index, [&](int64_t shard_from, int64_t from, int64_t n) {
+        at::Tensor& g = part.shard.mutable_grad();
+        if (!g.defined()) g = at::zeros_like(part.shard);
+        g.narrow(0, shard_from, n).add_(flat.narrow(0, from, n).to(g.options()));
+      });
+    }
+    return;
+  }
+  for (Device& d : devices_) {
+    if (!d.lifted[lifted].defined()) continue;
+    at::Tensor& p = d.Master(lifted);
+    if (!p.requires_grad()) continue;
+    if (pending_ && d.world_rank != primary_[lifted]) continue;
+    if (p.grad().defined()) {
+      p.mutable_grad().add_(grad.to(p.options()));
+    } else {
+      p.mutable_grad() = grad.to(p.options(), /*non_blocking=*/false, /*copy=*/true);
+    }
+  }
+}
+
+void PipelineEngine::Impl::AddGradShare(int lifted, const at::Tensor& grad) {
+  // A ZeRO gradient is never pending (reduce-scattered after every backward): it was read whole.
+  if (sharded(lifted)) return AddGrad(lifted, grad);
+  BeginLocalGrads();
+  if (owner_[lifted] < 0) return;
+  at::Tensor& p = devices_[owner_[lifted]].Master(lifted);
+  if (!p.requires_grad()) return;
+  at::NoGradGuard no_grad;
+  if (p.grad().defined()) {
+    p.mutable_grad().add_(grad.to(p.options()));
+  } else {
+    p.mutable_grad() = grad.to(p.options(), /*non_blocking=*/false, /*copy=*/true);
+  }
+}
+
+at::Tensor PipelineEngine::Impl::GradCopy(int lifted, const at::Tensor& t) const {
+  if (sharded(lifted)) return FullGrad(lifted);  // never pending; every replica's slice
+  at::Tensor sum;
+  if (!pending_) {
+    if (t.grad().defined()) sum = HostCopy(t.grad().detach());
+  } else {
+    at::NoGradGuard no_grad;
+    for (const Device& d : devices_) {
+      if (!d.local || !d.lifted[lifted].defined()) continue;
+      const at::Tensor& g = d.Master(lifted).grad();
+      if (!g.defined()) continue;
+      sum = sum.defined() ? sum.add_(ToHost(g)) : HostCopy(g.detach());
+    }
+  }
+  if (!sum.defined() && owner_[lifted] >= 0 && devices_[owner_[lifted]].zeroed.count(lifted)) {
+    return at::zeros(lifted_shapes_[lifted], at::TensorOptions().dtype(lifted_types_[lifted]));
+  }
+  return sum;
+}
+
+absl::Status PipelineEngine::Impl::CheckReduced(const char* what) const {
+  if (!pending_) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": the gradients of delayed backwards (delay_grad_allreduce) are not all-reduced "
+      "yet; call allreduce_grads() first"));
+}
+
+void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
+  for (Device& d : devices_) {
+    for (pipeline_internal::ZeroPartition& part : d.zero) {
+      if (!part.shard.grad().defined()) continue;
+      if (set_to_none) {
+        part.shard.mutable_grad().reset();
+      } else {
+        part.shard.mutable_grad().zero_();
+      }
+    }
+    if (set_to_none) d.zeroed.clear();
+    for (std::vector<at::Tensor>* tensors : {&d.lifted, &d.host}) {
+      for (size_t li = 0; li < tensors->size(); ++li) {
+        at::Tensor& t = (*tensors)[li];
+        if (!t.defined() || !t.grad().defined()) continue;
+        // Zeros are freed too (Device::zeroed says where they are).
+        if (!set_to_none) d.zeroed.insert(static_cast<int>(li));
+        t.mutable_grad().reset();
+      }
+    }
+  }
+  // Every holder's gradient is now zero (or none): nothing is left to reduce.
+  pending_ = false;
+}
+
+absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> PipelineEngine::Impl::GradNorms(
+    const std::vector<int>& params, double norm_type) const {
+  absl::Status reduced = CheckReduced("clip_grad_norm");
+  if (!reduced.ok()) return reduced;
+  // Each parameter's gradient counted once, its owner's.
+  std::vector<std::pair<int, at::Tensor>> norms;
+  for (int li : params) {
+    const at::Tensor g = FullGrad(li);
+    if (g.defined()) norms.emplace_back(li, ToHost(GradNorm(g, norm_type)));
+  }
+  return norms;
+}
+
+void PipelineEngine::Impl::ScaleGrads(const std::vector<int>& params,
+                                      const at::Tensor& coefficient) {
+  at::NoGradGuard no_grad;
+  const std::set<int> selected(params.begin(), params.end());
+  for (Device& d : devices_) {
+    for (int li : selected) {
+      if (!d.lifted[li].defined()) continue;
+      at::Tensor& p = d.Master(li);
+      if (p.grad().defined()) p.grad().mul_(coefficient);
+    }
+    for (const pipeline_internal::ZeroPartition& part : d.zero) {
+      const at::Tensor& g = part.shard.grad();
+      if (!g.defined()) continue;
+      for (size_t i = 0; i < part.params.size(); ++i) {
+        if (!selected.count(part.params[i])) continue;
+        ForShardSlice(part, i, [&](int64_t shard_from, int64_t, int64_t n) {
+          g.narrow(0, shard_from, n).mul_(coefficient);
+        });
+      }
+    }
+  }
+}
+
+absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
+                                                const std::vector<std::vector<int>>& groups) {
+  const std::set<int> tied(tied_.begin(), tied_.end());
+  for (Device& d : devices_) {
+    // ZeRO shards the untied parameters of a stage with replicas (SetUpZero).
+    const bool shard = zero_ && d.local && d.replicas != nullptr;
+    if (shard && offload_ && !d.zero.empty()) {
+      // The shards are the masters now; laying them out again would need them gathered first.
+      return absl::FailedPreconditionError(
+          "with zero and offload, an engine's optimizer is set once");
+    }
+    std::vector<ParamGroup> device_groups(groups.size());
+    std::vector<std::vector<int>> ids(groups.size());  // per group: lifted index, or -1 - k
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (int li : groups[g]) {
+        if (li < 0 || li >= static_cast<int>(d.lifted.size())) {
+          return absl::InvalidArgumentError(absl::StrCat("no lifted tensor ", li));
+        }
+        if (!d.lifted[li].defined()) continue;
+        const at::Tensor& p = d.Master(li);
+        if (!p.requires_grad() || (shard && !tied.count(li))) continue;
+        device_groups[g].params.push_back(p);
+        ids[g].push_back(li);
+      }
+    }
+    if (shard) {
+      absl::Status s = SetUpZero(d, groups, &device_groups, &ids);
+      if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
+    }
+    absl::StatusOr<std::unique_ptr<Optimizer>> opt = MakeOptimizer(kind, std::move(device_groups));
+    if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("device ", d.index));
+    d.optimizer = std::move(*opt);
+    d.optimizer_params.clear();
+    for (const std::vector<int>& group : ids) {
+      d.optimizer_params.insert(d.optimizer_params.end(), group.begin(), group.end());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) {
+  absl::Status usable = CheckUsable();
+  if (!usable.ok()) return usable;
+  for (const Device& d : devices_) {
+    if (!d.optimizer) return absl::FailedPreconditionError("the engine has no optimizer");
+  }
+  absl::Status reduced = CheckReduced("optimizer step");
+  if (!reduced.ok()) return reduced;
+  if (scaler_.enabled()) {
+    absl::StatusOr<bool> found_inf = FoundInf();
+    if (!found_inf.ok()) return found_inf.status();
+    if (*found_inf) {
+      scaler_.Update(true);
+      return absl::OkStatus();
+    }
+    absl::Status stepped = OptimizerStep(hypers);
+    if (stepped.ok()) scaler_.Update(false);
+    return stepped;
+  }
+  return OptimizerStep(hypers);
+}
+
+absl::Status PipelineEngine::Impl::OptimizerStep(const std::vector<HyperParams>& hypers) {
+  // Zeroed gradients are stepped as zeros, as PyTorch steps a zero gradient (weight decay and
+  // moments still move).
+  for (Device& d : devices_) {
+    for (int li : d.zeroed) {
+      at::Tensor& p = d.Master(li);
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    }
+    d.zeroed.clear();
+  }
+  // Every device checks the same hypers against the same groups: all fail or none does.
+  if (offload_) {
+    // The masters and the optimizer state are in host memory: the step runs on the host, off
+    // the devices' workers (whose allocations count as device memory), every device at once.
+    // The next step's Upload brings the new values (and all-gathers ZeRO's shards).
+    std::vector<std::future<absl::Status>> done;
+    for (Device& d : devices_) {
+      if (!d.local) continue;
+      done.push_back(std::async(std::launch::async, [&d, &hypers] {
+        return TorchCall(absl::StatusCode::kInternal, "optimizer step",
+                         [&] { return d.optimizer->Step(hypers); });
+      }));
+    }
+    absl::Status first = absl::OkStatus();
+    for (auto& f : done) {
+      absl::Status s = f.get();
+      if (first.ok() && !s.ok()) first = s;
+    }
+    return first;
+  }
+  absl::Status stepped =
+      OnEveryDevice([&](Device& d) { return d.optimizer->Step(hypers); }, false);
+  if (!stepped.ok() || zero_slots_.empty()) return stepped;
+  return OnEveryDevice([&](Device& d) { return GatherZeroParams(d); }, true);
+}
+
+std::map<int, std::vector<std::pair<std::string, at::Tensor>>>
+PipelineEngine::Impl::OptimizerState() const {
+  std::map<int, std::vector<std::pair<std::string, at::Tensor>>> out;
+  for (const Device& d : devices_) {
+    if (!d.optimizer) continue;
+    for (const auto& [name, value] : d.optimizer->NamedState()) {
+      const size_t dot = name.find('.');
+      const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
+      if (li < 0 || owner_[li] != d.world_rank) continue;  // a ZeRO shard: below
+      out[li].emplace_back(name.substr(dot + 1), HostCopy(value.detach()));
+    }
+    ZeroOptimizerState(d, &out);
+  }
+  return out;
+}
+
+absl::Status PipelineEngine::Impl::LoadOptimizerState(
+    const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state) {
+  for (Device& d : devices_) {
+    if (!d.optimizer) return absl::FailedPreconditionError("the engine has no optimizer");
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (size_t i = 0; i < d.optimizer_params.size(); ++i) {
+      auto it = state.find(d.optimizer_params[i]);
+      if (it == state.end()) continue;
+      for (const auto& [key, value] : it->second) {
+        named.emplace_back(absl::StrCat(i, ".", key), value);
+      }
+    }
+    LoadZeroOptimizerState(d, state, &named);
+    absl::Status s = d.optimizer->LoadNamedState(named);
+    if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
+  }
+  return absl::OkStatus();
+}
+
+void PipelineEngine::Impl::Unscale(const at::Tensor& grad) const {
+  // A power of two by default: exact, as GradScaler's unscale is.
+  at::NoGradGuard no_grad;
+  grad.mul_(1.0 / scaler_.scale());
+}
+
+absl::StatusOr<bool> PipelineEngine::Impl::FoundInf() {
+  std::atomic<bool> found{false};
+  absl::Status s = OnEveryDevice(
+      [&](Device& d) -> absl::Status {
+        at::NoGradGuard no_grad;
+        bool mine = false;
+        auto check = [&](const at::Tensor& g) {
+          if (!mine && g.defined()) mine = !at::isfinite(g).all().item<bool>();
+        };
+        for (int li : stages_[d.stage].params) check(d.Master(li).grad());
+        for (const pipeline_internal::ZeroPartition& part : d.zero) check(part.shard.grad());
+        at::Tensor flag = at::full({1}, mine ? 1.0f : 0.0f, d.On(at::kFloat));
+        if (d.world) {
+          absl::StatusOr<comm::Buffer> buf = BufferOf(flag);
+          if (!buf.ok()) return buf.status();
+          absl::Status r = Wait(d, d.world->AllReduce(*buf, {comm::ReduceOp::kSum}), flag,
+                                "agreeing whether the gradients overflowed");
+          if (!r.ok()) return r;
+        }
+        if (flag.item<float>() > 0) found = true;
+        return absl::OkStatus();
+      },
+      true);
+  if (!s.ok()) return s;
+  return found.load();
+}
+
+void PipelineEngine::Impl::ApplySgd(double lr) {
+  at::NoGradGuard no_grad;
+  for (Device& d : devices_) {
+    for (size_t li = 0; li < d.lifted.size(); ++li) {
+      if (!d.lifted[li].defined()) continue;
+      at::Tensor& t = d.Master(static_cast<int>(li));
+      if (t.requires_grad() && t.grad().defined()) t.sub_(t.grad(), lr);
+    }
+  }
+}
+
+int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return 0;
+  }
+  return HeldBytes(devices_[world_rank_[device]]);
+}
+
+int64_t PipelineEngine::Impl::PeakDeviceBytes(int device) const {
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return 0;
+  }
+  const Device& d = devices_[world_rank_[device]];
+  return std::max(d.peak_bytes, HeldBytes(d));
+}
+
+void PipelineEngine::Impl::ResetPeakDeviceBytes() {
+  for (Device& d : devices_) d.peak_bytes = 0;
+}
+
+std::pair<int, int> PipelineEngine::Impl::OverlappedBuckets(int device) const {
+  std::pair<int, int> out{0, 0};
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return out;
+  }
+  const Device& d = devices_[world_rank_[device]];
+  for (const GradReducer* r : {d.reducer.get(), d.zero_reducer.get()}) {
+    if (r == nullptr) continue;
+    out.first += r->buckets_started_early();
+    out.second += r->buckets();
+  }
+  return out;
+}
+
+int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : d.lifted) {
+    if (!t.defined()) continue;
+    bytes += t.nbytes();
+    if (t.grad().defined()) bytes += t.grad().nbytes();
+  }
+  if (d.reducer) bytes += d.reducer->buffer_bytes();
+  // Offloaded: gradients between steps and optimizer state are host memory.
+  if (offload_) return bytes;
+  for (const at::Tensor& t : d.fused_grads) {
+    if (t.defined()) bytes += t.nbytes();
+  }
+  for (const pipeline_internal::ZeroPartition& part : d.zero) {
+    if (part.shard.grad().defined()) bytes += part.shard.grad().nbytes();
+    if (part.fused_grad.defined()) bytes += part.fused_grad.nbytes();
+  }
+  if (d.optimizer) bytes += d.optimizer->StateBytes();
+  return bytes;
+}
+
+}  // namespace rannc

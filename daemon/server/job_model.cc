@@ -1,0 +1,293 @@
+#include "daemon/server/job_model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+#include <utility>
+
+#include <spdlog/spdlog.h>
+#include <torch/csrc/jit/ir/ir.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/elapsed.h"
+#include "daemon/common/status.h"
+#include "daemon/graph/low_precision.h"
+#include "daemon/optim/optimizer.h"
+#include "daemon/planner/deployment.h"
+#include "daemon/planner/planner.h"
+#include "daemon/runtime/autocast.h"
+
+namespace rannc {
+namespace {
+
+absl::Status CheckExampleCount(const ImportedModel& model,
+                               const std::vector<at::Tensor>& example_inputs) {
+  if (model.input_names.size() == example_inputs.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the model's forward takes ", model.input_names.size(), " inputs (",
+      absl::StrJoin(model.input_names, ", "), "), but ", example_inputs.size(),
+      " example inputs were given"));
+}
+// What the planner counts per trainable parameter byte: optimizer state (and whether it is sharded
+// or offloaded) and AMP weight copies.
+planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bool offload,
+                                    const AmpDtype& amp) {
+  planner::MemoryModel m;
+  m.zero = zero;
+  m.offload = offload;
+  // Autocast's low-precision copies of the fp32 weights, kept by each micro-batch in flight.
+  if (amp.has_value()) m.amp_cast_factor = c10::elementSize(*amp) / 4.0;
+  if (!config.enabled) return m;
+  bool momentum = false, amsgrad = false;
+  for (const HyperParams& h : config.group_hyper) {
+    momentum = momentum || h.momentum != 0;
+    amsgrad = amsgrad || h.amsgrad;
+  }
+  switch (config.kind) {
+    case OptimizerKind::kSgd:
+      m.optimizer = "sgd";
+      m.optimizer_state_factor = momentum ? 1 : 0;
+      break;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      m.optimizer = config.kind == OptimizerKind::kAdam ? "adam" : "adamw";
+      m.optimizer_state_factor = amsgrad ? 3 : 2;
+      break;
+  }
+  return m;
+}
+// The plan for `ir`: planned for config.plan_target, or the deployment the client loaded,
+// checked against this model and these devices.
+absl::StatusOr<v1::Deployment> PlanIr(const JobSettings& config, const IrGraph& ir,
+                                      const std::vector<at::Tensor>& tensors,
+                                      const std::vector<at::Tensor>& example_inputs) {
+  if (!config.load_deployment.empty()) {
+    v1::Deployment loaded;
+    if (!loaded.ParseFromString(config.load_deployment)) {
+      return absl::InvalidArgumentError(
+          "load_deployment: the file is not a deployment (a serialized rannc.v1.Deployment)");
+    }
+    // The client's saved trace (MBs of TorchScript) is the client's business: dropped so the
+    // job's plan, the CreateJob reply and a cluster part's spec do not carry it.
+    loaded.clear_saved_trace();
+    planner::PlanTarget target = config.plan_target;
+    if (target.batch_size <= 0) target.batch_size = ir.example_batch;
+    absl::Status fits = planner::CheckDeployment(loaded, ir, target);
+    if (!fits.ok()) return Annotate(fits, "load_deployment");
+    loaded.set_loaded(true);
+    return loaded;
+  }
+  auto plan_with = [&](bool zero, bool offload) -> absl::StatusOr<v1::Deployment> {
+    // The planner runs the model (profiling): a LibTorch error there is a status, not a throw.
+    absl::StatusOr<v1::Deployment> plan = absl::InternalError("no plan");
+    absl::Status ran = TorchCall(absl::StatusCode::kInternal, "profiling", [&] {
+      plan = planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
+                                MemoryModelFor(config.optimizer, zero, offload, config.amp),
+                                config.planner, config.profile_cache, config.created_by);
+      return absl::OkStatus();
+    });
+    if (!ran.ok()) return ran;
+    return plan;
+  };
+  absl::StatusOr<v1::Deployment> plan = plan_with(config.zero, config.offload);
+  if (!plan.ok() && plan.status().code() == absl::StatusCode::kResourceExhausted &&
+      config.planner.auto_memory) {
+    // Nothing fits as asked: the switches a user would turn on by hand, the cheapest first
+    // (ZeRO shards over replicas; offload moves each step's parameters over the host link).
+    // The profiles are cached, so each try is a search.
+    std::set<std::pair<bool, bool>> tried = {{config.zero, config.offload}};
+    for (auto [zero, offload] : std::vector<std::pair<bool, bool>>{
+             {true, config.offload}, {config.zero, true}, {true, true}}) {
+      if (!tried.insert({zero, offload}).second) continue;
+      absl::StatusOr<v1::Deployment> more = plan_with(zero, offload);
+      if (more.ok()) {
+        spdlog::info("no plan fits {}; planned with{}{} instead (planner key auto_memory)",
+                     config.zero || config.offload ? "with the job's memory switches"
+                                                   : "without ZeRO or offload",
+                     zero ? " ZeRO" : "", offload ? (zero ? " and offload" : " offload") : "");
+      }
+      if (more.ok() || more.status().code() != absl::StatusCode::kResourceExhausted) {
+        plan = std::move(more);
+        break;
+      }
+    }
+    if (!plan.ok() && plan.status().code() == absl::StatusCode::kResourceExhausted) {
+      plan = absl::ResourceExhaustedError(absl::StrCat(
+          plan.status().message(), "; with ZeRO and parameter offload (auto_memory) neither"));
+    }
+  }
+  if (!plan.ok()) return Annotate(plan.status(), "planning the model");
+  return plan;
+}
+
+
+}  // namespace
+
+absl::Status CheckUnusedValues(const ImportedModel& model, const ParamStore& store) {
+  for (size_t i = 0; i < model.input_names.size(); ++i) {
+    if (!model.graph->inputs()[i]->hasUses()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", model.input_names[i], "' (#", i,
+          ") is not used by the model's forward; remove it or pass check_unused_values=False"));
+    }
+  }
+  std::set<std::string> used(model.graph_tensor_names.begin(), model.graph_tensor_names.end());
+  for (const ParamStore::Entry& e : store.entries()) {
+    if (!e.is_parameter) continue;
+    bool is_used = used.count(e.name) > 0;
+    for (const std::string& alias : e.aliases) is_used = is_used || used.count(alias) > 0;
+    if (!is_used) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", e.name, "' is not used by the model's forward; remove it or pass "
+          "check_unused_values=False"));
+    }
+  }
+  return absl::OkStatus();
+}
+absl::Status CheckOptimizer(const OptimizerConfig& config, const ParamStore& store) {
+  std::vector<ParamGroup> groups;
+  if (config.group_params.empty()) {
+    if (config.group_hyper.size() != 1) {
+      return absl::InvalidArgumentError("an optimizer without param groups needs one hyper set");
+    }
+    groups.push_back({store.Parameters(), config.group_hyper[0]});
+  } else {
+    if (config.group_params.size() != config.group_hyper.size()) {
+      return absl::InvalidArgumentError("optimizer param groups and hyper-parameters differ");
+    }
+    std::set<const ParamStore::Entry*> seen;
+    for (size_t g = 0; g < config.group_params.size(); ++g) {
+      ParamGroup group{{}, config.group_hyper[g]};
+      for (const std::string& name : config.group_params[g]) {
+        const ParamStore::Entry* entry = store.Find(name);
+        if (entry == nullptr || !entry->is_parameter) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "optimizer param group ", g, " names '", name, "', which is not a parameter of "
+              "the model"));
+        }
+        if (!seen.insert(entry).second) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "parameter '", name, "' appears in more than one optimizer param group"));
+        }
+        group.params.push_back(entry->tensor);
+      }
+      groups.push_back(std::move(group));
+    }
+  }
+  for (const ParamGroup& g : groups) {
+    absl::Status valid = ValidateHyperParams(config.kind, g.hyper);
+    if (!valid.ok()) return valid;
+  }
+  // The devices' optimizers are made by the engine; this one only proves the groups.
+  absl::StatusOr<std::unique_ptr<Optimizer>> made = MakeOptimizer(config.kind, std::move(groups));
+  return made.status();
+}
+// With amp_level=O2, the imported forward rewritten to compute in the AMP dtype from end to end
+// (graph/low_precision.h); `inputs`: the job's inputs, whose floating ones are cast on entry.
+absl::Status LowerPrecision(const JobSettings& config, ImportedModel* model,
+                            const std::vector<c10::ScalarType>& inputs) {
+  if (!config.amp_o2) return absl::OkStatus();
+  return CastForwardTo(model, *config.amp, inputs);
+}
+// The client's archive as a job (or a dry run) takes it: the sent tensors in place of their
+// stand-ins, none left unbound, as many forward inputs as example inputs, and the forward
+// lowered for amp_level=O2.
+absl::StatusOr<ImportedModel> ImportJobModel(const JobSettings& config,
+                                             const std::string& model_bytes,
+                                             const SentTensors& sent,
+                                             const std::vector<at::Tensor>& example_inputs) {
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(model_bytes, sent);
+  if (!model.ok()) return model.status();
+  if (absl::Status bound = CheckNoStandIns(*model); !bound.ok()) return bound;
+  if (absl::Status counted = CheckExampleCount(*model, example_inputs); !counted.ok()) {
+    return counted;
+  }
+  std::vector<c10::ScalarType> dtypes;
+  for (const at::Tensor& x : example_inputs) dtypes.push_back(x.scalar_type());
+  if (absl::Status lowered = LowerPrecision(config, &*model, dtypes); !lowered.ok()) {
+    return lowered;
+  }
+  return model;
+}
+// The model's IR (for the store's tensors) and its plan.
+absl::StatusOr<PlannedModel> PlanJobModel(const JobSettings& config, const ImportedModel& model,
+                                          const ParamStore& store,
+                                          const std::vector<at::Tensor>& example_inputs) {
+  std::vector<at::Tensor> tensors;
+  for (const std::string& name : model.graph_tensor_names) {
+    tensors.push_back(store.Find(name)->tensor);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<IrGraph> ir = BuildIr(model, tensors, example_inputs);
+  if (!ir.ok()) return Annotate(ir.status(), "building the model's IR");
+  PlannedModel out;
+  out.ir_s = SecondsSince(start);
+  spdlog::info("IR: {} atomic nodes, {} of them run per probe, built in {:.2f} s", ir->nodes.size(),
+               ir->nodes_probed, out.ir_s);
+  out.ir = std::make_unique<IrGraph>(std::move(*ir));
+  const auto planning = std::chrono::steady_clock::now();
+  absl::StatusOr<v1::Deployment> plan = PlanIr(config, *out.ir, tensors, example_inputs);
+  if (!plan.ok()) return plan.status();
+  out.plan = std::move(*plan);
+  out.plan_s = SecondsSince(planning);
+  return out;
+}
+absl::StatusOr<v1::Deployment> PlanJob(const JobSettings& config, const std::string& model_bytes,
+                                       const std::vector<at::Tensor>& example_inputs,
+                                       const SentTensors& sent) {
+  absl::StatusOr<ImportedModel> model = ImportJobModel(config, model_bytes, sent, example_inputs);
+  if (!model.ok()) return model.status();
+  ParamStore store = ParamStore::FromModuleTensors(model->tensors);
+  if (config.check_unused_values) {
+    absl::Status unused = CheckUnusedValues(*model, store);
+    if (!unused.ok()) return unused;
+  }
+  AutocastGuard amp(config.autocast());
+  absl::StatusOr<PlannedModel> planned = PlanJobModel(config, *model, store, example_inputs);
+  if (!planned.ok()) return planned.status();
+  return std::move(planned->plan);
+}
+
+// Per store entry, the IR lifted index of its tensor (under its name or an alias), or -1 when
+// the graph never reads it.
+std::vector<int> LiftedOfEntries(const ParamStore& store, const IrGraph& ir) {
+  std::vector<int> out;
+  for (const ParamStore::Entry& e : store.entries()) {
+    int lifted = -1;
+    for (size_t i = 0; i < ir.tensor_names.size() && lifted < 0; ++i) {
+      if (ir.tensor_names[i] == e.name ||
+          std::find(e.aliases.begin(), e.aliases.end(), ir.tensor_names[i]) != e.aliases.end()) {
+        lifted = static_cast<int>(i);
+      }
+    }
+    out.push_back(lifted);
+  }
+  return out;
+}
+// The optimizer's param groups as lifted indices (parameters the graph never reads have no
+// gradient, so no optimizer state either, and are left out).
+std::vector<std::vector<int>> OptimizerGroups(const OptimizerConfig& config,
+                                              const ParamStore& store,
+                                              const std::vector<int>& lifted_of_entry) {
+  auto lifted_of = [&](const std::string& name) {
+    return lifted_of_entry[store.Find(name) - store.entries().data()];
+  };
+  std::vector<std::vector<int>> groups;
+  if (config.group_params.empty()) {
+    groups.emplace_back();
+    for (const ParamStore::Entry& e : store.entries()) {
+      if (e.is_parameter && lifted_of(e.name) >= 0) groups.back().push_back(lifted_of(e.name));
+    }
+    return groups;
+  }
+  for (const std::vector<std::string>& names : config.group_params) {
+    groups.emplace_back();
+    for (const std::string& name : names) {
+      if (lifted_of(name) >= 0) groups.back().push_back(lifted_of(name));
+    }
+  }
+  return groups;
+}
+
+}  // namespace rannc

@@ -1,0 +1,229 @@
+#include "daemon/server/job_part_service.h"
+
+#include <spdlog/spdlog.h>
+
+#include "daemon/common/tensor_codec.h"
+#include "daemon/server/rpc_status.h"
+
+namespace rannc {
+
+absl::StatusOr<std::string> CreatePartJob(const v1::JobSpec& spec, const v1::PartSpec& part,
+                                          const std::string& model_bytes,
+                                          const DaemonFacts& facts, JobManager* jobs,
+                                          comm::Store* store) {
+  absl::StatusOr<JobSettings> settings = PartSettings(spec, part, facts);
+  if (!settings.ok()) return settings.status();
+  if (store != nullptr) settings->engine_store = store;
+  std::vector<at::Tensor> examples;
+  for (int i = 0; i < spec.example_inputs_size(); ++i) {
+    absl::StatusOr<at::Tensor> t = DecodeTensor(spec.example_inputs(i), "example input");
+    if (!t.ok()) return t.status();
+    examples.push_back(std::move(*t));
+  }
+  const std::string id = jobs->NewJobId();
+  absl::StatusOr<std::unique_ptr<Job>> job =
+      Job::Create(id, std::move(*settings), model_bytes, examples);
+  if (!job.ok()) return job.status();
+  spdlog::info("created part {} of a job led by {} ('{}')", id, part.store_address(),
+               spec.name());
+  jobs->Add(std::move(*job));
+  return id;
+}
+
+grpc::Status JobPartServiceImpl::CreatePart(grpc::ServerContext*,
+                                            grpc::ServerReader<v1::CreatePartRequest>* reader,
+                                            v1::CreatePartResponse* response) {
+  v1::CreatePartRequest request;
+  if (!reader->Read(&request) || !request.has_header()) {
+    return FailRpc("CreatePart", absl::InvalidArgumentError(
+        "CreatePart must start with a header, then the model's bytes"));
+  }
+  const v1::CreatePartRequest::Header header = request.header();
+  std::string model;
+  model.reserve(std::min<uint64_t>(header.spec().model_bytes(), uint64_t{1} << 30));
+  while (reader->Read(&request)) model += request.model_chunk();
+  absl::StatusOr<std::string> id =
+      CreatePartJob(header.spec(), header.part(), model, facts_, jobs_);
+  if (!id.ok()) return FailRpc("CreatePart", id.status());
+  response->set_part_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::DeletePart(grpc::ServerContext*, const v1::PartRef* ref,
+                                            v1::Empty*) {
+  absl::Status status = jobs_->Remove(ref->part_id());
+  if (!status.ok()) return FailRpc("DeletePart", status);
+  spdlog::info("deleted part {}", ref->part_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::Forward(grpc::ServerContext*,
+                                         const v1::PartForwardRequest* request,
+                                         v1::PartForwardResponse* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
+  if (!job.ok()) return FailRpc("part Forward", job.status());
+  std::vector<at::Tensor> inputs;
+  for (int i = 0; i < request->inputs_size(); ++i) {
+    absl::StatusOr<at::Tensor> t = DecodeTensor(request->inputs(i), "input");
+    if (!t.ok()) return FailRpc("part Forward", t.status());
+    inputs.push_back(std::move(*t));
+  }
+  absl::StatusOr<std::vector<at::Tensor>> outputs = (*job)->Forward(
+      0, inputs, request->requires_grad(), request->delay_grad_allreduce());
+  if (!outputs.ok()) return FailRpc("part Forward", outputs.status());
+  for (const at::Tensor& t : *outputs) {
+    absl::Status encoded = EncodeTensor(t, response->add_outputs());
+    if (!encoded.ok()) return FailRpc("part Forward", encoded);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::Backward(grpc::ServerContext*,
+                                          const v1::PartBackwardRequest* request, v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
+  if (!job.ok()) return FailRpc("part Backward", job.status());
+  OutputGrads grads;
+  for (const v1::OutputGrad& g : request->grads()) {
+    absl::StatusOr<at::Tensor> t = DecodeTensor(g.grad(), "an output's gradient");
+    if (!t.ok()) return FailRpc("part Backward", t.status());
+    grads.emplace_back(g.output_index(), std::move(*t));
+  }
+  absl::Status status = (*job)->Backward(0, grads, request->retain_graph(),
+                                         request->delay_grad_allreduce());
+  if (!status.ok()) return FailRpc("part Backward", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::RunOp(const char* rpc, const std::string& part_id,
+                                       const JobOp& op, NamedTensors* out) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(part_id);
+  if (!job.ok()) return FailRpc(rpc, job.status());
+  absl::StatusOr<NamedTensors> ran = (*job)->Run(0, op);
+  if (!ran.ok()) return FailRpc(rpc, ran.status());
+  if (out != nullptr) *out = std::move(*ran);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::Step(grpc::ServerContext*, const v1::PartStepRequest* request,
+                                      v1::Empty*) {
+  JobOp op;
+  op.kind = JobOp::Kind::kStep;
+  for (const v1::HyperParams& h : request->groups()) op.hypers.push_back(FromProto(h));
+  return RunOp("part Step", request->part_id(), op);
+}
+
+grpc::Status JobPartServiceImpl::AllReduceGrads(grpc::ServerContext*, const v1::PartRef* ref,
+                                                v1::Empty*) {
+  JobOp op;
+  op.kind = JobOp::Kind::kAllReduceGrads;
+  return RunOp("part AllReduceGrads", ref->part_id(), op);
+}
+
+grpc::Status JobPartServiceImpl::ZeroGrad(grpc::ServerContext*,
+                                          const v1::PartZeroGradRequest* request, v1::Empty*) {
+  JobOp op;
+  op.kind = JobOp::Kind::kZeroGrad;
+  op.set_to_none = request->set_to_none();
+  return RunOp("part ZeroGrad", request->part_id(), op);
+}
+
+grpc::Status JobPartServiceImpl::RecreateCommunicators(grpc::ServerContext*,
+                                                       const v1::PartRef* ref, v1::Empty*) {
+  JobOp op;
+  op.kind = JobOp::Kind::kRecreateCommunicators;
+  return RunOp("part RecreateCommunicators", ref->part_id(), op);
+}
+
+grpc::Status JobPartServiceImpl::GradNorms(grpc::ServerContext*,
+                                           const v1::GradNormsRequest* request,
+                                           v1::GradNormsResponse* response) {
+  JobOp op;
+  op.kind = JobOp::Kind::kGradNorms;
+  op.norm_type = request->norm_type();
+  NamedTensors norms;
+  grpc::Status status = RunOp("part GradNorms", request->part_id(), op, &norms);
+  if (!status.ok()) return status;
+  for (const auto& [name, norm] : norms) {
+    response->add_names(name);
+    absl::Status encoded = EncodeTensor(norm, response->add_norms());
+    if (!encoded.ok()) return FailRpc("part GradNorms", encoded);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::ScaleGrads(grpc::ServerContext*,
+                                            const v1::ScaleGradsRequest* request, v1::Empty*) {
+  absl::StatusOr<at::Tensor> coefficient =
+      DecodeTensor(request->coefficient(), "clip coefficient");
+  if (!coefficient.ok()) return FailRpc("part ScaleGrads", coefficient.status());
+  JobOp op;
+  op.kind = JobOp::Kind::kScaleGrads;
+  op.coefficient = *coefficient;
+  return RunOp("part ScaleGrads", request->part_id(), op);
+}
+
+grpc::Status JobPartServiceImpl::GetTensor(grpc::ServerContext*,
+                                           const v1::PartTensorRequest* request,
+                                           v1::PartTensorResponse* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
+  if (!job.ok()) return FailRpc("part GetTensor", job.status());
+  absl::StatusOr<std::optional<at::Tensor>> t =
+      (*job)->GetTensor(request->name(), request->grad());
+  if (!t.ok()) return ToGrpcStatus(t.status());  // NOT_FOUND is an answer here: held elsewhere
+  response->set_has_value(t->has_value());
+  if (t->has_value()) {
+    absl::Status encoded = EncodeTensor(**t, response->mutable_tensor());
+    if (!encoded.ok()) return FailRpc("part GetTensor", encoded);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::LoadState(grpc::ServerContext*,
+                                           grpc::ServerReader<v1::LoadPartStateRequest>* reader,
+                                           v1::Empty*) {
+  v1::LoadPartStateRequest request;
+  if (!reader->Read(&request) || request.part_id().empty()) {
+    return FailRpc("part LoadState", absl::InvalidArgumentError(
+        "LoadState must start with the part's id, then the chunks"));
+  }
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request.part_id());
+  if (!job.ok()) return FailRpc("part LoadState", job.status());
+  StateDictAssembler assembler;
+  absl::Status status;
+  while (reader->Read(&request)) {
+    if (status.ok()) status = assembler.Add(request.chunk());  // drain the stream either way
+  }
+  if (!status.ok()) return FailRpc("part LoadState", status);
+  absl::StatusOr<std::map<std::string, at::Tensor>> state = assembler.Finish();
+  if (!state.ok()) return FailRpc("part LoadState", state.status());
+  std::vector<std::string> missing, unexpected;
+  status = (*job)->LoadStateDict(*state, /*strict=*/false, &missing, &unexpected);
+  if (!status.ok()) return FailRpc("part LoadState", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::Undeploy(grpc::ServerContext*, const v1::PartRef* ref,
+                                          v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
+  if (!job.ok()) return FailRpc("part Undeploy", job.status());
+  (*job)->Undeploy();
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::AbortStep(grpc::ServerContext*, const v1::PartRef* ref,
+                                           v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
+  if (!job.ok()) return FailRpc("part AbortStep", job.status());
+  (*job)->coordinator().AbortStep();
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::FindJob(grpc::ServerContext*, const v1::FindJobRequest* request,
+                                         v1::Empty*) {
+  if (jobs_->FindJoinable(request->name(), static_cast<int>(request->client_world()))) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::NOT_FOUND, "no such job here");
+}
+
+}  // namespace rannc
