@@ -261,5 +261,51 @@ TEST_CASE("Coordinator fails every call of a job that lost a member, naming it",
         absl::StatusCode::kUnavailable);
 }
 
+TEST_CASE("Coordinator delays reduction on every daemon; reads, steps and rebuilds over them",
+          "[cluster]") {
+  Cluster cluster("tiny_gpt");
+  const testing::Fixture& f = cluster.f;
+  std::unique_ptr<Job> job = cluster.MakeJob();
+  std::map<std::string, at::Tensor> before;
+  for (const ParamStore::Entry& e : job->params().entries()) {
+    if (e.is_parameter) before[e.name] = Value(*job, e.name);
+  }
+  // Two accumulated backwards, unreduced on every daemon.
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<std::vector<at::Tensor>> out =
+        job->Forward(0, f.inputs, true, /*delay_grad_allreduce=*/true);
+    REQUIRE(out.ok());
+    REQUIRE(job->Backward(0, {{0, at::ones_like((*out)[0])}}, false, true).ok());
+  }
+  CHECK(Step(*job).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(job->ClipGradNorm(0, 1.0, 2.0).status().code() ==
+        absl::StatusCode::kFailedPrecondition);
+  // Reading a gradient reduces everywhere first (a part holds only its share).
+  for (const auto& [name, value] : before) {
+    INFO(name);
+    CHECK(Close(Value(*job, name, true), 2 * f.Ref("grad", name)));
+  }
+  REQUIRE(Step(*job).ok());
+  for (const auto& [name, value] : before) {
+    INFO(name);
+    CHECK(Close(Value(*job, name), value - f.Ref("grad", name) * 2 * 0.1));
+  }
+  // recreate_all_communicators: every daemon rebuilds its engine; nothing changes.
+  absl::StatusOr<std::vector<at::Tensor>> first = job->Forward(0, f.inputs, false);
+  REQUIRE(first.ok());
+  JobOp recreate;
+  recreate.kind = JobOp::Kind::kRecreateCommunicators;
+  REQUIRE(job->Run(0, recreate).ok());
+  absl::StatusOr<std::vector<at::Tensor>> again = job->Forward(0, f.inputs, false);
+  REQUIRE(again.ok());
+  CHECK(at::equal((*first)[0], (*again)[0]));
+  // A graph for another mode runs whole on the leader's host, over values read from the parts.
+  REQUIRE(job->AddMode(ModelMode{false, false}, f.model_bytes).ok());
+  REQUIRE(job->SetMode(ModelMode{false, false}));
+  absl::StatusOr<std::vector<at::Tensor>> eval = job->Forward(0, f.inputs, false);
+  REQUIRE(eval.ok());
+  CHECK(Close((*eval)[0], (*first)[0]));
+}
+
 }  // namespace
 }  // namespace rannc

@@ -114,14 +114,6 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
   return job;
 }
 
-absl::Status Job::Local(const std::function<absl::Status()>& work) {
-  if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
-  state_ = JobState::kDeployed;
-  absl::Status deployed = local_->EnsureDeployed();
-  if (!deployed.ok()) return deployed;
-  return coordinator_.PartStatus(work());
-}
-
 RemoteRead Job::Remote() {
   if (!coordinator_.leads()) return nullptr;
   return [this](const std::string& name) { return coordinator_.ReadTensor(name, false); };
@@ -231,14 +223,18 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
       // on each part: they all reduce, or none does.
       if (!pending) return NamedTensors();
       break;
+    case JobOp::Kind::kRecreateCommunicators:
+      // Released: the next call builds them, here and on every part (released with it).
+      if (!local_->flags().deployed) return NamedTensors();
+      break;
     default:
       break;
   }
   NamedTensors out;
   auto local = [&]() -> absl::Status {
-    if (op.kind != JobOp::Kind::kZeroGrad && op.kind != JobOp::Kind::kRecreateCommunicators &&
-        op.kind != JobOp::Kind::kScaleGrads) {
-      if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
+    // These deploy a released job (the others leave it so, or need it deployed already).
+    if (op.kind == JobOp::Kind::kStep || op.kind == JobOp::Kind::kAllReduceGrads ||
+        op.kind == JobOp::Kind::kGradNorms) {
       state_ = JobState::kDeployed;
     }
     absl::StatusOr<NamedTensors> ran = local_->Run(op);
@@ -261,6 +257,7 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
 }
 
 absl::StatusOr<double> Job::ClipLocked(double max_norm, double norm_type) {
+  if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   if (local_->flags().grads_pending) return NotReduced("clip_grad_norm");
   if (!coordinator_.leads()) return local_->ClipGradNorm(max_norm, norm_type);
   std::vector<std::string> order;  // the client's parameter order
@@ -273,7 +270,6 @@ absl::StatusOr<double> Job::ClipLocked(double max_norm, double norm_type) {
         JobOp op;
         op.kind = JobOp::Kind::kGradNorms;
         op.norm_type = norm_type;
-        if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
         return local_->Run(op);
       },
       [&](const at::Tensor& coefficient) {

@@ -166,9 +166,6 @@ class Job {
                               bool delay_grad_allreduce);
   absl::StatusOr<NamedTensors> RunLocked(const JobOp& op);
   absl::StatusOr<double> ClipLocked(double max_norm, double norm_type);
-  // The local half of a call: deploys first (the job is lost: fails), and on a part turns a
-  // peer's absence into ABORTED (Coordinator::PartStatus).
-  absl::Status Local(const std::function<absl::Status()>& work);
   // Reads a tensor another daemon's part holds (null when none does: a part, or one daemon).
   RemoteRead Remote();
   std::vector<int> OutputBatchDims() const;

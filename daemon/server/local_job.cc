@@ -191,6 +191,7 @@ bool LocalJob::Held(int lifted) const {
 
 LocalJob::Flags LocalJob::flags() const {
   Flags f;
+  f.deployed = engine_ != nullptr;
   f.planned_mode = planned_mode();
   f.engine_forward = engine_forward_;
   f.grads_pending = grad_shares_ || (engine_ && engine_->grads_pending());

@@ -94,6 +94,7 @@ class LocalJob {
   absl::StatusOr<double> ClipGradNorm(double max_norm, double norm_type);
 
   struct Flags {
+    bool deployed = false;       // an engine holds the devices
     bool planned_mode = true;    // the current mode is the one planned (it runs on the engine)
     bool engine_forward = true;  // the last forward ran on the engine, not on the host
     bool grads_pending = false;  // delayed backwards' gradients are not reduced yet
