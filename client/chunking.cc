@@ -1,9 +1,9 @@
 #include "client/chunking.h"
 
 #include <algorithm>
+#include <exception>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 
 namespace rannc {
 
@@ -39,59 +39,28 @@ std::vector<v1::StateDictChunk> ToStateDictChunks(const std::string& name,
   return chunks;
 }
 
-absl::Status StateDictAssembler::Add(const v1::StateDictChunk& chunk) {
-  const std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
-  auto [it, inserted] = partial_.try_emplace(chunk.name());
-  Partial& p = it->second;
-  if (inserted) {
-    p.tensor.dtype = chunk.dtype();
-    p.tensor.shape = shape;
-    p.total_bytes = chunk.total_bytes();
-    HostTensor expected_size{chunk.dtype(), shape, {}};
-    const uint64_t expected = static_cast<uint64_t>(expected_size.NumElements()) *
-                              DTypeSize(chunk.dtype());
-    if (DTypeSize(chunk.dtype()) == 0 || expected != chunk.total_bytes()) {
-      return absl::DataLossError(absl::StrCat(
-          "state_dict entry '", chunk.name(), "' is ", expected_size.DebugString(),
-          " but announces ", chunk.total_bytes(), " bytes"));
-    }
-    p.tensor.data.reserve(chunk.total_bytes());
-  } else if (p.tensor.dtype != chunk.dtype() || p.tensor.shape != shape ||
-             p.total_bytes != chunk.total_bytes()) {
-    return absl::DataLossError(absl::StrCat("state_dict entry '", chunk.name(),
-                                            "': chunks disagree on dtype, shape or size"));
+StateDictAssembler::StateDictAssembler()
+    : chunks_(absl::StatusCode::kDataLoss,
+              [this](const ChunkAssembler::Entry& entry) { return Allocate(entry); }) {}
+
+absl::StatusOr<char*> StateDictAssembler::Allocate(const ChunkAssembler::Entry& entry) {
+  HostTensor& t = tensors_[entry.name];
+  t.dtype = entry.dtype;
+  t.shape = entry.shape;
+  try {
+    t.data.resize(entry.total_bytes);
+  } catch (const std::exception&) {  // std::bad_alloc, std::length_error
+    tensors_.erase(entry.name);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "state_dict entry '", entry.name, "': no memory for its ", entry.total_bytes, " bytes"));
   }
-  if (chunk.is_buffer()) buffers_.insert(chunk.name());
-  if (chunk.offset() != p.tensor.data.size()) {
-    return absl::DataLossError(absl::StrCat("state_dict entry '", chunk.name(),
-                                            "': chunk at offset ", chunk.offset(), ", expected ",
-                                            p.tensor.data.size()));
-  }
-  if (p.tensor.data.size() + chunk.data().size() > p.total_bytes) {
-    return absl::DataLossError(absl::StrCat("state_dict entry '", chunk.name(), "': ",
-                                            p.tensor.data.size() + chunk.data().size(),
-                                            " bytes received, more than its ", p.total_bytes));
-  }
-  p.tensor.data.append(chunk.data());
-  return absl::OkStatus();
+  return t.data.data();
 }
 
 absl::StatusOr<NamedTensors> StateDictAssembler::Finish() && {
-  NamedTensors out;
-  std::vector<std::string> incomplete;
-  for (auto& [name, p] : partial_) {
-    if (p.tensor.data.size() != p.total_bytes) {
-      incomplete.push_back(absl::StrCat(name, " (", p.tensor.data.size(), " of ", p.total_bytes,
-                                        " bytes)"));
-      continue;
-    }
-    out.emplace(name, std::move(p.tensor));
-  }
-  if (!incomplete.empty()) {
-    return absl::DataLossError(absl::StrCat("state_dict stream ended with incomplete tensors: ",
-                                            absl::StrJoin(incomplete, ", ")));
-  }
-  return out;
+  absl::Status complete = chunks_.Finish();
+  if (!complete.ok()) return complete;
+  return std::move(tensors_);
 }
 
 }  // namespace rannc

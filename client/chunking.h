@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/host_tensor.h"
+#include "daemon/common/chunk_assembler.h"
 #include "rannc/v1/training.pb.h"
 
 namespace rannc {
@@ -40,25 +41,29 @@ std::vector<v1::StateDictChunk> ToStateDictChunks(const std::string& name,
                                                   const HostTensor& tensor, bool is_buffer,
                                                   size_t max_chunk);
 
-// Rebuilds named tensors from StateDictChunks. Chunks of different tensors may interleave; the
-// chunks of one tensor must arrive in offset order with no gap or overlap, and agree on dtype,
-// shape and total_bytes.
+// Rebuilds named tensors from StateDictChunks, with ChunkAssembler's checks
+// (daemon/common/chunk_assembler.h): chunks of different tensors may interleave; the chunks of
+// one tensor arrive in offset order with no gap or overlap and agree on dtype, shape and
+// total_bytes. A malformed stream is DATA_LOSS. Each tensor's bytes are allocated at its first
+// chunk and the chunks copied into them.
 class StateDictAssembler {
  public:
-  absl::Status Add(const v1::StateDictChunk& chunk);
+  StateDictAssembler();
+  StateDictAssembler(const StateDictAssembler&) = delete;
+  StateDictAssembler& operator=(const StateDictAssembler&) = delete;
+
+  absl::Status Add(const v1::StateDictChunk& chunk) { return chunks_.Add(chunk); }
 
   // Fails if any tensor is incomplete. Names whose chunks had is_buffer set are in buffers().
   absl::StatusOr<NamedTensors> Finish() &&;
 
-  const std::set<std::string>& buffers() const { return buffers_; }
+  const std::set<std::string>& buffers() const { return chunks_.buffers(); }
 
  private:
-  struct Partial {
-    HostTensor tensor;
-    uint64_t total_bytes = 0;
-  };
-  std::map<std::string, Partial> partial_;
-  std::set<std::string> buffers_;
+  absl::StatusOr<char*> Allocate(const ChunkAssembler::Entry& entry);
+
+  NamedTensors tensors_;
+  ChunkAssembler chunks_;  // allocates into tensors_
 };
 
 }  // namespace rannc

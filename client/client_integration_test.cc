@@ -251,6 +251,65 @@ TEST_CASE("state_dict round-trips through StateDict and LoadStateDict", "[integr
   REQUIRE(client.DeleteJob(job_id).ok());
 }
 
+TEST_CASE("optimizer state moves between jobs, and training goes on the same", "[integration]") {
+  Client& client = Daemon().client();
+  v1::HyperParams adamw;
+  adamw.set_lr(0.01);
+  adamw.set_beta1(0.9);
+  adamw.set_beta2(0.999);
+  adamw.set_eps(1e-8);
+  adamw.set_weight_decay(0.01);
+  auto step = [&](const std::string& job_id) {
+    REQUIRE(client.ZeroGrad(job_id).ok());
+    ForwardLoss(client, job_id);
+    REQUIRE(client.Backward(job_id, {{0, HostTensor::Scalar(1.0f)}}).ok());
+    REQUIRE(client.Step(job_id, {adamw}).ok());
+  };
+  const std::string first = CreateLinearJob(client, v1::ADAMW, "optimizer-state-a");
+  absl::StatusOr<Client::OptimizerState> empty = client.GetOptimizerState(first);
+  REQUIRE(empty.ok());
+  CHECK(empty->empty());  // no step yet
+  for (int i = 0; i < 2; ++i) step(first);
+  absl::StatusOr<Client::OptimizerState> state = client.GetOptimizerState(first);
+  INFO(state.status().ToString());
+  REQUIRE(state.ok());
+  REQUIRE(state->count("fc.weight") == 1);
+  const NamedTensors& weight = state->at("fc.weight");
+  for (const char* key : {"step", "exp_avg", "exp_avg_sq"}) CHECK(weight.count(key) == 1);
+  CHECK(Values(weight.at("step")) == std::vector<double>{2});
+  CHECK(weight.at("exp_avg").shape == std::vector<int64_t>{3, 4});
+
+  // A second job of the same model with the first's parameters and optimizer state takes the
+  // same third step.
+  const std::string second = CreateLinearJob(client, v1::ADAMW, "optimizer-state-b");
+  absl::StatusOr<NamedTensors> params = client.StateDict(first);
+  REQUIRE(params.ok());
+  REQUIRE(client.LoadStateDict(second, *params).ok());
+  absl::Status loaded = client.LoadOptimizerState(second, *state);
+  INFO(loaded.ToString());
+  REQUIRE(loaded.ok());
+  step(first);
+  step(second);
+  for (const char* name : {"fc.weight", "fc.bias"}) {
+    CHECK(Values(client.GetParam(second, name)) == Values(client.GetParam(first, name)));
+  }
+
+  // A wrong shape or an unknown key is refused, naming it, and changes nothing.
+  Client::OptimizerState bad = *state;
+  bad["fc.weight"]["exp_avg"] = HostTensor::Full(v1::FLOAT32, {2}, 0);
+  absl::Status refused = client.LoadOptimizerState(second, bad);
+  CHECK(refused.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("exp_avg") != std::string::npos);
+  bad = *state;
+  bad["fc.weight"]["momentum_buffer"] = HostTensor::Full(v1::FLOAT32, {3, 4}, 0);
+  CHECK(client.LoadOptimizerState(second, bad).code() == absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<Client::OptimizerState> after = client.GetOptimizerState(second);
+  REQUIRE(after.ok());
+  CHECK(Values(after->at("fc.weight").at("step")) == std::vector<double>{3});
+  REQUIRE(client.DeleteJob(first).ok());
+  REQUIRE(client.DeleteJob(second).ok());
+}
+
 TEST_CASE("a state_dict larger than one chunk round-trips", "[integration]") {
   Client& client = Daemon().client();
   JobConfig config;

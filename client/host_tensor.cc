@@ -144,38 +144,6 @@ absl::StatusOr<std::string> ReadShm(const v1::ShmRef& ref) {
 
 }  // namespace
 
-size_t DTypeSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::FLOAT64:
-    case v1::INT64: return 8;
-    case v1::FLOAT32:
-    case v1::INT32: return 4;
-    case v1::FLOAT16:
-    case v1::BFLOAT16:
-    case v1::INT16: return 2;
-    case v1::INT8:
-    case v1::UINT8:
-    case v1::BOOL: return 1;
-    default: return 0;
-  }
-}
-
-const char* DTypeName(v1::DType dtype) {
-  switch (dtype) {
-    case v1::FLOAT32: return "float32";
-    case v1::FLOAT64: return "float64";
-    case v1::FLOAT16: return "float16";
-    case v1::BFLOAT16: return "bfloat16";
-    case v1::INT64: return "int64";
-    case v1::INT32: return "int32";
-    case v1::INT16: return "int16";
-    case v1::INT8: return "int8";
-    case v1::UINT8: return "uint8";
-    case v1::BOOL: return "bool";
-    default: return "unspecified";
-  }
-}
-
 int64_t HostTensor::NumElements() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d < 0 ? 0 : d;
@@ -240,7 +208,7 @@ absl::StatusOr<std::vector<double>> HostTensor::ToDoubles() const {
 }
 
 std::string HostTensor::DebugString() const {
-  return absl::StrCat(DTypeName(dtype), "[", absl::StrJoin(shape, ", "), "]");
+  return DescribeTensor(dtype, shape);
 }
 
 void ToProto(const HostTensor& tensor, v1::Tensor* out) {

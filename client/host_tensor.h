@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/common/wire_dtype.h"
 #include "rannc/v1/training.pb.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -33,11 +34,7 @@
 
 namespace rannc {
 
-// Bytes per element of `dtype`; 0 for DTYPE_UNSPECIFIED or an unknown value.
-size_t DTypeSize(v1::DType dtype);
-
-// "float32", "int64", ...: the names PyTorch prints, for messages and the CLI.
-const char* DTypeName(v1::DType dtype);
+// DTypeSize (bytes per element) and DTypeName ("float32", ...) come from wire_dtype.h.
 
 // Maps a C++ element type to its wire dtype; unsupported types fail to compile.
 template <typename T>

@@ -43,6 +43,20 @@ const char* ScheduleName(v1::PipelineSchedule schedule) {
   return schedule == v1::SCHEDULE_GPIPE ? "GPipe" : "1F1B";
 }
 
+// "optimizer adam + ZeRO + offload; created by ranncd ...; loaded from a file": what the memory
+// estimate assumed and where the plan came from; empty when the deployment records none of it.
+std::string Provenance(const v1::Deployment& d) {
+  std::vector<std::string> memory;
+  if (!d.optimizer().empty()) memory.push_back(absl::StrCat("optimizer ", d.optimizer()));
+  if (d.zero()) memory.push_back("ZeRO");
+  if (d.offload()) memory.push_back("offload");
+  std::vector<std::string> parts;
+  if (!memory.empty()) parts.push_back(absl::StrJoin(memory, " + "));
+  if (!d.created_by().empty()) parts.push_back(absl::StrCat("created by ", d.created_by()));
+  if (d.loaded()) parts.push_back("loaded from a file");
+  return absl::StrJoin(parts, "; ");
+}
+
 }  // namespace
 
 std::string HumanBytes(uint64_t bytes) {
@@ -219,6 +233,8 @@ absl::StatusOr<std::string> FormatDeployment(const v1::Deployment& d, int64_t ba
       d.device_type().empty() ? "cpu" : d.device_type(), HumanBytes(d.device_memory_bytes()),
       d.mem_margin(), ScheduleName(d.schedule()), d.micro_batches(), d.estimated_step_ms(),
       d.batch_size());
+  const std::string provenance = Provenance(d);
+  if (!provenance.empty()) absl::StrAppend(&out, "  ", provenance, "\n");
   if (!d.batch_whole().empty()) {
     absl::StrAppend(&out, "  batch kept whole: ", d.batch_whole(), "\n");
   }
@@ -236,10 +252,17 @@ absl::StatusOr<std::string> FormatDeployment(const v1::Deployment& d, int64_t ba
     absl::StrAppendFormat(
         &out,
         "  devices: %s (%d replica%s), micro-batch size %d per device, recompute %s; %s per "
-        "device; fwd %.2f ms, bwd %.2f ms\n",
+        "device; fwd %.2f ms, bwd %.2f ms per micro-batch\n",
         devices.empty() ? "(none)" : absl::StrJoin(devices, ", "), s.devices_size(),
         s.devices_size() == 1 ? "" : "s", micro_batch(s), s.recompute() ? "yes" : "no",
         HumanBytes(s.memory_bytes()), s.fwd_ms(), s.bwd_ms());
+    // The split of that memory, as a loaded deployment is checked by it: what does not grow
+    // with the batch (parameters among it), and what does. Files without it show no line.
+    if (s.fixed_bytes() != 0 || s.param_bytes() != 0 || s.activation_bytes() != 0) {
+      absl::StrAppend(&out, "  memory: fixed ", HumanBytes(s.fixed_bytes()), " (params ",
+                      HumanBytes(s.param_bytes()), ") + activations ",
+                      HumanBytes(s.activation_bytes()), " per device\n");
+    }
   }
   absl::StrAppend(&out, "Devices:\n");
   uint32_t num_devices = d.num_devices();

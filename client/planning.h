@@ -57,10 +57,13 @@ HostTensor MakeExampleInput(const InputSpec& spec, int64_t batch, std::mt19937_6
 // deployment (unparsable, no format_version, no stages) or have an unknown format_version.
 absl::StatusOr<v1::Deployment> ParseDeployment(std::string_view bytes, std::string_view source);
 
-// The deployment for people at `batch_size`: a header, one line pair per stage (node range,
-// ops, devices, per-device micro-batch size ceil(batch / (micro_batches * replicas)), memory,
-// times), then "cuda:0 -> stage k, micro-batch size m" per device. INVALID_ARGUMENT when
-// batch_size is not positive or smaller than micro_batches times the largest replica count.
+// The deployment for people at `batch_size`: a header (model, devices, schedule, estimated step
+// time, then the optimizer with ZeRO/offload, who created the plan and whether it was loaded
+// from a file, when recorded), one block per stage (node range, ops, devices, per-device
+// micro-batch size ceil(batch / (micro_batches * replicas)), memory, times, then memory split
+// into fixed (params among it) and activations), then "cuda:0 -> stage k, micro-batch size m"
+// per device. INVALID_ARGUMENT when batch_size is not positive or smaller than micro_batches
+// times the largest replica count.
 absl::StatusOr<std::string> FormatDeployment(const v1::Deployment& deployment,
                                              int64_t batch_size);
 

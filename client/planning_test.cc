@@ -150,6 +150,11 @@ TEST_CASE("FormatDeployment shows micro-batch sizes per device", "[planning]") {
                         Catch::Contains("1.2 GiB per device") &&
                         Catch::Contains("recompute yes"));
 
+  CHECK_THAT(*text, Catch::Contains("fwd 0.00 ms, bwd 0.00 ms per micro-batch"));
+  // Nothing recorded: no provenance line, no memory split.
+  CHECK_THAT(*text, !Catch::Contains("optimizer") && !Catch::Contains("created by") &&
+                        !Catch::Contains("loaded from a file") && !Catch::Contains("memory:"));
+
   CHECK_THAT(*text, !Catch::Contains("batch kept whole"));
   v1::Deployment whole = d;
   whole.set_batch_whole("aten::batch_norm in bn (BatchNorm2d) normalizes over the batch");
@@ -162,6 +167,45 @@ TEST_CASE("FormatDeployment shows micro-batch sizes per device", "[planning]") {
   CHECK_THAT(std::string(small.status().message()),
              Catch::Contains("cannot run batch size 7") && Catch::Contains("at least 8"));
   CHECK(!FormatDeployment(d, 0).ok());
+}
+
+TEST_CASE("FormatDeployment shows the memory mode, the provenance and the memory split",
+          "[planning]") {
+  v1::Deployment d = TwoStages();
+  d.set_optimizer("adam");
+  d.set_zero(true);
+  d.set_offload(true);
+  d.set_created_by("ranncd 0.1.0 (LibTorch 1.13.1)");
+  d.set_loaded(true);
+  v1::DeploymentStage* s0 = d.mutable_stages(0);
+  s0->set_fixed_bytes(400ull << 20);
+  s0->set_param_bytes(100ull << 20);
+  s0->set_activation_bytes(600ull << 20);
+  s0->set_fwd_ms(1.5);
+  s0->set_bwd_ms(3);
+  absl::StatusOr<std::string> text = FormatDeployment(d, 64);
+  REQUIRE(text.ok());
+  INFO(*text);
+  CHECK_THAT(*text, Catch::Contains("  estimated step time: 12.50 ms at the planned batch size "
+                                    "64\n  optimizer adam + ZeRO + offload; created by ranncd "
+                                    "0.1.0 (LibTorch 1.13.1); loaded from a file\n"));
+  CHECK_THAT(*text, Catch::Contains("1.2 GiB per device; fwd 1.50 ms, bwd 3.00 ms per "
+                                    "micro-batch\n  memory: fixed 400.0 MiB (params 100.0 MiB) "
+                                    "+ activations 600.0 MiB per device\nStage 1:"));
+  // Stage 1 records no split: no memory line of its own.
+  CHECK(text->find("memory:") == text->rfind("memory:"));
+
+  v1::Deployment plain = TwoStages();
+  plain.set_optimizer("sgd");
+  text = FormatDeployment(plain, 64);
+  REQUIRE(text.ok());
+  CHECK_THAT(*text, Catch::Contains("\n  optimizer sgd\nBatch size 64:\n"));
+  plain.clear_optimizer();
+  plain.set_zero(true);
+  plain.set_created_by("rannc plan");
+  text = FormatDeployment(plain, 64);
+  REQUIRE(text.ok());
+  CHECK_THAT(*text, Catch::Contains("\n  ZeRO; created by rannc plan\nBatch size 64:\n"));
 }
 
 TEST_CASE("ParseDeployment accepts deployments and refuses anything else", "[planning]") {

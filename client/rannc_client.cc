@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/periodic.h"
 
 namespace rannc {
 namespace {
@@ -192,25 +193,16 @@ LeaseKeeper::LeaseKeeper(const Client& client, std::string job_id, absl::Duratio
     : client_(client), job_id_(std::move(job_id)) {
   const auto every = std::chrono::milliseconds(std::max<int64_t>(
       100, absl::ToInt64Milliseconds(lease) / 5));
-  thread_ = std::thread([this, every] {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, every, [this] { return stop_; })) {
-      lock.unlock();
-      // A failed renewal is tried again next round; the job's lease outlasts several rounds.
-      absl::StatusOr<std::vector<std::string>> unknown = client_.RenewLeases({job_id_});
-      lock.lock();
-      if (unknown.ok() && !unknown->empty()) return;  // the job is gone: nothing to keep
-    }
-  });
+  renewer_ = std::make_unique<Periodic>(every, [this] { Renew(); });
 }
 
-LeaseKeeper::~LeaseKeeper() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
+LeaseKeeper::~LeaseKeeper() = default;
+
+void LeaseKeeper::Renew() {
+  if (gone_) return;  // nothing to keep
+  // A failed renewal is tried again next round; the job's lease outlasts several rounds.
+  absl::StatusOr<std::vector<std::string>> unknown = client_.RenewLeases({job_id_});
+  gone_ = unknown.ok() && !unknown->empty();
 }
 
 absl::Status Client::DeleteJob(const std::string& job_id) const {
@@ -409,6 +401,83 @@ absl::StatusOr<LoadStateDictResult> Client::LoadStateDict(
   result.unexpected_keys.assign(response.unexpected_keys().begin(),
                                 response.unexpected_keys().end());
   return result;
+}
+
+absl::StatusOr<Client::OptimizerState> Client::GetOptimizerState(
+    const std::string& job_id) const {
+  v1::JobRef request;
+  request.set_job_id(job_id);
+  grpc::ClientContext context;
+  Prepare(&context);
+  std::unique_ptr<grpc::ClientReader<v1::StateDictChunk>> reader =
+      stub_->OptimizerState(&context, request);
+  // One assembled tensor per (parameter, key), named "param[key]" (no parameter name holds a
+  // '[').
+  StateDictAssembler assembler;
+  v1::StateDictChunk chunk;
+  absl::Status assembled;
+  while (reader->Read(&chunk)) {
+    chunk.set_name(absl::StrCat(chunk.name(), "[", chunk.state_key(), "]"));
+    assembled = assembler.Add(chunk);
+    if (!assembled.ok()) {
+      context.TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (!assembled.ok()) {
+    return absl::Status(assembled.code(),
+                        absl::StrCat("OptimizerState: ", assembled.message()));
+  }
+  if (!s.ok()) return Convert("OptimizerState", s);
+  absl::StatusOr<NamedTensors> flat = std::move(assembler).Finish();
+  if (!flat.ok()) {
+    return absl::Status(flat.status().code(),
+                        absl::StrCat("OptimizerState: ", flat.status().message()));
+  }
+  OptimizerState state;
+  for (auto& [joined, tensor] : *flat) {
+    const size_t cut = joined.rfind('[');
+    state[joined.substr(0, cut)][joined.substr(cut + 1, joined.size() - cut - 2)] =
+        std::move(tensor);
+  }
+  return state;
+}
+
+absl::Status Client::LoadOptimizerState(const std::string& job_id,
+                                        const OptimizerState& state) const {
+  for (const auto& [name, entries] : state) {
+    for (const auto& [key, tensor] : entries) {
+      if (absl::Status s = tensor.Validate(); !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "LoadOptimizerState: '", key, "' of '", name, "': ", s.message()));
+      }
+    }
+  }
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::LoadStateDictResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::LoadStateDictRequest>> writer =
+      stub_->LoadOptimizerState(&context, &response);
+  v1::LoadStateDictRequest request;
+  request.mutable_header()->set_job_id(job_id);
+  bool open = writer->Write(request);
+  for (auto it = state.begin(); open && it != state.end(); ++it) {
+    for (const auto& [key, tensor] : it->second) {
+      for (v1::StateDictChunk& chunk :
+           ToStateDictChunks(it->first, tensor, false, options_.state_dict_chunk_bytes)) {
+        chunk.set_state_key(key);
+        *request.mutable_chunk() = std::move(chunk);
+        open = writer->Write(request);
+        if (!open) break;
+      }
+      if (!open) break;
+    }
+  }
+  if (open) writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return Convert("LoadOptimizerState", s);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<bool> Client::SetMode(const std::string& job_id, const v1::Mode& mode) const {

@@ -30,7 +30,6 @@
 #ifndef RANNC_CLIENT_RANNC_CLIENT_H_
 #define RANNC_CLIENT_RANNC_CLIENT_H_
 
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -51,6 +50,8 @@
 #include "rannc/v1/training.grpc.pb.h"
 
 namespace rannc {
+
+class Periodic;  // daemon/common/periodic.h
 
 struct ClientOptions {
   // Largest message the channel sends or accepts, in bytes. Generous, so that the daemon's
@@ -174,6 +175,14 @@ class Client {
       const std::string& job_id, const NamedTensors& state, bool strict = true,
       const std::set<std::string>& buffers = {}) const;
 
+  // The optimizer's state as torch.optim's state_dict() keeps it: parameter name -> key ("step",
+  // "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer") -> tensor; empty before the
+  // first step. LoadOptimizerState replaces it (parameters it leaves out start afresh);
+  // INVALID_ARGUMENT, changing nothing, for an unknown parameter or key or a wrong shape.
+  using OptimizerState = std::map<std::string, NamedTensors>;
+  absl::StatusOr<OptimizerState> GetOptimizerState(const std::string& job_id) const;
+  absl::Status LoadOptimizerState(const std::string& job_id, const OptimizerState& state) const;
+
   // Returns whether the job already holds a graph for `mode` (if not, AddMode it before the
   // next Forward).
   absl::StatusOr<bool> SetMode(const std::string& job_id, const v1::Mode& mode) const;
@@ -208,12 +217,13 @@ class LeaseKeeper {
   LeaseKeeper& operator=(const LeaseKeeper&) = delete;
 
  private:
+  // One renewal; the Periodic's thread only.
+  void Renew();
+
   const Client& client_;
   const std::string job_id_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;  // guarded by mu_
-  std::thread thread_;
+  bool gone_ = false;                  // the daemon no longer knows the job; renewer_'s thread
+  std::unique_ptr<Periodic> renewer_;  // last: stops first
 };
 
 // Maps a gRPC status to an absl::Status with the same code, "RPC: message" as the message.

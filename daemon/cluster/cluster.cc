@@ -91,25 +91,20 @@ void Cluster::Start() {
                    absl::StrJoin(membership_->self().members, ","), self_.incarnation);
     }
   }
-  thread_ = std::thread([this] {
-    std::unique_lock<std::mutex> lock(thread_mu_);
-    while (!stopping_) {
-      lock.unlock();
-      const Clock::time_point next = Clock::now() + options_.heartbeat_interval;
-      Tick();
-      lock.lock();
-      wake_.wait_until(lock, next, [this] { return stopping_; });
-    }
-  });
+  std::lock_guard<std::mutex> lock(thread_mu_);
+  if (stopped_ || heartbeat_) return;
+  heartbeat_ = std::make_unique<Periodic>(options_.heartbeat_interval, [this] { Tick(); },
+                                          Periodic::First::kNow);
 }
 
 void Cluster::Stop() {
+  std::unique_ptr<Periodic> heartbeat;
   {
     std::lock_guard<std::mutex> lock(thread_mu_);
-    stopping_ = true;
+    stopped_ = true;
+    heartbeat.swap(heartbeat_);
   }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  heartbeat.reset();  // joins, without thread_mu_ held
 }
 
 void Cluster::TryResolve() {

@@ -26,19 +26,18 @@
 #define RANNC_DAEMON_CLUSTER_CLUSTER_H_
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "daemon/cluster/membership.h"
 #include "daemon/cluster/peers.h"
+#include "daemon/common/periodic.h"
 
 namespace rannc {
 namespace cluster {
@@ -129,9 +128,8 @@ class Cluster {
 
   std::mutex tick_mu_;  // one Tick at a time, so callbacks run in order
   std::mutex thread_mu_;
-  std::condition_variable wake_;
-  bool stopping_ = false;
-  std::thread thread_;
+  bool stopped_ = false;                 // guarded by thread_mu_; Start after Stop starts nothing
+  std::unique_ptr<Periodic> heartbeat_;  // guarded by thread_mu_; calls Tick
 };
 
 }  // namespace cluster

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 
 #include <ATen/ATen.h>
 
@@ -10,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/common/host_buffer_pool.h"
 #include "daemon/common/status.h"
+#include "daemon/common/wire_dtype.h"
 
 namespace rannc {
 
@@ -69,30 +69,12 @@ std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape) {
   return absl::StrCat(DTypeName(type), "[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::StatusOr<size_t> DenseBytes(at::ScalarType type, const std::vector<int64_t>& shape,
-                                  absl::string_view what) {
-  // Counted in bytes, so the element size cannot overflow the product either.
-  int64_t bytes = c10::elementSize(type);
-  for (int64_t d : shape) {
-    if (d < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": negative dimension in shape [", absl::StrJoin(shape, ", "), "]"));
-    }
-    if (d > 0 && bytes > std::numeric_limits<int64_t>::max() / d) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": shape [", absl::StrJoin(shape, ", "), "] has too many elements"));
-    }
-    bytes *= d;
-  }
-  return static_cast<size_t>(bytes);
-}
-
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_view what,
                                         const ShmDirectory* shm) {
   absl::StatusOr<at::ScalarType> type = FromProtoDType(proto.dtype());
   if (!type.ok()) return Annotate(type.status(), what);
   std::vector<int64_t> shape(proto.shape().begin(), proto.shape().end());
-  absl::StatusOr<size_t> bytes = DenseBytes(*type, shape, what);
+  absl::StatusOr<size_t> bytes = DenseBytes(proto.dtype(), shape, what);
   if (!bytes.ok()) return bytes.status();
   const size_t expected = *bytes;
   if (proto.has_shm() && shm == nullptr) {
@@ -175,56 +157,28 @@ absl::Status EncodeStateChunks(const std::string& name, const at::Tensor& tensor
   return absl::OkStatus();
 }
 
-absl::Status StateDictAssembler::Add(const v1::StateDictChunk& chunk) {
-  if (chunk.offset() == 0) {
-    const std::string what = absl::StrCat("state_dict '", chunk.name(), "'");
-    absl::StatusOr<at::ScalarType> type = FromProtoDType(chunk.dtype());
-    if (!type.ok()) return Annotate(type.status(), what);
-    if (state_.count(chunk.name())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("state_dict key '", chunk.name(), "' sent twice"));
-    }
-    std::vector<int64_t> shape(chunk.shape().begin(), chunk.shape().end());
-    absl::StatusOr<size_t> expected = DenseBytes(*type, shape, what);
-    if (!expected.ok()) return expected.status();
-    if (chunk.total_bytes() != *expected) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": ", chunk.total_bytes(), " bytes for ", DescribeTensor(*type, shape),
-          ", which needs ", *expected));
-    }
-    absl::Status allocated = TorchCall(absl::StatusCode::kResourceExhausted, what, [&] {
-      current_ = at::empty(shape, at::TensorOptions().dtype(*type));
-      return absl::OkStatus();
-    });
-    if (!allocated.ok()) return allocated;
-    name_ = chunk.name();
-    filled_ = 0;
-    state_[name_] = current_;
-  } else if (chunk.name() != name_ || chunk.offset() != filled_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "state_dict chunk for '", chunk.name(), "' at offset ", chunk.offset(),
-        " does not continue '", name_, "' at ", filled_));
-  }
-  const uint64_t total = current_.numel() * current_.element_size();
-  if (filled_ + chunk.data().size() > total) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("state_dict '", chunk.name(), "': more data than its shape holds"));
-  }
-  std::memcpy(static_cast<char*>(current_.data_ptr()) + filled_, chunk.data().data(),
-              chunk.data().size());
-  filled_ += chunk.data().size();
-  if (filled_ == total) done_.insert(name_);
-  return absl::OkStatus();
+StateDictAssembler::StateDictAssembler()
+    : chunks_(absl::StatusCode::kInvalidArgument,
+              [this](const ChunkAssembler::Entry& entry) { return Allocate(entry); }) {}
+
+absl::StatusOr<char*> StateDictAssembler::Allocate(const ChunkAssembler::Entry& entry) {
+  absl::StatusOr<at::ScalarType> type = FromProtoDType(entry.dtype);
+  if (!type.ok()) return type.status();
+  at::Tensor tensor;
+  absl::Status allocated = TorchCall(absl::StatusCode::kResourceExhausted,
+                                     absl::StrCat("state_dict entry '", entry.name, "'"), [&] {
+                                       tensor = at::empty(entry.shape, at::dtype(*type));
+                                       return absl::OkStatus();
+                                     });
+  if (!allocated.ok()) return allocated;
+  state_[entry.name] = tensor;
+  return static_cast<char*>(tensor.data_ptr());
 }
 
 absl::StatusOr<std::map<std::string, at::Tensor>> StateDictAssembler::Finish() {
-  for (const auto& [name, t] : state_) {
-    if (!done_.count(name)) {
-      return absl::InvalidArgumentError(absl::StrCat("state_dict '", name, "' is incomplete"));
-    }
-  }
+  absl::Status complete = chunks_.Finish();
+  if (!complete.ok()) return complete;
   return std::move(state_);
 }
-
 
 }  // namespace rannc

@@ -10,13 +10,13 @@
 
 #include <functional>
 #include <map>
-#include <set>
 #include <string>
 
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "daemon/common/chunk_assembler.h"
 #include "daemon/common/shm_transfer.h"
 #include "rannc/v1/training.pb.h"
 
@@ -25,15 +25,11 @@ namespace rannc {
 absl::StatusOr<at::ScalarType> FromProtoDType(v1::DType dtype);
 absl::StatusOr<v1::DType> ToProtoDType(at::ScalarType type);
 
-// "float32", "int64", ... as users write them in Python.
+// "float32", "int64", ... as users write them in Python. (The wire's DType has its own, in
+// wire_dtype.h, with DTypeSize and DenseBytes.)
 std::string DTypeName(at::ScalarType type);
 // "float32[8, 16]".
 std::string DescribeTensor(at::ScalarType type, at::IntArrayRef shape);
-
-// Bytes of a dense tensor of `type` and `shape`. INVALID_ARGUMENT, naming `what`, for a
-// negative dimension or a size that does not fit in memory's address range.
-absl::StatusOr<size_t> DenseBytes(at::ScalarType type, const std::vector<int64_t>& shape,
-                                  absl::string_view what);
 
 // `what` names the tensor in errors, e.g. "input 'x' (#0)". Bytes given by Tensor.shm are read
 // through `shm`; without one they are refused.
@@ -54,20 +50,25 @@ absl::Status EncodeStateChunks(const std::string& name, const at::Tensor& tensor
                                size_t chunk_bytes,
                                const std::function<bool(const v1::StateDictChunk&)>& write);
 
-// Reassembles state_dict entries from StateDictChunks (EncodeStateChunks' output), checking
-// each chunk against its entry's first: the dtype, the shape and the bytes they announce agree,
-// offsets continue, no entry comes twice, none ends incomplete.
+// Reassembles state_dict entries from StateDictChunks (EncodeStateChunks' output) into CPU
+// tensors, with ChunkAssembler's checks (chunk_assembler.h; a malformed stream is
+// INVALID_ARGUMENT, a tensor that cannot be allocated RESOURCE_EXHAUSTED). Each entry's tensor
+// is allocated at its first chunk and the chunks' bytes are copied straight into it. One thread.
 class StateDictAssembler {
  public:
-  absl::Status Add(const v1::StateDictChunk& chunk);
+  StateDictAssembler();
+  StateDictAssembler(const StateDictAssembler&) = delete;
+  StateDictAssembler& operator=(const StateDictAssembler&) = delete;
+
+  absl::Status Add(const v1::StateDictChunk& chunk) { return chunks_.Add(chunk); }
+  // Fails if any entry is incomplete; else hands the tensors over.
   absl::StatusOr<std::map<std::string, at::Tensor>> Finish();
 
  private:
+  absl::StatusOr<char*> Allocate(const ChunkAssembler::Entry& entry);
+
   std::map<std::string, at::Tensor> state_;
-  std::set<std::string> done_;
-  at::Tensor current_;
-  std::string name_;
-  uint64_t filled_ = 0;
+  ChunkAssembler chunks_;  // allocates into state_
 };
 
 }  // namespace rannc

@@ -153,6 +153,29 @@ absl::Status Coordinator::Push(const std::map<std::string, at::Tensor>& state) {
                  [] { return absl::OkStatus(); });
 }
 
+absl::Status Coordinator::GatherOptimizerState(std::vector<OptimizerEntry>* state) {
+  std::set<std::string> seen;  // parameters already reported
+  for (const OptimizerEntry& e : *state) seen.insert(e.param);
+  for (std::unique_ptr<PartChannel>& part : parts_) {
+    absl::StatusOr<std::vector<OptimizerEntry>> theirs = part->OptimizerState();
+    if (!theirs.ok()) return theirs.status();
+    std::set<std::string> added;
+    for (OptimizerEntry& e : *theirs) {
+      if (seen.count(e.param)) continue;  // replicated or tied: the same state
+      added.insert(e.param);
+      state->push_back(std::move(e));
+    }
+    seen.insert(added.begin(), added.end());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::PushOptimizerState(const std::vector<OptimizerEntry>& state,
+                                             const std::function<absl::Status()>& local) {
+  return OnParts([&](PartChannel& part, size_t) { return part.LoadOptimizerState(state); },
+                 local);
+}
+
 absl::StatusOr<std::optional<at::Tensor>> Coordinator::ReadTensor(const std::string& name,
                                                                   bool grad) {
   for (std::unique_ptr<PartChannel>& part : parts_) {

@@ -70,6 +70,12 @@ class Coordinator {
   absl::StatusOr<std::optional<at::Tensor>> ReadTensor(const std::string& name, bool grad);
   // state_dict entries to every part (each takes those it holds).
   absl::Status Push(const std::map<std::string, at::Tensor>& state);
+  // The optimizer's state on every part, appended to `state` (a parameter's entries once, as
+  // the first daemon holding it reports them); and `state` to every part, while `local` loads
+  // it here.
+  absl::Status GatherOptimizerState(std::vector<OptimizerEntry>* state);
+  absl::Status PushOptimizerState(const std::vector<OptimizerEntry>& state,
+                                  const std::function<absl::Status()>& local);
   // clip_grad_norm over every daemon: the parts' norms and this daemon's (`local_norms`, by
   // parameter name) combined in `order` (the client's parameter order, as PyTorch sums them),
   // then every copy scaled by the one coefficient (`local_scale` here). Returns the total norm.

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -305,6 +306,52 @@ TEST_CASE("Coordinator delays reduction on every daemon; reads, steps and rebuil
   absl::StatusOr<std::vector<at::Tensor>> eval = job->Forward(0, f.inputs, false);
   REQUIRE(eval.ok());
   CHECK(Close((*eval)[0], (*first)[0]));
+}
+
+TEST_CASE("Coordinator gathers and loads the optimizer state of every daemon", "[cluster]") {
+  Cluster cluster("tiny_gpt");
+  const testing::Fixture& f = cluster.f;
+  std::unique_ptr<Job> first = cluster.MakeJob();
+  auto train = [&](Job& job) {
+    absl::StatusOr<std::vector<at::Tensor>> out = job.Forward(0, f.inputs, true);
+    REQUIRE(out.ok());
+    REQUIRE(job.Backward(0, {{0, at::ones_like((*out)[0])}}, false).ok());
+    REQUIRE(Step(job).ok());
+    ZeroGrad(job);
+  };
+  for (int i = 0; i < 2; ++i) train(*first);
+  absl::StatusOr<std::vector<OptimizerEntry>> state = first->OptimizerState();
+  INFO(state.status().ToString());
+  REQUIRE(state.ok());
+  // Every parameter's momentum, wherever it is held, once.
+  std::set<std::string> params;
+  for (const OptimizerEntry& e : *state) {
+    CHECK(e.key == "momentum_buffer");
+    CHECK(params.insert(e.param).second);
+  }
+  size_t trained = 0;
+  for (const ParamStore::Entry& e : first->params().entries()) trained += e.is_parameter;
+  CHECK(params.size() == trained);
+
+  // A second job over the daemons, given the first's parameters and optimizer state, takes
+  // the same third step.
+  std::unique_ptr<Job> second = cluster.MakeJob();
+  std::map<std::string, at::Tensor> values;
+  for (const StateEntry& s : first->StateDict()) values[s.name] = s.tensor;
+  std::vector<std::string> missing, unexpected;
+  REQUIRE(second->LoadStateDict(values, true, &missing, &unexpected).ok());
+  // A bad entry is refused before any daemon loads anything.
+  std::vector<OptimizerEntry> bad = *state;
+  bad.back().value = at::zeros({2});
+  CHECK(second->LoadOptimizerState(bad).code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(second->LoadOptimizerState(*state).ok());
+  train(*first);
+  train(*second);
+  for (const ParamStore::Entry& e : first->params().entries()) {
+    if (!e.is_parameter) continue;
+    INFO(e.name);
+    CHECK(at::equal(Value(*first, e.name), Value(*second, e.name)));
+  }
 }
 
 }  // namespace

@@ -56,6 +56,22 @@ class FakePartChannel final : public PartChannel {
     return Named((*job)->LoadStateDict(copies, false, &missing, &unexpected));
   }
 
+  absl::StatusOr<std::vector<OptimizerEntry>> OptimizerState() override {
+    absl::StatusOr<std::shared_ptr<Job>> job = Part(false);
+    if (!job.ok()) return job.status();
+    absl::StatusOr<std::vector<OptimizerEntry>> state = (*job)->OptimizerState();
+    if (!state.ok()) return Named(state.status());
+    return state;
+  }
+
+  absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = Part(true);
+    if (!job.ok()) return job.status();
+    std::vector<OptimizerEntry> copies;  // as over the wire
+    for (const OptimizerEntry& e : state) copies.push_back({e.param, e.key, e.value.clone()});
+    return Named((*job)->LoadOptimizerState(copies));
+  }
+
   void Notify(PartNotice notice, std::chrono::milliseconds) override {
     if (!daemons_->Reach(address(), false).ok()) return;
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(part_id_);

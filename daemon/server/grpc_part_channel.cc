@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/server/job_settings.h"
+#include "daemon/server/optimizer_state_codec.h"
 
 namespace rannc {
 namespace {
@@ -151,6 +152,44 @@ class GrpcPartChannel final : public PartChannel {
                                  *request.mutable_chunk() = chunk;
                                  return writer->Write(request);
                                }).ok();
+      }
+      writer->WritesDone();
+      return writer->Finish();
+    });
+  }
+
+  absl::StatusOr<std::vector<OptimizerEntry>> OptimizerState() override {
+    v1::PartRef ref;
+    ref.set_part_id(part_id_);
+    OptimizerStateAssembler assembler;
+    absl::Status assembled;
+    absl::Status s = Call([&](grpc::ClientContext* c) {
+      std::unique_ptr<grpc::ClientReader<v1::StateDictChunk>> reader =
+          stub_->OptimizerState(c, ref);
+      v1::StateDictChunk chunk;
+      while (reader->Read(&chunk)) {
+        if (assembled.ok()) assembled = assembler.Add(chunk);
+      }
+      return reader->Finish();
+    });
+    if (!s.ok()) return s;
+    if (!assembled.ok()) return assembled;
+    return assembler.Finish();
+  }
+
+  absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state) override {
+    return Call([&](grpc::ClientContext* c) {
+      v1::Empty empty;
+      std::unique_ptr<grpc::ClientWriter<v1::LoadPartOptimizerStateRequest>> writer =
+          stub_->LoadOptimizerState(c, &empty);
+      v1::LoadPartOptimizerStateRequest header;
+      header.set_part_id(part_id_);
+      if (writer->Write(header)) {
+        EncodeOptimizerState(state, kChunkBytes, [&](const v1::StateDictChunk& chunk) {
+          v1::LoadPartOptimizerStateRequest request;
+          *request.mutable_chunk() = chunk;
+          return writer->Write(request);
+        }).IgnoreError();  // a closed stream: Finish says why
       }
       writer->WritesDone();
       return writer->Finish();

@@ -151,6 +151,11 @@ class Job {
   absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& state, bool strict,
                              std::vector<std::string>* missing,
                              std::vector<std::string>* unexpected);
+  // The optimizer's state, torch.optim's per parameter (by name) and key, from every daemon of
+  // the job; loading replaces it everywhere (LocalJob::LoadOptimizerState). UNIMPLEMENTED for
+  // ZeRO over several daemons.
+  absl::StatusOr<std::vector<OptimizerEntry>> OptimizerState();
+  absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state);
   // Brings the host master up to date and frees every device's copies (optimizer state is
   // kept on the host); the next Forward deploys again.
   void Undeploy();

@@ -3,9 +3,15 @@
 #include <spdlog/spdlog.h>
 
 #include "daemon/common/tensor_codec.h"
+#include "daemon/server/optimizer_state_codec.h"
 #include "daemon/server/rpc_status.h"
 
 namespace rannc {
+namespace {
+
+constexpr size_t kChunkBytes = 4 << 20;
+
+}  // namespace
 
 absl::StatusOr<std::string> CreatePartJob(const v1::JobSpec& spec, const v1::PartSpec& part,
                                           const std::string& model_bytes,
@@ -199,6 +205,41 @@ grpc::Status JobPartServiceImpl::LoadState(grpc::ServerContext*,
   std::vector<std::string> missing, unexpected;
   status = (*job)->LoadStateDict(*state, /*strict=*/false, &missing, &unexpected);
   if (!status.ok()) return FailRpc("part LoadState", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::OptimizerState(grpc::ServerContext*, const v1::PartRef* ref,
+                                                grpc::ServerWriter<v1::StateDictChunk>* writer) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
+  if (!job.ok()) return FailRpc("part OptimizerState", job.status());
+  absl::StatusOr<std::vector<OptimizerEntry>> state = (*job)->OptimizerState();
+  if (!state.ok()) return FailRpc("part OptimizerState", state.status());
+  absl::Status written = EncodeOptimizerState(
+      *state, kChunkBytes, [&](const v1::StateDictChunk& c) { return writer->Write(c); });
+  if (!written.ok()) return FailRpc("part OptimizerState", written);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::LoadOptimizerState(
+    grpc::ServerContext*, grpc::ServerReader<v1::LoadPartOptimizerStateRequest>* reader,
+    v1::Empty*) {
+  v1::LoadPartOptimizerStateRequest request;
+  if (!reader->Read(&request) || request.part_id().empty()) {
+    return FailRpc("part LoadOptimizerState", absl::InvalidArgumentError(
+        "LoadOptimizerState must start with the part's id, then the chunks"));
+  }
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request.part_id());
+  if (!job.ok()) return FailRpc("part LoadOptimizerState", job.status());
+  OptimizerStateAssembler assembler;
+  absl::Status status;
+  while (reader->Read(&request)) {
+    if (status.ok()) status = assembler.Add(std::move(*request.mutable_chunk()));  // drain
+  }
+  absl::StatusOr<std::vector<OptimizerEntry>> state =
+      status.ok() ? assembler.Finish() : absl::StatusOr<std::vector<OptimizerEntry>>(status);
+  if (state.ok()) status = (*job)->LoadOptimizerState(*state);
+  if (!state.ok()) status = state.status();
+  if (!status.ok()) return FailRpc("part LoadOptimizerState", status);
   return grpc::Status::OK;
 }
 

@@ -44,6 +44,11 @@ class JobPartServiceImpl final : public v1::JobPartService::Service {
                          v1::PartTensorResponse*) override;
   grpc::Status LoadState(grpc::ServerContext*, grpc::ServerReader<v1::LoadPartStateRequest>*,
                          v1::Empty*) override;
+  grpc::Status OptimizerState(grpc::ServerContext*, const v1::PartRef*,
+                              grpc::ServerWriter<v1::StateDictChunk>*) override;
+  grpc::Status LoadOptimizerState(grpc::ServerContext*,
+                                  grpc::ServerReader<v1::LoadPartOptimizerStateRequest>*,
+                                  v1::Empty*) override;
   grpc::Status Undeploy(grpc::ServerContext*, const v1::PartRef*, v1::Empty*) override;
   grpc::Status RecreateCommunicators(grpc::ServerContext*, const v1::PartRef*,
                                      v1::Empty*) override;

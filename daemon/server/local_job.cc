@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/comm/grpc_store.h"
 #include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
@@ -192,6 +193,7 @@ bool LocalJob::Held(int lifted) const {
 LocalJob::Flags LocalJob::flags() const {
   Flags f;
   f.deployed = engine_ != nullptr;
+  f.zero = zero_;
   f.planned_mode = planned_mode();
   f.engine_forward = engine_forward_;
   f.grads_pending = grad_shares_ || (engine_ && engine_->grads_pending());
@@ -454,6 +456,79 @@ absl::Status LocalJob::Load(const std::map<std::string, at::Tensor>& state, bool
     }
   }
   return absl::OkStatus();
+}
+
+std::vector<OptimizerEntry> LocalJob::OptimizerState() {
+  std::vector<OptimizerEntry> out;
+  if (!settings_.optimizer.enabled) return out;
+  const std::map<int, std::vector<std::pair<std::string, at::Tensor>>> state =
+      engine_ ? engine_->OptimizerState() : parked_optimizer_state_;
+  for (const ParamStore::Entry& e : store_.entries()) {
+    const int li = LiftedOf(e);
+    auto it = state.find(li);
+    if (!e.is_parameter || it == state.end() || !Held(li)) continue;
+    for (const auto& [key, value] : it->second) {
+      out.push_back({e.name, key, value.detach().to(at::kCPU).clone()});
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<LocalJob::ByLifted> LocalJob::OptimizerStateByLifted(
+    const std::vector<OptimizerEntry>& state) const {
+  if (!settings_.optimizer.enabled) {
+    return absl::FailedPreconditionError(
+        "the job was created without an optimizer; it has no optimizer state to load");
+  }
+  std::set<int> optimized;
+  for (const std::vector<int>& group : optimizer_groups_) optimized.insert(group.begin(),
+                                                                          group.end());
+  const std::vector<std::string> keys =
+      settings_.optimizer.kind == OptimizerKind::kSgd
+          ? std::vector<std::string>{"momentum_buffer"}
+          : std::vector<std::string>{"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  ByLifted by_lifted;
+  for (const OptimizerEntry& entry : state) {
+    const std::string what = absl::StrCat("optimizer state '", entry.key, "' of '",
+                                          entry.param, "'");
+    const ParamStore::Entry* e = store_.Find(entry.param);
+    const int li = e == nullptr ? -1 : LiftedOf(*e);
+    if (e == nullptr || !e->is_parameter || !optimized.count(li)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": no parameter of that name is in the optimizer's param groups"));
+    }
+    if (std::find(keys.begin(), keys.end(), entry.key) == keys.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": this optimizer keeps ", absl::StrJoin(keys, ", ")));
+    }
+    const bool scalar = entry.key == "step";
+    if (!entry.value.defined() || (scalar ? entry.value.numel() != 1
+                                          : !entry.value.sizes().equals(e->tensor.sizes()))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": shape ", entry.value.defined() ? c10::str(entry.value.sizes()) : "none",
+          ", expected ", scalar ? "one number" : c10::str(e->tensor.sizes())));
+    }
+    if (!Held(li)) continue;  // another daemon's
+    at::Tensor value = entry.value.detach();
+    if (!scalar) value = value.to(e->tensor.scalar_type());
+    by_lifted[li].emplace_back(entry.key, value.clone());
+  }
+  return by_lifted;
+}
+
+absl::Status LocalJob::CheckOptimizerState(const std::vector<OptimizerEntry>& state) const {
+  return OptimizerStateByLifted(state).status();
+}
+
+absl::Status LocalJob::LoadOptimizerState(const std::vector<OptimizerEntry>& state) {
+  absl::StatusOr<ByLifted> by_lifted = OptimizerStateByLifted(state);
+  if (!by_lifted.ok()) return by_lifted.status();
+  if (!engine_) {
+    parked_optimizer_state_ = std::move(*by_lifted);
+    return absl::OkStatus();
+  }
+  return TorchCall(absl::StatusCode::kInvalidArgument, "loading the optimizer state",
+                   [&] { return engine_->LoadOptimizerState(*by_lifted); });
 }
 
 void LocalJob::Usage(std::vector<int64_t>* bytes, std::vector<int64_t>* peak,

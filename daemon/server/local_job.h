@@ -95,6 +95,7 @@ class LocalJob {
 
   struct Flags {
     bool deployed = false;       // an engine holds the devices
+    bool zero = false;           // optimizer state sharded over replicas (ZeRO)
     bool planned_mode = true;    // the current mode is the one planned (it runs on the engine)
     bool engine_forward = true;  // the last forward ran on the engine, not on the host
     bool grads_pending = false;  // delayed backwards' gradients are not reduced yet
@@ -108,6 +109,15 @@ class LocalJob {
   void Sync(const RemoteRead& remote);
   absl::Status Load(const std::map<std::string, at::Tensor>& state, bool strict,
                     std::vector<std::string>* missing, std::vector<std::string>* unexpected);
+
+  // The optimizer's state for the parameters this daemon holds (ZeRO shards assembled), in the
+  // store's order; empty before the first step. Load replaces it: the parameters `state` leaves
+  // out start afresh, as in a new torch.optim optimizer. INVALID_ARGUMENT, changing nothing,
+  // for a name that is no parameter of an optimizer group, a key the optimizer does not keep,
+  // or a shape other than the parameter's.
+  std::vector<OptimizerEntry> OptimizerState();
+  absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state);
+  absl::Status CheckOptimizerState(const std::vector<OptimizerEntry>& state) const;
 
   // Per plan device: bytes held now and the most held at once since deployed (zeros released);
   // the loss scaler's state.
@@ -125,6 +135,9 @@ class LocalJob {
   bool spans_daemons() const { return settings_.is_part || !settings_.members.empty(); }
   int LiftedOf(const ParamStore::Entry& entry) const;
   bool planned_mode() const;
+  using ByLifted = std::map<int, std::vector<std::pair<std::string, at::Tensor>>>;
+  // `state` checked, as the engine takes it: this daemon's parameters' entries by lifted index.
+  absl::StatusOr<ByLifted> OptimizerStateByLifted(const std::vector<OptimizerEntry>& state) const;
   void ZeroGrad(bool set_to_none);
   // The parameters clip_grad_norm takes (lifted indices, the client's order); their norms and
   // scaling by the coefficient.

@@ -36,6 +36,14 @@ namespace rannc {
 using OutputGrads = std::vector<std::pair<size_t, at::Tensor>>;  // by output index
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+// One tensor of the optimizer's state, as torch.optim's state_dict holds it: a parameter (its
+// entry name), a key ("step", "exp_avg", "momentum_buffer", ...), the value.
+struct OptimizerEntry {
+  std::string param;
+  std::string key;
+  at::Tensor value;
+};
+
 // One-way notices: best effort within a deadline, the answer ignored (a part that does not
 // answer is gone or cut off, and found lost by the cluster's heartbeats anyway).
 enum class PartNotice {
@@ -78,6 +86,10 @@ class PartChannel {
                                                               bool grad) = 0;
   // state_dict entries; the part takes those it holds.
   virtual absl::Status LoadState(const std::map<std::string, at::Tensor>& state) = 0;
+  // The optimizer's state of the parameters the part holds; replacing it (the part takes the
+  // entries of the parameters it holds).
+  virtual absl::StatusOr<std::vector<OptimizerEntry>> OptimizerState() = 0;
+  virtual absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state) = 0;
   virtual void Notify(PartNotice notice, std::chrono::milliseconds deadline) = 0;
   // Abandons the calls in flight (they fail soon): a member was lost, and one cut off by a
   // partition would otherwise be waited for until TCP gives up.

@@ -21,6 +21,7 @@
 #include "daemon/planner/links.h"
 #include "daemon/planner/planner.h"
 #include "daemon/server/job_model.h"
+#include "daemon/server/optimizer_state_codec.h"
 #include "daemon/server/rpc_status.h"
 
 namespace rannc {
@@ -89,27 +90,15 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
       shm_(facts_.shm_dir),
       jobs_(jobs),
       parts_(parts),
-      reaper_([this] { ReapExpiredJobs(); }) {}
+      reaper_(std::chrono::seconds(1), [this] { ReapExpiredJobs(); }) {}
 
-TrainingServiceImpl::~TrainingServiceImpl() {
-  {
-    std::lock_guard<std::mutex> lock(reaper_mu_);
-    stopping_ = true;
-  }
-  reaper_cv_.notify_all();
-  reaper_.join();
-}
+TrainingServiceImpl::~TrainingServiceImpl() = default;
 
 void TrainingServiceImpl::ReapExpiredJobs() {
-  std::unique_lock<std::mutex> lock(reaper_mu_);
-  while (!reaper_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stopping_; })) {
-    lock.unlock();
-    for (const JobManager::Expired& e : jobs_->RemoveExpired()) {
-      spdlog::warn("deleted job {} '{}': no call from its client for its lease of {} ms (the "
-                   "client exited or hung without deleting it)",
-                   e.id, e.name, e.lease.count());
-    }
-    lock.lock();
+  for (const JobManager::Expired& e : jobs_->RemoveExpired()) {
+    spdlog::warn("deleted job {} '{}': no call from its client for its lease of {} ms (the "
+                 "client exited or hung without deleting it)",
+                 e.id, e.name, e.lease.count());
   }
 }
 
@@ -667,6 +656,45 @@ grpc::Status TrainingServiceImpl::RecreateCommunicators(grpc::ServerContext*,
   op.kind = JobOp::Kind::kRecreateCommunicators;
   absl::Status status = (*job)->Run(0, op).status();
   if (!status.ok()) return Fail("RecreateCommunicators", status);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::OptimizerState(grpc::ServerContext* context,
+                                                 const v1::JobRef* ref,
+                                                 grpc::ServerWriter<v1::StateDictChunk>* writer) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
+  if (!job.ok()) return Fail("OptimizerState", job.status());
+  absl::StatusOr<std::vector<OptimizerEntry>> state = (*job)->OptimizerState();
+  if (!state.ok()) return Fail("OptimizerState", state.status());
+  absl::Status written = EncodeOptimizerState(
+      *state, kStateChunkBytes, [&](const v1::StateDictChunk& c) { return writer->Write(c); });
+  if (written.code() == absl::StatusCode::kCancelled || context->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away during OptimizerState");
+  }
+  if (!written.ok()) return Fail("OptimizerState", written);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::LoadOptimizerState(
+    grpc::ServerContext*, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
+    v1::LoadStateDictResponse*) {
+  v1::LoadStateDictRequest request;
+  if (!reader->Read(&request) || !request.has_header()) {
+    return Fail("LoadOptimizerState", absl::InvalidArgumentError(
+        "LoadOptimizerState must start with a header message, then the chunks"));
+  }
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request.header().job_id());
+  if (!job.ok()) return Fail("LoadOptimizerState", job.status());
+  OptimizerStateAssembler assembler;
+  absl::Status status = absl::OkStatus();
+  while (reader->Read(&request)) {
+    if (status.ok()) status = assembler.Add(std::move(*request.mutable_chunk()));  // drain
+  }
+  if (!status.ok()) return Fail("LoadOptimizerState", status);
+  absl::StatusOr<std::vector<OptimizerEntry>> state = assembler.Finish();
+  if (!state.ok()) return Fail("LoadOptimizerState", state.status());
+  status = (*job)->LoadOptimizerState(*state);
+  if (!status.ok()) return Fail("LoadOptimizerState", status);
   return grpc::Status::OK;
 }
 

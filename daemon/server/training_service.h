@@ -9,12 +9,10 @@
 #ifndef RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 #define RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 
-#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "daemon/comm/factory.h"
@@ -22,6 +20,7 @@
 #include "daemon/planner/cost_table.h"
 #include "daemon/planner/profile_cache.h"
 #include "daemon/cluster/membership.h"
+#include "daemon/common/periodic.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_settings.h"
 #include "daemon/server/part_channel.h"
@@ -90,6 +89,11 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                          grpc::ServerWriter<v1::StateDictChunk>*) override;
   grpc::Status LoadStateDict(grpc::ServerContext*, grpc::ServerReader<v1::LoadStateDictRequest>*,
                              v1::LoadStateDictResponse*) override;
+  grpc::Status OptimizerState(grpc::ServerContext*, const v1::JobRef*,
+                              grpc::ServerWriter<v1::StateDictChunk>*) override;
+  grpc::Status LoadOptimizerState(grpc::ServerContext*,
+                                  grpc::ServerReader<v1::LoadStateDictRequest>*,
+                                  v1::LoadStateDictResponse*) override;
   grpc::Status SetMode(grpc::ServerContext*, const v1::SetModeRequest*,
                        v1::SetModeResponse*) override;
   grpc::Status Undeploy(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
@@ -133,12 +137,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   mutable std::mutex peers_mu_;
   mutable std::map<std::string, std::unique_ptr<v1::TrainingService::Stub>> peers_;
   mutable std::map<std::string, std::unique_ptr<v1::JobPartService::Stub>> part_stubs_;
-  // The lease reaper (see the constructor).
+  // The lease reaper (see the constructor): one round of it.
   void ReapExpiredJobs();
-  std::mutex reaper_mu_;
-  std::condition_variable reaper_cv_;
-  bool stopping_ = false;  // guarded by reaper_mu_
-  std::thread reaper_;     // last: starts once everything above is constructed
+  Periodic reaper_;  // last: starts once everything above is constructed, stops first
 };
 
 }  // namespace rannc

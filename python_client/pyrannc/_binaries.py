@@ -1,19 +1,23 @@
 """Where pyrannc finds the programs it runs: `ranncd`, its embedded daemon (pyrannc._daemon), and
 `rannc`, the CLI whose formatter prints deployments (pyrannc._deployment).
 
-Each is found the same way: the environment variable naming it (RANNC_DAEMON_BIN,
-RANNC_CLI_BIN), which must then be an executable file; else Bazel's output under the repository
-this package lives in (`bazel-bin/daemon/ranncd`, `bazel-bin/client/rannc`), or the runfile of
-the same path when pyrannc itself runs from Bazel runfiles; else the name on PATH.
+Each is found the same way: its client key of the registry (`daemon_bin`, `cli_bin`; see
+docs/config.md), read through pyrannc._config as every client setting is, so the environment
+variable (RANNC_DAEMON_BIN, RANNC_CLI_BIN) wins over rannc.toml; a value set must be an
+executable file (`~` expanded). Else Bazel's output under the repository this package lives in
+(`bazel-bin/daemon/ranncd`, `bazel-bin/client/rannc`), or the runfile of the same path when
+pyrannc itself runs from Bazel runfiles; else the name on PATH.
 
     subprocess.run([find_cli_binary(), "keys"])
 
-Pure lookups, safe from any thread; RanncError (code None) when there is no such program.
+Lookups that only read the environment, rannc.toml and the file system, safe from any thread;
+RanncError (code None) when there is no such program, ValueError when rannc.toml is bad.
 """
 
 import os
 import shutil
 
+from pyrannc import _config
 from pyrannc.errors import RanncError
 
 
@@ -26,14 +30,15 @@ def _executable(path: str) -> bool:
     return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
-def _find(package: str, name: str, env: str, missing: str) -> str:
-    """The program `name` of Bazel package `package`; RanncError starting with `missing` when
-    there is none."""
-    explicit = os.environ.get(env)
+def _find(package: str, name: str, key: str, missing: str) -> str:
+    """The program `name` of Bazel package `package`, or the one client key `key` names;
+    RanncError starting with `missing` when there is none."""
+    explicit, where = _config.client_setting_from(key)
     if explicit:
-        if not _executable(explicit):
-            raise RanncError(f"{env}={explicit} is not an executable file")
-        return explicit
+        path = os.path.expanduser(explicit)
+        if not _executable(path):
+            raise RanncError(f"{where} is not an executable file")
+        return path
     root = _package_repo_root()
     for candidate in (os.path.join(root, "bazel-bin", package, name),
                       os.path.join(root, package, name)):
@@ -47,14 +52,15 @@ def _find(package: str, name: str, env: str, missing: str) -> str:
 
 def find_daemon_binary() -> str:
     """The ranncd that pyrannc's embedded daemon runs."""
-    return _find("daemon", "ranncd", "RANNC_DAEMON_BIN",
+    return _find("daemon", "ranncd", "daemon_bin",
                  "pyrannc found no daemon: set RANNC_DAEMON=host:port to use a running ranncd, "
-                 "or RANNC_DAEMON_BIN to the ranncd binary, or build it with "
-                 "`bazel build //daemon:ranncd`")
+                 "or RANNC_DAEMON_BIN (daemon_bin in rannc.toml) to the ranncd binary, or build "
+                 "it with `bazel build //daemon:ranncd`")
 
 
 def find_cli_binary() -> str:
     """The rannc CLI, which formats deployments for show_deployment."""
-    return _find("client", "rannc", "RANNC_CLI_BIN",
-                 "pyrannc found no rannc CLI, which prints deployments: set RANNC_CLI_BIN to the "
-                 "rannc binary, or build it with `bazel build //client:rannc`")
+    return _find("client", "rannc", "cli_bin",
+                 "pyrannc found no rannc CLI, which prints deployments: set RANNC_CLI_BIN "
+                 "(cli_bin in rannc.toml) to the rannc binary, or build it with "
+                 "`bazel build //client:rannc`")

@@ -1,12 +1,14 @@
 """The process-wide connection to ranncd: finding or starting it, calling it, stopping it.
 
-One channel per process, created on first use by `connection()` (thread-safe). With
-`RANNC_DAEMON=host:port` set, pyrannc connects there. Otherwise it starts an embedded `ranncd` on
-a free loopback port with `--devices $RANNC_DEVICES` (default `cpu:2`) plus any flags in
-`RANNC_DAEMON_ARGS`, and stops it at interpreter exit (SIGTERM, then SIGKILL after
-RANNC_DAEMON_STOP_TIMEOUT seconds). The daemon binary is `RANNC_DAEMON_BIN`, else Bazel's
+One channel per process, created on first use by `connection()` (thread-safe). With the client
+key `daemon` set (RANNC_DAEMON=host:port), pyrannc connects there. Otherwise it starts an
+embedded `ranncd` on a free loopback port with `--devices` from the daemon key `devices`
+(default `cpu:2`, not ranncd's own default) plus the flags in `daemon_args`, writes its output
+to `daemon_log` if set, and stops it at interpreter exit (SIGTERM, then SIGKILL after
+`daemon_stop_timeout` seconds). The daemon binary is the `daemon_bin` key, else Bazel's
 `bazel-bin/daemon/ranncd` under the repository this package lives in, else `ranncd` on PATH
-(pyrannc._binaries).
+(pyrannc._binaries). Every key is read through pyrannc._config: its RANNC_<KEY> environment
+variable (RANNC_DEVICES, RANNC_DAEMON_ARGS, ...) wins over rannc.toml.
 
 Every RPC goes through `Connection.call`/`Connection.stream`, which turn gRPC errors into
 RanncError carrying the status code and the daemon's message.
@@ -17,14 +19,13 @@ import collections
 import logging
 import os
 import re
-import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
-from typing import Callable, Dict, Iterable, Iterator, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional
 
 import grpc
 import torch
@@ -70,17 +71,48 @@ def check_torch_version(daemon_version: str, client_version: str = torch.__versi
             f"version. Use a PyTorch {daemon_mm[0]}.{daemon_mm[1]} client or a matching ranncd.")
 
 
+class EmbeddedSettings(NamedTuple):
+    """How pyrannc starts and stops its embedded ranncd, read once before it starts."""
+    devices: str
+    flags: List[str]
+    log_path: str
+    start_timeout: float
+    stop_timeout: float
+    origin: str  # where devices and flags came from, for a failed start's message
+
+
+def embedded_settings() -> EmbeddedSettings:
+    """The embedded daemon's settings (ValueError, naming the source, for a bad one). ranncd
+    reads rannc.toml too, but --devices must be given: pyrannc's default is not ranncd's."""
+    devices, devices_from = _config.client_setting_from("devices")
+    flags = _config.client_flags("daemon_args")
+    flags_from = _config.client_setting_from("daemon_args")[1] if flags else ""
+    origin = "; ".join(f"{what} from {where}" for what, where in
+                       (("devices", devices_from), ("flags", flags_from)) if where)
+    return EmbeddedSettings(
+        devices=devices.strip() or _DEFAULT_DEVICES, flags=flags,
+        log_path=os.path.expanduser(_config.client_setting("daemon_log")),
+        start_timeout=_config.client_seconds("daemon_start_timeout", 120.0),
+        stop_timeout=_config.client_seconds("daemon_stop_timeout", 10.0),
+        origin=f" ({origin})" if origin else "")
+
+
 class _EmbeddedDaemon:
     """A ranncd child process; its output is kept (last lines) for error messages."""
 
-    def __init__(self, binary: str, address: str, extra_args):
+    def __init__(self, binary: str, address: str, settings: EmbeddedSettings):
         self.address = address
-        self.args = [binary, "--listen", address, "--devices",
-                     os.environ.get("RANNC_DEVICES") or _DEFAULT_DEVICES] + list(extra_args)
+        self.args = [binary, "--listen", address, "--devices", settings.devices] + settings.flags
+        self.stop_timeout = settings.stop_timeout
         self.tail = collections.deque(maxlen=200)
         self.owner_pid = os.getpid()
-        log_path = os.environ.get("RANNC_DAEMON_LOG")
-        self._log_file = open(log_path, "a", encoding="utf-8") if log_path else None
+        try:
+            self._log_file = (open(settings.log_path, "a", encoding="utf-8")
+                              if settings.log_path else None)
+        except OSError as err:
+            where = _config.client_setting_from("daemon_log")[1]
+            raise RanncError(f"pyrannc cannot write the embedded ranncd's log ({where}): "
+                             f"{err}") from None
         command = self.args
         setpriv = shutil.which("setpriv")
         # If the client dies without running atexit (SIGKILL), the kernel stops the daemon. The
@@ -240,13 +272,12 @@ _others: Dict[str, Connection] = {}  # other daemons of the cluster, by address
 
 def _start_embedded() -> Connection:
     binary = find_daemon_binary()
-    extra = shlex.split(os.environ.get("RANNC_DAEMON_ARGS", ""))
-    timeout = float(os.environ.get("RANNC_DAEMON_START_TIMEOUT", "120"))
+    settings = embedded_settings()
     last_failure = ""
     # A port picked free may be taken before the daemon binds it; try a few.
     for _ in range(3):
         address = f"127.0.0.1:{_free_loopback_port()}"
-        daemon = _EmbeddedDaemon(binary, address, extra)
+        daemon = _EmbeddedDaemon(binary, address, settings)
         conn = Connection(address, daemon)
 
         def alive():
@@ -254,7 +285,7 @@ def _start_embedded() -> Connection:
                 raise RanncError(daemon.describe_exit())
 
         try:
-            conn.wait_ready(time.monotonic() + timeout, alive)
+            conn.wait_ready(time.monotonic() + settings.start_timeout, alive)
             logger.info("pyrannc started ranncd at %s (pid %d)", address, daemon.proc.pid)
             return conn
         except RanncError as err:
@@ -264,7 +295,7 @@ def _start_embedded() -> Connection:
             if "address already in use" not in last_failure.lower() and \
                     "bind" not in last_failure.lower():
                 break
-    raise RanncError(f"pyrannc could not start ranncd: {last_failure}")
+    raise RanncError(f"pyrannc could not start ranncd{settings.origin}: {last_failure}")
 
 
 def _shutdown():
@@ -280,13 +311,13 @@ def _shutdown():
     conn.close()
     # A forked child inherits the connection but not the daemon: only its starter stops it.
     if conn.embedded is not None and conn.embedded.owner_pid == os.getpid():
-        conn.embedded.stop(timeout=float(os.environ.get("RANNC_DAEMON_STOP_TIMEOUT", "10")))
+        conn.embedded.stop(timeout=conn.embedded.stop_timeout)
 
 
 def _connect(address: str, what: str) -> Connection:
     """A ready connection to the ranncd at `address` (`what` names where it came from)."""
+    timeout = _config.client_seconds("daemon_connect_timeout", 30.0)
     conn = Connection(address)
-    timeout = float(os.environ.get("RANNC_DAEMON_CONNECT_TIMEOUT", "30"))
     try:
         conn.wait_ready(time.monotonic() + timeout, lambda: None)
     except RanncError as err:
@@ -313,7 +344,7 @@ def connection(address: Optional[str] = None) -> Connection:
                 try:
                     check_torch_version(conn.info.torch_version)
                     conn.shm = _shm.make_transfer(conn.address, conn.info, False)
-                except RanncError:
+                except Exception:  # a RanncError, or a bad shm setting
                     conn.close()
                     raise
                 _others[address] = conn
@@ -321,15 +352,15 @@ def connection(address: Optional[str] = None) -> Connection:
     with _lock:
         if _connection is not None:
             return _connection
-        address = _config.client_setting("daemon")
+        address, where = _config.client_setting_from("daemon")
         if address:
-            conn = _connect(address, "RANNC_DAEMON")
+            conn = _connect(address, where)
         else:
             conn = _start_embedded()
         try:
             check_torch_version(conn.info.torch_version)
             conn.shm = _shm.make_transfer(conn.address, conn.info, conn.embedded is not None)
-        except RanncError:
+        except Exception:  # a RanncError, or a bad shm setting
             conn.close()
             if conn.embedded is not None:
                 conn.embedded.stop(timeout=5.0)

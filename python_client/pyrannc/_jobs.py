@@ -11,7 +11,6 @@ thread-safe), and the next job creation drains it.
 
 import collections
 import logging
-import os
 from typing import Dict, List, Optional, Tuple
 
 from pyrannc import _config
@@ -59,9 +58,9 @@ class Job:
 
 
 def defer_ops() -> bool:
-    """RANNC_DEFER_OPS=0 sends each backward/step/zero_grad at once, so an error in one is
-    raised by that call rather than by the next forward."""
-    return os.environ.get("RANNC_DEFER_OPS", "1") != "0"
+    """defer_ops = false (RANNC_DEFER_OPS=0) sends each backward/step/zero_grad at once, so an
+    error in one is raised by that call rather than by the next forward."""
+    return _config.client_bool("defer_ops", True)
 
 
 def job_name(model) -> str:
@@ -88,20 +87,12 @@ def lease_seconds() -> float:
     """The client's lease on its jobs (RANNC_JOB_LEASE seconds, default 300; 0: none): a job
     whose client has not been heard from for that long is deleted by the daemon (a client that
     died does not hold a shared daemon's devices). pyrannc renews it while the process lives."""
-    value = _config.client_setting("job_lease", "300")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r} is not a number of seconds") from None
-    if not 0 <= seconds <= 4e6:
-        raise ValueError(f"pyrannc: RANNC_JOB_LEASE={value!r}: 0 (no lease) or 1 to 4,000,000 "
-                         "seconds")
-    return seconds
+    return _config.client_seconds("job_lease", 300.0, maximum=4e6)
 
 
 def client_timeout_ms() -> int:
     """How long a client rank waits for the others (RANNC_CLIENT_TIMEOUT seconds, default 300)."""
-    return int(float(_config.client_setting("client_timeout", "300")) * 1000)
+    return int(_config.client_seconds("client_timeout", 300.0) * 1000)
 
 
 # Jobs of RaNNCModules that were garbage-collected; deque appends are thread-safe.

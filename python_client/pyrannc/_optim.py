@@ -88,6 +88,36 @@ def optimizer_spec(optimizer, names_by_id: Dict[int, str]) -> pb.OptimizerSpec:
     return spec
 
 
+def _ordered_params(optimizer) -> List[torch.Tensor]:
+    """The optimizer's parameters in state_dict()'s index order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def state_by_index(optimizer, names_by_id: Dict[int, str],
+                   by_name: Dict[str, Dict[str, torch.Tensor]]) -> Dict[int, Dict[str, object]]:
+    """The daemon's state (parameter name -> {key: tensor}) as torch.optim's state_dict()
+    'state': parameter index -> {key: tensor}, on the parameters' devices."""
+    state = {}
+    for index, p in enumerate(_ordered_params(optimizer)):
+        entries = by_name.get(names_by_id.get(id(p)))
+        if entries:
+            state[index] = {k: v.to(p.device) for k, v in entries.items()}
+    return state
+
+
+def local_state_by_name(optimizer, names_by_id: Dict[int, str]
+                        ) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The optimizer's own (local) state, by parameter name, for the daemon."""
+    by_name = {}
+    for p in _ordered_params(optimizer):
+        entries = optimizer.state.get(p)
+        if entries:
+            by_name[names_by_id[id(p)]] = {
+                k: torch.as_tensor(v, dtype=torch.float32) if k == "step" else v
+                for k, v in entries.items() if isinstance(v, torch.Tensor) or k == "step"}
+    return by_name
+
+
 def _counting(bound, optimizer):
     # Mirrors the step tracking of torch.optim.lr_scheduler, for a scheduler made before the
     # patch: PyTorch 1.x's with_counter (_step_count) and 2.x's patch_track_step_called
@@ -133,19 +163,29 @@ def patch(optimizer, module) -> None:
     original_state_dict = types.MethodType(type(optimizer).state_dict, optimizer)
     original_load_state_dict = types.MethodType(type(optimizer).load_state_dict, optimizer)
 
-    def state_dict(self):
-        if owner()._has_job():
-            raise NotImplementedError(
-                "pyrannc keeps the optimizer's state (momentum, Adam moments) in ranncd; "
-                "optimizer.state_dict() after the first forward is not supported yet")
-        return original_state_dict()
+    def state_dict(self, from_global: bool = True, **kwargs):
+        # RaNNC's from_global=True gathers every rank's shard; ranncd's state is always whole.
+        sd = original_state_dict()
+        m = owner()
+        if m._has_job():
+            sd["state"] = state_by_index(self, m._names_by_id(), m._optimizer_state())
+        return sd
 
-    def load_state_dict(self, state_dict):
-        if state_dict.get("state"):
-            raise NotImplementedError(
-                "pyrannc keeps the optimizer's state in ranncd; loading optimizer state "
-                "(momentum, Adam moments) is not supported yet. Only param_groups can be loaded.")
-        return original_load_state_dict(state_dict)
+    def load_state_dict(self, state_dict, from_global: bool = True, **kwargs):
+        # torch.optim checks the groups, takes their hyper-parameters and casts the state to
+        # each parameter's dtype and device.
+        m = owner()
+        if not m._has_job():
+            return original_load_state_dict(state_dict)  # sent with the job at its creation
+        groups = self.param_groups
+        original_load_state_dict(state_dict)
+        try:
+            m._load_optimizer_state(local_state_by_name(self, m._names_by_id()))
+        except BaseException:
+            self.param_groups = groups  # refused: the hyper-parameters stay as they were too
+            raise
+        finally:
+            self.state.clear()  # the daemon holds it; state_dict() reads it there
 
     bound_step = types.MethodType(step, optimizer)
     previous = optimizer.__dict__.get("step")

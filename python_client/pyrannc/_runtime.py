@@ -8,6 +8,8 @@ import os
 import threading
 import weakref
 
+from pyrannc import _config
+
 _lock = threading.Lock()
 _live_modules = weakref.WeakSet()
 
@@ -27,31 +29,35 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer") from None
+        raise ValueError(f"pyrannc: {name}={value} is not an integer") from None
 
 
-# Where a client process finds its rank and the number of ranks: rannc's own variables, then
-# torchrun's, then Open MPI's, then other MPIs' (PMI).
-_RANK_VARIABLES = (("RANNC_CLIENT_RANK", "RANNC_CLIENT_WORLD"), ("RANK", "WORLD_SIZE"),
-                   ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+# Where a client process finds its rank and the number of ranks, when rannc's own client keys
+# client_rank and client_world are not set (RANNC_CLIENT_RANK/_WORLD, else rannc.toml):
+# torchrun's variables, then Open MPI's, then other MPIs' (PMI).
+_LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                       ("PMI_RANK", "PMI_SIZE"))
 
 
 def _rank_and_world():
-    for rank_name, world_name in _RANK_VARIABLES:
+    if _config.client_setting_from("client_rank")[1] or \
+            _config.client_setting_from("client_world")[1]:
+        return _config.client_int("client_rank", 0), _config.client_int("client_world", 1)
+    for rank_name, world_name in _LAUNCHER_VARIABLES:
         if rank_name in os.environ or world_name in os.environ:
             return _env_int(rank_name, 0), _env_int(world_name, 1)
     return 0, 1
 
 
 def get_rank() -> int:
-    """This client's rank among the client processes of a job (RANNC_CLIENT_RANK, or RANK from
-    torchrun, or the MPI rank; default 0)."""
+    """This client's rank among the client processes of a job (client_rank: RANNC_CLIENT_RANK
+    or rannc.toml; else RANK from torchrun, or the MPI rank; default 0)."""
     return _rank_and_world()[0]
 
 
 def get_world_size() -> int:
-    """The number of client processes of a job (RANNC_CLIENT_WORLD, or WORLD_SIZE from torchrun,
-    or the MPI size; default 1)."""
+    """The number of client processes of a job (client_world: RANNC_CLIENT_WORLD or rannc.toml;
+    else WORLD_SIZE from torchrun, or the MPI size; default 1)."""
     return _rank_and_world()[1]
 
 
@@ -59,7 +65,8 @@ def check_ranks() -> None:
     rank, world = _rank_and_world()
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"pyrannc: client rank {rank} is outside 0..{world - 1} "
-                         "(RANNC_CLIENT_RANK / RANNC_CLIENT_WORLD or the launcher's variables)")
+                         "(RANNC_CLIENT_RANK / RANNC_CLIENT_WORLD, client_rank / client_world "
+                         "in rannc.toml, or the launcher's variables)")
 
 
 def register(module) -> None:

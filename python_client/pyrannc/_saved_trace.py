@@ -44,8 +44,9 @@ _SCHEME = 1
 
 
 def reuse_enabled() -> bool:
-    """RANNC_REUSE_TRACE=0 turns reuse off (the model is always traced)."""
-    return _config.client_setting("reuse_trace", "1") != "0"
+    """reuse_trace = false (RANNC_REUSE_TRACE=0) turns reuse off (the model is always
+    traced)."""
+    return _config.client_bool("reuse_trace", True)
 
 
 class _Unfingerprintable(Exception):

@@ -11,9 +11,9 @@ processes in other PID namespaces (containers, Bazel's sandboxes) share the dire
 have the same pid.
 
 Used when the daemon offers a directory and runs on this host: the embedded daemon, or a
-loopback/unix address whose DaemonInfo.hostname is this host's name. RANNC_SHM=0 turns it off,
-RANNC_SHM=1 forces it on whenever the daemon offers a directory. Only tensors of at least
-MIN_BYTES go this way.
+loopback/unix address whose DaemonInfo.hostname is this host's name. The client key shm
+(RANNC_SHM, else rannc.toml) set to false turns it off, set to true forces it on whenever the
+daemon offers a directory. Only tensors of at least MIN_BYTES go this way.
 
 Thread-safety: `Transfer` hands its regions to one RPC at a time (`with transfer.session():`);
 bulk sessions use files of their own and may overlap them.
@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from pyrannc import _codec
+from pyrannc import _codec, _config
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
 MIN_BYTES = 1 << 20
@@ -259,13 +259,15 @@ def _is_local_address(address: str) -> bool:
 
 
 def make_transfer(address: str, info: pb.DaemonInfo, embedded: bool) -> Optional[Transfer]:
-    """A Transfer when shared memory can be used with this daemon, else None."""
-    setting = os.environ.get("RANNC_SHM", "")
-    if setting == "0" or not info.shm_dir:
+    """A Transfer when shared memory can be used with this daemon, else None. The client key
+    shm: unset, only with a daemon on this host; false, never; true, whenever the daemon's
+    shm_dir is writable here. ValueError for a bad value."""
+    setting = _config.client_bool("shm", None)
+    if setting is False or not info.shm_dir:
         return None
     same_host = embedded or (_is_local_address(address)
                              and info.hostname == socket.gethostname())
-    if setting != "1" and not same_host:
+    if setting is None and not same_host:
         return None
     if not (os.path.isdir(info.shm_dir) and os.access(info.shm_dir, os.W_OK)):
         return None

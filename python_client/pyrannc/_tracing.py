@@ -54,7 +54,7 @@ def trace_inputs(inputs):
     the trace's forward and the daemon's IR cost n samples' compute and memory, not the
     batch's. The model must not fix its batch size (x.view(batch, ...)).
     """
-    n = int(_config.client_setting("trace_batch", "0") or 0)
+    n = _config.client_int("trace_batch", 0)
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     if n <= 0 or not tensors or any(t.dim() == 0 for t in tensors):
         return inputs, None

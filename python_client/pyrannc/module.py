@@ -284,6 +284,11 @@ class RaNNCModule(torch.nn.Module):
                         "plan again)", code=err.code, details=err.details) from None
                 raise
         self._adopt_job(conn, resp, mode, spec, lease, owner=True)
+        # Optimizer state loaded before the first forward (optimizer.load_state_dict) goes to
+        # the daemon with the job.
+        if self._optimizer is not None and self._optimizer.state:
+            self._load_optimizer_state(_optim.local_state_by_name(self._optimizer, names_by_id))
+            self._optimizer.state.clear()
 
     def _reuse_trace(self, conn, rank: int, fingerprint, why_not: str
                      ) -> Optional[Tuple[bytes, object, List[Tuple[str, torch.Tensor]]]]:
@@ -308,7 +313,7 @@ class RaNNCModule(torch.nn.Module):
             return None
 
         if not _saved_trace.reuse_enabled():
-            return no("RANNC_REUSE_TRACE=0")
+            return no("the config key reuse_trace (RANNC_REUSE_TRACE) is off")
         if fingerprint is None:
             return no(why_not)
         try:
@@ -477,6 +482,37 @@ class RaNNCModule(torch.nn.Module):
                              client_rank=_runtime.get_rank())
         self._defer(pb.DeferredOp(step=req))
         self._state_dirty = True
+
+    def _optimizer_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """The daemon's optimizer state: parameter name -> {key: tensor}."""
+        self._flush()
+        assembler = _codec.StateAssembler()
+        for chunk in self._connection().stream("OptimizerState", pb.JobRef(job_id=self._job.id)):
+            chunk.name = f"{chunk.name}[{chunk.state_key}]"  # no parameter name holds a '['
+            assembler.add(chunk)
+        state: Dict[str, Dict[str, torch.Tensor]] = {}
+        for joined, (value, _) in assembler.result().items():
+            name, key = joined[:-1].rsplit("[", 1)
+            state.setdefault(name, {})[key] = value
+        return state
+
+    def _load_optimizer_state(self, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """Replaces the daemon's optimizer state (parameter name -> {key: tensor})."""
+        conn = self._connection()
+        job_id = self._job.id
+        step = _codec.chunk_bytes(_codec.STREAM_CHUNK_BYTES, conn.info.max_message_bytes)
+
+        def requests():
+            yield pb.LoadStateDictRequest(header=pb.LoadStateDictRequest.Header(job_id=job_id))
+            for name, entries in state.items():
+                for key, value in entries.items():
+                    value = torch.as_tensor(value).detach().cpu()
+                    for chunk in _codec.state_chunks(name, value, False, step):
+                        chunk.state_key = key
+                        yield pb.LoadStateDictRequest(chunk=chunk)
+
+        self._flush()
+        conn.call_streaming_request("LoadOptimizerState", requests())
 
     def _zero_grad(self, set_to_none: bool) -> None:
         if self._job is not None:

@@ -401,6 +401,55 @@ _ACCUMULATE = textwrap.dedent("""
 """)
 
 
+_OPTIMIZER_STATE = textwrap.dedent("""
+    import copy, sys, torch
+    sys.path.insert(0, {tests!r})
+    import pyrannc
+    import test_pipeline_conformance as tpc
+    from conftest import assert_close
+    case = tpc.MODELS["mlp"]
+    torch.manual_seed(0)
+    model = case.make()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)
+    opt, ref_opt = make(model), make(ref)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    def train(m, o, first):
+        for step in range(first, first + 2):
+            case.loss(m, case.batch(step)).backward()
+            o.step()
+            o.zero_grad()
+    train(rmod, opt, 0)
+    train(ref, ref_opt, 0)
+    assert len({{d.split("/")[0] for d in rmod._job.devices}}) == 2, rmod._job.devices
+    saved, expected = opt.state_dict(), ref_opt.state_dict()
+    assert sorted(saved["state"]) == sorted(expected["state"])
+    for i, entries in expected["state"].items():
+        for key, value in entries.items():
+            assert_close(saved["state"][i][key], value, f"{{i}}.{{key}}")
+    print("ok gathered", flush=True)
+    # Loaded back after more steps: every daemon takes its parameters' state.
+    model_state = copy.deepcopy(rmod.state_dict())
+    train(rmod, opt, 2)
+    rmod.load_state_dict(model_state)
+    opt.load_state_dict(copy.deepcopy(saved))
+    train(rmod, opt, 2)
+    train(ref, ref_opt, 2)
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)
+    print("ok loaded", flush=True)
+""")
+
+
+def test_optimizer_state_spans_the_daemons(cluster):
+    # An MLP with a stage per daemon (2 stages x 2 replicas), Adam: optimizer.state_dict()
+    # gathers every daemon's moments (equal to PyTorch's), and load_state_dict after more steps
+    # puts each daemon's back, training then going on as PyTorch's.
+    peers, logs, _, _ = cluster
+    stdout = _run_over_two_stages(_OPTIMIZER_STATE, peers, logs)
+    assert stdout.split().count("ok") == 2, stdout
+
+
 def test_gradient_accumulation_spans_the_daemons(cluster):
     # delay_grad_allreduce + allreduce_grads with the GPT's tied embedding held by both daemons
     # (2 stages x 2 replicas): each daemon keeps its replicas' gradients until allreduce_grads,

@@ -4,6 +4,8 @@
   - A rannc.toml holding a daemon's, a job's, a client's and RaNNC's keys starts ranncd (pyrannc's
     embedded one), and a job picks up its job keys from it.
   - A misspelt key fails ranncd's start and pyrannc's reading alike, naming the nearest key.
+  - The embedded ranncd's settings (devices, daemon_args, daemon_log) come from rannc.toml, the
+    environment winning, and a bad one's error names where it came from.
 """
 
 import os
@@ -16,6 +18,7 @@ from torch import nn
 
 import pyrannc
 from pyrannc import _config, _daemon
+from pyrannc.errors import RanncError
 from conftest import CLIENT_ROOT, REPO_ROOT, daemon_binary
 
 
@@ -93,3 +96,54 @@ def test_a_misspelt_key_names_the_nearest(tmp_path, monkeypatch):
     monkeypatch.setenv("RANNC_CONF_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="did you mean 'pipeline_num'"):
         _config.job_config()
+
+
+def _embedded_info():
+    try:
+        return _daemon.connection().info
+    finally:
+        _daemon.shutdown()
+
+
+def test_the_embedded_daemon_takes_its_settings_from_rannc_toml(tmp_path, monkeypatch):
+    # cpu:3, neither pyrannc's default (cpu:2) nor ranncd's (cpu:1 without GPUs).
+    log = tmp_path / "ranncd.log"
+    (tmp_path / "rannc.toml").write_text(
+        f'devices = "cpu:3"\ndaemon_args = "--max-message-size 3MiB"\ndaemon_log = "{log}"\n')
+    for k in list(os.environ):
+        if k.startswith("RANNC_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("RANNC_CONF_DIR", str(tmp_path))
+    monkeypatch.setenv("RANNC_DAEMON_BIN", daemon_binary())
+    info = _embedded_info()
+    assert [d.name for d in info.devices] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert info.max_message_bytes == 3 << 20
+    assert "devices: cpu:0" in log.read_text()
+    monkeypatch.setenv("RANNC_DEVICES", "cpu:1")
+    monkeypatch.setenv("RANNC_DAEMON_ARGS", "")
+    info = _embedded_info()
+    assert [d.name for d in info.devices] == ["cpu:0"]
+    assert info.max_message_bytes == 64 << 20
+
+
+@pytest.mark.parametrize("source", ["file", "env"])
+def test_bad_devices_name_where_they_came_from(tmp_path, monkeypatch, source):
+    for k in list(os.environ):
+        if k.startswith("RANNC_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("RANNC_CONF_DIR", str(tmp_path))
+    monkeypatch.setenv("RANNC_DAEMON_BIN", daemon_binary())
+    monkeypatch.setenv("RANNC_DAEMON_START_TIMEOUT", "60")
+    if source == "file":
+        (tmp_path / "rannc.toml").write_text('devices = "gpu:1"\n')
+        where = f'devices = "gpu:1" in {tmp_path / "rannc.toml"}'
+    else:
+        monkeypatch.setenv("RANNC_DEVICES", "gpu:1")
+        where = "RANNC_DEVICES=gpu:1"
+    try:
+        with pytest.raises(RanncError) as err:
+            _daemon.connection()
+    finally:
+        _daemon.shutdown()
+    assert f"could not start ranncd (devices from {where})" in str(err.value)
+    assert "unknown device type 'gpu'" in str(err.value)

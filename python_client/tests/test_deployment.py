@@ -95,8 +95,17 @@ def test_header_and_stage_details(tmp_path):
     assert "devices: cuda:0, cuda:1 (2 replicas)" in text
     assert "recompute yes" in text and "recompute no" in text
     assert "1.2 GiB per device" in text
-    assert "fwd 1.50 ms, bwd 3.00 ms" in text
+    assert "fwd 1.50 ms, bwd 3.00 ms per micro-batch" in text
+    # What the memory estimate assumed and where the plan came from, then the memory's split.
+    assert "\n  optimizer adam; created by ranncd test\n" in text
+    assert text.count(
+        "\n  memory: fixed 400.0 MiB (params 100.0 MiB) + activations 600.0 MiB per device\n"
+    ) == 2
     assert "batch kept whole" not in text
+    d = _plan()
+    d.zero, d.offload, d.loaded = True, True, True
+    assert ("\n  optimizer adam + ZeRO + offload; created by ranncd test; loaded from a file\n"
+            in _deployment.format_deployment(d, 64))
     d = _plan()
     d.batch_whole = "aten::batch_norm in bn (BatchNorm2d) normalizes over the batch"
     assert ("  batch kept whole: aten::batch_norm in bn (BatchNorm2d) normalizes over the batch"

@@ -125,7 +125,7 @@ def test_a_reused_start_trains_bitwise_like_a_traced_start(saved_gpt, monkeypatc
     with caplog.at_level(logging.INFO, logger="pyrannc"):
         traced = _run(_gpt(), load=saved_gpt)
     assert len(traces) == 1
-    assert "RANNC_REUSE_TRACE=0" in caplog.text
+    assert "reuse_trace (RANNC_REUSE_TRACE) is off" in caplog.text
 
     monkeypatch.delenv("RANNC_REUSE_TRACE")
     _no_trace(monkeypatch)

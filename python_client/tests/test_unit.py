@@ -5,16 +5,19 @@ fingerprint and output codec."""
 import collections
 import json
 import os
+import tempfile
+import time
 
 import pytest
 import torch
 
-from pyrannc import (_binaries, _codec, _config, _daemon, _deployment, _optim, _outputs,
-                     _saved_trace, _tensors)
+from pyrannc import (_binaries, _codec, _config, _daemon, _deployment, _jobs, _optim,
+                     _outputs, _runtime, _saved_trace, _shm, _tensors, _tracing)
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2 as dpb
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 import models
+from conftest import free_port
 
 ALL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -151,6 +154,151 @@ def test_config_default_location(monkeypatch, tmp_path):
     assert _config.config_path() == str(tmp_path / ".rannc" / "rannc.toml")
 
 
+@pytest.fixture
+def rannc_toml(tmp_path, monkeypatch):
+    """Writes rannc.toml (no RANNC_* variable set but RANNC_CONF_DIR) and returns its path."""
+    for k in list(os.environ):
+        if k.startswith("RANNC_"):
+            monkeypatch.delenv(k)
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
+              "PMI_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    monkeypatch.setenv("RANNC_CONF_DIR", str(conf))
+    path = conf / "rannc.toml"
+
+    def write(text: str):
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def _shm_forced() -> bool:
+    # A daemon whose address does not say it is on this host: shm only when the setting forces it.
+    info = pb.DaemonInfo(shm_dir=tempfile.gettempdir(), hostname="elsewhere")
+    return _shm.make_transfer("10.255.0.1:7411", info, False) is not None
+
+
+def _traced_batch() -> int:
+    return _tracing.trace_inputs([torch.ones(8, 2)])[0][0].shape[0]
+
+
+# Every setting pyrannc reads, read where it is used: (rannc.toml line, what that gives,
+# environment variables, what they give (the environment wins), what neither gives).
+CLIENT_SETTINGS = {
+    "devices": (lambda: _daemon.embedded_settings().devices,
+                'devices = "cpu:3"', "cpu:3", {"RANNC_DEVICES": "cpu:1"}, "cpu:1", "cpu:2"),
+    "daemon_args": (lambda: _daemon.embedded_settings().flags,
+                    "daemon_args = \"--log-level debug --shm-dir '/a b'\"",
+                    ["--log-level", "debug", "--shm-dir", "/a b"],
+                    {"RANNC_DAEMON_ARGS": "--log-level warn"}, ["--log-level", "warn"], []),
+    "daemon_log": (lambda: _daemon.embedded_settings().log_path,
+                   'daemon_log = "/tmp/toml.log"', "/tmp/toml.log",
+                   {"RANNC_DAEMON_LOG": "/tmp/env.log"}, "/tmp/env.log", ""),
+    "daemon_start_timeout": (lambda: _daemon.embedded_settings().start_timeout,
+                             "daemon_start_timeout = 5", 5.0,
+                             {"RANNC_DAEMON_START_TIMEOUT": "7.5"}, 7.5, 120.0),
+    "daemon_stop_timeout": (lambda: _daemon.embedded_settings().stop_timeout,
+                            "daemon_stop_timeout = 2.5", 2.5,
+                            {"RANNC_DAEMON_STOP_TIMEOUT": "1"}, 1.0, 10.0),
+    "defer_ops": (_jobs.defer_ops, "defer_ops = false", False, {"RANNC_DEFER_OPS": "1"}, True,
+                  True),
+    "shm": (_shm_forced, "shm = true", True, {"RANNC_SHM": "0"}, False, False),
+    "reuse_trace": (_saved_trace.reuse_enabled, "reuse_trace = false", False,
+                    {"RANNC_REUSE_TRACE": "1"}, True, True),
+    "trace_batch": (_traced_batch, "trace_batch = 2", 2, {"RANNC_TRACE_BATCH": "4"}, 4, 8),
+    "client_rank": (lambda: (_runtime.get_rank(), _runtime.get_world_size()),
+                    "client_rank = 1\nclient_world = 2", (1, 2), {"RANNC_CLIENT_RANK": "0"},
+                    (0, 2), (0, 1)),
+    "client_timeout": (_jobs.client_timeout_ms, "client_timeout = 12", 12000,
+                       {"RANNC_CLIENT_TIMEOUT": "1.5"}, 1500, 300000),
+    "job_lease": (_jobs.lease_seconds, "job_lease = 30", 30.0, {"RANNC_JOB_LEASE": "0"}, 0.0,
+                  300.0),
+}
+
+
+@pytest.mark.parametrize("key", CLIENT_SETTINGS)
+def test_client_setting_from_rannc_toml_and_environment(rannc_toml, monkeypatch, key):
+    read, line, from_file, env, from_env, default = CLIENT_SETTINGS[key]
+    assert read() == default
+    rannc_toml(line + "\n")
+    assert read() == from_file
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert read() == from_env
+
+
+def test_connect_timeout_from_rannc_toml(rannc_toml, monkeypatch):
+    # Nothing listens there: the whole timeout passes, 0 s from the file.
+    address = f"127.0.0.1:{free_port()}"
+    rannc_toml("daemon_connect_timeout = 0\n")
+    started = time.monotonic()
+    with pytest.raises(RanncError, match="cannot reach ranncd"):
+        _daemon._connect(address, "test")
+    assert time.monotonic() - started < 5
+    monkeypatch.setenv("RANNC_DAEMON_CONNECT_TIMEOUT", "x")
+    with pytest.raises(ValueError, match="RANNC_DAEMON_CONNECT_TIMEOUT=x is not a number"):
+        _daemon._connect(address, "test")
+
+
+def test_launcher_ranks_unless_rannc_keys_are_set(rannc_toml, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (_runtime.get_rank(), _runtime.get_world_size()) == (3, 4)
+    rannc_toml("client_world = 2\n")
+    assert (_runtime.get_rank(), _runtime.get_world_size()) == (0, 2)
+
+
+# A bad value in rannc.toml: (the line, the setting's reader, what the message says is wrong).
+BAD_CLIENT_SETTINGS = [
+    ("daemon_args = \"--devices 'cpu:1\"", _daemon.embedded_settings, "a line of flags"),
+    ('daemon_start_timeout = "soon"', _daemon.embedded_settings, "a number of seconds >= 0"),
+    ("daemon_stop_timeout = -1", _daemon.embedded_settings, "a number of seconds >= 0"),
+    ('daemon_connect_timeout = "nan"', lambda: _daemon._connect("127.0.0.1:1", "test"),
+     "a number of seconds"),
+    ('defer_ops = "maybe"', _jobs.defer_ops, "true or false"),
+    ("shm = 2", _shm_forced, "true or false"),
+    ('reuse_trace = "sometimes"', _saved_trace.reuse_enabled, "true or false"),
+    ('trace_batch = "two"', _traced_batch, "an integer"),
+    ('client_world = "two"', _runtime.get_world_size, "an integer"),
+    ('client_timeout = "long"', _jobs.client_timeout_ms, "a number of seconds"),
+    ("job_lease = 5000000", _jobs.lease_seconds, "a number of seconds from 0 to 4,000,000"),
+]
+
+
+@pytest.mark.parametrize("line,read,expected", BAD_CLIENT_SETTINGS,
+                         ids=[b[0].split(" ")[0] for b in BAD_CLIENT_SETTINGS])
+def test_bad_client_setting_names_where_it_came_from(rannc_toml, monkeypatch, line, read,
+                                                     expected):
+    path = rannc_toml(line + "\n")
+    key, value = (part.strip() for part in line.split("=", 1))
+    with pytest.raises(ValueError) as err:
+        read()
+    assert f"{key} = " in str(err.value) and f" in {path} is not {expected}" in str(err.value)
+    # The same value in the environment: the message names the variable.
+    env_value = value.strip('"')
+    monkeypatch.setenv("RANNC_" + key.upper(), env_value)
+    with pytest.raises(ValueError) as err:
+        read()
+    assert f"pyrannc: RANNC_{key.upper()}={env_value} is not {expected}" in str(err.value)
+
+
+def test_bool_settings_read_as_toml_writes_them(rannc_toml, monkeypatch):
+    for value, expected in (("true", True), ("false", False), ("1", True), ("0", False),
+                            ("Yes", True), ("off", False), ("", True)):
+        monkeypatch.setenv("RANNC_DEFER_OPS", value)
+        assert _jobs.defer_ops() is expected, value
+
+
+def test_config_file_is_parsed_again_once_changed(rannc_toml):
+    rannc_toml("defer_ops = 0\n")
+    assert _jobs.defer_ops() is False
+    rannc_toml("defer_ops = 1\n")  # the same size, maybe the same mtime: the contents decide
+    assert _jobs.defer_ops() is True
+
+
 def test_hyper_params_mapping():
     p = [torch.zeros(1, requires_grad=True)]
     sgd = torch.optim.SGD(p, lr=0.3, momentum=0.9, dampening=0.1, weight_decay=0.01,
@@ -213,6 +361,26 @@ def test_find_cli_binary(monkeypatch, tmp_path):
     monkeypatch.setenv("RANNC_CLI_BIN", str(tmp_path / "missing"))
     with pytest.raises(RanncError, match="RANNC_CLI_BIN=.*not an executable"):
         _binaries.find_cli_binary()
+
+
+@pytest.mark.parametrize("key,find", [("daemon_bin", _binaries.find_daemon_binary),
+                                      ("cli_bin", _binaries.find_cli_binary)])
+def test_binaries_from_rannc_toml(monkeypatch, tmp_path, key, find):
+    # The binaries are client keys of the registry: rannc.toml names them, the environment wins.
+    exe = tmp_path / "prog"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    monkeypatch.setenv("RANNC_CONF_DIR", str(conf))
+    monkeypatch.delenv("RANNC_" + key.upper(), raising=False)
+    (conf / "rannc.toml").write_text(f'{key} = "{exe}"\n')
+    assert find() == str(exe)
+    (conf / "rannc.toml").write_text(f'{key} = "{tmp_path / "missing"}"\n')
+    with pytest.raises(RanncError, match=rf'{key} = ".*missing" in .*rannc.toml is not an exec'):
+        find()
+    monkeypatch.setenv("RANNC_" + key.upper(), str(exe))
+    assert find() == str(exe)
 
 
 class _Shared(torch.nn.Module):

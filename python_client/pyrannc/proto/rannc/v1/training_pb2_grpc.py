@@ -104,6 +104,16 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.LoadStateDictRequest.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.LoadStateDictResponse.FromString,
                 )
+        self.OptimizerState = channel.unary_stream(
+                '/rannc.v1.TrainingService/OptimizerState',
+                request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.StateDictChunk.FromString,
+                )
+        self.LoadOptimizerState = channel.stream_unary(
+                '/rannc.v1.TrainingService/LoadOptimizerState',
+                request_serializer=rannc_dot_v1_dot_training__pb2.LoadStateDictRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.LoadStateDictResponse.FromString,
+                )
         self.SetMode = channel.unary_unary(
                 '/rannc.v1.TrainingService/SetMode',
                 request_serializer=rannc_dot_v1_dot_training__pb2.SetModeRequest.SerializeToString,
@@ -234,6 +244,22 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OptimizerState(self, request, context):
+        """The optimizer's state as torch.optim's state_dict() holds it (pyrannc's
+        optimizer.state_dict()), streamed like StateDict, each chunk naming its parameter and
+        state_key; empty before the first step. LoadOptimizerState replaces it (the parameters it
+        leaves out start afresh); its header's `strict` is ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadOptimizerState(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetMode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -343,6 +369,16 @@ def add_TrainingServiceServicer_to_server(servicer, server):
             ),
             'LoadStateDict': grpc.stream_unary_rpc_method_handler(
                     servicer.LoadStateDict,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.LoadStateDictRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.LoadStateDictResponse.SerializeToString,
+            ),
+            'OptimizerState': grpc.unary_stream_rpc_method_handler(
+                    servicer.OptimizerState,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.StateDictChunk.SerializeToString,
+            ),
+            'LoadOptimizerState': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadOptimizerState,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.LoadStateDictRequest.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.LoadStateDictResponse.SerializeToString,
             ),
@@ -672,6 +708,40 @@ class TrainingService(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.stream_unary(request_iterator, target, '/rannc.v1.TrainingService/LoadStateDict',
+            rannc_dot_v1_dot_training__pb2.LoadStateDictRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.LoadStateDictResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def OptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/rannc.v1.TrainingService/OptimizerState',
+            rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.StateDictChunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def LoadOptimizerState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/rannc.v1.TrainingService/LoadOptimizerState',
             rannc_dot_v1_dot_training__pb2.LoadStateDictRequest.SerializeToString,
             rannc_dot_v1_dot_training__pb2.LoadStateDictResponse.FromString,
             options, channel_credentials,
