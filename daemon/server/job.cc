@@ -444,7 +444,7 @@ absl::Status Job::LoadOptimizerState(const std::vector<OptimizerEntry>& state) {
   if (!coordinator_.leads()) return local_->LoadOptimizerState(state);
   if (local_->flags().zero) return NoZeroOverDaemons();
   // Checked here first (the leader knows every parameter), so no daemon loads a bad state.
-  absl::Status checked = local_->CheckOptimizerState(state);
+  absl::Status checked = local_->LoadOptimizerState(state, /*check_only=*/true);
   if (!checked.ok()) return checked;
   return coordinator_.PushOptimizerState(state, [&] { return local_->LoadOptimizerState(state); });
 }

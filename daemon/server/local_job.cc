@@ -516,13 +516,10 @@ absl::StatusOr<LocalJob::ByLifted> LocalJob::OptimizerStateByLifted(
   return by_lifted;
 }
 
-absl::Status LocalJob::CheckOptimizerState(const std::vector<OptimizerEntry>& state) const {
-  return OptimizerStateByLifted(state).status();
-}
-
-absl::Status LocalJob::LoadOptimizerState(const std::vector<OptimizerEntry>& state) {
+absl::Status LocalJob::LoadOptimizerState(const std::vector<OptimizerEntry>& state,
+                                          bool check_only) {
   absl::StatusOr<ByLifted> by_lifted = OptimizerStateByLifted(state);
-  if (!by_lifted.ok()) return by_lifted.status();
+  if (!by_lifted.ok() || check_only) return by_lifted.status();
   if (!engine_) {
     parked_optimizer_state_ = std::move(*by_lifted);
     return absl::OkStatus();

@@ -116,8 +116,9 @@ class LocalJob {
   // for a name that is no parameter of an optimizer group, a key the optimizer does not keep,
   // or a shape other than the parameter's.
   std::vector<OptimizerEntry> OptimizerState();
-  absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state);
-  absl::Status CheckOptimizerState(const std::vector<OptimizerEntry>& state) const;
+  // With `check_only`, the checks and nothing else.
+  absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state,
+                                  bool check_only = false);
 
   // Per plan device: bytes held now and the most held at once since deployed (zeros released);
   // the loss scaler's state.
