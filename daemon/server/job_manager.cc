@@ -48,10 +48,33 @@ std::optional<v1::CreateJobResponse> JobManager::FindJoinable(const std::string&
   return std::nullopt;
 }
 
-void JobManager::WaitForAdd(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  const uint64_t seen = adds_;
-  added_.wait_for(lock, timeout, [&] { return adds_ != seen; });
+absl::StatusOr<v1::CreateJobResponse> JobManager::WaitForJoinable(
+    const std::string& name, int client_world, std::chrono::milliseconds timeout,
+    const std::function<std::optional<std::string>()>& leader_elsewhere,
+    const std::function<bool()>& cancelled, std::chrono::milliseconds poll) {
+  const Clock::time_point deadline = now_() + timeout;
+  for (;;) {
+    uint64_t seen;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen = adds_;
+    }
+    if (std::optional<v1::CreateJobResponse> found = FindJoinable(name, client_world)) {
+      return *found;
+    }
+    if (std::optional<std::string> leader = leader_elsewhere()) {
+      v1::CreateJobResponse elsewhere;
+      elsewhere.set_leader(*leader);  // the client joins there
+      return elsewhere;
+    }
+    if (cancelled() || now_() >= deadline) break;
+    std::unique_lock<std::mutex> lock(mu_);
+    added_.wait_for(lock, poll, [&] { return adds_ != seen; });
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "no job named '", name, "' for ", client_world, " client ranks was created within ",
+      timeout.count(), " ms; client rank 0 creates it (same RANNC_JOB and client count on "
+      "every rank)"));
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobManager::Get(const std::string& id) {

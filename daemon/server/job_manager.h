@@ -65,8 +65,17 @@ class JobManager {
   size_t size() const;
 
   Clock::time_point Now() const { return now_(); }
-  // Returns once a job was added, or after `timeout` (real time: a poll's bound).
-  void WaitForAdd(std::chrono::milliseconds timeout);
+
+  // JoinJob: the answer of the job named `name` for `client_world` ranks once one is added
+  // here; or, when `leader_elsewhere` names another daemon that leads it, an answer with only
+  // `leader` set. Asks again whenever a job is added and at least every `poll` (real time),
+  // until `timeout` has passed on the injected clock or `cancelled` says so:
+  // DEADLINE_EXCEEDED saying what rank 0 must do.
+  absl::StatusOr<v1::CreateJobResponse> WaitForJoinable(
+      const std::string& name, int client_world, std::chrono::milliseconds timeout,
+      const std::function<std::optional<std::string>()>& leader_elsewhere,
+      const std::function<bool()>& cancelled,
+      std::chrono::milliseconds poll = std::chrono::milliseconds(100));
 
  private:
   struct Entry {

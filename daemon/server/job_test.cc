@@ -579,5 +579,56 @@ TEST_CASE("JobManager deletes a job whose client lease ran out; a call renews it
   CHECK(jobs.Get("unleased").ok());
 }
 
+TEST_CASE("JobManager's JoinJob wait: a job here, one added meanwhile, a leader elsewhere, "
+          "a timeout on the injected clock", "[job]") {
+  using std::chrono::milliseconds;
+  testing::Fixture f = testing::LoadFixture("mlp");
+  auto now = std::chrono::steady_clock::now();
+  JobManager jobs([&now] { return now; });
+  auto nowhere = [] { return std::optional<std::string>(); };
+  auto never = [] { return false; };
+  auto add = [&](const std::string& id) {
+    JobSettings config = SgdConfig();
+    config.name = "ranks";
+    config.client_world = 2;
+    absl::StatusOr<std::unique_ptr<Job>> job = Job::Create(id, config, f.model_bytes, f.inputs);
+    REQUIRE(job.ok());
+    v1::CreateJobResponse answer;
+    answer.set_job_id(id);
+    jobs.Add(std::move(*job), answer);
+  };
+
+  // Nobody creates it: the injected clock runs out after the first round, no real waiting.
+  absl::StatusOr<v1::CreateJobResponse> late = jobs.WaitForJoinable(
+      "ranks", 2, milliseconds(500), nowhere, [&] {
+        now += milliseconds(600);  // each round's check moves the clock past the deadline
+        return false;
+      });
+  CHECK(late.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(late.status().message().find("'ranks' for 2 client ranks") != std::string::npos);
+
+  // Another daemon leads it: the answer names that daemon only.
+  absl::StatusOr<v1::CreateJobResponse> elsewhere = jobs.WaitForJoinable(
+      "ranks", 2, milliseconds(500), [] { return std::optional<std::string>("b:1"); }, never);
+  REQUIRE(elsewhere.ok());
+  CHECK(elsewhere->leader() == "b:1");
+  CHECK(elsewhere->job_id().empty());
+
+  // Rank 0 creates it while rank 1 waits: rank 1 gets its answer as soon as it is added (the
+  // poll is an hour: only the job's arrival wakes the wait).
+  absl::StatusOr<v1::CreateJobResponse> joined = absl::UnknownError("not yet");
+  std::thread rank1([&] {
+    joined = jobs.WaitForJoinable("ranks", 2, milliseconds(60000), nowhere, never,
+                                  std::chrono::hours(1));
+  });
+  add("job-ranks");
+  rank1.join();
+  REQUIRE(joined.ok());
+  CHECK(joined->job_id() == "job-ranks");
+  // A job with another client count is not it.
+  CHECK(jobs.WaitForJoinable("ranks", 3, milliseconds(0), nowhere, never).status().code() ==
+        absl::StatusCode::kDeadlineExceeded);
+}
+
 }  // namespace
 }  // namespace rannc

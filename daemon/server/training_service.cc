@@ -301,16 +301,9 @@ v1::JobPartService::Stub* TrainingServiceImpl::PartStub(const std::string& addre
 grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
                                           const v1::JoinJobRequest* request,
                                           v1::CreateJobResponse* response) {
-  const JobManager::Clock::time_point deadline =
-      jobs_->Now() + std::chrono::milliseconds(request->timeout_ms());
-  const int world = static_cast<int>(request->client_world());
   // Rank 0 may still be creating the job (planning takes a while), and on another daemon of the
   // cluster: wait for it, asking the others too.
-  for (;;) {
-    if (std::optional<v1::CreateJobResponse> found = jobs_->FindJoinable(request->name(), world)) {
-      *response = std::move(*found);
-      return grpc::Status::OK;
-    }
+  auto leader_elsewhere = [&]() -> std::optional<std::string> {
     for (const std::string& peer : OtherMembers()) {
       v1::FindJobRequest ask;
       ask.set_name(request->name());
@@ -318,19 +311,17 @@ grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
       v1::Empty found;
       grpc::ClientContext peer_context;
       peer_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      if (PartStub(peer)->FindJob(&peer_context, ask, &found).ok()) {
-        response->Clear();
-        response->set_leader(peer);  // the client joins there
-        return grpc::Status::OK;
-      }
+      if (PartStub(peer)->FindJob(&peer_context, ask, &found).ok()) return peer;
     }
-    if (context->IsCancelled() || jobs_->Now() >= deadline) break;
-    jobs_->WaitForAdd(std::chrono::milliseconds(100));  // a job here, or time to ask again
-  }
-  return Fail("JoinJob", absl::DeadlineExceededError(absl::StrCat(
-      "no job named '", request->name(), "' for ", request->client_world(),
-      " client ranks was created within ", request->timeout_ms(), " ms; client rank 0 creates "
-      "it (same RANNC_JOB and client count on every rank)")));
+    return std::nullopt;
+  };
+  absl::StatusOr<v1::CreateJobResponse> joined = jobs_->WaitForJoinable(
+      request->name(), static_cast<int>(request->client_world()),
+      std::chrono::milliseconds(request->timeout_ms()), leader_elsewhere,
+      [context] { return context->IsCancelled(); });
+  if (!joined.ok()) return Fail("JoinJob", joined.status());
+  *response = std::move(*joined);
+  return grpc::Status::OK;
 }
 
 grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext* context,
