@@ -28,8 +28,8 @@ using testing::IsParam;
 using testing::MakePlan;
 using testing::ParamIndices;
 
-constexpr double kRtol = 1e-5;
-constexpr double kAtol = 1e-6;
+using testing::kAtol;
+using testing::kRtol;
 
 TEST_CASE("Per-device optimizers match single-device SGD; state moves between engines; clipping",
           "[runtime]") {

@@ -28,8 +28,8 @@ using testing::FixtureIr;
 using testing::IsParam;
 using testing::MakePlan;
 
-constexpr double kRtol = 1e-5;
-constexpr double kAtol = 1e-6;
+using testing::kAtol;
+using testing::kRtol;
 
 const char* BackendName(comm::Backend b) { return b == comm::Backend::kUcx ? "ucx" : "fake"; }
 

@@ -26,12 +26,7 @@
 namespace rannc {
 namespace {
 
-constexpr double kRtol = 1e-5;
-constexpr double kAtol = 1e-6;
-
-bool Close(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes().equals(b.sizes()) && at::allclose(a, b, kRtol, kAtol);
-}
+using testing::Close;
 
 DaemonFacts Facts(std::vector<std::string> devices) {
   DaemonFacts facts;

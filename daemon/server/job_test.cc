@@ -17,13 +17,7 @@
 namespace rannc {
 namespace {
 
-// Same LibTorch kernels in the same order as the Python reference: fp32 round-off at most.
-constexpr double kRtol = 1e-5;
-constexpr double kAtol = 1e-6;
-
-bool Close(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes().equals(b.sizes()) && at::allclose(a, b, kRtol, kAtol);
-}
+using testing::Close;
 
 JobSettings SgdConfig() {
   JobSettings config;
