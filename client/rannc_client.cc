@@ -334,6 +334,32 @@ absl::StatusOr<std::optional<HostTensor>> Client::GetParamGrad(const std::string
   return std::optional<HostTensor>(*std::move(t));
 }
 
+absl::StatusOr<NamedTensors> Client::ReadStateStream(
+    absl::string_view rpc, grpc::ClientContext* context,
+    grpc::ClientReader<v1::StateDictChunk>* reader, bool keyed) const {
+  StateDictAssembler assembler;
+  v1::StateDictChunk chunk;
+  absl::Status assembled;
+  while (reader->Read(&chunk)) {
+    if (keyed) chunk.set_name(absl::StrCat(chunk.name(), "[", chunk.state_key(), "]"));
+    assembled = assembler.Add(chunk);
+    if (!assembled.ok()) {
+      context->TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (!assembled.ok()) {
+    return absl::Status(assembled.code(), absl::StrCat(rpc, ": ", assembled.message()));
+  }
+  if (!s.ok()) return Convert(rpc, s);
+  absl::StatusOr<NamedTensors> state = std::move(assembler).Finish();
+  if (!state.ok()) {
+    return absl::Status(state.status().code(), absl::StrCat(rpc, ": ", state.status().message()));
+  }
+  return state;
+}
+
 absl::StatusOr<NamedTensors> Client::StateDict(const std::string& job_id,
                                                bool amp_master_params) const {
   v1::StateDictRequest request;
@@ -343,27 +369,7 @@ absl::StatusOr<NamedTensors> Client::StateDict(const std::string& job_id,
   Prepare(&context);
   std::unique_ptr<grpc::ClientReader<v1::StateDictChunk>> reader =
       stub_->StateDict(&context, request);
-  StateDictAssembler assembler;
-  v1::StateDictChunk chunk;
-  absl::Status assembled;
-  while (reader->Read(&chunk)) {
-    assembled = assembler.Add(chunk);
-    if (!assembled.ok()) {
-      context.TryCancel();
-      break;
-    }
-  }
-  grpc::Status s = reader->Finish();
-  if (!assembled.ok()) {
-    return absl::Status(assembled.code(), absl::StrCat("StateDict: ", assembled.message()));
-  }
-  if (!s.ok()) return Convert("StateDict", s);
-  absl::StatusOr<NamedTensors> state = std::move(assembler).Finish();
-  if (!state.ok()) {
-    return absl::Status(state.status().code(),
-                        absl::StrCat("StateDict: ", state.status().message()));
-  }
-  return state;
+  return ReadStateStream("StateDict", &context, reader.get(), /*keyed=*/false);
 }
 
 absl::StatusOr<LoadStateDictResult> Client::LoadStateDict(
@@ -411,30 +417,9 @@ absl::StatusOr<Client::OptimizerState> Client::GetOptimizerState(
   Prepare(&context);
   std::unique_ptr<grpc::ClientReader<v1::StateDictChunk>> reader =
       stub_->OptimizerState(&context, request);
-  // One assembled tensor per (parameter, key), named "param[key]" (no parameter name holds a
-  // '[').
-  StateDictAssembler assembler;
-  v1::StateDictChunk chunk;
-  absl::Status assembled;
-  while (reader->Read(&chunk)) {
-    chunk.set_name(absl::StrCat(chunk.name(), "[", chunk.state_key(), "]"));
-    assembled = assembler.Add(chunk);
-    if (!assembled.ok()) {
-      context.TryCancel();
-      break;
-    }
-  }
-  grpc::Status s = reader->Finish();
-  if (!assembled.ok()) {
-    return absl::Status(assembled.code(),
-                        absl::StrCat("OptimizerState: ", assembled.message()));
-  }
-  if (!s.ok()) return Convert("OptimizerState", s);
-  absl::StatusOr<NamedTensors> flat = std::move(assembler).Finish();
-  if (!flat.ok()) {
-    return absl::Status(flat.status().code(),
-                        absl::StrCat("OptimizerState: ", flat.status().message()));
-  }
+  absl::StatusOr<NamedTensors> flat =
+      ReadStateStream("OptimizerState", &context, reader.get(), /*keyed=*/true);
+  if (!flat.ok()) return flat.status();
   OptimizerState state;
   for (auto& [joined, tensor] : *flat) {
     const size_t cut = joined.rfind('[');

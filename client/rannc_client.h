@@ -193,6 +193,12 @@ class Client {
   void Prepare(grpc::ClientContext* context) const;
   // FromGrpcStatus, naming the daemon's address when it cannot be reached.
   absl::Status Convert(absl::string_view rpc, const grpc::Status& status) const;
+  // The tensors a StateDictChunk stream carries, by name; with `keyed` (optimizer state) by
+  // "param[key]" (no parameter name holds a '['). Errors name `rpc`.
+  absl::StatusOr<NamedTensors> ReadStateStream(absl::string_view rpc,
+                                               grpc::ClientContext* context,
+                                               grpc::ClientReader<v1::StateDictChunk>* reader,
+                                               bool keyed) const;
 
   std::string address_;
   ClientOptions options_;
