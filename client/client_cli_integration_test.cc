@@ -1,10 +1,15 @@
 // End-to-end tests of the `rannc` CLI against a real ranncd on a loopback port
-// (integration_testing.h): info and jobs, errors and exit codes, and `rannc train` on a tiny
-// language model traced by /usr/bin/python3.
+// (integration_testing.h): info and jobs, errors and exit codes, `rannc train` on a tiny
+// language model traced by /usr/bin/python3, and checkpoints (`rannc checkpoint`, `rannc
+// checkpoints`, `rannc export`) of the shared linear model.
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <map>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/integration_testing.h"
@@ -17,6 +22,7 @@ using testing::Cli;
 using testing::CommandResult;
 using testing::Daemon;
 using testing::FreeLoopbackPort;
+using testing::Linear;
 using testing::Run;
 using testing::RunPython;
 using testing::TmpDir;
@@ -111,6 +117,145 @@ TEST_CASE("rannc train lowers the loss of a tiny language model", "[integration]
   absl::StatusOr<std::vector<v1::JobSummary>> jobs = Daemon().client().ListJobs();
   REQUIRE(jobs.ok());
   for (const v1::JobSummary& job : *jobs) CHECK(job.name() != "tiny-lm");
+}
+
+void TrainOneStep(const std::string& job_id);
+
+// A linear job (testing::Linear) with these config keys, trained for `steps` SGD steps.
+std::string CreateLinearJob(const std::string& name,
+                            const std::map<std::string, std::string>& keys, int steps) {
+  Client& client = Daemon().client();
+  JobConfig config;
+  config.name = name;
+  config.config = keys;
+  config.mode.set_training(true);
+  config.optimizer.set_type(v1::SGD);
+  config.example_inputs = {Linear().x, Linear().y};
+  absl::StatusOr<v1::CreateJobResponse> job = client.CreateJob(Linear().model, config);
+  INFO(job.status().ToString());
+  REQUIRE(job.ok());
+  for (int i = 0; i < steps; ++i) TrainOneStep(job->job_id());
+  return job->job_id();
+}
+
+void TrainOneStep(const std::string& job_id) {
+  Client& client = Daemon().client();
+  v1::HyperParams sgd;
+  sgd.set_lr(0.1);
+  REQUIRE(client.ZeroGrad(job_id).ok());
+  REQUIRE(client.Forward(job_id, {Linear().x, Linear().y}).ok());
+  REQUIRE(client.Backward(job_id, {{0, HostTensor::Scalar(1.0f)}}).ok());
+  REQUIRE(client.Step(job_id, {sgd}).ok());
+}
+
+TEST_CASE("rannc checkpoint, checkpoints and export", "[integration]") {
+  const std::string daemon = " --daemon " + Daemon().address();
+  const std::string dir = TmpDir() + "/cli_checkpoints";
+  const std::string job_id = CreateLinearJob("linear-cli-ckpt", {{"checkpoint_dir", dir}}, 1);
+
+  // By name; waits for the commit.
+  CommandResult r = Run(Cli() + " checkpoint linear-cli-ckpt" + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(std::regex_search(
+      r.out, std::regex("^checkpoint step=1 path=" + dir +
+                        "/linear-cli-ckpt/\\S+ bytes=[1-9][0-9]* blocked_s=[0-9.]+ "
+                        "write_s=[0-9.]+ committed=true\n$")));
+
+  // By id, without waiting: the daemon commits it on its own.
+  TrainOneStep(job_id);
+  r = Run(Cli() + " checkpoint " + job_id + " --no-wait" + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.rfind("checkpoint step=2 ", 0) == 0);
+  v1::CheckpointsRef live;
+  live.set_job_id(job_id);
+  int committed = 0;
+  for (int i = 0; i < 300 && committed < 2; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    absl::StatusOr<v1::ListCheckpointsResponse> list = Daemon().client().ListCheckpoints(live);
+    REQUIRE(list.ok());
+    committed = 0;
+    for (const v1::CheckpointInfo& c : list->checkpoints()) committed += c.committed();
+  }
+  REQUIRE(committed == 2);
+
+  r = Run(Cli() + " checkpoints linear-cli-ckpt" + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.empty());
+  CHECK(std::regex_search(r.out, std::regex("^STEP +CREATED +SIZE +PATH\n")));
+  const std::regex row_of_step_1("\n1 +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:]{8} +[0-9.]+ [KMG]?i?B +" +
+                                 dir + "/linear-cli-ckpt/\\S+\n");
+  CHECK(std::regex_search(r.out, row_of_step_1));
+  CHECK(std::regex_search(r.out, std::regex("\n2 +[0-9]{4}-")));
+
+  // A chosen step, then the newest; each file is what torch.load would read (its size checked
+  // against the stream in client_integration_test).
+  const std::string out1 = TmpDir() + "/cli-step1.pt";
+  r = Run(Cli() + " export linear-cli-ckpt@1 " + out1 + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(std::regex_search(r.out, std::regex("^exported step 1 of linear-cli-ckpt to " + out1 +
+                                            " \\([0-9.]+ [KMG]?i?B\\)\n$")));
+  CHECK(std::filesystem::file_size(out1) > 0);
+  const std::string newest = TmpDir() + "/cli-newest.pt";
+  r = Run(Cli() + " export " + job_id + " " + newest + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.rfind("exported step 2 of " + job_id + " to " + newest, 0) == 0);
+  CHECK(std::filesystem::exists(newest));
+
+  r = Run(Cli() + " export linear-cli-ckpt@777 " + TmpDir() + "/no.pt" + daemon);
+  CHECK(r.exit_code != 0);
+  CHECK(r.err.find("ExportCheckpoint") != std::string::npos);
+  CHECK(r.err.find("777") != std::string::npos);
+  CHECK(!std::filesystem::exists(TmpDir() + "/no.pt"));
+  r = Run(Cli() + " export linear-cli-ckpt@latest " + TmpDir() + "/no.pt" + daemon);
+  CHECK(r.exit_code != 0);
+  CHECK(r.err.find("JOB@STEP") != std::string::npos);
+
+  // Once the job is gone: by name under --dir, or $RANNC_CHECKPOINT_DIR.
+  REQUIRE(Daemon().client().DeleteJob(job_id).ok());
+  r = Run(Cli() + " checkpoints linear-cli-ckpt" + daemon);
+  CHECK(r.exit_code != 0);
+  CHECK(r.err.find("no job with id or name 'linear-cli-ckpt'") != std::string::npos);
+  CHECK(r.err.find("--dir") != std::string::npos);
+  r = Run(Cli() + " checkpoints linear-cli-ckpt --dir " + dir + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(std::regex_search(r.out, row_of_step_1));
+  r = Run("RANNC_CHECKPOINT_DIR=" + dir + " " + Cli() + " checkpoints linear-cli-ckpt" + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(std::regex_search(r.out, std::regex("\n2 +[0-9]{4}-")));
+  const std::string after = TmpDir() + "/cli-after.pt";
+  r = Run(Cli() + " export linear-cli-ckpt " + after + " --dir " + dir + daemon);
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.rfind("exported step 2 of linear-cli-ckpt to " + after, 0) == 0);
+  CHECK(std::filesystem::file_size(after) == std::filesystem::file_size(newest));
+}
+
+TEST_CASE("rannc checkpoint names a job by id or by a name only one job has", "[integration]") {
+  const std::string daemon = " --daemon " + Daemon().address();
+  CommandResult r = Run(Cli() + " checkpoint no-such-job" + daemon);
+  CHECK(r.exit_code != 0);
+  CHECK(r.err.find("no job with id or name 'no-such-job'") != std::string::npos);
+
+  const std::string a = CreateLinearJob("linear-twin", {}, 0);
+  const std::string b = CreateLinearJob("linear-twin", {}, 0);
+  r = Run(Cli() + " checkpoint linear-twin" + daemon);
+  CHECK(r.exit_code != 0);
+  CHECK(r.err.find("2 jobs are named 'linear-twin'") != std::string::npos);
+  CHECK(r.err.find(a) != std::string::npos);
+  // By id it reaches the daemon, which refuses a job without checkpoint_dir.
+  r = Run(Cli() + " checkpoint " + a + daemon);
+  CHECK(r.exit_code != 0);
+  CHECK(r.err.find("Checkpoint: ") != std::string::npos);
+  CHECK(r.err.find("checkpoint_dir") != std::string::npos);
+  REQUIRE(Daemon().client().DeleteJob(a).ok());
+  REQUIRE(Daemon().client().DeleteJob(b).ok());
 }
 
 }  // namespace

@@ -1,12 +1,17 @@
 // End-to-end tests of the SDK against a real ranncd on a loopback port (integration_testing.h):
 // training a linear model exactly as PyTorch does (SGD, AdamW), leases, state_dict round trips,
-// modes, and the daemon's errors. The CLI: client_cli_integration_test.cc; planning:
+// modes, checkpoints (write, list, export), and the daemon's errors. The CLI: client_cli_integration_test.cc; planning:
 // client_plan_integration_test.cc.
 #include <catch2/catch.hpp>
+#include <grpcpp/grpcpp.h>
+
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +24,9 @@ namespace {
 
 using testing::Daemon;
 using testing::Linear;
+using testing::ReadFile;
+using testing::RunPython;
+using testing::TmpDir;
 
 // What PyTorch computed for the linear model (testing::Linear): "kind name" -> values.
 const std::vector<double>& Expected(const std::string& key) {
@@ -47,9 +55,11 @@ std::vector<double> Values(const absl::StatusOr<HostTensor>& t) {
   return *v;
 }
 
-std::string CreateLinearJob(Client& client, v1::OptimizerType optimizer, const std::string& name) {
+std::string CreateLinearJob(Client& client, v1::OptimizerType optimizer, const std::string& name,
+                            const std::map<std::string, std::string>& keys = {}) {
   JobConfig config;
   config.name = name;
+  config.config = keys;
   config.mode.set_training(true);
   config.optimizer.set_type(optimizer);
   config.example_inputs = {Linear().x, Linear().y};
@@ -393,6 +403,148 @@ TEST_CASE("the daemon's errors reach the client with their codes", "[integration
   REQUIRE(client.DeleteJob(job_id).ok());
   CHECK(client.Forward(job_id, {Linear().x, Linear().y}).status().code() ==
         absl::StatusCode::kNotFound);
+}
+
+// Reads an exported checkpoint with plain torch.load and writes what it holds, one line per
+// tensor: "model NAME v0 v1 ..." and "optimizer KEY" for each top-level key of its state_dict.
+constexpr const char* kLoadExportScript = R"PY(
+import sys
+import torch
+
+blob = torch.load(sys.argv[1])
+assert set(blob) == {"model", "optimizer"}, sorted(blob)
+with open(sys.argv[2], "w") as out:
+    for name, t in blob["model"].items():
+        out.write("model %s %s\n" % (name, " ".join(repr(float(v)) for v in t.flatten())))
+    for key in blob["optimizer"]:
+        out.write("optimizer %s\n" % key)
+)PY";
+
+// The bytes an ExportCheckpoint stream announces (total_bytes) and carries, read with a raw stub.
+std::pair<uint64_t, uint64_t> ExportStreamSizes(const v1::CheckpointsRef& ref) {
+  auto stub = v1::TrainingService::NewStub(
+      grpc::CreateChannel(Daemon().address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader =
+      stub->ExportCheckpoint(&context, ref);
+  v1::ExportChunk chunk;
+  uint64_t total = 0;
+  uint64_t carried = 0;
+  while (reader->Read(&chunk)) {
+    total = chunk.total_bytes();
+    carried += chunk.data().size();
+  }
+  grpc::Status s = reader->Finish();
+  INFO(s.error_message());
+  REQUIRE(s.ok());
+  return {total, carried};
+}
+
+TEST_CASE("checkpoints: written on request, listed, and exported for torch.load",
+          "[integration]") {
+  Client& client = Daemon().client();
+  const std::string dir = TmpDir() + "/sdk_checkpoints";
+  const std::string job_id =
+      CreateLinearJob(client, v1::SGD, "linear-ckpt", {{"checkpoint_dir", dir}});
+  v1::HyperParams sgd;
+  sgd.set_lr(0.1);
+  REQUIRE(client.ZeroGrad(job_id).ok());
+  ForwardLoss(client, job_id);
+  REQUIRE(client.Backward(job_id, {{0, HostTensor::Scalar(1.0f)}}).ok());
+  REQUIRE(client.Step(job_id, {sgd}).ok());
+
+  absl::StatusOr<v1::CheckpointInfo> info = client.Checkpoint(job_id, /*wait=*/true);
+  INFO(info.status().ToString());
+  REQUIRE(info.ok());
+  CHECK(info->step() == 1);
+  CHECK(info->committed());
+  CHECK(info->bytes() > 0);
+  CHECK(info->path().rfind(dir + "/linear-ckpt/", 0) == 0);
+  CHECK(std::filesystem::is_directory(info->path()));
+
+  v1::CheckpointsRef live;
+  live.set_job_id(job_id);
+  absl::StatusOr<v1::ListCheckpointsResponse> list = client.ListCheckpoints(live);
+  INFO(list.status().ToString());
+  REQUIRE(list.ok());
+  REQUIRE(list->checkpoints_size() == 1);
+  CHECK(list->checkpoints(0).step() == 1);
+  CHECK(list->checkpoints(0).committed());
+  CHECK(list->checkpoints(0).bytes() > 0);
+  CHECK(list->checkpoints(0).path() == info->path());
+  CHECK(list->checkpoints(0).created_unix_ms() > 0);
+  CHECK(list->error().empty());
+
+  // Exported: the file holds every byte the stream announced, and plain torch.load reads the
+  // parameters the job has.
+  const std::string out = TmpDir() + "/linear-ckpt.pt";
+  absl::StatusOr<int64_t> step = client.ExportCheckpoint(live, out);
+  INFO(step.status().ToString());
+  REQUIRE(step.ok());
+  CHECK(*step == 1);
+  CHECK(!std::filesystem::exists(out + ".tmp"));
+  const auto [total, carried] = ExportStreamSizes(live);
+  CHECK(total > 0);
+  CHECK(carried == total);
+  CHECK(std::filesystem::file_size(out) == total);
+  const std::string listing = TmpDir() + "/linear-ckpt.txt";
+  RunPython("load_export", kLoadExportScript, out + " " + listing);
+  const std::string loaded = ReadFile(listing);
+  INFO(loaded);
+  for (const char* name : {"fc.weight", "fc.bias"}) {
+    const size_t at = loaded.find(std::string("model ") + name + " ");
+    REQUIRE(at != std::string::npos);
+    std::istringstream fields(loaded.substr(at, loaded.find('\n', at) - at));
+    std::string kind, got_name;
+    fields >> kind >> got_name;
+    std::vector<double> got;
+    for (double v; fields >> v;) got.push_back(v);
+    CheckClose(got, Values(client.GetParam(job_id, name)), std::string("exported ") + name);
+  }
+  CHECK(loaded.find("optimizer state") != std::string::npos);
+  CHECK(loaded.find("optimizer param_groups") != std::string::npos);
+
+  // A step that was never written: NOT_FOUND, and no file.
+  v1::CheckpointsRef missing = live;
+  missing.set_step(12345);
+  const std::string nowhere = TmpDir() + "/missing.pt";
+  absl::Status not_found = client.ExportCheckpoint(missing, nowhere).status();
+  INFO(not_found.ToString());
+  CHECK(not_found.code() == absl::StatusCode::kNotFound);
+  CHECK(not_found.message().rfind("ExportCheckpoint: ", 0) == 0);
+  CHECK(!std::filesystem::exists(nowhere));
+  CHECK(!std::filesystem::exists(nowhere + ".tmp"));
+
+  // Once the job is gone its checkpoints are found by name under the directory.
+  REQUIRE(client.DeleteJob(job_id).ok());
+  v1::CheckpointsRef by_name;
+  by_name.set_job_name("linear-ckpt");
+  by_name.set_checkpoint_dir(dir);
+  list = client.ListCheckpoints(by_name);
+  INFO(list.status().ToString());
+  REQUIRE(list.ok());
+  REQUIRE(list->checkpoints_size() == 1);
+  CHECK(list->checkpoints(0).step() == 1);
+  const std::string again = TmpDir() + "/linear-ckpt-again.pt";
+  step = client.ExportCheckpoint(by_name, again);
+  INFO(step.status().ToString());
+  REQUIRE(step.ok());
+  CHECK(*step == 1);
+  CHECK(std::filesystem::file_size(again) == total);
+  CHECK(client.ListCheckpoints(live).status().code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("a job without checkpoint_dir cannot checkpoint", "[integration]") {
+  Client& client = Daemon().client();
+  const std::string job_id = CreateLinearJob(client, v1::SGD, "linear-no-ckpt");
+  absl::Status s = client.Checkpoint(job_id).status();
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kFailedPrecondition);
+  v1::CheckpointsRef ref;
+  ref.set_job_id(job_id);
+  CHECK(client.ListCheckpoints(ref).status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(client.Checkpoint("no-such-job").status().code() == absl::StatusCode::kNotFound);
+  REQUIRE(client.DeleteJob(job_id).ok());
 }
 
 }  // namespace

@@ -4,6 +4,11 @@
 //   rannc jobs                            a table of the daemon's jobs
 //   rannc train  MODEL.pt --tokens FILE --batch B --seq T --steps N [...]
 //   rannc delete JOB_ID
+//   rannc checkpoint  JOB [--no-wait]          write a checkpoint of a live job now
+//   rannc checkpoints JOB [--dir DIR]          list a job's checkpoints
+//   rannc export      JOB[@STEP] OUT.pt [--dir DIR]
+//                                              write one checkpoint (default: the newest) as
+//                                              one file plain torch.load opens
 //   rannc plan   MODEL.pt --devices N [--device-memory 80GiB] [--batch B] --input DTYPE:SHAPE
 //                [--input ...] [--config KEY=VALUE ...] [--links SPEC] [--schedule 1f1b|gpipe]
 //                [--save FILE]                 plan only (a dry run): no job is created
@@ -13,6 +18,11 @@
 //
 // The daemon address comes from --daemon, else $RANNC_DAEMON, else 127.0.0.1:7411. Errors print
 // the daemon's message and exit non-zero.
+//
+// JOB is a live job's id, or the name of exactly one live job (`rannc jobs` lists both). For
+// `checkpoints` and `export`, a JOB that is no live job is looked up by name under --dir (else
+// $RANNC_CHECKPOINT_DIR, the job key checkpoint_dir): the daemon reads DIR/JOB/, so the
+// checkpoints of a finished job, or of one another daemon ran, can be listed and exported.
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,6 +32,8 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -32,6 +44,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -182,6 +196,134 @@ int RunJobs(const Client& client) {
 int RunDelete(const Client& client, const std::string& job_id) {
   if (absl::Status s = client.DeleteJob(job_id); !s.ok()) return Fail(s);
   std::cout << "deleted job " << job_id << "\n";
+  return 0;
+}
+
+// JOB on the command line: a live job's id, or the name of exactly one live job. NOT_FOUND when
+// no live job has that id or name; INVALID_ARGUMENT naming the ids when several share the name.
+absl::StatusOr<std::string> ResolveJob(const Client& client, const std::string& job) {
+  absl::StatusOr<std::vector<v1::JobSummary>> jobs = client.ListJobs();
+  if (!jobs.ok()) return jobs.status();
+  std::vector<std::string> named;
+  for (const v1::JobSummary& j : *jobs) {
+    if (j.job_id() == job) return j.job_id();  // an id wins over a name
+    if (j.name() == job) named.push_back(j.job_id());
+  }
+  if (named.size() == 1) return named[0];
+  if (named.empty()) {
+    return absl::NotFoundError(absl::StrCat("no job with id or name '", job, "' on ranncd at ",
+                                            client.address(), " (`rannc jobs` lists them)"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(named.size(), " jobs are named '", job, "' (",
+                                                 absl::StrJoin(named, ", "),
+                                                 "): name one by its id"));
+}
+
+// The environment variable of a job key ("checkpoint_dir" -> "RANNC_CHECKPOINT_DIR"), or "" when
+// the registry has no such key.
+std::string JobKeyEnv(const char* key) {
+  const ConfigKey* found = FindConfigKey(key);
+  if (found == nullptr || found->scope != KeyScope::kJob) return "";
+  return absl::StrCat("RANNC_", absl::AsciiStrToUpper(found->name));
+}
+
+// Which checkpoints `job` names: a live job's, else, with `dir`, those of the job of that name
+// under dir (made absolute here: the daemon resolves paths from its own working directory).
+absl::StatusOr<v1::CheckpointsRef> CheckpointsOf(const Client& client, const std::string& job,
+                                                 const std::string& dir) {
+  v1::CheckpointsRef ref;
+  absl::StatusOr<std::string> id = ResolveJob(client, job);
+  if (id.ok()) {
+    ref.set_job_id(*id);
+    return ref;
+  }
+  const absl::StatusCode code = id.status().code();
+  if (code != absl::StatusCode::kNotFound && code != absl::StatusCode::kInvalidArgument) {
+    return id.status();
+  }
+  if (dir.empty()) {
+    if (code != absl::StatusCode::kNotFound) return id.status();
+    const std::string env = JobKeyEnv("checkpoint_dir");
+    return absl::NotFoundError(absl::StrCat(
+        id.status().message(), "; for the checkpoints of a job that is gone, name their "
+        "directory (the job's checkpoint_dir) with --dir DIR", env.empty() ? "" : " or " + env));
+  }
+  std::error_code error;
+  const std::filesystem::path absolute = std::filesystem::absolute(dir, error);
+  ref.set_job_name(job);
+  ref.set_checkpoint_dir(error ? dir : absolute.string());
+  return ref;
+}
+
+// "2026-12-02 14:03:59" in the local time zone (localtime_r: absl's time zones are not linked).
+std::string LocalTime(int64_t unix_ms) {
+  if (unix_ms <= 0) return "-";
+  const time_t seconds = static_cast<time_t>(unix_ms / 1000);
+  struct tm local = {};
+  char text[32];
+  if (localtime_r(&seconds, &local) == nullptr ||
+      std::strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S", &local) == 0) {
+    return "-";
+  }
+  return text;
+}
+
+int RunCheckpoint(const Client& client, const std::string& job, bool no_wait) {
+  absl::StatusOr<std::string> id = ResolveJob(client, job);
+  if (!id.ok()) return Fail(id.status());
+  absl::StatusOr<v1::CheckpointInfo> info = client.Checkpoint(*id, /*wait=*/!no_wait);
+  if (!info.ok()) return Fail(info.status());
+  std::cout << absl::StrFormat(
+                   "checkpoint step=%d path=%s bytes=%d blocked_s=%.3f write_s=%.3f "
+                   "committed=%s\n",
+                   info->step(), info->path(), info->bytes(), info->blocked_s(),
+                   info->write_s(), info->committed() ? "true" : "false")
+            << std::flush;
+  return 0;
+}
+
+int RunCheckpoints(const Client& client, const std::string& job, const std::string& dir) {
+  absl::StatusOr<v1::CheckpointsRef> ref = CheckpointsOf(client, job, dir);
+  if (!ref.ok()) return Fail(ref.status());
+  absl::StatusOr<v1::ListCheckpointsResponse> list = client.ListCheckpoints(*ref);
+  if (!list.ok()) return Fail(list.status());
+  if (!list->error().empty()) std::cerr << "rannc: last write failed: " << list->error() << "\n";
+  if (list->checkpoints().empty()) {
+    std::cout << "(no checkpoints)\n";
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows = {{"STEP", "CREATED", "SIZE", "PATH"}};
+  for (const v1::CheckpointInfo& c : list->checkpoints()) {
+    rows.push_back({std::to_string(c.step()), LocalTime(c.created_unix_ms()),
+                    HumanBytes(c.bytes()),
+                    c.committed() ? c.path() : c.path() + " (not committed)"});
+  }
+  PrintTable(rows, "");
+  return 0;
+}
+
+int RunExport(const Client& client, const std::string& job_at_step, const std::string& out,
+              const std::string& dir) {
+  std::string job = job_at_step;
+  int64_t step = 0;  // the newest
+  if (const size_t at = job_at_step.rfind('@'); at != std::string::npos) {
+    job = job_at_step.substr(0, at);
+    const std::string text = job_at_step.substr(at + 1);
+    if (job.empty() || !absl::SimpleAtoi(text, &step) || step < 0) {
+      return Fail("rannc export takes JOB or JOB@STEP, STEP a checkpoint's step (e.g. gpt@1000; "
+                  "`rannc checkpoints JOB` lists them), got '" + job_at_step + "'");
+    }
+  }
+  absl::StatusOr<v1::CheckpointsRef> ref = CheckpointsOf(client, job, dir);
+  if (!ref.ok()) return Fail(ref.status());
+  ref->set_step(step);
+  absl::StatusOr<int64_t> exported = client.ExportCheckpoint(*ref, out);
+  if (!exported.ok()) return Fail(exported.status());
+  std::error_code error;
+  const uintmax_t size = std::filesystem::file_size(out, error);
+  std::cout << absl::StrFormat("exported step %d of %s to %s (%s)\n", *exported, job, out,
+                               error ? std::string("?") : HumanBytes(size))
+            << std::flush;
   return 0;
 }
 
@@ -484,6 +626,42 @@ int Main(int argc, char** argv) {
   std::string delete_id;
   del->add_option("job_id", delete_id, "the job to delete")->required();
 
+  const std::string dir_env = JobKeyEnv("checkpoint_dir");
+  const std::string dir_help =
+      "for a JOB that is no live job: the checkpoint_dir it wrote to (the daemon reads DIR/JOB/)";
+  CLI::App* checkpoint = app.add_subcommand(
+      "checkpoint", "write a checkpoint of a live job now (it needs config key checkpoint_dir)");
+  std::string checkpoint_job;
+  bool no_wait = false;
+  checkpoint->add_option("job", checkpoint_job, "the job: its id, or its name")->required();
+  checkpoint->add_flag("--no-wait", no_wait,
+                       "return once the tensors are in host memory; the daemon writes them on");
+
+  CLI::App* checkpoints = app.add_subcommand("checkpoints", "list a job's checkpoints");
+  std::string checkpoints_job;
+  std::string checkpoints_dir;
+  checkpoints->add_option("job", checkpoints_job, "the job: its id, or its name")->required();
+  CLI::Option* checkpoints_dir_option =
+      checkpoints->add_option("--dir", checkpoints_dir, dir_help);
+
+  CLI::App* export_checkpoint = app.add_subcommand(
+      "export", "write a checkpoint as one file plain torch.load opens "
+                "({'model': state_dict, 'optimizer': optimizer state_dict})");
+  std::string export_job;
+  std::string export_out;
+  std::string export_dir;
+  export_checkpoint
+      ->add_option("job", export_job,
+                   "JOB or JOB@STEP: the job (id or name) and the checkpoint's step (default: "
+                   "the newest)")
+      ->required();
+  export_checkpoint->add_option("out", export_out, "the file to write (OUT.pt)")->required();
+  CLI::Option* export_dir_option = export_checkpoint->add_option("--dir", export_dir, dir_help);
+  if (!dir_env.empty()) {
+    checkpoints_dir_option->envname(dir_env);
+    export_dir_option->envname(dir_env);
+  }
+
   CLI::App* train = app.add_subcommand(
       "train", "train a TorchScript language model (input_ids, targets) -> loss on a token file");
   TrainFlags flags;
@@ -572,6 +750,9 @@ int Main(int argc, char** argv) {
   if (*info) return RunInfo(client);
   if (*jobs) return RunJobs(client);
   if (*del) return RunDelete(client, delete_id);
+  if (*checkpoint) return RunCheckpoint(client, checkpoint_job, no_wait);
+  if (*checkpoints) return RunCheckpoints(client, checkpoints_job, checkpoints_dir);
+  if (*export_checkpoint) return RunExport(client, export_job, export_out, export_dir);
   if (*train) return RunTrain(client, flags);
   if (*plan) return RunPlan(client, plan_flags);
   return 2;

@@ -3,6 +3,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +37,14 @@ void WriteModelStream(grpc::ClientWriter<Request>* writer, Request first,
     open = writer->Write(first);
   }
   if (open) writer->WritesDone();
+}
+
+// A failed file operation on the client's side: the errno's code, "ExportCheckpoint: cannot
+// <what> <path>: <strerror>".
+absl::Status FileError(const std::string& what, const std::string& path, int error_number) {
+  return absl::Status(absl::ErrnoToStatusCode(error_number),
+                      absl::StrCat("ExportCheckpoint: cannot ", what, " ", path, ": ",
+                                   std::strerror(error_number)));
 }
 
 }  // namespace
@@ -494,6 +505,90 @@ absl::Status Client::RecreateCommunicators(const std::string& job_id) const {
   v1::Empty response;
   return Convert("RecreateCommunicators",
                  stub_->RecreateCommunicators(&context, request, &response));
+}
+
+absl::StatusOr<v1::CheckpointInfo> Client::Checkpoint(const std::string& job_id,
+                                                      bool wait) const {
+  v1::CheckpointRequest request;
+  request.set_job_id(job_id);
+  request.set_wait(wait);
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::CheckpointInfo info;
+  grpc::Status s = stub_->Checkpoint(&context, request, &info);
+  if (!s.ok()) return Convert("Checkpoint", s);
+  return info;
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> Client::ListCheckpoints(
+    const v1::CheckpointsRef& ref) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ListCheckpointsResponse response;
+  grpc::Status s = stub_->ListCheckpoints(&context, ref, &response);
+  if (!s.ok()) return Convert("ListCheckpoints", s);
+  return response;
+}
+
+absl::StatusOr<int64_t> Client::ExportCheckpoint(const v1::CheckpointsRef& ref,
+                                                 const std::string& out_path) const {
+  const std::string tmp_path = out_path + ".tmp";
+  // Opened before asking, so that an unwritable path fails before the daemon reads anything.
+  std::FILE* file = std::fopen(tmp_path.c_str(), "wb");
+  if (file == nullptr) return FileError("write", tmp_path, errno);
+
+  grpc::ClientContext context;
+  Prepare(&context);
+  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader =
+      stub_->ExportCheckpoint(&context, ref);
+  auto data_loss = [](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("ExportCheckpoint: ", what));
+  };
+  absl::Status failed;  // the first failure on our side; the stream is cancelled then
+  bool any = false;
+  uint64_t total = 0;
+  uint64_t received = 0;
+  int64_t step = 0;
+  v1::ExportChunk chunk;
+  while (reader->Read(&chunk)) {
+    if (!any) {
+      any = true;
+      total = chunk.total_bytes();
+      step = chunk.step();
+    } else if (chunk.total_bytes() != total || chunk.step() != step) {
+      failed = data_loss(absl::StrCat("the stream changed from step ", step, " (", total,
+                                      " bytes) to step ", chunk.step(), " (",
+                                      chunk.total_bytes(), " bytes) midway"));
+    }
+    const size_t size = chunk.data().size();
+    if (failed.ok() && received + size > total) {
+      failed = data_loss(absl::StrCat("received more than the ", total, " bytes announced"));
+    }
+    if (failed.ok() && size > 0 && std::fwrite(chunk.data().data(), 1, size, file) != size) {
+      failed = FileError("write", tmp_path, errno);
+    }
+    if (!failed.ok()) {
+      context.TryCancel();
+      break;
+    }
+    received += size;
+  }
+  grpc::Status s = reader->Finish();
+  if (failed.ok() && !s.ok()) failed = Convert("ExportCheckpoint", s);
+  if (failed.ok() && !any) failed = data_loss("the daemon sent no data");
+  if (failed.ok() && received != total) {
+    failed = data_loss(absl::StrCat("received ", received, " of the ", total,
+                                    " bytes of step ", step));
+  }
+  if (std::fclose(file) != 0 && failed.ok()) failed = FileError("write", tmp_path, errno);
+  if (failed.ok() && std::rename(tmp_path.c_str(), out_path.c_str()) != 0) {
+    failed = FileError(absl::StrCat("rename ", tmp_path, " to"), out_path, errno);
+  }
+  if (!failed.ok()) {
+    std::remove(tmp_path.c_str());
+    return failed;
+  }
+  return step;
 }
 
 }  // namespace rannc

@@ -189,6 +189,29 @@ class Client {
   absl::Status Undeploy(const std::string& job_id) const;
   absl::Status RecreateCommunicators(const std::string& job_id) const;
 
+  // Checkpoints. A job writes them under <checkpoint_dir>/<job name>/ (config key
+  // checkpoint_dir; a job without one gets FAILED_PRECONDITION); the directory is the daemon's,
+  // on its file system.
+  //
+  // Writes a checkpoint of the job now, at the boundary of the call it waits for. With `wait` it
+  // returns once the checkpoint is committed; without, once its tensors are copied to host
+  // memory (committed false, write_s 0): training goes on while the daemon writes them, and a
+  // failed write shows in ListCheckpoints' error.
+  absl::StatusOr<v1::CheckpointInfo> Checkpoint(const std::string& job_id,
+                                                bool wait = true) const;
+  // The checkpoints of a live job (ref.job_id), or of any job by name (ref.job_name under
+  // ref.checkpoint_dir: after the job is gone, or one of another daemon), oldest first; error
+  // holds a live job's last failed asynchronous write.
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::CheckpointsRef& ref) const;
+  // Writes checkpoint ref.step (0 or less: the newest) as one file that plain torch.load opens
+  // ({'model': state_dict, 'optimizer': optimizer state_dict}) to `out_path`, and returns the
+  // step written. The bytes go to out_path + ".tmp", renamed to out_path once all of them came,
+  // so out_path is never left half-written (on failure the .tmp file is removed). NOT_FOUND
+  // when there is no such checkpoint; DATA_LOSS when the stream ends short of (or beyond) the
+  // total_bytes it announced; a local file error is the errno's code, naming the path.
+  absl::StatusOr<int64_t> ExportCheckpoint(const v1::CheckpointsRef& ref,
+                                           const std::string& out_path) const;
+
  private:
   void Prepare(grpc::ClientContext* context) const;
   // FromGrpcStatus, naming the daemon's address when it cannot be reached.

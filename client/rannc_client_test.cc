@@ -7,6 +7,10 @@
 
 #include <catch2/catch.hpp>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <thread>
 
@@ -116,6 +120,45 @@ class FakeTrainingService final : public v1::TrainingService::Service {
   grpc::Status ClipGradNorm(grpc::ServerContext*, const v1::ClipGradNormRequest* request,
                             v1::ClipGradNormResponse* response) override {
     response->set_total_norm(request->max_norm() * 10 + request->norm_type());
+    return grpc::Status::OK;
+  }
+
+  // What ExportCheckpoint streams: `exported` in chunks of export_chunk_bytes, each announcing
+  // exported.size() + export_extra_total bytes (non-zero: a stream cut short).
+  std::string exported;
+  size_t export_chunk_bytes = 4;
+  uint64_t export_extra_total = 0;
+  v1::CheckpointsRef export_ref;
+
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* request,
+                          v1::CheckpointInfo* info) override {
+    info->set_step(request->wait() ? 5 : 6);
+    info->set_path("/ckpt/" + request->job_id());
+    info->set_committed(request->wait());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::CheckpointsRef* request,
+                               v1::ListCheckpointsResponse* response) override {
+    response->add_checkpoints()->set_path(request->checkpoint_dir() + "/" + request->job_name());
+    response->set_error("disk full");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ExportCheckpoint(grpc::ServerContext*, const v1::CheckpointsRef* request,
+                                grpc::ServerWriter<v1::ExportChunk>* writer) override {
+    std::lock_guard<std::mutex> lock(mu);
+    export_ref = *request;
+    if (request->step() == 99) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "no checkpoint of step 99");
+    }
+    for (size_t offset = 0; offset < exported.size(); offset += export_chunk_bytes) {
+      v1::ExportChunk chunk;
+      chunk.set_data(exported.substr(offset, export_chunk_bytes));
+      chunk.set_total_bytes(exported.size() + export_extra_total);
+      chunk.set_step(request->step() > 0 ? request->step() : 12);
+      writer->Write(chunk);
+    }
     return grpc::Status::OK;
   }
 };
@@ -315,6 +358,102 @@ TEST_CASE("Client::GetParam and GetParamGrad", "[client]") {
   absl::StatusOr<double> norm = fake.client->ClipGradNorm("job-1", 1.5, 2.0);
   REQUIRE(norm.ok());
   CHECK(*norm == 17.0);
+}
+
+bool Exists(const std::string& path) { return std::ifstream(path).good(); }
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::string TestTmpDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr && *dir != '\0' ? dir : "/tmp";
+}
+
+TEST_CASE("Client::Checkpoint and ListCheckpoints pass the request and answer through",
+          "[client]") {
+  FakeDaemon fake;
+  absl::StatusOr<v1::CheckpointInfo> waited = fake.client->Checkpoint("job-1");
+  REQUIRE(waited.ok());
+  CHECK(waited->step() == 5);
+  CHECK(waited->committed());
+  CHECK(waited->path() == "/ckpt/job-1");
+  absl::StatusOr<v1::CheckpointInfo> async = fake.client->Checkpoint("job-1", /*wait=*/false);
+  REQUIRE(async.ok());
+  CHECK(async->step() == 6);
+  CHECK(!async->committed());
+
+  v1::CheckpointsRef ref;
+  ref.set_job_name("gpt");
+  ref.set_checkpoint_dir("/data");
+  absl::StatusOr<v1::ListCheckpointsResponse> list = fake.client->ListCheckpoints(ref);
+  REQUIRE(list.ok());
+  REQUIRE(list->checkpoints_size() == 1);
+  CHECK(list->checkpoints(0).path() == "/data/gpt");
+  CHECK(list->error() == "disk full");
+}
+
+TEST_CASE("Client::ExportCheckpoint writes the stream to the file through a .tmp", "[client]") {
+  FakeDaemon fake;
+  fake.service.exported = std::string("0123456789abc\0\xff", 15);  // four chunks, the last short
+  const std::string out = TestTmpDir() + "/export_test.pt";
+  std::remove(out.c_str());
+  v1::CheckpointsRef ref;
+  ref.set_job_id("job-1");
+  absl::StatusOr<int64_t> step = fake.client->ExportCheckpoint(ref, out);
+  INFO(step.status().ToString());
+  REQUIRE(step.ok());
+  CHECK(*step == 12);  // the newest, as the daemon says
+  CHECK(Slurp(out) == fake.service.exported);
+  CHECK(!Exists(out + ".tmp"));
+  CHECK(fake.service.export_ref.job_id() == "job-1");
+
+  ref.set_step(7);
+  REQUIRE(fake.client->ExportCheckpoint(ref, out).ok());
+  CHECK(fake.service.export_ref.step() == 7);
+  std::remove(out.c_str());
+
+  SECTION("a stream short of its total_bytes is DATA_LOSS and leaves no file") {
+    fake.service.export_extra_total = 3;
+    absl::StatusOr<int64_t> short_stream = fake.client->ExportCheckpoint(ref, out);
+    CHECK(short_stream.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(short_stream.status().message() ==
+          "ExportCheckpoint: received 15 of the 18 bytes of step 7");
+    CHECK(!Exists(out));
+    CHECK(!Exists(out + ".tmp"));
+  }
+  SECTION("a stream that announces fewer bytes than it sends is DATA_LOSS") {
+    fake.service.exported = std::string(10, 'x');
+    fake.service.export_extra_total = static_cast<uint64_t>(-4);  // announces 6
+    CHECK(fake.client->ExportCheckpoint(ref, out).status().code() ==
+          absl::StatusCode::kDataLoss);
+    CHECK(!Exists(out));
+    CHECK(!Exists(out + ".tmp"));
+  }
+  SECTION("an empty stream is DATA_LOSS") {
+    fake.service.exported.clear();
+    CHECK(fake.client->ExportCheckpoint(ref, out).status().code() ==
+          absl::StatusCode::kDataLoss);
+    CHECK(!Exists(out));
+  }
+  SECTION("the daemon's error comes through, and no file is left") {
+    ref.set_step(99);
+    absl::Status missing = fake.client->ExportCheckpoint(ref, out).status();
+    CHECK(missing.code() == absl::StatusCode::kNotFound);
+    CHECK(missing.message() == "ExportCheckpoint: no checkpoint of step 99");
+    CHECK(!Exists(out));
+    CHECK(!Exists(out + ".tmp"));
+  }
+  SECTION("an unwritable path fails before the daemon is asked") {
+    const std::string nowhere = TestTmpDir() + "/no/such/dir/out.pt";
+    fake.service.export_ref.Clear();
+    absl::Status s = fake.client->ExportCheckpoint(ref, nowhere).status();
+    CHECK(s.code() == absl::StatusCode::kNotFound);
+    CHECK(s.message().find(nowhere + ".tmp") != std::string::npos);
+    CHECK(fake.service.export_ref.step() == 0);  // never called
+  }
 }
 
 TEST_CASE("Client::WaitUntilReady", "[client]") {

@@ -76,6 +76,13 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"loss_scale_init", T::kFloat, S::kJob, "65536", "the dynamic loss scale's first value"},
       {"loss_scale_window", T::kInt, S::kJob, "2000",
        "steps without overflow before the dynamic loss scale grows"},
+      {"checkpoint_dir", T::kString, S::kJob, "(none)",
+       "where the daemons write the job's checkpoints: under DIR/<job name>/"},
+      {"checkpoint_every", T::kInt, S::kJob, "0 (only when asked)",
+       "write a checkpoint every N optimizer steps"},
+      {"checkpoint_keep", T::kInt, S::kJob, "3", "checkpoints kept, the newest (0: all)"},
+      {"resume", T::kString, S::kJob, "(start afresh)",
+       "latest or a step: the job starts from that checkpoint of checkpoint_dir/<job name>"},
       // ---- clients (pyrannc, the C++ SDK, the CLI) ----
       {"daemon", T::kString, S::kClient, "an embedded ranncd",
        "host:port of the ranncd to use; unset, pyrannc starts its own on loopback"},

@@ -50,6 +50,14 @@ class LossScaler {
   // After a step (skipped or not): whether its gradients overflowed anywhere.
   void Update(bool found_inf);
   int skipped_steps() const { return skipped_; }
+  // Steps without overflow since the scale last changed; and the whole state back from a
+  // checkpoint.
+  int good_steps() const { return good_steps_; }
+  void Restore(double scale, int good_steps, int skipped_steps) {
+    scale_ = options_.enabled ? scale : 1.0;
+    good_steps_ = good_steps;
+    skipped_ = skipped_steps;
+  }
 
  private:
   LossScaleOptions options_;

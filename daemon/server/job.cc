@@ -111,6 +111,11 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
   if (s.client_world > 1) {
     job->client_ranks_ = std::make_unique<ClientRendezvous>(s.client_world, s.client_timeout);
   }
+  job->last_hypers_ = s.optimizer.group_hyper;
+  if (s.checkpoints.resume >= 0 && !s.is_part) {
+    absl::Status resumed = job->Resume();
+    if (!resumed.ok()) return resumed;
+  }
   return job;
 }
 
@@ -252,7 +257,16 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
     if (op.kind == JobOp::Kind::kZeroGrad) status = absl::OkStatus();
   }
   if (!status.ok()) return status;
-  if (op.kind == JobOp::Kind::kStep) ++steps_;
+  if (op.kind == JobOp::Kind::kStep) {
+    ++steps_;
+    if (!op.hypers.empty()) last_hypers_ = op.hypers;
+    const int every = settings_.checkpoints.every;
+    if (every > 0 && !settings_.is_part && steps_ % every == 0) {
+      // A checkpoint that cannot be written fails no step: the job keeps training, and the
+      // failure is logged and reported (checkpoint_error, ListCheckpoints).
+      CheckpointLocked(/*wait=*/false).IgnoreError();
+    }
+  }
   return out;
 }
 
@@ -406,6 +420,12 @@ absl::Status Job::LoadStateDict(const std::map<std::string, at::Tensor>& state, 
                                 std::vector<std::string>* missing,
                                 std::vector<std::string>* unexpected) {
   std::lock_guard<std::mutex> lock(mu_);
+  return LoadStateLocked(state, strict, missing, unexpected);
+}
+
+absl::Status Job::LoadStateLocked(const std::map<std::string, at::Tensor>& state, bool strict,
+                                  std::vector<std::string>* missing,
+                                  std::vector<std::string>* unexpected) {
   absl::Status loaded = local_->Load(state, strict, missing, unexpected);
   if (!loaded.ok() || !coordinator_.leads()) return loaded;
   // The parts take what they hold, deployed or not (an undeployed part deploys from its store).
@@ -429,6 +449,10 @@ absl::Status NoZeroOverDaemons() {
 
 absl::StatusOr<std::vector<OptimizerEntry>> Job::OptimizerState() {
   std::lock_guard<std::mutex> lock(mu_);
+  return OptimizerStateLocked();
+}
+
+absl::StatusOr<std::vector<OptimizerEntry>> Job::OptimizerStateLocked() {
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   std::vector<OptimizerEntry> state = local_->OptimizerState();
   if (!coordinator_.leads()) return state;
@@ -440,6 +464,10 @@ absl::StatusOr<std::vector<OptimizerEntry>> Job::OptimizerState() {
 
 absl::Status Job::LoadOptimizerState(const std::vector<OptimizerEntry>& state) {
   std::lock_guard<std::mutex> lock(mu_);
+  return LoadOptimizerStateLocked(state);
+}
+
+absl::Status Job::LoadOptimizerStateLocked(const std::vector<OptimizerEntry>& state) {
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   if (!coordinator_.leads()) return local_->LoadOptimizerState(state);
   if (local_->flags().zero) return NoZeroOverDaemons();

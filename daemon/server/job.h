@@ -48,6 +48,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/checkpoint/checkpoint_writer.h"
 #include "daemon/graph/torchscript_import.h"
 #include "daemon/runtime/model_runner.h"
 #include "daemon/runtime/param_store.h"
@@ -97,6 +98,17 @@ struct JobSummary {
   std::vector<int64_t> peak_device_bytes;
   double loss_scale = 1;
   int64_t skipped_steps = 0;
+};
+
+// One checkpoint written (or being written) by Checkpoint.
+struct CheckpointInfo {
+  int64_t step = 0;
+  std::string path;        // its directory
+  bool committed = false;  // false: threads are writing it
+  uint64_t bytes = 0;      // of its tensor files, once committed
+  int64_t created_unix_ms = 0;
+  double blocked_s = 0;    // the job was held this long (copying its state to host memory)
+  double write_s = 0;      // writing and committing, once committed
 };
 
 struct StateEntry {
@@ -161,6 +173,21 @@ class Job {
   void Undeploy();
   JobSummary Summary();
 
+  // Checkpoints (docs/checkpoints.md; JobSettings::checkpoints). Checkpoint copies the job's
+  // state (parameters, buffers, optimizer state, step counters, the loss scaler, the RNG) to
+  // host memory now and writes it on a thread (every checkpoint_every steps too, after the
+  // step); with `wait`, it returns once committed. FAILED_PRECONDITION without a
+  // checkpoint_dir; a failed write is the status with `wait`, else checkpoint_error().
+  absl::StatusOr<CheckpointInfo> Checkpoint(bool wait);
+  // The job's committed checkpoints, oldest first, then the one being written (committed
+  // false); and the last write's failure ("" none).
+  std::vector<CheckpointInfo> Checkpoints();
+  std::string checkpoint_error() const;
+  // The checkpoint directory of this job's checkpoints ("" without checkpoint_dir).
+  std::string checkpoint_job_dir() const;
+  // The step of the checkpoint the job was created from (config key resume), or -1.
+  int64_t resumed_step() const { return resumed_step_; }
+
  private:
   Job(std::string id, JobSettings settings, PartChannels* channels);
 
@@ -171,6 +198,15 @@ class Job {
                               bool delay_grad_allreduce);
   absl::StatusOr<NamedTensors> RunLocked(const JobOp& op);
   absl::StatusOr<double> ClipLocked(double max_norm, double norm_type);
+  absl::Status LoadStateLocked(const std::map<std::string, at::Tensor>& state, bool strict,
+                               std::vector<std::string>* missing,
+                               std::vector<std::string>* unexpected);
+  absl::StatusOr<std::vector<OptimizerEntry>> OptimizerStateLocked();
+  absl::Status LoadOptimizerStateLocked(const std::vector<OptimizerEntry>& state);
+  // job_checkpoint.cc: the snapshot handed to the writer; the state of a checkpoint loaded at
+  // creation (settings_.checkpoints.resume).
+  absl::StatusOr<CheckpointInfo> CheckpointLocked(bool wait);
+  absl::Status Resume();
   // Reads a tensor another daemon's part holds (null when none does: a part, or one daemon).
   RemoteRead Remote();
   std::vector<int> OutputBatchDims() const;
@@ -187,7 +223,24 @@ class Job {
   std::vector<int64_t> rank_rows_;
   int64_t steps_ = 0;
   int64_t forwards_ = 0;
+  // The hyper-parameters of the last step, per param group (a scheduler's), for checkpoints.
+  std::vector<HyperParams> last_hypers_;
+  int64_t resumed_step_ = -1;
+  // Declared last: destroyed first, waiting for a write in flight while the job is whole.
+  checkpoint::CheckpointWriter writer_;
 };
+
+// The job directory of the checkpoints of the job named `name` under `checkpoint_dir`
+// (INVALID_ARGUMENT for a name no directory can have), and its committed checkpoints, oldest
+// first: of a job that is gone, or runs elsewhere.
+absl::StatusOr<std::string> CheckpointJobDir(const std::string& checkpoint_dir,
+                                             const std::string& name);
+std::vector<CheckpointInfo> ListCheckpointsIn(const std::string& job_dir);
+// Checkpoint `step` of `job_dir` (<= 0: the newest) as one file that plain torch.load opens
+// ({'model': ..., 'optimizer': ...}); `exported` gets its step. NOT_FOUND for a step it does
+// not hold, DATA_LOSS for a damaged file.
+absl::StatusOr<std::vector<char>> ExportCheckpointIn(const std::string& job_dir, int64_t step,
+                                                     int64_t* exported);
 
 }  // namespace rannc
 

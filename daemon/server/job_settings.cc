@@ -1,9 +1,12 @@
 #include "daemon/server/job_settings.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
 #include "daemon/config/keys.h"
@@ -59,6 +62,42 @@ absl::Status ApplyAmp(const v1::JobSpec& spec, const DaemonFacts& facts, JobSett
   return absl::OkStatus();
 }
 
+// Config keys checkpoint_dir, checkpoint_every, checkpoint_keep and resume.
+absl::Status ApplyCheckpointKeys(const std::map<std::string, std::string>& keys,
+                                 JobSettings* settings) {
+  JobSettings::Checkpoints& c = settings->checkpoints;
+  auto get = [&](const char* key) {
+    auto it = keys.find(key);
+    return it == keys.end() ? std::string() : it->second;
+  };
+  c.dir = get("checkpoint_dir");
+  if (absl::StartsWith(c.dir, "~/") && std::getenv("HOME") != nullptr) {
+    c.dir = absl::StrCat(std::getenv("HOME"), c.dir.substr(1));
+  }
+  for (auto [key, out] : {std::pair<const char*, int*>{"checkpoint_every", &c.every},
+                          std::pair<const char*, int*>{"checkpoint_keep", &c.keep}}) {
+    const std::string value = get(key);
+    if (!value.empty() && (!absl::SimpleAtoi(value, out) || *out < 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          key, "=", value, ": expected a whole number, 0 or more"));
+    }
+  }
+  const std::string resume = get("resume");
+  if (resume.empty()) return absl::OkStatus();
+  if (resume == "latest") {
+    c.resume = 0;
+  } else if (!absl::SimpleAtoi(resume, &c.resume) || c.resume <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resume=", resume, ": expected 'latest' or the step of a checkpoint (a number)"));
+  }
+  if (c.dir.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resume=", resume, " needs checkpoint_dir (RANNC_CHECKPOINT_DIR): where the job's "
+        "checkpoints are"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 ModelMode FromProto(const v1::Mode& mode) { return ModelMode{mode.training(), mode.dropout()}; }
@@ -101,6 +140,7 @@ absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
   }
   JobSettings settings;
   settings.name = spec.name();
+  settings.spec = spec;
   settings.mode = FromProto(spec.mode());
   absl::StatusOr<OptimizerConfig> optimizer = FromProto(spec.optimizer());
   if (!optimizer.ok()) return optimizer.status();
@@ -117,6 +157,12 @@ absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
   absl::StatusOr<LossScaleOptions> loss_scale = ParseLossScale(keys, settings.amp);
   if (!loss_scale.ok()) return loss_scale.status();
   settings.loss_scale = *loss_scale;
+  absl::Status checkpoints = ApplyCheckpointKeys(keys, &settings);
+  if (!checkpoints.ok()) return checkpoints;
+  if ((settings.checkpoints.every > 0) && settings.checkpoints.dir.empty()) {
+    return absl::InvalidArgumentError(
+        "checkpoint_every needs checkpoint_dir (RANNC_CHECKPOINT_DIR): where to write them");
+  }
   settings.input_names.assign(spec.input_names().begin(), spec.input_names().end());
   for (const auto& device : facts.devices) settings.device_names.push_back(device.name);
   settings.placement = Placement(facts.devices, static_cast<int>(facts.devices.size()), {});

@@ -111,6 +111,18 @@ struct JobSettings {
   // (JobManager); zero: never.
   std::chrono::milliseconds lease{0};
 
+  // Checkpoints (docs/checkpoints.md), from the config keys of the same names: written under
+  // `<dir>/<name>/` (dir empty: none), every `every` optimizer steps (0: when asked), the newest
+  // `keep` kept (0: all). `resume`: the job starts from the checkpoint of this step, 0 for the
+  // newest if there is one (config key resume=latest|STEP), -1 afresh.
+  struct Checkpoints {
+    std::string dir;
+    int every = 0;
+    int keep = 3;
+    int64_t resume = -1;
+  };
+  Checkpoints checkpoints;
+
   // A job over several daemons (docs/cluster.md): the plan's devices this daemon runs (empty:
   // all), where the parts' communicators meet (this daemon's own store when it leads, else the
   // leader's address), and the group name every part uses.
@@ -127,7 +139,7 @@ struct JobSettings {
   };
   std::vector<Member> members;
   std::string self_address;
-  v1::JobSpec spec;  // the client's, for the members' parts
+  v1::JobSpec spec;  // the client's (for the members' parts, and checkpoints' manifests)
 };
 
 // The settings CreateJob makes of a client's JobSpec on a daemon with `facts`, before a dry

@@ -541,4 +541,9 @@ void LocalJob::Usage(std::vector<int64_t>* bytes, std::vector<int64_t>* peak,
   *scaler = engine_ ? engine_->loss_scaler() : parked_loss_scaler_;
 }
 
+void LocalJob::RestoreLossScaler(const LossScaler& scaler) {
+  Release();
+  parked_loss_scaler_ = scaler;
+}
+
 }  // namespace rannc

@@ -123,6 +123,9 @@ class LocalJob {
   // Per plan device: bytes held now and the most held at once since deployed (zeros released);
   // the loss scaler's state.
   void Usage(std::vector<int64_t>* bytes, std::vector<int64_t>* peak, LossScaler* scaler) const;
+  // Replaces the loss scaler's state (from a checkpoint); the engine, if deployed, is released
+  // first and rebuilt with it by the next call.
+  void RestoreLossScaler(const LossScaler& scaler);
 
  private:
   LocalJob(const JobSettings& settings,

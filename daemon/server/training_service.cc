@@ -241,6 +241,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     EncodeSpec(out.dtype, out.shape, response->add_outputs());
   }
   for (const std::string& d : info.devices) response->add_devices(d);
+  response->set_resumed_step((*job)->resumed_step());
   spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}; seconds: "
                "receive {:.2f}, tensors apart {:.2f} ({} of them), import {:.2f}, IR {:.2f}, "
                "plan {:.2f}, place {:.2f}",
@@ -686,6 +687,79 @@ grpc::Status TrainingServiceImpl::LoadOptimizerState(
   if (!state.ok()) return Fail("LoadOptimizerState", state.status());
   status = (*job)->LoadOptimizerState(*state);
   if (!status.ok()) return Fail("LoadOptimizerState", status);
+  return grpc::Status::OK;
+}
+
+namespace {
+
+void FillCheckpointInfo(const CheckpointInfo& c, v1::CheckpointInfo* out) {
+  out->set_step(c.step);
+  out->set_path(c.path);
+  out->set_committed(c.committed);
+  out->set_bytes(c.bytes);
+  out->set_created_unix_ms(c.created_unix_ms);
+  out->set_blocked_s(c.blocked_s);
+  out->set_write_s(c.write_s);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> TrainingServiceImpl::CheckpointsOf(const v1::CheckpointsRef& ref,
+                                                               std::shared_ptr<Job>* job) const {
+  if (ref.job_id().empty()) return CheckpointJobDir(ref.checkpoint_dir(), ref.job_name());
+  absl::StatusOr<std::shared_ptr<Job>> found = jobs_->Get(ref.job_id());
+  if (!found.ok()) return found.status();
+  *job = *found;
+  const std::string dir = (*job)->checkpoint_job_dir();
+  if (dir.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", ref.job_id(), " has no checkpoint directory (config key checkpoint_dir)"));
+  }
+  return dir;
+}
+
+grpc::Status TrainingServiceImpl::Checkpoint(grpc::ServerContext*,
+                                             const v1::CheckpointRequest* request,
+                                             v1::CheckpointInfo* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return Fail("Checkpoint", job.status());
+  absl::StatusOr<CheckpointInfo> info = (*job)->Checkpoint(request->wait());
+  if (!info.ok()) return Fail("Checkpoint", info.status());
+  FillCheckpointInfo(*info, response);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::ListCheckpoints(grpc::ServerContext*,
+                                                  const v1::CheckpointsRef* request,
+                                                  v1::ListCheckpointsResponse* response) {
+  std::shared_ptr<Job> job;
+  absl::StatusOr<std::string> dir = CheckpointsOf(*request, &job);
+  if (!dir.ok()) return Fail("ListCheckpoints", dir.status());
+  for (const CheckpointInfo& c : job ? job->Checkpoints() : ListCheckpointsIn(*dir)) {
+    FillCheckpointInfo(c, response->add_checkpoints());
+  }
+  if (job) response->set_error(job->checkpoint_error());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::ExportCheckpoint(grpc::ServerContext* context,
+                                                   const v1::CheckpointsRef* request,
+                                                   grpc::ServerWriter<v1::ExportChunk>* writer) {
+  std::shared_ptr<Job> job;
+  absl::StatusOr<std::string> dir = CheckpointsOf(*request, &job);
+  if (!dir.ok()) return Fail("ExportCheckpoint", dir.status());
+  int64_t step = 0;
+  absl::StatusOr<std::vector<char>> bytes = ExportCheckpointIn(*dir, request->step(), &step);
+  if (!bytes.ok()) return Fail("ExportCheckpoint", bytes.status());
+  for (size_t offset = 0; offset < bytes->size(); offset += kStateChunkBytes) {
+    v1::ExportChunk out;
+    out.set_total_bytes(bytes->size());
+    out.set_step(step);
+    out.set_data(bytes->data() + offset, std::min(kStateChunkBytes, bytes->size() - offset));
+    if (!writer->Write(out) || context->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away during the export");
+    }
+  }
   return grpc::Status::OK;
 }
 

@@ -99,6 +99,12 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status Undeploy(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
   grpc::Status RecreateCommunicators(grpc::ServerContext*, const v1::JobRef*,
                                      v1::Empty*) override;
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
+                          v1::CheckpointInfo*) override;
+  grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::CheckpointsRef*,
+                               v1::ListCheckpointsResponse*) override;
+  grpc::Status ExportCheckpoint(grpc::ServerContext*, const v1::CheckpointsRef*,
+                                grpc::ServerWriter<v1::ExportChunk>*) override;
 
  private:
   // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
@@ -119,6 +125,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   v1::TrainingService::Stub* PeerStub(const std::string& address) const;
   v1::JobPartService::Stub* PartStub(const std::string& address) const;
 
+  // The job directory a CheckpointsRef names: a live job's, or a name under a directory.
+  absl::StatusOr<std::string> CheckpointsOf(const v1::CheckpointsRef& ref,
+                                            std::shared_ptr<Job>* job) const;
   // Encodes `tensors` into `out`, into the client's reply region when it offered one.
   absl::Status EncodeReply(const std::vector<at::Tensor>& tensors, const v1::ShmRef& reply_shm,
                            google::protobuf::RepeatedPtrField<v1::Tensor>* out) const;

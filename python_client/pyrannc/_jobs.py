@@ -11,6 +11,7 @@ thread-safe), and the next job creation drains it.
 
 import collections
 import logging
+import os
 from typing import Dict, List, Optional, Tuple
 
 from pyrannc import _config
@@ -80,7 +81,16 @@ def job_config(plan_batch: Optional[int]) -> Dict[str, str]:
     config = _config.job_config()
     if plan_batch is not None:
         config.setdefault("batch_size", str(plan_batch))
+    if config.get("checkpoint_dir"):
+        # A relative directory is the client's, as a user running the script means it.
+        config["checkpoint_dir"] = checkpoint_dir(config)
     return config
+
+
+def checkpoint_dir(config: Optional[Dict[str, str]] = None) -> str:
+    """The job key checkpoint_dir (RANNC_CHECKPOINT_DIR), absolute; "" when unset."""
+    value = (config if config is not None else _config.job_config()).get("checkpoint_dir", "")
+    return os.path.abspath(os.path.expanduser(value)) if value else ""
 
 
 def lease_seconds() -> float:

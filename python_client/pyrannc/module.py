@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from pyrannc import (_codec, _daemon, _deployment, _jobs, _optim, _outputs, _runtime, _save_job,
-                     _saved_trace, _shm, _tensors, _tracing)
+from pyrannc import (_checkpoints, _codec, _daemon, _deployment, _jobs, _optim, _outputs,
+                     _runtime, _save_job, _saved_trace, _shm, _tensors, _tracing)
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -125,6 +125,7 @@ class RaNNCModule(torch.nn.Module):
         self._plan_summary: Optional[str] = None
         self._dropout: Optional[bool] = None  # enable_dropout(); None: follows training
         self._state_dirty = False
+        self._resumed_step: Optional[int] = None  # of the job's checkpoint (config key resume)
         # A leaf that makes forward's outputs require grad; never receives a gradient.
         self._grad_anchor = torch.zeros((), requires_grad=True)
         if optimizer is not None:
@@ -361,6 +362,11 @@ class RaNNCModule(torch.nn.Module):
         self._job.lease_conn = conn
         self._deployment = resp.deployment if resp.HasField("deployment") else None
         self._plan_summary = resp.plan_summary or None
+        self._resumed_step = resp.resumed_step if resp.resumed_step >= 0 else None
+        if self._resumed_step is not None:
+            self._state_dirty = True  # the local model mirrors the checkpoint's values
+            logger.info("pyrannc: job %s resumed from the checkpoint of step %d", resp.job_id,
+                        self._resumed_step)
         logger.info("pyrannc: job %s on %s", resp.job_id, ", ".join(resp.devices))
 
     def _switch_mode(self, inputs, mode: pb.Mode) -> None:
@@ -758,6 +764,49 @@ class RaNNCModule(torch.nn.Module):
             logger.info("pyrannc: %s keeps no trace of the model, so a start from it traces "
                         "again: %s", os.fspath(file), self._no_trace_reason)
         _deployment.save_deployment_file(self._deployment, file, self._saved_trace)
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints (pyrannc._checkpoints).
+
+    def checkpoint(self, wait: bool = True) -> "_checkpoints.CheckpointInfo":
+        """Has the daemons write a checkpoint of the job now (config key checkpoint_dir):
+        parameters, buffers, optimizer state, step counters, the loss scaler and the RNG. The
+        state is copied to host memory at once; with wait=False training goes on while the
+        daemons write it (the returned info then says committed=False)."""
+        if self._job is None:
+            raise RuntimeError("checkpoint: there is no job yet; the daemon's job is made at the "
+                               "first forward, so call checkpoint after it")
+        self._flush()
+        return _checkpoints.save(self._connection(), self._job.id, wait)
+
+    def checkpoints(self) -> List["_checkpoints.CheckpointInfo"]:
+        """The job's checkpoints, oldest first (the last may be one its daemons are writing:
+        committed=False); before the first forward, those under checkpoint_dir for this job's
+        name (RANNC_JOB, else the model's class name)."""
+        job_id = None
+        if self._job is not None:
+            self._flush()  # a deferred step may write one
+            job_id = self._job.id
+        return _checkpoints.listed(self._connection(), _checkpoints.ref(job_id, self.model))
+
+    def export_checkpoint(self, path, step: int = 0) -> int:
+        """Writes checkpoint `step` (0: the newest) as one file plain PyTorch loads:
+        torch.load(path) gives {'model': state_dict, 'optimizer': optimizer.state_dict()}.
+        Returns the step written."""
+        if self._job is not None:
+            self._flush()
+        ref = _checkpoints.ref(self._job.id if self._job is not None else None, self.model)
+        ref.step = step
+        return _checkpoints.export(self._connection(), ref, path)
+
+    @property
+    def resumed_step(self) -> Optional[int]:
+        """The optimizer steps of the checkpoint the job started from (config key resume), or
+        None when it started afresh. Before the first forward: the step of the checkpoint that
+        resume would start it from now, so a training loop can skip that many batches first."""
+        if self._job is not None:
+            return self._resumed_step
+        return _checkpoints.step_to_resume(self._connection(), self.model)
 
     def undeploy(self, sync: bool = True) -> None:
         """Copies the daemon's state into the local model and frees the job's device memory.

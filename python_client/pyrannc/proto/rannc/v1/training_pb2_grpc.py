@@ -129,6 +129,21 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
                 )
+        self.Checkpoint = channel.unary_unary(
+                '/rannc.v1.TrainingService/Checkpoint',
+                request_serializer=rannc_dot_v1_dot_training__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.CheckpointInfo.FromString,
+                )
+        self.ListCheckpoints = channel.unary_unary(
+                '/rannc.v1.TrainingService/ListCheckpoints',
+                request_serializer=rannc_dot_v1_dot_training__pb2.CheckpointsRef.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.ListCheckpointsResponse.FromString,
+                )
+        self.ExportCheckpoint = channel.unary_stream(
+                '/rannc.v1.TrainingService/ExportCheckpoint',
+                request_serializer=rannc_dot_v1_dot_training__pb2.CheckpointsRef.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.ExportChunk.FromString,
+                )
 
 
 class TrainingServiceServicer(object):
@@ -279,6 +294,27 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Writes a checkpoint of the job now (at the boundary of the call it waits for).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportCheckpoint(self, request, context):
+        """One consolidated {'model': state_dict, 'optimizer': optimizer state_dict} file that plain
+        torch.load opens, streamed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -396,6 +432,21 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.RecreateCommunicators,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.CheckpointRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.CheckpointsRef.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'ExportCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportCheckpoint,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.CheckpointsRef.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.ExportChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -795,5 +846,56 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/RecreateCommunicators',
             rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
             rannc_dot_v1_dot_training__pb2.Empty.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/Checkpoint',
+            rannc_dot_v1_dot_training__pb2.CheckpointRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.CheckpointInfo.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ListCheckpoints',
+            rannc_dot_v1_dot_training__pb2.CheckpointsRef.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.ListCheckpointsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ExportCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/rannc.v1.TrainingService/ExportCheckpoint',
+            rannc_dot_v1_dot_training__pb2.CheckpointsRef.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.ExportChunk.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,492 @@
+#include "daemon/checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+#include <ATen/core/ivalue.h>
+#include <google/protobuf/util/json_util.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/files.h"
+
+namespace rannc {
+namespace checkpoint {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kManifest[] = "manifest.json";
+constexpr char kStepPrefix[] = "step-";
+
+absl::Status ErrnoStatus(int err, const std::string& what) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
+  switch (err) {
+    case ENOSPC:
+    case EDQUOT:
+      return absl::ResourceExhaustedError(message);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(message);
+    case ENOENT:
+      return absl::NotFoundError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+// Writes `size` bytes to a new file at `path` and fsyncs it.
+absl::Status WriteDurably(const std::string& path, const char* data, size_t size) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating ", path));
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, data + done, std::min<size_t>(size - done, size_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return ErrnoStatus(err, absl::StrCat("writing ", path));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ErrnoStatus(err, absl::StrCat("syncing ", path));
+  }
+  if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat("closing ", path));
+  return absl::OkStatus();
+}
+
+absl::Status SyncDirectory(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening directory ", path));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return ErrnoStatus(err, absl::StrCat("syncing directory ", path));
+  return absl::OkStatus();
+}
+
+std::string DtypeName(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
+const char* KindPrefix(v1::CheckpointEntry::Kind kind) {
+  switch (kind) {
+    case v1::CheckpointEntry::PARAM: return "param";
+    case v1::CheckpointEntry::BUFFER: return "buffer";
+    case v1::CheckpointEntry::OPTIMIZER_STATE: return "optim";
+    default: return "tensor";
+  }
+}
+
+int64_t Numel(const google::protobuf::RepeatedField<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+absl::StatusOr<v1::CheckpointManifest> ParseManifest(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  v1::CheckpointManifest manifest;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;  // written by a newer ranncd
+  const auto parsed = google::protobuf::util::JsonStringToMessage(*text, &manifest, options);
+  if (!parsed.ok()) {
+    return absl::DataLossError(absl::StrCat(path, " is not a checkpoint manifest: ",
+                                            parsed.message().as_string()));
+  }
+  if (manifest.format_version() != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " has format version ", manifest.format_version(), "; this ranncd reads 1"));
+  }
+  return manifest;
+}
+
+// The step of a committed checkpoint's directory name ("step-0000000040"), or -1.
+int64_t StepOf(const std::string& name) {
+  if (!absl::StartsWith(name, kStepPrefix)) return -1;
+  int64_t step = -1;
+  if (!absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step)) return -1;
+  return step;
+}
+
+}  // namespace
+
+uint32_t Crc32(const char* data, size_t size, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  crc = ~crc;
+  for (size_t i = 0; i < size; ++i) {
+    crc = table[(crc ^ static_cast<uint8_t>(data[i])) & 0xFF] ^ (crc >> 8);
+  }
+  return ~crc;
+}
+
+absl::StatusOr<std::string> JobDir(const std::string& checkpoint_dir,
+                                   const std::string& job_name) {
+  if (job_name.empty() || job_name == "." || job_name == ".." ||
+      job_name.find('/') != std::string::npos || job_name.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the job name '", job_name, "' cannot name a checkpoint directory under ", checkpoint_dir,
+        "; name the job (RANNC_JOB) without '/'"));
+  }
+  return (fs::path(checkpoint_dir) / job_name).string();
+}
+
+std::string StepDir(const std::string& job_dir, int64_t step) {
+  return absl::StrFormat("%s/%s%010d", job_dir, kStepPrefix, step);
+}
+
+absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_dir,
+                                                       const Snapshot& snapshot) {
+  std::error_code ec;
+  fs::create_directories(job_dir, ec);
+  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating the checkpoint directory ",
+                                                      job_dir));
+  const int64_t step = snapshot.manifest.step();
+  const std::string unique = absl::StrCat(
+      ::getpid(), "-", std::chrono::steady_clock::now().time_since_epoch().count());
+  const std::string tmp = absl::StrFormat("%s/.%s%010d.tmp-%s", job_dir, kStepPrefix, step,
+                                          unique);
+  if (::mkdir(tmp.c_str(), 0755) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("creating ", tmp));
+  }
+  auto fail = [&](absl::Status status) {
+    fs::remove_all(tmp, ec);
+    return status;
+  };
+
+  v1::CheckpointManifest manifest = snapshot.manifest;
+  manifest.set_format_version(1);
+  manifest.clear_files();
+  manifest.clear_entries();
+  for (size_t f = 0; f < snapshot.files.size(); ++f) {
+    const std::string file = absl::StrCat("daemon-", f, ".pt");
+    c10::Dict<std::string, at::Tensor> dict;
+    for (const Piece& piece : snapshot.files[f]) {
+      std::string key = absl::StrCat(KindPrefix(piece.kind), "/", piece.name);
+      if (!piece.state_key.empty()) absl::StrAppend(&key, "/", piece.state_key);
+      const std::vector<int64_t> shape =
+          piece.shape.empty() ? piece.value.sizes().vec() : piece.shape;
+      const bool whole = piece.offset == 0 && piece.value.numel() == [&] {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        return n;
+      }();
+      if (!whole) absl::StrAppend(&key, "@", piece.offset);
+      if (dict.contains(key)) continue;  // a tensor two names share is written once
+      dict.insert(key, piece.value.contiguous());
+      v1::CheckpointEntry* entry = manifest.add_entries();
+      entry->set_kind(piece.kind);
+      entry->set_name(piece.name);
+      entry->set_state_key(piece.state_key);
+      entry->set_file(file);
+      entry->set_file_key(key);
+      entry->set_dtype(DtypeName(piece.value.scalar_type()));
+      for (int64_t d : shape) entry->add_shape(d);
+      entry->set_offset(static_cast<uint64_t>(piece.offset));
+      entry->set_numel(static_cast<uint64_t>(piece.value.numel()));
+    }
+    std::vector<char> bytes;
+    try {
+      bytes = torch::jit::pickle_save(c10::IValue(dict));
+    } catch (const std::exception& e) {
+      return fail(absl::InternalError(absl::StrCat("serializing ", file, ": ", e.what())));
+    }
+    absl::Status written = WriteDurably(absl::StrCat(tmp, "/", file), bytes.data(), bytes.size());
+    if (!written.ok()) return fail(written);
+    v1::CheckpointFile* record = manifest.add_files();
+    record->set_path(file);
+    record->set_bytes(bytes.size());
+    record->set_crc32(Crc32(bytes.data(), bytes.size()));
+  }
+
+  // Tests only (RANNC_TEST_CHECKPOINT_STALL_MS, unset in use): a window between the tensor
+  // files and the manifest in which a test kills the daemon mid-write.
+  if (const char* stall = std::getenv("RANNC_TEST_CHECKPOINT_STALL_MS")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(stall)));
+  }
+
+  std::string json;
+  google::protobuf::util::JsonPrintOptions print;
+  print.add_whitespace = true;
+  print.preserve_proto_field_names = true;
+  const auto printed = google::protobuf::util::MessageToJsonString(manifest, &json, print);
+  if (!printed.ok()) {
+    return fail(absl::InternalError(absl::StrCat("writing the manifest: ",
+                                                 printed.message().as_string())));
+  }
+  absl::Status written = WriteDurably(absl::StrCat(tmp, "/", kManifest), json.data(), json.size());
+  if (written.ok()) written = SyncDirectory(tmp);
+  if (!written.ok()) return fail(written);
+
+  // The commit: the directory takes its place (a committed one of the same step moves aside
+  // first, and goes once the new one is in).
+  const std::string final_dir = StepDir(job_dir, step);
+  std::string old;
+  if (fs::exists(final_dir, ec)) {
+    old = absl::StrFormat("%s/.%s%010d.old-%s", job_dir, kStepPrefix, step, unique);
+    if (::rename(final_dir.c_str(), old.c_str()) != 0) {
+      return fail(ErrnoStatus(errno, absl::StrCat("moving aside ", final_dir)));
+    }
+  }
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+    return fail(ErrnoStatus(errno, absl::StrCat("committing ", final_dir)));
+  }
+  absl::Status synced = SyncDirectory(job_dir);
+  if (!old.empty()) fs::remove_all(old, ec);
+  if (!synced.ok()) return synced;
+  return manifest;
+}
+
+std::vector<v1::CheckpointManifest> ListCheckpoints(const std::string& job_dir) {
+  std::vector<v1::CheckpointManifest> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(job_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (StepOf(it->path().filename().string()) < 0) continue;
+    absl::StatusOr<v1::CheckpointManifest> manifest =
+        ParseManifest((it->path() / kManifest).string());
+    if (manifest.ok()) out.push_back(std::move(*manifest));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.step() < b.step();
+  });
+  return out;
+}
+
+absl::StatusOr<v1::CheckpointManifest> FindCheckpoint(const std::string& job_dir, int64_t step) {
+  std::vector<v1::CheckpointManifest> all = ListCheckpoints(job_dir);
+  if (step <= 0 && !all.empty()) return all.back();
+  for (v1::CheckpointManifest& m : all) {
+    if (m.step() == step) return std::move(m);
+  }
+  std::vector<int64_t> steps;
+  for (const v1::CheckpointManifest& m : all) steps.push_back(m.step());
+  return absl::NotFoundError(absl::StrCat(
+      step <= 0 ? std::string("no checkpoint") : absl::StrCat("no checkpoint of step ", step),
+      " in ", job_dir,
+      steps.empty() ? std::string(" (it holds none)")
+                    : absl::StrCat(" (it holds steps ", absl::StrJoin(steps, ", "), ")")));
+}
+
+absl::Status PruneCheckpoints(const std::string& job_dir, int keep) {
+  std::error_code ec;
+  std::vector<std::string> committed;
+  std::vector<std::string> leftovers;
+  for (fs::directory_iterator it(job_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (StepOf(name) >= 0 && fs::exists(it->path() / kManifest)) {
+      committed.push_back(name);
+    } else if (absl::StartsWith(name, absl::StrCat(".", kStepPrefix))) {
+      leftovers.push_back(name);
+    }
+  }
+  std::sort(committed.begin(), committed.end());  // zero-padded: by step
+  std::vector<std::string> doomed = leftovers;
+  if (keep > 0 && committed.size() > static_cast<size_t>(keep)) {
+    doomed.insert(doomed.end(), committed.begin(), committed.end() - keep);
+  }
+  for (const std::string& name : doomed) {
+    fs::remove_all(fs::path(job_dir) / name, ec);
+    if (ec) return ErrnoStatus(ec.value(), absl::StrCat("removing ", job_dir, "/", name));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
+                                        const v1::CheckpointManifest& manifest) {
+  const std::string dir = StepDir(job_dir, manifest.step());
+  std::map<std::string, std::map<std::string, at::Tensor>> files;
+  for (const v1::CheckpointFile& f : manifest.files()) {
+    const std::string path = absl::StrCat(dir, "/", f.path());
+    absl::StatusOr<std::string> bytes = ReadFile(path);
+    if (!bytes.ok()) return absl::DataLossError(bytes.status().message());
+    if (bytes->size() != f.bytes()) {
+      return absl::DataLossError(absl::StrCat(path, " holds ", bytes->size(),
+                                              " bytes; its manifest says ", f.bytes(),
+                                              " (truncated or overwritten)"));
+    }
+    if (Crc32(bytes->data(), bytes->size()) != f.crc32()) {
+      return absl::DataLossError(absl::StrCat(path, " is corrupted: its CRC-32 differs from "
+                                              "the manifest's"));
+    }
+    std::map<std::string, at::Tensor>& tensors = files[f.path()];
+    try {
+      const c10::IValue value =
+          torch::jit::pickle_load(std::vector<char>(bytes->begin(), bytes->end()));
+      for (const auto& item : value.toGenericDict()) {
+        tensors[item.key().toStringRef()] = item.value().toTensor();
+      }
+    } catch (const std::exception& e) {
+      return absl::DataLossError(absl::StrCat(path, " does not read as a tensor file: ",
+                                              e.what()));
+    }
+  }
+
+  Contents out;
+  std::map<std::pair<std::string, std::string>, size_t> state_index;
+  std::map<std::string, int64_t> filled;  // elements read, per whole tensor
+  auto tensor_id = [](const v1::CheckpointEntry& e) {
+    return absl::StrCat(e.kind(), "\n", e.name(), "\n", e.state_key());
+  };
+  for (const v1::CheckpointEntry& e : manifest.entries()) {
+    const std::string what = absl::StrCat(dir, "/", e.file(), " entry '", e.file_key(), "'");
+    auto file = files.find(e.file());
+    if (file == files.end() || !file->second.count(e.file_key())) {
+      return absl::DataLossError(absl::StrCat(what, " is missing"));
+    }
+    const at::Tensor& piece = file->second.at(e.file_key());
+    const int64_t whole_numel = Numel(e.shape());
+    if (static_cast<uint64_t>(piece.numel()) != e.numel() || DtypeName(piece.scalar_type()) !=
+        e.dtype() || e.offset() + e.numel() > static_cast<uint64_t>(whole_numel)) {
+      return absl::DataLossError(absl::StrCat(what, " does not match its manifest entry"));
+    }
+    const std::vector<int64_t> shape(e.shape().begin(), e.shape().end());
+    at::Tensor* whole = nullptr;
+    if (e.kind() == v1::CheckpointEntry::OPTIMIZER_STATE) {
+      auto [it, added] = state_index.emplace(std::make_pair(e.name(), e.state_key()),
+                                             out.optimizer.size());
+      if (added) out.optimizer.push_back({e.name(), e.state_key(), at::Tensor()});
+      whole = &out.optimizer[it->second].value;
+    } else {
+      whole = &out.tensors[e.name()];
+    }
+    if (e.offset() == 0 && static_cast<int64_t>(e.numel()) == whole_numel) {
+      *whole = piece.reshape(shape);
+    } else {
+      if (!whole->defined()) *whole = at::zeros(shape, piece.options());
+      whole->view(-1).narrow(0, static_cast<int64_t>(e.offset()), piece.numel())
+          .copy_(piece.reshape(-1));
+    }
+    if ((filled[tensor_id(e)] += piece.numel()) > whole_numel) {
+      return absl::DataLossError(absl::StrCat(what, " overlaps another piece of the tensor"));
+    }
+  }
+  for (const v1::CheckpointEntry& e : manifest.entries()) {
+    const int64_t n = filled[tensor_id(e)];
+    if (n != Numel(e.shape())) {
+      return absl::DataLossError(absl::StrCat(
+          dir, ": the pieces of '", e.name(), e.state_key().empty() ? "" : "' state '",
+          e.state_key(), "' cover ", n, " of its ", Numel(e.shape()), " elements"));
+    }
+  }
+  return out;
+}
+
+namespace {
+
+c10::IValue GroupDict(const std::string& optimizer, const v1::HyperParams& h,
+                      const std::vector<int64_t>& params) {
+  c10::impl::GenericDict g(c10::StringType::get(), c10::AnyType::get());
+  g.insert("lr", h.lr());
+  if (optimizer == "sgd") {
+    g.insert("momentum", h.momentum());
+    g.insert("dampening", h.dampening());
+    g.insert("weight_decay", h.weight_decay());
+    g.insert("nesterov", h.nesterov());
+  } else {
+    g.insert("betas", c10::ivalue::Tuple::create({c10::IValue(h.beta1()),
+                                                  c10::IValue(h.beta2())}));
+    g.insert("eps", h.eps());
+    g.insert("weight_decay", h.weight_decay());
+    g.insert("amsgrad", h.amsgrad());
+    g.insert("capturable", false);
+    g.insert("fused", c10::IValue());
+  }
+  g.insert("maximize", h.maximize());
+  g.insert("foreach", c10::IValue());
+  g.insert("differentiable", false);
+  g.insert("params", c10::List<int64_t>(params));
+  return g;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<char>> ExportCheckpoint(const v1::CheckpointManifest& manifest,
+                                                   const Contents& contents) {
+  c10::Dict<std::string, at::Tensor> model;
+  std::map<std::string, std::string> entry_of;  // state_dict key -> entry name
+  for (int i = 0; i < manifest.state_keys_size() && i < manifest.state_entries_size(); ++i) {
+    auto it = contents.tensors.find(manifest.state_entries(i));
+    if (it == contents.tensors.end()) {
+      return absl::DataLossError(absl::StrCat("the checkpoint of step ", manifest.step(),
+                                              " has no tensor '", manifest.state_entries(i), "'"));
+    }
+    model.insert(manifest.state_keys(i), it->second);
+    entry_of[manifest.state_keys(i)] = manifest.state_entries(i);
+  }
+  c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
+  top.insert("model", model);
+  if (!manifest.optimizer().empty()) {
+    c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
+    c10::impl::GenericList groups(c10::AnyType::get());
+    int64_t index = 0;
+    for (const v1::ParamGroup& group : manifest.param_groups()) {
+      std::vector<int64_t> ids;
+      for (const std::string& name : group.params()) {
+        const std::string entry = entry_of.count(name) ? entry_of[name] : name;
+        c10::Dict<std::string, at::Tensor> per_param;
+        for (const Contents::State& s : contents.optimizer) {
+          if (s.param == entry) per_param.insert(s.key, s.value);
+        }
+        if (per_param.size() > 0) state.insert(index, per_param);
+        ids.push_back(index++);
+      }
+      groups.push_back(GroupDict(manifest.optimizer(), group.hyper(), ids));
+    }
+    c10::impl::GenericDict optimizer(c10::StringType::get(), c10::AnyType::get());
+    optimizer.insert("state", state);
+    optimizer.insert("param_groups", groups);
+    top.insert("optimizer", optimizer);
+  }
+  try {
+    return torch::jit::pickle_save(c10::IValue(top));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("exporting the checkpoint: ", e.what()));
+  }
+}
+
+}  // namespace checkpoint
+}  // namespace rannc

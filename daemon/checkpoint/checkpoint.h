@@ -1,0 +1,97 @@
+// Checkpoints on disk (docs/checkpoints.md): one directory per checkpoint,
+// `<checkpoint_dir>/<job name>/step-<N>/`, holding tensor files that plain torch.load opens
+// (each a dict from key to tensor) and `manifest.json` (rannc.v1.CheckpointManifest in
+// protobuf's JSON form), which names every tensor, its slice of the whole and the file's CRC.
+//
+// Commit: a checkpoint is written into a hidden directory beside the others (its manifest
+// last, everything fsync'ed), which is then renamed into place; a crash at any point leaves the
+// previous checkpoints whole, and at most a hidden directory that Prune removes.
+//
+//   Snapshot s;  // the job's facts in s.manifest, its tensors in s.files
+//   absl::StatusOr<v1::CheckpointManifest> m = WriteCheckpoint(JobDir(dir, "gpt"), s);
+//   absl::StatusOr<v1::CheckpointManifest> latest = FindCheckpoint(JobDir(dir, "gpt"), 0);
+//   absl::StatusOr<Contents> c = ReadCheckpoint(JobDir(dir, "gpt"), *latest);
+//
+// Free functions over the filesystem; thread-compatible (one writer per job directory).
+#ifndef RANNC_DAEMON_CHECKPOINT_CHECKPOINT_H_
+#define RANNC_DAEMON_CHECKPOINT_CHECKPOINT_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "rannc/v1/checkpoint.pb.h"
+
+namespace rannc {
+namespace checkpoint {
+
+// One tensor of a snapshot: a whole parameter, buffer or optimizer state tensor, or a slice of
+// one (elements [offset, offset + value.numel()) of the whole, flattened).
+struct Piece {
+  v1::CheckpointEntry::Kind kind = v1::CheckpointEntry::PARAM;
+  std::string name;       // the parameter's or buffer's
+  std::string state_key;  // optimizer state only
+  at::Tensor value;       // on the host
+  std::vector<int64_t> shape;  // the whole's; empty: value's own shape (a whole tensor)
+  int64_t offset = 0;
+};
+
+// What a checkpoint holds, on the host: the manifest's facts (files and entries are filled by
+// WriteCheckpoint) and the tensor files' pieces, one list per file (one per daemon).
+struct Snapshot {
+  v1::CheckpointManifest manifest;
+  std::vector<std::vector<Piece>> files;
+};
+
+// `<checkpoint_dir>/<job_name>`. INVALID_ARGUMENT for an empty or path-like job name.
+absl::StatusOr<std::string> JobDir(const std::string& checkpoint_dir, const std::string& job_name);
+// The directory of checkpoint `step` in `job_dir` ("step-0000000040").
+std::string StepDir(const std::string& job_dir, int64_t step);
+
+// Writes `snapshot` as checkpoint manifest.step and commits it, replacing a committed one of the
+// same step. Returns the manifest written. An error names the file (an unwritable directory, a
+// full disk) and leaves every committed checkpoint as it was.
+absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_dir,
+                                                       const Snapshot& snapshot);
+
+// The committed checkpoints of `job_dir`, oldest first (none when it does not exist); a
+// checkpoint whose manifest does not parse is left out.
+std::vector<v1::CheckpointManifest> ListCheckpoints(const std::string& job_dir);
+// Checkpoint `step`, or the newest when step <= 0. NOT_FOUND naming the directory and the steps
+// it has.
+absl::StatusOr<v1::CheckpointManifest> FindCheckpoint(const std::string& job_dir, int64_t step);
+// Deletes the committed checkpoints but the newest `keep` (0: keeps all) and the leftovers of
+// writes that never committed.
+absl::Status PruneCheckpoints(const std::string& job_dir, int keep);
+
+// A checkpoint's tensors, whole (slices assembled), after checking each file's size and CRC
+// (DATA_LOSS naming the file) and each entry against its file.
+struct Contents {
+  std::map<std::string, at::Tensor> tensors;  // parameters and buffers, by entry name
+  struct State {
+    std::string param;
+    std::string key;
+    at::Tensor value;
+  };
+  std::vector<State> optimizer;  // in the manifest's order
+};
+absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
+                                        const v1::CheckpointManifest& manifest);
+
+// One file plain PyTorch loads: torch.load gives {'model': state_dict (aliases included, in
+// PyTorch's order), 'optimizer': torch.optim's state_dict ('state' by parameter index in the
+// param groups' order, 'param_groups' with the last step's hyper-parameters)}.
+absl::StatusOr<std::vector<char>> ExportCheckpoint(const v1::CheckpointManifest& manifest,
+                                                   const Contents& contents);
+
+// The CRC-32 (IEEE, zlib's) of `size` bytes, continuing from `crc`.
+uint32_t Crc32(const char* data, size_t size, uint32_t crc = 0);
+
+}  // namespace checkpoint
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_CHECKPOINT_CHECKPOINT_H_

@@ -1,0 +1,204 @@
+#include "daemon/checkpoint/checkpoint.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <catch2/catch.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/checkpoint/checkpoint_writer.h"
+
+namespace rannc {
+namespace checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string TempDir() {
+  std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp",
+                                 "/ckpt-", ::getpid(), "-", rand());
+  fs::create_directories(dir);
+  return dir;
+}
+
+Piece Whole(v1::CheckpointEntry::Kind kind, std::string name, at::Tensor value,
+            std::string key = "") {
+  Piece p;
+  p.kind = kind;
+  p.name = std::move(name);
+  p.state_key = std::move(key);
+  p.value = std::move(value);
+  return p;
+}
+
+// A model of two parameters (one tied under a second name) and a buffer, with Adam state; the
+// exp_avg of "w" is written as two slices in two files, as ZeRO's replicas hold it.
+Snapshot MakeSnapshot(int64_t step, const at::Tensor& w, const at::Tensor& b) {
+  Snapshot s;
+  s.manifest.set_job_name("tiny");
+  s.manifest.set_step(step);
+  s.manifest.set_optimizer("adam");
+  for (const char* key : {"w", "tied.w", "b", "running"}) s.manifest.add_state_keys(key);
+  for (const char* entry : {"w", "w", "b", "running"}) s.manifest.add_state_entries(entry);
+  v1::ParamGroup* group = s.manifest.add_param_groups();
+  group->add_params("w");
+  group->add_params("b");
+  group->mutable_hyper()->set_lr(0.01);
+  group->mutable_hyper()->set_beta1(0.9);
+  group->mutable_hyper()->set_beta2(0.999);
+  group->mutable_hyper()->set_eps(1e-8);
+  const at::Tensor exp_avg = at::arange(6, at::kFloat).view({2, 3}) / 10;
+  s.files.resize(2);
+  s.files[0].push_back(Whole(v1::CheckpointEntry::PARAM, "w", w));
+  s.files[0].push_back(Whole(v1::CheckpointEntry::BUFFER, "running", at::ones({3})));
+  s.files[0].push_back(Whole(v1::CheckpointEntry::OPTIMIZER_STATE, "w", at::tensor(3.0), "step"));
+  Piece first = Whole(v1::CheckpointEntry::OPTIMIZER_STATE, "w",
+                      exp_avg.view(-1).narrow(0, 0, 4).clone(), "exp_avg");
+  first.shape = {2, 3};
+  s.files[0].push_back(first);
+  Piece second = Whole(v1::CheckpointEntry::OPTIMIZER_STATE, "w",
+                       exp_avg.view(-1).narrow(0, 4, 2).clone(), "exp_avg");
+  second.shape = {2, 3};
+  second.offset = 4;
+  s.files[1].push_back(second);
+  s.files[1].push_back(Whole(v1::CheckpointEntry::PARAM, "b", b));
+  return s;
+}
+
+void Corrupt(const std::string& path) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(fs::file_size(path) / 2));
+  f.put('\x5a');
+}
+
+TEST_CASE("a checkpoint reads back whole, slices assembled, and exports for torch.load") {
+  const std::string dir = TempDir();
+  absl::StatusOr<std::string> job = JobDir(dir, "tiny");
+  REQUIRE(job.ok());
+  const at::Tensor w = at::randn({2, 3});
+  const at::Tensor b = at::randn({3});
+  absl::StatusOr<v1::CheckpointManifest> written = WriteCheckpoint(*job, MakeSnapshot(5, w, b));
+  REQUIRE(written.ok());
+  CHECK(written->files_size() == 2);
+  CHECK(fs::exists(StepDir(*job, 5) + "/manifest.json"));
+
+  absl::StatusOr<v1::CheckpointManifest> found = FindCheckpoint(*job, 0);
+  REQUIRE(found.ok());
+  absl::StatusOr<Contents> read = ReadCheckpoint(*job, *found);
+  REQUIRE(read.ok());
+  CHECK(at::equal(read->tensors.at("w"), w));
+  CHECK(at::equal(read->tensors.at("b"), b));
+  REQUIRE(read->optimizer.size() == 2);
+  CHECK(read->optimizer[1].key == "exp_avg");
+  CHECK(at::equal(read->optimizer[1].value, at::arange(6, at::kFloat).view({2, 3}) / 10));
+
+  // Each tensor file opens on its own (torch.load reads the same format).
+  const std::string file = StepDir(*job, 5) + "/daemon-0.pt";
+  std::ifstream in(file, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(torch::jit::pickle_load(bytes).toGenericDict().contains("param/w"));
+
+  absl::StatusOr<std::vector<char>> exported = ExportCheckpoint(*found, *read);
+  REQUIRE(exported.ok());
+  c10::impl::GenericDict top = torch::jit::pickle_load(*exported).toGenericDict();
+  c10::impl::GenericDict model = top.at("model").toGenericDict();
+  CHECK(model.size() == 4);
+  CHECK(at::equal(model.at("tied.w").toTensor(), w));
+  c10::impl::GenericDict optimizer = top.at("optimizer").toGenericDict();
+  c10::impl::GenericDict state = optimizer.at("state").toGenericDict();
+  CHECK(state.size() == 1);  // "b" has no state yet
+  CHECK(state.at(int64_t{0}).toGenericDict().contains("exp_avg"));
+  CHECK(optimizer.at("param_groups").toList().size() == 1);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("listing, finding a step, and keeping the newest") {
+  const std::string dir = TempDir();
+  const std::string job = *JobDir(dir, "tiny");
+  for (int64_t step : {5, 10, 15}) {
+    REQUIRE(WriteCheckpoint(job, MakeSnapshot(step, at::randn({2, 3}), at::randn({3}))).ok());
+  }
+  // A write that never committed (a crash mid-write) is not a checkpoint.
+  fs::create_directories(job + "/.step-0000000020.tmp-1-2");
+  std::vector<v1::CheckpointManifest> all = ListCheckpoints(job);
+  REQUIRE(all.size() == 3);
+  CHECK(all.front().step() == 5);
+  CHECK(FindCheckpoint(job, 10)->step() == 10);
+  absl::StatusOr<v1::CheckpointManifest> missing = FindCheckpoint(job, 7);
+  CHECK(missing.status().code() == absl::StatusCode::kNotFound);
+  CHECK(std::string(missing.status().message()).find("5, 10, 15") != std::string::npos);
+
+  REQUIRE(PruneCheckpoints(job, 2).ok());
+  all = ListCheckpoints(job);
+  REQUIRE(all.size() == 2);
+  CHECK(all.front().step() == 10);
+  CHECK(!fs::exists(job + "/.step-0000000020.tmp-1-2"));
+  CHECK(FindCheckpoint(*JobDir(dir, "other"), 0).status().code() == absl::StatusCode::kNotFound);
+  CHECK(JobDir(dir, "../x").status().code() == absl::StatusCode::kInvalidArgument);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a corrupted or truncated tensor file is DATA_LOSS naming it") {
+  const std::string dir = TempDir();
+  const std::string job = *JobDir(dir, "tiny");
+  REQUIRE(WriteCheckpoint(job, MakeSnapshot(5, at::randn({2, 3}), at::randn({3}))).ok());
+  const v1::CheckpointManifest manifest = *FindCheckpoint(job, 5);
+  const std::string file = StepDir(job, 5) + "/daemon-1.pt";
+
+  Corrupt(file);
+  absl::StatusOr<Contents> read = ReadCheckpoint(job, manifest);
+  CHECK(read.status().code() == absl::StatusCode::kDataLoss);
+  CHECK(std::string(read.status().message()).find("daemon-1.pt") != std::string::npos);
+
+  fs::resize_file(file, fs::file_size(file) - 7);
+  read = ReadCheckpoint(job, manifest);
+  CHECK(read.status().code() == absl::StatusCode::kDataLoss);
+  CHECK(std::string(read.status().message()).find("truncated") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a write that fails leaves the committed checkpoints whole") {
+  const std::string dir = TempDir();
+  const std::string job = *JobDir(dir, "tiny");
+  const at::Tensor w = at::randn({2, 3});
+  REQUIRE(WriteCheckpoint(job, MakeSnapshot(5, w, at::randn({3}))).ok());
+  // Rewriting a step replaces it as one commit.
+  const at::Tensor w2 = at::randn({2, 3});
+  REQUIRE(WriteCheckpoint(job, MakeSnapshot(5, w2, at::randn({3}))).ok());
+  CHECK(at::equal(ReadCheckpoint(job, *FindCheckpoint(job, 5))->tensors.at("w"), w2));
+
+  // A checkpoint directory that cannot be written (here: a file where it should be).
+  const std::string blocked = dir + "/blocked";
+  std::ofstream(blocked) << "not a directory";
+  absl::StatusOr<v1::CheckpointManifest> failed =
+      WriteCheckpoint(blocked + "/tiny", MakeSnapshot(10, w, at::randn({3})));
+  CHECK(!failed.ok());
+  CHECK(std::string(failed.status().message()).find(blocked) != std::string::npos);
+
+  CheckpointWriter writer;
+  writer.Start(blocked + "/tiny", MakeSnapshot(10, w, at::randn({3})), 2);
+  CHECK(!writer.Wait().ok());
+  CHECK(!writer.last_error().empty());
+  writer.Start(job, MakeSnapshot(10, w, at::randn({3})), 1);
+  absl::StatusOr<CheckpointWriter::Result> done = writer.Wait();
+  REQUIRE(done.ok());
+  CHECK(done->bytes > 0);
+  CHECK(writer.last_error().empty());
+  CHECK(ListCheckpoints(job).size() == 1);  // keep = 1
+  fs::remove_all(dir);
+}
+
+TEST_CASE("Crc32 is zlib's") {
+  const std::string text = "123456789";
+  CHECK(Crc32(text.data(), text.size()) == 0xCBF43926u);
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace rannc

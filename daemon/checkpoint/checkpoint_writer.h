@@ -1,0 +1,61 @@
+// Writes a job's checkpoints on a thread of its own, so that training goes on meanwhile: the
+// job copies its state to host memory at a step boundary (a Snapshot), hands it over, and
+// returns. One write at a time: a new one waits for the one in flight. After each commit the
+// job directory is pruned to the newest `keep`.
+//
+//   CheckpointWriter writer;
+//   writer.Start(job_dir, std::move(snapshot), /*keep=*/3);
+//   absl::StatusOr<CheckpointWriter::Result> done = writer.Wait();  // or later, or never
+//
+// Thread-safe. The destructor waits for the write in flight.
+#ifndef RANNC_DAEMON_CHECKPOINT_CHECKPOINT_WRITER_H_
+#define RANNC_DAEMON_CHECKPOINT_CHECKPOINT_WRITER_H_
+
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "daemon/checkpoint/checkpoint.h"
+
+namespace rannc {
+namespace checkpoint {
+
+class CheckpointWriter {
+ public:
+  struct Result {
+    v1::CheckpointManifest manifest;
+    uint64_t bytes = 0;   // of the tensor files
+    double write_s = 0;   // writing, committing and pruning
+  };
+
+  CheckpointWriter() = default;
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Waits for the write in flight (its result stays readable through last_error()), then
+  // starts writing `snapshot` under `job_dir`.
+  void Start(std::string job_dir, Snapshot snapshot, int keep);
+  // Waits for the write in flight; the result of the last write started (FAILED_PRECONDITION
+  // when none was).
+  absl::StatusOr<Result> Wait();
+  // The last finished write's failure ("" when it succeeded, or none finished).
+  std::string last_error() const;
+  // The step of the write in flight, or -1.
+  int64_t busy_step() const;
+
+ private:
+  void Join();
+
+  mutable std::mutex mu_;
+  std::thread thread_;
+  int64_t running_step_ = -1;
+  std::optional<absl::StatusOr<Result>> result_;  // of the last write started, once done
+};
+
+}  // namespace checkpoint
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_CHECKPOINT_CHECKPOINT_WRITER_H_

@@ -1,0 +1,282 @@
+// Job's checkpoints (job.h): the snapshot a checkpoint writes, and a job resumed from one.
+#include <chrono>
+#include <cstring>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/checkpoint/checkpoint.h"
+#include "daemon/common/elapsed.h"
+#include "daemon/common/status.h"
+#include "daemon/server/job.h"
+
+namespace rannc {
+
+namespace {
+
+int64_t UnixMs(std::chrono::system_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+}
+
+CheckpointInfo InfoOf(const v1::CheckpointManifest& m, const std::string& job_dir) {
+  CheckpointInfo info;
+  info.step = m.step();
+  info.path = checkpoint::StepDir(job_dir, m.step());
+  info.committed = true;
+  for (const v1::CheckpointFile& f : m.files()) info.bytes += f.bytes();
+  info.created_unix_ms = m.created_unix_ms();
+  return info;
+}
+
+at::Tensor RngState() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void SetRngState(const std::string& bytes) {
+  at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(state.data_ptr(), bytes.data(), bytes.size());
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+std::string Job::checkpoint_job_dir() const {
+  if (settings_.checkpoints.dir.empty()) return "";
+  absl::StatusOr<std::string> dir = checkpoint::JobDir(settings_.checkpoints.dir, settings_.name);
+  return dir.ok() ? *dir : "";
+}
+
+absl::StatusOr<CheckpointInfo> Job::Checkpoint(bool wait) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CheckpointLocked(wait);
+}
+
+absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
+  if (settings_.checkpoints.dir.empty()) {
+    return absl::FailedPreconditionError(
+        "the job has no checkpoint directory: create it with the config key checkpoint_dir "
+        "(RANNC_CHECKPOINT_DIR)");
+  }
+  absl::StatusOr<std::string> job_dir =
+      checkpoint::JobDir(settings_.checkpoints.dir, settings_.name);
+  if (!job_dir.ok()) return job_dir.status();
+  if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
+  const auto start = std::chrono::steady_clock::now();
+
+  // The copy to host memory: what training waits for.
+  checkpoint::Snapshot snapshot;
+  v1::CheckpointManifest& m = snapshot.manifest;
+  absl::StatusOr<std::vector<OptimizerEntry>> optimizer = OptimizerStateLocked();
+  if (!optimizer.ok()) return Annotate(optimizer.status(), "checkpoint");
+  local_->Sync(Remote());
+  std::vector<checkpoint::Piece>& pieces = snapshot.files.emplace_back();
+  const ParamStore& store = local_->params();
+  {
+    at::NoGradGuard no_grad;
+    for (const ParamStore::Entry& e : store.entries()) {
+      checkpoint::Piece p;
+      p.kind = e.is_parameter ? v1::CheckpointEntry::PARAM : v1::CheckpointEntry::BUFFER;
+      p.name = e.name;
+      p.value = e.tensor.detach().clone();
+      pieces.push_back(std::move(p));
+    }
+  }
+  for (OptimizerEntry& entry : *optimizer) {
+    checkpoint::Piece p;
+    p.kind = v1::CheckpointEntry::OPTIMIZER_STATE;
+    p.name = std::move(entry.param);
+    p.state_key = std::move(entry.key);
+    p.value = std::move(entry.value);
+    pieces.push_back(std::move(p));
+  }
+  m.set_job_name(settings_.name);
+  m.set_job_id(info_.id);
+  m.set_step(steps_);
+  m.set_forwards(forwards_);
+  m.set_created_unix_ms(UnixMs(std::chrono::system_clock::now()));
+  m.set_created_by(settings_.created_by);
+  *m.mutable_spec() = settings_.spec;
+  m.mutable_spec()->clear_example_inputs();
+  m.mutable_spec()->clear_model_tensors();
+  *m.mutable_deployment() = info_.plan;
+  for (const std::string& key : store.state_keys()) {
+    m.add_state_keys(key);
+    m.add_state_entries(store.Find(key)->name);
+  }
+  if (settings_.optimizer.enabled) {
+    m.set_optimizer(OptimizerKindName(settings_.optimizer.kind));
+    std::vector<std::vector<std::string>> groups = settings_.optimizer.group_params;
+    if (groups.empty()) {
+      groups.emplace_back();
+      for (const ParamStore::Entry& e : store.entries()) {
+        if (e.is_parameter) groups.back().push_back(e.name);
+      }
+    }
+    for (size_t g = 0; g < groups.size(); ++g) {
+      v1::ParamGroup* group = m.add_param_groups();
+      for (const std::string& name : groups[g]) group->add_params(name);
+      if (g < last_hypers_.size()) *group->mutable_hyper() = ToProto(last_hypers_[g]);
+    }
+  }
+  std::vector<int64_t> bytes, peak;
+  LossScaler scaler(settings_.loss_scale);
+  local_->Usage(&bytes, &peak, &scaler);
+  m.set_loss_scale(scaler.scale());
+  m.set_loss_scale_good_steps(scaler.good_steps());
+  m.set_skipped_steps(scaler.skipped_steps());
+  const at::Tensor rng = RngState();
+  m.set_cpu_rng_state(std::string(static_cast<const char*>(rng.data_ptr()),
+                                  static_cast<size_t>(rng.numel())));
+
+  CheckpointInfo info;
+  info.step = steps_;
+  info.path = checkpoint::StepDir(*job_dir, steps_);
+  info.created_unix_ms = m.created_unix_ms();
+  info.blocked_s = SecondsSince(start);
+  writer_.Start(*job_dir, std::move(snapshot), settings_.checkpoints.keep);
+  spdlog::info("job {}: checkpoint of step {} copied to host memory in {:.3f} s; writing",
+               info_.id, info.step, info.blocked_s);
+  if (!wait) return info;
+  absl::StatusOr<checkpoint::CheckpointWriter::Result> done = writer_.Wait();
+  if (!done.ok()) return done.status();
+  info.committed = true;
+  info.bytes = done->bytes;
+  info.write_s = done->write_s;
+  return info;
+}
+
+std::vector<CheckpointInfo> Job::Checkpoints() {
+  const std::string job_dir = checkpoint_job_dir();
+  if (job_dir.empty()) return {};
+  // Read first: a write that commits while the directory is read may be missed by the listing,
+  // and is then reported as still being written.
+  const int64_t writing = writer_.busy_step();
+  std::vector<CheckpointInfo> out = ListCheckpointsIn(job_dir);
+  if (writing >= 0 && (out.empty() || out.back().step < writing)) {
+    CheckpointInfo info;
+    info.step = writing;
+    info.path = checkpoint::StepDir(job_dir, writing);
+    out.push_back(info);  // committed = false: being written
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> CheckpointJobDir(const std::string& checkpoint_dir,
+                                             const std::string& name) {
+  if (checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError("name the checkpoint directory (checkpoint_dir)");
+  }
+  return checkpoint::JobDir(checkpoint_dir, name);
+}
+
+std::vector<CheckpointInfo> ListCheckpointsIn(const std::string& job_dir) {
+  std::vector<CheckpointInfo> out;
+  for (const v1::CheckpointManifest& m : checkpoint::ListCheckpoints(job_dir)) {
+    out.push_back(InfoOf(m, job_dir));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<char>> ExportCheckpointIn(const std::string& job_dir, int64_t step,
+                                                     int64_t* exported) {
+  absl::StatusOr<v1::CheckpointManifest> m = checkpoint::FindCheckpoint(job_dir, step);
+  if (!m.ok()) return m.status();
+  absl::StatusOr<checkpoint::Contents> contents = checkpoint::ReadCheckpoint(job_dir, *m);
+  if (!contents.ok()) return contents.status();
+  *exported = m->step();
+  return checkpoint::ExportCheckpoint(*m, *contents);
+}
+
+std::string Job::checkpoint_error() const { return writer_.last_error(); }
+
+absl::Status Job::Resume() {
+  const JobSettings::Checkpoints& c = settings_.checkpoints;
+  absl::StatusOr<std::string> job_dir = checkpoint::JobDir(c.dir, settings_.name);
+  if (!job_dir.ok()) return job_dir.status();
+  const std::string key = c.resume == 0 ? "resume=latest" : absl::StrCat("resume=", c.resume);
+  absl::StatusOr<v1::CheckpointManifest> m = checkpoint::FindCheckpoint(*job_dir, c.resume);
+  if (c.resume == 0 && m.status().code() == absl::StatusCode::kNotFound) {
+    // resume=latest before the first checkpoint was written: the job starts afresh.
+    spdlog::info("job {} '{}': resume=latest, and {} holds no checkpoint yet: starting afresh",
+                 info_.id, settings_.name, *job_dir);
+    return absl::OkStatus();
+  }
+  if (!m.ok()) return Annotate(m.status(), key);
+  const std::string dir = checkpoint::StepDir(*job_dir, m->step());
+  absl::StatusOr<checkpoint::Contents> contents = checkpoint::ReadCheckpoint(*job_dir, *m);
+  if (!contents.ok()) return Annotate(contents.status(), key);
+  auto another = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        key, ": the checkpoint in ", dir, " is of another model: ", why));
+  };
+
+  // Parameters and buffers: every tensor of the model, and nothing else, with its shape.
+  const ParamStore& store = local_->params();
+  std::map<std::string, at::Tensor> state;
+  for (const std::string& name : store.state_keys()) {
+    const ParamStore::Entry* e = store.Find(name);
+    auto it = contents->tensors.find(e->name);
+    if (it == contents->tensors.end()) return another(absl::StrCat("it has no '", name, "'"));
+    if (!it->second.sizes().equals(e->tensor.sizes())) {
+      return another(absl::StrCat("'", name, "' has shape ", c10::str(it->second.sizes()),
+                                  " there, ", c10::str(e->tensor.sizes()), " here"));
+    }
+    state[name] = it->second;
+  }
+  for (const auto& [name, tensor] : contents->tensors) {
+    if (store.Find(name) == nullptr) {
+      return another(absl::StrCat("it has '", name, "', which this model has not"));
+    }
+  }
+  std::vector<std::string> missing, unexpected;
+  absl::Status loaded = LoadStateLocked(state, /*strict=*/true, &missing, &unexpected);
+  if (!loaded.ok()) return Annotate(loaded, key);
+
+  if (settings_.optimizer.enabled && !contents->optimizer.empty()) {
+    const std::string kind = OptimizerKindName(settings_.optimizer.kind);
+    if (m->optimizer() != kind) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          key, ": the checkpoint in ", dir, " holds ", m->optimizer(), "'s state; this job's "
+          "optimizer is ", kind));
+    }
+    std::vector<OptimizerEntry> entries;
+    for (checkpoint::Contents::State& s : contents->optimizer) {
+      entries.push_back({s.param, s.key, s.value});
+    }
+    absl::Status state_loaded = LoadOptimizerStateLocked(entries);
+    if (!state_loaded.ok()) return Annotate(state_loaded, key);
+  }
+  steps_ = m->step();
+  forwards_ = m->forwards();
+  for (int g = 0; g < m->param_groups_size() && g < static_cast<int>(last_hypers_.size()); ++g) {
+    last_hypers_[g] = FromProto(m->param_groups(g).hyper());
+  }
+  if (settings_.loss_scale.enabled) {
+    LossScaler scaler(settings_.loss_scale);
+    scaler.Restore(m->loss_scale(), static_cast<int>(m->loss_scale_good_steps()),
+                   static_cast<int>(m->skipped_steps()));
+    local_->RestoreLossScaler(scaler);
+  }
+  if (!m->cpu_rng_state().empty()) {
+    absl::Status rng = TorchCall(absl::StatusCode::kDataLoss, "restoring the RNG state", [&] {
+      SetRngState(m->cpu_rng_state());
+      return absl::OkStatus();
+    });
+    if (!rng.ok()) return Annotate(rng, key);
+  }
+  resumed_step_ = m->step();
+  spdlog::info("job {} '{}' resumed from {} (step {}, written by job {})", info_.id,
+               settings_.name, dir, m->step(), m->job_id());
+  return absl::OkStatus();
+}
+
+}  // namespace rannc
