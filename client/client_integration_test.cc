@@ -1,7 +1,8 @@
 // End-to-end tests of the SDK against a real ranncd on a loopback port (integration_testing.h):
-// training a linear model exactly as PyTorch does (SGD, AdamW), leases, state_dict round trips,
-// modes, checkpoints (write, list, export), and the daemon's errors. The CLI: client_cli_integration_test.cc; planning:
-// client_plan_integration_test.cc.
+// training a linear model exactly as PyTorch does (SGD, AdamW, and SGD momentum through dropped
+// answers that the SDK retries and the daemon applies once), leases, state_dict round trips,
+// modes, checkpoints (write, list, export), and the daemon's errors. The CLI:
+// client_cli_integration_test.cc; planning: client_plan_integration_test.cc.
 #include <catch2/catch.hpp>
 #include <grpcpp/grpcpp.h>
 
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -162,6 +164,101 @@ bool Listed(Client& client, const std::string& job_id, v1::JobSummary* summary =
     return true;
   }
   return false;
+}
+
+// The C++ suites' tolerance against PyTorch (tests/fixtures/fixture.h: kRtol, kAtol, Close,
+// which needs LibTorch; this is its allclose on plain values).
+void CheckAllClose(const std::vector<double>& actual, const std::vector<double>& expected,
+                   const std::string& what) {
+  constexpr double kRtol = 1e-5;
+  constexpr double kAtol = 1e-6;
+  INFO(what);
+  REQUIRE(actual.size() == expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) {
+    INFO("element " << i << ": " << actual[i] << " vs " << expected[i]);
+    CHECK(std::abs(actual[i] - expected[i]) <= kAtol + kRtol * std::abs(expected[i]));
+  }
+}
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST_CASE("dropped answers are retried and applied once: SGD momentum trains as in PyTorch",
+          "[integration][retry]") {
+  // A daemon of its own whose fault hook runs and records these calls but answers UNAVAILABLE,
+  // as if the response were lost: the 1st ZeroGrad, 2nd Forward, 3rd Backward, 2nd Step and
+  // 1st LoadStateDict.
+  const std::string drops = "ZeroGrad:1,Forward:2,Backward:3,Step:2,LoadStateDict:1";
+  std::mutex retried_mu;
+  std::map<std::string, int> retried;  // RPC -> retries the SDK made
+  ClientOptions options;
+  options.on_retry = [&](absl::string_view rpc, const absl::Status& cause) {
+    std::lock_guard<std::mutex> lock(retried_mu);
+    ++retried[std::string(rpc)];
+    CHECK(cause.code() == absl::StatusCode::kUnavailable);
+  };
+  testing::DaemonProcess daemon("ranncd_drops", {{"RANNC_TEST_DROP_RESPONSES", drops}}, options);
+  const absl::Status started = daemon.Start();
+  INFO(started.ToString());
+  REQUIRE(started.ok());
+  Client& client = daemon.client();
+  const std::string job_id = CreateLinearJob(client, v1::SGD, "linear-sgd-momentum-drops");
+  v1::HyperParams sgd;
+  sgd.set_lr(0.1);
+  sgd.set_momentum(0.9);
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    absl::Status s = client.ZeroGrad(job_id);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    CheckAllClose({ForwardLoss(client, job_id)}, Expected("sgdm_loss " + std::to_string(step)),
+                  "loss");
+    s = client.Backward(job_id, {{0, HostTensor::Scalar(1.0f)}});
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    s = client.Step(job_id, {sgd});
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    if (step == 1) {  // a streamed mutating call: its whole stream is sent again
+      absl::StatusOr<NamedTensors> state = client.StateDict(job_id);
+      REQUIRE(state.ok());
+      absl::StatusOr<LoadStateDictResult> loaded = client.LoadStateDict(job_id, *state);
+      INFO(loaded.status().ToString());
+      REQUIRE(loaded.ok());
+      CHECK(loaded->missing_keys.empty());
+      CHECK(loaded->unexpected_keys.empty());
+    }
+  }
+  CheckAllClose({ForwardLoss(client, job_id, false)}, Expected("sgdm_loss 3"),
+                "loss after 3 steps");
+  for (const char* name : {"fc.weight", "fc.bias"}) {
+    CheckAllClose(Values(client.GetParam(job_id, name)),
+                  Expected("sgdm_param " + std::string(name)), std::string("param ") + name);
+  }
+  v1::JobSummary summary;
+  REQUIRE(Listed(client, job_id, &summary));
+  CHECK(summary.steps() == 3);  // the dropped Step ran once
+  REQUIRE(client.DeleteJob(job_id).ok());
+
+  // Every dropped answer was retried once by the SDK and answered from the daemon's record.
+  {
+    std::lock_guard<std::mutex> lock(retried_mu);
+    CHECK(retried == std::map<std::string, int>{{"ZeroGrad", 1}, {"Forward", 1}, {"Backward", 1},
+                                                {"Step", 1}, {"LoadStateDict", 1}});
+  }
+  const std::string log = daemon.Log();
+  INFO("ranncd log:\n" << log);
+  CHECK(Count(log, "dropping the answer") == 5);
+  CHECK(Count(log, "answered from the record") == 5);
+  for (const std::string rpc : {"ZeroGrad", "Forward", "Backward", "Step", "LoadStateDict"}) {
+    INFO(rpc);
+    CHECK(Count(log, rpc + ": dropping the answer to call ") == 1);
+    CHECK(Count(log, rpc + ": call ") == 1);  // "...came again (a retry): answered from the record"
+  }
+  daemon.Stop();
 }
 
 TEST_CASE("a leased job lives while its LeaseKeeper does and is deleted after", "[integration]") {

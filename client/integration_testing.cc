@@ -82,7 +82,7 @@ void RunPython(const std::string& name, const std::string& script, const std::st
 absl::Status DaemonProcess::Start() {
   binary_ = Env("RANNC_DAEMON_BIN", Runfile("daemon/ranncd"));
   address_ = "127.0.0.1:" + std::to_string(FreeLoopbackPort());
-  log_path_ = TmpDir() + "/ranncd.log";
+  log_path_ = TmpDir() + "/" + name_ + ".log";
   pid_ = ::fork();
   if (pid_ < 0) return absl::InternalError("fork failed");
   if (pid_ == 0) {
@@ -91,12 +91,13 @@ absl::Status DaemonProcess::Start() {
     ::dup2(log, STDERR_FILENO);
     // Keeps a developer's ~/.rannc/rannc.toml out of the test.
     ::setenv("RANNC_CONF_DIR", TmpDir().c_str(), 1);
+    for (const auto& [name, value] : env_) ::setenv(name.c_str(), value.c_str(), 1);
     ::execl(binary_.c_str(), binary_.c_str(), "--listen", address_.c_str(), "--devices",
             "cpu:1", "--device-memory", "2GiB", static_cast<char*>(nullptr));
     std::perror("exec ranncd");
     ::_exit(127);
   }
-  client_ = std::make_unique<Client>(address_);
+  client_ = std::make_unique<Client>(address_, client_options_);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
   while (std::chrono::steady_clock::now() < deadline) {
     if (client_->WaitUntilReady(absl::Seconds(1)).ok()) return absl::OkStatus();
@@ -197,6 +198,8 @@ def train(model, opt, tag):
 
 sgd_net = copy.deepcopy(initial)
 train(sgd_net, torch.optim.SGD(sgd_net.parameters(), lr=0.1), "sgd")
+sgdm_net = copy.deepcopy(initial)
+train(sgdm_net, torch.optim.SGD(sgdm_net.parameters(), lr=0.1, momentum=0.9), "sgdm")
 adamw_net = copy.deepcopy(initial)
 train(adamw_net, torch.optim.AdamW(adamw_net.parameters(), lr=0.01, betas=(0.9, 0.999),
                                    eps=1e-8, weight_decay=0.01), "adamw")

@@ -5,7 +5,8 @@
 //
 // The daemon binary is $RANNC_DAEMON_BIN if set, else daemon/ranncd in the runfiles. One daemon
 // (--devices cpu:1) serves every test case of a test binary: Daemon() starts it on first use and
-// it is stopped at exit. Files go to the test's own $TEST_TMPDIR.
+// it is stopped at exit; a test that needs a daemon of its own (other flags' environment) makes
+// a DaemonProcess with another name. Files go to the test's own $TEST_TMPDIR.
 //
 //   Client& client = Daemon().client();
 //   CommandResult r = Run(Cli() + " info --daemon " + Daemon().address());
@@ -20,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -50,9 +52,14 @@ CommandResult Run(const std::string& command);
 // Runs a Python script with /usr/bin/python3 (the interpreter that has torch).
 void RunPython(const std::string& name, const std::string& script, const std::string& args);
 
-// A ranncd child process and a Client of it.
+// A ranncd child process and a Client of it. Its output goes to TmpDir()/NAME.log; `env` is set
+// in its environment (e.g. the fault hook RANNC_TEST_DROP_RESPONSES).
 class DaemonProcess {
  public:
+  explicit DaemonProcess(std::string name = "ranncd",
+                         std::map<std::string, std::string> env = {},
+                         ClientOptions client_options = {})
+      : name_(std::move(name)), env_(std::move(env)), client_options_(std::move(client_options)) {}
   // Starts ranncd and waits until it answers; on failure, stops it and returns the reason.
   absl::Status Start();
   void Stop();
@@ -63,6 +70,9 @@ class DaemonProcess {
   std::string Log() const { return ReadFile(log_path_); }
 
  private:
+  const std::string name_;
+  const std::map<std::string, std::string> env_;
+  const ClientOptions client_options_;
   std::string binary_;
   std::string address_;
   std::string log_path_;

@@ -99,6 +99,7 @@ const char* StateName(v1::JobState state) {
     case v1::DEPLOYED: return "deployed";
     case v1::UNDEPLOYED: return "undeployed";
     case v1::FAILED: return "failed";
+    case v1::SUSPENDED: return "suspended";
     default: return "unknown";
   }
 }
@@ -196,6 +197,14 @@ int RunJobs(const Client& client) {
 int RunDelete(const Client& client, const std::string& job_id) {
   if (absl::Status s = client.DeleteJob(job_id); !s.ok()) return Fail(s);
   std::cout << "deleted job " << job_id << "\n";
+  return 0;
+}
+
+int RunResume(const Client& client, const std::string& job) {
+  absl::StatusOr<v1::CreateJobResponse> resumed = client.ResumeJob(job);
+  if (!resumed.ok()) return Fail(resumed.status());
+  std::cout << "resumed job " << resumed->job_id() << " at step " << resumed->resumed_step()
+            << " on " << absl::StrJoin(resumed->devices(), ", ") << "\n";
   return 0;
 }
 
@@ -622,6 +631,11 @@ int Main(int argc, char** argv) {
   CLI::App* info = app.add_subcommand("info", "show the daemon's version, devices and jobs");
   CLI::App* jobs = app.add_subcommand("jobs", "list the daemon's jobs");
 
+  CLI::App* resume = app.add_subcommand(
+      "resume", "bring back a suspended job (ranncd --state-dir) from its latest checkpoint");
+  std::string resume_job;
+  resume->add_option("job", resume_job, "the suspended job: its id, or its name")->required();
+
   CLI::App* del = app.add_subcommand("delete", "delete a job");
   std::string delete_id;
   del->add_option("job_id", delete_id, "the job to delete")->required();
@@ -750,6 +764,7 @@ int Main(int argc, char** argv) {
   if (*info) return RunInfo(client);
   if (*jobs) return RunJobs(client);
   if (*del) return RunDelete(client, delete_id);
+  if (*resume) return RunResume(client, resume_job);
   if (*checkpoint) return RunCheckpoint(client, checkpoint_job, no_wait);
   if (*checkpoints) return RunCheckpoints(client, checkpoints_job, checkpoints_dir);
   if (*export_checkpoint) return RunExport(client, export_job, export_out, export_dir);

@@ -6,9 +6,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/common/periodic.h"
 
 namespace rannc {
@@ -47,6 +49,20 @@ absl::Status FileError(const std::string& what, const std::string& path, int err
                                    std::strerror(error_number)));
 }
 
+// A fresh client id for CallId: 128 random bits in hex.
+std::string RandomClientId() {
+  std::random_device device;
+  auto word = [&device] {
+    return (static_cast<uint64_t>(device()) << 32) | static_cast<uint64_t>(device());
+  };
+  const uint64_t high = word();
+  const uint64_t low = word();
+  return absl::StrCat(absl::Hex(high, absl::kZeroPad16), absl::Hex(low, absl::kZeroPad16));
+}
+
+// The daemon's mark on an answer it gave from its record of the call (a retry's).
+constexpr char kReplayedKey[] = "rannc-replayed";
+
 }  // namespace
 
 absl::Status FromGrpcStatus(absl::string_view rpc, const grpc::Status& status) {
@@ -71,6 +87,55 @@ Client::~Client() = default;
 void Client::Prepare(grpc::ClientContext* context) const {
   if (options_.rpc_timeout != absl::InfiniteDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  }
+}
+
+v1::CallId Client::NextCallId() const {
+  std::lock_guard<std::mutex> lock(calls_mu_);
+  CallSequence& calls = calls_[std::this_thread::get_id()];
+  if (calls.client_id.empty()) calls.client_id = RandomClientId();
+  v1::CallId id;
+  id.set_client_id(calls.client_id);
+  id.set_seq(++calls.seq);
+  return id;
+}
+
+absl::Status Client::CallOnce(
+    absl::string_view rpc,
+    const std::function<grpc::Status(grpc::ClientContext*)>& attempt) const {
+  absl::Time first_failure;
+  absl::Time deadline;
+  absl::Duration delay = absl::Milliseconds(50);
+  int retries = 0;
+  while (true) {
+    grpc::ClientContext context;  // one per attempt: a context cannot be reused
+    Prepare(&context);
+    const grpc::Status s = attempt(&context);
+    if (s.ok()) return absl::OkStatus();
+    const bool lost = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    const bool replayed = context.GetServerTrailingMetadata().count(kReplayedKey) > 0;
+    const absl::Time now = absl::Now();
+    if (lost && !replayed) {
+      if (retries == 0) {
+        first_failure = now;
+        deadline = now + options_.call_retry_timeout;
+      }
+      if (now + delay < deadline) {
+        if (options_.on_retry) options_.on_retry(rpc, Convert(rpc, s));
+        absl::SleepFor(delay);
+        delay = std::min(2 * delay, absl::Seconds(2));
+        ++retries;
+        continue;
+      }
+    }
+    absl::Status failed = Convert(rpc, s);
+    if (retries == 0) return failed;
+    return absl::Status(failed.code(),
+                        absl::StrCat(failed.message(), " (after ", retries, " retries over ",
+                                     absl::FormatDuration(absl::Trunc(now - first_failure,
+                                                                      absl::Milliseconds(1))),
+                                     "; the call was applied once at most)"));
   }
 }
 
@@ -225,6 +290,17 @@ absl::Status Client::DeleteJob(const std::string& job_id) const {
   return Convert("DeleteJob", stub_->DeleteJob(&context, request, &response));
 }
 
+absl::StatusOr<v1::CreateJobResponse> Client::ResumeJob(const std::string& job) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::JobRef request;
+  request.set_job_id(job);
+  v1::CreateJobResponse response;
+  absl::Status status = Convert("ResumeJob", stub_->ResumeJob(&context, request, &response));
+  if (!status.ok()) return status;
+  return response;
+}
+
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& job_id,
                                               const std::vector<HostTensor>& inputs,
                                               bool requires_grad) const {
@@ -238,11 +314,13 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& job_id,
     }
     ToProto(input, request.add_inputs());
   }
-  grpc::ClientContext context;
-  Prepare(&context);
+  *request.mutable_call() = NextCallId();
   v1::ForwardResponse response;
-  grpc::Status s = stub_->Forward(&context, request, &response);
-  if (!s.ok()) return Convert("Forward", s);
+  absl::Status s = CallOnce("Forward", [&](grpc::ClientContext* context) {
+    response.Clear();
+    return stub_->Forward(context, request, &response);
+  });
+  if (!s.ok()) return s;
   ForwardResult result;
   result.forward_id = response.forward_id();
   for (const v1::Tensor& output : response.outputs()) {
@@ -267,10 +345,11 @@ absl::Status Client::Backward(const std::string& job_id, const std::vector<Outpu
     g->set_output_index(grad.output_index);
     ToProto(grad.grad, g->mutable_grad());
   }
-  grpc::ClientContext context;
-  Prepare(&context);
+  *request.mutable_call() = NextCallId();
   v1::Empty response;
-  return Convert("Backward", stub_->Backward(&context, request, &response));
+  return CallOnce("Backward", [&](grpc::ClientContext* context) {
+    return stub_->Backward(context, request, &response);
+  });
 }
 
 absl::Status Client::Step(const std::string& job_id,
@@ -278,20 +357,22 @@ absl::Status Client::Step(const std::string& job_id,
   v1::StepRequest request;
   request.set_job_id(job_id);
   request.mutable_groups()->Add(groups.begin(), groups.end());
-  grpc::ClientContext context;
-  Prepare(&context);
+  *request.mutable_call() = NextCallId();
   v1::Empty response;
-  return Convert("Step", stub_->Step(&context, request, &response));
+  return CallOnce("Step", [&](grpc::ClientContext* context) {
+    return stub_->Step(context, request, &response);
+  });
 }
 
 absl::Status Client::ZeroGrad(const std::string& job_id, bool set_to_none) const {
   v1::ZeroGradRequest request;
   request.set_job_id(job_id);
   request.set_set_to_none(set_to_none);
-  grpc::ClientContext context;
-  Prepare(&context);
+  *request.mutable_call() = NextCallId();
   v1::Empty response;
-  return Convert("ZeroGrad", stub_->ZeroGrad(&context, request, &response));
+  return CallOnce("ZeroGrad", [&](grpc::ClientContext* context) {
+    return stub_->ZeroGrad(context, request, &response);
+  });
 }
 
 absl::StatusOr<double> Client::ClipGradNorm(const std::string& job_id, double max_norm,
@@ -300,11 +381,13 @@ absl::StatusOr<double> Client::ClipGradNorm(const std::string& job_id, double ma
   request.set_job_id(job_id);
   request.set_max_norm(max_norm);
   request.set_norm_type(norm_type);
-  grpc::ClientContext context;
-  Prepare(&context);
+  *request.mutable_call() = NextCallId();
   v1::ClipGradNormResponse response;
-  grpc::Status s = stub_->ClipGradNorm(&context, request, &response);
-  if (!s.ok()) return Convert("ClipGradNorm", s);
+  absl::Status s = CallOnce("ClipGradNorm", [&](grpc::ClientContext* context) {
+    response.Clear();
+    return stub_->ClipGradNorm(context, request, &response);
+  });
+  if (!s.ok()) return s;
   return response.total_norm();
 }
 
@@ -392,27 +475,31 @@ absl::StatusOr<LoadStateDictResult> Client::LoadStateDict(
           absl::StrCat("LoadStateDict: entry '", name, "': ", s.message()));
     }
   }
-  grpc::ClientContext context;
-  Prepare(&context);
+  v1::LoadStateDictRequest header;
+  header.mutable_header()->set_job_id(job_id);
+  header.mutable_header()->set_strict(strict);
+  *header.mutable_header()->mutable_call() = NextCallId();
   v1::LoadStateDictResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::LoadStateDictRequest>> writer =
-      stub_->LoadStateDict(&context, &response);
-  v1::LoadStateDictRequest request;
-  request.mutable_header()->set_job_id(job_id);
-  request.mutable_header()->set_strict(strict);
-  bool open = writer->Write(request);
-  for (const auto& [name, tensor] : state) {
-    if (!open) break;
-    for (v1::StateDictChunk& chunk : ToStateDictChunks(name, tensor, buffers.count(name) > 0,
-                                                       options_.state_dict_chunk_bytes)) {
-      *request.mutable_chunk() = std::move(chunk);
-      open = writer->Write(request);
+  // A retry sends the whole stream again, under the same CallId.
+  absl::Status s = CallOnce("LoadStateDict", [&](grpc::ClientContext* context) {
+    response.Clear();
+    std::unique_ptr<grpc::ClientWriter<v1::LoadStateDictRequest>> writer =
+        stub_->LoadStateDict(context, &response);
+    v1::LoadStateDictRequest request = header;
+    bool open = writer->Write(request);
+    for (const auto& [name, tensor] : state) {
       if (!open) break;
+      for (v1::StateDictChunk& chunk : ToStateDictChunks(name, tensor, buffers.count(name) > 0,
+                                                         options_.state_dict_chunk_bytes)) {
+        *request.mutable_chunk() = std::move(chunk);
+        open = writer->Write(request);
+        if (!open) break;
+      }
     }
-  }
-  if (open) writer->WritesDone();
-  grpc::Status s = writer->Finish();
-  if (!s.ok()) return Convert("LoadStateDict", s);
+    if (open) writer->WritesDone();
+    return writer->Finish();
+  });
+  if (!s.ok()) return s;
   LoadStateDictResult result;
   result.missing_keys.assign(response.missing_keys().begin(), response.missing_keys().end());
   result.unexpected_keys.assign(response.unexpected_keys().begin(),
@@ -450,30 +537,32 @@ absl::Status Client::LoadOptimizerState(const std::string& job_id,
       }
     }
   }
-  grpc::ClientContext context;
-  Prepare(&context);
+  v1::LoadStateDictRequest header;
+  header.mutable_header()->set_job_id(job_id);
+  *header.mutable_header()->mutable_call() = NextCallId();
   v1::LoadStateDictResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::LoadStateDictRequest>> writer =
-      stub_->LoadOptimizerState(&context, &response);
-  v1::LoadStateDictRequest request;
-  request.mutable_header()->set_job_id(job_id);
-  bool open = writer->Write(request);
-  for (auto it = state.begin(); open && it != state.end(); ++it) {
-    for (const auto& [key, tensor] : it->second) {
-      for (v1::StateDictChunk& chunk :
-           ToStateDictChunks(it->first, tensor, false, options_.state_dict_chunk_bytes)) {
-        chunk.set_state_key(key);
-        *request.mutable_chunk() = std::move(chunk);
-        open = writer->Write(request);
+  // A retry sends the whole stream again, under the same CallId.
+  return CallOnce("LoadOptimizerState", [&](grpc::ClientContext* context) {
+    response.Clear();
+    std::unique_ptr<grpc::ClientWriter<v1::LoadStateDictRequest>> writer =
+        stub_->LoadOptimizerState(context, &response);
+    v1::LoadStateDictRequest request = header;
+    bool open = writer->Write(request);
+    for (auto it = state.begin(); open && it != state.end(); ++it) {
+      for (const auto& [key, tensor] : it->second) {
+        for (v1::StateDictChunk& chunk :
+             ToStateDictChunks(it->first, tensor, false, options_.state_dict_chunk_bytes)) {
+          chunk.set_state_key(key);
+          *request.mutable_chunk() = std::move(chunk);
+          open = writer->Write(request);
+          if (!open) break;
+        }
         if (!open) break;
       }
-      if (!open) break;
     }
-  }
-  if (open) writer->WritesDone();
-  grpc::Status s = writer->Finish();
-  if (!s.ok()) return Convert("LoadOptimizerState", s);
-  return absl::OkStatus();
+    if (open) writer->WritesDone();
+    return writer->Finish();
+  });
 }
 
 absl::StatusOr<bool> Client::SetMode(const std::string& job_id, const v1::Mode& mode) const {
@@ -512,11 +601,13 @@ absl::StatusOr<v1::CheckpointInfo> Client::Checkpoint(const std::string& job_id,
   v1::CheckpointRequest request;
   request.set_job_id(job_id);
   request.set_wait(wait);
-  grpc::ClientContext context;
-  Prepare(&context);
+  *request.mutable_call() = NextCallId();
   v1::CheckpointInfo info;
-  grpc::Status s = stub_->Checkpoint(&context, request, &info);
-  if (!s.ok()) return Convert("Checkpoint", s);
+  absl::Status s = CallOnce("Checkpoint", [&](grpc::ClientContext* context) {
+    info.Clear();
+    return stub_->Checkpoint(context, request, &info);
+  });
+  if (!s.ok()) return s;
   return info;
 }
 

@@ -5,9 +5,24 @@
 // prefixed with the RPC's name.
 //
 // Thread-safety: all methods may be called from any number of threads at once (the gRPC stub
-// is thread-safe and the Client is immutable after construction). The daemon orders the calls
-// of one job; callers that interleave forward/backward of one job from several threads get
-// the daemon's ordering, not a guaranteed one.
+// is thread-safe; the only mutable state is the call numbering below, behind a mutex). The
+// daemon orders the calls of one job; callers that interleave forward/backward of one job from
+// several threads get the daemon's ordering, not a guaranteed one.
+//
+// Exactly-once calls (training.proto's CallId): the mutating calls (Forward, Backward, Step,
+// ZeroGrad, ClipGradNorm, Checkpoint, LoadStateDict, LoadOptimizerState) carry a CallId, and one
+// whose answer is lost (UNAVAILABLE or DEADLINE_EXCEEDED) is sent again with the same CallId:
+// the daemon answers a repeat of a client id's last call from its record instead of applying it
+// twice. Retries back off from 50 ms, doubling up to 2 s, for at most
+// ClientOptions::call_retry_timeout after the first failure; then the call fails with the last
+// cause. An error the daemon answers from its record (trailing metadata "rannc-replayed") is the
+// call's own and is returned at once. Streamed loads send their whole stream again.
+// The daemon keeps one call per client id, so a client id must have one call in flight at a
+// time: each (Client, thread) pair numbers its calls under a client id of its own (random 128-bit
+// hex, made on the thread's first mutating call; seq 1, 2, ...), kept in a mutex-guarded map of
+// the Client keyed by std::thread::id. Threads therefore never wait for each other's calls (no
+// call is serialized), and a thread's calls are sequential by nature. A std::thread::id reused by
+// a later thread continues the numbering of the finished one, which is equally correct.
 //
 // Lifetimes: a Client owns its channel; jobs belong to the daemon and outlive the Client unless
 // deleted with DeleteJob. Arguments are copied or consumed before a method returns.
@@ -31,6 +46,7 @@
 #define RANNC_CLIENT_RANNC_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -67,6 +83,15 @@ struct ClientOptions {
   // Defaults 100 ms and 1 s (gRPC's own are 1 s and 120 s).
   int min_reconnect_backoff_ms = 100;
   int max_reconnect_backoff_ms = 1000;
+  // How long a mutating call whose answer was lost (UNAVAILABLE, DEADLINE_EXCEEDED) is retried
+  // with the same CallId, counted from its first failure (see "Exactly-once calls" above; the
+  // same bound as pyrannc's client config key call_retry_timeout). An attempt under way when it
+  // passes still runs to its end (or rpc_timeout). Default 30 s; zero: no retries.
+  absl::Duration call_retry_timeout = absl::Seconds(30);
+  // Called before each retry with the RPC's name and the failure retried (e.g. to log it); must
+  // not call the Client (from this thread: its calls would overtake the one being retried).
+  // Default none.
+  std::function<void(absl::string_view rpc, const absl::Status& cause)> on_retry;
 };
 
 // What CreateJob needs besides the model bytes: JobSpec with HostTensor example inputs.
@@ -139,6 +164,9 @@ class Client {
   absl::Status AddMode(const std::string& job_id, const v1::Mode& mode,
                        std::string_view model_bytes) const;
   absl::Status DeleteJob(const std::string& job_id) const;
+  // Brings back a suspended job (ranncd --state-dir; `job`: its id or name) from its latest
+  // checkpoint, under its id and held by no client; NOT_FOUND when there is none.
+  absl::StatusOr<v1::CreateJobResponse> ResumeJob(const std::string& job) const;
   // Renews the client's lease on these jobs (JobOptions.lease_ms); returns the ids the daemon
   // does not know (deleted, or expired). Any call naming a job renews it too; LeaseKeeper
   // renews from a thread.
@@ -214,6 +242,13 @@ class Client {
 
  private:
   void Prepare(grpc::ClientContext* context) const;
+  // This thread's client id on this Client and its next sequence number.
+  v1::CallId NextCallId() const;
+  // Runs `attempt` (one call of the RPC `rpc`, its request holding a fixed CallId) with a fresh,
+  // Prepare'd context per attempt until the daemon answers, retrying a lost answer as the
+  // header describes. OK, or the failure Convert'ed (after retries: saying how many).
+  absl::Status CallOnce(absl::string_view rpc,
+                        const std::function<grpc::Status(grpc::ClientContext*)>& attempt) const;
   // FromGrpcStatus, naming the daemon's address when it cannot be reached.
   absl::Status Convert(absl::string_view rpc, const grpc::Status& status) const;
   // The tensors a StateDictChunk stream carries, by name; with `keyed` (optimizer state) by
@@ -227,6 +262,13 @@ class Client {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::TrainingService::Stub> stub_;
+
+  struct CallSequence {
+    std::string client_id;  // empty until the thread's first mutating call
+    uint64_t seq = 0;       // the last sequence number sent
+  };
+  mutable std::mutex calls_mu_;
+  mutable std::map<std::thread::id, CallSequence> calls_;  // guarded by calls_mu_
 };
 
 // Keeps a leased job (JobOptions.lease_ms) alive while it lives: renews the lease every fifth of

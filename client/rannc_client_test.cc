@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <atomic>
 #include <cstdio>
+#include <deque>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -29,6 +30,21 @@ class FakeTrainingService final : public v1::TrainingService::Service {
   // What StateDict streams back.
   NamedTensors state;
   size_t state_chunk_bytes = 5;
+
+  // Exactly-once calls. The CallIds Forward, ZeroGrad and LoadStateDict got, one per attempt;
+  // the number of chunks each LoadStateDict attempt brought.
+  std::vector<v1::CallId> forward_calls, zero_grad_calls, load_calls;
+  std::vector<size_t> load_chunk_counts;
+  // How many of the next Forward and LoadStateDict answers are lost (UNAVAILABLE after running).
+  int forward_drops = 0;
+  int load_drops = 0;
+  // ZeroGrad's next answers (OK once none is left), each with or without the daemon's
+  // "answered from the record" mark.
+  struct Answer {
+    grpc::Status status;
+    bool replayed = false;
+  };
+  std::deque<Answer> zero_grad_answers;
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::DaemonInfo* info) override {
@@ -66,6 +82,14 @@ class FakeTrainingService final : public v1::TrainingService::Service {
                        v1::ForwardResponse* response) override {
     if (request->job_id() != "job-1") {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "no job '" + request->job_id() + "'");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      forward_calls.push_back(request->call());
+      if (forward_drops > 0) {
+        --forward_drops;
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost");
+      }
     }
     // Doubles each float32 input, so that the test sees bytes travel both ways.
     for (const v1::Tensor& in : request->inputs()) {
@@ -112,9 +136,27 @@ class FakeTrainingService final : public v1::TrainingService::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "header must come first");
     }
     loaded_job = request.header().job_id();
+    load_calls.push_back(request.header().call());
+    loaded_chunks.clear();
     while (reader->Read(&request)) loaded_chunks.push_back(request.chunk());
+    load_chunk_counts.push_back(loaded_chunks.size());
+    if (load_drops > 0) {
+      --load_drops;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost");
+    }
     response->add_missing_keys("bias");
     return grpc::Status::OK;
+  }
+
+  grpc::Status ZeroGrad(grpc::ServerContext* context, const v1::ZeroGradRequest* request,
+                        v1::Empty*) override {
+    std::lock_guard<std::mutex> lock(mu);
+    zero_grad_calls.push_back(request->call());
+    if (zero_grad_answers.empty()) return grpc::Status::OK;
+    Answer answer = zero_grad_answers.front();
+    zero_grad_answers.pop_front();
+    if (answer.replayed) context->AddTrailingMetadata("rannc-replayed", "1");
+    return answer.status;
   }
 
   grpc::Status ClipGradNorm(grpc::ServerContext*, const v1::ClipGradNormRequest* request,
@@ -454,6 +496,157 @@ TEST_CASE("Client::ExportCheckpoint writes the stream to the file through a .tmp
     CHECK(s.message().find(nowhere + ".tmp") != std::string::npos);
     CHECK(fake.service.export_ref.step() == 0);  // never called
   }
+}
+
+bool SameCall(const v1::CallId& a, const v1::CallId& b) {
+  return a.client_id() == b.client_id() && a.seq() == b.seq();
+}
+
+// ClientOptions whose on_retry counts the retries into `retries`.
+ClientOptions CountingRetries(std::atomic<int>* retries,
+                              absl::Duration bound = absl::Seconds(30)) {
+  ClientOptions options;
+  options.call_retry_timeout = bound;
+  options.on_retry = [retries](absl::string_view, const absl::Status&) { ++*retries; };
+  return options;
+}
+
+TEST_CASE("Client numbers mutating calls and retries a lost answer with the same CallId",
+          "[client][retry]") {
+  std::atomic<int> retries{0};
+  FakeDaemon fake(CountingRetries(&retries));
+  fake.service.forward_drops = 2;
+  absl::StatusOr<ForwardResult> out =
+      fake.client->Forward("job-1", {HostTensor::FromVector<float>({1.5f})});
+  INFO(out.status().ToString());
+  REQUIRE(out.ok());
+  CHECK(*out->outputs.at(0).ToVector<float>() == std::vector<float>{3.0f});
+  CHECK(retries == 2);
+  const std::vector<v1::CallId>& calls = fake.service.forward_calls;
+  REQUIRE(calls.size() == 3);
+  CHECK(calls[0].client_id().size() == 32);  // 128 bits in hex
+  CHECK(calls[0].seq() == 1);
+  CHECK(SameCall(calls[1], calls[0]));
+  CHECK(SameCall(calls[2], calls[0]));
+
+  // The next call of this thread: the same client id, the next number; other mutating calls
+  // share the numbering.
+  REQUIRE(fake.client->Forward("job-1", {}).ok());
+  REQUIRE(fake.client->ZeroGrad("job-1").ok());
+  REQUIRE(calls.size() == 4);
+  CHECK(calls[3].client_id() == calls[0].client_id());
+  CHECK(calls[3].seq() == 2);
+  REQUIRE(fake.service.zero_grad_calls.size() == 1);
+  CHECK(fake.service.zero_grad_calls[0].client_id() == calls[0].client_id());
+  CHECK(fake.service.zero_grad_calls[0].seq() == 3);
+
+  // Another thread numbers its calls under a client id of its own.
+  bool other_thread_ok = false;
+  std::thread([&] { other_thread_ok = fake.client->Forward("job-1", {}).ok(); }).join();
+  REQUIRE(other_thread_ok);
+  REQUIRE(calls.size() == 5);
+  CHECK(calls[4].client_id() != calls[0].client_id());
+  CHECK(calls[4].client_id().size() == 32);
+  CHECK(calls[4].seq() == 1);
+  // And another Client is another client.
+  FakeDaemon other;
+  REQUIRE(other.client->Forward("job-1", {}).ok());
+  REQUIRE(other.service.forward_calls.size() == 1);
+  CHECK(other.service.forward_calls[0].client_id() != calls[0].client_id());
+
+  // A deadline that passed is retried too, and read-only calls carry no CallId.
+  fake.service.zero_grad_answers.push_back(
+      {grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "too slow"), false});
+  REQUIRE(fake.client->ZeroGrad("job-1").ok());
+  CHECK(retries == 3);
+  REQUIRE(fake.service.zero_grad_calls.size() == 3);
+  CHECK(SameCall(fake.service.zero_grad_calls[1], fake.service.zero_grad_calls[2]));
+  CHECK(fake.service.zero_grad_calls[1].seq() == 4);
+}
+
+TEST_CASE("Client::LoadStateDict sends the whole stream again on a retry", "[client][retry]") {
+  std::atomic<int> retries{0};
+  ClientOptions options = CountingRetries(&retries);
+  options.state_dict_chunk_bytes = 8;
+  FakeDaemon fake(options);
+  fake.service.load_drops = 1;
+  NamedTensors state;
+  state["weight"] = HostTensor::FromVector<float>({1, 2, 3, 4, 5, 6}, {2, 3});  // 3 chunks
+  state["bias"] = HostTensor::FromVector<float>({7});
+  absl::StatusOr<LoadStateDictResult> result = fake.client->LoadStateDict("job-1", state);
+  INFO(result.status().ToString());
+  REQUIRE(result.ok());
+  CHECK(result->missing_keys == std::vector<std::string>{"bias"});
+  CHECK(retries == 1);
+  REQUIRE(fake.service.load_calls.size() == 2);
+  CHECK(fake.service.load_calls[0].seq() == 1);
+  CHECK(!fake.service.load_calls[0].client_id().empty());
+  CHECK(SameCall(fake.service.load_calls[0], fake.service.load_calls[1]));
+  CHECK(fake.service.load_chunk_counts == std::vector<size_t>{4, 4});
+  StateDictAssembler assembler;
+  for (const v1::StateDictChunk& c : fake.service.loaded_chunks) REQUIRE(assembler.Add(c).ok());
+  absl::StatusOr<NamedTensors> received = std::move(assembler).Finish();
+  REQUIRE(received.ok());
+  CHECK(received->at("weight").data == state["weight"].data);
+  CHECK(received->at("bias").data == state["bias"].data);
+}
+
+TEST_CASE("Client's retries stop after call_retry_timeout with the cause", "[client][retry]") {
+  std::atomic<int> retries{0};
+  FakeDaemon fake(CountingRetries(&retries, absl::Milliseconds(400)));
+  for (int i = 0; i < 100; ++i) {
+    fake.service.zero_grad_answers.push_back(
+        {grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon restarting"), false});
+  }
+  const absl::Time start = absl::Now();
+  absl::Status s = fake.client->ZeroGrad("job-1");
+  const absl::Duration took = absl::Now() - start;
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  INFO(s.message());
+  CHECK(s.message().find("ZeroGrad: cannot reach ranncd at in-process: daemon restarting") == 0);
+  // Backoff 50, 100, 200 ms; the next, 400 ms, would end past the bound.
+  CHECK(s.message().find("retries over") != std::string::npos);
+  CHECK(retries >= 1);
+  CHECK(retries <= 3);
+  CHECK(took >= absl::Milliseconds(50));
+  CHECK(took < absl::Milliseconds(400) + absl::Seconds(1));
+  const std::vector<v1::CallId>& calls = fake.service.zero_grad_calls;
+  REQUIRE(calls.size() == static_cast<size_t>(retries) + 1);
+  for (const v1::CallId& call : calls) CHECK(SameCall(call, calls[0]));
+
+  {  // zero: no retries
+    std::atomic<int> none{0};
+    FakeDaemon once(CountingRetries(&none, absl::ZeroDuration()));
+    once.service.zero_grad_answers.push_back(
+        {grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon restarting"), false});
+    absl::Status failed = once.client->ZeroGrad("job-1");
+    CHECK(failed.code() == absl::StatusCode::kUnavailable);
+    CHECK(failed.message() == "ZeroGrad: cannot reach ranncd at in-process: daemon restarting");
+    CHECK(none == 0);
+    CHECK(once.service.zero_grad_calls.size() == 1);
+  }
+}
+
+TEST_CASE("Client does not retry an error the daemon answered from its record",
+          "[client][retry]") {
+  std::atomic<int> retries{0};
+  FakeDaemon fake(CountingRetries(&retries));
+  // The call's own first answer was UNAVAILABLE (e.g. a peer daemon down): replayed, it stays.
+  fake.service.zero_grad_answers.push_back(
+      {grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon 10.0.0.2:7411 is down"), true});
+  absl::Status s = fake.client->ZeroGrad("job-1");
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(s.message().find("daemon 10.0.0.2:7411 is down") != std::string::npos);
+  CHECK(s.message().find("retries") == std::string::npos);
+  CHECK(retries == 0);
+  CHECK(fake.service.zero_grad_calls.size() == 1);
+
+  // Neither is an error that is not a lost answer.
+  fake.service.zero_grad_answers.push_back(
+      {grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "older than its last call"), false});
+  CHECK(fake.client->ZeroGrad("job-1").code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(retries == 0);
+  CHECK(fake.service.zero_grad_calls.size() == 2);
 }
 
 TEST_CASE("Client::WaitUntilReady", "[client]") {

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -21,6 +22,7 @@
 #include "daemon/server/grpc_part_channel.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_part_service.h"
+#include "daemon/server/job_records.h"
 #include "daemon/server/training_service.h"
 
 namespace rannc {
@@ -166,6 +168,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   facts.profile_cache = daemon->profile_cache_.get();
 
   daemon->jobs_ = std::make_unique<JobManager>();
+  std::string state_dir = options.state_dir;
+  if (state_dir.empty()) {
+    const char* xdg = std::getenv("XDG_STATE_HOME");
+    const char* home = std::getenv("HOME");
+    state_dir = xdg != nullptr && *xdg ? absl::StrCat(xdg, "/rannc")
+                : home != nullptr      ? absl::StrCat(home, "/.local/state/rannc")
+                                       : "";
+  }
+  daemon->records_ = std::make_unique<JobRecords>(state_dir == "none" ? "" : state_dir);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -180,8 +191,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
 
   const std::string host = options.listen.substr(0, options.listen.rfind(':'));
   daemon->part_channels_ = std::make_unique<GrpcPartChannels>();
-  daemon->training_ = std::make_unique<TrainingServiceImpl>(facts, daemon->jobs_.get(),
-                                                            daemon->part_channels_.get());
+  daemon->training_ = std::make_unique<TrainingServiceImpl>(
+      facts, daemon->jobs_.get(), daemon->part_channels_.get(), daemon->records_.get());
   builder.RegisterService(daemon->training_.get());
   daemon->job_parts_ = std::make_unique<JobPartServiceImpl>(facts, daemon->jobs_.get());
   builder.RegisterService(daemon->job_parts_.get());

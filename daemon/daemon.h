@@ -25,6 +25,7 @@ class Server;
 namespace rannc {
 
 class JobManager;
+class JobRecords;
 namespace comm {
 class StoreServiceImpl;
 }  // namespace comm
@@ -67,6 +68,7 @@ class Daemon {
   std::string address_;
   std::unique_ptr<planner::ProfileCache> profile_cache_;
   std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<JobRecords> records_;  // durable jobs (--state-dir)
   // Declared before the services so that it outlives the server, which calls into it.
   std::unique_ptr<cluster::Cluster> cluster_;
   std::unique_ptr<cluster::ClusterServiceImpl> cluster_service_;

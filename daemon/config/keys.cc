@@ -35,6 +35,8 @@ std::vector<ConfigKey>* MakeRegistry() {
        "link speeds for the planner's cost model, e.g. \"p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s\""},
       {"profile_cache", T::kString, S::kDaemon, "~/.cache/rannc/profiles.tsv",
        "file that keeps profiling results between runs; \"none\" keeps them in memory"},
+      {"state_dir", T::kString, S::kDaemon, "~/.local/state/rannc",
+       "directory keeping durable jobs' records (those writing checkpoints); none disables"},
       {"peers", T::kList, S::kDaemon, "this daemon alone",
        "every daemon of the cluster, this one included (h1:p1,h2:p2), or one NAME:PORT that "
        "resolves to them all"},
@@ -98,6 +100,9 @@ std::vector<ConfigKey>* MakeRegistry() {
        "seconds the embedded ranncd gets to start"},
       {"daemon_connect_timeout", T::kFloat, S::kClient, "30",
        "seconds pyrannc waits for a ranncd named by daemon"},
+      {"call_retry_timeout", T::kFloat, S::kClient, "30",
+       "seconds a call is retried while the daemon is unreachable (0: never); it is applied "
+       "once"},
       {"daemon_stop_timeout", T::kFloat, S::kClient, "10",
        "seconds the embedded ranncd gets to stop at exit before SIGKILL"},
       {"conf_dir", T::kString, S::kClient, "~/.rannc",

@@ -170,6 +170,7 @@ const std::vector<Key>& Keys() {
       Text("shm_dir", &DaemonOptions::shm_dir, &CheckShmDir),
       Text("links", &DaemonOptions::links),
       Text("profile_cache", &DaemonOptions::profile_cache),
+      Text("state_dir", &DaemonOptions::state_dir),
       Text("peers", &DaemonOptions::peers, &CheckPeers),
       Text("advertise", &DaemonOptions::advertise, &CheckAdvertise),
       Count("cluster_size", &DaemonOptions::cluster_size, &CheckClusterSize),
@@ -493,6 +494,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                 "measured at start)"},
       {"profile_cache", "file keeping profiles between runs; none disables (default "
                         "~/.cache/rannc/profiles.tsv)"},
+      {"state_dir", "directory keeping durable jobs' records; none disables (default "
+                    "~/.local/state/rannc)"},
       {"peers", "every daemon of the cluster, this one included: h1:p1,h2:p2,... or one "
                 "NAME:PORT resolving to all (with --cluster-size) (default: this daemon alone)"},
       {"advertise", "this daemon's address in --peers (default the --listen address)"},
@@ -504,6 +507,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
       {"log_level", "LEVEL"}, {"max_message_size", "SIZE"}, {"shm_dir", "DIR"},
       {"links", "SPEEDS"},    {"profile_cache", "FILE"},       {"peers", "LIST"},
+      {"state_dir", "DIR"},
       {"advertise", "HOST:PORT"}, {"cluster_size", "N"},       {"heartbeat_interval", "DURATION"},
       {"peer_timeout", "DURATION"},
   };
@@ -518,6 +522,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
     // the `--shm-dir=` spelling of it.
     if (key.text == &DaemonOptions::shm_dir || key.text == &DaemonOptions::devices ||
         key.text == &DaemonOptions::links || key.text == &DaemonOptions::profile_cache ||
+        key.text == &DaemonOptions::state_dir ||
         key.text == &DaemonOptions::peers || key.text == &DaemonOptions::advertise) {
       flag.option->expected(0, 1);
     }
@@ -532,7 +537,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       "--version", absl::StrCat("ranncd ", version.empty() ? "(unversioned)" : ToAbsl(version)));
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
-      "log_level, max_message_size, shm_dir, links, profile_cache, peers, advertise, "
+      "log_level, max_message_size, shm_dir, links, profile_cache, state_dir, peers, advertise, "
       "cluster_size, heartbeat_interval, peer_timeout) and in the environment as RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");
 

@@ -8,7 +8,8 @@
 // else $HOME/.rannc/rannc.toml. A missing default file is fine; a missing --config file, a
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
 // names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
-// profile_cache, peers, advertise, cluster_size, heartbeat_interval, peer_timeout) at the top
+// profile_cache, state_dir, peers, advertise, cluster_size, heartbeat_interval, peer_timeout)
+// at the top
 // level; `peers` may also be an array of strings. The same file may hold any other key of the
 // registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
 // unregistered key is an error naming the key, the file and the nearest registered key.
@@ -19,7 +20,7 @@
 // inherits its client's environment.
 //
 // Flags (CLI11): --listen, --devices, --device-memory, --log-level, --max-message-size,
-// --shm-dir, --links, --profile-cache, --peers, --advertise, --cluster-size,
+// --shm-dir, --links, --profile-cache, --state-dir, --peers, --advertise, --cluster-size,
 // --heartbeat-interval, --peer-timeout, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both work; a flag
 // given twice takes the last value; unknown flags and positional arguments are errors naming
 // them.
@@ -96,6 +97,11 @@ struct DaemonOptions {
   // $RANNC_PROFILE_CACHE, else $XDG_CACHE_HOME/rannc/profiles.tsv, else
   // ~/.cache/rannc/profiles.tsv; "none" keeps them in memory only.
   std::string profile_cache = "";
+
+  // Where durable jobs' records are kept (server/job_records.h): jobs that write checkpoints
+  // are listed as suspended after a restart and resume from their latest checkpoint. Default
+  // "": $XDG_STATE_HOME/rannc, else ~/.local/state/rannc; "none" keeps no records.
+  std::string state_dir = "";
 
   // The cluster (daemon/cluster/peers.h): every daemon's address, this one included,
   // "h1:p1,h2:p2,..." (stored with spaces removed), or one NAME:PORT whose NAME resolves to

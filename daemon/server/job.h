@@ -183,7 +183,9 @@ class Job {
   // false); and the last write's failure ("" none).
   std::vector<CheckpointInfo> Checkpoints();
   std::string checkpoint_error() const;
-  // The checkpoint directory of this job's checkpoints ("" without checkpoint_dir).
+  // The config key checkpoint_dir, and the directory of this job's checkpoints under it ("" for
+  // both without one).
+  const std::string& checkpoint_dir() const { return settings_.checkpoints.dir; }
   std::string checkpoint_job_dir() const;
   // The step of the checkpoint the job was created from (config key resume), or -1.
   int64_t resumed_step() const { return resumed_step_; }

@@ -104,7 +104,8 @@ absl::Status JobManager::Remove(const std::string& id) {
   return absl::OkStatus();
 }
 
-std::vector<JobManager::Expired> JobManager::RemoveExpired() {
+std::vector<JobManager::Expired> JobManager::RemoveExpired(
+    const std::function<bool(Job&)>& on_expired) {
   const Clock::time_point now = now_();
   std::vector<std::shared_ptr<Job>> jobs;
   {
@@ -121,7 +122,8 @@ std::vector<JobManager::Expired> JobManager::RemoveExpired() {
   }
   std::vector<Expired> expired;
   for (std::shared_ptr<Job>& job : jobs) {
-    expired.push_back({job->info().id, job->info().name, job->info().lease});
+    const bool suspended = on_expired && on_expired(*job);
+    expired.push_back({job->info().id, job->info().name, job->info().lease, suspended});
     Release(std::move(job));
   }
   return expired;

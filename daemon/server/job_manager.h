@@ -49,13 +49,15 @@ class JobManager {
   absl::StatusOr<std::shared_ptr<Job>> Get(const std::string& id);
   absl::Status Remove(const std::string& id);
   // Removes (as Remove does) the jobs whose lease has run out by now and says which, for the
-  // caller's log. A call in flight keeps its job alive until it ends.
+  // caller's log; `on_expired` (if set) sees each first and says whether it was kept elsewhere
+  // (suspended). A call in flight keeps its job alive until it ends.
   struct Expired {
     std::string id;
     std::string name;
     std::chrono::milliseconds lease;
+    bool suspended = false;
   };
-  std::vector<Expired> RemoveExpired();
+  std::vector<Expired> RemoveExpired(const std::function<bool(Job&)>& on_expired = nullptr);
   // The jobs, each with how long since a call last named it.
   struct Listed {
     std::shared_ptr<Job> job;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -11,7 +12,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
 #include "daemon/common/elapsed.h"
@@ -85,17 +88,36 @@ absl::StatusOr<SentTensors> DecodeModelTensors(
 }
 
 TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
-                                         PartChannels* parts)
+                                         PartChannels* parts, JobRecords* records)
     : facts_(std::move(facts)),
       shm_(facts_.shm_dir),
       jobs_(jobs),
       parts_(parts),
-      reaper_(std::chrono::seconds(1), [this] { ReapExpiredJobs(); }) {}
+      records_(records),
+      reaper_(std::chrono::seconds(1), [this] { ReapExpiredJobs(); }) {
+  if (const char* drops = std::getenv("RANNC_TEST_DROP_RESPONSES")) {
+    for (absl::string_view item : absl::StrSplit(drops, ',', absl::SkipEmpty())) {
+      std::pair<std::string, std::string> rpc_n = absl::StrSplit(item, ':');
+      int n = 0;
+      if (absl::SimpleAtoi(rpc_n.second, &n)) drop_[rpc_n.first].insert(n);
+    }
+    spdlog::warn("RANNC_TEST_DROP_RESPONSES={}: this daemon drops those answers (tests only)",
+                 drops);
+  }
+}
 
 TrainingServiceImpl::~TrainingServiceImpl() = default;
 
 void TrainingServiceImpl::ReapExpiredJobs() {
-  for (const JobManager::Expired& e : jobs_->RemoveExpired()) {
+  for (const JobManager::Expired& e :
+       jobs_->RemoveExpired([this](Job& job) { return Suspend(job); })) {
+    if (e.suspended) {
+      spdlog::warn("suspended job {} '{}': no call from its client for its lease of {} ms; its "
+                   "last checkpoint is written and its record kept (ResumeJob, or a client "
+                   "creating a job of its name, brings it back)", e.id, e.name, e.lease.count());
+      continue;
+    }
+    records_->Remove(e.id).IgnoreError();
     spdlog::warn("deleted job {} '{}': no call from its client for its lease of {} ms (the "
                  "client exited or hung without deleting it)",
                  e.id, e.name, e.lease.count());
@@ -209,7 +231,31 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     return grpc::Status::OK;
   }
 
+  std::optional<v1::JobRecord> suspended = SuspendedFor(spec);
+  if (suspended && settings.checkpoints.resume < 0) {
+    spdlog::info("job '{}' attaches to the suspended job {} of that name: it resumes from its "
+                 "latest checkpoint", spec.name(), suspended->job_id());
+    settings.checkpoints.resume = 0;
+  }
   const std::string id = jobs_->NewJobId();
+  absl::StatusOr<std::shared_ptr<Job>> job =
+      StartJob(id, spec, std::move(settings), model, *examples, sent, response);
+  if (!job.ok()) return Fail("CreateJob", job.status());
+  if (suspended) records_->Remove(suspended->job_id()).IgnoreError();
+  const JobInfo& info = (*job)->info();
+  spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}; seconds: "
+               "receive {:.2f}, tensors apart {:.2f} ({} of them), import {:.2f}, IR {:.2f}, "
+               "plan {:.2f}, place {:.2f}",
+               id, spec.name(), (*job)->params().NumParameterElements(), model.size(),
+               response->plan_summary(), receive_s, tensors_s, sent.size(), info.import_s,
+               info.ir_s, info.plan_s, info.place_s);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::shared_ptr<Job>> TrainingServiceImpl::StartJob(
+    const std::string& id, const v1::JobSpec& spec, JobSettings settings,
+    const std::string& model, const std::vector<at::Tensor>& examples, const SentTensors& sent,
+    v1::CreateJobResponse* response) {
   comm::Store* store = nullptr;
   {
     std::lock_guard<std::mutex> lock(address_mu_);
@@ -219,39 +265,75 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     std::vector<std::string> left_out;
     absl::Status spanned =
         SpanCluster(id, spec, Members(), facts_, store, &settings, &left_out);
-    if (!spanned.ok()) return Fail("CreateJob", spanned);
+    if (!spanned.ok()) return spanned;
     if (!left_out.empty()) {
       spdlog::warn("job {} leaves out cluster member(s) {}, which are DOWN", id,
                    absl::StrJoin(left_out, ", "));
     }
   }
   settings.backend = JobBackend(settings.placement, facts_.devices);
-  absl::StatusOr<std::unique_ptr<Job>> job =
-      Job::Create(id, std::move(settings), model, *examples, sent, parts_);
-  if (!job.ok()) return Fail("CreateJob", job.status());
-  const JobInfo& info = (*job)->info();
-
+  absl::StatusOr<std::unique_ptr<Job>> made =
+      Job::Create(id, std::move(settings), model, examples, sent, parts_);
+  if (!made.ok()) return made.status();
+  std::shared_ptr<Job> job = std::move(*made);
+  const JobInfo& info = job->info();
   response->set_job_id(id);
   *response->mutable_deployment() = info.plan;
   response->set_plan_summary(planner::DescribeDeployment(info.plan));
-  for (const ParamStore::Entry& e : (*job)->params().entries()) {
+  for (const ParamStore::Entry& e : job->params().entries()) {
     FillParamInfo(e, e.is_parameter ? response->add_params() : response->add_buffers());
   }
   for (const OutputSpec& out : info.outputs) {
     EncodeSpec(out.dtype, out.shape, response->add_outputs());
   }
   for (const std::string& d : info.devices) response->add_devices(d);
-  response->set_resumed_step((*job)->resumed_step());
-  spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}; seconds: "
-               "receive {:.2f}, tensors apart {:.2f} ({} of them), import {:.2f}, IR {:.2f}, "
-               "plan {:.2f}, place {:.2f}",
-               id, spec.name(), (*job)->params().NumParameterElements(), model.size(),
-               response->plan_summary(), receive_s, tensors_s, sent.size(), info.import_s,
-               info.ir_s, info.plan_s, info.place_s);
+  response->set_resumed_step(job->resumed_step());
+  // A job that writes checkpoints is durable: its record lets a restarted daemon bring it back.
+  if (records_->enabled() && !job->checkpoint_job_dir().empty()) {
+    absl::Status saved = records_->Save(id, spec, model, examples, sent, info.plan);
+    if (!saved.ok()) {
+      spdlog::warn("job {} runs, but is not durable: its record was not written: {}", id,
+                   saved.ToString());
+    }
+  }
   std::optional<v1::CreateJobResponse> joinable;
   if (info.client_world > 1) joinable = *response;
-  jobs_->Add(std::move(*job), std::move(joinable));
-  return grpc::Status::OK;
+  jobs_->Add(job, std::move(joinable));
+  return job;
+}
+
+bool TrainingServiceImpl::Suspend(Job& job) {
+  if (!records_->enabled() || !records_->Find(job.info().id).ok()) return false;
+  const std::vector<CheckpointInfo> written = job.Checkpoints();
+  if (!written.empty() && written.back().committed &&
+      written.back().step == job.Summary().steps) {
+    return true;  // nothing since its last checkpoint
+  }
+  absl::StatusOr<CheckpointInfo> last = job.Checkpoint(/*wait=*/true);
+  if (!last.ok()) {
+    spdlog::error("job {}: its last checkpoint failed ({}); deleting it instead of suspending",
+                  job.info().id, last.status().ToString());
+    return false;
+  }
+  return true;
+}
+
+std::optional<v1::JobRecord> TrainingServiceImpl::SuspendedFor(const v1::JobSpec& spec) const {
+  if (!records_->enabled()) return std::nullopt;
+  auto dir_of = [](const v1::JobSpec& s) {
+    auto it = s.options().config().find("checkpoint_dir");
+    return it == s.options().config().end() ? std::string() : it->second;
+  };
+  if (dir_of(spec).empty()) return std::nullopt;
+  std::set<std::string> live;
+  for (const JobManager::Listed& listed : jobs_->List()) live.insert(listed.job->info().id);
+  std::optional<v1::JobRecord> found;
+  for (v1::JobRecord& r : records_->List()) {
+    if (r.name() == spec.name() && dir_of(r.spec()) == dir_of(spec) && !live.count(r.job_id())) {
+      found = std::move(r);  // the newest wins
+    }
+  }
+  return found;
 }
 
 std::vector<cluster::MemberInfo> TrainingServiceImpl::Members() const {
@@ -379,7 +461,11 @@ grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext*,
 grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobRef* ref,
                                             v1::Empty*) {
   absl::Status status = jobs_->Remove(ref->job_id());
+  if (status.code() == absl::StatusCode::kNotFound && records_->Find(ref->job_id()).ok()) {
+    status = absl::OkStatus();  // a suspended job: its record goes
+  }
   if (!status.ok()) return Fail("DeleteJob", status);
+  records_->Remove(ref->job_id()).IgnoreError();
   spdlog::info("deleted job {}", ref->job_id());
   return grpc::Status::OK;
 }
@@ -416,25 +502,72 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
                                  info.created.time_since_epoch()).count());
     out->set_lease_ms(static_cast<uint32_t>(info.lease.count()));
     out->set_idle_ms(static_cast<uint64_t>(std::max<int64_t>(0, listed.idle.count())));
+    out->set_checkpoint_dir(listed.job->checkpoint_dir());
+  }
+  std::set<std::string> live;
+  for (const v1::JobSummary& j : response->jobs()) live.insert(j.job_id());
+  for (const v1::JobRecord& r : records_->List()) {
+    if (live.count(r.job_id())) continue;
+    v1::JobSummary* out = response->add_jobs();
+    out->set_job_id(r.job_id());
+    out->set_name(r.name());
+    out->set_state(v1::SUSPENDED);
+    out->set_created_unix_ms(r.created_unix_ms());
+    // Its steps: those of its latest checkpoint.
+    auto dir = r.spec().options().config().find("checkpoint_dir");
+    if (dir != r.spec().options().config().end()) {
+      out->set_checkpoint_dir(dir->second);
+      absl::StatusOr<std::string> job_dir = CheckpointJobDir(dir->second, r.name());
+      if (job_dir.ok()) {
+        std::vector<CheckpointInfo> written = ListCheckpointsIn(*job_dir);
+        if (!written.empty()) out->set_steps(static_cast<uint64_t>(written.back().step));
+      }
+    }
   }
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext*, const v1::ForwardRequest* request,
-                                          v1::ForwardResponse* response) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("Forward", job.status());
-  const int rank = static_cast<int>(request->client_rank());
-  absl::Status deferred = RunDeferred(**job, request->before(), rank);
-  if (!deferred.ok()) return Fail("Forward", deferred);
-  absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input", shm_);
-  if (!inputs.ok()) return Fail("Forward", inputs.status());
-  absl::StatusOr<std::vector<at::Tensor>> outputs =
-      (*job)->Forward(rank, *inputs, request->requires_grad(), request->delay_grad_allreduce());
-  if (!outputs.ok()) return Fail("Forward", outputs.status());
-  absl::Status encoded = EncodeReply(*outputs, request->reply_shm(), response->mutable_outputs());
-  if (!encoded.ok()) return Fail("Forward", encoded);
+grpc::Status TrainingServiceImpl::ResumeJob(grpc::ServerContext*, const v1::JobRef* ref,
+                                            v1::CreateJobResponse* response) {
+  absl::StatusOr<JobRecords::Loaded> loaded = records_->Load(ref->job_id());
+  if (!loaded.ok()) return Fail("ResumeJob", loaded.status());
+  const std::string& id = loaded->record.job_id();
+  if (jobs_->Get(id).ok()) {
+    return Fail("ResumeJob", absl::FailedPreconditionError(absl::StrCat(
+        "job ", id, " '", loaded->record.name(), "' runs already")));
+  }
+  v1::JobSpec spec = loaded->record.spec();
+  (*spec.mutable_options()->mutable_config())["resume"] = "latest";
+  spec.mutable_options()->set_lease_ms(0);  // no client holds it yet
+  spec.mutable_options()->set_client_world(1);
+  absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
+  if (!settings.ok()) return Fail("ResumeJob", settings.status());
+  absl::StatusOr<std::shared_ptr<Job>> job =
+      StartJob(id, spec, std::move(*settings), loaded->model_bytes, loaded->example_inputs,
+               loaded->sent, response);
+  if (!job.ok()) return Fail("ResumeJob", job.status());
+  spdlog::info("resumed the suspended job {} '{}' at step {}", id, loaded->record.name(),
+               (*job)->resumed_step());
   return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
+                                          v1::ForwardResponse* response) {
+  return Once(context, "Forward", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("Forward", job.status());
+    const int rank = static_cast<int>(request->client_rank());
+    absl::Status deferred = RunDeferred(**job, request->before(), rank);
+    if (!deferred.ok()) return Fail("Forward", deferred);
+    absl::StatusOr<std::vector<at::Tensor>> inputs = DecodeAll(request->inputs(), "input", shm_);
+    if (!inputs.ok()) return Fail("Forward", inputs.status());
+    absl::StatusOr<std::vector<at::Tensor>> outputs =
+        (*job)->Forward(rank, *inputs, request->requires_grad(), request->delay_grad_allreduce());
+    if (!outputs.ok()) return Fail("Forward", outputs.status());
+    absl::Status encoded = EncodeReply(*outputs, request->reply_shm(), response->mutable_outputs());
+    if (!encoded.ok()) return Fail("Forward", encoded);
+    return grpc::Status::OK;
+  });
 }
 
 absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest& request,
@@ -489,66 +622,78 @@ absl::Status TrainingServiceImpl::RunDeferred(
   return absl::OkStatus();
 }
 
-grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext*,
-                                           const v1::BackwardRequest* request, v1::Empty*) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("Backward", job.status());
-  absl::Status status = DoBackward(**job, *request, static_cast<int>(request->client_rank()));
-  if (!status.ok()) return Fail("Backward", status);
-  return grpc::Status::OK;
+grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext* context,
+                                           const v1::BackwardRequest* request, v1::Empty* response) {
+  return Once(context, "Backward", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("Backward", job.status());
+    absl::Status status = DoBackward(**job, *request, static_cast<int>(request->client_rank()));
+    if (!status.ok()) return Fail("Backward", status);
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status TrainingServiceImpl::Step(grpc::ServerContext*, const v1::StepRequest* request,
-                                       v1::Empty*) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("Step", job.status());
-  absl::Status status = DoStep(**job, *request, static_cast<int>(request->client_rank()));
-  if (!status.ok()) return Fail("Step", status);
-  return grpc::Status::OK;
+grpc::Status TrainingServiceImpl::Step(grpc::ServerContext* context, const v1::StepRequest* request,
+                                       v1::Empty* response) {
+  return Once(context, "Step", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("Step", job.status());
+    absl::Status status = DoStep(**job, *request, static_cast<int>(request->client_rank()));
+    if (!status.ok()) return Fail("Step", status);
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext*,
-                                           const v1::ZeroGradRequest* request, v1::Empty*) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("ZeroGrad", job.status());
-  absl::Status status = DoZeroGrad(**job, *request, static_cast<int>(request->client_rank()));
-  if (!status.ok()) return Fail("ZeroGrad", status);
-  return grpc::Status::OK;
+grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext* context,
+                                           const v1::ZeroGradRequest* request, v1::Empty* response) {
+  return Once(context, "ZeroGrad", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("ZeroGrad", job.status());
+    absl::Status status = DoZeroGrad(**job, *request, static_cast<int>(request->client_rank()));
+    if (!status.ok()) return Fail("ZeroGrad", status);
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status TrainingServiceImpl::AllReduceGrads(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::AllReduceGrads(grpc::ServerContext* context,
                                                  const v1::AllReduceGradsRequest* request,
-                                                 v1::Empty*) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("AllReduceGrads", job.status());
-  JobOp op;
-  op.kind = JobOp::Kind::kAllReduceGrads;
-  absl::Status status = (*job)->Run(static_cast<int>(request->client_rank()), op).status();
-  if (!status.ok()) return Fail("AllReduceGrads", status);
-  return grpc::Status::OK;
+                                                 v1::Empty* response) {
+  return Once(context, "AllReduceGrads", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("AllReduceGrads", job.status());
+    JobOp op;
+    op.kind = JobOp::Kind::kAllReduceGrads;
+    absl::Status status = (*job)->Run(static_cast<int>(request->client_rank()), op).status();
+    if (!status.ok()) return Fail("AllReduceGrads", status);
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status TrainingServiceImpl::Flush(grpc::ServerContext*, const v1::FlushRequest* request,
-                                        v1::Empty*) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("Flush", job.status());
-  absl::Status status =
-      RunDeferred(**job, request->ops(), static_cast<int>(request->client_rank()));
-  if (!status.ok()) return Fail("Flush", status);
-  return grpc::Status::OK;
+grpc::Status TrainingServiceImpl::Flush(grpc::ServerContext* context, const v1::FlushRequest* request,
+                                        v1::Empty* response) {
+  return Once(context, "Flush", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("Flush", job.status());
+    absl::Status status =
+        RunDeferred(**job, request->ops(), static_cast<int>(request->client_rank()));
+    if (!status.ok()) return Fail("Flush", status);
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext* context,
                                                const v1::ClipGradNormRequest* request,
                                                v1::ClipGradNormResponse* response) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("ClipGradNorm", job.status());
-  const double norm_type = request->norm_type() == 0 ? 2.0 : request->norm_type();
-  absl::StatusOr<double> norm = (*job)->ClipGradNorm(static_cast<int>(request->client_rank()),
-                                                     request->max_norm(), norm_type);
-  if (!norm.ok()) return Fail("ClipGradNorm", norm.status());
-  response->set_total_norm(*norm);
-  return grpc::Status::OK;
+  return Once(context, "ClipGradNorm", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("ClipGradNorm", job.status());
+    const double norm_type = request->norm_type() == 0 ? 2.0 : request->norm_type();
+    absl::StatusOr<double> norm = (*job)->ClipGradNorm(static_cast<int>(request->client_rank()),
+                                                       request->max_norm(), norm_type);
+    if (!norm.ok()) return Fail("ClipGradNorm", norm.status());
+    response->set_total_norm(*norm);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext*,
@@ -598,7 +743,7 @@ grpc::Status TrainingServiceImpl::StateDict(grpc::ServerContext* context,
 }
 
 grpc::Status TrainingServiceImpl::LoadStateDict(
-    grpc::ServerContext*, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
+    grpc::ServerContext* context, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
     v1::LoadStateDictResponse* response) {
   v1::LoadStateDictRequest request;
   if (!reader->Read(&request) || !request.has_header()) {
@@ -616,12 +761,14 @@ grpc::Status TrainingServiceImpl::LoadStateDict(
   if (!status.ok()) return Fail("LoadStateDict", status);
   absl::StatusOr<std::map<std::string, at::Tensor>> state = assembler.Finish();
   if (!state.ok()) return Fail("LoadStateDict", state.status());
-  std::vector<std::string> missing, unexpected;
-  status = (*job)->LoadStateDict(*state, header.strict(), &missing, &unexpected);
-  if (!status.ok()) return Fail("LoadStateDict", status);
-  for (const std::string& k : missing) response->add_missing_keys(k);
-  for (const std::string& k : unexpected) response->add_unexpected_keys(k);
-  return grpc::Status::OK;
+  return Once(context, "LoadStateDict", header.call(), response, [&]() -> grpc::Status {
+    std::vector<std::string> missing, unexpected;
+    absl::Status loaded = (*job)->LoadStateDict(*state, header.strict(), &missing, &unexpected);
+    if (!loaded.ok()) return Fail("LoadStateDict", loaded);
+    for (const std::string& k : missing) response->add_missing_keys(k);
+    for (const std::string& k : unexpected) response->add_unexpected_keys(k);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status TrainingServiceImpl::SetMode(grpc::ServerContext*, const v1::SetModeRequest* request,
@@ -668,13 +815,14 @@ grpc::Status TrainingServiceImpl::OptimizerState(grpc::ServerContext* context,
 }
 
 grpc::Status TrainingServiceImpl::LoadOptimizerState(
-    grpc::ServerContext*, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
-    v1::LoadStateDictResponse*) {
+    grpc::ServerContext* context, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
+    v1::LoadStateDictResponse* response) {
   v1::LoadStateDictRequest request;
   if (!reader->Read(&request) || !request.has_header()) {
     return Fail("LoadOptimizerState", absl::InvalidArgumentError(
         "LoadOptimizerState must start with a header message, then the chunks"));
   }
+  const v1::CallId call = request.header().call();
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request.header().job_id());
   if (!job.ok()) return Fail("LoadOptimizerState", job.status());
   OptimizerStateAssembler assembler;
@@ -685,9 +833,53 @@ grpc::Status TrainingServiceImpl::LoadOptimizerState(
   if (!status.ok()) return Fail("LoadOptimizerState", status);
   absl::StatusOr<std::vector<OptimizerEntry>> state = assembler.Finish();
   if (!state.ok()) return Fail("LoadOptimizerState", state.status());
-  status = (*job)->LoadOptimizerState(*state);
-  if (!status.ok()) return Fail("LoadOptimizerState", status);
-  return grpc::Status::OK;
+  return Once(context, "LoadOptimizerState", call, response, [&]() -> grpc::Status {
+    absl::Status loaded = (*job)->LoadOptimizerState(*state);
+    if (!loaded.ok()) return Fail("LoadOptimizerState", loaded);
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status TrainingServiceImpl::Once(grpc::ServerContext* context, const char* rpc,
+                                       const v1::CallId& call,
+                                       google::protobuf::Message* response,
+                                       const std::function<grpc::Status()>& run) {
+  if (call.client_id().empty()) return run();
+  CallLedger::Ticket ticket = ledger_.Begin(call.client_id(), call.seq());
+  if (ticket.kind == CallLedger::kReplay) {
+    spdlog::info("{}: call {} of client {} came again (a retry): answered from the record, not "
+                 "run twice", rpc, call.seq(), call.client_id());
+    if (response != nullptr) response->ParseFromString(ticket.response);
+    // The client retries a lost answer, not this one: an error here is the call's own.
+    context->AddTrailingMetadata("rannc-replayed", "1");
+    return grpc::Status(static_cast<grpc::StatusCode>(ticket.status.code()),
+                        std::string(ticket.status.message()));
+  }
+  if (ticket.kind == CallLedger::kStale) {
+    return Fail(rpc, absl::FailedPreconditionError(absl::StrCat(
+        "call ", call.seq(), " of client ", call.client_id(), " is older than its last call (",
+        ticket.last, "): a client sends each call after the previous one's answer")));
+  }
+  grpc::Status status = run();
+  ledger_.Finish(call.client_id(), call.seq(),
+                 absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                              status.error_message()),
+                 response != nullptr ? response->SerializeAsString() : std::string());
+  if (DropResponse(rpc)) {
+    spdlog::warn("{}: dropping the answer to call {} of client {} (RANNC_TEST_DROP_RESPONSES)",
+                 rpc, call.seq(), call.client_id());
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "the response was dropped by the test fault hook RANNC_TEST_DROP_RESPONSES");
+  }
+  return status;
+}
+
+bool TrainingServiceImpl::DropResponse(const char* rpc) {
+  std::lock_guard<std::mutex> lock(drop_mu_);
+  if (drop_.empty()) return false;
+  const int n = ++calls_[rpc];
+  auto it = drop_.find(rpc);
+  return it != drop_.end() && it->second.count(n) > 0;
 }
 
 namespace {
@@ -718,15 +910,17 @@ absl::StatusOr<std::string> TrainingServiceImpl::CheckpointsOf(const v1::Checkpo
   return dir;
 }
 
-grpc::Status TrainingServiceImpl::Checkpoint(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::Checkpoint(grpc::ServerContext* context,
                                              const v1::CheckpointRequest* request,
                                              v1::CheckpointInfo* response) {
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return Fail("Checkpoint", job.status());
-  absl::StatusOr<CheckpointInfo> info = (*job)->Checkpoint(request->wait());
-  if (!info.ok()) return Fail("Checkpoint", info.status());
-  FillCheckpointInfo(*info, response);
-  return grpc::Status::OK;
+  return Once(context, "Checkpoint", request->call(), response, [&]() -> grpc::Status {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail("Checkpoint", job.status());
+    absl::StatusOr<CheckpointInfo> info = (*job)->Checkpoint(request->wait());
+    if (!info.ok()) return Fail("Checkpoint", info.status());
+    FillCheckpointInfo(*info, response);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status TrainingServiceImpl::ListCheckpoints(grpc::ServerContext*,

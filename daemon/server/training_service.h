@@ -11,7 +11,10 @@
 
 #include <map>
 #include <memory>
+#include <functional>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,7 +24,9 @@
 #include "daemon/planner/profile_cache.h"
 #include "daemon/cluster/membership.h"
 #include "daemon/common/periodic.h"
+#include "daemon/server/call_ledger.h"
 #include "daemon/server/job_manager.h"
+#include "daemon/server/job_records.h"
 #include "daemon/server/job_settings.h"
 #include "daemon/server/part_channel.h"
 #include "rannc/v1/job_part.grpc.pb.h"
@@ -48,7 +53,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // Starts a thread that deletes, once a second, the jobs whose client lease ran out
   // (JobOptions.lease_ms); the destructor stops it. `parts` (not owned) creates the parts of
   // the jobs this daemon leads over a cluster.
-  TrainingServiceImpl(DaemonFacts facts, JobManager* jobs, PartChannels* parts);
+  // `records` (not owned; may be disabled) keeps the durable jobs' records (--state-dir).
+  TrainingServiceImpl(DaemonFacts facts, JobManager* jobs, PartChannels* parts,
+                      JobRecords* records);
   ~TrainingServiceImpl() override;
 
   // The bound address is known only once the server runs (--listen may ask for port 0).
@@ -99,6 +106,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   grpc::Status Undeploy(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
   grpc::Status RecreateCommunicators(grpc::ServerContext*, const v1::JobRef*,
                                      v1::Empty*) override;
+  grpc::Status ResumeJob(grpc::ServerContext*, const v1::JobRef*,
+                         v1::CreateJobResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
                           v1::CheckpointInfo*) override;
   grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::CheckpointsRef*,
@@ -125,6 +134,29 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   v1::TrainingService::Stub* PeerStub(const std::string& address) const;
   v1::JobPartService::Stub* PartStub(const std::string& address) const;
 
+  // Runs a mutating call once per CallId (training.proto): a retry of the client's last call is
+  // answered from ledger_ with the first attempt's status and `response`. `rpc` names it in
+  // logs and for the tests' fault hook (RANNC_TEST_DROP_RESPONSES="Step:2,Forward:5": the 2nd
+  // Step and 5th Forward that carry a CallId run, are recorded, and answer UNAVAILABLE, as if
+  // the response were lost on the way; unset in use).
+  // A replayed answer carries the trailing metadata "rannc-replayed: 1".
+  grpc::Status Once(grpc::ServerContext* context, const char* rpc, const v1::CallId& call,
+                    google::protobuf::Message* response, const std::function<grpc::Status()>& run);
+  bool DropResponse(const char* rpc);
+
+  // A job made from `spec` under `id` (over the cluster when there is one), added to jobs_, and
+  // CreateJob's answer for it in `response`.
+  absl::StatusOr<std::shared_ptr<Job>> StartJob(const std::string& id, const v1::JobSpec& spec,
+                                                JobSettings settings, const std::string& model,
+                                                const std::vector<at::Tensor>& examples,
+                                                const SentTensors& sent,
+                                                v1::CreateJobResponse* response);
+  // Durable jobs: the suspended record a new job of `spec`'s name attaches to (the same name
+  // and checkpoint directory, no live job), if any.
+  std::optional<v1::JobRecord> SuspendedFor(const v1::JobSpec& spec) const;
+  // At a lease's end: a durable job writes a last checkpoint and is kept as suspended.
+  bool Suspend(Job& job);
+
   // The job directory a CheckpointsRef names: a live job's, or a name under a directory.
   absl::StatusOr<std::string> CheckpointsOf(const v1::CheckpointsRef& ref,
                                             std::shared_ptr<Job>* job) const;
@@ -136,6 +168,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   const ShmDirectory shm_;
   JobManager* const jobs_;
   PartChannels* const parts_;
+  JobRecords* const records_;
   mutable std::mutex address_mu_;
   std::string address_;
   const cluster::Cluster* cluster_ = nullptr;  // guarded by address_mu_
@@ -146,6 +179,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   mutable std::mutex peers_mu_;
   mutable std::map<std::string, std::unique_ptr<v1::TrainingService::Stub>> peers_;
   mutable std::map<std::string, std::unique_ptr<v1::JobPartService::Stub>> part_stubs_;
+  CallLedger ledger_;
+  std::mutex drop_mu_;
+  std::map<std::string, std::set<int>> drop_;  // the fault hook's: rpc -> ordinals to drop
+  std::map<std::string, int> calls_;           // calls with a CallId so far, per rpc
   // The lease reaper (see the constructor): one round of it.
   void ReapExpiredJobs();
   Periodic reaper_;  // last: starts once everything above is constructed, stops first

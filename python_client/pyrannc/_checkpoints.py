@@ -63,11 +63,19 @@ def listed(conn, checkpoints_ref: pb.CheckpointsRef) -> List[CheckpointInfo]:
 
 
 def step_to_resume(conn, model) -> Optional[int]:
-    """The step of the checkpoint the config key resume would start a job from now (None:
-    resume unset, or latest with no checkpoint yet). A step that is not there raises."""
+    """The step of the checkpoint a job made now would start from (None: afresh): the config
+    key resume's, or, without it, the latest of a suspended job of this name and checkpoint
+    directory that the new job attaches to (ranncd --state-dir). A resume step that is not
+    there raises."""
     resume = _config.job_config().get("resume", "")
+    directory = _jobs.checkpoint_dir()
     if not resume:
-        return None
+        name = _jobs.job_name(model)
+        jobs = conn.call("ListJobs", pb.Empty()).jobs
+        if not directory or not any(j.state == pb.SUSPENDED and j.name == name and
+                                    j.checkpoint_dir == directory for j in jobs):
+            return None
+        resume = "latest"
     steps = [c.step for c in listed(conn, ref(None, model))]
     if resume == "latest":
         return steps[-1] if steps else None

@@ -25,7 +25,8 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional
+import uuid
+from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Union
 
 import grpc
 import torch
@@ -37,6 +38,9 @@ from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from pyrannc.proto.rannc.v1 import training_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("pyrannc")
+
+# The codes after which a mutating call is sent again (Connection._with_retries).
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 daemon_logger = logging.getLogger("pyrannc.ranncd")
 
 _DEFAULT_DEVICES = "cpu:2"
@@ -102,7 +106,9 @@ class _EmbeddedDaemon:
 
     def __init__(self, binary: str, address: str, settings: EmbeddedSettings):
         self.address = address
-        self.args = [binary, "--listen", address, "--devices", settings.devices] + settings.flags
+        # Private to this process, it keeps no durable jobs (daemon_args may still ask).
+        self.args = [binary, "--listen", address, "--devices", settings.devices,
+                     "--state-dir", "none"] + settings.flags
         self.stop_timeout = settings.stop_timeout
         self.tail = collections.deque(maxlen=200)
         self.owner_pid = os.getpid()
@@ -176,6 +182,7 @@ class Connection:
         self._renewer: Optional[threading.Thread] = None
         self._renewer_lock = threading.Lock()
         self._stop_renewing = threading.Event()
+        self._calls = threading.local()  # _next_call_id's, per thread
 
     def hold_lease(self, job_id: str, lease_s: float) -> None:
         """Renews the job's lease from a thread of this connection, every fifth of the lease,
@@ -221,16 +228,63 @@ class Connection:
         return ""
 
     def call(self, method: str, request, timeout: Optional[float] = None):
+        """Calls `method`. A mutating call (its request has a CallId field, `call`) is numbered
+        and retried after a lost answer (see _with_retries): the daemon applies it once."""
+        rpc = getattr(self.stub, method)
+        if "call" in request.DESCRIPTOR.fields_by_name:
+            request.call.CopyFrom(self._next_call_id())
+            return self._with_retries(method, lambda: rpc(request, timeout=timeout))
         try:
-            return getattr(self.stub, method)(request, timeout=timeout)
+            return rpc(request, timeout=timeout)
         except grpc.RpcError as err:
             raise from_rpc_error(method, err, self._hint(err)) from None
 
-    def call_streaming_request(self, method: str, requests: Iterable):
+    def call_streaming_request(self, method: str,
+                               requests: Union[Iterable, Callable[[pb.CallId], Iterable]]):
+        """A client-streamed call; `requests` may be a function of the call's CallId making the
+        stream, for a mutating call that is retried like call()'s."""
+        rpc = getattr(self.stub, method)
+        if callable(requests):
+            call_id = self._next_call_id()
+            return self._with_retries(method, lambda: rpc(iter(requests(call_id))))
         try:
-            return getattr(self.stub, method)(iter(requests))
+            return rpc(iter(requests))
         except grpc.RpcError as err:
             raise from_rpc_error(method, err, self._hint(err)) from None
+
+    def _next_call_id(self) -> pb.CallId:
+        """This thread's client id on this connection and its next sequence number."""
+        local = self._calls
+        if not hasattr(local, "client_id"):
+            local.client_id, local.seq = uuid.uuid4().hex, 0
+        local.seq += 1
+        return pb.CallId(client_id=local.client_id, seq=local.seq)
+
+    def _with_retries(self, method: str, attempt: Callable):
+        """Runs `attempt` (one call with a fixed CallId) until it gets an answer: the daemon
+        unreachable (UNAVAILABLE) or a deadline passed is retried with backoff for up to
+        call_retry_timeout seconds (RANNC_CALL_RETRY_TIMEOUT, default 30; 0: no retries), then
+        raised with its cause. An error the daemon answers from its record of the call
+        (metadata rannc-replayed) is the call's own, raised at once."""
+        deadline = None
+        delay = 0.05
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as err:
+                replayed = any(k == "rannc-replayed" for k, _ in err.trailing_metadata() or ())
+                gone = self.embedded is not None and self.embedded.exited() is not None
+                if (err.code() in _RETRIED and not replayed and not gone):
+                    if deadline is None:
+                        deadline = time.monotonic() + _config.client_seconds(
+                            "call_retry_timeout", 30.0)
+                    if time.monotonic() + delay < deadline:
+                        logger.warning("pyrannc: %s: %s (%s); retrying, the daemon applies "
+                                       "it once", method, err.code().name, err.details())
+                        time.sleep(delay)
+                        delay = min(2 * delay, 2.0)
+                        continue
+                raise from_rpc_error(method, err, self._hint(err)) from None
 
     def stream(self, method: str, request) -> Iterator:
         try:
@@ -241,6 +295,7 @@ class Connection:
 
     def wait_ready(self, deadline: float, alive: Callable[[], None]) -> pb.DaemonInfo:
         last_error = None
+        fresh_at = time.monotonic() + 0.5
         while time.monotonic() < deadline:
             alive()
             try:
@@ -251,6 +306,13 @@ class Connection:
                                       grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise from_rpc_error("GetInfo", err) from None
                 last_error = err
+            if time.monotonic() >= fresh_at:
+                # A channel that failed to connect waits out gRPC's reconnect backoff (seconds)
+                # even once the daemon listens; a new one connects at once.
+                self.channel.close()
+                self.channel = grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+                self.stub = pb_grpc.TrainingServiceStub(self.channel)
+                fresh_at = time.monotonic() + 0.5
             time.sleep(0.1)
         detail = last_error.details() if last_error is not None else "no answer"
         raise RanncError(f"ranncd at {self.address} did not answer GetInfo in time: {detail}",

@@ -508,8 +508,9 @@ class RaNNCModule(torch.nn.Module):
         job_id = self._job.id
         step = _codec.chunk_bytes(_codec.STREAM_CHUNK_BYTES, conn.info.max_message_bytes)
 
-        def requests():
-            yield pb.LoadStateDictRequest(header=pb.LoadStateDictRequest.Header(job_id=job_id))
+        def requests(call):
+            yield pb.LoadStateDictRequest(header=pb.LoadStateDictRequest.Header(job_id=job_id,
+                                                                                call=call))
             for name, entries in state.items():
                 for key, value in entries.items():
                     value = torch.as_tensor(value).detach().cpu()
@@ -518,7 +519,7 @@ class RaNNCModule(torch.nn.Module):
                         yield pb.LoadStateDictRequest(chunk=chunk)
 
         self._flush()
-        conn.call_streaming_request("LoadOptimizerState", requests())
+        conn.call_streaming_request("LoadOptimizerState", requests)
 
     def _zero_grad(self, set_to_none: bool) -> None:
         if self._job is not None:
@@ -686,9 +687,9 @@ class RaNNCModule(torch.nn.Module):
         conn = self._connection()
         step = _codec.chunk_bytes(_codec.STREAM_CHUNK_BYTES, conn.info.max_message_bytes)
 
-        def requests():
+        def requests(call):
             yield pb.LoadStateDictRequest(header=pb.LoadStateDictRequest.Header(
-                job_id=job_id, strict=strict))
+                job_id=job_id, strict=strict, call=call))
             for name, value in state_dict.items():
                 if name in local and isinstance(value, torch.Tensor):
                     value = value.to(local[name].dtype)
@@ -696,7 +697,7 @@ class RaNNCModule(torch.nn.Module):
                         yield pb.LoadStateDictRequest(chunk=chunk)
 
         self._flush()
-        resp = conn.call_streaming_request("LoadStateDict", requests())
+        resp = conn.call_streaming_request("LoadStateDict", requests)
         self._state_dirty = True
         return torch.nn.modules.module._IncompatibleKeys(
             sorted(set(missing) | set(resp.missing_keys)),

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import pyrannc
-from conftest import CLIENT_ROOT, DaemonProcess, assert_close, ref_copy, to_ref
+from conftest import CLIENT_ROOT, DaemonProcess, assert_close, built_binary, ref_copy, to_ref
 from pyrannc.errors import RanncError
 from test_pipeline_conformance import MODELS, DeepMLP, _set_plan_config
 
@@ -276,6 +276,7 @@ def test_sigkill_and_restart_resume_bitwise(tmp_path, monkeypatch, clean):
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_CHECKPOINT_DIR=str(ckpt),
                RANNC_JOB="killed", RANNC_CHECKPOINT_EVERY="5", RANNC_RESUME="latest",
+               RANNC_CALL_RETRY_TIMEOUT="0",  # a killed daemon fails the client at once
                RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="1", RANNC_PIPELINE_NUM="2")
     tests = os.path.dirname(os.path.abspath(__file__))
 
@@ -317,3 +318,105 @@ def test_sigkill_and_restart_resume_bitwise(tmp_path, monkeypatch, clean):
     whole, resumed = torch.load(whole_out), torch.load(out)
     for name, value in whole.items():
         assert torch.equal(resumed[name], value), f"{name} differs after SIGKILLs at {kills}"
+
+
+_DURABLE_CLIENT = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    import torch, pyrannc
+    from test_checkpoints import CASE, OPTIMIZERS, _train
+    torch.manual_seed({seed})
+    model = CASE.make()
+    opt = OPTIMIZERS["adam"](model)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    start = rmod.resumed_step or 0
+    _train(rmod, opt, start, {last})
+    torch.save({{"start": start, "resumed": rmod.resumed_step, "state": rmod.state_dict()}},
+               {out!r})
+    os._exit(0)  # gone without deleting its job, as a client that crashed
+""")
+
+
+def _jobs(stub):
+    from pyrannc.proto.rannc.v1 import training_pb2 as pb
+    return {j.name: j for j in stub.ListJobs(pb.Empty(), timeout=10).jobs}
+
+
+def test_durable_jobs_survive_an_expired_lease_and_a_restart(tmp_path, monkeypatch, clean):
+    from pyrannc.proto.rannc.v1 import training_pb2 as pb
+    from pyrannc.proto.rannc.v1 import training_pb2_grpc as rpc
+
+    state_dir = str(tmp_path / "state")
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+               RANNC_JOB="durable", RANNC_CHECKPOINT_EVERY="2", RANNC_JOB_LEASE="1",
+               RANNC_CALL_RETRY_TIMEOUT="0")
+    env.pop("RANNC_RESUME", None)
+    tests = os.path.dirname(os.path.abspath(__file__))
+
+    def run_client(daemon, seed, last, out):
+        script = _DURABLE_CLIENT.format(tests=tests, seed=seed, last=last, out=out)
+        done = subprocess.run([sys.executable, "-c", script],
+                              env=dict(env, RANNC_DAEMON=daemon.address), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr + daemon.output()
+        return torch.load(out)
+
+    def wait_state(stub, state, steps):
+        deadline = time.monotonic() + 30
+        while True:
+            job = _jobs(stub).get("durable")
+            if job is not None and job.state == state and job.steps == steps:
+                return job
+            assert time.monotonic() < deadline, f"durable: {job}"
+            time.sleep(0.1)
+
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state_dir)
+    try:
+        # 5 steps (checkpoints at 2 and 4), then the client is gone: at the lease's end the job
+        # writes a last checkpoint (step 5) and is suspended, holding no devices.
+        first = run_client(daemon, 0, 5, str(tmp_path / "first.pt"))
+        assert first["start"] == 0 and first["resumed"] is None
+        stub = rpc.TrainingServiceStub(daemon.conn.channel)
+        suspended = wait_state(stub, pb.SUSPENDED, 5)
+        assert not any(suspended.device_bytes)
+    finally:
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
+        daemon.stop()
+
+    # A restart with the same --state-dir lists it suspended; a client of the same name (and
+    # checkpoint directory) attaches to it, without RANNC_RESUME: it goes on from step 5.
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state_dir)
+    try:
+        stub = rpc.TrainingServiceStub(daemon.conn.channel)
+        job_id = wait_state(stub, pb.SUSPENDED, 5).job_id
+        second = run_client(daemon, 1, 8, str(tmp_path / "second.pt"))
+        assert second["start"] == 5 and second["resumed"] == 5
+        torch.manual_seed(0)
+        ref = CASE.make()
+        ref_opt = OPTIMIZERS["adam"](ref)
+        _train(ref, ref_opt, 0, 8)
+        for name, value in ref.state_dict().items():
+            assert_close(second["state"][name], value, f"attached by name: {name}")
+
+        # Gone again: suspended at step 8 (its checkpoint of step 8 is the last). `rannc resume`
+        # brings it back under its id, without a client; DeleteJob ends it and its record.
+        suspended = wait_state(stub, pb.SUSPENDED, 8)
+        assert suspended.job_id != job_id
+        cli = built_binary("rannc", "RANNC_CLI_BIN", "client")
+        listed = subprocess.run([cli, "jobs", "--daemon", daemon.address], capture_output=True,
+                                text=True, timeout=60)
+        assert "suspended" in listed.stdout, listed.stdout + listed.stderr
+        resumed = subprocess.run([cli, "resume", "durable", "--daemon", daemon.address],
+                                 capture_output=True, text=True, timeout=120)
+        assert resumed.returncode == 0, resumed.stderr + daemon.output()
+        assert f"resumed job {suspended.job_id} at step 8" in resumed.stdout, resumed.stdout
+        assert _jobs(stub)["durable"].state == pb.DEPLOYED
+        again = subprocess.run([cli, "resume", "durable", "--daemon", daemon.address],
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode != 0 and "runs already" in again.stderr, again.stderr
+        stub.DeleteJob(pb.JobRef(job_id=suspended.job_id), timeout=30)
+        assert "durable" not in _jobs(stub)
+        assert not os.listdir(os.path.join(state_dir, "jobs"))
+    finally:
+        daemon.stop()

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import CLIENT_ROOT, assert_close, daemon_binary
+from conftest import CLIENT_ROOT, DaemonProcess, assert_close, daemon_binary
 import models
 from pyrannc.proto.rannc.v1 import cluster_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -612,3 +612,102 @@ def test_a_lost_leader_fails_its_client_and_its_parts_go(cluster):
         assert time.monotonic() - killed < 20, "the part outlived its leader"
         time.sleep(0.2)
     print(f"the part went {time.monotonic() - killed:.1f} s after the leader's SIGKILL")
+
+
+_CHECKPOINTED_CLIENT = textwrap.dedent("""
+    import sys, time, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    torch.manual_seed({seed})  # a resumed job's initial values are the checkpoint's, not these
+    model = models.MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    before = rmod.resumed_step
+    for step in range({first}, {last}):
+        x, y = models.mlp_batch(step, batch=8)
+        loss = rmod(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    deadline = time.monotonic() + 60
+    while not all(c.committed for c in rmod.checkpoints()):
+        assert time.monotonic() < deadline, rmod.checkpoints()
+        time.sleep(0.05)
+    torch.save({{"before": before, "after": rmod.resumed_step, "state": rmod.state_dict(),
+                "checkpoints": [c.step for c in rmod.checkpoints()],
+                "devices": list(rmod._job.devices),
+                "stages": [list(s.devices) for s in rmod.deployment.stages]}}, {out!r})
+""")
+
+
+def _run_checkpointed_client(tmp_path, name, daemon, plan, first, last, seed, daemon_logs,
+                             **env):
+    """Runs _CHECKPOINTED_CLIENT against `daemon` with the plan (stages, replicas,
+    micro-batches), training steps first..last with checkpoints under tmp_path/ckpt (job
+    cluster-ckpt); returns what it saved."""
+    out = str(tmp_path / f"{name}.pt")
+    partitions, replicas, pipeline = plan
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=daemon,
+               RANNC_PARTITION_NUM=str(partitions), RANNC_REPLICA_NUM=str(replicas),
+               RANNC_PIPELINE_NUM=str(pipeline), RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+               RANNC_JOB="cluster-ckpt", **env)
+    script = _CHECKPOINTED_CLIENT.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                                         seed=seed, first=first, last=last, out=out)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"{name}:\n" + done.stderr + "\n" + "".join(
+        log() for log in daemon_logs)
+    return torch.load(out)
+
+
+def test_a_checkpoint_of_a_job_over_the_daemons_resumes_on_another_plan_and_on_one_daemon(
+        tmp_path, cluster):
+    # An MLP with Adam over both daemons (a stage per daemon, 2 replicas each), a checkpoint
+    # every 2 steps, written by the leader; resumed over both daemons on another plan (1 stage
+    # x 4 replicas) and on one standalone daemon (1 stage x 2 replicas): both equal to an
+    # uninterrupted PyTorch run.
+    peers, logs, _, names = cluster
+    cluster_logs = [lambda log=log: open(log.name).read() for log in logs]
+    every_device = sorted(f"{a}/{n}" for a, own in zip(peers, names) for n in own)
+
+    first = _run_checkpointed_client(tmp_path, "first", peers[0], (2, 2, 2), 0, 4, 0,
+                                     cluster_logs, RANNC_CHECKPOINT_EVERY="2")
+    assert sorted(first["devices"]) == every_device
+    assert len(first["stages"]) == 2
+    assert first["before"] is None and first["after"] is None  # resume is not set
+    assert first["checkpoints"] == [2, 4]
+    assert (tmp_path / "ckpt" / "cluster-ckpt" / "step-0000000004" / "manifest.json").is_file()
+
+    # Over both daemons again, as 1 stage x 4 replicas, from other initial values.
+    over_cluster = _run_checkpointed_client(tmp_path, "over_cluster", peers[0], (1, 4, 1), 4, 6,
+                                            1, cluster_logs, RANNC_RESUME="latest")
+    assert over_cluster["before"] == 4 and over_cluster["after"] == 4
+    assert sorted(over_cluster["devices"]) == every_device
+    assert over_cluster["stages"] == [[0, 1, 2, 3]]
+
+    # On one daemon outside the cluster, as 1 stage x 2 replicas.
+    other = DaemonProcess("--devices", "cpu:2")
+    try:
+        alone = _run_checkpointed_client(tmp_path, "alone", other.address, (1, 2, 1), 4, 6, 2,
+                                         [other.output], RANNC_RESUME="latest")
+    finally:
+        other.stop()
+    assert alone["before"] == 4 and alone["after"] == 4
+    assert alone["stages"] == [[0, 1]]
+    assert alone["devices"] == ["cpu:0", "cpu:1"]  # a daemon outside a cluster names its own
+
+    # The uninterrupted run.
+    torch.manual_seed(0)
+    ref = models.MLP()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for step in range(6):
+        x, y = models.mlp_batch(step, batch=8)
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for what, got in (("resumed over the cluster on 1x4", over_cluster),
+                      ("resumed on one daemon on 1x2", alone)):
+        assert sorted(got["state"]) == sorted(ref.state_dict())
+        for k, v in ref.state_dict().items():
+            assert_close(got["state"][k], v, f"{what}: {k}")

@@ -129,6 +129,11 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
                 )
+        self.ResumeJob = channel.unary_unary(
+                '/rannc.v1.TrainingService/ResumeJob',
+                request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.CreateJobResponse.FromString,
+                )
         self.Checkpoint = channel.unary_unary(
                 '/rannc.v1.TrainingService/Checkpoint',
                 request_serializer=rannc_dot_v1_dot_training__pb2.CheckpointRequest.SerializeToString,
@@ -294,6 +299,15 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """Brings back a suspended job (JobRef.job_id: its id or name) from its latest checkpoint: it
+        runs again under its id, held by no client and no lease, until a client drives it or
+        DeleteJob.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Checkpoint(self, request, context):
         """Writes a checkpoint of the job now (at the boundary of the call it waits for).
         """
@@ -432,6 +446,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.RecreateCommunicators,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.CreateJobResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -846,6 +865,23 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/RecreateCommunicators',
             rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
             rannc_dot_v1_dot_training__pb2.Empty.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ResumeJob',
+            rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.CreateJobResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -1,0 +1,177 @@
+#include "daemon/server/job_records.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include <ATen/core/Dict.h>
+#include <google/protobuf/util/json_util.h>
+#include <spdlog/spdlog.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/files.h"
+
+namespace rannc {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kRecord[] = "record.json";
+constexpr char kModel[] = "model.pt";
+constexpr char kTensors[] = "tensors.pt";
+
+}  // namespace
+
+JobRecords::JobRecords(std::string state_dir)
+    : dir_(state_dir.empty() ? "" : (fs::path(state_dir) / "jobs").string()) {}
+
+std::string JobRecords::JobDir(const std::string& job_id) const {
+  return (fs::path(dir_) / job_id).string();
+}
+
+absl::Status JobRecords::Save(const std::string& job_id, const v1::JobSpec& spec,
+                              const std::string& model_bytes,
+                              const std::vector<at::Tensor>& example_inputs,
+                              const SentTensors& sent, const v1::Deployment& plan) {
+  if (!enabled()) return absl::OkStatus();
+  v1::JobRecord record;
+  record.set_job_id(job_id);
+  record.set_name(spec.name());
+  *record.mutable_spec() = spec;
+  record.mutable_spec()->clear_example_inputs();
+  record.mutable_spec()->clear_model_tensors();
+  *record.mutable_deployment() = plan;
+  record.set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 std::chrono::system_clock::now().time_since_epoch()).count());
+  c10::Dict<std::string, at::Tensor> tensors;
+  for (size_t i = 0; i < example_inputs.size(); ++i) {
+    const std::string key = absl::StrCat("input/", i);
+    tensors.insert(key, example_inputs[i].contiguous());
+    record.add_input_keys(key);
+  }
+  for (const auto& [name, tensor] : sent) {
+    tensors.insert(absl::StrCat("sent/", name), tensor.contiguous());
+    record.add_sent_names(name);
+  }
+  std::string json;
+  google::protobuf::util::JsonPrintOptions print;
+  print.add_whitespace = true;
+  print.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(record, &json, print).ok()) {
+    return absl::InternalError("writing a job record");
+  }
+  std::vector<char> tensor_bytes;
+  try {
+    tensor_bytes = torch::jit::pickle_save(c10::IValue(tensors));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("writing job ", job_id, "'s tensors: ", e.what()));
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating the state directory ", dir_));
+  const std::string tmp = absl::StrCat(JobDir(job_id), ".tmp-", ::getpid());
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating ", tmp));
+  absl::Status s = WriteFileDurably(absl::StrCat(tmp, "/", kModel), model_bytes.data(),
+                                    model_bytes.size());
+  if (s.ok()) {
+    s = WriteFileDurably(absl::StrCat(tmp, "/", kTensors), tensor_bytes.data(),
+                         tensor_bytes.size());
+  }
+  if (s.ok()) s = WriteFileDurably(absl::StrCat(tmp, "/", kRecord), json.data(), json.size());
+  if (s.ok()) s = SyncDirectory(tmp);
+  if (s.ok()) {
+    fs::remove_all(JobDir(job_id), ec);
+    if (std::rename(tmp.c_str(), JobDir(job_id).c_str()) != 0) {
+      s = ErrnoStatus(errno, absl::StrCat("committing ", JobDir(job_id)));
+    }
+  }
+  if (s.ok()) s = SyncDirectory(dir_);
+  if (!s.ok()) fs::remove_all(tmp, ec);
+  return s;
+}
+
+absl::Status JobRecords::Remove(const std::string& job_id) {
+  if (!enabled() || job_id.empty() || job_id.find('/') != std::string::npos) {
+    return absl::OkStatus();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::error_code ec;
+  fs::remove_all(JobDir(job_id), ec);
+  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("removing ", JobDir(job_id)));
+  return absl::OkStatus();
+}
+
+std::vector<v1::JobRecord> JobRecords::List() const {
+  std::vector<v1::JobRecord> out;
+  if (!enabled()) return out;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::error_code ec;
+  for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.find(".tmp-") != std::string::npos) continue;
+    absl::StatusOr<std::string> json = ReadFile((it->path() / kRecord).string());
+    v1::JobRecord record;
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = true;
+    if (!json.ok() ||
+        !google::protobuf::util::JsonStringToMessage(*json, &record, options).ok()) {
+      spdlog::warn("skipping the job record {}: it does not read", it->path().string());
+      continue;
+    }
+    out.push_back(std::move(record));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.created_unix_ms() < b.created_unix_ms();
+  });
+  return out;
+}
+
+absl::StatusOr<v1::JobRecord> JobRecords::Find(const std::string& id_or_name) const {
+  std::vector<v1::JobRecord> all = List();
+  for (const v1::JobRecord& r : all) {
+    if (r.job_id() == id_or_name) return r;
+  }
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (it->name() == id_or_name) return *it;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "no suspended job '", id_or_name, "'",
+      enabled() ? absl::StrCat(" in ", dir_) : std::string(" (ranncd runs with --state-dir none)")));
+}
+
+absl::StatusOr<JobRecords::Loaded> JobRecords::Load(const std::string& job_id) const {
+  absl::StatusOr<v1::JobRecord> record = Find(job_id);
+  if (!record.ok()) return record.status();
+  Loaded loaded;
+  loaded.record = std::move(*record);
+  const std::string dir = JobDir(loaded.record.job_id());
+  absl::StatusOr<std::string> model = ReadFile(absl::StrCat(dir, "/", kModel));
+  if (!model.ok()) return absl::DataLossError(model.status().message());
+  loaded.model_bytes = std::move(*model);
+  absl::StatusOr<std::string> bytes = ReadFile(absl::StrCat(dir, "/", kTensors));
+  if (!bytes.ok()) return absl::DataLossError(bytes.status().message());
+  try {
+    const c10::impl::GenericDict tensors =
+        torch::jit::pickle_load(std::vector<char>(bytes->begin(), bytes->end())).toGenericDict();
+    for (const std::string& key : loaded.record.input_keys()) {
+      loaded.example_inputs.push_back(tensors.at(key).toTensor());
+    }
+    for (const std::string& name : loaded.record.sent_names()) {
+      loaded.sent[name] = tensors.at(absl::StrCat("sent/", name)).toTensor();
+    }
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(dir, "/", kTensors, " does not read: ", e.what()));
+  }
+  return loaded;
+}
+
+}  // namespace rannc
