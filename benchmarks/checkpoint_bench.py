@@ -74,6 +74,7 @@ import torch  # noqa: E402
 SIZES = {  # layers, d_model, heads, seq, batch
     "small": (2, 96, 4, 64, 16),  # examples/train_gpt.py's defaults
     "large": (4, 512, 8, 32, 4),
+    "gpu-1b": (24, 2048, 16, 512, 8),  # 1.2B parameters, a ~14.5 GB checkpoint (GPU runs)
 }
 JOB = "ckpt_bench"
 BLOCK = 8 << 20
@@ -321,6 +322,11 @@ def main(argv=None):
             break
         if time.monotonic() > deadline:
             raise RuntimeError(f"the last asynchronous checkpoint did not commit: {listed}")
+        time.sleep(0.05)
+    # The daemon logs a write once it is committed and pruned, a moment after the commit.
+    while not all(c[0] in committed_writes(logs[0]) for c in ckpt_steps):
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.05)
     writes = committed_writes(logs[0])
     spans = []

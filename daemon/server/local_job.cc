@@ -468,7 +468,10 @@ std::vector<OptimizerEntry> LocalJob::OptimizerState() {
     auto it = state.find(li);
     if (!e.is_parameter || it == state.end() || !Held(li)) continue;
     for (const auto& [key, value] : it->second) {
-      out.push_back({e.name, key, value.detach().to(at::kCPU).clone()});
+      // One copy to the host (a host tensor is copied too: the caller keeps it).
+      out.push_back({e.name, key,
+                     value.detach().to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false,
+                                       /*copy=*/true)});
     }
   }
   return out;
