@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <mutex>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -186,10 +185,6 @@ void WriteTensorFile(const std::string& dir, TensorFile* file) {
   }
   std::vector<char> bytes;
   try {
-    // One serialization at a time: LibTorch's pickler is not known to be safe on several
-    // threads at once (a daemon crashed so on a GPU host); the CRC and the write run in parallel.
-    static std::mutex pickling;
-    std::lock_guard<std::mutex> lock(pickling);
     bytes = torch::jit::pickle_save(c10::IValue(dict));
   } catch (const std::exception& e) {
     file->status = absl::InternalError(absl::StrCat("serializing ", file->path, ": ", e.what()));
