@@ -468,10 +468,12 @@ std::vector<OptimizerEntry> LocalJob::OptimizerState() {
     auto it = state.find(li);
     if (!e.is_parameter || it == state.end() || !Held(li)) continue;
     for (const auto& [key, value] : it->second) {
-      // One copy to the host (a host tensor is copied too: the caller keeps it).
+      // The engine's are host copies already; the parked state is copied (the caller keeps
+      // what it gets).
       out.push_back({e.name, key,
-                     value.detach().to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false,
-                                       /*copy=*/true)});
+                     engine_ ? value.detach()
+                             : value.detach().to(at::TensorOptions().device(at::kCPU),
+                                                 /*non_blocking=*/false, /*copy=*/true)});
     }
   }
   return out;
