@@ -261,11 +261,7 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
     ++steps_;
     if (!op.hypers.empty()) last_hypers_ = op.hypers;
     const int every = settings_.checkpoints.every;
-    if (every > 0 && !settings_.is_part && steps_ % every == 0) {
-      // A checkpoint that cannot be written fails no step: the job keeps training, and the
-      // failure is logged and reported (checkpoint_error, ListCheckpoints).
-      CheckpointLocked(/*wait=*/false).IgnoreError();
-    }
+    if (every > 0 && !settings_.is_part && steps_ % every == 0) CheckpointAfterStep();
   }
   return out;
 }

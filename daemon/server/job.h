@@ -208,6 +208,9 @@ class Job {
   // job_checkpoint.cc: the snapshot handed to the writer; the state of a checkpoint loaded at
   // creation (settings_.checkpoints.resume).
   absl::StatusOr<CheckpointInfo> CheckpointLocked(bool wait);
+  // checkpoint_every's: a checkpoint that cannot be taken or written fails no step; the job
+  // keeps training, and the failure is logged and reported (checkpoint_error).
+  void CheckpointAfterStep();
   absl::Status Resume();
   // Reads a tensor another daemon's part holds (null when none does: a part, or one daemon).
   RemoteRead Remote();
@@ -228,6 +231,8 @@ class Job {
   // The hyper-parameters of the last step, per param group (a scheduler's), for checkpoints.
   std::vector<HyperParams> last_hypers_;
   int64_t resumed_step_ = -1;
+  mutable std::mutex error_mu_;
+  std::string snapshot_error_;  // the last checkpoint_every snapshot's failure ("" none)
   // Declared last: destroyed first, waiting for a write in flight while the job is whole.
   checkpoint::CheckpointWriter writer_;
 };

@@ -196,7 +196,24 @@ absl::StatusOr<std::vector<char>> ExportCheckpointIn(const std::string& job_dir,
   return checkpoint::ExportCheckpoint(*m, *contents);
 }
 
-std::string Job::checkpoint_error() const { return writer_.last_error(); }
+void Job::CheckpointAfterStep() {
+  absl::StatusOr<CheckpointInfo> taken = CheckpointLocked(/*wait=*/false);
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    snapshot_error_ = taken.ok() ? "" : std::string(taken.status().message());
+  }
+  if (!taken.ok()) {
+    spdlog::error("job {}: the checkpoint of step {} (checkpoint_every) failed; training goes "
+                  "on: {}", info_.id, steps_, taken.status().ToString());
+  }
+}
+
+std::string Job::checkpoint_error() const {
+  const std::string written = writer_.last_error();
+  if (!written.empty()) return written;
+  std::lock_guard<std::mutex> lock(error_mu_);
+  return snapshot_error_;
+}
 
 absl::Status Job::Resume() {
   const JobSettings::Checkpoints& c = settings_.checkpoints;

@@ -38,10 +38,10 @@ from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from pyrannc.proto.rannc.v1 import training_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("pyrannc")
+daemon_logger = logging.getLogger("pyrannc.ranncd")
 
 # The codes after which a mutating call is sent again (Connection._with_retries).
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-daemon_logger = logging.getLogger("pyrannc.ranncd")
 
 _DEFAULT_DEVICES = "cpu:2"
 _CHANNEL_OPTIONS = [
