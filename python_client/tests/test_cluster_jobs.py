@@ -622,7 +622,7 @@ _CHECKPOINTED_CLIENT = textwrap.dedent("""
     torch.manual_seed({seed})  # a resumed job's initial values are the checkpoint's, not these
     model = models.MLP()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    rmod = pyrannc.RaNNCModule(model, opt)
+    rmod = pyrannc.RaNNCModule(model, opt, enable_zero={zero})
     before = rmod.resumed_step
     for step in range({first}, {last}):
         x, y = models.mlp_batch(step, batch=8)
@@ -642,7 +642,7 @@ _CHECKPOINTED_CLIENT = textwrap.dedent("""
 
 
 def _run_checkpointed_client(tmp_path, name, daemon, plan, first, last, seed, daemon_logs,
-                             **env):
+                             zero=False, job="cluster-ckpt", **env):
     """Runs _CHECKPOINTED_CLIENT against `daemon` with the plan (stages, replicas,
     micro-batches), training steps first..last with checkpoints under tmp_path/ckpt (job
     cluster-ckpt); returns what it saved."""
@@ -651,9 +651,9 @@ def _run_checkpointed_client(tmp_path, name, daemon, plan, first, last, seed, da
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=daemon,
                RANNC_PARTITION_NUM=str(partitions), RANNC_REPLICA_NUM=str(replicas),
                RANNC_PIPELINE_NUM=str(pipeline), RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"),
-               RANNC_JOB="cluster-ckpt", **env)
+               RANNC_JOB=job, **env)
     script = _CHECKPOINTED_CLIENT.format(tests=os.path.dirname(os.path.abspath(__file__)),
-                                         seed=seed, first=first, last=last, out=out)
+                                         seed=seed, first=first, last=last, out=out, zero=zero)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, f"{name}:\n" + done.stderr + "\n" + "".join(
@@ -697,7 +697,12 @@ def test_a_checkpoint_of_a_job_over_the_daemons_resumes_on_another_plan_and_on_o
     assert alone["stages"] == [[0, 1]]
     assert alone["devices"] == ["cpu:0", "cpu:1"]  # a daemon outside a cluster names its own
 
-    # The uninterrupted run.
+    _assert_like_uninterrupted_adam({"resumed over the cluster on 1x4": over_cluster,
+                                     "resumed on one daemon on 1x2": alone})
+
+
+def _assert_like_uninterrupted_adam(runs):
+    """Each run's final state against 6 steps of plain PyTorch (Adam, lr 0.01, seed 0)."""
     torch.manual_seed(0)
     ref = models.MLP()
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
@@ -706,8 +711,30 @@ def test_a_checkpoint_of_a_job_over_the_daemons_resumes_on_another_plan_and_on_o
         ref(x, y).backward()
         opt.step()
         opt.zero_grad()
-    for what, got in (("resumed over the cluster on 1x4", over_cluster),
-                      ("resumed on one daemon on 1x2", alone)):
+    for what, got in runs.items():
         assert sorted(got["state"]) == sorted(ref.state_dict())
         for k, v in ref.state_dict().items():
             assert_close(got["state"][k], v, f"{what}: {k}")
+
+
+def test_a_zero_checkpoint_of_one_daemon_resumes_over_the_daemons(tmp_path, cluster):
+    # 2 stages x 2 replicas with ZeRO on one daemon with four devices, checkpointed; resumed by
+    # a job over both daemons of the cluster (a stage per daemon, without ZeRO): equal to an
+    # uninterrupted PyTorch run.
+    peers, logs, _, names = cluster
+    single = DaemonProcess("--devices", "cpu:4")
+    try:
+        first = _run_checkpointed_client(tmp_path, "zero_first", single.address, (2, 2, 2), 0, 4,
+                                         0, [single.output], zero=True, job="zero-ckpt",
+                                         RANNC_CHECKPOINT_EVERY="4")
+    finally:
+        single.stop()
+    assert first["checkpoints"] == [4] and len(first["stages"]) == 2
+    resumed = _run_checkpointed_client(
+        tmp_path, "zero_resumed", peers[0], (2, 2, 2), 4, 6, 1,
+        [lambda log=log: open(log.name).read() for log in logs], job="zero-ckpt",
+        RANNC_RESUME="latest")
+    assert resumed["before"] == 4 and resumed["after"] == 4
+    assert sorted(resumed["devices"]) == sorted(f"{a}/{n}" for a, own in zip(peers, names)
+                                                for n in own)
+    _assert_like_uninterrupted_adam({"ZeRO on one daemon, resumed over two": resumed})
