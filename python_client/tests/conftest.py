@@ -113,6 +113,9 @@ def pyrannc_daemon(tmp_path_factory):
     """Points pyrannc at the daemon under test for the whole session; stops it at the end."""
     conf_dir = tmp_path_factory.mktemp("rannc_conf")
     os.environ["RANNC_CONF_DIR"] = str(conf_dir)  # no user config leaks into the tests
+    # Nor do the daemons the tests start keep durable-job records in ~/.local/state/rannc (a
+    # test that needs them passes --state-dir).
+    os.environ["RANNC_STATE_DIR"] = "none"
     os.environ.pop("RANNC_DAEMON", None)
     os.environ["RANNC_DAEMON_BIN"] = daemon_binary()
     os.environ.setdefault("RANNC_DEVICES", "cpu:2")
