@@ -107,7 +107,9 @@ struct CheckpointInfo {
   bool committed = false;  // false: threads are writing it
   uint64_t bytes = 0;      // of its tensor files, once committed
   int64_t created_unix_ms = 0;
-  double blocked_s = 0;    // the job was held this long (copying its state to host memory)
+  // The job was held this long: copying its state to host memory, and waiting for the previous
+  // write when one was still in flight.
+  double blocked_s = 0;
   double write_s = 0;      // writing and committing, once committed
 };
 

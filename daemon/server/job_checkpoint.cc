@@ -141,10 +141,13 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   info.step = steps_;
   info.path = checkpoint::StepDir(*job_dir, steps_);
   info.created_unix_ms = m.created_unix_ms();
-  info.blocked_s = SecondsSince(start);
+  const double copy_s = SecondsSince(start);
+  // Waits for the write in flight, if any: training is held for that too.
   writer_.Start(*job_dir, std::move(snapshot), settings_.checkpoints.keep);
-  spdlog::info("job {}: checkpoint of step {} copied to host memory in {:.3f} s; writing",
-               info_.id, info.step, info.blocked_s);
+  info.blocked_s = SecondsSince(start);
+  spdlog::info("job {}: checkpoint of step {} copied to host memory in {:.3f} s (training held "
+               "{:.3f} s, waiting for the previous write included); writing",
+               info_.id, info.step, copy_s, info.blocked_s);
   if (!wait) return info;
   absl::StatusOr<checkpoint::CheckpointWriter::Result> done = writer_.Wait();
   if (!done.ok()) return done.status();
