@@ -900,7 +900,14 @@ absl::StatusOr<std::string> TrainingServiceImpl::CheckpointsOf(const v1::Checkpo
                                                                std::shared_ptr<Job>* job) const {
   if (ref.job_id().empty()) return CheckpointJobDir(ref.checkpoint_dir(), ref.job_name());
   absl::StatusOr<std::shared_ptr<Job>> found = jobs_->Get(ref.job_id());
-  if (!found.ok()) return found.status();
+  if (!found.ok()) {
+    // A suspended job's: where its record says.
+    absl::StatusOr<v1::JobRecord> record = records_->Find(ref.job_id());
+    if (!record.ok()) return found.status();
+    auto dir = record->spec().options().config().find("checkpoint_dir");
+    if (dir == record->spec().options().config().end()) return found.status();
+    return CheckpointJobDir(dir->second, record->name());
+  }
   *job = *found;
   const std::string dir = (*job)->checkpoint_job_dir();
   if (dir.empty()) {

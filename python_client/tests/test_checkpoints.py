@@ -407,6 +407,9 @@ def test_durable_jobs_survive_an_expired_lease_and_a_restart(tmp_path, monkeypat
         listed = subprocess.run([cli, "jobs", "--daemon", daemon.address], capture_output=True,
                                 text=True, timeout=60)
         assert "suspended" in listed.stdout, listed.stdout + listed.stderr
+        written = subprocess.run([cli, "checkpoints", "durable", "--daemon", daemon.address],
+                                 capture_output=True, text=True, timeout=60)
+        assert "step-0000000008" in written.stdout, written.stdout + written.stderr
         resumed = subprocess.run([cli, "resume", "durable", "--daemon", daemon.address],
                                  capture_output=True, text=True, timeout=120)
         assert resumed.returncode == 0, resumed.stderr + daemon.output()
