@@ -26,6 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/files.h"
+#include "daemon/common/tensor_codec.h"
 
 namespace rannc {
 namespace checkpoint {
@@ -36,22 +37,6 @@ namespace {
 
 constexpr char kManifest[] = "manifest.json";
 constexpr char kStepPrefix[] = "step-";
-
-std::string DtypeName(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    case at::kLong: return "int64";
-    case at::kInt: return "int32";
-    case at::kShort: return "int16";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    case at::kBool: return "bool";
-    default: return c10::toString(t);
-  }
-}
 
 const char* KindPrefix(v1::CheckpointEntry::Kind kind) {
   switch (kind) {
@@ -69,16 +54,9 @@ int64_t Numel(const google::protobuf::RepeatedField<int64_t>& shape) {
 }
 
 absl::StatusOr<v1::CheckpointManifest> ParseManifest(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadFile(path);
-  if (!text.ok()) return text.status();
   v1::CheckpointManifest manifest;
-  google::protobuf::util::JsonParseOptions options;
-  options.ignore_unknown_fields = true;  // written by a newer ranncd
-  const auto parsed = google::protobuf::util::JsonStringToMessage(*text, &manifest, options);
-  if (!parsed.ok()) {
-    return absl::DataLossError(absl::StrCat(path, " is not a checkpoint manifest: ",
-                                            parsed.message().as_string()));
-  }
+  absl::Status read = ReadJsonFile(path, &manifest);
+  if (!read.ok()) return read;
   if (manifest.format_version() != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, " has format version ", manifest.format_version(), "; this ranncd reads 1"));
@@ -127,6 +105,32 @@ uint32_t Crc32(const char* data, size_t size, uint32_t crc) {
   }
   while (size-- > 0) crc = t[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
   return ~crc;
+}
+
+absl::StatusOr<std::string> ToJson(const google::protobuf::Message& message) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions print;
+  print.add_whitespace = true;
+  print.preserve_proto_field_names = true;
+  const auto printed = google::protobuf::util::MessageToJsonString(message, &json, print);
+  if (!printed.ok()) {
+    return absl::InternalError(absl::StrCat("writing a ", message.GetTypeName(), " as JSON: ",
+                                            printed.message().as_string()));
+  }
+  return json;
+}
+
+absl::Status ReadJsonFile(const std::string& path, google::protobuf::Message* message) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;  // written by a newer ranncd
+  const auto parsed = google::protobuf::util::JsonStringToMessage(*text, message, options);
+  if (!parsed.ok()) {
+    return absl::DataLossError(absl::StrCat(path, " is not a ", message->GetTypeName(), ": ",
+                                            parsed.message().as_string()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> JobDir(const std::string& checkpoint_dir,
@@ -178,7 +182,7 @@ void WriteTensorFile(const std::string& dir, TensorFile* file) {
     entry.set_state_key(piece->state_key);
     entry.set_file(file->path);
     entry.set_file_key(key);
-    entry.set_dtype(DtypeName(piece->value.scalar_type()));
+    entry.set_dtype(DTypeName(piece->value.scalar_type()));
     for (int64_t d : shape) entry.add_shape(d);
     entry.set_offset(static_cast<uint64_t>(piece->offset));
     entry.set_numel(static_cast<uint64_t>(piece->value.numel()));
@@ -267,16 +271,10 @@ absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_di
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(stall)));
   }
 
-  std::string json;
-  google::protobuf::util::JsonPrintOptions print;
-  print.add_whitespace = true;
-  print.preserve_proto_field_names = true;
-  const auto printed = google::protobuf::util::MessageToJsonString(manifest, &json, print);
-  if (!printed.ok()) {
-    return fail(absl::InternalError(absl::StrCat("writing the manifest: ",
-                                                 printed.message().as_string())));
-  }
-  absl::Status written = WriteFileDurably(absl::StrCat(tmp, "/", kManifest), json.data(), json.size());
+  absl::StatusOr<std::string> json = ToJson(manifest);
+  if (!json.ok()) return fail(json.status());
+  absl::Status written =
+      WriteFileDurably(absl::StrCat(tmp, "/", kManifest), json->data(), json->size());
   if (written.ok()) written = SyncDirectory(tmp);
   if (!written.ok()) return fail(written);
 
@@ -397,7 +395,7 @@ absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
     }
     const at::Tensor& piece = file->second.at(e.file_key());
     const int64_t whole_numel = Numel(e.shape());
-    if (static_cast<uint64_t>(piece.numel()) != e.numel() || DtypeName(piece.scalar_type()) !=
+    if (static_cast<uint64_t>(piece.numel()) != e.numel() || DTypeName(piece.scalar_type()) !=
         e.dtype() || e.offset() + e.numel() > static_cast<uint64_t>(whole_numel)) {
       return absl::DataLossError(absl::StrCat(what, " does not match its manifest entry"));
     }

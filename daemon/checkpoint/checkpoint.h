@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <google/protobuf/message.h>
 
 #include "absl/status/statusor.h"
 #include "rannc/v1/checkpoint.pb.h"
@@ -87,6 +88,12 @@ absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
 // param groups' order, 'param_groups' with the last step's hyper-parameters)}.
 absl::StatusOr<std::vector<char>> ExportCheckpoint(const v1::CheckpointManifest& manifest,
                                                    const Contents& contents);
+
+// A message in protobuf's JSON form, as manifests and job records are kept (field names as in
+// the .proto, indented); and one read back from the file at `path` (unknown fields, from a newer
+// ranncd, ignored): NOT_FOUND when it cannot be read, DATA_LOSS naming it when it does not parse.
+absl::StatusOr<std::string> ToJson(const google::protobuf::Message& message);
+absl::Status ReadJsonFile(const std::string& path, google::protobuf::Message* message);
 
 // The CRC-32 (IEEE, zlib's) of `size` bytes, continuing from `crc`.
 uint32_t Crc32(const char* data, size_t size, uint32_t crc = 0);

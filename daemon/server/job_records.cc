@@ -8,11 +8,11 @@
 #include <filesystem>
 
 #include <ATen/core/Dict.h>
-#include <google/protobuf/util/json_util.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/checkpoint/checkpoint.h"
 #include "daemon/common/files.h"
 
 namespace rannc {
@@ -58,13 +58,8 @@ absl::Status JobRecords::Save(const std::string& job_id, const v1::JobSpec& spec
     tensors.insert(absl::StrCat("sent/", name), tensor.contiguous());
     record.add_sent_names(name);
   }
-  std::string json;
-  google::protobuf::util::JsonPrintOptions print;
-  print.add_whitespace = true;
-  print.preserve_proto_field_names = true;
-  if (!google::protobuf::util::MessageToJsonString(record, &json, print).ok()) {
-    return absl::InternalError("writing a job record");
-  }
+  absl::StatusOr<std::string> json = checkpoint::ToJson(record);
+  if (!json.ok()) return json.status();
   std::vector<char> tensor_bytes;
   try {
     tensor_bytes = torch::jit::pickle_save(c10::IValue(tensors));
@@ -86,7 +81,7 @@ absl::Status JobRecords::Save(const std::string& job_id, const v1::JobSpec& spec
     s = WriteFileDurably(absl::StrCat(tmp, "/", kTensors), tensor_bytes.data(),
                          tensor_bytes.size());
   }
-  if (s.ok()) s = WriteFileDurably(absl::StrCat(tmp, "/", kRecord), json.data(), json.size());
+  if (s.ok()) s = WriteFileDurably(absl::StrCat(tmp, "/", kRecord), json->data(), json->size());
   if (s.ok()) s = SyncDirectory(tmp);
   if (s.ok()) {
     fs::remove_all(JobDir(job_id), ec);
@@ -118,13 +113,10 @@ std::vector<v1::JobRecord> JobRecords::List() const {
   for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.find(".tmp-") != std::string::npos) continue;
-    absl::StatusOr<std::string> json = ReadFile((it->path() / kRecord).string());
     v1::JobRecord record;
-    google::protobuf::util::JsonParseOptions options;
-    options.ignore_unknown_fields = true;
-    if (!json.ok() ||
-        !google::protobuf::util::JsonStringToMessage(*json, &record, options).ok()) {
-      spdlog::warn("skipping the job record {}: it does not read", it->path().string());
+    absl::Status read = checkpoint::ReadJsonFile((it->path() / kRecord).string(), &record);
+    if (!read.ok()) {
+      spdlog::warn("skipping the job record {}: {}", it->path().string(), read.ToString());
       continue;
     }
     out.push_back(std::move(record));

@@ -62,6 +62,14 @@ absl::Status ApplyAmp(const v1::JobSpec& spec, const DaemonFacts& facts, JobSett
   return absl::OkStatus();
 }
 
+// "~/x" as $HOME/x.
+std::string ExpandHome(std::string path) {
+  if (absl::StartsWith(path, "~/") && std::getenv("HOME") != nullptr) {
+    path = absl::StrCat(std::getenv("HOME"), path.substr(1));
+  }
+  return path;
+}
+
 // Config keys checkpoint_dir, checkpoint_every, checkpoint_keep and resume.
 absl::Status ApplyCheckpointKeys(const std::map<std::string, std::string>& keys,
                                  JobSettings* settings) {
@@ -70,10 +78,7 @@ absl::Status ApplyCheckpointKeys(const std::map<std::string, std::string>& keys,
     auto it = keys.find(key);
     return it == keys.end() ? std::string() : it->second;
   };
-  c.dir = get("checkpoint_dir");
-  if (absl::StartsWith(c.dir, "~/") && std::getenv("HOME") != nullptr) {
-    c.dir = absl::StrCat(std::getenv("HOME"), c.dir.substr(1));
-  }
+  c.dir = ExpandHome(get("checkpoint_dir"));
   for (auto [key, out] : {std::pair<const char*, int*>{"checkpoint_every", &c.every},
                           std::pair<const char*, int*>{"checkpoint_keep", &c.keep}}) {
     const std::string value = get(key);
@@ -99,6 +104,11 @@ absl::Status ApplyCheckpointKeys(const std::map<std::string, std::string>& keys,
 }
 
 }  // namespace
+
+std::string CheckpointDirOf(const v1::JobSpec& spec) {
+  auto it = spec.options().config().find("checkpoint_dir");
+  return it == spec.options().config().end() ? std::string() : ExpandHome(it->second);
+}
 
 ModelMode FromProto(const v1::Mode& mode) { return ModelMode{mode.training(), mode.dropout()}; }
 

@@ -147,6 +147,10 @@ struct JobSettings {
 // (JobBackend). INVALID_ARGUMENT naming the key or option that is wrong.
 absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec, const DaemonFacts& facts);
 
+// The config key checkpoint_dir of `spec` as JobSettings::checkpoints.dir has it ("~/" expanded;
+// "" unset): where a job's, or a durable job record's, checkpoints are.
+std::string CheckpointDirOf(const v1::JobSpec& spec);
+
 // A dry run (JobSpec.dry_run): plan for those devices instead of this daemon's.
 absl::Status ApplyDryRun(const v1::PlanTarget& dry, JobSettings* settings);
 

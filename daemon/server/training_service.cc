@@ -319,17 +319,13 @@ bool TrainingServiceImpl::Suspend(Job& job) {
 }
 
 std::optional<v1::JobRecord> TrainingServiceImpl::SuspendedFor(const v1::JobSpec& spec) const {
-  if (!records_->enabled()) return std::nullopt;
-  auto dir_of = [](const v1::JobSpec& s) {
-    auto it = s.options().config().find("checkpoint_dir");
-    return it == s.options().config().end() ? std::string() : it->second;
-  };
-  if (dir_of(spec).empty()) return std::nullopt;
+  const std::string dir = CheckpointDirOf(spec);
+  if (!records_->enabled() || dir.empty()) return std::nullopt;
   std::set<std::string> live;
   for (const JobManager::Listed& listed : jobs_->List()) live.insert(listed.job->info().id);
   std::optional<v1::JobRecord> found;
   for (v1::JobRecord& r : records_->List()) {
-    if (r.name() == spec.name() && dir_of(r.spec()) == dir_of(spec) && !live.count(r.job_id())) {
+    if (r.name() == spec.name() && CheckpointDirOf(r.spec()) == dir && !live.count(r.job_id())) {
       found = std::move(r);  // the newest wins
     }
   }
@@ -514,10 +510,10 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
     out->set_state(v1::SUSPENDED);
     out->set_created_unix_ms(r.created_unix_ms());
     // Its steps: those of its latest checkpoint.
-    auto dir = r.spec().options().config().find("checkpoint_dir");
-    if (dir != r.spec().options().config().end()) {
-      out->set_checkpoint_dir(dir->second);
-      absl::StatusOr<std::string> job_dir = CheckpointJobDir(dir->second, r.name());
+    const std::string dir = CheckpointDirOf(r.spec());
+    if (!dir.empty()) {
+      out->set_checkpoint_dir(dir);
+      absl::StatusOr<std::string> job_dir = CheckpointJobDir(dir, r.name());
       if (job_dir.ok()) {
         std::vector<CheckpointInfo> written = ListCheckpointsIn(*job_dir);
         if (!written.empty()) out->set_steps(static_cast<uint64_t>(written.back().step));
@@ -904,9 +900,9 @@ absl::StatusOr<std::string> TrainingServiceImpl::CheckpointsOf(const v1::Checkpo
     // A suspended job's: where its record says.
     absl::StatusOr<v1::JobRecord> record = records_->Find(ref.job_id());
     if (!record.ok()) return found.status();
-    auto dir = record->spec().options().config().find("checkpoint_dir");
-    if (dir == record->spec().options().config().end()) return found.status();
-    return CheckpointJobDir(dir->second, record->name());
+    const std::string dir = CheckpointDirOf(record->spec());
+    if (dir.empty()) return found.status();
+    return CheckpointJobDir(dir, record->name());
   }
   *job = *found;
   const std::string dir = (*job)->checkpoint_job_dir();
