@@ -1,20 +1,42 @@
 #!/usr/bin/python3
-"""What the daemon's checkpoints cost on a CPU machine: bytes, the time training is held, write
-throughput against the disk's own, and the time from a daemon restart to the first resumed step.
+"""What the daemon's checkpoints cost: bytes, the time training is held, write throughput against
+the disk's own, and the time from a daemon restart to the first resumed step.
 
     bazel build //daemon:ranncd && /usr/bin/python3 benchmarks/checkpoint_bench.py \
-        [--size small|large] [--checkpoints 5] [--every 4] [--dir DIR]
+        [--size small|large|gpu-1b|workload-a] [--checkpoints 5] [--every 4] [--dir DIR]
 
-pyrannc starts an embedded ranncd (RANNC_DEVICES, default cpu:2; the binary from
-RANNC_DAEMON_BIN, else bazel-bin/daemon/ranncd; its output to DIR/ranncd-N.log) and trains
-examples/train_gpt.py's ByteGPT with AdamW (lr 3e-3, betas 0.9/0.95, weight decay 0.01) on random
-bytes. --size small is train_gpt.py's default model (2 layers, d_model 96, seq 64, batch 16:
-~3 MB a checkpoint); --size large is 4 layers, d_model 512, seq 32, batch 4 (12.8 M parameters,
-~150 MB a checkpoint). A training step is forward, loss.backward(), optimizer.step(),
-zero_grad() and the flush of what pyrannc defers to the next forward, so each timed step holds
-one whole step. Checkpoints go to DIR/ckpt (checkpoint_dir; job name RANNC_JOB=ckpt_bench; the
-default checkpoint_keep, 3), DIR a new directory under /tmp unless --dir names one (removed
-at the end unless --dir or --keep).
+    # workload A on one H200 (the daemon from tools/gpu_cmake_build.sh; ~16.1 GB a checkpoint):
+    SYS=/tmp/sys tools/gpu_cmake_build.sh build/gpu && RANNC_DAEMON_BIN=build/gpu/daemon/ranncd \
+        python3 benchmarks/checkpoint_bench.py --size workload-a --checkpoints 2 --every 2 \
+        --warmup 2 --disk-reps 1
+
+pyrannc starts an embedded ranncd (RANNC_DEVICES, default cpu:2, cuda:0 for workload-a; the
+binary from RANNC_DAEMON_BIN, else bazel-bin/daemon/ranncd; its output to DIR/ranncd-N.log) and
+trains a model of --size on random tokens:
+- small, large, gpu-1b: examples/train_gpt.py's ByteGPT (fp32) with AdamW (lr 3e-3, betas
+  0.9/0.95, weight decay 0.01) on random bytes. small is train_gpt.py's default model (2 layers,
+  d_model 96, seq 64, batch 16: ~3 MB a checkpoint); large is 4 layers, d_model 512, seq 32,
+  batch 4 (12.8 M parameters, ~150 MB a checkpoint); gpu-1b is 24 layers, d_model 2048, seq 512,
+  batch 8 (1.21B parameters, ~14.5 GB a checkpoint).
+- workload-a: workload A of docs/benchmarks.md, benchmarks/gpt_model.py's GPT as
+  gpt_rannc.py trains it on one H200: 24 layers, d_model 2048, 16 heads, MLP 4x, seq 1024,
+  vocab 32000, untied head (1,341,771,776 parameters), batch 16 sequences of random token ids
+  in [0, 32000) (gpt_model.batch's draw), the loss gpt_model.lm_loss (cross-entropy in fp32)
+  computed by the model; built on the meta device, materialized on the host and initialized
+  from gpt_model.SEED (gpt_model.build, as gpt_rannc.py does: ~10 s); AdamW (lr 1e-4, betas
+  0.9/0.95, weight decay 0.1: gpt_rannc.py's and gpt_peers.py's); RaNNCModule(...,
+  enable_apex_amp=True) with RANNC_AMP_LEVEL=O2 unless set (the whole forward in bf16, fp32
+  master parameters: what the H200 runs of gpt_rannc.py used, and what FSDP2's bf16 parameters
+  run), RANNC_TRACE_BATCH=1 (pyrannc traces one sample, as gpt_rannc.py) and
+  RANNC_CHECKPOINT_KEEP=1 (the H200 host's disk is 64 GiB) unless set.
+A checkpoint holds the fp32 parameters and AdamW's exp_avg and exp_avg_sq: 12 bytes a parameter
+(gradients are not in it); the script prints that expectation beside the measured bytes.
+--dry-run builds the model, its optimizer and one batch, prints their sizes and stops (no
+daemon). A training step is forward, loss.backward(), optimizer.step(), zero_grad() and the
+flush of what pyrannc defers to the next forward, so each timed step holds one whole step.
+Checkpoints go to DIR/ckpt (checkpoint_dir; job name RANNC_JOB=ckpt_bench; checkpoint_keep
+RANNC_CHECKPOINT_KEEP, default 3), DIR a new directory under /tmp unless --dir names one
+(removed at the end unless --dir or --keep).
 
 1. Warm-up: --warmup steps (the first creates the job: trace, plan, placement).
 2. Asynchronous: --checkpoints times, --every - 1 plain steps and then a step followed by
@@ -45,7 +67,14 @@ at the end unless --dir or --keep).
    --profile-cache), so the restart plans from cached profiles, as a daemon restarted on the
    same machine does by default. The resumed job's first loss is compared with the pre-restart
    model's (the state pyrannc.clear() copied back, the last checkpoint's) on the same batch in
-   plain PyTorch.
+   plain PyTorch, and printed beside the loss of the restart's fresh initial values (what a
+   resume that loaded nothing would give). ByteGPT: fp32 on the host, as the daemon runs it,
+   within 1e-4 relative. workload-a: in the daemon's precision, not a looser tolerance alone:
+   at O2 a bf16 copy of the parameters and the whole forward in bf16 (the loss in fp32 from the
+   bf16 logits, as lm_loss computes it), at O1 the fp32 model under bf16 autocast; on cuda:0
+   when there is one (the daemon is stopped by then), else on the host; within 1e-3 relative,
+   for kernels that may differ from the daemon's (bf16's own step is 2^-8; averaged over 16,384
+   tokens, differences in rounding stay far below 1e-3 of a loss of ~10.4).
 
 Medians throughout; Markdown tables on stdout, progress on stderr.
 """
@@ -68,17 +97,108 @@ ROOT = os.path.dirname(HERE)
 if importlib.util.find_spec("pyrannc") is None:  # else PYTHONPATH's pyrannc
     sys.path.insert(0, os.path.join(ROOT, "python_client"))
 sys.path.append(os.path.join(ROOT, "examples"))
+if HERE not in sys.path:
+    sys.path.append(HERE)
 
 import torch  # noqa: E402
 
-SIZES = {  # layers, d_model, heads, seq, batch
+import gpt_model as gm  # noqa: E402
+
+SIZES = {  # ByteGPT's (layers, d_model, heads, seq, batch), or a gpt_model.GPTConfig
     "small": (2, 96, 4, 64, 16),  # examples/train_gpt.py's defaults
     "large": (4, 512, 8, 32, 4),
     "gpu-1b": (24, 2048, 16, 512, 8),  # 1.2B parameters, a ~14.5 GB checkpoint (GPU runs)
+    "workload-a": gm.WORKLOADS["A"],  # 1.34B, seq 1024, batch 16: ~16.1 GB (one H200)
 }
+# AdamW's hyper-parameters: ByteGPT's (train_gpt.py's betas), and workload A's as gpt_rannc.py's
+# make_optimizer and gpt_peers.py's make_adamw set them (lr: their --lr default).
+BYTEGPT_ADAMW = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.01}
+GPT_ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
+# A checkpoint's bytes a parameter: the fp32 parameter and AdamW's exp_avg and exp_avg_sq.
+CHECKPOINT_BYTES_PER_PARAM = 12
 JOB = "ckpt_bench"
 BLOCK = 8 << 20
 MB = 1e6
+
+
+class Workload:
+    """What --size trains: the model, its batches, its optimizer and the plain-PyTorch loss the
+    restart is checked against (module doc). Shared with checkpoint_dcp.py."""
+
+    def __init__(self, size):
+        spec = SIZES[size]
+        self.size = size
+        self.gpt = isinstance(spec, gm.GPTConfig)  # gpt_model's GPT, trained in bf16
+        if self.gpt:
+            self.cfg = spec
+            self.layers, self.dim, self.heads = spec.layers, spec.d_model, spec.heads
+            self.seq, self.batch, self.vocab = spec.seq, spec.batch, spec.vocab
+            self.params = gm.param_count(spec)
+        else:
+            self.cfg = None
+            self.layers, self.dim, self.heads, self.seq, self.batch = spec
+            self.vocab = 256
+            self.params = None  # counted on the model (its head is tied to its embedding)
+        self.adamw = GPT_ADAMW if self.gpt else BYTEGPT_ADAMW
+        self.rel_tol = 1e-3 if self.gpt else 1e-4
+
+    def model(self, seed, device="cpu"):
+        """The model from `seed` (0 the benchmark's, 1 the restart's other initial values), fp32
+        on `device`. workload-a: built on the meta device and initialized in place on `device`
+        (gpt_model.build, from gpt_model.SEED + seed), never first in host memory elsewhere."""
+        if self.gpt:
+            return gm.build(self.cfg, device, seed=gm.SEED + seed)
+        from train_gpt import ByteGPT
+        torch.manual_seed(seed)
+        return ByteGPT(self.layers, self.dim, self.heads, self.seq, 0.0).to(device)
+
+    def optimizer(self, params, fused=False):
+        """AdamW with the workload's hyper-parameters; fused=True as gpt_peers.py on CUDA."""
+        return torch.optim.AdamW(params, **self.adamw, **({"fused": True} if fused else {}))
+
+    def batch_of(self, gen):
+        """(inputs, next-token targets): random token ids drawn from `gen` on the host (for
+        workload-a the draw of gpt_model.batch)."""
+        ids = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=gen)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+    def expected_bytes(self, params):
+        return CHECKPOINT_BYTES_PER_PARAM * params
+
+    def describe(self, amp_level=None):
+        if not self.gpt:
+            return (f"{self.size}: ByteGPT {self.layers}x{self.dim}, seq {self.seq}, "
+                    f"batch {self.batch}")
+        amp = f", bf16 {amp_level}" if amp_level else ""
+        return (f"{self.size}: GPT {self.cfg.name} {self.layers}x{self.dim}, {self.heads} heads, "
+                f"vocab {self.vocab}, seq {self.seq}, batch {self.batch}{amp}")
+
+    def reference_loss(self, model, inputs, amp_level="O1"):
+        """`model`'s loss on `inputs` in plain PyTorch, without grad, in the daemon's precision
+        (module doc, phase 5); `model` itself is left as it is."""
+        with torch.no_grad():
+            if not self.gpt:
+                return float(model(*inputs))
+            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+            o2 = amp_level.upper() == "O2"
+            ref = gm.GPT(self.cfg, device="meta")
+            ref.to_empty(device=device)
+            if o2:
+                ref.to(torch.bfloat16)  # load_state_dict's copy_ then rounds each fp32 value
+            ref.load_state_dict(model.state_dict())
+            for m in ref.modules():  # the mask is no state_dict entry (PyTorch without SDPA)
+                if isinstance(m, gm.CausalSelfAttention) and not m.sdpa:
+                    m.mask.copy_(torch.ones_like(m.mask).tril())
+            x = [t.to(device) for t in inputs]
+            if o2:
+                loss = float(ref(*x))
+            else:
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = float(ref(*x))
+        del ref, x
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return loss
 
 
 def parse_args(argv=None):
@@ -93,6 +213,8 @@ def parse_args(argv=None):
                    "(default: a new directory under /tmp, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the default directory")
     p.add_argument("--verbose", action="store_true", help="pyrannc's log on stderr")
+    p.add_argument("--dry-run", action="store_true", help="build the model, its optimizer and "
+                   "one batch, print their sizes and the expected checkpoint bytes, and stop")
     return p.parse_args(argv)
 
 
@@ -212,8 +334,32 @@ def disk_write(path, size):
     return t
 
 
+def dry_run(work):
+    """--dry-run: the model, its optimizer and one batch, built and described; no daemon."""
+    t = time.perf_counter()
+    model = work.model(0)
+    build_s = time.perf_counter() - t
+    opt = work.optimizer(model.parameters())
+    inputs, targets = work.batch_of(torch.Generator().manual_seed(1))
+    params = sum(p.numel() for p in model.parameters())
+    if work.params is not None and params != work.params:
+        raise AssertionError(f"the model has {params} parameters, gpt_model says {work.params}")
+    print(f"{work.describe()}: {params:,} parameters, built in {build_s:.1f} s "
+          f"({sum(p.numel() * p.element_size() for p in model.parameters()) / MB:.0f} MB "
+          f"{next(model.parameters()).dtype}); AdamW {opt.defaults['lr']}, betas "
+          f"{opt.defaults['betas']}, weight decay {opt.defaults['weight_decay']}; batch "
+          f"{tuple(inputs.shape)} {inputs.dtype} in [{int(inputs.min())}, {int(inputs.max())}], "
+          f"targets {tuple(targets.shape)}; expected checkpoint "
+          f"{work.expected_bytes(params) / MB:.1f} MB ({CHECKPOINT_BYTES_PER_PARAM} bytes a "
+          "parameter)")
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    work = Workload(args.size)
+    if args.dry_run:
+        return dry_run(work)
     own_dir = args.dir is None
     base = args.dir or tempfile.mkdtemp(prefix="rannc-ckpt-bench.", dir="/tmp")
     os.makedirs(base, exist_ok=True)
@@ -223,7 +369,14 @@ def main(argv=None):
         if os.path.exists(p):
             os.remove(p)
 
-    os.environ.setdefault("RANNC_DEVICES", "cpu:2")
+    os.environ.setdefault("RANNC_DEVICES", "cuda:0" if work.gpt else "cpu:2")
+    if work.gpt:  # module doc: as gpt_rannc.py runs workload A
+        os.environ.setdefault("RANNC_AMP_LEVEL", "O2")
+        os.environ.setdefault("RANNC_TRACE_BATCH", "1")
+        os.environ.setdefault("RANNC_CHECKPOINT_KEEP", "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the daemon inherits it
+    amp_level = os.environ.get("RANNC_AMP_LEVEL", "O1") if work.gpt else None
+    rannc_kwargs = {"enable_apex_amp": True} if work.gpt else {}
     os.environ["RANNC_CHECKPOINT_DIR"] = ckpt_dir
     os.environ["RANNC_JOB"] = JOB
     os.environ.pop("RANNC_RESUME", None)
@@ -241,21 +394,15 @@ def main(argv=None):
 
     import pyrannc
     from pyrannc import _daemon
-    from train_gpt import ByteGPT
 
-    layers, dim, heads, seq, batch = SIZES[args.size]
     gen = torch.Generator().manual_seed(1)
 
     def batch_of():
-        ids = torch.randint(0, 256, (batch, seq + 1), generator=gen)
-        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        return work.batch_of(gen)
 
     def make(seed):
-        torch.manual_seed(seed)
-        model = ByteGPT(layers, dim, heads, seq, 0.0)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01,
-                                betas=(0.9, 0.95))
-        return model, opt
+        model = work.model(seed)
+        return model, work.optimizer(model.parameters())
 
     def step(rmod, opt, inputs):
         loss = rmod(*inputs)
@@ -265,16 +412,20 @@ def main(argv=None):
         rmod._flush()  # pyrannc defers backward, step and zero_grad to the next forward
         return loss
 
+    t = time.perf_counter()
     model, opt = make(0)
+    build_s = time.perf_counter() - t
     params = sum(p.numel() for p in model.parameters())
-    note(f"{args.size}: {layers} layers, d_model {dim}, seq {seq}, batch {batch}: {params:,} "
-         f"parameters; directory {base}")
+    expected = work.expected_bytes(params)
+    free = shutil.disk_usage(base).free
+    note(f"{work.describe(amp_level)}: {params:,} parameters (built in {build_s:.1f} s); expected "
+         f"checkpoint {expected / MB:.1f} MB; directory {base} ({free / MB:,.0f} MB free)")
 
     w_first = time.time()
     t = time.perf_counter()
     _daemon.connection()
     daemon_start_first = time.perf_counter() - t
-    rmod = pyrannc.RaNNCModule(model, opt)
+    rmod = pyrannc.RaNNCModule(model, opt, **rannc_kwargs)
     steps_done = 0
     warm = []
     for _ in range(args.warmup):
@@ -380,11 +531,11 @@ def main(argv=None):
     del rmod
     model2, opt2 = make(1)  # other initial values: the checkpoint's replace them
     x = batch_of()
-    with torch.no_grad():
-        expect = float(model(*x))
+    expect = work.reference_loss(model, x, amp_level or "O1")
+    fresh = work.reference_loss(model2, x, amp_level or "O1")
     mark = len(records.records)
     w0 = time.time()
-    rmod2 = pyrannc.RaNNCModule(model2, opt2)
+    rmod2 = pyrannc.RaNNCModule(model2, opt2, **rannc_kwargs)
     start = rmod2.resumed_step
     loss = step(rmod2, opt2, x)
     restart_s = time.time() - w0
@@ -417,7 +568,7 @@ def main(argv=None):
     tput = med(i.bytes / i.write_s for _, _, i in sync if i.write_s > 0) / MB
     async_tput = med(b / w for b, w in zip(async_bytes, async_write) if w > 0) / MB
     disk_mbs = med(ckpt_bytes / t for t in disk) / MB
-    name = f"{args.size}: ByteGPT {layers}x{dim}, seq {seq}, batch {batch}"
+    name = work.describe(amp_level)
 
     print(f"host: {os.cpu_count()} cores, torch {torch.__version__}, RANNC_DEVICES="
           f"{os.environ['RANNC_DEVICES']}; {rmod2.plan_summary.strip().splitlines()[0]}")
@@ -442,6 +593,9 @@ def main(argv=None):
           f"{sorted(set(i.bytes for _, _, i in sync))}")
     print(f"- disk: {', '.join(f'{ckpt_bytes / t / MB:.0f}' for t in disk)} MB/s "
           f"({ckpt_bytes / MB:.1f} MB, 8 MiB os.write + fsync)")
+    print(f"- checkpoint {ckpt_bytes:,} bytes; expected {expected:,} "
+          f"({CHECKPOINT_BYTES_PER_PARAM} bytes x {params:,} parameters: fp32 parameters, "
+          f"AdamW exp_avg and exp_avg_sq), {(ckpt_bytes - expected) / expected * 100:+.2f}%")
     listening1, _ = line_time(logs[0], r"ranncd listening on")
     print(f"- first daemon start {daemon_start_first:.2f} s (its log's 'listening' at "
           f"+{(listening1 or w_first) - w_first:.2f} s); first step {warm[0]:.2f} s "
@@ -474,10 +628,13 @@ def main(argv=None):
               f"pyrannc connected at +{daemon_s:.2f} s, 'resumed from' at "
               f"+{resumed_t - w0:.2f} s, 'created job' at +{created_t - w0:.2f} s")
     print(f"- {resumed_line.split('] ', 2)[-1] if resumed_line else 'no resumed-from line'}")
-    ok = start == last_step and math.isclose(got, expect, rel_tol=1e-4, abs_tol=1e-5)
+    ok = start == last_step and math.isclose(got, expect, rel_tol=work.rel_tol, abs_tol=1e-5)
+    ref_txt = "" if amp_level is None else f" (bf16 {amp_level}, as the daemon)"
     print(f"- resumed at step {start} (last checkpoint {last_step}); first loss {got:.6f} vs "
-          f"the pre-restart model's {expect:.6f} in plain PyTorch: "
-          f"{'match' if ok else 'MISMATCH'}; next steps {', '.join(f'{s:.3f}' for s in more)} s")
+          f"the pre-restart model's {expect:.6f} in plain PyTorch{ref_txt}: "
+          f"{'match' if ok else 'MISMATCH'} (difference {got - expect:+.2e}, tolerance "
+          f"{work.rel_tol:g} relative; the fresh initial values' loss {fresh:.6f}); next steps "
+          f"{', '.join(f'{s:.3f}' for s in more)} s")
 
     pyrannc.clear()
     _daemon.shutdown()

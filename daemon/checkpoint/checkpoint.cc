@@ -202,52 +202,49 @@ void WriteTensorFile(const std::string& dir, TensorFile* file) {
 
 }  // namespace
 
-absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_dir,
-                                                       const Snapshot& snapshot) {
+absl::StatusOr<std::string> BeginCheckpoint(const std::string& job_dir, int64_t step) {
   std::error_code ec;
   fs::create_directories(job_dir, ec);
   if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating the checkpoint directory ",
                                                       job_dir));
-  const int64_t step = snapshot.manifest.step();
   const std::string unique = absl::StrCat(
       ::getpid(), "-", std::chrono::steady_clock::now().time_since_epoch().count());
-  const std::string tmp = absl::StrFormat("%s/.%s%010d.tmp-%s", job_dir, kStepPrefix, step,
+  const std::string dir = absl::StrFormat("%s/.%s%010d.tmp-%s", job_dir, kStepPrefix, step,
                                           unique);
-  if (::mkdir(tmp.c_str(), 0755) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("creating ", tmp));
+  if (::mkdir(dir.c_str(), 0755) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("creating ", dir));
   }
-  auto fail = [&](absl::Status status) {
-    fs::remove_all(tmp, ec);
-    return status;
-  };
+  return dir;
+}
 
-  v1::CheckpointManifest manifest = snapshot.manifest;
-  manifest.set_format_version(1);
-  manifest.clear_files();
-  manifest.clear_entries();
-  // Each share is cut into files of about kFileBytes, serialized, checksummed and written on
+void AbandonCheckpoint(const std::string& dir) {
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+absl::StatusOr<v1::CheckpointShare> WriteShare(const std::string& dir, const std::string& prefix,
+                                               const std::vector<Piece>& pieces) {
+  // The share is cut into files of about kFileBytes, serialized, checksummed and written on
   // threads of their own: the copy into the file's bytes and the CRC take longer than the
   // disk does.
+  std::vector<std::vector<const Piece*>> groups(1);
+  int64_t bytes = 0;
+  for (const Piece& piece : pieces) {
+    const int64_t n = static_cast<int64_t>(piece.value.nbytes());
+    if (bytes > 0 && bytes + n > kFileBytes) {
+      groups.emplace_back();
+      bytes = 0;
+    }
+    groups.back().push_back(&piece);
+    bytes += n;
+  }
   std::vector<TensorFile> files;
-  for (size_t f = 0; f < snapshot.files.size(); ++f) {
-    std::vector<std::vector<const Piece*>> groups(1);
-    int64_t bytes = 0;
-    for (const Piece& piece : snapshot.files[f]) {
-      const int64_t n = static_cast<int64_t>(piece.value.nbytes());
-      if (bytes > 0 && bytes + n > kFileBytes) {
-        groups.emplace_back();
-        bytes = 0;
-      }
-      groups.back().push_back(&piece);
-      bytes += n;
-    }
-    for (size_t g = 0; g < groups.size(); ++g) {
-      TensorFile file;
-      file.path = groups.size() == 1 ? absl::StrCat("daemon-", f, ".pt")
-                                     : absl::StrCat("daemon-", f, "-", g, ".pt");
-      file.pieces = std::move(groups[g]);
-      files.push_back(std::move(file));
-    }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    TensorFile file;
+    file.path = groups.size() == 1 ? absl::StrCat(prefix, ".pt")
+                                   : absl::StrCat(prefix, "-", g, ".pt");
+    file.pieces = std::move(groups[g]);
+    files.push_back(std::move(file));
   }
   const size_t threads = std::max<size_t>(
       1, std::min<size_t>(files.size(), std::thread::hardware_concurrency()));
@@ -255,14 +252,32 @@ absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_di
   std::vector<std::thread> writers;
   for (size_t t = 0; t < threads; ++t) {
     writers.emplace_back([&] {
-      for (size_t i = next++; i < files.size(); i = next++) WriteTensorFile(tmp, &files[i]);
+      for (size_t i = next++; i < files.size(); i = next++) WriteTensorFile(dir, &files[i]);
     });
   }
   for (std::thread& w : writers) w.join();
+  v1::CheckpointShare share;
   for (TensorFile& file : files) {
-    if (!file.status.ok()) return fail(file.status);
-    for (v1::CheckpointEntry& entry : file.entries) *manifest.add_entries() = std::move(entry);
-    *manifest.add_files() = std::move(file.record);
+    if (!file.status.ok()) return file.status;
+    for (v1::CheckpointEntry& entry : file.entries) *share.add_entries() = std::move(entry);
+    *share.add_files() = std::move(file.record);
+  }
+  return share;
+}
+
+absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
+    const std::string& job_dir, const std::string& dir, v1::CheckpointManifest manifest,
+    const std::vector<v1::CheckpointShare>& shares) {
+  auto fail = [&](absl::Status status) {
+    AbandonCheckpoint(dir);
+    return status;
+  };
+  manifest.set_format_version(1);
+  manifest.clear_files();
+  manifest.clear_entries();
+  for (const v1::CheckpointShare& share : shares) {
+    manifest.mutable_files()->MergeFrom(share.files());
+    manifest.mutable_entries()->MergeFrom(share.entries());
   }
 
   // Tests only (RANNC_TEST_CHECKPOINT_STALL_MS, unset in use): a window between the tensor
@@ -274,27 +289,47 @@ absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_di
   absl::StatusOr<std::string> json = ToJson(manifest);
   if (!json.ok()) return fail(json.status());
   absl::Status written =
-      WriteFileDurably(absl::StrCat(tmp, "/", kManifest), json->data(), json->size());
-  if (written.ok()) written = SyncDirectory(tmp);
+      WriteFileDurably(absl::StrCat(dir, "/", kManifest), json->data(), json->size());
+  if (written.ok()) written = SyncDirectory(dir);
   if (!written.ok()) return fail(written);
 
   // The commit: the directory takes its place (a committed one of the same step moves aside
   // first, and goes once the new one is in).
+  const int64_t step = manifest.step();
   const std::string final_dir = StepDir(job_dir, step);
+  std::error_code ec;
   std::string old;
   if (fs::exists(final_dir, ec)) {
-    old = absl::StrFormat("%s/.%s%010d.old-%s", job_dir, kStepPrefix, step, unique);
+    old = absl::StrFormat("%s/.%s%010d.old-%s", job_dir, kStepPrefix, step,
+                          dir.substr(dir.rfind(".tmp-") + 5));
     if (::rename(final_dir.c_str(), old.c_str()) != 0) {
       return fail(ErrnoStatus(errno, absl::StrCat("moving aside ", final_dir)));
     }
   }
-  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+  if (::rename(dir.c_str(), final_dir.c_str()) != 0) {
     return fail(ErrnoStatus(errno, absl::StrCat("committing ", final_dir)));
   }
   absl::Status synced = SyncDirectory(job_dir);
   if (!old.empty()) fs::remove_all(old, ec);
   if (!synced.ok()) return synced;
   return manifest;
+}
+
+absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_dir,
+                                                       const Snapshot& snapshot) {
+  absl::StatusOr<std::string> dir = BeginCheckpoint(job_dir, snapshot.manifest.step());
+  if (!dir.ok()) return dir.status();
+  std::vector<v1::CheckpointShare> shares;
+  for (size_t f = 0; f < snapshot.files.size(); ++f) {
+    absl::StatusOr<v1::CheckpointShare> share =
+        WriteShare(*dir, absl::StrCat("daemon-", f), snapshot.files[f]);
+    if (!share.ok()) {
+      AbandonCheckpoint(*dir);
+      return share.status();
+    }
+    shares.push_back(std::move(*share));
+  }
+  return CommitCheckpoint(job_dir, *dir, snapshot.manifest, shares);
 }
 
 std::vector<v1::CheckpointManifest> ListCheckpoints(const std::string& job_dir) {

@@ -12,6 +12,10 @@
 //   absl::StatusOr<v1::CheckpointManifest> latest = FindCheckpoint(JobDir(dir, "gpt"), 0);
 //   absl::StatusOr<Contents> c = ReadCheckpoint(JobDir(dir, "gpt"), *latest);
 //
+// Over several daemons each writes its own share (WriteShare) into the directory the leading
+// daemon began (BeginCheckpoint), and the leader commits it with every share's files and
+// entries in its manifest (CommitCheckpoint).
+//
 // Free functions over the filesystem; thread-compatible (one writer per job directory).
 #ifndef RANNC_DAEMON_CHECKPOINT_CHECKPOINT_H_
 #define RANNC_DAEMON_CHECKPOINT_CHECKPOINT_H_
@@ -42,7 +46,7 @@ struct Piece {
 };
 
 // What a checkpoint holds, on the host: the manifest's facts (files and entries are filled by
-// WriteCheckpoint) and the tensor files' pieces, one list per file (one per daemon).
+// WriteCheckpoint) and the tensors, one list per daemon (each daemon's share).
 struct Snapshot {
   v1::CheckpointManifest manifest;
   std::vector<std::vector<Piece>> files;
@@ -54,10 +58,26 @@ absl::StatusOr<std::string> JobDir(const std::string& checkpoint_dir, const std:
 std::string StepDir(const std::string& job_dir, int64_t step);
 
 // Writes `snapshot` as checkpoint manifest.step and commits it, replacing a committed one of the
-// same step. Returns the manifest written. An error names the file (an unwritable directory, a
-// full disk) and leaves every committed checkpoint as it was.
+// same step (BeginCheckpoint, WriteShare for each daemon's, CommitCheckpoint). Returns the
+// manifest written. An error names the file (an unwritable directory, a full disk) and leaves
+// every committed checkpoint as it was.
 absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_dir,
                                                        const Snapshot& snapshot);
+
+// The steps of WriteCheckpoint, for a checkpoint written by several daemons at once. Begin
+// creates checkpoint `step`'s hidden directory in `job_dir` (creating job_dir first) and returns
+// its path. WriteShare writes `pieces` into it as files `<prefix>.pt` (or `<prefix>-<i>.pt`, one
+// per ~64 MiB, on parallel threads), each fsync'ed; it may run on any daemon that sees the
+// directory. Commit writes the manifest (`manifest`'s facts with every share's files and
+// entries), fsyncs it and renames the directory into place; on failure, and by Abandon, the
+// directory is removed (Prune would remove it too).
+absl::StatusOr<std::string> BeginCheckpoint(const std::string& job_dir, int64_t step);
+absl::StatusOr<v1::CheckpointShare> WriteShare(const std::string& dir, const std::string& prefix,
+                                               const std::vector<Piece>& pieces);
+absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
+    const std::string& job_dir, const std::string& dir, v1::CheckpointManifest manifest,
+    const std::vector<v1::CheckpointShare>& shares);
+void AbandonCheckpoint(const std::string& dir);
 
 // The committed checkpoints of `job_dir`, oldest first (none when it does not exist); a
 // checkpoint whose manifest does not parse is left out.

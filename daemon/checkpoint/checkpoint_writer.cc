@@ -4,8 +4,24 @@
 
 #include <spdlog/spdlog.h>
 
+#include "absl/strings/str_cat.h"
+
 namespace rannc {
 namespace checkpoint {
+
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+uint64_t FileBytes(const google::protobuf::RepeatedPtrField<v1::CheckpointFile>& files) {
+  uint64_t bytes = 0;
+  for (const v1::CheckpointFile& f : files) bytes += f.bytes();
+  return bytes;
+}
+
+}  // namespace
 
 CheckpointWriter::~CheckpointWriter() { Join(); }
 
@@ -18,45 +34,101 @@ void CheckpointWriter::Join() {
   if (thread.joinable()) thread.join();
 }
 
-void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep) {
+void CheckpointWriter::Run(int64_t step, std::function<absl::StatusOr<Result>()> write) {
   Join();
   std::lock_guard<std::mutex> lock(mu_);
-  running_step_ = snapshot.manifest.step();
+  running_step_ = step;
   result_.reset();
-  thread_ = std::thread([this, job_dir = std::move(job_dir), snapshot = std::move(snapshot),
-                         keep]() mutable {
-    const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<v1::CheckpointManifest> written = WriteCheckpoint(job_dir, snapshot);
-    snapshot.files.clear();  // the host copies go now, not when the next write starts
-    absl::StatusOr<Result> result = absl::UnknownError("not written");
-    if (written.ok()) {
-      Result r;
-      r.manifest = std::move(*written);
-      for (const v1::CheckpointFile& f : r.manifest.files()) r.bytes += f.bytes();
-      absl::Status pruned = PruneCheckpoints(job_dir, keep);
-      if (!pruned.ok()) {
-        spdlog::warn("checkpoint of step {} committed, but pruning older ones failed: {}",
-                     r.manifest.step(), pruned.ToString());
-      }
-      r.write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      spdlog::info("checkpoint of '{}' step {} committed: {} bytes in {:.2f} s ({:.0f} MB/s)",
-                   r.manifest.job_name(), r.manifest.step(), r.bytes, r.write_s,
-                   r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
-      result = std::move(r);
-    } else {
-      result = written.status();
-      spdlog::error("checkpoint of step {} under {} failed (the previous ones are intact): {}",
-                    snapshot.manifest.step(), job_dir, written.status().ToString());
-    }
+  thread_ = std::thread([this, write = std::move(write)]() mutable {
+    absl::StatusOr<Result> result = write();
+    write = nullptr;  // the host copies go now, not when the next write starts
     std::lock_guard<std::mutex> lock(mu_);
     result_ = std::move(result);
     running_step_ = -1;
+    done_.notify_all();
+  });
+}
+
+void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, std::string dir,
+                             Others others) {
+  const int64_t step = snapshot.manifest.step();
+  Run(step, [job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
+             dir = std::move(dir), others = std::move(others)]() mutable
+            -> absl::StatusOr<Result> {
+    const auto start = std::chrono::steady_clock::now();
+    auto failed = [&](const absl::Status& status) {
+      spdlog::error("checkpoint of step {} under {} failed (the previous ones are intact): {}",
+                    snapshot.manifest.step(), job_dir, status.ToString());
+      return status;
+    };
+    absl::StatusOr<v1::CheckpointManifest> written;
+    if (dir.empty()) {
+      written = WriteCheckpoint(job_dir, snapshot);
+    } else {
+      std::vector<v1::CheckpointShare> shares;
+      absl::StatusOr<v1::CheckpointShare> mine = WriteShare(
+          dir, "daemon-0", snapshot.files.empty() ? std::vector<Piece>() : snapshot.files[0]);
+      snapshot.files.clear();
+      if (mine.ok()) shares.push_back(std::move(*mine));
+      // The others are waited for even when this share failed: their writes end before the
+      // directory goes.
+      absl::StatusOr<std::vector<v1::CheckpointShare>> theirs =
+          others ? others() : std::vector<v1::CheckpointShare>();
+      if (!mine.ok() || !theirs.ok()) {
+        AbandonCheckpoint(dir);
+        return failed(!mine.ok() ? mine.status() : theirs.status());
+      }
+      for (v1::CheckpointShare& share : *theirs) shares.push_back(std::move(share));
+      written = CommitCheckpoint(job_dir, dir, snapshot.manifest, shares);
+    }
+    snapshot.files.clear();
+    if (!written.ok()) return failed(written.status());
+    Result r;
+    r.manifest = std::move(*written);
+    r.bytes = FileBytes(r.manifest.files());
+    absl::Status pruned = PruneCheckpoints(job_dir, keep);
+    if (!pruned.ok()) {
+      spdlog::warn("checkpoint of step {} committed, but pruning older ones failed: {}",
+                   r.manifest.step(), pruned.ToString());
+    }
+    r.write_s = SecondsSince(start);
+    spdlog::info("checkpoint of '{}' step {} committed: {} bytes in {:.2f} s ({:.0f} MB/s)",
+                 r.manifest.job_name(), r.manifest.step(), r.bytes, r.write_s,
+                 r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
+    return r;
+  });
+}
+
+void CheckpointWriter::StartShare(std::string dir, std::string prefix, int64_t step,
+                                  std::vector<Piece> pieces) {
+  Run(step, [dir = std::move(dir), prefix = std::move(prefix), step,
+             pieces = std::move(pieces)]() mutable -> absl::StatusOr<Result> {
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<v1::CheckpointShare> share = WriteShare(dir, prefix, pieces);
+    pieces.clear();
+    if (!share.ok()) {
+      spdlog::error("writing this daemon's share of checkpoint step {} into {} failed: {}",
+                    step, dir, share.status().ToString());
+      return share.status();
+    }
+    Result r;
+    r.manifest.set_step(step);
+    *r.manifest.mutable_files() = std::move(*share->mutable_files());
+    *r.manifest.mutable_entries() = std::move(*share->mutable_entries());
+    r.bytes = FileBytes(r.manifest.files());
+    r.write_s = SecondsSince(start);
+    spdlog::info("share of checkpoint step {} written: {} bytes in {:.2f} s ({:.0f} MB/s)", step,
+                 r.bytes, r.write_s,
+                 r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
+    return r;
   });
 }
 
 absl::StatusOr<CheckpointWriter::Result> CheckpointWriter::Wait() {
   Join();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  // Another thread may be joining the writer: its result is in once running_step_ is -1.
+  done_.wait(lock, [&] { return running_step_ < 0; });
   if (!result_) return absl::FailedPreconditionError("no checkpoint was started");
   return *result_;
 }

@@ -1,7 +1,9 @@
 // Writes a job's checkpoints on a thread of its own, so that training goes on meanwhile: the
 // job copies its state to host memory at a step boundary (a Snapshot), hands it over, and
 // returns. One write at a time: a new one waits for the one in flight. After each commit the
-// job directory is pruned to the newest `keep`.
+// job directory is pruned to the newest `keep`. Over several daemons the leader's writer also
+// waits for the others' shares before it commits, and each other daemon's writes its share
+// (StartShare).
 //
 //   CheckpointWriter writer;
 //   writer.Start(job_dir, std::move(snapshot), /*keep=*/3);
@@ -11,6 +13,8 @@
 #ifndef RANNC_DAEMON_CHECKPOINT_CHECKPOINT_WRITER_H_
 #define RANNC_DAEMON_CHECKPOINT_CHECKPOINT_WRITER_H_
 
+#include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -25,10 +29,13 @@ namespace checkpoint {
 class CheckpointWriter {
  public:
   struct Result {
+    // The committed manifest (Start), or the share's step, files and entries (StartShare).
     v1::CheckpointManifest manifest;
     uint64_t bytes = 0;   // of the tensor files
     double write_s = 0;   // writing, committing and pruning
   };
+  // Waits for the other daemons' shares of the checkpoint being written.
+  using Others = std::function<absl::StatusOr<std::vector<v1::CheckpointShare>>()>;
 
   CheckpointWriter() = default;
   ~CheckpointWriter();
@@ -36,8 +43,14 @@ class CheckpointWriter {
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
   // Waits for the write in flight (its result stays readable through last_error()), then
-  // starts writing `snapshot` under `job_dir`.
-  void Start(std::string job_dir, Snapshot snapshot, int keep);
+  // starts writing `snapshot` under `job_dir`: into `dir` when given (BeginCheckpoint's, which
+  // the other daemons write their shares into; `others` waits for those), else a directory of
+  // its own. On failure the directory is abandoned.
+  void Start(std::string job_dir, Snapshot snapshot, int keep, std::string dir = "",
+             Others others = nullptr);
+  // Another daemon's share of the leader's checkpoint `step`: `pieces` into `dir` as files
+  // `<prefix>*.pt` (WriteShare).
+  void StartShare(std::string dir, std::string prefix, int64_t step, std::vector<Piece> pieces);
   // Waits for the write in flight; the result of the last write started (FAILED_PRECONDITION
   // when none was).
   absl::StatusOr<Result> Wait();
@@ -48,8 +61,10 @@ class CheckpointWriter {
 
  private:
   void Join();
+  void Run(int64_t step, std::function<absl::StatusOr<Result>()> write);
 
   mutable std::mutex mu_;
+  std::condition_variable done_;  // running_step_ went to -1
   std::thread thread_;
   int64_t running_step_ = -1;
   std::optional<absl::StatusOr<Result>> result_;  // of the last write started, once done

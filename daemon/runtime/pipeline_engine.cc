@@ -269,8 +269,13 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
           absl::StrCat("local device ", dev, " is not one of the plan's devices"));
     }
   }
+  saver_.assign(lifted.size(), -1);
   for (int s = S - 1; s >= 0; --s) {
     for (int li : stages_[s].params) primary_[li] = world_rank_[stages_[s].devices[0]];
+    for (int li : stages_[s].lifted) saver_[li] = world_rank_[stages_[s].devices[0]];
+  }
+  for (int& saver : saver_) {
+    if (saver < 0) saver = world_rank_[stages_[0].devices[0]];  // held by no stage
   }
   // A tensor's owner: the first of this process's devices holding it, by stage then replica.
   owner_.assign(lifted.size(), -1);
@@ -500,6 +505,7 @@ at::Tensor PipelineEngine::GradAt(int lifted) const {
 at::Tensor PipelineEngine::ParamAt(int lifted) const { return impl_->ParamValue(lifted); }
 
 bool PipelineEngine::Holds(int lifted) const { return impl_->Holds(lifted); }
+bool PipelineEngine::Saves(int lifted) const { return impl_->Saves(lifted); }
 
 void PipelineEngine::SetParam(int lifted, const at::Tensor& value) {
   impl_->SetParam(lifted, value);

@@ -197,6 +197,11 @@ class PipelineEngine {
   // Whether a stage of this process holds lifted tensor `lifted` (ParamAt would return a
   // value), without copying it.
   bool Holds(int lifted) const;
+  // Whether this process saves lifted tensor `lifted` (and its optimizer state) when every
+  // process writes its share of a checkpoint: the plan's first device holding it (first stage,
+  // replica 0) is one of its own (for a tensor no stage holds, the first stage's). Exactly one
+  // process saves each tensor.
+  bool Saves(int lifted) const;
 
   // Copies `value` into every device's copy of lifted tensor `lifted` (load_state_dict).
   void SetParam(int lifted, const at::Tensor& value);

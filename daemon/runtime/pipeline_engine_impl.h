@@ -251,6 +251,7 @@ class PipelineEngine::Impl {
   bool Holds(int lifted) const {
     return owner_[lifted] >= 0 && devices_[owner_[lifted]].lifted[lifted].defined();
   }
+  bool Saves(int lifted) const { return devices_[saver_[lifted]].local; }
   // A copy of lifted tensor `lifted`'s value on `device` (-1: its owner); undefined when not
   // held there.
   at::Tensor ParamValue(int lifted, int device = -1) const;
@@ -476,6 +477,9 @@ class PipelineEngine::Impl {
   // Per lifted tensor: world rank of the plan's first device holding it as a parameter (first
   // stage, replica 0), which keeps its reduced gradient while reductions are pending; -1: none.
   std::vector<int> primary_;
+  // Per lifted tensor: world rank of the plan's first device holding it (first stage, replica
+  // 0; the first stage's for a tensor no stage holds), whose process saves it in a checkpoint.
+  std::vector<int> saver_;
   std::vector<std::vector<int64_t>> lifted_shapes_;
   std::vector<at::ScalarType> lifted_types_;
   std::vector<OutputKind> output_kinds_;        // per IR output

@@ -128,7 +128,19 @@ at::Tensor PipelineEngine::Impl::ToHost(const at::Tensor& t) {
 }
 
 at::Tensor PipelineEngine::Impl::HostCopy(const at::Tensor& t) {
-  return t.device().is_cpu() ? t.clone() : t.to(at::kCPU);
+  if (t.device().is_cpu()) return t.clone();
+  // Into page-locked memory: the copy runs at the link's speed (pageable memory goes through a
+  // bounce buffer and is faulted in page by page, ~1 GB/s), and LibTorch's caching host
+  // allocator hands the same pages out again at the next read of the model (a checkpoint every
+  // few steps), so they are pinned once.
+  at::Tensor host;
+  try {
+    host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  } catch (const c10::Error&) {
+    return t.to(at::kCPU);  // no page-locked memory to be had: pageable
+  }
+  host.copy_(t);
+  return host;
 }
 
 }  // namespace rannc

@@ -176,6 +176,23 @@ absl::Status Coordinator::PushOptimizerState(const std::vector<OptimizerEntry>& 
                  local);
 }
 
+absl::StatusOr<std::vector<v1::CheckpointShare>> Coordinator::CheckpointShares(int64_t step) {
+  std::vector<v1::CheckpointShare> shares;
+  absl::Status first;
+  // Every part is waited for, even after one failed: each write ends before the directory it
+  // writes into is abandoned.
+  for (std::unique_ptr<PartChannel>& part : parts_) {
+    absl::StatusOr<v1::CheckpointShare> share = part->CheckpointShare(step);
+    if (share.ok()) {
+      shares.push_back(std::move(*share));
+    } else if (first.ok()) {
+      first = share.status();
+    }
+  }
+  if (!first.ok()) return first;
+  return shares;
+}
+
 absl::StatusOr<std::optional<at::Tensor>> Coordinator::ReadTensor(const std::string& name,
                                                                   bool grad) {
   for (std::unique_ptr<PartChannel>& part : parts_) {

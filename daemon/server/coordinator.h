@@ -83,6 +83,10 @@ class Coordinator {
                               const std::vector<std::string>& order,
                               const std::function<absl::StatusOr<NamedTensors>()>& local_norms,
                               const std::function<absl::Status(const at::Tensor&)>& local_scale);
+  // The parts' shares of checkpoint `step` (PartChannel::CheckpointShare), in the parts' order,
+  // once each is written. May come from another thread (the checkpoint writer's) while the
+  // job's calls run.
+  absl::StatusOr<std::vector<v1::CheckpointShare>> CheckpointShares(int64_t step);
   // Every part releases its engine, as this daemon has; nothing once the job is lost.
   void UndeployParts();
 

@@ -72,6 +72,21 @@ class FakePartChannel final : public PartChannel {
     return Named((*job)->LoadOptimizerState(copies));
   }
 
+  absl::Status StartCheckpointShare(const std::string& dir, const std::string& prefix,
+                                    int64_t step) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = Part(false);
+    if (!job.ok()) return job.status();
+    return Named((*job)->StartCheckpointShare(dir, prefix, step));
+  }
+
+  absl::StatusOr<v1::CheckpointShare> CheckpointShare(int64_t step) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = Part(false);
+    if (!job.ok()) return job.status();
+    absl::StatusOr<v1::CheckpointShare> share = (*job)->CheckpointShare(step);
+    if (!share.ok()) return Named(share.status());
+    return share;
+  }
+
   void Notify(PartNotice notice, std::chrono::milliseconds) override {
     if (!daemons_->Reach(address(), false).ok()) return;
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(part_id_);

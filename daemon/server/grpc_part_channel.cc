@@ -14,6 +14,8 @@ namespace {
 // Reads and writes that take longer than this find the member lost by heartbeats first
 // (Coordinator::OnParts cancels them); the deadline only bounds a call nobody cancels.
 constexpr std::chrono::minutes kCallDeadline(30);
+// A part's write of its share of a checkpoint (hundreds of GB, on slow shared storage).
+constexpr std::chrono::hours kWriteDeadline(6);
 constexpr size_t kChunkBytes = 4 << 20;
 
 class GrpcPartChannel final : public PartChannel {
@@ -196,6 +198,31 @@ class GrpcPartChannel final : public PartChannel {
     });
   }
 
+  absl::Status StartCheckpointShare(const std::string& dir, const std::string& prefix,
+                                    int64_t step) override {
+    v1::PartCheckpointRequest request;
+    request.set_part_id(part_id_);
+    request.set_directory(dir);
+    request.set_file_prefix(prefix);
+    request.set_step(step);
+    v1::Empty empty;
+    return Call([&](grpc::ClientContext* c) {
+      return stub_->StartCheckpointShare(c, request, &empty);
+    });
+  }
+
+  absl::StatusOr<v1::CheckpointShare> CheckpointShare(int64_t step) override {
+    v1::PartCheckpointRef ref;
+    ref.set_part_id(part_id_);
+    ref.set_step(step);
+    v1::CheckpointShare share;
+    absl::Status s = Call([&](grpc::ClientContext* c) {
+      return stub_->CheckpointShare(c, ref, &share);
+    }, kWriteDeadline);
+    if (!s.ok()) return s;
+    return share;
+  }
+
   void Notify(PartNotice notice, std::chrono::milliseconds deadline) override {
     v1::PartRef ref;
     ref.set_part_id(part_id_);
@@ -219,6 +246,8 @@ class GrpcPartChannel final : public PartChannel {
   // it could not be reached), naming the daemon.
   absl::Status Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
                     std::chrono::seconds deadline = kCallDeadline) {
+    // CheckpointShare comes from the checkpoint writer's thread while the job's calls run:
+    // active_ is guarded, and gRPC's stubs are thread-safe.
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + deadline);
     {

@@ -432,17 +432,6 @@ absl::Status Job::LoadStateLocked(const std::map<std::string, at::Tensor>& state
   return Annotate(coordinator_.Push(known), "loading the state into the job's other daemons");
 }
 
-namespace {
-
-// ZeRO's shards of a stage whose replicas span daemons are assembled by no one daemon.
-absl::Status NoZeroOverDaemons() {
-  return absl::UnimplementedError(
-      "the optimizer state of a job with ZeRO (enable_zero) over several daemons cannot be "
-      "saved or loaded yet; run it without ZeRO, or on one daemon");
-}
-
-}  // namespace
-
 absl::StatusOr<std::vector<OptimizerEntry>> Job::OptimizerState() {
   std::lock_guard<std::mutex> lock(mu_);
   return OptimizerStateLocked();
@@ -452,7 +441,8 @@ absl::StatusOr<std::vector<OptimizerEntry>> Job::OptimizerStateLocked() {
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   std::vector<OptimizerEntry> state = local_->OptimizerState();
   if (!coordinator_.leads()) return state;
-  if (local_->flags().zero) return NoZeroOverDaemons();
+  // With ZeRO, a stage's replicas all run on one daemon (PipelineEngine::SetOptimizer), which
+  // assembles their shards.
   absl::Status gathered = coordinator_.GatherOptimizerState(&state);
   if (!gathered.ok()) return gathered;
   return state;
@@ -466,7 +456,6 @@ absl::Status Job::LoadOptimizerState(const std::vector<OptimizerEntry>& state) {
 absl::Status Job::LoadOptimizerStateLocked(const std::vector<OptimizerEntry>& state) {
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   if (!coordinator_.leads()) return local_->LoadOptimizerState(state);
-  if (local_->flags().zero) return NoZeroOverDaemons();
   // Checked here first (the leader knows every parameter), so no daemon loads a bad state.
   absl::Status checked = local_->LoadOptimizerState(state, /*check_only=*/true);
   if (!checked.ok()) return checked;

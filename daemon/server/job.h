@@ -166,8 +166,7 @@ class Job {
                              std::vector<std::string>* missing,
                              std::vector<std::string>* unexpected);
   // The optimizer's state, torch.optim's per parameter (by name) and key, from every daemon of
-  // the job; loading replaces it everywhere (LocalJob::LoadOptimizerState). UNIMPLEMENTED for
-  // ZeRO over several daemons.
+  // the job; loading replaces it everywhere (LocalJob::LoadOptimizerState).
   absl::StatusOr<std::vector<OptimizerEntry>> OptimizerState();
   absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state);
   // Brings the host master up to date and frees every device's copies (optimizer state is
@@ -178,7 +177,8 @@ class Job {
   // Checkpoints (docs/checkpoints.md; JobSettings::checkpoints). Checkpoint copies the job's
   // state (parameters, buffers, optimizer state, step counters, the loss scaler, the RNG) to
   // host memory now and writes it on a thread (every checkpoint_every steps too, after the
-  // step); with `wait`, it returns once committed. FAILED_PRECONDITION without a
+  // step); over several daemons each daemon copies and writes its own share at once, and this
+  // one commits the whole. With `wait`, it returns once committed. FAILED_PRECONDITION without a
   // checkpoint_dir; a failed write is the status with `wait`, else checkpoint_error().
   absl::StatusOr<CheckpointInfo> Checkpoint(bool wait);
   // The job's committed checkpoints, oldest first, then the one being written (committed
@@ -191,6 +191,13 @@ class Job {
   std::string checkpoint_job_dir() const;
   // The step of the checkpoint the job was created from (config key resume), or -1.
   int64_t resumed_step() const { return resumed_step_; }
+  // A part's share of its leader's checkpoint (PartChannel::StartCheckpointShare): the tensors
+  // this daemon writes copied to host memory now, and written into `dir` on the writer's
+  // thread; CheckpointShare waits for that write (FAILED_PRECONDITION when the last share
+  // written here is not of `step`).
+  absl::Status StartCheckpointShare(const std::string& dir, const std::string& prefix,
+                                    int64_t step);
+  absl::StatusOr<v1::CheckpointShare> CheckpointShare(int64_t step);
 
  private:
   Job(std::string id, JobSettings settings, PartChannels* channels);
@@ -210,6 +217,9 @@ class Job {
   // job_checkpoint.cc: the snapshot handed to the writer; the state of a checkpoint loaded at
   // creation (settings_.checkpoints.resume).
   absl::StatusOr<CheckpointInfo> CheckpointLocked(bool wait);
+  // This daemon's share of a checkpoint, copied to host memory: the parameters, buffers and
+  // optimizer state it writes (LocalJob::Saves).
+  absl::StatusOr<std::vector<checkpoint::Piece>> ShareLocked();
   // checkpoint_every's: a checkpoint that cannot be taken or written fails no step; the job
   // keeps training, and the failure is logged and reported (checkpoint_error).
   void CheckpointAfterStep();

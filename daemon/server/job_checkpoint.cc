@@ -71,33 +71,36 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   if (!job_dir.ok()) return job_dir.status();
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   const auto start = std::chrono::steady_clock::now();
+  const int64_t step = steps_;
+  // The write in flight ends first (training is held for it too): the new checkpoint's
+  // directory would otherwise be pruned as its leftover.
+  writer_.Wait().status().IgnoreError();
+  absl::StatusOr<std::string> dir = checkpoint::BeginCheckpoint(*job_dir, step);
+  if (!dir.ok()) return dir.status();
 
-  // The copy to host memory: what training waits for.
+  // The copy to host memory, on every daemon at once: what training waits for.
   checkpoint::Snapshot snapshot;
   v1::CheckpointManifest& m = snapshot.manifest;
-  absl::StatusOr<std::vector<OptimizerEntry>> optimizer = OptimizerStateLocked();
-  if (!optimizer.ok()) return Annotate(optimizer.status(), "checkpoint");
-  local_->Sync(Remote());
-  std::vector<checkpoint::Piece>& pieces = snapshot.files.emplace_back();
+  auto local = [&]() -> absl::Status {
+    absl::StatusOr<std::vector<checkpoint::Piece>> mine = ShareLocked();
+    if (!mine.ok()) return mine.status();
+    snapshot.files.push_back(std::move(*mine));
+    return absl::OkStatus();
+  };
+  absl::Status copied =
+      coordinator_.leads()
+          ? coordinator_.OnParts(
+                [&](PartChannel& part, size_t i) {
+                  return part.StartCheckpointShare(*dir, absl::StrCat("daemon-", i + 1), step);
+                },
+                local)
+          : local();
+  if (!copied.ok()) {
+    // A part that started writing fails its write once the directory is gone.
+    checkpoint::AbandonCheckpoint(*dir);
+    return Annotate(copied, "checkpoint");
+  }
   const ParamStore& store = local_->params();
-  {
-    at::NoGradGuard no_grad;
-    for (const ParamStore::Entry& e : store.entries()) {
-      checkpoint::Piece p;
-      p.kind = e.is_parameter ? v1::CheckpointEntry::PARAM : v1::CheckpointEntry::BUFFER;
-      p.name = e.name;
-      p.value = e.tensor.detach().clone();
-      pieces.push_back(std::move(p));
-    }
-  }
-  for (OptimizerEntry& entry : *optimizer) {
-    checkpoint::Piece p;
-    p.kind = v1::CheckpointEntry::OPTIMIZER_STATE;
-    p.name = std::move(entry.param);
-    p.state_key = std::move(entry.key);
-    p.value = std::move(entry.value);
-    pieces.push_back(std::move(p));
-  }
   m.set_job_name(settings_.name);
   m.set_job_id(info_.id);
   m.set_step(steps_);
@@ -138,16 +141,19 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
                                   static_cast<size_t>(rng.numel())));
 
   CheckpointInfo info;
-  info.step = steps_;
-  info.path = checkpoint::StepDir(*job_dir, steps_);
+  info.step = step;
+  info.path = checkpoint::StepDir(*job_dir, step);
   info.created_unix_ms = m.created_unix_ms();
-  const double copy_s = SecondsSince(start);
-  // Waits for the write in flight, if any: training is held for that too.
-  writer_.Start(*job_dir, std::move(snapshot), settings_.checkpoints.keep);
+  checkpoint::CheckpointWriter::Others others;
+  if (coordinator_.leads()) {
+    others = [this, step] { return coordinator_.CheckpointShares(step); };
+  }
+  writer_.Start(*job_dir, std::move(snapshot), settings_.checkpoints.keep, *dir,
+                std::move(others));
   info.blocked_s = SecondsSince(start);
-  spdlog::info("job {}: checkpoint of step {} copied to host memory in {:.3f} s (training held "
-               "{:.3f} s, waiting for the previous write included); writing",
-               info_.id, info.step, copy_s, info.blocked_s);
+  spdlog::info("job {}: checkpoint of step {} copied to host memory (training held {:.3f} s, "
+               "waiting for the previous write included); writing",
+               info_.id, info.step, info.blocked_s);
   if (!wait) return info;
   absl::StatusOr<checkpoint::CheckpointWriter::Result> done = writer_.Wait();
   if (!done.ok()) return done.status();
@@ -155,6 +161,72 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   info.bytes = done->bytes;
   info.write_s = done->write_s;
   return info;
+}
+
+absl::StatusOr<std::vector<checkpoint::Piece>> Job::ShareLocked() {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<checkpoint::Piece> pieces;
+  const ParamStore& store = local_->params();
+  {
+    at::NoGradGuard no_grad;
+    for (const ParamStore::Entry& e : store.entries()) {
+      if (!local_->Saves(e.name)) continue;
+      checkpoint::Piece p;
+      p.kind = e.is_parameter ? v1::CheckpointEntry::PARAM : v1::CheckpointEntry::BUFFER;
+      p.name = e.name;
+      // A copy straight from the devices (not through the host master: one copy, not two);
+      // a tensor no device holds is the master's.
+      absl::StatusOr<std::optional<at::Tensor>> held = local_->Read(e.name, /*grad=*/false);
+      p.value = held.ok() && held->has_value() ? std::move(**held) : e.tensor.detach().clone();
+      pieces.push_back(std::move(p));
+    }
+  }
+  const double params_s = SecondsSince(start);
+  for (OptimizerEntry& entry : local_->OptimizerState()) {
+    if (!local_->Saves(entry.param)) continue;
+    checkpoint::Piece p;
+    p.kind = v1::CheckpointEntry::OPTIMIZER_STATE;
+    p.name = std::move(entry.param);
+    p.state_key = std::move(entry.key);
+    p.value = std::move(entry.value);
+    pieces.push_back(std::move(p));
+  }
+  int64_t bytes = 0, pinned = 0;
+  for (const checkpoint::Piece& p : pieces) {
+    bytes += static_cast<int64_t>(p.value.nbytes());
+    if (p.value.is_pinned()) pinned += static_cast<int64_t>(p.value.nbytes());
+  }
+  spdlog::info("job {}: {} tensors ({:.2f} GB, {:.2f} GB of it page-locked) copied to host "
+               "memory in {:.3f} s (parameters and buffers {:.3f} s, optimizer state {:.3f} s)",
+               info_.id, pieces.size(), bytes / 1e9, pinned / 1e9, SecondsSince(start),
+               params_s, SecondsSince(start) - params_s);
+  return pieces;
+}
+
+absl::Status Job::StartCheckpointShare(const std::string& dir, const std::string& prefix,
+                                       int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
+  writer_.Wait().status().IgnoreError();  // the previous share's write
+  absl::StatusOr<std::vector<checkpoint::Piece>> pieces = ShareLocked();
+  if (!pieces.ok()) return pieces.status();
+  writer_.StartShare(dir, prefix, step, std::move(*pieces));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CheckpointShare> Job::CheckpointShare(int64_t step) {
+  // Not under the job's lock: the leader's writer asks while the job trains on.
+  absl::StatusOr<checkpoint::CheckpointWriter::Result> done = writer_.Wait();
+  if (!done.ok()) return done.status();
+  if (done->manifest.step() != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this daemon wrote no share of checkpoint step ", step, " (its last was of step ",
+        done->manifest.step(), ")"));
+  }
+  v1::CheckpointShare share;
+  *share.mutable_files() = done->manifest.files();
+  *share.mutable_entries() = done->manifest.entries();
+  return share;
 }
 
 std::vector<CheckpointInfo> Job::Checkpoints() {

@@ -251,6 +251,28 @@ grpc::Status JobPartServiceImpl::Undeploy(grpc::ServerContext*, const v1::PartRe
   return grpc::Status::OK;
 }
 
+grpc::Status JobPartServiceImpl::StartCheckpointShare(grpc::ServerContext*,
+                                                      const v1::PartCheckpointRequest* request,
+                                                      v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
+  if (!job.ok()) return FailRpc("part StartCheckpointShare", job.status());
+  absl::Status started = (*job)->StartCheckpointShare(request->directory(),
+                                                      request->file_prefix(), request->step());
+  if (!started.ok()) return FailRpc("part StartCheckpointShare", started);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobPartServiceImpl::CheckpointShare(grpc::ServerContext*,
+                                                 const v1::PartCheckpointRef* ref,
+                                                 v1::CheckpointShare* response) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
+  if (!job.ok()) return FailRpc("part CheckpointShare", job.status());
+  absl::StatusOr<v1::CheckpointShare> share = (*job)->CheckpointShare(ref->step());
+  if (!share.ok()) return FailRpc("part CheckpointShare", share.status());
+  *response = std::move(*share);
+  return grpc::Status::OK;
+}
+
 grpc::Status JobPartServiceImpl::AbortStep(grpc::ServerContext*, const v1::PartRef* ref,
                                            v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());

@@ -54,6 +54,10 @@ class JobPartServiceImpl final : public v1::JobPartService::Service {
                                      v1::Empty*) override;
   grpc::Status AbortStep(grpc::ServerContext*, const v1::PartRef*, v1::Empty*) override;
   grpc::Status FindJob(grpc::ServerContext*, const v1::FindJobRequest*, v1::Empty*) override;
+  grpc::Status StartCheckpointShare(grpc::ServerContext*, const v1::PartCheckpointRequest*,
+                                    v1::Empty*) override;
+  grpc::Status CheckpointShare(grpc::ServerContext*, const v1::PartCheckpointRef*,
+                               v1::CheckpointShare*) override;
 
  private:
   grpc::Status RunOp(const char* rpc, const std::string& part_id, const JobOp& op,

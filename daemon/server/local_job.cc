@@ -175,6 +175,7 @@ absl::Status LocalJob::Deploy() {
   if (held_.empty()) {
     for (size_t li = 0; li < lifted.size(); ++li) {
       held_.push_back(engine_->Holds(static_cast<int>(li)));
+      saved_.push_back(engine_->Saves(static_cast<int>(li)));
     }
   }
   return absl::OkStatus();
@@ -188,6 +189,16 @@ absl::Status LocalJob::EnsureDeployed() {
 bool LocalJob::Held(int lifted) const {
   if (!spans_daemons()) return true;
   return lifted >= 0 && lifted < static_cast<int>(held_.size()) && held_[lifted];
+}
+
+bool LocalJob::Saves(const std::string& name) const {
+  if (!spans_daemons()) return true;
+  const ParamStore::Entry* entry = store_.Find(name);
+  if (entry == nullptr) return false;
+  const int li = LiftedOf(*entry);
+  // Not in the plan: in the leader's master only.
+  if (li < 0 || li >= static_cast<int>(saved_.size())) return !settings_.is_part;
+  return saved_[li];
 }
 
 LocalJob::Flags LocalJob::flags() const {

@@ -107,6 +107,11 @@ class LocalJob {
   // those held elsewhere too); Load sets entries (those held here go to the devices).
   absl::StatusOr<std::optional<at::Tensor>> Read(const std::string& name, bool grad);
   void Sync(const RemoteRead& remote);
+  // Whether this daemon writes entry `name` (a parameter or buffer) and its optimizer state in
+  // its share of a checkpoint: over several daemons each entry is written by exactly one
+  // (PipelineEngine::Saves; the leading daemon writes those no device holds); on one daemon,
+  // every entry. Known once the engine was first built.
+  bool Saves(const std::string& name) const;
   absl::Status Load(const std::map<std::string, at::Tensor>& state, bool strict,
                     std::vector<std::string>* missing, std::vector<std::string>* unexpected);
 
@@ -167,6 +172,7 @@ class LocalJob {
   std::unique_ptr<comm::Store> part_store_;  // the leader's store, when a part
   int deployments_ = 0;                      // engines built so far
   std::vector<bool> held_;                   // by lifted index: see Held()
+  std::vector<bool> saved_;                  // by lifted index: PipelineEngine::Saves
   // The store's gradients are this daemon's shares of unreduced ones (an engine spanning
   // daemons released with reductions pending): Deploy puts them back as shares.
   bool grad_shares_ = false;

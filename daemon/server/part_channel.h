@@ -11,8 +11,8 @@
 // it for lost. Any other status is the part's own answer, its message naming the daemon; a
 // part answers ABORTED when its step failed because another daemon's did.
 //
-// Thread-safety: one call at a time per channel, except Notify and CancelCalls, which may come
-// from any thread while a call is in flight. Channels outlive no job: the Coordinator owns them.
+// Thread-safety: one call at a time per channel, except Notify, CancelCalls and
+// CheckpointShare, which may come from any thread while a call is in flight. Channels outlive no job: the Coordinator owns them.
 #ifndef RANNC_DAEMON_SERVER_PART_CHANNEL_H_
 #define RANNC_DAEMON_SERVER_PART_CHANNEL_H_
 
@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/optim/optimizer.h"
+#include "rannc/v1/checkpoint.pb.h"
 #include "rannc/v1/job_part.pb.h"
 
 namespace rannc {
@@ -90,6 +91,14 @@ class PartChannel {
   // entries of the parameters it holds).
   virtual absl::StatusOr<std::vector<OptimizerEntry>> OptimizerState() = 0;
   virtual absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state) = 0;
+  // A checkpoint over several daemons (docs/checkpoints.md): the part copies the tensors it
+  // writes (LocalJob::Saves) to host memory and starts writing them into `dir`, the leader's
+  // uncommitted checkpoint directory, as files `<prefix>*.pt`; CheckpointShare waits for that
+  // write of checkpoint `step` and answers its files and entries. CheckpointShare may come
+  // from any thread while another call is in flight.
+  virtual absl::Status StartCheckpointShare(const std::string& dir, const std::string& prefix,
+                                            int64_t step) = 0;
+  virtual absl::StatusOr<v1::CheckpointShare> CheckpointShare(int64_t step) = 0;
   virtual void Notify(PartNotice notice, std::chrono::milliseconds deadline) = 0;
   // Abandons the calls in flight (they fail soon): a member was lost, and one cut off by a
   // partition would otherwise be waited for until TCP gives up.

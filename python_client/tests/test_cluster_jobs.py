@@ -620,12 +620,12 @@ _CHECKPOINTED_CLIENT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import models
     torch.manual_seed({seed})  # a resumed job's initial values are the checkpoint's, not these
-    model = models.MLP()
+    model = models.TinyGPT(qkv_bias=False)  # Adam would amplify the key bias's round-off
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     rmod = pyrannc.RaNNCModule(model, opt, enable_zero={zero})
     before = rmod.resumed_step
     for step in range({first}, {last}):
-        x, y = models.mlp_batch(step, batch=8)
+        x, y = models.gpt_batch(step, batch=8)
         loss = rmod(x, y)
         loss.backward()
         opt.step()
@@ -635,6 +635,7 @@ _CHECKPOINTED_CLIENT = textwrap.dedent("""
         assert time.monotonic() < deadline, rmod.checkpoints()
         time.sleep(0.05)
     torch.save({{"before": before, "after": rmod.resumed_step, "state": rmod.state_dict(),
+                "optimizer": opt.state_dict(),
                 "checkpoints": [c.step for c in rmod.checkpoints()],
                 "devices": list(rmod._job.devices),
                 "stages": [list(s.devices) for s in rmod.deployment.stages]}}, {out!r})
@@ -643,9 +644,10 @@ _CHECKPOINTED_CLIENT = textwrap.dedent("""
 
 def _run_checkpointed_client(tmp_path, name, daemon, plan, first, last, seed, daemon_logs,
                              zero=False, job="cluster-ckpt", **env):
-    """Runs _CHECKPOINTED_CLIENT against `daemon` with the plan (stages, replicas,
-    micro-batches), training steps first..last with checkpoints under tmp_path/ckpt (job
-    cluster-ckpt); returns what it saved."""
+    """Runs _CHECKPOINTED_CLIENT (a TinyGPT without qkv bias, whose tied embedding and LM head are read by the
+    first stage and the last) against `daemon` with the plan (stages, replicas, micro-batches),
+    training steps first..last with checkpoints under tmp_path/ckpt (job cluster-ckpt);
+    returns what it saved."""
     out = str(tmp_path / f"{name}.pt")
     partitions, replicas, pipeline = plan
     env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=daemon,
@@ -663,10 +665,10 @@ def _run_checkpointed_client(tmp_path, name, daemon, plan, first, last, seed, da
 
 def test_a_checkpoint_of_a_job_over_the_daemons_resumes_on_another_plan_and_on_one_daemon(
         tmp_path, cluster):
-    # An MLP with Adam over both daemons (a stage per daemon, 2 replicas each), a checkpoint
-    # every 2 steps, written by the leader; resumed over both daemons on another plan (1 stage
-    # x 4 replicas) and on one standalone daemon (1 stage x 2 replicas): both equal to an
-    # uninterrupted PyTorch run.
+    # A TinyGPT with Adam over both daemons (a stage per daemon, 2 replicas each), a checkpoint
+    # every 2 steps, each daemon writing its own stage's tensors; resumed over both daemons on
+    # another plan (1 stage x 4 replicas) and on one standalone daemon (1 stage x 2 replicas):
+    # both equal to an uninterrupted PyTorch run.
     peers, logs, _, names = cluster
     cluster_logs = [lambda log=log: open(log.name).read() for log in logs]
     every_device = sorted(f"{a}/{n}" for a, own in zip(peers, names) for n in own)
@@ -677,7 +679,7 @@ def test_a_checkpoint_of_a_job_over_the_daemons_resumes_on_another_plan_and_on_o
     assert len(first["stages"]) == 2
     assert first["before"] is None and first["after"] is None  # resume is not set
     assert first["checkpoints"] == [2, 4]
-    assert (tmp_path / "ckpt" / "cluster-ckpt" / "step-0000000004" / "manifest.json").is_file()
+    _assert_each_daemon_wrote_its_stage(tmp_path / "ckpt" / "cluster-ckpt" / "step-0000000004")
 
     # Over both daemons again, as 1 stage x 4 replicas, from other initial values.
     over_cluster = _run_checkpointed_client(tmp_path, "over_cluster", peers[0], (1, 4, 1), 4, 6,
@@ -701,26 +703,54 @@ def test_a_checkpoint_of_a_job_over_the_daemons_resumes_on_another_plan_and_on_o
                                      "resumed on one daemon on 1x2": alone})
 
 
-def _assert_like_uninterrupted_adam(runs):
-    """Each run's final state against 6 steps of plain PyTorch (Adam, lr 0.01, seed 0)."""
+def _assert_each_daemon_wrote_its_stage(step_dir):
+    """A checkpoint of a job with a stage per daemon: daemon-0*.pt (the leader's) and
+    daemon-1*.pt each hold some of the model's parameters, and no tensor is written twice."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    by_daemon = {}
+    for entry in manifest["entries"]:
+        daemon = entry["file"].split(".")[0].split("-")[1]
+        by_daemon.setdefault(daemon, []).append(
+            (entry["kind"], entry["name"], entry.get("state_key", ""), entry.get("offset", 0)))
+    assert sorted(by_daemon) == ["0", "1"], by_daemon
+    every = [e for entries in by_daemon.values() for e in entries]
+    assert len(every) == len(set(every)), "a tensor written twice"
+    for daemon, entries in by_daemon.items():
+        assert any(kind == "PARAM" for kind, *_ in entries), (daemon, entries)
+    for f in manifest["files"]:  # each daemon's file opens with plain torch.load
+        assert all(isinstance(v, torch.Tensor) for v in torch.load(step_dir / f["path"]).values())
+
+
+def _assert_like_uninterrupted_adam(runs, steps=6):
+    """Each run's final state and optimizer state against `steps` steps of plain PyTorch
+    (TinyGPT, Adam, lr 0.01, seed 0)."""
     torch.manual_seed(0)
-    ref = models.MLP()
+    ref = models.TinyGPT(qkv_bias=False)
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for step in range(6):
-        x, y = models.mlp_batch(step, batch=8)
+    for step in range(steps):
+        x, y = models.gpt_batch(step, batch=8)
         ref(x, y).backward()
         opt.step()
         opt.zero_grad()
+    ref_state = opt.state_dict()["state"]
     for what, got in runs.items():
         assert sorted(got["state"]) == sorted(ref.state_dict())
         for k, v in ref.state_dict().items():
             assert_close(got["state"][k], v, f"{what}: {k}")
+        state = got["optimizer"]["state"]
+        assert sorted(state) == sorted(ref_state), what
+        for i, keys in ref_state.items():
+            assert float(state[i]["step"]) == float(keys["step"]), (what, i)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_close(state[i][key], keys[key], f"{what}: optimizer state {i} {key}")
 
 
 def test_a_zero_checkpoint_of_one_daemon_resumes_over_the_daemons(tmp_path, cluster):
     # 2 stages x 2 replicas with ZeRO on one daemon with four devices, checkpointed; resumed by
-    # a job over both daemons of the cluster (a stage per daemon, without ZeRO): equal to an
-    # uninterrupted PyTorch run.
+    # a job over both daemons of the cluster (a stage per daemon, without ZeRO), and by one
+    # with ZeRO there, which checkpoints again (each daemon writing its stage's state,
+    # assembled from its replicas' shards); that resumed on one daemon without ZeRO. Each
+    # equal to an uninterrupted PyTorch run, optimizer state included.
     peers, logs, _, names = cluster
     single = DaemonProcess("--devices", "cpu:4")
     try:
@@ -738,3 +768,21 @@ def test_a_zero_checkpoint_of_one_daemon_resumes_over_the_daemons(tmp_path, clus
     assert sorted(resumed["devices"]) == sorted(f"{a}/{n}" for a, own in zip(peers, names)
                                                 for n in own)
     _assert_like_uninterrupted_adam({"ZeRO on one daemon, resumed over two": resumed})
+
+    zero_over_two = _run_checkpointed_client(
+        tmp_path, "zero_over_two", peers[0], (2, 2, 2), 4, 8, 1,
+        [lambda log=log: open(log.name).read() for log in logs], zero=True, job="zero-ckpt",
+        RANNC_RESUME="4", RANNC_CHECKPOINT_EVERY="4")
+    assert zero_over_two["before"] == 4 and len(zero_over_two["stages"]) == 2
+    assert zero_over_two["checkpoints"][-1] == 8
+    _assert_each_daemon_wrote_its_stage(tmp_path / "ckpt" / "zero-ckpt" / "step-0000000008")
+    single = DaemonProcess("--devices", "cpu:2")
+    try:
+        last = _run_checkpointed_client(tmp_path, "zero_last", single.address, (1, 2, 1), 8, 10,
+                                        2, [single.output], job="zero-ckpt",
+                                        RANNC_RESUME="latest")
+    finally:
+        single.stop()
+    assert last["before"] == 8
+    _assert_like_uninterrupted_adam({"ZeRO over two daemons": zero_over_two}, steps=8)
+    _assert_like_uninterrupted_adam({"ZeRO over two daemons, resumed on one": last}, steps=10)
