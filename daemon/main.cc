@@ -10,10 +10,16 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "daemon/common/crash_report.h"
 #include "daemon/config/options.h"
 #include "daemon/daemon.h"
 
 int main(int argc, char** argv) {
+  // A crash is reported on stderr (daemon/common/crash_report.h), by ranncd rather than by UCX
+  // (whose own handler cannot unwind a call through a null pointer), unless the environment
+  // says otherwise.
+  setenv("UCX_HANDLE_ERRORS", "none", /*overwrite=*/0);
+  rannc::InstallCrashReport();
   // Block the stop signals in every thread (gRPC's and LibTorch's inherit the mask) so that
   // sigwait below is the one place they arrive.
   sigset_t stop_signals;

@@ -468,23 +468,54 @@ absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
 
 namespace {
 
+c10::IValue Pair(double a, double b) {
+  return c10::ivalue::Tuple::create({c10::IValue(a), c10::IValue(b)});
+}
+
+// A param group as torch.optim's state_dict() has it for `optimizer` (its constructor's
+// arguments, PyTorch's pairs joined again), with the indices of its parameters.
 c10::IValue GroupDict(const std::string& optimizer, const v1::HyperParams& h,
                       const std::vector<int64_t>& params) {
   c10::impl::GenericDict g(c10::StringType::get(), c10::AnyType::get());
   g.insert("lr", h.lr());
+  const bool adam_like = optimizer == "adam" || optimizer == "adamw" || optimizer == "adamax" ||
+                         optimizer == "nadam" || optimizer == "radam";
   if (optimizer == "sgd") {
     g.insert("momentum", h.momentum());
     g.insert("dampening", h.dampening());
-    g.insert("weight_decay", h.weight_decay());
     g.insert("nesterov", h.nesterov());
-  } else {
-    g.insert("betas", c10::ivalue::Tuple::create({c10::IValue(h.beta1()),
-                                                  c10::IValue(h.beta2())}));
+  } else if (adam_like) {
+    g.insert("betas", Pair(h.beta1(), h.beta2()));
     g.insert("eps", h.eps());
-    g.insert("weight_decay", h.weight_decay());
+  } else if (optimizer == "rmsprop") {
+    g.insert("alpha", h.alpha());
+    g.insert("eps", h.eps());
+    g.insert("momentum", h.momentum());
+    g.insert("centered", h.centered());
+  } else if (optimizer == "adagrad") {
+    g.insert("lr_decay", h.lr_decay());
+    g.insert("initial_accumulator_value", h.initial_accumulator_value());
+    g.insert("eps", h.eps());
+  } else if (optimizer == "adadelta") {
+    g.insert("rho", h.rho());
+    g.insert("eps", h.eps());
+  } else if (optimizer == "asgd") {
+    g.insert("lambd", h.lambd());
+    g.insert("alpha", h.alpha());
+    g.insert("t0", h.t0());
+  } else if (optimizer == "rprop") {
+    g.insert("etas", Pair(h.etaminus(), h.etaplus()));
+    g.insert("step_sizes", Pair(h.step_size_min(), h.step_size_max()));
+  }
+  if (optimizer != "rprop") g.insert("weight_decay", h.weight_decay());
+  if (optimizer == "adam" || optimizer == "adamw") {
     g.insert("amsgrad", h.amsgrad());
     g.insert("capturable", false);
     g.insert("fused", c10::IValue());
+  }
+  if (optimizer == "nadam") g.insert("momentum_decay", h.momentum_decay());
+  if (optimizer == "nadam" || optimizer == "radam") {
+    g.insert("decoupled_weight_decay", h.decoupled_weight_decay());
   }
   g.insert("maximize", h.maximize());
   g.insert("foreach", c10::IValue());

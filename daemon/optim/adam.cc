@@ -191,8 +191,8 @@ absl::Status Adam::LoadNamedState(const std::vector<std::pair<std::string, at::T
   std::vector<std::vector<ParamState>> states;
   for (const ParamGroup& group : groups_) states.emplace_back(group.params.size());
   for (const auto& [name, value] : state) {
-    absl::StatusOr<optim_internal::StateEntryRef> ref = optim_internal::ParseStateEntry(
-        groups_, name, value, {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"});
+    absl::StatusOr<optim_internal::StateEntryRef> ref =
+        optim_internal::ParseStateEntry(groups_, name, value, OptimizerStateKeys(kind_));
     if (!ref.ok()) return ref.status();
     ParamState& s = states[ref->group][ref->param];
     const at::Tensor& param = groups_[ref->group].params[ref->param];

@@ -1,12 +1,22 @@
 #include "daemon/optim/optimizer.h"
 
 #include <algorithm>
+#include <initializer_list>
+#include <memory>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/optim/adadelta.h"
+#include "daemon/optim/adagrad.h"
 #include "daemon/optim/adam.h"
+#include "daemon/optim/adamax.h"
+#include "daemon/optim/asgd.h"
+#include "daemon/optim/nadam.h"
 #include "daemon/optim/optimizer_internal.h"
+#include "daemon/optim/radam.h"
+#include "daemon/optim/rmsprop.h"
+#include "daemon/optim/rprop.h"
 #include "daemon/optim/sgd.h"
 
 namespace rannc {
@@ -19,8 +29,137 @@ const char* OptimizerKindName(OptimizerKind kind) {
       return "adam";
     case OptimizerKind::kAdamW:
       return "adamw";
+    case OptimizerKind::kRmsprop:
+      return "rmsprop";
+    case OptimizerKind::kAdagrad:
+      return "adagrad";
+    case OptimizerKind::kAdamax:
+      return "adamax";
+    case OptimizerKind::kNAdam:
+      return "nadam";
+    case OptimizerKind::kRAdam:
+      return "radam";
+    case OptimizerKind::kAdadelta:
+      return "adadelta";
+    case OptimizerKind::kAsgd:
+      return "asgd";
+    case OptimizerKind::kRprop:
+      return "rprop";
   }
   return "unknown";
+}
+
+HyperParams DefaultHyperParams(OptimizerKind kind) {
+  HyperParams h;
+  switch (kind) {
+    case OptimizerKind::kSgd:
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kRAdam:
+      break;
+    case OptimizerKind::kAdamW:
+      h.weight_decay = 1e-2;
+      break;
+    case OptimizerKind::kRmsprop:
+      h.lr = 1e-2;
+      break;
+    case OptimizerKind::kAdagrad:
+      h.lr = 1e-2;
+      h.eps = 1e-10;
+      break;
+    case OptimizerKind::kAdamax:
+    case OptimizerKind::kNAdam:
+      h.lr = 2e-3;
+      break;
+    case OptimizerKind::kAdadelta:
+      h.lr = 1.0;
+      h.eps = 1e-6;
+      break;
+    case OptimizerKind::kAsgd:
+      h.lr = 1e-2;
+      h.alpha = 0.75;
+      break;
+    case OptimizerKind::kRprop:
+      h.lr = 1e-2;
+      break;
+  }
+  return h;
+}
+
+namespace {
+
+template <size_t N>
+std::vector<std::string> StepAnd(const optim_internal::SlotSpec (&slots)[N]) {
+  std::vector<std::string> keys = {"step"};
+  for (const optim_internal::SlotSpec& slot : slots) keys.push_back(slot.key);
+  return keys;
+}
+
+}  // namespace
+
+const std::vector<std::string>& OptimizerStateKeys(OptimizerKind kind) {
+  static const auto* const kSgdKeys = new std::vector<std::string>{"momentum_buffer"};
+  static const auto* const kAdamKeys =
+      new std::vector<std::string>{"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  static const auto* const kRmspropKeys = new std::vector<std::string>(StepAnd(Rmsprop::kSlots));
+  static const auto* const kAdagradKeys = new std::vector<std::string>(StepAnd(Adagrad::kSlots));
+  static const auto* const kAdamaxKeys = new std::vector<std::string>(StepAnd(Adamax::kSlots));
+  static const auto* const kNAdamKeys = new std::vector<std::string>(StepAnd(NAdam::kSlots));
+  static const auto* const kRAdamKeys = new std::vector<std::string>(StepAnd(RAdam::kSlots));
+  static const auto* const kAdadeltaKeys =
+      new std::vector<std::string>(StepAnd(Adadelta::kSlots));
+  static const auto* const kAsgdKeys = new std::vector<std::string>(StepAnd(Asgd::kSlots));
+  static const auto* const kRpropKeys = new std::vector<std::string>(StepAnd(Rprop::kSlots));
+  static const auto* const kNone = new std::vector<std::string>();
+  switch (kind) {
+    case OptimizerKind::kSgd:
+      return *kSgdKeys;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      return *kAdamKeys;
+    case OptimizerKind::kRmsprop:
+      return *kRmspropKeys;
+    case OptimizerKind::kAdagrad:
+      return *kAdagradKeys;
+    case OptimizerKind::kAdamax:
+      return *kAdamaxKeys;
+    case OptimizerKind::kNAdam:
+      return *kNAdamKeys;
+    case OptimizerKind::kRAdam:
+      return *kRAdamKeys;
+    case OptimizerKind::kAdadelta:
+      return *kAdadeltaKeys;
+    case OptimizerKind::kAsgd:
+      return *kAsgdKeys;
+    case OptimizerKind::kRprop:
+      return *kRpropKeys;
+  }
+  return *kNone;
+}
+
+bool IsScalarOptimizerState(const std::string& key) {
+  return key == "step" || key == "mu_product" || key == "eta" || key == "mu";
+}
+
+int StateTensorsPerElement(OptimizerKind kind, const HyperParams& hyper) {
+  switch (kind) {
+    case OptimizerKind::kSgd:
+      return hyper.momentum != 0 ? 1 : 0;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      return hyper.amsgrad ? 3 : 2;
+    case OptimizerKind::kRmsprop:
+      return 1 + (hyper.momentum > 0 ? 1 : 0) + (hyper.centered ? 1 : 0);
+    case OptimizerKind::kAdagrad:
+    case OptimizerKind::kAsgd:
+      return 1;
+    case OptimizerKind::kAdamax:
+    case OptimizerKind::kNAdam:
+    case OptimizerKind::kRAdam:
+    case OptimizerKind::kAdadelta:
+    case OptimizerKind::kRprop:
+      return 2;
+  }
+  return 0;
 }
 
 namespace {
@@ -42,13 +181,23 @@ absl::Status CheckBeta(const char* field, double value) {
   return absl::OkStatus();
 }
 
+// The first failing check's status, or OK.
+absl::Status FirstError(std::initializer_list<absl::Status> checks) {
+  for (const absl::Status& status : checks) {
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateHyperParams(OptimizerKind kind, const HyperParams& hyper) {
   absl::Status status = CheckAtLeastZero("lr", hyper.lr);
   if (!status.ok()) return status;
-  status = CheckAtLeastZero("weight_decay", hyper.weight_decay);
-  if (!status.ok()) return status;
+  if (kind != OptimizerKind::kRprop) {  // Rprop has no weight decay
+    status = CheckAtLeastZero("weight_decay", hyper.weight_decay);
+    if (!status.ok()) return status;
+  }
   switch (kind) {
     case OptimizerKind::kSgd:
       status = CheckAtLeastZero("momentum", hyper.momentum);
@@ -62,11 +211,38 @@ absl::Status ValidateHyperParams(OptimizerKind kind, const HyperParams& hyper) {
       return absl::OkStatus();
     case OptimizerKind::kAdam:
     case OptimizerKind::kAdamW:
-      status = CheckAtLeastZero("eps", hyper.eps);
-      if (!status.ok()) return status;
-      status = CheckBeta("beta1", hyper.beta1);
-      if (!status.ok()) return status;
-      return CheckBeta("beta2", hyper.beta2);
+    case OptimizerKind::kAdamax:
+    case OptimizerKind::kRAdam:
+      return FirstError({CheckAtLeastZero("eps", hyper.eps), CheckBeta("beta1", hyper.beta1),
+                         CheckBeta("beta2", hyper.beta2)});
+    case OptimizerKind::kNAdam:
+      return FirstError({CheckAtLeastZero("eps", hyper.eps), CheckBeta("beta1", hyper.beta1),
+                         CheckBeta("beta2", hyper.beta2),
+                         CheckAtLeastZero("momentum_decay", hyper.momentum_decay)});
+    case OptimizerKind::kRmsprop:
+      return FirstError({CheckAtLeastZero("eps", hyper.eps),
+                         CheckAtLeastZero("momentum", hyper.momentum),
+                         CheckAtLeastZero("alpha", hyper.alpha)});
+    case OptimizerKind::kAdagrad:
+      return FirstError({CheckAtLeastZero("lr_decay", hyper.lr_decay),
+                         CheckAtLeastZero("initial_accumulator_value",
+                                          hyper.initial_accumulator_value),
+                         CheckAtLeastZero("eps", hyper.eps)});
+    case OptimizerKind::kAdadelta:
+      if (!(hyper.rho >= 0 && hyper.rho <= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("invalid rho: ", hyper.rho, " (must be in [0, 1])"));
+      }
+      return CheckAtLeastZero("eps", hyper.eps);
+    case OptimizerKind::kAsgd:
+      return absl::OkStatus();
+    case OptimizerKind::kRprop:
+      if (!(0 < hyper.etaminus && hyper.etaminus < 1 && 1 < hyper.etaplus)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "invalid etas: (", hyper.etaminus, ", ", hyper.etaplus,
+            ") (must be 0 < etaminus < 1 < etaplus)"));
+      }
+      return absl::OkStatus();
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown optimizer kind ", static_cast<int>(kind)));
@@ -74,6 +250,35 @@ absl::Status ValidateHyperParams(OptimizerKind kind, const HyperParams& hyper) {
 
 namespace optim_internal {
 namespace {
+
+// torch.optim's class name, for PyTorch's messages.
+const char* TorchClassName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSgd:
+      return "SGD";
+    case OptimizerKind::kAdam:
+      return "Adam";
+    case OptimizerKind::kAdamW:
+      return "AdamW";
+    case OptimizerKind::kRmsprop:
+      return "RMSprop";
+    case OptimizerKind::kAdagrad:
+      return "Adagrad";
+    case OptimizerKind::kAdamax:
+      return "Adamax";
+    case OptimizerKind::kNAdam:
+      return "NAdam";
+    case OptimizerKind::kRAdam:
+      return "RAdam";
+    case OptimizerKind::kAdadelta:
+      return "Adadelta";
+    case OptimizerKind::kAsgd:
+      return "ASGD";
+    case OptimizerKind::kRprop:
+      return "Rprop";
+  }
+  return "unknown";
+}
 
 // "Float[2, 3] on cpu", for mismatch messages.
 std::string Describe(const at::Tensor& t) {
@@ -90,7 +295,7 @@ absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& gr
                                                    hypers.size(), " sets of hyper-parameters for ",
                                                    groups.size(), " param groups"));
   }
-  const bool adam = kind != OptimizerKind::kSgd;
+  const bool sparse_ok = kind == OptimizerKind::kSgd || kind == OptimizerKind::kAdagrad;
   for (size_t g = 0; g < groups.size(); ++g) {
     absl::Status status = ValidateHyperParams(kind, hypers[g]);
     if (!status.ok()) {
@@ -101,9 +306,13 @@ absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& gr
       const at::Tensor& grad = param.grad();
       if (!grad.defined()) continue;
       const std::string where = absl::StrCat("param group ", g, ", param ", i, ": ");
-      if (adam && grad.is_sparse()) {
+      if (!sparse_ok && grad.is_sparse()) {
         return absl::UnimplementedError(
-            absl::StrCat(where, "Adam does not support sparse gradients"));
+            absl::StrCat(where, TorchClassName(kind), " does not support sparse gradients"));
+      }
+      if (grad.is_sparse() && kind == OptimizerKind::kAdagrad && hypers[g].weight_decay != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, "weight_decay option is not compatible with sparse gradients"));
       }
       if (grad.sizes() != param.sizes() || grad.scalar_type() != param.scalar_type() ||
           grad.device() != param.device()) {
@@ -151,6 +360,26 @@ absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(OptimizerKind kind,
     case OptimizerKind::kAdam:
     case OptimizerKind::kAdamW:
       return std::unique_ptr<Optimizer>(new Adam(kind, std::move(groups)));
+    case OptimizerKind::kRmsprop:
+      return std::unique_ptr<Optimizer>(new Rmsprop(std::move(groups)));
+    case OptimizerKind::kAdagrad: {
+      auto adagrad = std::make_unique<Adagrad>(std::move(groups));
+      absl::Status status = adagrad->CreateEagerState();
+      if (!status.ok()) return status;
+      return std::unique_ptr<Optimizer>(std::move(adagrad));
+    }
+    case OptimizerKind::kAdamax:
+      return std::unique_ptr<Optimizer>(new Adamax(std::move(groups)));
+    case OptimizerKind::kNAdam:
+      return std::unique_ptr<Optimizer>(new NAdam(std::move(groups)));
+    case OptimizerKind::kRAdam:
+      return std::unique_ptr<Optimizer>(new RAdam(std::move(groups)));
+    case OptimizerKind::kAdadelta:
+      return std::unique_ptr<Optimizer>(new Adadelta(std::move(groups)));
+    case OptimizerKind::kAsgd:
+      return std::unique_ptr<Optimizer>(new Asgd(std::move(groups)));
+    case OptimizerKind::kRprop:
+      return std::unique_ptr<Optimizer>(new Rprop(std::move(groups)));
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown optimizer kind ", static_cast<int>(kind)));
@@ -190,7 +419,13 @@ absl::StatusOr<StateEntryRef> ParseStateEntry(const std::vector<ParamGroup>& gro
   }
   ref.param = rest;
   const at::Tensor& param = groups[ref.group].params[ref.param];
-  if (ref.key != "step" && !value.sizes().equals(param.sizes())) {
+  if (IsScalarOptimizerState(ref.key)) {
+    if (value.numel() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer state '", name, "' is one value per param, but has shape [",
+          absl::StrJoin(value.sizes(), ", "), "]"));
+    }
+  } else if (!value.sizes().equals(param.sizes())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "optimizer state '", name, "' has shape [", absl::StrJoin(value.sizes(), ", "),
         "], its param [", absl::StrJoin(param.sizes(), ", "), "]"));

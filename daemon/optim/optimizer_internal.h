@@ -1,4 +1,4 @@
-// Checks shared by the optimizer implementations (sgd.cc, adam.cc) and
+// Checks shared by the optimizer implementations (sgd.cc, adam.cc, slot_optimizer.cc) and
 // the factory (optimizer.cc). Private to //daemon/optim:optimizer. Free functions, safe from any
 // thread.
 #ifndef RANNC_DAEMON_OPTIM_OPTIMIZER_INTERNAL_H_
@@ -15,13 +15,14 @@ namespace rannc {
 namespace optim_internal {
 
 // Everything Step() can reject before touching a tensor, so that a rejected step changes
-// nothing: the hypers count, each group's hyper-parameters, and each defined grad's shape,
-// dtype, device and layout against its param.
+// nothing: the hypers count, each group's hyper-parameters, each defined grad's shape, dtype,
+// device and layout against its param, and sparse grads against what `kind` supports.
 absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& groups,
                            const std::vector<HyperParams>& hypers);
 
 // One entry of a NamedState list, checked against the params (numbered across groups):
-// `<index>.<key>` with a known key (`keys`) and, for every key but "step", the param's shape.
+// `<index>.<key>` with a known key (`keys`) and, for per-element keys, the param's shape; for
+// scalar keys (IsScalarOptimizerState), one value.
 struct StateEntryRef {
   size_t group = 0, param = 0;
   std::string key;

@@ -1,5 +1,6 @@
-// Compares rannc's optimizers against LibTorch's torch::optim (C++ ports of torch.optim's
-// single-tensor algorithms) step by step. Tolerance: every element of every param within 1e-6
+// Compares rannc's SGD, Adam, AdamW, RMSprop and Adagrad against LibTorch's torch::optim (C++
+// ports of torch.optim's single-tensor algorithms) step by step; optimizer_kinds_test holds the
+// kinds LibTorch lacks to torch.optim's own results. Tolerance: every element of every param within 1e-6
 // relative of the reference (|ours - ref| <= 1e-6 * |ref|); since both run the same ATen ops in
 // the same order, they are in practice bit-identical.
 #include "daemon/optim/optimizer.h"
@@ -83,6 +84,25 @@ std::unique_ptr<torch::optim::Optimizer> MakeReference(
                 .weight_decay(h.weight_decay)
                 .amsgrad(h.amsgrad));
         break;
+      case OptimizerKind::kRmsprop:
+        options = std::make_unique<torch::optim::RMSpropOptions>(
+            torch::optim::RMSpropOptions(h.lr)
+                .alpha(h.alpha)
+                .eps(h.eps)
+                .weight_decay(h.weight_decay)
+                .momentum(h.momentum)
+                .centered(h.centered));
+        break;
+      case OptimizerKind::kAdagrad:
+        options = std::make_unique<torch::optim::AdagradOptions>(
+            torch::optim::AdagradOptions(h.lr)
+                .lr_decay(h.lr_decay)
+                .weight_decay(h.weight_decay)
+                .initial_accumulator_value(h.initial_accumulator_value)
+                .eps(h.eps));
+        break;
+      default:
+        FAIL("torch::optim has no " << OptimizerKindName(kind));
     }
     groups.emplace_back(params[g], std::move(options));
   }
@@ -93,6 +113,15 @@ std::unique_ptr<torch::optim::Optimizer> MakeReference(
       return std::make_unique<torch::optim::Adam>(std::move(groups));
     case OptimizerKind::kAdamW:
       return std::make_unique<torch::optim::AdamW>(std::move(groups));
+    case OptimizerKind::kRmsprop:
+      return std::make_unique<torch::optim::RMSprop>(std::move(groups));
+    case OptimizerKind::kAdagrad:
+      // LibTorch (like PyTorch 1.13) fills every `sum` from the constructor's defaults.
+      return std::make_unique<torch::optim::Adagrad>(
+          std::move(groups), torch::optim::AdagradOptions().initial_accumulator_value(
+                                 hypers[0].initial_accumulator_value));
+    default:
+      FAIL("torch::optim has no " << OptimizerKindName(kind));
   }
   return nullptr;
 }
@@ -109,6 +138,14 @@ void SetReferenceLr(torch::optim::Optimizer& ref, OptimizerKind kind, size_t g, 
     case OptimizerKind::kAdamW:
       static_cast<torch::optim::AdamWOptions&>(options).lr(lr);
       break;
+    case OptimizerKind::kRmsprop:
+      static_cast<torch::optim::RMSpropOptions&>(options).lr(lr);
+      break;
+    case OptimizerKind::kAdagrad:
+      static_cast<torch::optim::AdagradOptions&>(options).lr(lr);
+      break;
+    default:
+      FAIL("torch::optim has no " << OptimizerKindName(kind));
   }
 }
 
@@ -174,12 +211,17 @@ void CompareWithReference(OptimizerKind kind, std::vector<HyperParams> hypers) {
     }
   }
 
-  // The param that never had a grad has no state, as in PyTorch.
+  // The param that never had a grad has no state, as in PyTorch (Adagrad's exists from
+  // construction, and stays at step 0).
   std::map<std::string, at::Tensor> state;
   for (auto& [name, tensor] : ours->NamedState()) state[name] = tensor;
   for (const auto& [name, tensor] : state) {
     INFO(name);
-    CHECK(name.rfind("4.", 0) != 0);
+    if (kind == OptimizerKind::kAdagrad) {
+      if (name == "4.step") CHECK(tensor.item<double>() == 0);
+    } else {
+      CHECK(name.rfind("4.", 0) != 0);
+    }
   }
   if (kind != OptimizerKind::kSgd) {
     // Param 1 had a grad on even steps only: 0, 2, 4, 6.
@@ -246,6 +288,84 @@ TEST_CASE("AdamW matches torch::optim::AdamW", "[optim]") {
   SECTION("maximize and no weight decay") {
     CompareWithReference(OptimizerKind::kAdamW, {AdamHyper(1e-2, 0.05, false, /*maximize=*/true),
                                                  AdamHyper(1e-2, 0, true, false, 0.5, 0.9, 1e-3)});
+  }
+}
+
+HyperParams RmspropHyper(double lr, double alpha = 0.99, double eps = 1e-8,
+                         double weight_decay = 0, double momentum = 0, bool centered = false,
+                         bool maximize = false) {
+  HyperParams h = DefaultHyperParams(OptimizerKind::kRmsprop);
+  h.lr = lr;
+  h.alpha = alpha;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.momentum = momentum;
+  h.centered = centered;
+  h.maximize = maximize;
+  return h;
+}
+
+HyperParams AdagradHyper(double lr, double lr_decay = 0, double weight_decay = 0,
+                         double initial_accumulator_value = 0, double eps = 1e-10,
+                         bool maximize = false) {
+  HyperParams h = DefaultHyperParams(OptimizerKind::kAdagrad);
+  h.lr = lr;
+  h.lr_decay = lr_decay;
+  h.weight_decay = weight_decay;
+  h.initial_accumulator_value = initial_accumulator_value;
+  h.eps = eps;
+  h.maximize = maximize;
+  return h;
+}
+
+// LibTorch's RMSprop and Adagrad, as a second reference beside optimizer_kinds_test's golden
+// results from torch.optim (which also compare the state).
+TEST_CASE("RMSprop matches torch::optim::RMSprop", "[optim]") {
+  SECTION("plain, and centered with momentum, weight decay and other alpha and eps") {
+    CompareWithReference(OptimizerKind::kRmsprop,
+                         {RmspropHyper(1e-2), RmspropHyper(5e-3, 0.9, 1e-6, 0.1, 0.9, true)});
+  }
+  SECTION("maximize with momentum, and centered") {
+    CompareWithReference(OptimizerKind::kRmsprop,
+                         {RmspropHyper(1e-2, 0.99, 1e-8, 0, 0.8, false, /*maximize=*/true),
+                          RmspropHyper(2e-2, 0.95, 1e-8, 0.01, 0, true, /*maximize=*/true)});
+  }
+}
+
+TEST_CASE("Adagrad matches torch::optim::Adagrad", "[optim]") {
+  SECTION("lr decay, weight decay, accumulator start and eps") {
+    CompareWithReference(OptimizerKind::kAdagrad,
+                         {AdagradHyper(0.1, 0.1, 0, 0.5), AdagradHyper(0.05, 0, 0.1, 0.5, 1e-6)});
+  }
+  SECTION("maximize") {
+    CompareWithReference(OptimizerKind::kAdagrad,
+                         {AdagradHyper(0.01, 0, 0, 0, 1e-10, /*maximize=*/true),
+                          AdagradHyper(0.02, 0.01, 0.05, 0, 1e-10, /*maximize=*/true)});
+  }
+}
+
+TEST_CASE("Adagrad with sparse grads matches torch::optim::Adagrad", "[optim]") {
+  // Embedding-style grads: rows of a [6, 3] param, uncoalesced (rows repeat).
+  torch::manual_seed(99);
+  at::Tensor ours_param = torch::randn({6, 3}).requires_grad_(true);
+  at::Tensor ref_param = ours_param.detach().clone().requires_grad_(true);
+  for (bool maximize : {false, true}) {
+    HyperParams h = AdagradHyper(0.1, 0.05, 0, 0, 1e-8, maximize);
+    auto ours = MakeOptimizer(OptimizerKind::kAdagrad, {{{ours_param}, h}});
+    REQUIRE(ours.ok());
+    torch::optim::Adagrad ref({ref_param}, torch::optim::AdagradOptions(0.1).lr_decay(0.05).eps(1e-8));
+    for (int step = 0; step < 8; ++step) {
+      const int64_t nnz = 1 + step % 4;
+      at::Tensor indices = torch::randint(0, 6, {1, nnz}, at::kLong);
+      at::Tensor values = torch::randn({nnz, 3});
+      at::Tensor grad = torch::sparse_coo_tensor(indices, values, {6, 3});
+      ours_param.mutable_grad() = grad;
+      ref_param.mutable_grad() = maximize ? -grad : grad;
+      REQUIRE((*ours)->Step({h}).ok());
+      ref.step();
+      INFO("maximize " << maximize << ", step " << step);
+      CHECK(MaxRelativeError(ours_param, ref_param) <= kRtol);
+    }
   }
 }
 

@@ -87,7 +87,7 @@ absl::Status Sgd::LoadNamedState(const std::vector<std::pair<std::string, at::Te
   for (const ParamGroup& group : groups_) buffers.emplace_back(group.params.size());
   for (const auto& [name, value] : state) {
     absl::StatusOr<optim_internal::StateEntryRef> ref =
-        optim_internal::ParseStateEntry(groups_, name, value, {"momentum_buffer"});
+        optim_internal::ParseStateEntry(groups_, name, value, OptimizerStateKeys(kind()));
     if (!ref.ok()) return ref.status();
     const at::Tensor& param = groups_[ref->group].params[ref->param];
     buffers[ref->group][ref->param] = value.detach().to(param.options()).clone();

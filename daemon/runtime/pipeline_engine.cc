@@ -535,8 +535,9 @@ void PipelineEngine::ScaleGrads(const std::vector<int>& params, const at::Tensor
   impl_->ScaleGrads(params, coefficient);
 }
 absl::Status PipelineEngine::SetOptimizer(OptimizerKind kind,
-                                          const std::vector<std::vector<int>>& groups) {
-  return impl_->SetOptimizer(kind, groups);
+                                          const std::vector<std::vector<int>>& groups,
+                                          const std::vector<HyperParams>& hypers) {
+  return impl_->SetOptimizer(kind, groups, hypers);
 }
 absl::Status PipelineEngine::Step(const std::vector<HyperParams>& hypers) {
   return impl_->Step(hypers);

@@ -266,7 +266,8 @@ class PipelineEngine::Impl {
   absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> GradNorms(
       const std::vector<int>& params, double norm_type) const;
   void ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient);
-  absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups);
+  absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups,
+                            const std::vector<HyperParams>& hypers);
   absl::Status Step(const std::vector<HyperParams>& hypers);
   const LossScaler& loss_scaler() const { return scaler_; }
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;

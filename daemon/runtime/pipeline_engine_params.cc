@@ -203,7 +203,8 @@ void PipelineEngine::Impl::ScaleGrads(const std::vector<int>& params,
 }
 
 absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
-                                                const std::vector<std::vector<int>>& groups) {
+                                                const std::vector<std::vector<int>>& groups,
+                                                const std::vector<HyperParams>& hypers) {
   const std::set<int> tied(tied_.begin(), tied_.end());
   for (Device& d : devices_) {
     // ZeRO shards the untied parameters of a stage with replicas (SetUpZero).
@@ -216,6 +217,7 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
     std::vector<ParamGroup> device_groups(groups.size());
     std::vector<std::vector<int>> ids(groups.size());  // per group: lifted index, or -1 - k
     for (size_t g = 0; g < groups.size(); ++g) {
+      device_groups[g].hyper = g < hypers.size() ? hypers[g] : DefaultHyperParams(kind);
       for (int li : groups[g]) {
         if (li < 0 || li >= static_cast<int>(d.lifted.size())) {
           return absl::InvalidArgumentError(absl::StrCat("no lifted tensor ", li));

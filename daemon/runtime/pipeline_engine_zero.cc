@@ -37,7 +37,7 @@ std::vector<int64_t> ContiguousStrides(at::IntArrayRef sizes) {
 
 // Optimizer state that is one scalar per parameter (PyTorch's step count) rather than one value
 // per element.
-bool IsScalarState(const std::string& key) { return key == "step"; }
+bool IsScalarState(const std::string& key) { return IsScalarOptimizerState(key); }
 
 }  // namespace
 

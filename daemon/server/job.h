@@ -134,6 +134,7 @@ class Job {
   ~Job();
 
   const JobInfo& info() const { return info_; }
+  OptimizerKind optimizer_kind() const { return settings_.optimizer.kind; }
   // The parameters and buffers with their aliases (names and shapes: the values live on the
   // devices; read them with GetTensor or StateDict).
   const ParamStore& params() const { return local_->params(); }

@@ -350,7 +350,7 @@ absl::Status Job::Resume() {
   steps_ = m->step();
   forwards_ = m->forwards();
   for (int g = 0; g < m->param_groups_size() && g < static_cast<int>(last_hypers_.size()); ++g) {
-    last_hypers_[g] = FromProto(m->param_groups(g).hyper());
+    last_hypers_[g] = FromProto(m->param_groups(g).hyper(), settings_.optimizer.kind);
   }
   if (settings_.loss_scale.enabled) {
     LossScaler scaler(settings_.loss_scale);

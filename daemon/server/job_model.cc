@@ -39,21 +39,11 @@ planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bo
   // Autocast's low-precision copies of the fp32 weights, kept by each micro-batch in flight.
   if (amp.has_value()) m.amp_cast_factor = c10::elementSize(*amp) / 4.0;
   if (!config.enabled) return m;
-  bool momentum = false, amsgrad = false;
+  m.optimizer = OptimizerKindName(config.kind);
+  m.optimizer_state_factor = 0;
   for (const HyperParams& h : config.group_hyper) {
-    momentum = momentum || h.momentum != 0;
-    amsgrad = amsgrad || h.amsgrad;
-  }
-  switch (config.kind) {
-    case OptimizerKind::kSgd:
-      m.optimizer = "sgd";
-      m.optimizer_state_factor = momentum ? 1 : 0;
-      break;
-    case OptimizerKind::kAdam:
-    case OptimizerKind::kAdamW:
-      m.optimizer = config.kind == OptimizerKind::kAdam ? "adam" : "adamw";
-      m.optimizer_state_factor = amsgrad ? 3 : 2;
-      break;
+    m.optimizer_state_factor =
+        std::max<double>(m.optimizer_state_factor, StateTensorsPerElement(config.kind, h));
   }
   return m;
 }

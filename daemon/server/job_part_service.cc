@@ -112,9 +112,13 @@ grpc::Status JobPartServiceImpl::RunOp(const char* rpc, const std::string& part_
 
 grpc::Status JobPartServiceImpl::Step(grpc::ServerContext*, const v1::PartStepRequest* request,
                                       v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
+  if (!job.ok()) return FailRpc("part Step", job.status());
   JobOp op;
   op.kind = JobOp::Kind::kStep;
-  for (const v1::HyperParams& h : request->groups()) op.hypers.push_back(FromProto(h));
+  for (const v1::HyperParams& h : request->groups()) {
+    op.hypers.push_back(FromProto(h, (*job)->optimizer_kind()));
+  }
   return RunOp("part Step", request->part_id(), op);
 }
 

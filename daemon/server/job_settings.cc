@@ -21,18 +21,26 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
     case v1::SGD: config.kind = OptimizerKind::kSgd; break;
     case v1::ADAM: config.kind = OptimizerKind::kAdam; break;
     case v1::ADAMW: config.kind = OptimizerKind::kAdamW; break;
+    case v1::RMSPROP: config.kind = OptimizerKind::kRmsprop; break;
+    case v1::ADAGRAD: config.kind = OptimizerKind::kAdagrad; break;
+    case v1::ADAMAX: config.kind = OptimizerKind::kAdamax; break;
+    case v1::NADAM: config.kind = OptimizerKind::kNAdam; break;
+    case v1::RADAM: config.kind = OptimizerKind::kRAdam; break;
+    case v1::ADADELTA: config.kind = OptimizerKind::kAdadelta; break;
+    case v1::ASGD: config.kind = OptimizerKind::kAsgd; break;
+    case v1::RPROP: config.kind = OptimizerKind::kRprop; break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("unknown optimizer type ", static_cast<int>(spec.type())));
   }
   config.enabled = true;
   if (spec.groups().empty()) {
-    config.group_hyper.push_back(HyperParams());
+    config.group_hyper.push_back(DefaultHyperParams(config.kind));
     return config;
   }
   for (const v1::ParamGroup& g : spec.groups()) {
     config.group_params.emplace_back(g.params().begin(), g.params().end());
-    config.group_hyper.push_back(rannc::FromProto(g.hyper()));
+    config.group_hyper.push_back(rannc::FromProto(g.hyper(), config.kind));
   }
   return config;
 }
@@ -112,8 +120,8 @@ std::string CheckpointDirOf(const v1::JobSpec& spec) {
 
 ModelMode FromProto(const v1::Mode& mode) { return ModelMode{mode.training(), mode.dropout()}; }
 
-HyperParams FromProto(const v1::HyperParams& h) {
-  HyperParams out;
+HyperParams FromProto(const v1::HyperParams& h, OptimizerKind kind) {
+  HyperParams out = DefaultHyperParams(kind);
   out.lr = h.lr();
   out.weight_decay = h.weight_decay();
   out.momentum = h.momentum();
@@ -124,6 +132,21 @@ HyperParams FromProto(const v1::HyperParams& h) {
   out.eps = h.eps();
   out.amsgrad = h.amsgrad();
   out.maximize = h.maximize();
+  if (h.has_alpha()) out.alpha = h.alpha();
+  if (h.has_centered()) out.centered = h.centered();
+  if (h.has_lr_decay()) out.lr_decay = h.lr_decay();
+  if (h.has_initial_accumulator_value()) {
+    out.initial_accumulator_value = h.initial_accumulator_value();
+  }
+  if (h.has_momentum_decay()) out.momentum_decay = h.momentum_decay();
+  if (h.has_decoupled_weight_decay()) out.decoupled_weight_decay = h.decoupled_weight_decay();
+  if (h.has_rho()) out.rho = h.rho();
+  if (h.has_lambd()) out.lambd = h.lambd();
+  if (h.has_t0()) out.t0 = h.t0();
+  if (h.has_etaminus()) out.etaminus = h.etaminus();
+  if (h.has_etaplus()) out.etaplus = h.etaplus();
+  if (h.has_step_size_min()) out.step_size_min = h.step_size_min();
+  if (h.has_step_size_max()) out.step_size_max = h.step_size_max();
   return out;
 }
 
@@ -139,6 +162,19 @@ v1::HyperParams ToProto(const HyperParams& h) {
   p.set_eps(h.eps);
   p.set_amsgrad(h.amsgrad);
   p.set_maximize(h.maximize);
+  p.set_alpha(h.alpha);
+  p.set_centered(h.centered);
+  p.set_lr_decay(h.lr_decay);
+  p.set_initial_accumulator_value(h.initial_accumulator_value);
+  p.set_momentum_decay(h.momentum_decay);
+  p.set_decoupled_weight_decay(h.decoupled_weight_decay);
+  p.set_rho(h.rho);
+  p.set_lambd(h.lambd);
+  p.set_t0(h.t0);
+  p.set_etaminus(h.etaminus);
+  p.set_etaplus(h.etaplus);
+  p.set_step_size_min(h.step_size_min);
+  p.set_step_size_max(h.step_size_max);
   return p;
 }
 

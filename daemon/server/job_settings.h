@@ -182,9 +182,10 @@ comm::Backend JobBackend(const std::vector<c10::Device>& placement,
 std::vector<c10::Device> Placement(const std::vector<DaemonFacts::Device>& devices,
                                    int num_devices, const std::vector<int>& local);
 
-// The wire's forms of a mode and of a param group's hyper-parameters.
+// The wire's forms of a mode and of a param group's hyper-parameters (the optional fields a
+// client left unset take torch.optim's defaults for `kind`).
 ModelMode FromProto(const v1::Mode& mode);
-HyperParams FromProto(const v1::HyperParams& h);
+HyperParams FromProto(const v1::HyperParams& h, OptimizerKind kind);
 v1::HyperParams ToProto(const HyperParams& h);
 
 }  // namespace rannc

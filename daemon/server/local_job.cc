@@ -148,7 +148,8 @@ absl::Status LocalJob::Deploy() {
   if (!engine.ok()) return engine.status();
   const double engine_s = SecondsSince(start);
   if (settings_.optimizer.enabled) {
-    absl::Status s = (*engine)->SetOptimizer(settings_.optimizer.kind, optimizer_groups_);
+    absl::Status s = (*engine)->SetOptimizer(settings_.optimizer.kind, optimizer_groups_,
+                                             settings_.optimizer.group_hyper);
     if (s.ok()) s = (*engine)->LoadOptimizerState(parked_optimizer_state_);
     if (!s.ok()) return s;
   }
@@ -499,10 +500,7 @@ absl::StatusOr<LocalJob::ByLifted> LocalJob::OptimizerStateByLifted(
   std::set<int> optimized;
   for (const std::vector<int>& group : optimizer_groups_) optimized.insert(group.begin(),
                                                                           group.end());
-  const std::vector<std::string> keys =
-      settings_.optimizer.kind == OptimizerKind::kSgd
-          ? std::vector<std::string>{"momentum_buffer"}
-          : std::vector<std::string>{"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  const std::vector<std::string>& keys = OptimizerStateKeys(settings_.optimizer.kind);
   ByLifted by_lifted;
   for (const OptimizerEntry& entry : state) {
     const std::string what = absl::StrCat("optimizer state '", entry.key, "' of '",
@@ -517,7 +515,7 @@ absl::StatusOr<LocalJob::ByLifted> LocalJob::OptimizerStateByLifted(
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": this optimizer keeps ", absl::StrJoin(keys, ", ")));
     }
-    const bool scalar = entry.key == "step";
+    const bool scalar = IsScalarOptimizerState(entry.key);
     if (!entry.value.defined() || (scalar ? entry.value.numel() != 1
                                           : !entry.value.sizes().equals(e->tensor.sizes()))) {
       return absl::InvalidArgumentError(absl::StrCat(

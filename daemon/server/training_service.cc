@@ -583,7 +583,9 @@ absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& reques
                                          int client_rank) const {
   JobOp op;
   op.kind = JobOp::Kind::kStep;
-  for (const v1::HyperParams& h : request.groups()) op.hypers.push_back(FromProto(h));
+  for (const v1::HyperParams& h : request.groups()) {
+    op.hypers.push_back(FromProto(h, job.optimizer_kind()));
+  }
   return job.Run(client_rank, op).status();
 }
 

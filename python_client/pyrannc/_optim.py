@@ -21,7 +21,18 @@ _SUPPORTED = {
     torch.optim.SGD: pb.SGD,
     torch.optim.Adam: pb.ADAM,
     torch.optim.AdamW: pb.ADAMW,
+    torch.optim.RMSprop: pb.RMSPROP,
+    torch.optim.Adagrad: pb.ADAGRAD,
+    torch.optim.Adamax: pb.ADAMAX,
+    torch.optim.NAdam: pb.NADAM,
+    torch.optim.RAdam: pb.RADAM,
+    torch.optim.Adadelta: pb.ADADELTA,
+    torch.optim.ASGD: pb.ASGD,
+    torch.optim.Rprop: pb.RPROP,
 }
+_ADAM_LIKE = (pb.ADAM, pb.ADAMW, pb.ADAMAX, pb.NADAM, pb.RADAM)
+# Kinds whose state['step'] PyTorch 1.x keeps as a Python int (2.x: a tensor, as for the rest).
+_INT_STEP = (pb.RMSPROP, pb.ADADELTA, pb.RPROP) if torch.__version__.split(".")[0] < "2" else ()
 
 # What this PyTorch does when zero_grad() is called without set_to_none.
 OPTIMIZER_SET_TO_NONE_DEFAULT = inspect.signature(
@@ -35,13 +46,15 @@ def optimizer_type(optimizer) -> int:
     if kind is None:
         t = type(optimizer)
         module = "torch.optim" if t.__module__.startswith("torch.optim.") else t.__module__
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in _SUPPORTED)
         raise NotImplementedError(
-            f"pyrannc runs torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW in the daemon; "
-            f"{module}.{t.__qualname__} is not supported yet")
+            f"pyrannc runs {names} in the daemon; {module}.{t.__qualname__} is not supported")
     return kind
 
 
 def hyper_params(group: dict, kind: int) -> pb.HyperParams:
+    """A param group's hyper-parameters as torch.optim's `kind` keeps them (every field it uses
+    set, so that the daemon takes none of its defaults)."""
     h = pb.HyperParams(lr=float(group["lr"]),
                        weight_decay=float(group.get("weight_decay", 0.0)),
                        maximize=bool(group.get("maximize", False)))
@@ -49,12 +62,34 @@ def hyper_params(group: dict, kind: int) -> pb.HyperParams:
         h.momentum = float(group.get("momentum", 0.0))
         h.dampening = float(group.get("dampening", 0.0))
         h.nesterov = bool(group.get("nesterov", False))
-    else:
-        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        return h
+    if "eps" in group:
+        h.eps = float(group["eps"])
+    if kind in _ADAM_LIKE:
+        beta1, beta2 = group["betas"]
         h.beta1 = float(beta1)
         h.beta2 = float(beta2)
-        h.eps = float(group.get("eps", 1e-8))
         h.amsgrad = bool(group.get("amsgrad", False))
+        if kind == pb.NADAM:
+            h.momentum_decay = float(group["momentum_decay"])
+        if kind in (pb.NADAM, pb.RADAM):
+            h.decoupled_weight_decay = bool(group.get("decoupled_weight_decay", False))
+    elif kind == pb.RMSPROP:
+        h.alpha = float(group["alpha"])
+        h.momentum = float(group["momentum"])
+        h.centered = bool(group["centered"])
+    elif kind == pb.ADAGRAD:
+        h.lr_decay = float(group["lr_decay"])
+        h.initial_accumulator_value = float(group["initial_accumulator_value"])
+    elif kind == pb.ADADELTA:
+        h.rho = float(group["rho"])
+    elif kind == pb.ASGD:
+        h.lambd = float(group["lambd"])
+        h.alpha = float(group["alpha"])
+        h.t0 = float(group["t0"])
+    elif kind == pb.RPROP:
+        h.etaminus, h.etaplus = (float(e) for e in group["etas"])
+        h.step_size_min, h.step_size_max = (float(s) for s in group["step_sizes"])
     return h
 
 
@@ -97,11 +132,14 @@ def state_by_index(optimizer, names_by_id: Dict[int, str],
                    by_name: Dict[str, Dict[str, torch.Tensor]]) -> Dict[int, Dict[str, object]]:
     """The daemon's state (parameter name -> {key: tensor}) as torch.optim's state_dict()
     'state': parameter index -> {key: tensor}, on the parameters' devices."""
+    int_step = optimizer_type(optimizer) in _INT_STEP
     state = {}
     for index, p in enumerate(_ordered_params(optimizer)):
         entries = by_name.get(names_by_id.get(id(p)))
         if entries:
-            state[index] = {k: v.to(p.device) for k, v in entries.items()}
+            state[index] = {
+                k: int(v.item()) if k == "step" and int_step else v.to(p.device)
+                for k, v in entries.items()}
     return state
 
 

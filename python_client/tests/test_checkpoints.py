@@ -33,6 +33,10 @@ OPTIMIZERS = {
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1,
                                          amsgrad=True),
+    # State of one value per parameter besides the step (NAdam's mu_product, ASGD's eta and
+    # mu), which ZeRO keeps whole on every shard.
+    "nadam": lambda m: torch.optim.NAdam(m.parameters(), lr=0.01),
+    "asgd": lambda m: torch.optim.ASGD(m.parameters(), lr=0.01, t0=2),
 }
 
 

@@ -85,12 +85,64 @@ OPTIMIZERS = {
     "adam_wd_amsgrad": lambda m: torch.optim.Adam(
         m.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01, amsgrad=True),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+    # The other torch.optim optimizers with per-parameter state, each option away from its
+    # default at least once; 8 steps (RAdam rectifies from its 6th, ASGD averages from t0).
+    "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01),
+    "rmsprop_centered_momentum_wd": lambda m: torch.optim.RMSprop(
+        m.parameters(), lr=0.01, alpha=0.9, eps=1e-6, weight_decay=0.01, momentum=0.5,
+        centered=True),
+    "rmsprop_maximize": lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01, maximize=True),
+    "adagrad": lambda m: torch.optim.Adagrad(
+        m.parameters(), lr=0.1, lr_decay=0.01, weight_decay=0.01,
+        initial_accumulator_value=0.1, eps=1e-8),
+    "adamax": lambda m: torch.optim.Adamax(
+        m.parameters(), lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01),
+    "nadam": lambda m: torch.optim.NAdam(
+        m.parameters(), lr=0.01, betas=(0.85, 0.995), eps=1e-7, weight_decay=0.01,
+        momentum_decay=0.005),
+    "radam": lambda m: torch.optim.RAdam(
+        m.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.01),
+    "adadelta": lambda m: torch.optim.Adadelta(
+        m.parameters(), lr=1.0, rho=0.8, eps=1e-5, weight_decay=0.01),
+    "adadelta_maximize": lambda m: torch.optim.Adadelta(m.parameters(), maximize=True),
+    "asgd": lambda m: torch.optim.ASGD(
+        m.parameters(), lr=0.01, lambd=1e-3, alpha=0.7, t0=3, weight_decay=0.01),
+    "rprop": lambda m: torch.optim.Rprop(
+        m.parameters(), lr=0.01, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0)),
+    "rprop_maximize": lambda m: torch.optim.Rprop(m.parameters(), lr=0.01, maximize=True),
 }
+_CLASSIC = ("sgd", "adam")  # SGD, Adam and AdamW were first: 4 steps show them
 
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_mlp_optimizers(opt_name):
-    train_both(models.MLP, OPTIMIZERS[opt_name], models.mlp_batch, _model_loss)
+    steps = 4 if opt_name.startswith(_CLASSIC) else 8
+    train_both(models.MLP, OPTIMIZERS[opt_name], models.mlp_batch, _model_loss, steps=steps)
+
+
+@pytest.mark.parametrize("kind", ["rmsprop", "adagrad", "nadam", "asgd", "rprop"])
+def test_new_optimizers_with_param_groups_and_a_scheduler(kind):
+    # Two param groups with different hyper-parameters, and an lr schedule: each step's
+    # hyper-parameters come from the client's param_groups, as for SGD and Adam.
+    cls = {"rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad,
+           "nadam": torch.optim.NAdam, "asgd": torch.optim.ASGD, "rprop": torch.optim.Rprop}[kind]
+    other = {"rmsprop": {"momentum": 0.9, "alpha": 0.95}, "adagrad": {"lr_decay": 0.1},
+             "nadam": {"betas": (0.5, 0.9)}, "asgd": {"t0": 2, "lambd": 0.01},
+             "rprop": {"etas": (0.3, 1.5)}}[kind]
+    schedulers = []
+
+    def opt_fn(m):
+        opt = cls([{"params": [m.l1.weight], "lr": 0.03, **other},
+                   {"params": [m.l1.bias, m.l2.weight, m.l2.bias]}], lr=0.01)
+        schedulers.append(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+        return opt
+
+    def after_step(step, opt, ref_opt):
+        for s in schedulers:
+            s.step()
+
+    train_both(models.MLP, opt_fn, models.mlp_batch, _model_loss, steps=6,
+               after_step=after_step)
 
 
 def test_gpt_tied_embedding(monkeypatch):

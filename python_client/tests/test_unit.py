@@ -329,8 +329,13 @@ def test_optimizer_spec_names_and_foreign_params():
 
 
 def test_unsupported_optimizer():
-    with pytest.raises(NotImplementedError, match="torch.optim.Adagrad"):
-        _optim.optimizer_type(torch.optim.Adagrad([torch.zeros(1, requires_grad=True)]))
+    # Named, with what is supported.
+    for cls in (torch.optim.LBFGS, torch.optim.SparseAdam):
+        with pytest.raises(NotImplementedError,
+                           match=f"torch.optim.{cls.__name__} is not supported"):
+            _optim.optimizer_type(cls([torch.zeros(1, requires_grad=True)]))
+    with pytest.raises(NotImplementedError, match="torch.optim.Rprop in the daemon"):
+        _optim.optimizer_type(torch.optim.LBFGS([torch.zeros(1, requires_grad=True)]))
 
 
 def test_torch_version_check():
