@@ -58,6 +58,8 @@ class GradReducer::Impl {
     at::TensorOptions options;  // its params' dtype and device
     at::Tensor flat;  // before `work`: a work in flight is destroyed before its buffer
     comm::Buffer buffer;
+    // Options::wire_dtype: `flat` cast, what the all-reduce sums (undefined: `flat` itself).
+    at::Tensor wire;
     std::vector<int> params;
     size_t bytes = 0;  // of `flat`, with reduce-scatter's padding
     int pending = 0;  // params not ready yet this step
@@ -82,6 +84,7 @@ class GradReducer::Impl {
   comm::Communicator* comm_ = nullptr;  // null: the reducer is a no-op
   bool transient_ = false;
   bool scatter_ = false;  // reduce-scatter mode
+  std::optional<at::ScalarType> wire_dtype_;  // Options::wire_dtype
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
 
@@ -161,6 +164,7 @@ absl::Status GradReducer::Impl::Init(std::vector<at::Tensor> params, comm::Commu
   if (comm == nullptr || comm->size() == 1) return absl::OkStatus();
   comm_ = comm;
   transient_ = options.transient;
+  wire_dtype_ = options.wire_dtype;
 
   // Layout: reverse parameter order, one open bucket per (dtype, device), closed once full.
   params_.resize(params.size());
@@ -338,6 +342,10 @@ void GradReducer::Impl::LaunchReady(bool early) {
     if (scatter_) {
       b.out = at::empty({b.flat.numel() / comm_->size()}, b.options);
       b.work = comm_->ReduceScatter(b.buffer, *BufferOf(b.out), {comm::ReduceOp::kSum});
+    } else if (wire_dtype_ && *wire_dtype_ != b.flat.scalar_type() &&
+               b.flat.is_floating_point()) {
+      b.wire = b.flat.to(*wire_dtype_);
+      b.work = comm_->AllReduce(*BufferOf(b.wire), {comm::ReduceOp::kSum});
     } else {
       b.work = comm_->AllReduce(b.buffer, {comm::ReduceOp::kSum});
     }
@@ -386,7 +394,8 @@ absl::Status GradReducer::Impl::Finish(const WaitFn& wait, std::vector<at::Tenso
   // Hooks do nothing until the next BeginFinalBackward, so the buckets are ours alone.
   for (size_t k = 0; k < buckets_.size(); ++k) {
     Bucket& b = buckets_[k];
-    absl::Status s = wait(std::move(b.work), b.flat, Describe(static_cast<int>(k)));
+    absl::Status s = wait(std::move(b.work), b.wire.defined() ? b.wire : b.flat,
+                          Describe(static_cast<int>(k)));
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       broken_ = s;
@@ -406,6 +415,11 @@ absl::Status GradReducer::Impl::Finish(const WaitFn& wait, std::vector<at::Tenso
   }
   absl::Status s = TorchCall(absl::StatusCode::kInternal, "copying reduced gradients back", [&] {
     at::NoGradGuard no_grad;
+    for (Bucket& b : buckets_) {
+      if (!b.wire.defined()) continue;
+      b.flat.copy_(b.wire);
+      b.wire.reset();
+    }
     for (Param& p : params_) {
       at::Tensor sum =
           buckets_[p.bucket].flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());

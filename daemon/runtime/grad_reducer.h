@@ -63,6 +63,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,11 @@ class GradReducer {
     // parameters share a dtype and device. Replaces the automatic layout (bucket_bytes and
     // transient are then unused: the buffers are always transient). Empty: all-reduce mode.
     std::vector<std::vector<int>> scatter_buckets;
+    // All-reduce mode: floating buckets of another dtype travel as this one (cast before the
+    // all-reduce, the sum cast back): half the bytes as bf16 or fp16, at their precision, as
+    // RaNNC's allreduce_amp_master_params=False reduces Apex's fp16 model gradients. Undefined:
+    // each bucket's own dtype.
+    std::optional<at::ScalarType> wire_dtype;
   };
 
   // `params`: this device's parameter leaves (requires_grad) whose gradients are summed over

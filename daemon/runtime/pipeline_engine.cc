@@ -59,6 +59,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   zero_ = options.zero;
   offload_ = options.offload;
   bucket_bytes_ = options.bucket_bytes;
+  grad_wire_dtype_ = options.grad_wire_dtype;
   scaler_ = options.loss_scaler;
   const AmpDtype amp = options.amp;
   timeout_ = options.timeout;
@@ -417,6 +418,7 @@ absl::StatusOr<std::unique_ptr<GradReducer>> PipelineEngine::Impl::MakeReducer(
   std::vector<at::Tensor> tensors;
   GradReducer::Options options;
   options.bucket_bytes = bucket_bytes_;
+  options.wire_dtype = grad_wire_dtype_;
   // Offloaded: the device handles are empty between steps, and so are the buckets.
   options.transient = offload_;
   for (int li : params) {

@@ -121,6 +121,10 @@ struct EngineOptions {
   // IR must have been built under the same autocast, so that values crossing stages have the
   // dtypes the stages produce.
   AmpDtype amp;
+  // The replicas all-reduce floating gradients as this dtype (GradReducer::Options::wire_dtype;
+  // none: as their own): RaNNC's allreduce_amp_master_params=False at amp_level O2, where the
+  // forward reads the parameters in the low precision. Not for ZeRO's reduce-scatter.
+  AmpDtype grad_wire_dtype;
   // Loss scaling (fp16 mixed precision), starting from this scaler's state (a job moving to a
   // new engine passes the old one's loss_scaler()): every backward starts from the loss's
   // gradient (or the client's output gradients) times scale(), and the step's gradients are

@@ -465,6 +465,7 @@ class PipelineEngine::Impl {
   bool zero_ = false;  // EngineOptions::zero
   bool offload_ = false;  // EngineOptions::offload
   size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
+  AmpDtype grad_wire_dtype_;         // EngineOptions::grad_wire_dtype
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step
   milliseconds timeout_{120000};
   std::unique_ptr<comm::Store> owned_store_;

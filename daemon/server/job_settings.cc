@@ -192,6 +192,7 @@ absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
   if (!optimizer.ok()) return optimizer.status();
   settings.optimizer = std::move(*optimizer);
   settings.check_unused_values = spec.options().check_unused_values();
+  settings.allreduce_amp_master_params = spec.options().allreduce_amp_master_params();
   settings.zero = spec.options().enable_zero();
   settings.offload = spec.options().offload_params();
   if (spec.options().enable_apex_amp()) {

@@ -81,6 +81,14 @@ struct JobSettings {
   // does, parameters and floating inputs cast on entry (graph/low_precision.h), without autocast.
   AmpDtype amp;
   bool amp_o2 = false;
+  // RaNNC's allreduce_amp_master_params: True, the replicas all-reduce the fp32 masters'
+  // gradients; False (RaNNC's default), at O2 they all-reduce them as `amp` (what Apex's fp16
+  // model gradients are), half the bytes. At O1 the forward reads fp32 parameters: fp32 always.
+  bool allreduce_amp_master_params = false;
+  // The dtype the replicas all-reduce gradients as (EngineOptions::grad_wire_dtype).
+  AmpDtype grad_wire_dtype() const {
+    return amp_o2 && !allreduce_amp_master_params ? amp : AmpDtype();
+  }
   // The autocast the model's forwards run under: `amp` at O1, none at O2.
   AmpDtype autocast() const { return amp_o2 ? AmpDtype() : amp; }
   // Loss scaling (EngineOptions::loss_scaler): config keys loss_scale, loss_scale_init,

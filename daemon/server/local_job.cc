@@ -131,6 +131,7 @@ absl::Status LocalJob::Deploy() {
   options.offload = offload_;
   options.loss_scaler = parked_loss_scaler_;
   options.amp = settings_.autocast();
+  options.grad_wire_dtype = settings_.grad_wire_dtype();
   options.cancel = new_cancel_();
   if (settings_.engine_store != nullptr) {
     options.store = settings_.engine_store;

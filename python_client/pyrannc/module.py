@@ -16,6 +16,7 @@ Threading: one RaNNCModule is meant to be driven from one thread at a time, like
 in a training loop.
 """
 
+import collections
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from pyrannc import (_checkpoints, _codec, _daemon, _deployment, _jobs, _optim, _outputs,
+from pyrannc import (_checkpoints, _codec, _config, _daemon, _deployment, _jobs, _optim, _outputs,
                      _runtime, _save_job, _saved_trace, _shm, _tensors, _tracing)
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2
@@ -60,6 +61,18 @@ class _RemoteForward(torch.autograd.Function):
         return None, None, None, None
 
 
+def _without_state_dict_hooks(model: torch.nn.Module, *args, **kwargs):
+    """model.state_dict() with no module's state_dict hooks run (RaNNC's no_hook=True)."""
+    saved = [(m, m._state_dict_hooks) for m in model.modules()]
+    try:
+        for m, _ in saved:
+            m._state_dict_hooks = collections.OrderedDict()
+        return model.state_dict(*args, **kwargs)
+    finally:
+        for m, hooks in saved:
+            m._state_dict_hooks = hooks
+
+
 class RaNNCModule(torch.nn.Module):
     """Trains `model` in ranncd; a drop-in for RaNNC's pyrannc.RaNNCModule.
 
@@ -73,8 +86,10 @@ class RaNNCModule(torch.nn.Module):
     or fp16 on CUDA), or with the config key amp_level=O2 the whole forward in amp_dtype
     (parameters and floating inputs cast on entry, as FSDP2's bf16 parameters and Apex's O2 do;
     outputs in amp_dtype), with the parameters, gradients and optimizer state kept fp32 (the
-    masters, which amp_master_param(s)=True reads); allreduce_amp_master_params is accepted (the
-    fp32 gradients are what replicas all-reduce). offload_params=True keeps the parameters,
+    masters, which amp_master_param(s)=True reads). allreduce_amp_master_params=True makes the
+    replicas all-reduce the fp32 masters' gradients; with False, RaNNC's default, at amp_level O2
+    they all-reduce them in amp_dtype (half the bytes, at its precision: as Apex's fp16 model
+    gradients), at O1 in fp32 anyway. offload_params=True keeps the parameters,
     their gradients between steps and the optimizer state in host memory, each device holding
     its stage's parameters only during a step (with enable_zero, the host keeps each replica's
     shard). Results equal the job's without these switches.
@@ -644,17 +659,45 @@ class RaNNCModule(torch.nn.Module):
         return self.model.named_buffers(prefix, recurse, **kwargs)
 
     def state_dict(self, *args, rank0_only: bool = True, no_hook: bool = False,
-                   sync_grad: bool = False, amp_master_params: bool = False, **kwargs):
-        """The full model state (parameters and buffers under every alias), from the daemon.
+                   sync_grad: bool = False, amp_master_params: bool = True, **kwargs):
+        """The full model state (parameters and buffers under every alias), from the daemon,
+        with RaNNC's arguments:
 
-        rank0_only and no_hook are accepted for RaNNC compatibility; with one client rank every
-        rank is rank 0. sync_grad=True also copies the daemon's gradients into `.grad`.
+        - rank0_only=True: only client rank 0 gets the state; the other ranks of a job driven
+          by several client processes get an empty dict (False: every rank gets it).
+        - no_hook=True: the model's state_dict hooks (`_register_state_dict_hook`) are not run.
+        - amp_master_params=True (the default): with mixed precision, the fp32 master
+          parameters; False: the parameters as the forward computes with them (amp_level O2:
+          floating parameters cast to amp_dtype; O1: autocast casts per op, so the fp32 ones).
+          Without mixed precision both are the parameters.
+        - sync_grad=True also copies the daemon's gradients into `.grad`.
         """
-        # With mixed precision the parameters are the fp32 masters: amp_master_params changes
-        # nothing but is checked.
-        self._check_amp_master(amp_master_params, "state_dict")
+        if rank0_only and _runtime.get_rank() != 0:
+            return collections.OrderedDict()
         self._sync_from_daemon(grads=sync_grad)
-        return self.model.state_dict(*args, **kwargs)
+        if no_hook:
+            state = _without_state_dict_hooks(self.model, *args, **kwargs)
+        else:
+            state = self.model.state_dict(*args, **kwargs)
+        if not amp_master_params and self._amp:
+            dtype = self._amp_forward_dtype()
+            if dtype is not None:
+                params = {id(p) for p in self.model.parameters()}
+                local = self.model.state_dict(keep_vars=True)
+                for key, value in state.items():
+                    if id(local.get(key)) in params and value.is_floating_point():
+                        state[key] = value.to(dtype)
+        return state
+
+    def _amp_forward_dtype(self) -> Optional[torch.dtype]:
+        """The dtype floating parameters enter the forward in: amp_dtype at amp_level O2, None at
+        O1 (autocast casts per op; the parameters stay fp32)."""
+        config = _config.job_config()
+        if config.get("amp_level", "O1").upper() != "O2":
+            return None
+        return torch.float16 if config.get("amp_dtype", "bf16").lower() in ("fp16", "float16",
+                                                                          "half") \
+            else torch.bfloat16
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads parameters and buffers, before the first forward (into the local model) or

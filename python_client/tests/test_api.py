@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import pyrannc
 from pyrannc import _daemon
+from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from conftest import CLIENT_ROOT, DaemonProcess, assert_close, free_port
 import models
@@ -306,8 +307,8 @@ def test_later_issue_functions_raise():
     rmod, model, opt, *_ = _fresh(opt_fn=_sgd)
     with pytest.raises(ValueError, match="enable_apex_amp"):
         rmod.get_param("l1.weight", amp_master_param=True)
-    with pytest.raises(NotImplementedError, match="RMSprop"):
-        pyrannc.RaNNCModule(models.MLP(), torch.optim.RMSprop(models.MLP().parameters()))
+    with pytest.raises(NotImplementedError, match="LBFGS"):
+        pyrannc.RaNNCModule(models.MLP(), torch.optim.LBFGS(models.MLP().parameters()))
 
 
 def test_client_rank_variables(monkeypatch):
@@ -749,3 +750,104 @@ def test_reading_gradients_flushes_deferred_backward():
     ref(*batch).backward()
     for name, p in ref.named_parameters():
         assert_close(rmod.get_param_grad(name), p.grad, f"grad of {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# RaNNC's arguments of state_dict, buffers() and check_unused_values (docs/api.md's table).
+
+def test_state_dict_arguments_as_raNNC_documents_them(monkeypatch):
+    torch.manual_seed(0)
+    model = models.CNN()
+    ref = copy.deepcopy(model)
+    calls = []
+
+    def hook(module, state, prefix, local_metadata):
+        calls.append(prefix)
+        state[prefix + "hooked"] = torch.zeros(1)
+
+    model.fc._register_state_dict_hook(hook)
+    ref.fc._register_state_dict_hook(hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    for step in range(2):
+        x, y = models.cnn_batch(step)
+        for m, o in ((rmod, opt), (ref, ref_opt)):
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    # The hooks run, as PyTorch's state_dict runs them; no_hook=True leaves them out.
+    state = rmod.state_dict()
+    assert "fc.hooked" in state and sorted(state) == sorted(ref.state_dict())
+    calls.clear()
+    bare = rmod.state_dict(no_hook=True)
+    assert calls == [] and "fc.hooked" not in bare
+    assert sorted(bare) == sorted(k for k in ref.state_dict() if k != "fc.hooked")
+    for k, v in ref.state_dict().items():
+        assert_close(state[k], v, k)
+    # buffers(): BatchNorm's running statistics as the daemon updated them.
+    got = dict(rmod.named_buffers())
+    want = dict(ref.named_buffers())
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert_close(got[k], v, f"buffer {k}")
+    assert [b.shape for b in rmod.buffers()] == [b.shape for b in ref.buffers()]
+    # Without mixed precision amp_master_params changes nothing (RaNNC's default is True).
+    for k, v in rmod.state_dict(amp_master_params=False).items():
+        assert v.dtype == state[k].dtype, k
+    # rank0_only: another client rank gets an empty dict unless it asks with False.
+    monkeypatch.setattr(pyrannc._runtime, "get_rank", lambda: 1)
+    assert rmod.state_dict() == {}
+    assert sorted(rmod.state_dict(rank0_only=False)) == sorted(state)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_state_dict_amp_master_params(level, monkeypatch):
+    # With mixed precision the state is the fp32 masters (amp_master_params=True, the default);
+    # False gives the parameters as the forward reads them: bf16 at O2, fp32 at O1 (autocast).
+    monkeypatch.setenv("RANNC_AMP_LEVEL", level)
+    torch.manual_seed(0)
+    model = models.MLP()
+    rmod = pyrannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               enable_apex_amp=True)
+    rmod(*models.mlp_batch(0)).backward()
+    masters = rmod.state_dict()
+    assert all(v.dtype == torch.float32 for v in masters.values())
+    cast = rmod.state_dict(amp_master_params=False)
+    for k, v in masters.items():
+        want = torch.bfloat16 if level == "O2" else torch.float32
+        assert cast[k].dtype == want, k
+        assert torch.equal(cast[k], v.to(want)), k
+
+
+def test_check_unused_values_both_ways():
+    # A parameter the forward never reads: refused by default, naming it and the switch; with
+    # check_unused_values=False the job trains as PyTorch does (the unused one unchanged).
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(8, 4)
+            self.unused = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.used(x), y)
+
+    torch.manual_seed(0)
+    model = Unused()
+    rmod = pyrannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RanncError, match=r"unused\.weight.*check_unused_values=False"):
+        rmod(*models.mlp_batch(0))
+    pyrannc.clear()
+    torch.manual_seed(0)
+    model = Unused()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt, check_unused_values=False)
+    for step in range(3):
+        for m, o in ((rmod, opt), (ref, ref_opt)):
+            m(*models.mlp_batch(step)).backward()
+            o.step()
+            o.zero_grad()
+    for k, v in ref.state_dict().items():
+        assert_close(rmod.state_dict()[k], v, k)

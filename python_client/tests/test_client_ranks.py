@@ -48,7 +48,9 @@ _RANK_SCRIPT = textwrap.dedent("""
         opt.zero_grad()
         losses.append(float(loss))
     pyrannc.barrier()
-    state = {{k: v.tolist() for k, v in rmod.state_dict().items()}}
+    # RaNNC's rank0_only=True (the default): only rank 0 gets the state.
+    assert (len(rmod.state_dict()) > 0) == (rank == 0)
+    state = {{k: v.tolist() for k, v in rmod.state_dict(rank0_only=False).items()}}
     json.dump({{"losses": losses, "state": state, "devices": rmod._job.devices}},
               open({out!r} + str(rank), "w"))
 """)
@@ -154,7 +156,7 @@ _REUSE_SCRIPT = textwrap.dedent("""
     pyrannc.barrier()
     if not {load!r} and rank == 0:
         rmod.save_deployment({path!r})
-    state = {{k: v.tolist() for k, v in rmod.state_dict().items()}}
+    state = {{k: v.tolist() for k, v in rmod.state_dict(rank0_only=False).items()}}
     json.dump({{"losses": losses, "state": state}}, open({out!r} + str(rank), "w"))
 """)
 
@@ -197,7 +199,7 @@ _ACCUMULATE_SCRIPT = textwrap.dedent("""
         opt.step()
         opt.zero_grad()
     pyrannc.barrier()
-    state = {{k: v.tolist() for k, v in rmod.state_dict().items()}}
+    state = {{k: v.tolist() for k, v in rmod.state_dict(rank0_only=False).items()}}
     json.dump({{"losses": losses, "joined": joined, "state": state}},
               open({out!r} + str(rank), "w"))
 """)

@@ -272,7 +272,10 @@ def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, mo
     # lr-sized steps for gradients near 0 (see test_pipeline_conformance's gpt_tied).
     opt, ref_opt, fp32_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
                               for m in (model, ref, fp32))
-    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True)
+    # The reference sums the shards' gradients in fp32: so do the replicas (RaNNC's default,
+    # False, all-reduces them in amp_dtype at O2: test_allreduce_amp_master_params).
+    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True,
+                               allreduce_amp_master_params=True)
     names = [n for n, _ in ref.named_parameters()]
     try:
         if amp_dtype == "fp16" and not _cuda_daemon():
@@ -322,6 +325,36 @@ def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, mo
             assert (summary.loss_scale, summary.skipped_steps) == (FP16_SCALE, 0)
     finally:
         pyrannc.clear()
+
+
+@pytest.mark.parametrize("master", [True, False])
+def test_allreduce_amp_master_params(master, monkeypatch):
+    # O2 over four replicas: with allreduce_amp_master_params=False (RaNNC's default) the
+    # replicas all-reduce the gradients in bf16 (half the bytes), so every reduced gradient is a
+    # bf16 value; with True they all-reduce the fp32 masters' gradients, which mostly are not.
+    # Both are within bf16's precision of the fp32 reduction.
+    tpc._set_plan_config(monkeypatch, (1, 1, 4), "1f1b")
+    monkeypatch.setenv("RANNC_AMP_LEVEL", "O2")
+    case = tpc.MODELS["mlp"]
+    grads = {}
+    for flag in (True, master):
+        torch.manual_seed(0)
+        model = case.make()
+        rmod = pyrannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   enable_apex_amp=True, allreduce_amp_master_params=flag)
+        try:
+            case.loss(rmod, case.batch(0)).backward()
+            grads[flag] = {n: rmod.get_param_grad(n, amp_master_param=True)
+                           for n, _ in model.named_parameters()}
+        finally:
+            pyrannc.clear()
+    bf16_values = [torch.equal(g, g.to(torch.bfloat16).float()) for g in grads[master].values()]
+    if master:
+        assert not all(bf16_values), "fp32 sums of bf16 gradients are not all bf16 values"
+    else:
+        assert all(bf16_values), "a gradient the replicas all-reduced in bf16 is not a bf16 value"
+    for name, g in grads[master].items():
+        assert_close(g, grads[True][name], f"gradient of {name}", rtol=2e-2, atol=1e-3)
 
 
 def test_unknown_amp_level_is_refused(monkeypatch):
