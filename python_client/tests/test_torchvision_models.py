@@ -6,14 +6,20 @@ planner's own plan and under forced ones.
     batch, so every plan keeps it whole (and says so: Deployment.batch_whole names the
     BatchNorm); a forced plan that would split it is refused; stages alone are allowed.
     Adam, as a user would train them.
-  - MobileNetV3-small with its BatchNorms frozen in eval mode (fine-tuning) and SqueezeNet
-    (no normalization): samples independent, so forced plans split the batch into micro-batches
+  - A VisionTransformer (2 layers, width 32, 8x8 patches) and torch.nn.TransformerEncoder (2
+    layers over the patches): their nn.MultiheadAttention merges the batch with the sequence
+    for its output projection, which the analysis does not follow yet: the batch is kept whole
+    (and a forced split refused, naming the op), stages allowed. SGD.
+  - MobileNetV3-small with its BatchNorms frozen in eval mode (fine-tuning) and SqueezeNet (no
+    normalization): samples independent, so forced plans split the batch into micro-batches
     and replicas, and the results still equal PyTorch's. SGD with momentum: a split reorders
     fp32 sums, and Adam would turn the round-off of gradients whose true value is zero into
     lr-sized steps (test_pipeline_conformance.py says more).
 
 Losses, every gradient and every parameter and buffer after two steps: rtol 1e-5, atol 1e-6.
 """
+
+import re
 
 import pytest
 import torch
@@ -62,6 +68,29 @@ def _squeezenet():
     return net
 
 
+def _vit():
+    return torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+        dropout=0.0, attention_dropout=0.0, num_classes=10)
+
+
+class PatchEncoder(nn.Module):
+    """torch.nn.TransformerEncoder over an image's 8x8 patches, mean-pooled into 10 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3 * 8 * 8, 32)
+        layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        patches = x.unfold(2, 8, 8).unfold(3, 8, 8)  # B, 3, 4, 4, 8, 8
+        tokens = patches.permute(0, 2, 3, 1, 4, 5).reshape(x.size(0), 16, 3 * 8 * 8)
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
 def _adam(m):
     return torch.optim.Adam(m.parameters(), lr=1e-3)
 
@@ -70,12 +99,23 @@ def _sgd(m):
     return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
 
-# name -> (model factory, optimizer, image size, whether the batch must stay whole)
+_BATCH_NORM = "BatchNorm2d.*normalizes over the batch"
+# torch.nn.MultiheadAttention runs its output projection over (length * batch) rows
+# (attn_output.view(tgt_len * bsz, embed_dim)): the rows are still per sample, but the analysis
+# (graph/batch_flow.h) does not follow a batch merged with the dimension before it, so the plan
+# keeps the batch whole and names the op. Known limitation (issue 26), to be lifted; the
+# results are exact either way.
+_ATTENTION = "aten::view in .*MultiheadAttention.* samples interleave"
+
+# name -> (model factory, optimizer, image size, why the plan keeps the batch whole: a regular
+# expression of Deployment.batch_whole, or None when the batch may be split)
 MODELS = {
-    "mobilenet_v3_small": (_mobilenet, _adam, 32, True),
-    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), _adam, 32, True),
-    "mobilenet_v3_small_frozen_bn": (_frozen_bn_mobilenet, _sgd, 32, False),
-    "squeezenet1_1": (_squeezenet, _sgd, 64, False),
+    "mobilenet_v3_small": (_mobilenet, _adam, 32, _BATCH_NORM),
+    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), _adam, 32, _BATCH_NORM),
+    "mobilenet_v3_small_frozen_bn": (_frozen_bn_mobilenet, _sgd, 32, None),
+    "squeezenet1_1": (_squeezenet, _sgd, 64, None),
+    "vit_tiny": (_vit, _sgd, 32, _ATTENTION),
+    "transformer_encoder": (PatchEncoder, _sgd, 32, _ATTENTION),
 }
 
 # Per device count: forced (partition, pipeline, replica) plans.
@@ -133,8 +173,7 @@ def test_default_plan_trains_like_pytorch(name, monkeypatch):
     whole = MODELS[name][3]
     deployment = _run(name, None, monkeypatch)
     if whole:
-        assert "BatchNorm2d" in deployment.batch_whole, deployment.batch_whole
-        assert "normalizes over the batch" in deployment.batch_whole
+        assert re.search(whole, deployment.batch_whole), deployment.batch_whole
         assert deployment.micro_batches == 1
         assert all(len(s.devices) == 1 for s in deployment.stages)
     else:
@@ -147,7 +186,8 @@ def test_forced_plan_trains_like_pytorch_or_is_refused(name, index, monkeypatch)
     plan = FORCED[len(daemon_device_names())][index]
     splits = plan[1] > 1 or plan[2] > 1
     if MODELS[name][3] and splits:
-        with pytest.raises(RanncError, match="BatchNorm2d.*splitting it would change the results"):
+        with pytest.raises(RanncError,
+                           match=MODELS[name][3] + ".*splitting it would change the results"):
             _run(name, plan, monkeypatch)
         return
     deployment = _run(name, plan, monkeypatch)
