@@ -1,8 +1,9 @@
 #!/bin/bash
 # Installs everything rannc needs on Debian 12 (bookworm) from Debian's own packages: LibTorch
 # and PyTorch 1.13 (CPU), gRPC 1.51, protobuf 3.21, spdlog, Catch2, UCX, Bazel 4.2.3, CMake and
-# ccache (the build without Bazel, docs/building.md) and the Python test tools. Idempotent:
-# installs only what is missing. Needs root (uses sudo if not).
+# ccache (the build without Bazel, docs/building.md) and the Python test tools (torchvision: the
+# real models of the tests). Idempotent: installs only what is missing. Needs root (uses sudo if
+# not).
 set -euo pipefail
 
 packages=(
@@ -13,7 +14,7 @@ packages=(
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
   bazel-bootstrap bazel-platforms bazel-rules-java
   cmake ccache
-  python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm
+  python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm python3-torchvision
 )
 
 missing=()
