@@ -549,6 +549,9 @@ std::map<int, std::vector<std::pair<std::string, at::Tensor>>> PipelineEngine::O
     const {
   return impl_->OptimizerState();
 }
+std::vector<PipelineEngine::StatePiece> PipelineEngine::OptimizerStatePieces() const {
+  return impl_->OptimizerStatePieces();
+}
 absl::Status PipelineEngine::LoadOptimizerState(
     const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state) {
   return impl_->LoadOptimizerState(state);

@@ -249,6 +249,18 @@ class PipelineEngine {
   // Per lifted parameter, its optimizer state (keys as Optimizer::NamedState's after the
   // "<index>."), copied from its owner; and the reverse, into every holder.
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;
+  // The same state as pieces, for checkpoints: ZeRO's shards are not assembled. A piece is a
+  // parameter's whole state tensor (`slice` false: its shape), or, for a ZeRO parameter's
+  // per-element state, the part of it one replica's shard holds: elements [offset, offset +
+  // value.numel()) of the flattened whole (`slice` true). Host copies.
+  struct StatePiece {
+    int lifted = -1;
+    std::string key;
+    at::Tensor value;
+    int64_t offset = 0;
+    bool slice = false;
+  };
+  std::vector<StatePiece> OptimizerStatePieces() const;
   absl::Status LoadOptimizerState(
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   // p -= lr * grad on every device's copy of every parameter that has a gradient (tests).

@@ -271,6 +271,7 @@ class PipelineEngine::Impl {
   absl::Status Step(const std::vector<HyperParams>& hypers);
   const LossScaler& loss_scaler() const { return scaler_; }
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;
+  std::vector<PipelineEngine::StatePiece> OptimizerStatePieces() const;
   absl::Status LoadOptimizerState(
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);

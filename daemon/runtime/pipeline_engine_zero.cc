@@ -307,6 +307,46 @@ void PipelineEngine::Impl::ZeroOptimizerState(
   }
 }
 
+std::vector<PipelineEngine::StatePiece> PipelineEngine::Impl::OptimizerStatePieces() const {
+  std::vector<PipelineEngine::StatePiece> out;
+  for (const Device& d : devices_) {
+    if (!d.optimizer) continue;
+    for (const auto& [name, value] : d.optimizer->NamedState()) {
+      const size_t dot = name.find('.');
+      const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
+      if (li < 0 || owner_[li] != d.world_rank) continue;  // a ZeRO shard: below
+      out.push_back({li, name.substr(dot + 1), HostCopy(value.detach()), 0, false});
+    }
+    if (d.zero.empty() || d.replica != 0) continue;  // replica 0 reports every replica's
+    for (const Device* r : Replicas(d.stage)) {
+      for (size_t k = 0; k < r->zero.size(); ++k) {
+        const ZeroPartition& part = r->zero[k];
+        const int index = static_cast<int>(
+            std::find(r->optimizer_params.begin(), r->optimizer_params.end(),
+                      -1 - static_cast<int>(k)) - r->optimizer_params.begin());
+        const std::string prefix = absl::StrCat(index, ".");
+        for (const auto& [name, value] : r->optimizer->NamedState()) {
+          if (name.rfind(prefix, 0) != 0) continue;
+          const std::string key = name.substr(prefix.size());
+          for (size_t i = 0; i < part.params.size(); ++i) {
+            if (IsScalarState(key)) {
+              // The same on every shard: replica 0's, whole.
+              if (r == &d) out.push_back({part.params[i], key, HostCopy(value.detach()), 0, false});
+              continue;
+            }
+            ForShardSlice(part, i, [&](int64_t shard_from, int64_t param_from, int64_t count) {
+              out.push_back({part.params[i], key,
+                             HostCopy(value.detach().narrow(0, shard_from, count)), param_from,
+                             true});
+            });
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
 void PipelineEngine::Impl::LoadZeroOptimizerState(
     const Device& d, const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state,
     std::vector<std::pair<std::string, at::Tensor>>* named) const {

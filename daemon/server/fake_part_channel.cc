@@ -87,6 +87,13 @@ class FakePartChannel final : public PartChannel {
     return share;
   }
 
+  absl::Status RestoreLossScaler(double scale, int good_steps, int skipped_steps) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = Part(false);
+    if (!job.ok()) return job.status();
+    (*job)->RestoreLossScaler(scale, good_steps, skipped_steps);
+    return absl::OkStatus();
+  }
+
   void Notify(PartNotice notice, std::chrono::milliseconds) override {
     if (!daemons_->Reach(address(), false).ok()) return;
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(part_id_);

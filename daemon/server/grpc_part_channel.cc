@@ -223,6 +223,18 @@ class GrpcPartChannel final : public PartChannel {
     return share;
   }
 
+  absl::Status RestoreLossScaler(double scale, int good_steps, int skipped_steps) override {
+    v1::PartLossScalerRequest request;
+    request.set_part_id(part_id_);
+    request.set_scale(scale);
+    request.set_good_steps(good_steps);
+    request.set_skipped_steps(skipped_steps);
+    v1::Empty empty;
+    return Call([&](grpc::ClientContext* c) {
+      return stub_->RestoreLossScaler(c, request, &empty);
+    });
+  }
+
   void Notify(PartNotice notice, std::chrono::milliseconds deadline) override {
     v1::PartRef ref;
     ref.set_part_id(part_id_);

@@ -199,6 +199,8 @@ class Job {
   absl::Status StartCheckpointShare(const std::string& dir, const std::string& prefix,
                                     int64_t step);
   absl::StatusOr<v1::CheckpointShare> CheckpointShare(int64_t step);
+  // A part of a job resumed from a checkpoint: its engine takes the leader's loss scaler state.
+  void RestoreLossScaler(double scale, int good_steps, int skipped_steps);
 
  private:
   Job(std::string id, JobSettings settings, PartChannels* channels);

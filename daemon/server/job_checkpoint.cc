@@ -182,10 +182,21 @@ absl::StatusOr<std::vector<checkpoint::Piece>> Job::ShareLocked() {
     }
   }
   const double params_s = SecondsSince(start);
-  for (OptimizerEntry& entry : local_->OptimizerState()) {
+  // ZeRO's shards are written as they are, slices of their tensors (the reader assembles them).
+  for (LocalJob::OptimizerPiece& piece : local_->OptimizerStatePieces()) {
+    OptimizerEntry& entry = piece.entry;
     if (!local_->Saves(entry.param)) continue;
     checkpoint::Piece p;
     p.kind = v1::CheckpointEntry::OPTIMIZER_STATE;
+    if (piece.slice) {
+      const at::Tensor& whole = store.Find(entry.param)->tensor;
+      if (entry.value.numel() == whole.numel()) {
+        entry.value = entry.value.view(whole.sizes());  // one shard holds all of it
+      } else {
+        p.shape = whole.sizes().vec();
+        p.offset = piece.offset;
+      }
+    }
     p.name = std::move(entry.param);
     p.state_key = std::move(entry.key);
     p.value = std::move(entry.value);
@@ -201,6 +212,13 @@ absl::StatusOr<std::vector<checkpoint::Piece>> Job::ShareLocked() {
                info_.id, pieces.size(), bytes / 1e9, pinned / 1e9, SecondsSince(start),
                params_s, SecondsSince(start) - params_s);
   return pieces;
+}
+
+void Job::RestoreLossScaler(double scale, int good_steps, int skipped_steps) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LossScaler scaler(settings_.loss_scale);
+  scaler.Restore(scale, good_steps, skipped_steps);
+  local_->RestoreLossScaler(scaler);
 }
 
 absl::Status Job::StartCheckpointShare(const std::string& dir, const std::string& prefix,
@@ -353,10 +371,20 @@ absl::Status Job::Resume() {
     last_hypers_[g] = FromProto(m->param_groups(g).hyper(), settings_.optimizer.kind);
   }
   if (settings_.loss_scale.enabled) {
+    const int good_steps = static_cast<int>(m->loss_scale_good_steps());
+    const int skipped = static_cast<int>(m->skipped_steps());
     LossScaler scaler(settings_.loss_scale);
-    scaler.Restore(m->loss_scale(), static_cast<int>(m->loss_scale_good_steps()),
-                   static_cast<int>(m->skipped_steps()));
+    scaler.Restore(m->loss_scale(), good_steps, skipped);
     local_->RestoreLossScaler(scaler);
+    if (coordinator_.leads()) {
+      // Every daemon's engine scales and unscales its own share of the gradients.
+      absl::Status restored = coordinator_.OnParts(
+          [&](PartChannel& part, size_t) {
+            return part.RestoreLossScaler(m->loss_scale(), good_steps, skipped);
+          },
+          [] { return absl::OkStatus(); });
+      if (!restored.ok()) return Annotate(restored, key);
+    }
   }
   if (!m->cpu_rng_state().empty()) {
     absl::Status rng = TorchCall(absl::StatusCode::kDataLoss, "restoring the RNG state", [&] {

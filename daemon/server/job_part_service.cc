@@ -277,6 +277,16 @@ grpc::Status JobPartServiceImpl::CheckpointShare(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+grpc::Status JobPartServiceImpl::RestoreLossScaler(grpc::ServerContext*,
+                                                   const v1::PartLossScalerRequest* request,
+                                                   v1::Empty*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
+  if (!job.ok()) return FailRpc("part RestoreLossScaler", job.status());
+  (*job)->RestoreLossScaler(request->scale(), static_cast<int>(request->good_steps()),
+                            static_cast<int>(request->skipped_steps()));
+  return grpc::Status::OK;
+}
+
 grpc::Status JobPartServiceImpl::AbortStep(grpc::ServerContext*, const v1::PartRef* ref,
                                            v1::Empty*) {
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());

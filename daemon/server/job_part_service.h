@@ -58,6 +58,8 @@ class JobPartServiceImpl final : public v1::JobPartService::Service {
                                     v1::Empty*) override;
   grpc::Status CheckpointShare(grpc::ServerContext*, const v1::PartCheckpointRef*,
                                v1::CheckpointShare*) override;
+  grpc::Status RestoreLossScaler(grpc::ServerContext*, const v1::PartLossScalerRequest*,
+                                 v1::Empty*) override;
 
  private:
   grpc::Status RunOp(const char* rpc, const std::string& part_id, const JobOp& op,

@@ -492,6 +492,26 @@ std::vector<OptimizerEntry> LocalJob::OptimizerState() {
   return out;
 }
 
+std::vector<LocalJob::OptimizerPiece> LocalJob::OptimizerStatePieces() {
+  std::vector<OptimizerPiece> out;
+  if (!settings_.optimizer.enabled) return out;
+  if (!engine_) {  // released: the parked state, whole
+    for (OptimizerEntry& e : OptimizerState()) out.push_back({std::move(e), 0, false});
+    return out;
+  }
+  std::map<int, const ParamStore::Entry*> entry_of;
+  for (const ParamStore::Entry& e : store_.entries()) {
+    const int li = LiftedOf(e);
+    if (e.is_parameter && li >= 0 && Held(li)) entry_of.emplace(li, &e);
+  }
+  for (PipelineEngine::StatePiece& p : engine_->OptimizerStatePieces()) {
+    auto it = entry_of.find(p.lifted);
+    if (it == entry_of.end()) continue;
+    out.push_back({{it->second->name, std::move(p.key), std::move(p.value)}, p.offset, p.slice});
+  }
+  return out;
+}
+
 absl::StatusOr<LocalJob::ByLifted> LocalJob::OptimizerStateByLifted(
     const std::vector<OptimizerEntry>& state) const {
   if (!settings_.optimizer.enabled) {

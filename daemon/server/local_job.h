@@ -121,6 +121,14 @@ class LocalJob {
   // for a name that is no parameter of an optimizer group, a key the optimizer does not keep,
   // or a shape other than the parameter's.
   std::vector<OptimizerEntry> OptimizerState();
+  // The same for a checkpoint, ZeRO's shards unassembled (PipelineEngine::OptimizerStatePieces):
+  // a piece is a parameter's whole state tensor, or elements [offset, offset + numel) of it.
+  struct OptimizerPiece {
+    OptimizerEntry entry;
+    int64_t offset = 0;
+    bool slice = false;
+  };
+  std::vector<OptimizerPiece> OptimizerStatePieces();
   // With `check_only`, the checks and nothing else.
   absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state,
                                   bool check_only = false);

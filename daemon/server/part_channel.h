@@ -99,6 +99,8 @@ class PartChannel {
   virtual absl::Status StartCheckpointShare(const std::string& dir, const std::string& prefix,
                                             int64_t step) = 0;
   virtual absl::StatusOr<v1::CheckpointShare> CheckpointShare(int64_t step) = 0;
+  // A job resumed from a checkpoint: the part's engine takes the loss scaler's state.
+  virtual absl::Status RestoreLossScaler(double scale, int good_steps, int skipped_steps) = 0;
   virtual void Notify(PartNotice notice, std::chrono::milliseconds deadline) = 0;
   // Abandons the calls in flight (they fail soon): a member was lost, and one cut off by a
   // partition would otherwise be waited for until TCP gives up.

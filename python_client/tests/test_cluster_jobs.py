@@ -786,3 +786,26 @@ def test_a_zero_checkpoint_of_one_daemon_resumes_over_the_daemons(tmp_path, clus
     assert last["before"] == 8
     _assert_like_uninterrupted_adam({"ZeRO over two daemons": zero_over_two}, steps=8)
     _assert_like_uninterrupted_adam({"ZeRO over two daemons, resumed on one": last}, steps=10)
+
+
+def test_the_loss_scalers_state_resumes_on_every_daemon(tmp_path, cluster):
+    # Dynamic loss scaling (fp32 here: the scale doubles every step, exact powers of two) over
+    # both daemons, checkpointed at step 4 with a scale of 16; resumed over both daemons, every
+    # daemon's engine scales and unscales with the checkpoint's scale (a daemon starting afresh
+    # at 1 would mix scales across the stages): equal to an uninterrupted PyTorch run.
+    peers, logs, _, _ = cluster
+    cluster_logs = [lambda log=log: open(log.name).read() for log in logs]
+    scaling = dict(RANNC_LOSS_SCALE="dynamic", RANNC_LOSS_SCALE_INIT="1",
+                   RANNC_LOSS_SCALE_WINDOW="1")
+    first = _run_checkpointed_client(tmp_path, "scaled_first", peers[0], (2, 2, 2), 0, 4, 0,
+                                     cluster_logs, job="scaled", RANNC_CHECKPOINT_EVERY="4",
+                                     **scaling)
+    assert first["checkpoints"] == [4] and len(first["stages"]) == 2
+    manifest = json.loads((tmp_path / "ckpt" / "scaled" / "step-0000000004" /
+                           "manifest.json").read_text())
+    assert manifest["loss_scale"] == 16
+    resumed = _run_checkpointed_client(tmp_path, "scaled_resumed", peers[0], (2, 2, 2), 4, 6, 1,
+                                       cluster_logs, job="scaled", RANNC_RESUME="latest",
+                                       **scaling)
+    assert resumed["before"] == 4
+    _assert_like_uninterrupted_adam({"loss scaling resumed over two daemons": resumed})
