@@ -223,6 +223,7 @@ class Job {
   // This daemon's share of a checkpoint, copied to host memory: the parameters, buffers and
   // optimizer state it writes (LocalJob::Saves).
   absl::StatusOr<std::vector<checkpoint::Piece>> ShareLocked();
+  absl::Status CopyShareLocked(std::vector<checkpoint::Piece>* out);  // ShareLocked's, may throw
   // checkpoint_every's: a checkpoint that cannot be taken or written fails no step; the job
   // keeps training, and the failure is logged and reported (checkpoint_error).
   void CheckpointAfterStep();

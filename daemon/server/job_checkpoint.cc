@@ -164,8 +164,18 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
 }
 
 absl::StatusOr<std::vector<checkpoint::Piece>> Job::ShareLocked() {
-  const auto start = std::chrono::steady_clock::now();
   std::vector<checkpoint::Piece> pieces;
+  // Host memory may run out: a failed checkpoint, not a failed daemon.
+  absl::Status copied = TorchCall(absl::StatusCode::kResourceExhausted,
+                                  "copying the checkpoint to host memory",
+                                  [&] { return CopyShareLocked(&pieces); });
+  if (!copied.ok()) return copied;
+  return pieces;
+}
+
+absl::Status Job::CopyShareLocked(std::vector<checkpoint::Piece>* out) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<checkpoint::Piece>& pieces = *out;
   const ParamStore& store = local_->params();
   {
     at::NoGradGuard no_grad;
@@ -211,7 +221,7 @@ absl::StatusOr<std::vector<checkpoint::Piece>> Job::ShareLocked() {
                "memory in {:.3f} s (parameters and buffers {:.3f} s, optimizer state {:.3f} s)",
                info_.id, pieces.size(), bytes / 1e9, pinned / 1e9, SecondsSince(start),
                params_s, SecondsSince(start) - params_s);
-  return pieces;
+  return absl::OkStatus();
 }
 
 void Job::RestoreLossScaler(double scale, int good_steps, int skipped_steps) {
