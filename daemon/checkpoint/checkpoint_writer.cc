@@ -5,15 +5,12 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/elapsed.h"
 
 namespace rannc {
 namespace checkpoint {
 
 namespace {
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 uint64_t FileBytes(const google::protobuf::RepeatedPtrField<v1::CheckpointFile>& files) {
   uint64_t bytes = 0;
@@ -61,27 +58,34 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
                     snapshot.manifest.step(), job_dir, status.ToString());
       return status;
     };
-    absl::StatusOr<v1::CheckpointManifest> written;
     if (dir.empty()) {
-      written = WriteCheckpoint(job_dir, snapshot);
-    } else {
-      std::vector<v1::CheckpointShare> shares;
-      absl::StatusOr<v1::CheckpointShare> mine = WriteShare(
-          dir, "daemon-0", snapshot.files.empty() ? std::vector<Piece>() : snapshot.files[0]);
-      snapshot.files.clear();
-      if (mine.ok()) shares.push_back(std::move(*mine));
-      // The others are waited for even when this share failed: their writes end before the
-      // directory goes.
-      absl::StatusOr<std::vector<v1::CheckpointShare>> theirs =
-          others ? others() : std::vector<v1::CheckpointShare>();
-      if (!mine.ok() || !theirs.ok()) {
-        AbandonCheckpoint(dir);
-        return failed(!mine.ok() ? mine.status() : theirs.status());
+      absl::StatusOr<std::string> begun = BeginCheckpoint(job_dir, snapshot.manifest.step());
+      if (!begun.ok()) return failed(begun.status());
+      dir = std::move(*begun);
+    }
+    // This daemon's shares (daemon-<f>), then the others' (waited for even when one of these
+    // failed: their writes end before the directory goes).
+    std::vector<v1::CheckpointShare> shares;
+    absl::Status mine;
+    for (size_t f = 0; f < snapshot.files.size() && mine.ok(); ++f) {
+      absl::StatusOr<v1::CheckpointShare> share =
+          WriteShare(dir, absl::StrCat("daemon-", f), snapshot.files[f]);
+      if (share.ok()) {
+        shares.push_back(std::move(*share));
+      } else {
+        mine = share.status();
       }
-      for (v1::CheckpointShare& share : *theirs) shares.push_back(std::move(share));
-      written = CommitCheckpoint(job_dir, dir, snapshot.manifest, shares);
     }
     snapshot.files.clear();
+    absl::StatusOr<std::vector<v1::CheckpointShare>> theirs =
+        others ? others() : std::vector<v1::CheckpointShare>();
+    if (!mine.ok() || !theirs.ok()) {
+      AbandonCheckpoint(dir);
+      return failed(!mine.ok() ? mine : theirs.status());
+    }
+    for (v1::CheckpointShare& share : *theirs) shares.push_back(std::move(share));
+    absl::StatusOr<v1::CheckpointManifest> written =
+        CommitCheckpoint(job_dir, dir, snapshot.manifest, shares);
     if (!written.ok()) return failed(written.status());
     Result r;
     r.manifest = std::move(*written);

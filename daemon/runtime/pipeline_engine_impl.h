@@ -425,9 +425,6 @@ class PipelineEngine::Impl {
   void ForShardSlice(const pipeline_internal::ZeroPartition& part, size_t i,
                      const std::function<void(int64_t shard_from, int64_t param_from,
                                               int64_t count)>& fn) const;
-  void ZeroOptimizerState(const Device& d,
-                          std::map<int, std::vector<std::pair<std::string, at::Tensor>>>* out)
-      const;
   void LoadZeroOptimizerState(
       const Device& d, const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state,
       std::vector<std::pair<std::string, at::Tensor>>* named) const;

@@ -304,16 +304,42 @@ absl::Status PipelineEngine::Impl::OptimizerStep(const std::vector<HyperParams>&
 
 std::map<int, std::vector<std::pair<std::string, at::Tensor>>>
 PipelineEngine::Impl::OptimizerState() const {
+  // OptimizerStatePieces, a ZeRO parameter's slices of a per-element state assembled: in
+  // offset order, and only where they cover it all (a state not every replica has yet is left
+  // out).
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> out;
-  for (const Device& d : devices_) {
-    if (!d.optimizer) continue;
-    for (const auto& [name, value] : d.optimizer->NamedState()) {
-      const size_t dot = name.find('.');
-      const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
-      if (li < 0 || owner_[li] != d.world_rank) continue;  // a ZeRO shard: below
-      out[li].emplace_back(name.substr(dot + 1), HostCopy(value.detach()));
+  const std::vector<PipelineEngine::StatePiece> pieces = OptimizerStatePieces();
+  std::map<std::pair<int, std::string>, std::vector<const PipelineEngine::StatePiece*>> sliced;
+  for (const PipelineEngine::StatePiece& p : pieces) {
+    if (!p.slice) {
+      out[p.lifted].emplace_back(p.key, p.value);
+      continue;
     }
-    ZeroOptimizerState(d, &out);
+    auto [it, fresh] = sliced.try_emplace({p.lifted, p.key});
+    if (fresh) out[p.lifted].emplace_back(p.key, at::Tensor());  // its place among the keys
+    it->second.push_back(&p);
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [id, parts] : sliced) {
+    std::sort(parts.begin(), parts.end(),
+              [](const auto* a, const auto* b) { return a->offset < b->offset; });
+    std::vector<at::Tensor> values;
+    int64_t covered = 0;
+    for (const PipelineEngine::StatePiece* p : parts) {
+      if (p->offset != covered) break;
+      values.push_back(p->value);
+      covered += p->value.numel();
+    }
+    const std::vector<int64_t>& shape = lifted_shapes_[id.first];
+    const bool whole = covered == c10::multiply_integers(shape);
+    for (auto& [key, value] : out[id.first]) {
+      if (key == id.second) value = whole ? at::cat(values).view(shape) : at::Tensor();
+    }
+  }
+  for (auto& [li, entries] : out) {
+    entries.erase(std::remove_if(entries.begin(), entries.end(),
+                                 [](const auto& e) { return !e.second.defined(); }),
+                  entries.end());
   }
   return out;
 }

@@ -268,45 +268,6 @@ at::Tensor PipelineEngine::Impl::Assemble(const ZeroSlot& slot, int lifted, bool
   return at::cat(shards).narrow(0, part.offsets[slot.index], Numel(shape)).view(shape).clone();
 }
 
-void PipelineEngine::Impl::ZeroOptimizerState(
-    const Device& d, std::map<int, std::vector<std::pair<std::string, at::Tensor>>>* out) const {
-  if (d.zero.empty() || d.replica != 0) return;  // replica 0 reports every replica's shards
-  const std::vector<const Device*> replicas = Replicas(d.stage);
-  for (size_t k = 0; k < d.zero.size(); ++k) {
-    // Each key (in the optimizer's order) with every replica's shard of that state.
-    std::vector<std::pair<std::string, std::vector<at::Tensor>>> pieces;
-    for (const Device* r : replicas) {
-      const int index = static_cast<int>(
-          std::find(r->optimizer_params.begin(), r->optimizer_params.end(),
-                    -1 - static_cast<int>(k)) - r->optimizer_params.begin());
-      const std::string prefix = absl::StrCat(index, ".");
-      for (const auto& [name, value] : r->optimizer->NamedState()) {
-        if (name.rfind(prefix, 0) != 0) continue;
-        const std::string key = name.substr(prefix.size());
-        auto it = std::find_if(pieces.begin(), pieces.end(),
-                               [&](const auto& piece) { return piece.first == key; });
-        if (it == pieces.end()) it = pieces.insert(pieces.end(), {key, {}});
-        it->second.push_back(ToHost(value));
-      }
-    }
-    const ZeroPartition& part = d.zero[k];
-    for (const auto& [key, shards] : pieces) {
-      if (shards.size() != replicas.size()) continue;  // not every replica has it yet
-      const bool per_element = !IsScalarState(key);
-      const at::Tensor flat = per_element ? at::cat(shards) : at::Tensor();
-      for (size_t i = 0; i < part.params.size(); ++i) {
-        const std::vector<int64_t>& shape = lifted_shapes_[part.params[i]];
-        // A per-element state is the parameter's slice of the whole; a scalar (Adam's step)
-        // is the same on every shard.
-        (*out)[part.params[i]].emplace_back(
-            key, per_element
-                     ? flat.narrow(0, part.offsets[i], Numel(shape)).view(shape).clone()
-                     : shards[0].detach().clone());
-      }
-    }
-  }
-}
-
 std::vector<PipelineEngine::StatePiece> PipelineEngine::Impl::OptimizerStatePieces() const {
   std::vector<PipelineEngine::StatePiece> out;
   for (const Device& d : devices_) {
