@@ -224,6 +224,7 @@ class Job {
   // optimizer state it writes (LocalJob::Saves).
   absl::StatusOr<std::vector<checkpoint::Piece>> ShareLocked();
   absl::Status CopyShareLocked(std::vector<checkpoint::Piece>* out);  // ShareLocked's, may throw
+  void RestoreLossScalerLocked(double scale, int good_steps, int skipped_steps);
   // checkpoint_every's: a checkpoint that cannot be taken or written fails no step; the job
   // keeps training, and the failure is logged and reported (checkpoint_error).
   void CheckpointAfterStep();

@@ -226,6 +226,10 @@ absl::Status Job::CopyShareLocked(std::vector<checkpoint::Piece>* out) {
 
 void Job::RestoreLossScaler(double scale, int good_steps, int skipped_steps) {
   std::lock_guard<std::mutex> lock(mu_);
+  RestoreLossScalerLocked(scale, good_steps, skipped_steps);
+}
+
+void Job::RestoreLossScalerLocked(double scale, int good_steps, int skipped_steps) {
   LossScaler scaler(settings_.loss_scale);
   scaler.Restore(scale, good_steps, skipped_steps);
   local_->RestoreLossScaler(scaler);
@@ -383,9 +387,7 @@ absl::Status Job::Resume() {
   if (settings_.loss_scale.enabled) {
     const int good_steps = static_cast<int>(m->loss_scale_good_steps());
     const int skipped = static_cast<int>(m->skipped_steps());
-    LossScaler scaler(settings_.loss_scale);
-    scaler.Restore(m->loss_scale(), good_steps, skipped);
-    local_->RestoreLossScaler(scaler);
+    RestoreLossScalerLocked(m->loss_scale(), good_steps, skipped);
     if (coordinator_.leads()) {
       // Every daemon's engine scales and unscales its own share of the gradients.
       absl::Status restored = coordinator_.OnParts(
