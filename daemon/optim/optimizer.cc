@@ -17,6 +17,7 @@
 #include "daemon/optim/radam.h"
 #include "daemon/optim/rmsprop.h"
 #include "daemon/optim/rprop.h"
+#include "daemon/optim/scripted.h"
 #include "daemon/optim/sgd.h"
 
 namespace rannc {
@@ -45,6 +46,8 @@ const char* OptimizerKindName(OptimizerKind kind) {
       return "asgd";
     case OptimizerKind::kRprop:
       return "rprop";
+    case OptimizerKind::kScripted:
+      return "scripted";
   }
   return "unknown";
 }
@@ -55,6 +58,7 @@ HyperParams DefaultHyperParams(OptimizerKind kind) {
     case OptimizerKind::kSgd:
     case OptimizerKind::kAdam:
     case OptimizerKind::kRAdam:
+    case OptimizerKind::kScripted:
       break;
     case OptimizerKind::kAdamW:
       h.weight_decay = 1e-2;
@@ -132,6 +136,8 @@ const std::vector<std::string>& OptimizerStateKeys(OptimizerKind kind) {
       return *kAsgdKeys;
     case OptimizerKind::kRprop:
       return *kRpropKeys;
+    case OptimizerKind::kScripted:
+      return *kNone;
   }
   return *kNone;
 }
@@ -158,6 +164,8 @@ int StateTensorsPerElement(OptimizerKind kind, const HyperParams& hyper) {
     case OptimizerKind::kAdadelta:
     case OptimizerKind::kRprop:
       return 2;
+    case OptimizerKind::kScripted:
+      return 0;
   }
   return 0;
 }
@@ -192,6 +200,7 @@ absl::Status FirstError(std::initializer_list<absl::Status> checks) {
 }  // namespace
 
 absl::Status ValidateHyperParams(OptimizerKind kind, const HyperParams& hyper) {
+  if (kind == OptimizerKind::kScripted) return absl::OkStatus();
   absl::Status status = CheckAtLeastZero("lr", hyper.lr);
   if (!status.ok()) return status;
   if (kind != OptimizerKind::kRprop) {  // Rprop has no weight decay
@@ -235,6 +244,7 @@ absl::Status ValidateHyperParams(OptimizerKind kind, const HyperParams& hyper) {
       }
       return CheckAtLeastZero("eps", hyper.eps);
     case OptimizerKind::kAsgd:
+    case OptimizerKind::kScripted:
       return absl::OkStatus();
     case OptimizerKind::kRprop:
       if (!(0 < hyper.etaminus && hyper.etaminus < 1 && 1 < hyper.etaplus)) {
@@ -276,6 +286,8 @@ const char* TorchClassName(OptimizerKind kind) {
       return "ASGD";
     case OptimizerKind::kRprop:
       return "Rprop";
+    case OptimizerKind::kScripted:
+      return "a scripted optimizer";
   }
   return "unknown";
 }
@@ -326,8 +338,9 @@ absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& gr
 
 }  // namespace optim_internal
 
-absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(OptimizerKind kind,
-                                                         std::vector<ParamGroup> groups) {
+absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(
+    OptimizerKind kind, std::vector<ParamGroup> groups,
+    std::shared_ptr<const ScriptedUpdate> scripted) {
   std::unordered_set<const void*> seen;
   for (size_t g = 0; g < groups.size(); ++g) {
     absl::Status status = ValidateHyperParams(kind, groups[g].hyper);
@@ -380,6 +393,12 @@ absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(OptimizerKind kind,
       return std::unique_ptr<Optimizer>(new Asgd(std::move(groups)));
     case OptimizerKind::kRprop:
       return std::unique_ptr<Optimizer>(new Rprop(std::move(groups)));
+    case OptimizerKind::kScripted: {
+      absl::StatusOr<std::unique_ptr<ScriptedOptimizer>> made =
+          ScriptedOptimizer::Make(std::move(groups), std::move(scripted));
+      if (!made.ok()) return made.status();
+      return std::unique_ptr<Optimizer>(std::move(*made));
+    }
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown optimizer kind ", static_cast<int>(kind)));

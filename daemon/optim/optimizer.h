@@ -1,5 +1,6 @@
 // Optimizers that the daemon runs itself, with PyTorch's exact semantics: SGD, Adam, AdamW,
-// RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD and Rprop.
+// RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD and Rprop; and optimizers torch.optim
+// lacks, whose per-param update the user writes as a TorchScript function (ScriptedUpdate).
 //
 // Owns: per-parameter optimizer state (momentum buffers, moments, accumulators, step counts).
 // The optimizer holds handles to the parameter tensors it was given and updates them in place,
@@ -39,6 +40,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -101,6 +103,9 @@ struct HyperParams {
   double step_size_max = 50;
   // Every kind (NAdam and RAdam as in PyTorch 2.x): ascend instead of descend.
   bool maximize = false;
+  // kScripted: the group's numeric entries, by the client's names, which the update gets as its
+  // `group` dict; the fields above are not read.
+  std::map<std::string, double> named;
 };
 
 enum class OptimizerKind {
@@ -115,10 +120,34 @@ enum class OptimizerKind {
   kAdadelta,
   kAsgd,
   kRprop,
+  kScripted,  // a ScriptedUpdate
 };
 
+// A per-param update that torch.optim lacks (Lion, Adafactor-like ones), written by the user as
+// a TorchScript function and run by the daemon on each param, or each ZeRO shard of one. The
+// update must be elementwise, as every kind here is: each element of the param from that
+// element's own state and the param's scalar state; otherwise a ZeRO shard steps differently
+// from the whole param.
+struct ScriptedUpdate {
+  std::string name;  // the client's optimizer class ("Lion"), for messages
+  // torch.jit.save's bytes of a module whose forward(param: Tensor, grad: Tensor,
+  // state: Dict[str, Tensor], group: Dict[str, float]) -> None updates `param` and `state` in
+  // place (or replaces state entries with tensors of the same shape), under no_grad. `group`
+  // is HyperParams::named.
+  std::string module;
+  // The keys of a param's state, in state_dict() order. "step", if listed, is a count that the
+  // optimizer advances before each update and passes as a 0-dim float32 CPU tensor; every other
+  // key is per element, zeros like the param before its first update. Neither ASGD's/NAdam's
+  // scalar keys ("eta", "mu", "mu_product") nor a key twice (see IsScalarOptimizerState).
+  std::vector<std::string> state_keys;
+};
+
+// INVALID_ARGUMENT, naming the update, for state keys that break ScriptedUpdate's rules or a
+// module that does not load or whose forward does not take (param, grad, state, group).
+absl::Status ValidateScriptedUpdate(const ScriptedUpdate& update);
+
 // "sgd", "adam", "adamw", "rmsprop", "adagrad", "adamax", "nadam", "radam", "adadelta", "asgd",
-// "rprop": for messages and logs.
+// "rprop", "scripted": for messages and logs.
 const char* OptimizerKindName(OptimizerKind kind);
 
 // The defaults of torch.optim's constructor for `kind` (torch.optim.SGD has no lr default: the
@@ -137,6 +166,7 @@ HyperParams DefaultHyperParams(OptimizerKind kind);
 //   adadelta  step, square_avg, acc_delta
 //   asgd      step, eta, mu, ax
 //   rprop     step, prev, step_size
+//   scripted  none here: its ScriptedUpdate's state_keys
 const std::vector<std::string>& OptimizerStateKeys(OptimizerKind kind);
 
 // True for the state keys that hold one value per param ("step"; NAdam's "mu_product"; ASGD's
@@ -149,7 +179,8 @@ bool IsScalarOptimizerState(const std::string& key);
 
 // How many per-element state tensors, each the size of its param, `kind` keeps for a param that
 // has stepped with `hyper` (SGD: 1 with momentum, else 0; Adam: 2, 3 with amsgrad; RMSprop: 1,
-// +1 with momentum, +1 centered; Adagrad and ASGD: 1; others 2): for memory estimates.
+// +1 with momentum, +1 centered; Adagrad and ASGD: 1; scripted: 0, its per-element state_keys
+// are the caller's to count; others 2): for memory estimates.
 int StateTensorsPerElement(OptimizerKind kind, const HyperParams& hyper);
 
 // Parameters that share hyper-parameters (PyTorch's param_groups entry). A group may be empty
@@ -204,8 +235,11 @@ class Optimizer {
 // leaf (PyTorch: "can't optimize a non-leaf Tensor"), or a param appears twice. UNIMPLEMENTED
 // for complex params with any kind but SGD. Adagrad allocates its state here, filled with each
 // group's hyper.initial_accumulator_value: for Adagrad, `groups` must carry the real hypers.
-absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(OptimizerKind kind,
-                                                         std::vector<ParamGroup> groups);
+// kScripted takes its update in `scripted` (INVALID_ARGUMENT without one, or as
+// ValidateScriptedUpdate), and loads its own copy of the module; other kinds ignore it.
+absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(
+    OptimizerKind kind, std::vector<ParamGroup> groups,
+    std::shared_ptr<const ScriptedUpdate> scripted = nullptr);
 
 // PyTorch's constructor checks for `kind`: lr >= 0 (all); weight_decay >= 0 (all but Rprop);
 // eps >= 0 (all but SGD, ASGD, Rprop); SGD: momentum >= 0, nesterov needs momentum > 0 and
@@ -213,7 +247,7 @@ absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(OptimizerKind kind,
 // alpha >= 0; Adagrad: lr_decay >= 0, initial_accumulator_value >= 0; NAdam: momentum_decay >= 0;
 // Adadelta: 0 <= rho <= 1; Rprop: 0 < etaminus < 1 < etaplus. ASGD checks only lr and
 // weight_decay, as PyTorch. NaN fails every range check, as in PyTorch. INVALID_ARGUMENT naming
-// the field and its value.
+// the field and its value. kScripted checks nothing: its hyper-parameters are the client's.
 absl::Status ValidateHyperParams(OptimizerKind kind, const HyperParams& hyper);
 
 }  // namespace rannc

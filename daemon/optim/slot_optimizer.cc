@@ -14,8 +14,10 @@ namespace optim_internal {
 at::Tensor ScalarState(double value) { return at::scalar_tensor(value, at::kFloat); }
 
 SlotOptimizer::SlotOptimizer(OptimizerKind kind, std::vector<ParamGroup> groups,
-                             std::vector<SlotSpec> slots)
-    : kind_(kind), groups_(std::move(groups)), slots_(std::move(slots)) {
+                             std::vector<SlotSpec> slots, bool keeps_step)
+    : kind_(kind), groups_(std::move(groups)), slots_(std::move(slots)), keeps_step_(keeps_step) {
+  if (keeps_step_) keys_.push_back("step");
+  for (const SlotSpec& slot : slots_) keys_.push_back(slot.key);
   for (const ParamGroup& group : groups_) {
     states_.emplace_back(group.params.size());
     for (ParamState& state : states_.back()) state.slots.resize(slots_.size());
@@ -25,7 +27,11 @@ SlotOptimizer::SlotOptimizer(OptimizerKind kind, std::vector<ParamGroup> groups,
 absl::Status SlotOptimizer::Step(const std::vector<HyperParams>& hypers) {
   absl::Status checked = CheckStepArgs(kind_, groups_, hypers);
   if (!checked.ok()) return checked;
-  return TorchCall(absl::StatusCode::kInternal, absl::StrCat(OptimizerKindName(kind_), " step"),
+  // A scripted update's failure (a missing group entry, a shape error) is the user's code.
+  const absl::StatusCode code = kind_ == OptimizerKind::kScripted
+                                    ? absl::StatusCode::kInvalidArgument
+                                    : absl::StatusCode::kInternal;
+  return TorchCall(code, absl::StrCat(OptimizerKindName(kind_), " step"),
                    [&]() -> absl::Status {
                      // Params are autograd leaves that require grad: in-place updates must not be
                      // recorded.
@@ -77,7 +83,9 @@ std::vector<std::pair<std::string, at::Tensor>> SlotOptimizer::NamedState() cons
     for (const ParamState& state : group) {
       const std::string prefix = std::to_string(index++) + ".";
       if (!state.present) continue;
-      named.emplace_back(prefix + "step", ScalarState(static_cast<double>(state.step)));
+      if (keeps_step_) {
+        named.emplace_back(prefix + "step", ScalarState(static_cast<double>(state.step)));
+      }
       for (size_t s = 0; s < slots_.size(); ++s) {
         if (state.slots[s].defined()) named.emplace_back(prefix + slots_[s].key, state.slots[s]);
       }
@@ -88,7 +96,7 @@ std::vector<std::pair<std::string, at::Tensor>> SlotOptimizer::NamedState() cons
 
 absl::Status SlotOptimizer::LoadNamedState(
     const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  const std::vector<std::string>& keys = OptimizerStateKeys(kind_);
+  const std::vector<std::string>& keys = keys_;
   return TorchCall(
       absl::StatusCode::kInternal, absl::StrCat("loading ", OptimizerKindName(kind_), " state"),
       [&]() -> absl::Status {
@@ -123,8 +131,11 @@ absl::Status SlotOptimizer::LoadNamedState(
           for (size_t i = 0; i < states[g].size(); ++i, ++index) {
             const ParamState& s = states[g][i];
             if (!s.present) continue;
-            std::vector<std::string> required = {"step"}, missing;
-            if (!has_step[g][i]) missing.push_back("step");
+            std::vector<std::string> required, missing;
+            if (keeps_step_) {
+              required.push_back("step");
+              if (!has_step[g][i]) missing.push_back("step");
+            }
             for (size_t slot = 0; slot < slots_.size(); ++slot) {
               if (slots_[slot].optional) continue;
               required.push_back(slots_[slot].key);

@@ -5,7 +5,7 @@
 // validates and runs Step(), and implements the state accessors from the kind's slot names, so
 // each kind writes only its per-param update, StepParam, mirroring its _single_tensor_<kind>.
 // Private to //daemon/optim:optimizer; callers use MakeOptimizer. Thread-safety and lifetimes as
-// Optimizer's.
+// Optimizer's. ScriptedOptimizer (scripted.h) is a SlotOptimizer too, with the user's keys.
 #ifndef RANNC_DAEMON_OPTIM_SLOT_OPTIMIZER_H_
 #define RANNC_DAEMON_OPTIM_SLOT_OPTIMIZER_H_
 
@@ -30,7 +30,7 @@ struct SlotSpec {
 // torch.optim's state[p] for one param.
 struct ParamState {
   bool present = false;  // state[p] is not empty
-  int64_t step = 0;      // state['step']
+  int64_t step = 0;      // state['step'] (counted even where the kind does not keep the key)
   // By the kind's SlotSpec index; undefined where state[p] lacks the key. Scalar slots are
   // 0-dim float32 CPU tensors, as PyTorch 1.13 keeps them; per-element ones are like the param.
   std::vector<at::Tensor> slots;
@@ -49,13 +49,17 @@ class SlotOptimizer : public Optimizer {
   absl::Status CreateEagerState();
 
  protected:
-  // `groups` must have passed the factory's checks; `slots` are the kind's keys after "step".
-  SlotOptimizer(OptimizerKind kind, std::vector<ParamGroup> groups, std::vector<SlotSpec> slots);
+  // `groups` must have passed the factory's checks; `slots` are the kind's keys after "step",
+  // whose `key` strings must outlive the optimizer. `keeps_step`: state_dict() has "step" (every
+  // torch.optim kind; a scripted update only if it lists it).
+  SlotOptimizer(OptimizerKind kind, std::vector<ParamGroup> groups, std::vector<SlotSpec> slots,
+                bool keeps_step = true);
 
   // One param's update, for a param whose grad is defined: creates its state if it has none
   // (state.present false), advances state.step and updates the param in place, op for op as
   // PyTorch's single-tensor algorithm. `grad` is param.grad(). Runs under NoGradGuard; may
-  // throw (c10::Error), which Step turns into a Status.
+  // throw (c10::Error, std::exception), which Step turns into a Status: INTERNAL, or
+  // INVALID_ARGUMENT for kScripted, whose update is the user's code.
   virtual void StepParam(at::Tensor& param, const at::Tensor& grad, ParamState& state,
                          const HyperParams& hyper) = 0;
 
@@ -69,6 +73,8 @@ class SlotOptimizer : public Optimizer {
   OptimizerKind kind_;
   std::vector<ParamGroup> groups_;
   std::vector<SlotSpec> slots_;
+  bool keeps_step_;
+  std::vector<std::string> keys_;  // "step" if kept, then the slots' keys
   std::vector<std::vector<ParamState>> states_;  // [group][param]
 };
 

@@ -538,8 +538,9 @@ void PipelineEngine::ScaleGrads(const std::vector<int>& params, const at::Tensor
 }
 absl::Status PipelineEngine::SetOptimizer(OptimizerKind kind,
                                           const std::vector<std::vector<int>>& groups,
-                                          const std::vector<HyperParams>& hypers) {
-  return impl_->SetOptimizer(kind, groups, hypers);
+                                          const std::vector<HyperParams>& hypers,
+                                          std::shared_ptr<const ScriptedUpdate> scripted) {
+  return impl_->SetOptimizer(kind, groups, hypers, std::move(scripted));
 }
 absl::Status PipelineEngine::Step(const std::vector<HyperParams>& hypers) {
   return impl_->Step(hypers);

@@ -237,9 +237,11 @@ class PipelineEngine {
   // One optimizer per device over its parameters, `groups` listing lifted indices per param
   // group (every device has every group, possibly empty), made with `hypers` per group (what a
   // kind reads at construction, such as Adagrad's initial_accumulator_value; empty: the kind's
-  // defaults). Replaces any previous one.
+  // defaults). `scripted`: kScripted's update (each device loads its own copy). Replaces any
+  // previous one.
   absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups,
-                            const std::vector<HyperParams>& hypers = {});
+                            const std::vector<HyperParams>& hypers = {},
+                            std::shared_ptr<const ScriptedUpdate> scripted = nullptr);
   // One optimizer step on every device (replicas update identically: their gradients are
   // all-reduced). FAILED_PRECONDITION without SetOptimizer, or while reductions are pending.
   // With loss scaling, an overflowed step is skipped (OK; loss_scaler().skipped_steps() counts

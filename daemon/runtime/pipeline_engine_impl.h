@@ -267,7 +267,8 @@ class PipelineEngine::Impl {
       const std::vector<int>& params, double norm_type) const;
   void ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient);
   absl::Status SetOptimizer(OptimizerKind kind, const std::vector<std::vector<int>>& groups,
-                            const std::vector<HyperParams>& hypers);
+                            const std::vector<HyperParams>& hypers,
+                            std::shared_ptr<const ScriptedUpdate> scripted);
   absl::Status Step(const std::vector<HyperParams>& hypers);
   const LossScaler& loss_scaler() const { return scaler_; }
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;

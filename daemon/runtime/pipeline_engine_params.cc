@@ -204,7 +204,8 @@ void PipelineEngine::Impl::ScaleGrads(const std::vector<int>& params,
 
 absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
                                                 const std::vector<std::vector<int>>& groups,
-                                                const std::vector<HyperParams>& hypers) {
+                                                const std::vector<HyperParams>& hypers,
+                                                std::shared_ptr<const ScriptedUpdate> scripted) {
   const std::set<int> tied(tied_.begin(), tied_.end());
   for (Device& d : devices_) {
     // ZeRO shards the untied parameters of a stage with replicas (SetUpZero).
@@ -233,7 +234,8 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
       absl::Status s = SetUpZero(d, groups, &device_groups, &ids);
       if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
     }
-    absl::StatusOr<std::unique_ptr<Optimizer>> opt = MakeOptimizer(kind, std::move(device_groups));
+    absl::StatusOr<std::unique_ptr<Optimizer>> opt =
+        MakeOptimizer(kind, std::move(device_groups), scripted);
     if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("device ", d.index));
     d.optimizer = std::move(*opt);
     d.optimizer_params.clear();

@@ -116,7 +116,7 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
     m.add_state_entries(store.Find(key)->name);
   }
   if (settings_.optimizer.enabled) {
-    m.set_optimizer(OptimizerKindName(settings_.optimizer.kind));
+    m.set_optimizer(settings_.optimizer.Name());
     std::vector<std::vector<std::string>> groups = settings_.optimizer.group_params;
     if (groups.empty()) {
       groups.emplace_back();
@@ -366,7 +366,7 @@ absl::Status Job::Resume() {
   if (!loaded.ok()) return Annotate(loaded, key);
 
   if (settings_.optimizer.enabled && !contents->optimizer.empty()) {
-    const std::string kind = OptimizerKindName(settings_.optimizer.kind);
+    const std::string kind = settings_.optimizer.Name();
     if (m->optimizer() != kind) {
       return absl::InvalidArgumentError(absl::StrCat(
           key, ": the checkpoint in ", dir, " holds ", m->optimizer(), "'s state; this job's "

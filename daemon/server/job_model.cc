@@ -39,11 +39,16 @@ planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bo
   // Autocast's low-precision copies of the fp32 weights, kept by each micro-batch in flight.
   if (amp.has_value()) m.amp_cast_factor = c10::elementSize(*amp) / 4.0;
   if (!config.enabled) return m;
-  m.optimizer = OptimizerKindName(config.kind);
+  m.optimizer = config.Name();
   m.optimizer_state_factor = 0;
   for (const HyperParams& h : config.group_hyper) {
     m.optimizer_state_factor =
         std::max<double>(m.optimizer_state_factor, StateTensorsPerElement(config.kind, h));
+  }
+  if (config.scripted != nullptr) {  // every key but "step" is a tensor like the param
+    for (const std::string& key : config.scripted->state_keys) {
+      if (!IsScalarOptimizerState(key)) m.optimizer_state_factor += 1;
+    }
   }
   return m;
 }
@@ -170,7 +175,8 @@ absl::Status CheckOptimizer(const OptimizerConfig& config, const ParamStore& sto
     if (!valid.ok()) return valid;
   }
   // The devices' optimizers are made by the engine; this one only proves the groups.
-  absl::StatusOr<std::unique_ptr<Optimizer>> made = MakeOptimizer(config.kind, std::move(groups));
+  absl::StatusOr<std::unique_ptr<Optimizer>> made =
+      MakeOptimizer(config.kind, std::move(groups), config.scripted);
   return made.status();
 }
 // With amp_level=O2, the imported forward rewritten to compute in the AMP dtype from end to end

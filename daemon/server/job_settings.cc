@@ -29,6 +29,18 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
     case v1::ADADELTA: config.kind = OptimizerKind::kAdadelta; break;
     case v1::ASGD: config.kind = OptimizerKind::kAsgd; break;
     case v1::RPROP: config.kind = OptimizerKind::kRprop; break;
+    case v1::SCRIPTED: {
+      config.kind = OptimizerKind::kScripted;
+      auto update = std::make_shared<ScriptedUpdate>();
+      update->name = spec.scripted().name().empty() ? "scripted" : spec.scripted().name();
+      update->module = spec.scripted().module();
+      update->state_keys.assign(spec.scripted().state_keys().begin(),
+                                spec.scripted().state_keys().end());
+      absl::Status valid = ValidateScriptedUpdate(*update);
+      if (!valid.ok()) return valid;
+      config.scripted = std::move(update);
+      break;
+    }
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("unknown optimizer type ", static_cast<int>(spec.type())));
@@ -147,6 +159,7 @@ HyperParams FromProto(const v1::HyperParams& h, OptimizerKind kind) {
   if (h.has_etaplus()) out.etaplus = h.etaplus();
   if (h.has_step_size_min()) out.step_size_min = h.step_size_min();
   if (h.has_step_size_max()) out.step_size_max = h.step_size_max();
+  out.named.insert(h.named().begin(), h.named().end());
   return out;
 }
 
@@ -175,6 +188,7 @@ v1::HyperParams ToProto(const HyperParams& h) {
   p.set_etaplus(h.etaplus);
   p.set_step_size_min(h.step_size_min);
   p.set_step_size_max(h.step_size_max);
+  p.mutable_named()->insert(h.named.begin(), h.named.end());
   return p;
 }
 
@@ -229,6 +243,17 @@ absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
   settings.gather_inputs = spec.options().gather_inputs();
   if (spec.options().client_timeout_ms() > 0) {
     settings.client_timeout = std::chrono::milliseconds(spec.options().client_timeout_ms());
+  }
+  if (spec.options().has_numerics()) {
+    const v1::NumericSettings& n = spec.options().numerics();
+    settings.numerics.float32_matmul_precision = n.float32_matmul_precision();
+    settings.numerics.cudnn_allow_tf32 = n.cudnn_allow_tf32();
+    settings.numerics.cudnn_deterministic = n.cudnn_deterministic();
+    settings.numerics.cudnn_benchmark = n.cudnn_benchmark();
+    settings.numerics.deterministic_algorithms = n.deterministic_algorithms();
+    settings.numerics.deterministic_warn_only = n.deterministic_warn_only();
+    absl::Status valid = ValidateNumericSettings(settings.numerics);
+    if (!valid.ok()) return valid;
   }
   settings.lease = std::chrono::milliseconds(spec.options().lease_ms());
   if (settings.lease.count() > 0 && settings.lease < std::chrono::seconds(1)) {

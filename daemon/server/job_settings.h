@@ -12,6 +12,7 @@
 #define RANNC_DAEMON_SERVER_JOB_SETTINGS_H_
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "daemon/runtime/autocast.h"
 #include "daemon/runtime/loss_scale.h"
 #include "daemon/runtime/model_runner.h"
+#include "daemon/runtime/numerics.h"
 #include "rannc/v1/job_part.pb.h"
 #include "rannc/v1/training.pb.h"
 
@@ -56,6 +58,15 @@ struct DaemonFacts {
 struct OptimizerConfig {
   bool enabled = false;
   OptimizerKind kind = OptimizerKind::kSgd;
+  std::shared_ptr<const ScriptedUpdate> scripted;  // kScripted's update, checked
+  // The keys of a param's state: OptimizerStateKeys(kind), or the scripted update's.
+  const std::vector<std::string>& StateKeys() const {
+    return scripted != nullptr ? scripted->state_keys : OptimizerStateKeys(kind);
+  }
+  // For checkpoints, plans and messages: OptimizerKindName(kind), or the scripted update's name.
+  std::string Name() const {
+    return scripted != nullptr ? scripted->name : OptimizerKindName(kind);
+  }
   // Parameter names (any alias) per group; an empty list with `enabled` is one group of all.
   std::vector<std::vector<std::string>> group_params;
   std::vector<HyperParams> group_hyper;
@@ -118,6 +129,9 @@ struct JobSettings {
   // JobOptions.lease_ms: the job is deleted once no call has named it for this long
   // (JobManager); zero: never.
   std::chrono::milliseconds lease{0};
+  // The client's PyTorch numeric switches (TF32, cuDNN, deterministic algorithms), which the
+  // job holds while it lives (LocalJob: a NumericsLease).
+  NumericSettings numerics;
 
   // Checkpoints (docs/checkpoints.md), from the config keys of the same names: written under
   // `<dir>/<name>/` (dir empty: none), every `every` optimizer steps (0: when asked), the newest

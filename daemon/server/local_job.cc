@@ -31,6 +31,11 @@ absl::StatusOr<std::unique_ptr<LocalJob>> LocalJob::Create(
     const std::vector<at::Tensor>& example_inputs,
     std::function<std::shared_ptr<std::atomic<bool>>()> new_cancel, Made* made) {
   std::unique_ptr<LocalJob> job(new LocalJob(settings, std::move(new_cancel)));
+  // Before the planner's profiling runs, which must time what training will run.
+  absl::StatusOr<std::unique_ptr<NumericsLease>> numerics =
+      NumericsLease::Acquire(settings.numerics, settings.name);
+  if (!numerics.ok()) return numerics.status();
+  job->numerics_ = std::move(*numerics);
   job->store_ = ParamStore::FromModuleTensors(model.tensors);
   if (settings.check_unused_values) {
     absl::Status unused = CheckUnusedValues(model, job->store_);
@@ -150,7 +155,8 @@ absl::Status LocalJob::Deploy() {
   const double engine_s = SecondsSince(start);
   if (settings_.optimizer.enabled) {
     absl::Status s = (*engine)->SetOptimizer(settings_.optimizer.kind, optimizer_groups_,
-                                             settings_.optimizer.group_hyper);
+                                             settings_.optimizer.group_hyper,
+                                             settings_.optimizer.scripted);
     if (s.ok()) s = (*engine)->LoadOptimizerState(parked_optimizer_state_);
     if (!s.ok()) return s;
   }
@@ -521,7 +527,7 @@ absl::StatusOr<LocalJob::ByLifted> LocalJob::OptimizerStateByLifted(
   std::set<int> optimized;
   for (const std::vector<int>& group : optimizer_groups_) optimized.insert(group.begin(),
                                                                           group.end());
-  const std::vector<std::string>& keys = OptimizerStateKeys(settings_.optimizer.kind);
+  const std::vector<std::string>& keys = settings_.optimizer.StateKeys();
   ByLifted by_lifted;
   for (const OptimizerEntry& entry : state) {
     const std::string what = absl::StrCat("optimizer state '", entry.key, "' of '",

@@ -30,6 +30,7 @@
 #include "daemon/graph/torchscript_import.h"
 #include "daemon/runtime/loss_scale.h"
 #include "daemon/runtime/model_runner.h"
+#include "daemon/runtime/numerics.h"
 #include "daemon/runtime/param_store.h"
 #include "daemon/runtime/pipeline_engine.h"
 #include "daemon/server/job_model.h"
@@ -171,6 +172,7 @@ class LocalJob {
   // The memory switches the engine runs with: the settings', and those the plan needs.
   bool zero_ = false;
   bool offload_ = false;
+  std::unique_ptr<NumericsLease> numerics_;  // the client's numeric settings, held
   std::unique_ptr<ModelRunner> runner_;  // validation and modes other than the planned one
   std::unique_ptr<IrGraph> ir_;          // of the planned mode's graph; outlives engine_
   std::vector<int> lifted_of_entry_;     // per store entry: its IR lifted index, or -1

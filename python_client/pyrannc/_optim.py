@@ -9,9 +9,11 @@ the optimizer state live in the daemon. `patch` replaces the instance's `step`, 
 
 import functools
 import inspect
+import io
+import numbers
 import types
 import weakref
-from typing import Dict, List
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -41,20 +43,104 @@ MODULE_SET_TO_NONE_DEFAULT = inspect.signature(
     torch.nn.Module.zero_grad).parameters["set_to_none"].default
 
 
+# Optimizer classes registered with register_optimizer: class -> pb.ScriptedOptimizer.
+_SCRIPTED: Dict[type, pb.ScriptedOptimizer] = {}
+
+
+def register_optimizer(cls: type, update: Callable, state: Sequence[str] = ()) -> None:
+    """Runs optimizers of class `cls` (a torch.optim.Optimizer subclass that torch.optim does not
+    have, such as Lion) in the daemon, with `update` as the per-parameter step.
+
+    `update(param, grad, state, group) -> None`, a function TorchScript can compile (or one
+    already scripted), with annotations `param: Tensor, grad: Tensor, state: Dict[str, Tensor],
+    group: Dict[str, float]`, updates `param` and the tensors of `state` in place (or assigns new
+    ones of the same shape) under no_grad. ranncd runs it for every parameter with a gradient,
+    and for each ZeRO shard of one, so it must be elementwise: each element from its own state.
+
+    `state`: the keys of a parameter's state, in the order optimizer.state_dict() lists them.
+    Each is a tensor like the parameter, zeros before its first step, except "step": a count that
+    ranncd advances before each update and passes as a 0-dim float32 tensor.
+
+    `group`: the parameter's param group, its numbers as floats (bools 0/1); a sequence of
+    numbers such as `betas` is flattened to `betas_0`, `betas_1`, ...; other entries are left
+    out. Each step sends the groups as they are then, so lr schedulers work.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"register_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}")
+    if cls in _SUPPORTED:
+        raise ValueError(f"torch.optim.{cls.__name__} already runs in the daemon as PyTorch's")
+    keys = [state] if isinstance(state, str) else list(state)
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"register_optimizer: state keys are names, got {key!r}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"register_optimizer: a state key is listed twice in {keys}")
+    try:
+        scripted = update if isinstance(update, torch.jit.ScriptFunction) else torch.jit.script(
+            update)
+    except Exception as e:
+        raise TypeError(f"register_optimizer({cls.__qualname__}): TorchScript cannot compile "
+                        f"the update: {e}") from e
+
+    class Update(torch.nn.Module):
+        def forward(self, param: torch.Tensor, grad: torch.Tensor,
+                    state: Dict[str, torch.Tensor], group: Dict[str, float]) -> None:
+            scripted(param, grad, state, group)
+
+    try:
+        module = torch.jit.script(Update())
+    except Exception as e:
+        raise TypeError(
+            f"register_optimizer({cls.__qualname__}): the update must be update(param: Tensor, "
+            f"grad: Tensor, state: Dict[str, Tensor], group: Dict[str, float]) -> None: {e}"
+        ) from e
+    saved = io.BytesIO()
+    torch.jit.save(module, saved)
+    _SCRIPTED[cls] = pb.ScriptedOptimizer(name=cls.__qualname__, module=saved.getvalue(),
+                                          state_keys=keys)
+
+
 def optimizer_type(optimizer) -> int:
     kind = _SUPPORTED.get(type(optimizer))
+    if kind is None and type(optimizer) in _SCRIPTED:
+        kind = pb.SCRIPTED
     if kind is None:
         t = type(optimizer)
         module = "torch.optim" if t.__module__.startswith("torch.optim.") else t.__module__
         names = ", ".join(f"torch.optim.{c.__name__}" for c in _SUPPORTED)
         raise NotImplementedError(
-            f"pyrannc runs {names} in the daemon; {module}.{t.__qualname__} is not supported")
+            f"pyrannc runs {names} in the daemon, and optimizers registered with "
+            f"pyrannc.register_optimizer; {module}.{t.__qualname__} is not supported")
     return kind
+
+
+def _named_hypers(group: dict) -> Dict[str, float]:
+    """A scripted optimizer's group entries as register_optimizer describes them."""
+    def number(v):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return float(v.item())
+        if isinstance(v, (bool, numbers.Real)):
+            return float(v)
+        return None
+
+    named = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if number(value) is not None:
+            named[key] = number(value)
+        elif isinstance(value, (tuple, list)) and value and all(
+                number(v) is not None for v in value):
+            for i, v in enumerate(value):
+                named[f"{key}_{i}"] = number(v)
+    return named
 
 
 def hyper_params(group: dict, kind: int) -> pb.HyperParams:
     """A param group's hyper-parameters as torch.optim's `kind` keeps them (every field it uses
     set, so that the daemon takes none of its defaults)."""
+    if kind == pb.SCRIPTED:
+        return pb.HyperParams(named=_named_hypers(group))
     h = pb.HyperParams(lr=float(group["lr"]),
                        weight_decay=float(group.get("weight_decay", 0.0)),
                        maximize=bool(group.get("maximize", False)))
@@ -118,6 +204,8 @@ def optimizer_spec(optimizer, names_by_id: Dict[int, str]) -> pb.OptimizerSpec:
         return pb.OptimizerSpec(type=pb.OPTIMIZER_NONE)
     kind = optimizer_type(optimizer)
     spec = pb.OptimizerSpec(type=kind)
+    if kind == pb.SCRIPTED:
+        spec.scripted.CopyFrom(_SCRIPTED[type(optimizer)])
     for group, names in zip(optimizer.param_groups, group_param_names(optimizer, names_by_id)):
         spec.groups.add(params=names, hyper=hyper_params(group, kind))
     return spec

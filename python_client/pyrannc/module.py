@@ -27,8 +27,8 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 import torch
 
-from pyrannc import (_checkpoints, _codec, _config, _daemon, _deployment, _jobs, _optim, _outputs,
-                     _runtime, _save_job, _saved_trace, _shm, _tensors, _tracing)
+from pyrannc import (_checkpoints, _codec, _config, _daemon, _deployment, _jobs, _numerics, _optim,
+                     _outputs, _runtime, _save_job, _saved_trace, _shm, _tensors, _tracing)
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import deployment_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -261,7 +261,8 @@ class RaNNCModule(torch.nn.Module):
                                 config=_jobs.job_config(plan_batch),
                                 load_deployment=self._deployment_bytes,
                                 client_world=world, client_timeout_ms=_jobs.client_timeout_ms(),
-                                lease_ms=int(lease * 1000))
+                                lease_ms=int(lease * 1000),
+                                numerics=_numerics.client_numerics())
         with _shm.session(conn.shm) as wire, _shm.bulk_session(conn.shm) as bulk:
             started = time.perf_counter()
             job_spec = pb.JobSpec(

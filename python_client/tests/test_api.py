@@ -851,3 +851,27 @@ def test_check_unused_values_both_ways():
             o.zero_grad()
     for k, v in ref.state_dict().items():
         assert_close(rmod.state_dict()[k], v, k)
+
+
+def test_numeric_settings_travel_with_the_job():
+    # PyTorch keeps TF32, cuDNN and deterministic-algorithm switches process-wide; each job
+    # carries its client's, and a daemon runs jobs of one setting at a time (the settings
+    # themselves are checked on CUDA devices: test_gpu_models.py).
+    pyrannc.clear()
+    first, *_ = _fresh()
+    first(*models.mlp_batch(0))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        second, _, _, ref, _ = _fresh(seed=1)
+        with pytest.raises(RanncError) as info:
+            second(*models.mlp_batch(0))
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "deterministic_algorithms=True" in info.value.details
+        assert "deterministic_algorithms=False" in info.value.details
+        pyrannc.clear()  # the first job ends: the second's settings become the daemon's
+        batch = models.mlp_batch(1)
+        assert_close(second(*batch).detach(), ref(*batch).detach(), "deterministic job")
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        pyrannc.clear()
