@@ -1,13 +1,14 @@
 #include "daemon/optim/nadam.h"
 
 #include <ATen/ops/zeros_like.h>
+#include <torch/version.h>
 
 #include <cmath>
 
 namespace rannc {
 
-// State creation as torch/optim/nadam.py's step(), then 1.13's _single_tensor_nadam line by
-// line, with 2.x's maximize (negating the grad first) and decoupled weight decay (in place of
+// State creation as torch/optim/nadam.py's step(), then _single_tensor_nadam line by line (1.13's,
+// or 2.x's where they differ), with 2.x's maximize (negating the grad first) and decoupled weight decay (in place of
 // the L2 term); keep it that way, since results are compared against PyTorch's to round-off.
 void NAdam::StepParam(at::Tensor& param, const at::Tensor& grad_in,
                       optim_internal::ParamState& state, const HyperParams& hyper) {
@@ -45,15 +46,24 @@ void NAdam::StepParam(at::Tensor& param, const at::Tensor& grad_in,
 
   // update mu_product
   mu_product.mul_(mu);
-  const at::Tensor mu_product_next = mu_product.mul(mu).mul(mu_next);
+#if TORCH_VERSION_MAJOR >= 2
+  // PyTorch 2.x: mu_product_next = _get_value(mu_product) * mu_next, a Python float.
+  const double mu_product_next = mu_product.item<double>() * mu_next;
+
+  // decay the first and second moment running average coefficient
+  exp_avg.lerp_(grad, 1 - beta1);
+#else
+  // PyTorch 1.13 multiplies by mu twice (fixed in 2.0).
+  const double mu_product_next = mu_product.mul(mu).mul(mu_next).item<double>();
 
   // decay the first and second moment running average coefficient
   exp_avg.mul_(beta1).add_(grad, 1 - beta1);
+#endif
   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
 
   const at::Tensor denom = exp_avg_sq.div(bias_correction2).sqrt().add_(hyper.eps);
   param.addcdiv_(grad, denom, -lr * (1. - mu) / (1. - mu_product.item<double>()));
-  param.addcdiv_(exp_avg, denom, -lr * mu_next / (1. - mu_product_next.item<double>()));
+  param.addcdiv_(exp_avg, denom, -lr * mu_next / (1. - mu_product_next));
 }
 
 }  // namespace rannc

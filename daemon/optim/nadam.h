@@ -1,8 +1,9 @@
 // NAdam: PyTorch 1.13's torch.optim.NAdam, single-tensor algorithm (betas, eps, weight decay,
 // momentum decay), with PyTorch 2.x's maximize and decoupled_weight_decay (NAdamW: the param is
-// multiplied by 1 - lr * weight_decay where 1.13 adds the L2 term). Kept from 1.13: its
-// mu_product_next = mu_product * mu * mu_next (PyTorch 2.0 dropped the second `mu`), so results
-// equal 1.13's, not 2.x's, from the second step on.
+// multiplied by 1 - lr * weight_decay where 1.13 adds the L2 term). Built against LibTorch 2.x
+// it is 2.x's instead (the client's PyTorch has the daemon's major version): 1.13's
+// mu_product_next = mu_product * mu * mu_next multiplies by mu twice, which 2.0 fixed, and 2.x
+// moves exp_avg with lerp_.
 // Private to //daemon/optim:optimizer; callers use MakeOptimizer(OptimizerKind::kNAdam, ...).
 // Thread-safety and lifetimes as Optimizer's.
 #ifndef RANNC_DAEMON_OPTIM_NADAM_H_
