@@ -65,6 +65,10 @@ BatchFlow Analysis::Run() {
     if (k == Kind::kList) {
       return Fail(result, absl::StrCat("output %", out->debugName(), " is a list"));
     }
+    if (k == Kind::kSampleIndex) {
+      return Fail(result, absl::StrCat("output %", out->debugName(),
+                                       " numbers the samples, which a shard numbers anew"));
+    }
   }
   return result;
 }
@@ -122,6 +126,11 @@ std::string Analysis::CheckFacts(const Value* v, Kind k) const {
     if (!f->regular) {
       return absl::StrCat("makes %", v->debugName(), ", whose batch dimension is not a whole "
                           "number of rows per sample");
+    }
+  } else if (k == Kind::kSampleIndex) {
+    if (f == nullptr || f->batch_dim < 0 || !f->regular) {
+      return absl::StrCat("numbers the samples in %", v->debugName(),
+                          ", whose batch dimension no run recorded");
     }
   } else if (f != nullptr && f->batch_dim >= 0) {
     return absl::StrCat("makes %", v->debugName(), " with a batch dimension the rules did not "

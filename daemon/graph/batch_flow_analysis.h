@@ -39,6 +39,10 @@ enum class Kind {
   kMean,     // a mean over the samples of per-sample values
   kSum,      // a sum over the samples of per-sample values
   kList,     // a list or tuple holding per-sample or reduced values
+  // Each sample's number in the batch (torch.arange(x.size(0)), maybe unsqueezed): used only
+  // to pick each sample's own row of a per-sample tensor (x[arange(B)[:, None], j], as Hugging
+  // Face's attention masks do), where a shard's numbers pick the same samples' rows.
+  kSampleIndex,
 };
 
 struct Flow {
@@ -178,6 +182,8 @@ class Analysis {
   std::string Expand(const Node* n);
   std::string Repeat(const Node* n);
   std::string Factory(const Node* n);
+  std::string SampleNumbers(const Node* n);
+  std::string SampleIndexUse(const Node* n, const OpName& name);
   std::string Concat(const Node* n, const std::string& op);
   std::string BroadcastTensors(const Node* n);
   std::string IndexSelect(const Node* n);

@@ -58,6 +58,9 @@ const std::unordered_set<std::string>& ElementwiseOps() {
 std::string Analysis::Dispatch(const Node* n, const OpName& name) {
   const std::string& op = name.base;
   const std::string qual = n->kind().toQualString();
+  for (const Value* in : n->inputs()) {
+    if (KindOf(in) == Kind::kSampleIndex) return SampleIndexUse(n, name);
+  }
   // Structure: lists, tuples, sizes, scalars.
   if (qual == "prim::ListConstruct" || qual == "prim::TupleConstruct") return ListConstruct(n);
   if (qual == "prim::ListUnpack" || qual == "prim::TupleUnpack") return Unpack(n);
@@ -190,6 +193,7 @@ std::string Analysis::Dispatch(const Node* n, const OpName& name) {
   static const std::unordered_set<std::string> numbering = {
       "arange", "linspace", "logspace", "range", "eye", "tril_indices", "triu_indices",
       "randperm"};
+  if (op == "arange") return SampleNumbers(n);
   if (numbering.count(op)) {
     return "numbers or orders the samples: its result depends on how many there are";
   }

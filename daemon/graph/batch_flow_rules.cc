@@ -73,9 +73,9 @@ std::string Analysis::GetItem(const Node* n) {
   const std::optional<int64_t> index = ConstInt(n->input(1));
   const Flow list = FlowOf(n->input(0));
   if (list.kind == Kind::kShape) {
-    Set(n->output(), list.batch_element < 0 || (index && *index == list.batch_element)
-                         ? Kind::kShape
-                         : Kind::kFree);
+    const bool batch = index && *index == list.batch_element;
+    Set(n->output(), list.batch_element < 0 || batch ? Kind::kShape : Kind::kFree);
+    if (batch && sample_counts_.count(n->input(0))) sample_counts_.insert(n->output());
     return "";
   }
   if (!index) return "indexes a list of batch values at a computed position";
@@ -127,6 +127,7 @@ std::string Analysis::Size(const Node* n) {
     return "";
   }
   Set(n->output(), bd >= 0 ? Kind::kShape : Kind::kFree, bd);
+  if (bd >= 0 && Facts(x)->shape[bd] == in_.example_batch) sample_counts_.insert(n->output());
   return "";
 }
 
@@ -445,6 +446,65 @@ std::string Analysis::Factory(const Node* n) {
   return SetAll(n, Kind::kShape);
 }
 
+std::string Analysis::SampleNumbers(const Node* n) {
+  // torch.arange(B) or arange(0, B, 1), B the number of samples: each sample's number. Any
+  // other range computed from the batch's size depends on how many samples a shard has.
+  const Value* end = NamedInput(n, "end");
+  const Value* start = NamedInput(n, "start");
+  const Value* step = NamedInput(n, "step");
+  const bool numbers = end != nullptr && sample_counts_.count(end) &&
+                       (start == nullptr || ConstDouble(start) == 0.0) &&
+                       (step == nullptr || ConstDouble(step) == 1.0);
+  for (const Value* in : n->inputs()) {
+    if (in != end && KindOf(in) != Kind::kFree) {
+      return "numbers or orders the samples: its result depends on how many there are";
+    }
+  }
+  if (!numbers) {
+    return "numbers or orders the samples: its result depends on how many there are";
+  }
+  return SetAll(n, Kind::kSampleIndex);
+}
+
+std::string Analysis::SampleIndexUse(const Node* n, const OpName& name) {
+  static const char* const kWhy =
+      "computes with the samples' numbers (torch.arange over the batch's size), which a shard "
+      "numbers anew";
+  const std::string& op = name.base;
+  if (n->kind() == c10::prim::ListConstruct) {
+    // Indices of aten::index, which checks where each one indexes.
+    for (const torch::jit::Use& use : n->output()->uses()) {
+      if (use.user->kind() != c10::aten::index || use.offset != 1) return kWhy;
+    }
+    return SetAll(n, Kind::kList);
+  }
+  // Shape and dtype changes that keep each number at its sample's position: the batch the only
+  // dimension longer than one, before and after.
+  static const std::unordered_set<std::string> moves = {
+      "unsqueeze", "view", "reshape", "_unsafe_view", "slice", "to", "contiguous", "clone",
+      "detach", "alias", "lift_fresh", "long", "int"};
+  if (!moves.count(op) || name.in_place || n->outputs().size() != 1 ||
+      KindOf(n->input(0)) != Kind::kSampleIndex) {
+    return kWhy;
+  }
+  for (size_t i = 1; i < n->inputs().size(); ++i) {
+    const Kind k = KindOf(n->input(i));
+    if (k != Kind::kFree && !(k == Kind::kShape && (op == "view" || op == "reshape"))) {
+      return kWhy;
+    }
+  }
+  const ValueFacts* in = Facts(n->input(0));
+  const ValueFacts* out = Facts(n->output());
+  if (in == nullptr || out == nullptr || out->batch_dim < 0) return kWhy;
+  for (const ValueFacts* f : {in, out}) {
+    for (size_t d = 0; d < f->shape.size(); ++d) {
+      if (static_cast<int>(d) != f->batch_dim && f->shape[d] != 1) return kWhy;
+    }
+    if (f->shape[f->batch_dim] != in_.example_batch) return kWhy;
+  }
+  return SetAll(n, Kind::kSampleIndex);
+}
+
 std::string Analysis::Concat(const Node* n, const std::string& op) {
   const Node* list = n->input(0)->node();
   if (list->kind() != c10::prim::ListConstruct && list->kind() != c10::prim::TupleConstruct) {
@@ -564,10 +624,20 @@ std::string Analysis::Index(const Node* n, const OpName& name) {
   }
   const Kind kx = KindOf(x);
   std::vector<const Value*> batched_indices;
+  bool own_rows = false;  // x's batch dimension indexed by the samples' numbers
   for (size_t i = 0; i < list->inputs().size(); ++i) {
     const Value* idx = list->input(i);
     if (IsNone(idx)) continue;
     const Kind k = KindOf(idx);
+    if (k == Kind::kSampleIndex) {
+      // x[arange(B)[:, None], j]: each sample's own row, wherever the shard's samples are.
+      if (name.base != "index" || kx != Kind::kBatched || static_cast<int>(i) != BatchDim(x) ||
+          Facts(x)->shape[i] != in_.example_batch) {
+        return "indexes with the samples' numbers other than to pick each sample's own row";
+      }
+      own_rows = true;
+      continue;
+    }
     if (k == Kind::kBatched) {
       batched_indices.push_back(idx);
     } else if (k != Kind::kFree) {
@@ -599,7 +669,8 @@ std::string Analysis::Index(const Node* n, const OpName& name) {
   if (kx == Kind::kBatched) {
     if (!batched_indices.empty()) return "indexes batch values by batch values";
     const int bd = BatchDim(x);
-    if (bd < static_cast<int>(list->inputs().size()) && !IsNone(list->input(bd))) {
+    if (!own_rows && bd < static_cast<int>(list->inputs().size()) &&
+        !IsNone(list->input(bd))) {
       return "picks some of the samples";
     }
     return BatchedOutputs(n);

@@ -197,6 +197,62 @@ graph(%x : Float(4, 6)):
              "reads values computed from the batch into a host number", x);
 }
 
+TEST_CASE("AnalyzeBatchFlow lets the samples' numbers pick each sample's own rows", "[graph]") {
+  // Hugging Face's attention masks: arange(B)[:, None] with arange(L) picks mask[b, l] for every
+  // sample b, which a shard's own numbers pick alike.
+  const std::string gather = R"IR(
+graph(%x : Float(4, 6), %m : Long(4, 6)):
+  %zero : int = prim::Constant[value=0]()
+  %one : int = prim::Constant[value=1]()
+  %none : NoneType = prim::Constant()
+  %b : int = aten::size(%x, %zero)
+  %l : int = aten::size(%x, %one)
+  %bi : Tensor = aten::arange(%b, %none, %none, %none, %none)
+  %bj : Tensor = aten::unsqueeze(%bi, %one)
+  %li : Tensor = aten::arange(%l, %none, %none, %none, %none)
+  %idx : Tensor?[] = prim::ListConstruct(%bj, %li)
+  %g : Tensor = aten::index(%m, %idx)
+  %f : Tensor = aten::to(%g, %DTYPE, %FALSE, %FALSE, %none)
+  %y : Tensor = aten::mul(%x, %f)
+  return (%y)
+)IR";
+  auto text = [&](const std::string& body) {
+    std::string t = body;
+    t.replace(t.find("%DTYPE"), 6, "%six");
+    t.replace(t.find("%FALSE"), 6, "%false");
+    t.replace(t.find("%FALSE"), 6, "%false");
+    t.insert(t.find("  %b : int"), "  %six : int = prim::Constant[value=6]()\n"
+                                      "  %false : bool = prim::Constant[value=0]()\n");
+    return t;
+  };
+  const std::vector<at::Tensor> inputs = {Randn({4, 6}), at::randint(0, 2, {4, 6})};
+  CheckSeparable(text(gather), inputs);
+
+  // The numbers used as values, or to pick other rows than each sample's own, or a range that
+  // does not start at 0: a shard's would differ.
+  std::string as_values = text(gather);
+  as_values.replace(as_values.find("aten::index(%m, %idx)"), 21, "aten::add(%bj, %li, %one)");
+  CheckWhole(as_values, "computes with the samples' numbers", inputs);
+  std::string other_tensor = text(gather);  // rows of a module tensor, by sample number
+  other_tensor.replace(other_tensor.find("%m : Long(4, 6))"), 16,
+                       "%m : Long(4, 6), %t : Float(4, 6))");
+  other_tensor.replace(other_tensor.find("aten::index(%m, %idx)"), 21, "aten::index(%t, %idx)");
+  CheckWhole(other_tensor, "other than to pick each sample's own row", inputs, {Randn({4, 6})});
+  CheckWhole(R"IR(
+graph(%x : Float(4, 6)):
+  %zero : int = prim::Constant[value=0]()
+  %one : int = prim::Constant[value=1]()
+  %none : NoneType = prim::Constant()
+  %b : int = aten::size(%x, %zero)
+  %end : int = aten::add(%b, %one)
+  %r : Tensor = aten::arange(%one, %end, %one, %none, %none, %none, %none)
+  %c : Tensor = aten::unsqueeze(%r, %one)
+  %y : Tensor = aten::mul(%x, %c)
+  return (%y)
+)IR",
+             "numbers or orders the samples", {Randn({4, 6})});
+}
+
 TEST_CASE("AnalyzeBatchFlow follows reshapes, sizes and reductions that keep samples apart",
           "[graph]") {
   // x.view(B * T, C) of a [B, T, C] value, its size read from x.

@@ -30,7 +30,7 @@ from torch import nn
 
 # Layers and losses whose results for a sample depend on the other samples of the batch.
 MIXING = {"bn_train", "bn1d_train", "instnorm_running", "batch_center", "batch_softmax",
-          "in_batch_logits", "sum_plus_penalty"}
+          "in_batch_logits", "sum_plus_penalty", "numbered_other_rows"}
 
 
 @dataclasses.dataclass
@@ -107,6 +107,34 @@ class CausalAttention(nn.Module):
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
+class NumberedMaskAttention(CausalAttention):
+    """Causal attention that also down-weights keys by a per-sample mask picked with the
+    samples' numbers, as Hugging Face's masks are built: keep[arange(B)[:, None], arange(L)].
+    With `other_rows`, each sample picks the mask of the sample numbered after it: mixing."""
+
+    def __init__(self, dim, heads, seq, other_rows):
+        super().__init__(dim, heads, seq)
+        self.other_rows = other_rows
+
+    def forward(self, x):
+        b, t, c = x.size()
+        keep = x[..., 0] > -0.5  # per sample
+        rows = torch.arange(b)
+        if self.other_rows:
+            rows = rows.roll(1)
+        mask = keep[rows[:, None], torch.arange(t)[None, :]]
+        q, k, v = self.qkv(x).split(c, dim=2)
+        hd = c // self.heads
+        q = q.view(b, t, self.heads, hd).transpose(1, 2)
+        k = k.view(b, t, self.heads, hd).transpose(1, 2)
+        v = v.view(b, t, self.heads, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / hd ** 0.5)
+        att = att - 4.0 * (~mask)[:, None, None, :].to(att.dtype)
+        att = att.masked_fill(self.mask[:, :, :t, :t] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
 class InBatchLogits(nn.Module):
     """Contrastive-style similarity of every sample with every other: [B, D] -> [B, D]."""
 
@@ -166,6 +194,8 @@ def _image_layer(name, c):
 def _token_layer(name, d, seq):
     if name == "attention":
         return Residual(CausalAttention(d, 2, seq))
+    if name in ("numbered_mask_attention", "numbered_other_rows"):
+        return Residual(NumberedMaskAttention(d, 2, seq, name == "numbered_other_rows"))
     if name == "layernorm":
         return nn.LayerNorm(d)
     if name == "rmsnorm":
@@ -325,6 +355,23 @@ class TokenModel(nn.Module):
         raise KeyError(self.loss)
 
 
+def token_case(seed: int, layers: List[str], loss: str, batch: int) -> Case:
+    """A TokenModel of `layers` (_token_layer's names) and `loss` (TOKEN_LOSSES)."""
+    torch.manual_seed(seed)
+    vocab, dim, seq = 11, 8, 6
+    model = TokenModel(layers, loss, vocab, dim, seq)
+
+    def make_batch(step, g=torch.Generator()):
+        g.manual_seed(seed * 1000 + step)
+        ids = torch.randint(1, vocab, (batch, seq), generator=g)
+        targets = ids.clone()
+        # Padding: each sample ends after its own length (at least 2 tokens).
+        lengths = torch.randint(2, seq + 1, (batch,), generator=g)
+        targets[torch.arange(seq).unsqueeze(0) >= lengths.unsqueeze(1)] = 0
+        return ids, targets
+    return Case(seed, "tokens", layers, loss, batch, model, make_batch)
+
+
 def random_case(seed: int) -> Case:
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -345,19 +392,8 @@ def random_case(seed: int) -> Case:
             return (torch.randn(batch, 3, size, size, generator=g),
                     torch.randint(0, classes, (batch,), generator=g))
     elif family == "tokens":
-        vocab, dim, seq = 11, 8, 6
         layers = _stack(rng, TOKEN_LAYERS, depth)
-        loss = rng.choice(TOKEN_LOSSES)
-        model = TokenModel(layers, loss, vocab, dim, seq)
-
-        def make_batch(step, g=torch.Generator()):
-            g.manual_seed(seed * 1000 + step)
-            ids = torch.randint(1, vocab, (batch, seq), generator=g)
-            targets = ids.clone()
-            # Padding: each sample ends after its own length (at least 2 tokens).
-            lengths = torch.randint(2, seq + 1, (batch,), generator=g)
-            targets[torch.arange(seq).unsqueeze(0) >= lengths.unsqueeze(1)] = 0
-            return ids, targets
+        return token_case(seed, layers, rng.choice(TOKEN_LOSSES), batch)
     else:
         d, classes = 6, 4
         layers = _stack(rng, FEATURE_LAYERS, depth)

@@ -136,3 +136,26 @@ def test_split_equals_one_device(seed, monkeypatch):
         _set_plan(monkeypatch, (1,) + plan[1:])
         deployment = _train_and_compare(split_models.random_case(seed), forced + " in 1 stage")
     assert deployment.micro_batches == plan[1] or case.batch < plan[1] * plan[2], forced
+
+
+@pytest.mark.parametrize("layer", ["numbered_mask_attention", "numbered_other_rows"])
+def test_samples_numbered_with_arange(layer, monkeypatch):
+    # torch.arange(batch) picking each sample's own row (Hugging Face's attention masks) splits
+    # exactly; picking another sample's row keeps the batch whole.
+    devices = len(daemon_device_names())
+    make = lambda: split_models.token_case(5, [layer, "mlp"], "ce_ignore", 8)
+    case = make()
+    what = f"{case.describe()} on {devices} device(s)"
+    plan = _forced_plan(1, devices)
+    _set_plan(monkeypatch, plan)
+    if case.mixes_samples:
+        with pytest.raises(RanncError, match="samples' numbers.*splitting it would change"):
+            _train_and_compare(make(), f"{what}, forced plan {plan}")
+        _set_plan(monkeypatch, None)
+        deployment = _train_and_compare(make(), f"{what}, default plan")
+        assert "samples' numbers" in deployment.batch_whole, deployment.batch_whole
+        return
+    deployment = _train_and_compare(make(), f"{what}, forced plan {plan}")
+    assert not deployment.batch_whole, deployment.batch_whole
+    assert deployment.micro_batches * len(deployment.stages[0].devices) > 1, _plan_text(
+        deployment)
