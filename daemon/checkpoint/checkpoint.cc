@@ -1,5 +1,6 @@
 #include "daemon/checkpoint/checkpoint.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,8 +11,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
+#include <map>
+#include <set>
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -31,7 +34,6 @@
 namespace rannc {
 namespace checkpoint {
 
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -141,7 +143,7 @@ absl::StatusOr<std::string> JobDir(const std::string& checkpoint_dir,
         "the job name '", job_name, "' cannot name a checkpoint directory under ", checkpoint_dir,
         "; name the job (RANNC_JOB) without '/'"));
   }
-  return (fs::path(checkpoint_dir) / job_name).string();
+  return JoinPath(checkpoint_dir, job_name);
 }
 
 std::string StepDir(const std::string& job_dir, int64_t step) {
@@ -203,10 +205,8 @@ void WriteTensorFile(const std::string& dir, TensorFile* file) {
 }  // namespace
 
 absl::StatusOr<std::string> BeginCheckpoint(const std::string& job_dir, int64_t step) {
-  std::error_code ec;
-  fs::create_directories(job_dir, ec);
-  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating the checkpoint directory ",
-                                                      job_dir));
+  absl::Status made = MakeDirs(job_dir);
+  if (!made.ok()) return made;
   const std::string unique = absl::StrCat(
       ::getpid(), "-", std::chrono::steady_clock::now().time_since_epoch().count());
   const std::string dir = absl::StrFormat("%s/.%s%010d.tmp-%s", job_dir, kStepPrefix, step,
@@ -217,10 +217,7 @@ absl::StatusOr<std::string> BeginCheckpoint(const std::string& job_dir, int64_t 
   return dir;
 }
 
-void AbandonCheckpoint(const std::string& dir) {
-  std::error_code ec;
-  fs::remove_all(dir, ec);
-}
+void AbandonCheckpoint(const std::string& dir) { (void)RemoveTree(dir); }
 
 absl::StatusOr<v1::CheckpointShare> WriteShare(const std::string& dir, const std::string& prefix,
                                                const std::vector<Piece>& pieces) {
@@ -297,9 +294,8 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
   // first, and goes once the new one is in).
   const int64_t step = manifest.step();
   const std::string final_dir = StepDir(job_dir, step);
-  std::error_code ec;
   std::string old;
-  if (fs::exists(final_dir, ec)) {
+  if (PathExists(final_dir)) {
     old = absl::StrFormat("%s/.%s%010d.old-%s", job_dir, kStepPrefix, step,
                           dir.substr(dir.rfind(".tmp-") + 5));
     if (::rename(final_dir.c_str(), old.c_str()) != 0) {
@@ -310,7 +306,7 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     return fail(ErrnoStatus(errno, absl::StrCat("committing ", final_dir)));
   }
   absl::Status synced = SyncDirectory(job_dir);
-  if (!old.empty()) fs::remove_all(old, ec);
+  if (!old.empty()) (void)RemoveTree(old);
   if (!synced.ok()) return synced;
   return manifest;
 }
@@ -334,11 +330,11 @@ absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& job_di
 
 std::vector<v1::CheckpointManifest> ListCheckpoints(const std::string& job_dir) {
   std::vector<v1::CheckpointManifest> out;
-  std::error_code ec;
-  for (fs::directory_iterator it(job_dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (StepOf(it->path().filename().string()) < 0) continue;
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(job_dir);
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
+    if (StepOf(name) < 0) continue;
     absl::StatusOr<v1::CheckpointManifest> manifest =
-        ParseManifest((it->path() / kManifest).string());
+        ParseManifest(JoinPath(JoinPath(job_dir, name), kManifest));
     if (manifest.ok()) out.push_back(std::move(*manifest));
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
@@ -363,12 +359,11 @@ absl::StatusOr<v1::CheckpointManifest> FindCheckpoint(const std::string& job_dir
 }
 
 absl::Status PruneCheckpoints(const std::string& job_dir, int keep) {
-  std::error_code ec;
   std::vector<std::string> committed;
   std::vector<std::string> leftovers;
-  for (fs::directory_iterator it(job_dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (StepOf(name) >= 0 && fs::exists(it->path() / kManifest)) {
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(job_dir);
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
+    if (StepOf(name) >= 0 && PathExists(JoinPath(JoinPath(job_dir, name), kManifest))) {
       committed.push_back(name);
     } else if (absl::StartsWith(name, absl::StrCat(".", kStepPrefix))) {
       leftovers.push_back(name);
@@ -380,40 +375,77 @@ absl::Status PruneCheckpoints(const std::string& job_dir, int keep) {
     doomed.insert(doomed.end(), committed.begin(), committed.end() - keep);
   }
   for (const std::string& name : doomed) {
-    fs::remove_all(fs::path(job_dir) / name, ec);
-    if (ec) return ErrnoStatus(ec.value(), absl::StrCat("removing ", job_dir, "/", name));
+    absl::Status removed = RemoveTree(JoinPath(job_dir, name));
+    if (!removed.ok()) return removed;
   }
   return absl::OkStatus();
 }
 
+namespace {
+
+// One tensor file of a checkpoint, read whole into memory, checked against its manifest record
+// and unpickled.
+absl::Status ReadTensorFile(const std::string& path, const v1::CheckpointFile& record,
+                            std::map<std::string, at::Tensor>* tensors) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::DataLossError(ErrnoStatus(errno, "reading " + path).message());
+  std::vector<char> bytes(record.bytes());
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  char extra;
+  const bool longer = done == bytes.size() && ::read(fd, &extra, 1) == 1;
+  ::close(fd);
+  if (done != bytes.size() || longer) {
+    return absl::DataLossError(absl::StrCat(path, " holds ", longer ? "more than " : "",
+                                            longer ? bytes.size() : done,
+                                            " bytes; its manifest says ", record.bytes(),
+                                            " (truncated or overwritten)"));
+  }
+  if (Crc32(bytes.data(), bytes.size()) != record.crc32()) {
+    return absl::DataLossError(absl::StrCat(path, " is corrupted: its CRC-32 differs from "
+                                            "the manifest's"));
+  }
+  try {
+    const c10::IValue value = torch::jit::pickle_load(bytes);
+    for (const auto& item : value.toGenericDict()) {
+      (*tensors)[item.key().toStringRef()] = item.value().toTensor();
+    }
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(path, " does not read as a tensor file: ",
+                                            e.what()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
                                         const v1::CheckpointManifest& manifest) {
   const std::string dir = StepDir(job_dir, manifest.step());
+  // The files are read, checked and unpickled in parallel, as WriteShare writes them.
   std::map<std::string, std::map<std::string, at::Tensor>> files;
-  for (const v1::CheckpointFile& f : manifest.files()) {
-    const std::string path = absl::StrCat(dir, "/", f.path());
-    absl::StatusOr<std::string> bytes = ReadFile(path);
-    if (!bytes.ok()) return absl::DataLossError(bytes.status().message());
-    if (bytes->size() != f.bytes()) {
-      return absl::DataLossError(absl::StrCat(path, " holds ", bytes->size(),
-                                              " bytes; its manifest says ", f.bytes(),
-                                              " (truncated or overwritten)"));
-    }
-    if (Crc32(bytes->data(), bytes->size()) != f.crc32()) {
-      return absl::DataLossError(absl::StrCat(path, " is corrupted: its CRC-32 differs from "
-                                              "the manifest's"));
-    }
-    std::map<std::string, at::Tensor>& tensors = files[f.path()];
-    try {
-      const c10::IValue value =
-          torch::jit::pickle_load(std::vector<char>(bytes->begin(), bytes->end()));
-      for (const auto& item : value.toGenericDict()) {
-        tensors[item.key().toStringRef()] = item.value().toTensor();
+  for (const v1::CheckpointFile& f : manifest.files()) files[f.path()];
+  std::vector<absl::Status> statuses(manifest.files_size());
+  const size_t threads = std::max<size_t>(
+      1, std::min<size_t>(manifest.files_size(), std::thread::hardware_concurrency()));
+  std::atomic<int> next{0};
+  std::vector<std::thread> readers;
+  for (size_t t = 0; t < threads; ++t) {
+    readers.emplace_back([&] {
+      for (int i = next++; i < manifest.files_size(); i = next++) {
+        const v1::CheckpointFile& f = manifest.files(i);
+        statuses[i] = ReadTensorFile(absl::StrCat(dir, "/", f.path()), f, &files.at(f.path()));
       }
-    } catch (const std::exception& e) {
-      return absl::DataLossError(absl::StrCat(path, " does not read as a tensor file: ",
-                                              e.what()));
-    }
+    });
+  }
+  for (std::thread& r : readers) r.join();
+  for (const absl::Status& status : statuses) {
+    if (!status.ok()) return status;
   }
 
   Contents out;
@@ -472,10 +504,38 @@ c10::IValue Pair(double a, double b) {
   return c10::ivalue::Tuple::create({c10::IValue(a), c10::IValue(b)});
 }
 
+// A scripted optimizer's param group (HyperParams.named): its entries by the client's names,
+// where `x_0`, `x_1`, ... join again into the tuple `x` that pyrannc flattened (when `x` is not
+// an entry itself); numbers stay floats.
+c10::IValue ScriptedGroupDict(const v1::HyperParams& h, const std::vector<int64_t>& params) {
+  const std::map<std::string, double> named(h.named().begin(), h.named().end());
+  c10::impl::GenericDict g(c10::StringType::get(), c10::AnyType::get());
+  std::set<std::string> joined;
+  for (const auto& [key, value] : named) {
+    const size_t underscore = key.rfind('_');
+    const std::string base = underscore == std::string::npos ? "" : key.substr(0, underscore);
+    if (!base.empty() && key.substr(underscore + 1) == "0" && !named.count(base)) {
+      std::vector<c10::IValue> items;
+      while (named.count(absl::StrCat(base, "_", items.size()))) {
+        const std::string item = absl::StrCat(base, "_", items.size());
+        items.push_back(named.at(item));
+        joined.insert(item);
+      }
+      g.insert(base, c10::ivalue::Tuple::create(std::move(items)));
+    }
+  }
+  for (const auto& [key, value] : named) {
+    if (!joined.count(key)) g.insert(key, value);
+  }
+  g.insert("params", c10::List<int64_t>(params));
+  return g;
+}
+
 // A param group as torch.optim's state_dict() has it for `optimizer` (its constructor's
 // arguments, PyTorch's pairs joined again), with the indices of its parameters.
 c10::IValue GroupDict(const std::string& optimizer, const v1::HyperParams& h,
                       const std::vector<int64_t>& params) {
+  if (!h.named().empty()) return ScriptedGroupDict(h, params);
   c10::impl::GenericDict g(c10::StringType::get(), c10::AnyType::get());
   g.insert("lr", h.lr());
   const bool adam_like = optimizer == "adam" || optimizer == "adamw" || optimizer == "adamax" ||

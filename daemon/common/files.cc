@@ -1,6 +1,9 @@
 #include "daemon/common/files.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,6 +73,85 @@ absl::Status SyncDirectory(const std::string& path) {
   ::close(fd);
   if (rc != 0) return ErrnoStatus(err, absl::StrCat("syncing directory ", path));
   return absl::OkStatus();
+}
+
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  if (dir.empty() || (!name.empty() && name[0] == '/')) return name;
+  return dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::string ParentPath(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const size_t slash = p.rfind('/');
+  if (slash == std::string::npos) return "";
+  return slash == 0 ? "/" : p.substr(0, slash);
+}
+
+bool PathExists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+bool IsDirectory(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool IsRegularFile(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+absl::Status MakeDirs(const std::string& path) {
+  if (path.empty() || IsDirectory(path)) return absl::OkStatus();
+  const std::string parent = ParentPath(path);
+  if (!parent.empty() && parent != path) {
+    absl::Status made = MakeDirs(parent);
+    if (!made.ok()) return made;
+  }
+  if (::mkdir(path.c_str(), 0777) != 0 && !(errno == EEXIST && IsDirectory(path))) {
+    return ErrnoStatus(errno, absl::StrCat("creating directory ", path));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+int RemoveEntry(const char* path, const struct stat*, int type, struct FTW*) {
+  const int rc = type == FTW_DP ? ::rmdir(path) : ::unlink(path);
+  return rc == 0 || errno == ENOENT ? 0 : errno;
+}
+
+}  // namespace
+
+absl::Status RemoveTree(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? absl::OkStatus() : ErrnoStatus(errno, "removing " + path);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoStatus(errno, "removing " + path);
+    }
+    return absl::OkStatus();
+  }
+  // Children before their directory (FTW_DEPTH), symbolic links as themselves (FTW_PHYS).
+  const int rc = ::nftw(path.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
+  if (rc != 0) return ErrnoStatus(rc > 0 ? rc : errno, "removing " + path);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& path) {
+  DIR* dir = ::opendir(path.c_str());
+  if (dir == nullptr) return ErrnoStatus(errno, "listing " + path);
+  std::vector<std::string> names;
+  while (const struct dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(dir);
+  return names;
 }
 
 }  // namespace rannc

@@ -1,5 +1,10 @@
 // Whole files in and out of memory, as the tools and the CLI read models and deployments, and
-// durable writes (checkpoints, job records).
+// durable writes (checkpoints, job records); directories made, listed and removed.
+//
+// The daemon uses these, not std::filesystem: PyTorch's wheels (the GPU build's LibTorch) export
+// their own copies of libstdc++'s std::filesystem from libtorch.so, which the dynamic linker
+// binds the daemon's calls to, and their remove_all jumped through a null pointer (a SIGSEGV
+// after a checkpoint was pruned, on the H200). POSIX calls have one implementation.
 //
 //   absl::StatusOr<std::string> bytes = ReadFile("model.pt");
 //   absl::Status s = WriteFileDurably("dir/manifest.json", json.data(), json.size());
@@ -8,7 +13,9 @@
 #ifndef RANNC_DAEMON_COMMON_FILES_H_
 #define RANNC_DAEMON_COMMON_FILES_H_
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -25,6 +32,22 @@ absl::Status WriteFileDurably(const std::string& path, const char* data, size_t 
 absl::Status SyncDirectory(const std::string& path);
 // The status of errno `err` when doing `what` (as above).
 absl::Status ErrnoStatus(int err, const std::string& what);
+
+// `dir` + "/" + `name` (just `name` when `dir` is empty or `name` is absolute).
+std::string JoinPath(const std::string& dir, const std::string& name);
+// The directory part of `path` ("a/b" of "a/b/c"; "" for "c"; "/" for "/c").
+std::string ParentPath(const std::string& path);
+bool PathExists(const std::string& path);
+bool IsDirectory(const std::string& path);     // following symbolic links
+bool IsRegularFile(const std::string& path);   // following symbolic links
+// Makes `path` and its missing parents (mkdir -p); OK if it is a directory already.
+absl::Status MakeDirs(const std::string& path);
+// Removes `path` and everything under it, not following symbolic links (rm -rf); OK if it
+// does not exist.
+absl::Status RemoveTree(const std::string& path);
+// The names in directory `path` (no "." or ".."), unsorted; as ErrnoStatus when it cannot be
+// read (NOT_FOUND when it does not exist).
+absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& path);
 
 }  // namespace rannc
 

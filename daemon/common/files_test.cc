@@ -1,9 +1,13 @@
 #include "daemon/common/files.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
@@ -25,6 +29,39 @@ TEST_CASE("ReadFile returns a file's bytes, or NOT_FOUND naming it", "[common]")
   absl::StatusOr<std::string> missing = ReadFile(path);
   CHECK(missing.status().code() == absl::StatusCode::kNotFound);
   CHECK_THAT(std::string(missing.status().message()), Catch::Contains(path));
+}
+
+TEST_CASE("directories are made, listed and removed without std::filesystem", "[common]") {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string root = JoinPath(tmp != nullptr ? tmp : "/tmp", "files_test_tree");
+  REQUIRE(RemoveTree(root).ok());  // absent: nothing to do
+  const std::string deep = JoinPath(JoinPath(root, "a"), "b");
+  REQUIRE(MakeDirs(deep).ok());
+  REQUIRE(MakeDirs(deep).ok());  // already there
+  CHECK(IsDirectory(deep));
+  CHECK(ParentPath(deep) == JoinPath(root, "a"));
+  CHECK(ParentPath("name") == "");
+  CHECK(ParentPath("/name") == "/");
+  CHECK(JoinPath("", "x") == "x");
+  CHECK(JoinPath("d/", "x") == "d/x");
+  CHECK(JoinPath("d", "/abs") == "/abs");
+  REQUIRE(WriteFileDurably(JoinPath(deep, "f"), "xy", 2).ok());
+  CHECK(IsRegularFile(JoinPath(deep, "f")));
+  CHECK_FALSE(IsRegularFile(deep));
+  REQUIRE(WriteFileDurably(JoinPath(root, "g"), "z", 1).ok());
+  // A symbolic link to outside the tree is removed, not followed.
+  const std::string outside = JoinPath(tmp != nullptr ? tmp : "/tmp", "files_test_outside");
+  REQUIRE(WriteFileDurably(outside, "keep", 4).ok());
+  REQUIRE(::symlink(outside.c_str(), JoinPath(deep, "link").c_str()) == 0);
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(root);
+  REQUIRE(names.ok());
+  std::sort(names->begin(), names->end());
+  CHECK(*names == std::vector<std::string>{"a", "g"});
+  REQUIRE(RemoveTree(root).ok());
+  CHECK_FALSE(PathExists(root));
+  CHECK(IsRegularFile(outside));
+  CHECK(ListDirectory(root).status().code() == absl::StatusCode::kNotFound);
+  std::remove(outside.c_str());
 }
 
 }  // namespace

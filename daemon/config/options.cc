@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cctype>
 #include <climits>
-#include <filesystem>
 #include <optional>
 #include <set>
 #include <system_error>
@@ -22,6 +21,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "daemon/cluster/peers.h"
+#include "daemon/common/files.h"
 #include "daemon/config/keys.h"
 
 extern char** environ;
@@ -29,7 +29,6 @@ extern char** environ;
 namespace rannc {
 namespace {
 
-namespace fs = std::filesystem;
 
 // Debian's abseil is built with its own string_view, not std's; the public API takes std's.
 absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
@@ -255,26 +254,25 @@ const char* TomlTypeName(const toml::node& node) {
 // The TOML file to read, or "" for none. NOT_FOUND for a missing --config file.
 absl::StatusOr<std::string> FindConfigFile(const std::optional<std::string>& flag,
                                            const std::map<std::string, std::string>& env) {
-  std::error_code ec;
   if (flag.has_value()) {
-    if (!fs::is_regular_file(*flag, ec)) {
+    if (!IsRegularFile(*flag)) {
       return absl::NotFoundError(absl::StrCat("--config: file '", *flag, "' not found"));
     }
     return *flag;
   }
   auto conf_dir = env.find("RANNC_CONF_DIR");
   if (conf_dir != env.end() && !conf_dir->second.empty()) {
-    if (!fs::is_directory(conf_dir->second, ec)) {
+    if (!IsDirectory(conf_dir->second)) {
       return absl::InvalidArgumentError(
           absl::StrCat("RANNC_CONF_DIR: '", conf_dir->second, "' is not a directory"));
     }
-    fs::path file = fs::path(conf_dir->second) / kConfFileName;
-    return fs::exists(file, ec) ? file.string() : std::string();
+    const std::string file = JoinPath(conf_dir->second, kConfFileName);
+    return PathExists(file) ? file : std::string();
   }
   auto home = env.find("HOME");
   if (home != env.end() && !home->second.empty()) {
-    fs::path file = fs::path(home->second) / ".rannc" / kConfFileName;
-    return fs::exists(file, ec) ? file.string() : std::string();
+    const std::string file = JoinPath(JoinPath(home->second, ".rannc"), kConfFileName);
+    return PathExists(file) ? file : std::string();
   }
   return std::string();
 }

@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <utility>
 #include <vector>
 
@@ -15,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "daemon/common/files.h"
 
 namespace rannc {
 namespace planner {
@@ -216,11 +216,11 @@ absl::Status ProfileCache::Flush() {
     return status;
   };
 
-  const std::filesystem::path parent = std::filesystem::path(path_).parent_path();
+  const std::string parent = ParentPath(path_);
   if (!parent.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(parent, ec);
-    if (ec) return failed(ErrnoError(ec.value(), "create its directory", path_));
+    absl::Status made = MakeDirs(parent);
+    if (!made.ok()) return failed(absl::Status(made.code(), absl::StrCat(
+        "profile cache ", path_, ": ", made.message())));
   }
   const std::string tmp = absl::StrCat(path_, ".tmp.", getpid());
   std::FILE* file = std::fopen(tmp.c_str(), "w");
@@ -245,10 +245,10 @@ absl::Status ProfileCache::Flush() {
 std::string DefaultProfileCachePath() {
   if (const char* path = NonEmptyEnv("RANNC_PROFILE_CACHE")) return path;
   if (const char* xdg = NonEmptyEnv("XDG_CACHE_HOME")) {
-    return (std::filesystem::path(xdg) / "rannc" / "profiles.tsv").string();
+    return JoinPath(JoinPath(xdg, "rannc"), "profiles.tsv");
   }
   if (const char* home = NonEmptyEnv("HOME")) {
-    return (std::filesystem::path(home) / ".cache" / "rannc" / "profiles.tsv").string();
+    return JoinPath(JoinPath(JoinPath(home, ".cache"), "rannc"), "profiles.tsv");
   }
   return "";
 }

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 
 #include <ATen/core/Dict.h>
 #include <spdlog/spdlog.h>
@@ -17,7 +16,6 @@
 
 namespace rannc {
 
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -28,10 +26,10 @@ constexpr char kTensors[] = "tensors.pt";
 }  // namespace
 
 JobRecords::JobRecords(std::string state_dir)
-    : dir_(state_dir.empty() ? "" : (fs::path(state_dir) / "jobs").string()) {}
+    : dir_(state_dir.empty() ? "" : JoinPath(state_dir, "jobs")) {}
 
 std::string JobRecords::JobDir(const std::string& job_id) const {
-  return (fs::path(dir_) / job_id).string();
+  return JoinPath(dir_, job_id);
 }
 
 absl::Status JobRecords::Save(const std::string& job_id, const v1::JobSpec& spec,
@@ -68,13 +66,12 @@ absl::Status JobRecords::Save(const std::string& job_id, const v1::JobSpec& spec
   }
 
   std::lock_guard<std::mutex> lock(mu_);
-  std::error_code ec;
-  fs::create_directories(dir_, ec);
-  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating the state directory ", dir_));
+  absl::Status made = MakeDirs(dir_);
+  if (!made.ok()) return made;
   const std::string tmp = absl::StrCat(JobDir(job_id), ".tmp-", ::getpid());
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
-  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating ", tmp));
+  (void)RemoveTree(tmp);  // a leftover of a failed write
+  made = MakeDirs(tmp);
+  if (!made.ok()) return made;
   absl::Status s = WriteFileDurably(absl::StrCat(tmp, "/", kModel), model_bytes.data(),
                                     model_bytes.size());
   if (s.ok()) {
@@ -84,13 +81,13 @@ absl::Status JobRecords::Save(const std::string& job_id, const v1::JobSpec& spec
   if (s.ok()) s = WriteFileDurably(absl::StrCat(tmp, "/", kRecord), json->data(), json->size());
   if (s.ok()) s = SyncDirectory(tmp);
   if (s.ok()) {
-    fs::remove_all(JobDir(job_id), ec);
-    if (std::rename(tmp.c_str(), JobDir(job_id).c_str()) != 0) {
+    s = RemoveTree(JobDir(job_id));
+    if (s.ok() && std::rename(tmp.c_str(), JobDir(job_id).c_str()) != 0) {
       s = ErrnoStatus(errno, absl::StrCat("committing ", JobDir(job_id)));
     }
   }
   if (s.ok()) s = SyncDirectory(dir_);
-  if (!s.ok()) fs::remove_all(tmp, ec);
+  if (!s.ok()) (void)RemoveTree(tmp);
   return s;
 }
 
@@ -99,24 +96,21 @@ absl::Status JobRecords::Remove(const std::string& job_id) {
     return absl::OkStatus();
   }
   std::lock_guard<std::mutex> lock(mu_);
-  std::error_code ec;
-  fs::remove_all(JobDir(job_id), ec);
-  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("removing ", JobDir(job_id)));
-  return absl::OkStatus();
+  return RemoveTree(JobDir(job_id));
 }
 
 std::vector<v1::JobRecord> JobRecords::List() const {
   std::vector<v1::JobRecord> out;
   if (!enabled()) return out;
   std::lock_guard<std::mutex> lock(mu_);
-  std::error_code ec;
-  for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir_);
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
     if (name.find(".tmp-") != std::string::npos) continue;
     v1::JobRecord record;
-    absl::Status read = checkpoint::ReadJsonFile((it->path() / kRecord).string(), &record);
+    absl::Status read = checkpoint::ReadJsonFile(JoinPath(JoinPath(dir_, name), kRecord),
+                                                 &record);
     if (!read.ok()) {
-      spdlog::warn("skipping the job record {}: {}", it->path().string(), read.ToString());
+      spdlog::warn("skipping the job record {}: {}", JoinPath(dir_, name), read.ToString());
       continue;
     }
     out.push_back(std::move(record));
