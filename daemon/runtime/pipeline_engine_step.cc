@@ -208,12 +208,15 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
     const IrValue& val = ir.values[v];
     at::Tensor g;
     if (step.phase == Phase::kFused) {
-      // The loss's gradient 1, through its combination of the shards.
+      // The loss's gradient 1, through its combination of the shards, times the loss scale:
+      // made in fp32 and cast, as backward from loss.float() * scale (Apex's amp.scale_loss)
+      // gives it, so a scale past an fp16 loss's range is an overflow the step skips.
       if (v == ir.outputs[0]) {
         g = at::full(ShapeFor(v, 0),
                      (stage_outputs_.at(v) == OutputKind::kMean ? weight : 1.0) *
                          scaler_.scale(),
-                     d.On(val.dtype));
+                     d.On(at::kFloat))
+                .to(val.dtype);
       }
     } else if (auto client = step.grads->find(v); client != step.grads->end()) {
       switch (stage_outputs_.at(v)) {

@@ -127,9 +127,9 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
 # run from a wrong one. A loss the client computes from the returned logits is computed outside
 # autocast and on the CPU, as the client does. Each shard's forward is an autocast region of its own, as each
 # device's is (within one region the cast of a weight is cached, and its gradient would be summed
-# over the shards in low precision). fp16 adds GradScaler's loss scaling: each shard's loss times
-# the scale (65536, which never overflows here) is backpropagated and the gradients are
-# multiplied by its inverse, exactly (powers of two).
+# over the shards in low precision). fp16 adds GradScaler's loss scaling: each shard's loss, in
+# fp32, times the scale (FP16_SCALE, which never overflows here) is backpropagated and the
+# gradients are multiplied by its inverse, exactly (powers of two).
 # amp_level=O2's reference is the same with the parameters read through casts (and floating
 # inputs cast) instead of autocast: _whole_forward_in.
 # The stated tolerance: on one device the same ops run, and everything must be bitwise equal.
@@ -153,7 +153,9 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
 # differences compound over the steps on CUDA; fp32 training is still told apart).
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_TOLERANCE = {"bf16": (1e-2, 1e-4), "fp16": (2e-3, 1e-5)}  # rtol, atol
-FP16_SCALE = 65536.0  # GradScaler's and the daemon's initial scale
+# The fp16 runs' loss scale (RANNC_LOSS_SCALE_INIT): the default, 65536, is past an fp16 loss's
+# range at O2, whose first step then overflows and is skipped, as with Apex.
+FP16_SCALE = 1024.0
 
 
 def _amp_tolerance(amp_dtype, amp_level):
@@ -233,14 +235,14 @@ def _reference_loss(case, model, batch, shards, dtype, scale, level):
                 logits.append(model(batch[0][o:o + c]))
         # On the CPU, where the client computes it from the returned logits.
         loss = torch.nn.functional.cross_entropy(torch.cat(logits).cpu(), batch[1].cpu())
-        (loss * scale).backward()
+        (loss.float() * scale).backward()  # as GradScaler and Apex: in fp32
         total = loss
     else:
         total = 0
         for o, c in shards:
             with _low_precision(level, model, dtype):
                 part = case.loss(model, tuple(t[o:o + c] for t in batch)) * (c / n)
-            (part * scale).backward()
+            (part.float() * scale).backward()
             total = total + part.detach()
     if scale != 1.0:
         for p in model.parameters():
@@ -265,6 +267,7 @@ def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, mo
     tpc._set_plan_config(monkeypatch, plan, "1f1b")
     monkeypatch.setenv("RANNC_AMP_DTYPE", amp_dtype)
     monkeypatch.setenv("RANNC_AMP_LEVEL", amp_level)
+    monkeypatch.setenv("RANNC_LOSS_SCALE_INIT", str(FP16_SCALE))
     torch.manual_seed(0)
     model = case.make()
     ref, fp32 = ref_copy(model), ref_copy(model)
@@ -421,5 +424,63 @@ def test_dynamic_loss_scaling_skips_overflowing_steps_like_grad_scaler(model_nam
             assert summary.skipped_steps == skipped, f"step {step}"
             for name, value in ref.state_dict().items():
                 assert_close(rmod.state_dict()[name], value, f"{name} after step {step}")
+    finally:
+        pyrannc.clear()
+
+
+def test_fp16_dynamic_loss_scaling_matches_autocast_and_grad_scaler(monkeypatch):
+    # fp16 at O1 with dynamic loss scaling against PyTorch's recipe on the GPU:
+    # torch.autocast("cuda", float16) and a GradScaler of the same schedule (scale 1024, halved
+    # on overflow and the step skipped, doubled after 2 good steps). The loss each step, the
+    # scale and the skipped steps after each, and the parameters (fp16's tolerance) must agree.
+    case = tpc.MODELS["mlp"]
+    tpc._set_plan_config(monkeypatch, (1, 1, 1), "1f1b")
+    monkeypatch.setenv("RANNC_AMP_DTYPE", "fp16")
+    monkeypatch.setenv("RANNC_LOSS_SCALE", "dynamic")
+    monkeypatch.setenv("RANNC_LOSS_SCALE_INIT", "1024")
+    monkeypatch.setenv("RANNC_LOSS_SCALE_WINDOW", "2")
+    monkeypatch.setenv("RANNC_DEFER_OPS", "0")  # step runs before ListJobs
+    torch.manual_seed(0)
+    model = case.make()
+    ref = ref_copy(model)
+    opt, ref_opt = case.optimizer(model), case.optimizer(ref)
+    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True)
+    try:
+        if not _cuda_daemon():
+            with pytest.raises(pyrannc.RanncError, match="amp_dtype=fp16 needs CUDA devices"):
+                case.loss(rmod, case.batch(0))
+            return
+        assert REF_DEVICE.type == "cuda", "the reference runs PyTorch's CUDA autocast"
+        scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_factor=2.0,
+                                      backoff_factor=0.5, growth_interval=2)
+        tolerance = _amp_tolerance("fp16", "O1")
+        skipped = 0
+        for step in range(6):
+            batch = case.batch(step)
+            if step == 2:  # inputs that make the forward overflow
+                batch = tuple(t * float("inf") if t.is_floating_point() else t for t in batch)
+            loss = case.loss(rmod, batch)
+            loss.backward()
+            with torch.autocast("cuda", dtype=torch.float16):
+                ref_loss = case.loss(ref, to_ref(batch))
+            scaler.scale(ref_loss).backward()
+            before = scaler.get_scale()
+            scaler.step(ref_opt)
+            scaler.update()
+            if scaler.get_scale() < before:
+                skipped += 1
+            opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            if step != 2:
+                assert_close(loss.detach().float(), ref_loss.detach().float(),
+                             f"loss at step {step}", *tolerance)
+            summary = _job_summary(rmod._job.id)
+            assert summary.loss_scale == scaler.get_scale(), f"scale after step {step}"
+            assert summary.skipped_steps == skipped, f"skipped steps after step {step}"
+        assert skipped == 1
+        for name, value in ref.state_dict().items():
+            _assert_amp_close(rmod.state_dict()[name], value, f"{name} after 6 steps", False,
+                              tolerance)
     finally:
         pyrannc.clear()
