@@ -7,9 +7,10 @@
 
 namespace rannc {
 
-// State creation as torch/optim/nadam.py's step(), then _single_tensor_nadam line by line (1.13's,
-// or 2.x's where they differ), with 2.x's maximize (negating the grad first) and decoupled weight decay (in place of
-// the L2 term); keep it that way, since results are compared against PyTorch's to round-off.
+// State creation as torch/optim/nadam.py's step(), then _single_tensor_nadam line by line
+// (1.13's, or 2.x's where they differ), with 2.x's maximize (negating the grad first) and
+// decoupled weight decay (in place of the L2 term); keep it that way, since results are compared
+// against PyTorch's to round-off.
 void NAdam::StepParam(at::Tensor& param, const at::Tensor& grad_in,
                       optim_internal::ParamState& state, const HyperParams& hyper) {
   if (!state.present) {

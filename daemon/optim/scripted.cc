@@ -43,15 +43,14 @@ absl::StatusOr<torch::jit::Module> LoadUpdate(const ScriptedUpdate& update) {
                   *args[3].type() == *c10::DictType::create(str, tensor) &&
                   *args[4].type() == *c10::DictType::create(str, c10::FloatType::get());
   if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, "its update is ", c10::str(forward->function().getSchema()), "; expected ", kContract));
+    return absl::InvalidArgumentError(absl::StrCat(what, "its update is ",
+                                                   c10::str(forward->function().getSchema()),
+                                                   "; expected ", kContract));
   }
   return module;
 }
 
-}  // namespace
-
-absl::Status ValidateScriptedUpdate(const ScriptedUpdate& update) {
+absl::Status CheckStateKeys(const ScriptedUpdate& update) {
   std::set<std::string> seen;
   for (const std::string& key : update.state_keys) {
     const std::string what = absl::StrCat("optimizer ", update.name, ": state key '", key, "'");
@@ -65,6 +64,14 @@ absl::Status ValidateScriptedUpdate(const ScriptedUpdate& update) {
     }
     if (!seen.insert(key).second) return absl::InvalidArgumentError(what + " is listed twice");
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateScriptedUpdate(const ScriptedUpdate& update) {
+  absl::Status keys = CheckStateKeys(update);
+  if (!keys.ok()) return keys;
   return LoadUpdate(update).status();
 }
 
@@ -73,8 +80,8 @@ absl::StatusOr<std::unique_ptr<ScriptedOptimizer>> ScriptedOptimizer::Make(
   if (update == nullptr) {
     return absl::InvalidArgumentError("a scripted optimizer needs its update");
   }
-  absl::Status valid = ValidateScriptedUpdate(*update);
-  if (!valid.ok()) return valid;
+  absl::Status keys = CheckStateKeys(*update);
+  if (!keys.ok()) return keys;
   absl::StatusOr<torch::jit::Module> module = LoadUpdate(*update);
   if (!module.ok()) return module.status();
   std::vector<optim_internal::SlotSpec> slots;
@@ -114,17 +121,20 @@ void ScriptedOptimizer::StepParam(at::Tensor& param, const at::Tensor& grad,
   if (counts_step_) {
     named_state.insert("step", optim_internal::ScalarState(static_cast<double>(state.step)));
   }
-  for (size_t s = 0; s < element_slots_.size(); ++s) named_state.insert(element_slots_[s].key, state.slots[s]);
+  for (size_t s = 0; s < element_slots_.size(); ++s) {
+    named_state.insert(element_slots_[s].key, state.slots[s]);
+  }
   c10::Dict<std::string, double> group;
   for (const auto& [name, value] : hyper.named) group.insert(name, value);
   module_.forward({param, grad, named_state, group});
   // The update may have replaced an entry (state["m"] = new) rather than written into it.
   for (size_t s = 0; s < element_slots_.size(); ++s) {
-    auto it = named_state.find(element_slots_[s].key);
-    TORCH_CHECK(it != named_state.end(), "the update removed state '", element_slots_[s].key, "'");
+    const char* key = element_slots_[s].key;
+    auto it = named_state.find(key);
+    TORCH_CHECK(it != named_state.end(), "the update removed state '", key, "'");
     const at::Tensor& value = it->value();
     TORCH_CHECK(value.sizes() == param.sizes() && value.device() == param.device(),
-                "the update left state '", element_slots_[s].key, "' of shape ", value.sizes(), " on ",
+                "the update left state '", key, "' of shape ", value.sizes(), " on ",
                 value.device(), " for a param of shape ", param.sizes(), " on ", param.device());
     state.slots[s] = value;
   }

@@ -336,8 +336,12 @@ absl::Status Job::Resume() {
   }
   if (!m.ok()) return Annotate(m.status(), key);
   const std::string dir = checkpoint::StepDir(*job_dir, m->step());
+  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<checkpoint::Contents> contents = checkpoint::ReadCheckpoint(*job_dir, *m);
   if (!contents.ok()) return Annotate(contents.status(), key);
+  const double read_s = SecondsSince(start);
+  uint64_t bytes = 0;
+  for (const v1::CheckpointFile& f : m->files()) bytes += f.bytes();
   auto another = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat(
         key, ": the checkpoint in ", dir, " is of another model: ", why));
@@ -406,8 +410,9 @@ absl::Status Job::Resume() {
     if (!rng.ok()) return Annotate(rng, key);
   }
   resumed_step_ = m->step();
-  spdlog::info("job {} '{}' resumed from {} (step {}, written by job {})", info_.id,
-               settings_.name, dir, m->step(), m->job_id());
+  spdlog::info("job {} '{}' resumed from {} (step {}, written by job {}; read {:.0f} MB in "
+               "{:.2f} s, applied in {:.2f} s)", info_.id, settings_.name, dir, m->step(),
+               m->job_id(), bytes / 1e6, read_s, SecondsSince(start) - read_s);
   return absl::OkStatus();
 }
 
