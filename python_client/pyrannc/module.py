@@ -126,6 +126,8 @@ class RaNNCModule(torch.nn.Module):
         self._offload_params = bool(offload_params)
         self._amp = bool(enable_apex_amp)
         self._allreduce_amp_master_params = bool(allreduce_amp_master_params)
+        # The config keys this module's job was created with (amp_level, amp_dtype, ...).
+        self._job_config: Optional[Dict[str, str]] = None
         self._job: Optional[_jobs.Job] = None
         self._deployment_bytes = deployment_bytes
         self._deployment_path = deployment_path
@@ -252,13 +254,14 @@ class RaNNCModule(torch.nn.Module):
                 # from rank 0 makes it.
                 self._sync_from_daemon(force=True)
             return
+        self._job_config = _jobs.job_config(plan_batch)
         options = pb.JobOptions(gather_inputs=self._gather_inputs,
                                 check_unused_values=self._check_unused_values,
                                 enable_zero=self._enable_zero,
                                 offload_params=self._offload_params,
                                 enable_apex_amp=self._amp,
                                 allreduce_amp_master_params=self._allreduce_amp_master_params,
-                                config=_jobs.job_config(plan_batch),
+                                config=self._job_config,
                                 load_deployment=self._deployment_bytes,
                                 client_world=world, client_timeout_ms=_jobs.client_timeout_ms(),
                                 lease_ms=int(lease * 1000),
@@ -692,8 +695,10 @@ class RaNNCModule(torch.nn.Module):
 
     def _amp_forward_dtype(self) -> Optional[torch.dtype]:
         """The dtype floating parameters enter the forward in: amp_dtype at amp_level O2, None at
-        O1 (autocast casts per op; the parameters stay fp32)."""
-        config = _config.job_config()
+        O1 (autocast casts per op; the parameters stay fp32): the job's, as it was created, or
+        the current config before there is one (or for a rank that joined another's)."""
+        config = self._job_config if self._job is not None and self._job_config else \
+            _config.job_config()
         if config.get("amp_level", "O1").upper() != "O2":
             return None
         return torch.float16 if config.get("amp_dtype", "bf16").lower() in ("fp16", "float16",

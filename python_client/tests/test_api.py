@@ -818,6 +818,10 @@ def test_state_dict_amp_master_params(level, monkeypatch):
         want = torch.bfloat16 if level == "O2" else torch.float32
         assert cast[k].dtype == want, k
         assert torch.equal(cast[k], v.to(want)), k
+    # The job's amp_level, not the config's now.
+    monkeypatch.setenv("RANNC_AMP_LEVEL", "O1" if level == "O2" else "O2")
+    for k, v in rmod.state_dict(amp_master_params=False).items():
+        assert v.dtype == (torch.bfloat16 if level == "O2" else torch.float32), k
 
 
 def test_check_unused_values_both_ways():
