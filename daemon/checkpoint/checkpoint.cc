@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 #include <thread>
@@ -155,6 +156,20 @@ namespace {
 // Tensor files of about this size are written in parallel.
 constexpr int64_t kFileBytes = int64_t{64} << 20;
 
+// fn(0), ..., fn(n - 1) on up to one thread per core; returns when all have.
+void ForEachInParallel(size_t n, const std::function<void(size_t)>& fn) {
+  const size_t threads =
+      std::max<size_t>(1, std::min<size_t>(n, std::thread::hardware_concurrency()));
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> workers;
+  for (size_t t = 0; t < threads; ++t) {
+    workers.emplace_back([&] {
+      for (size_t i = next++; i < n; i = next++) fn(i);
+    });
+  }
+  for (std::thread& w : workers) w.join();
+}
+
 struct TensorFile {
   std::string path;
   std::vector<const Piece*> pieces;
@@ -243,16 +258,7 @@ absl::StatusOr<v1::CheckpointShare> WriteShare(const std::string& dir, const std
     file.pieces = std::move(groups[g]);
     files.push_back(std::move(file));
   }
-  const size_t threads = std::max<size_t>(
-      1, std::min<size_t>(files.size(), std::thread::hardware_concurrency()));
-  std::atomic<size_t> next{0};
-  std::vector<std::thread> writers;
-  for (size_t t = 0; t < threads; ++t) {
-    writers.emplace_back([&] {
-      for (size_t i = next++; i < files.size(); i = next++) WriteTensorFile(dir, &files[i]);
-    });
-  }
-  for (std::thread& w : writers) w.join();
+  ForEachInParallel(files.size(), [&](size_t i) { WriteTensorFile(dir, &files[i]); });
   v1::CheckpointShare share;
   for (TensorFile& file : files) {
     if (!file.status.ok()) return file.status;
@@ -431,19 +437,10 @@ absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
   std::map<std::string, std::map<std::string, at::Tensor>> files;
   for (const v1::CheckpointFile& f : manifest.files()) files[f.path()];
   std::vector<absl::Status> statuses(manifest.files_size());
-  const size_t threads = std::max<size_t>(
-      1, std::min<size_t>(manifest.files_size(), std::thread::hardware_concurrency()));
-  std::atomic<int> next{0};
-  std::vector<std::thread> readers;
-  for (size_t t = 0; t < threads; ++t) {
-    readers.emplace_back([&] {
-      for (int i = next++; i < manifest.files_size(); i = next++) {
-        const v1::CheckpointFile& f = manifest.files(i);
-        statuses[i] = ReadTensorFile(absl::StrCat(dir, "/", f.path()), f, &files.at(f.path()));
-      }
-    });
-  }
-  for (std::thread& r : readers) r.join();
+  ForEachInParallel(statuses.size(), [&](size_t i) {
+    const v1::CheckpointFile& f = manifest.files(static_cast<int>(i));
+    statuses[i] = ReadTensorFile(absl::StrCat(dir, "/", f.path()), f, &files.at(f.path()));
+  });
   for (const absl::Status& status : statuses) {
     if (!status.ok()) return status;
   }

@@ -94,7 +94,8 @@ class CausalAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
 
-    def forward(self, x):
+    def forward(self, x, key_bias=None):
+        """`key_bias`: [B, T], added to each sample's scores of its keys."""
         b, t, c = x.size()
         q, k, v = self.qkv(x).split(c, dim=2)
         hd = c // self.heads
@@ -102,6 +103,8 @@ class CausalAttention(nn.Module):
         k = k.view(b, t, self.heads, hd).transpose(1, 2)
         v = v.view(b, t, self.heads, hd).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / hd ** 0.5)
+        if key_bias is not None:
+            att = att + key_bias[:, None, None, :]
         att = att.masked_fill(self.mask[:, :, :t, :t] == 0, float("-inf"))
         y = F.softmax(att, dim=-1) @ v
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
@@ -123,16 +126,7 @@ class NumberedMaskAttention(CausalAttention):
         if self.other_rows:
             rows = rows.roll(1)
         mask = keep[rows[:, None], torch.arange(t)[None, :]]
-        q, k, v = self.qkv(x).split(c, dim=2)
-        hd = c // self.heads
-        q = q.view(b, t, self.heads, hd).transpose(1, 2)
-        k = k.view(b, t, self.heads, hd).transpose(1, 2)
-        v = v.view(b, t, self.heads, hd).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / hd ** 0.5)
-        att = att - 4.0 * (~mask)[:, None, None, :].to(att.dtype)
-        att = att.masked_fill(self.mask[:, :, :t, :t] == 0, float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return super().forward(x, key_bias=-4.0 * (~mask).to(x.dtype))
 
 
 class InBatchLogits(nn.Module):

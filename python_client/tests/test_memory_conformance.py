@@ -372,6 +372,20 @@ def test_unknown_amp_level_is_refused(monkeypatch):
         pyrannc.clear()
 
 
+def _dynamic_scaling_case(case, plan, monkeypatch):
+    """Dynamic loss scaling from 1024, doubled after 2 good steps, on `plan`; the model, its
+    PyTorch reference and their optimizers."""
+    tpc._set_plan_config(monkeypatch, plan, "1f1b")
+    monkeypatch.setenv("RANNC_LOSS_SCALE", "dynamic")
+    monkeypatch.setenv("RANNC_LOSS_SCALE_INIT", "1024")
+    monkeypatch.setenv("RANNC_LOSS_SCALE_WINDOW", "2")
+    monkeypatch.setenv("RANNC_DEFER_OPS", "0")  # step runs before ListJobs
+    torch.manual_seed(0)
+    model = case.make()
+    ref = ref_copy(model)
+    return model, ref, case.optimizer(model), case.optimizer(ref)
+
+
 # Dynamic loss scaling, what fp16 mixed precision uses (config loss_scale=dynamic turns it on for
 # any job; fp16 itself needs CUDA devices). The reference is GradScaler's algorithm written out
 # in fp32: the loss times the scale backpropagated, the gradients times 1/scale, a step with a
@@ -381,15 +395,7 @@ def test_unknown_amp_level_is_refused(monkeypatch):
 @pytest.mark.parametrize("model_name", ["mlp", "client_loss"])
 def test_dynamic_loss_scaling_skips_overflowing_steps_like_grad_scaler(model_name, monkeypatch):
     case = tpc.MODELS[model_name]
-    tpc._set_plan_config(monkeypatch, (2, 2, 2), "1f1b")
-    monkeypatch.setenv("RANNC_LOSS_SCALE", "dynamic")
-    monkeypatch.setenv("RANNC_LOSS_SCALE_INIT", "1024")
-    monkeypatch.setenv("RANNC_LOSS_SCALE_WINDOW", "2")
-    monkeypatch.setenv("RANNC_DEFER_OPS", "0")  # step runs before ListJobs
-    torch.manual_seed(0)
-    model = case.make()
-    ref = ref_copy(model)
-    opt, ref_opt = case.optimizer(model), case.optimizer(ref)
+    model, ref, opt, ref_opt = _dynamic_scaling_case(case, (2, 2, 2), monkeypatch)
     rmod = pyrannc.RaNNCModule(model, opt)
     scale, good_steps, skipped = 1024.0, 0, 0
     try:
@@ -434,16 +440,8 @@ def test_fp16_dynamic_loss_scaling_matches_autocast_and_grad_scaler(monkeypatch)
     # on overflow and the step skipped, doubled after 2 good steps). The loss each step, the
     # scale and the skipped steps after each, and the parameters (fp16's tolerance) must agree.
     case = tpc.MODELS["mlp"]
-    tpc._set_plan_config(monkeypatch, (1, 1, 1), "1f1b")
     monkeypatch.setenv("RANNC_AMP_DTYPE", "fp16")
-    monkeypatch.setenv("RANNC_LOSS_SCALE", "dynamic")
-    monkeypatch.setenv("RANNC_LOSS_SCALE_INIT", "1024")
-    monkeypatch.setenv("RANNC_LOSS_SCALE_WINDOW", "2")
-    monkeypatch.setenv("RANNC_DEFER_OPS", "0")  # step runs before ListJobs
-    torch.manual_seed(0)
-    model = case.make()
-    ref = ref_copy(model)
-    opt, ref_opt = case.optimizer(model), case.optimizer(ref)
+    model, ref, opt, ref_opt = _dynamic_scaling_case(case, (1, 1, 1), monkeypatch)
     rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True)
     try:
         if not _cuda_daemon():
