@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "client/integration_testing.h"
+#include "daemon/optim/lr_schedule.h"
 #include "client/rannc_client.h"
 
 namespace rannc {
@@ -117,6 +118,32 @@ TEST_CASE("rannc train lowers the loss of a tiny language model", "[integration]
   absl::StatusOr<std::vector<v1::JobSummary>> jobs = Daemon().client().ListJobs();
   REQUIRE(jobs.ok());
   for (const v1::JobSummary& job : *jobs) CHECK(job.name() != "tiny-lm");
+}
+
+TEST_CASE("rannc train sets each step's lr from its schedule", "[integration]") {
+  const std::string dir = TmpDir() + "/lm-schedule";
+  REQUIRE(Run("mkdir -p " + dir).exit_code == 0);
+  RunPython("lm", kLmScript, dir);
+  CommandResult r = Run(Cli() + " train " + dir + "/lm.pt --tokens " + dir +
+                        "/tokens.bin --batch 2 --seq 8 --steps 6 --lr 0.02 --schedule cosine"
+                        " --warmup 2 --min-lr 0.002 --log-every 1 --daemon " +
+                        Daemon().address());
+  INFO("stdout:\n" << r.out << "\nstderr:\n" << r.err);
+  REQUIRE(r.exit_code == 0);
+  const LrSchedule schedule{LrSchedule::Kind::kCosine, 0.02, 2, 0.002, 6};
+  for (int step = 1; step <= 6; ++step) {
+    std::smatch m;
+    REQUIRE(std::regex_search(
+        r.out, m, std::regex("step " + std::to_string(step) + "/6 loss [0-9.]+ tokens/s "
+                             "[0-9.]+ lr ([0-9.e-]+)")));
+    CHECK(std::stod(m[1]) == Approx(schedule.At(step)).epsilon(1e-5).margin(1e-9));
+  }
+  // A schedule that cannot be is refused before any job is made.
+  CommandResult bad = Run(Cli() + " train " + dir + "/lm.pt --tokens " + dir +
+                          "/tokens.bin --batch 2 --seq 8 --steps 6 --warmup 7 --daemon " +
+                          Daemon().address());
+  CHECK(bad.exit_code != 0);
+  CHECK_THAT(bad.err, Catch::Contains("warmup steps 7 must be in [0, steps = 6]"));
 }
 
 void TrainOneStep(const std::string& job_id);

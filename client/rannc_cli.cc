@@ -49,6 +49,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "daemon/optim/lr_schedule.h"
+#include "client/detached_cli.h"
 #include "client/planning.h"
 #include "client/rannc_client.h"
 #include "client/token_data.h"
@@ -344,6 +346,9 @@ struct TrainFlags {
   int64_t seq = 0;
   int64_t steps = 0;
   double lr = 1e-3;
+  std::string schedule = "constant";
+  int64_t warmup = 0;
+  double min_lr = 0;
   std::string optimizer = "adamw";
   double weight_decay = -1;  // < 0: the optimizer's PyTorch default
   double momentum = 0;
@@ -366,6 +371,10 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   if (flags.lease_s != 0 && !(flags.lease_s >= 1 && flags.lease_s <= 4e6)) {
     return Fail("--lease is 0 (no lease) or 1 to 4,000,000 seconds");
   }
+  absl::StatusOr<LrSchedule::Kind> kind = ParseLrScheduleKind(flags.schedule);
+  if (!kind.ok()) return Fail(kind.status());
+  const LrSchedule schedule{*kind, flags.lr, flags.warmup, flags.min_lr, flags.steps};
+  if (absl::Status valid = schedule.Validate(); !valid.ok()) return Fail(valid);
   absl::StatusOr<std::string> model = ReadFile(flags.model);
   if (!model.ok()) return Fail(model.status());
   absl::StatusOr<TokenFile> tokens = TokenFile::Open(flags.tokens, flags.token_dtype);
@@ -400,7 +409,7 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   // group of every parameter, whose names the daemon knows only after loading the model.
 
   std::mt19937_64 rng(flags.seed);
-  TokenBatch batch = tokens->SampleBatch(rng, flags.batch, flags.seq);
+  TokenBatch batch = SampleTokenBatch(*tokens, rng, flags.batch, flags.seq);
   config.example_inputs = {batch.input_ids, batch.targets};
   config.input_names = {"input_ids", "targets"};
 
@@ -455,7 +464,7 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
   };
 
   for (int64_t step = 1; step <= flags.steps && !g_interrupted; ++step) {
-    if (step > 1) batch = tokens->SampleBatch(rng, flags.batch, flags.seq);
+    if (step > 1) batch = SampleTokenBatch(*tokens, rng, flags.batch, flags.seq);
     if (absl::Status s = client.ZeroGrad(job_id); !s.ok()) return finish(1, s);
     absl::StatusOr<ForwardResult> out = client.Forward(job_id, {batch.input_ids, batch.targets});
     if (!out.ok()) return finish(1, out.status());
@@ -475,6 +484,7 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
     absl::Status s = client.Backward(
         job_id, {{0, HostTensor::Full(loss_tensor.dtype, loss_tensor.shape, 1.0)}});
     if (!s.ok()) return finish(1, s);
+    hyper.set_lr(schedule.At(step));
     if (s = client.Step(job_id, {hyper}); !s.ok()) return finish(1, s);
     done = step;
 
@@ -485,8 +495,8 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
                 << std::flush;
       if (step == flags.steps) std::cout << "\n";
     } else if (step % std::max<int64_t>(flags.log_every, 1) == 0 || step == flags.steps) {
-      std::cout << absl::StrFormat("step %d/%d loss %.6f tokens/s %.1f\n", step, flags.steps,
-                                   last_loss, rate(step))
+      std::cout << absl::StrFormat("step %d/%d loss %.6f tokens/s %.1f lr %.6g\n", step,
+                                   flags.steps, last_loss, rate(step), hyper.lr())
                 << std::flush;
     }
   }
@@ -636,6 +646,27 @@ int Main(int argc, char** argv) {
   std::string resume_job;
   resume->add_option("job", resume_job, "the suspended job: its id, or its name")->required();
 
+  CLI::App* submit = app.add_subcommand(
+      "submit", "submit a detached job (a TOML job file, docs/detached.md): the daemon trains it "
+                "on its own; prints its id");
+  std::string submit_file;
+  bool submit_follow = false;
+  submit->add_option("file", submit_file, "the job file (TOML)")->required();
+  submit->add_flag("--follow,-f", submit_follow,
+                   "then print its log until it ends (Ctrl-C detaches; the job trains on)");
+  CLI::App* status = app.add_subcommand("status", "show a detached job's progress");
+  std::string status_job;
+  status->add_option("job", status_job, "the job's id")->required();
+  CLI::App* logs = app.add_subcommand("logs", "print a detached job's log");
+  std::string logs_job;
+  bool logs_follow = false;
+  logs->add_option("job", logs_job, "the job's id")->required();
+  logs->add_flag("--follow,-f", logs_follow, "then each new line until the job ends");
+  CLI::App* cancel = app.add_subcommand(
+      "cancel", "stop a detached job after its current step (its checkpoints stay)");
+  std::string cancel_job;
+  cancel->add_option("job", cancel_job, "the job's id")->required();
+
   CLI::App* del = app.add_subcommand("delete", "delete a job");
   std::string delete_id;
   del->add_option("job_id", delete_id, "the job to delete")->required();
@@ -691,7 +722,17 @@ int Main(int argc, char** argv) {
   train->add_option("--batch", flags.batch, "sequences per step")->required();
   train->add_option("--seq", flags.seq, "tokens per sequence")->required();
   train->add_option("--steps", flags.steps, "optimizer steps")->required();
-  train->add_option("--lr", flags.lr, "learning rate")->capture_default_str();
+  train->add_option("--lr", flags.lr, "learning rate (the schedule's peak)")
+      ->capture_default_str();
+  train->add_option("--schedule", flags.schedule,
+                    "lr schedule after the warmup: constant, or linear / cosine decay to "
+                    "--min-lr at the last step (Hugging Face's)")
+      ->check(CLI::IsMember({"constant", "linear", "cosine"}))
+      ->capture_default_str();
+  train->add_option("--warmup", flags.warmup, "steps of linear lr warmup from 0")
+      ->capture_default_str();
+  train->add_option("--min-lr", flags.min_lr, "where linear and cosine decay end")
+      ->capture_default_str();
   train->add_option("--optimizer", flags.optimizer, "optimizer")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
       ->capture_default_str();
@@ -769,6 +810,17 @@ int Main(int argc, char** argv) {
   if (*checkpoints) return RunCheckpoints(client, checkpoints_job, checkpoints_dir);
   if (*export_checkpoint) return RunExport(client, export_job, export_out, export_dir);
   if (*train) return RunTrain(client, flags);
+  const auto interrupted = [] { return g_interrupted != 0; };
+  if (*submit) {
+    if (submit_follow) InstallSigintHandler();
+    return RunSubmit(client, submit_file, submit_follow, interrupted);
+  }
+  if (*status) return RunStatus(client, status_job);
+  if (*logs) {
+    if (logs_follow) InstallSigintHandler();
+    return RunLogs(client, logs_job, logs_follow, interrupted);
+  }
+  if (*cancel) return RunCancel(client, cancel_job);
   if (*plan) return RunPlan(client, plan_flags);
   return 2;
 }

@@ -3,7 +3,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -619,6 +621,71 @@ absl::StatusOr<v1::ListCheckpointsResponse> Client::ListCheckpoints(
   grpc::Status s = stub_->ListCheckpoints(&context, ref, &response);
   if (!s.ok()) return Convert("ListCheckpoints", s);
   return response;
+}
+
+absl::StatusOr<std::string> Client::SubmitJob(const v1::DetachedJobSpec& spec) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::SubmitJobResponse response;
+  grpc::Status s = stub_->SubmitJob(&context, spec, &response);
+  if (!s.ok()) return Convert("SubmitJob", s);
+  return response.job_id();
+}
+
+absl::StatusOr<v1::DetachedStatus> Client::DetachedJobStatus(const std::string& job_id) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::JobRef ref;
+  ref.set_job_id(job_id);
+  v1::DetachedStatus response;
+  grpc::Status s = stub_->DetachedJobStatus(&context, ref, &response);
+  if (!s.ok()) return Convert("DetachedJobStatus", s);
+  return response;
+}
+
+absl::Status Client::DetachedJobLogs(const std::string& job_id, int64_t after_seq, bool follow,
+                                     const std::function<void(const v1::DetachedLogLine&)>& line,
+                                     const std::function<bool()>& stop) const {
+  grpc::ClientContext context;  // no deadline: a followed log lasts as long as its job
+  v1::DetachedLogsRequest request;
+  request.set_job_id(job_id);
+  request.set_after_seq(after_seq);
+  request.set_follow(follow);
+  std::unique_ptr<grpc::ClientReader<v1::DetachedLogLine>> reader =
+      stub_->DetachedJobLogs(&context, request);
+  std::atomic<bool> done{false};
+  std::thread watcher;
+  if (stop) {
+    watcher = std::thread([&] {
+      while (!done) {
+        if (stop()) {
+          context.TryCancel();
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+  }
+  v1::DetachedLogLine got;
+  while (reader->Read(&got)) line(got);
+  grpc::Status s = reader->Finish();
+  done = true;
+  if (watcher.joinable()) watcher.join();
+  if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED) {
+    return Convert("DetachedJobLogs", s);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::CancelJob(const std::string& job_id) const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::JobRef ref;
+  ref.set_job_id(job_id);
+  v1::Empty response;
+  grpc::Status s = stub_->CancelJob(&context, ref, &response);
+  if (!s.ok()) return Convert("CancelJob", s);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> Client::ExportCheckpoint(const v1::CheckpointsRef& ref,

@@ -240,6 +240,18 @@ class Client {
   absl::StatusOr<int64_t> ExportCheckpoint(const v1::CheckpointsRef& ref,
                                            const std::string& out_path) const;
 
+  // Detached jobs (docs/detached.md): the daemon trains them on its own. SubmitJob returns the
+  // job's id once the daemon has checked the spec (its files are the daemon's).
+  absl::StatusOr<std::string> SubmitJob(const v1::DetachedJobSpec& spec) const;
+  absl::StatusOr<v1::DetachedStatus> DetachedJobStatus(const std::string& job_id) const;
+  // Calls `line` for each log line numbered above `after_seq`; with `follow`, until the job
+  // ends, or `stop` (polled every 100 ms from another thread; may be null) says so. Not bounded
+  // by the RPC timeout.
+  absl::Status DetachedJobLogs(const std::string& job_id, int64_t after_seq, bool follow,
+                               const std::function<void(const v1::DetachedLogLine&)>& line,
+                               const std::function<bool()>& stop = nullptr) const;
+  absl::Status CancelJob(const std::string& job_id) const;
+
  private:
   void Prepare(grpc::ClientContext* context) const;
   // This thread's client id on this Client and its next sequence number.

@@ -40,6 +40,10 @@ TEST_CASE("TokenFile reads each token width", "[token_data]") {
   CHECK(c->size() == 2);
   CHECK(c->at(0) == -5);
   CHECK(c->at(1) == 100000);
+  CHECK(c->MaxToken() == 100000);
+  absl::StatusOr<TokenFile> d = TokenFile::Open(i32, "uint32");
+  REQUIRE(d.ok());
+  CHECK(d->at(0) == 4294967291);  // -5's bits, unsigned
 
   TokenFile moved = *std::move(b);
   CHECK(moved.at(1) == 50000);
@@ -53,7 +57,7 @@ TEST_CASE("TokenFile::Open rejects bad input", "[token_data]") {
         absl::StatusCode::kNotFound);
 }
 
-TEST_CASE("SampleBatch draws next-token windows from the whole file", "[token_data]") {
+TEST_CASE("SampleTokenBatch draws next-token windows from the whole file", "[token_data]") {
   // Token i is i, so each window must be consecutive and its target shifted by one.
   std::vector<uint16_t> tokens(1000);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i);
@@ -62,7 +66,7 @@ TEST_CASE("SampleBatch draws next-token windows from the whole file", "[token_da
   std::mt19937_64 rng(1);
   std::set<int64_t> starts;
   for (int round = 0; round < 50; ++round) {
-    TokenBatch batch = file->SampleBatch(rng, 4, 16);
+    TokenBatch batch = SampleTokenBatch(*file, rng, 4, 16);
     CHECK(batch.input_ids.shape == std::vector<int64_t>{4, 16});
     CHECK(batch.targets.shape == std::vector<int64_t>{4, 16});
     std::vector<int64_t> in = *batch.input_ids.ToVector<int64_t>();
@@ -83,7 +87,7 @@ TEST_CASE("SampleBatch draws next-token windows from the whole file", "[token_da
   absl::StatusOr<TokenFile> tight =
       TokenFile::Open(WriteTokens<uint8_t>("tight", {9, 8, 7}), "uint8");
   REQUIRE(tight.ok());
-  TokenBatch one = tight->SampleBatch(rng, 2, 2);
+  TokenBatch one = SampleTokenBatch(*tight, rng, 2, 2);
   CHECK(*one.input_ids.ToVector<int64_t>() == std::vector<int64_t>{9, 8, 9, 8});
   CHECK(*one.targets.ToVector<int64_t>() == std::vector<int64_t>{8, 7, 8, 7});
 }

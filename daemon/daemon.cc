@@ -240,6 +240,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   spdlog::info("devices: {}", device_list);
   daemon->training_->set_address(daemon->address_);
+  daemon->training_->ResumeDetachedJobs();
   daemon->cluster_->Start();
   spdlog::info("ranncd listening on {} (version {}, LibTorch {})", daemon->address_,
                kRanncVersion, TORCH_VERSION);

@@ -32,6 +32,7 @@ class JobRecords {
   explicit JobRecords(std::string state_dir);
 
   bool enabled() const { return !dir_.empty(); }
+  const std::string& dir() const { return dir_; }  // <state_dir>/jobs, or ""
   absl::Status Save(const std::string& job_id, const v1::JobSpec& spec,
                     const std::string& model_bytes, const std::vector<at::Tensor>& example_inputs,
                     const SentTensors& sent, const v1::Deployment& plan);

@@ -16,21 +16,12 @@ namespace {
 
 absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
   OptimizerConfig config;
+  if (spec.type() == v1::OPTIMIZER_NONE) return config;
+  absl::StatusOr<OptimizerKind> kind = OptimizerKindOf(spec.type());
+  if (!kind.ok()) return kind.status();
+  config.kind = *kind;
   switch (spec.type()) {
-    case v1::OPTIMIZER_NONE: return config;
-    case v1::SGD: config.kind = OptimizerKind::kSgd; break;
-    case v1::ADAM: config.kind = OptimizerKind::kAdam; break;
-    case v1::ADAMW: config.kind = OptimizerKind::kAdamW; break;
-    case v1::RMSPROP: config.kind = OptimizerKind::kRmsprop; break;
-    case v1::ADAGRAD: config.kind = OptimizerKind::kAdagrad; break;
-    case v1::ADAMAX: config.kind = OptimizerKind::kAdamax; break;
-    case v1::NADAM: config.kind = OptimizerKind::kNAdam; break;
-    case v1::RADAM: config.kind = OptimizerKind::kRAdam; break;
-    case v1::ADADELTA: config.kind = OptimizerKind::kAdadelta; break;
-    case v1::ASGD: config.kind = OptimizerKind::kAsgd; break;
-    case v1::RPROP: config.kind = OptimizerKind::kRprop; break;
     case v1::SCRIPTED: {
-      config.kind = OptimizerKind::kScripted;
       auto update = std::make_shared<ScriptedUpdate>();
       update->name = spec.scripted().name().empty() ? "scripted" : spec.scripted().name();
       update->module = spec.scripted().module();
@@ -42,8 +33,7 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::OptimizerSpec& spec) {
       break;
     }
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown optimizer type ", static_cast<int>(spec.type())));
+      break;
   }
   config.enabled = true;
   if (spec.groups().empty()) {
@@ -131,6 +121,26 @@ std::string CheckpointDirOf(const v1::JobSpec& spec) {
 }
 
 ModelMode FromProto(const v1::Mode& mode) { return ModelMode{mode.training(), mode.dropout()}; }
+
+absl::StatusOr<OptimizerKind> OptimizerKindOf(v1::OptimizerType type) {
+  switch (type) {
+    case v1::SGD: return OptimizerKind::kSgd;
+    case v1::ADAM: return OptimizerKind::kAdam;
+    case v1::ADAMW: return OptimizerKind::kAdamW;
+    case v1::RMSPROP: return OptimizerKind::kRmsprop;
+    case v1::ADAGRAD: return OptimizerKind::kAdagrad;
+    case v1::ADAMAX: return OptimizerKind::kAdamax;
+    case v1::NADAM: return OptimizerKind::kNAdam;
+    case v1::RADAM: return OptimizerKind::kRAdam;
+    case v1::ADADELTA: return OptimizerKind::kAdadelta;
+    case v1::ASGD: return OptimizerKind::kAsgd;
+    case v1::RPROP: return OptimizerKind::kRprop;
+    case v1::SCRIPTED: return OptimizerKind::kScripted;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown optimizer type ", static_cast<int>(type)));
+  }
+}
 
 HyperParams FromProto(const v1::HyperParams& h, OptimizerKind kind) {
   HyperParams out = DefaultHyperParams(kind);

@@ -204,6 +204,10 @@ comm::Backend JobBackend(const std::vector<c10::Device>& placement,
 std::vector<c10::Device> Placement(const std::vector<DaemonFacts::Device>& devices,
                                    int num_devices, const std::vector<int>& local);
 
+// The daemon's kind for a wire optimizer type; INVALID_ARGUMENT for OPTIMIZER_NONE or an
+// unknown one.
+absl::StatusOr<OptimizerKind> OptimizerKindOf(v1::OptimizerType type);
+
 // The wire's forms of a mode and of a param group's hyper-parameters (the optional fields a
 // client left unset take torch.optim's defaults for `kind`).
 ModelMode FromProto(const v1::Mode& mode);

@@ -18,6 +18,7 @@
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
 #include "daemon/common/elapsed.h"
+#include "daemon/common/files.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
 #include "daemon/planner/deployment.h"
@@ -95,6 +96,30 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
       parts_(parts),
       records_(records),
       reaper_(std::chrono::seconds(1), [this] { ReapExpiredJobs(); }) {
+  DetachedJobs::Hooks hooks;
+  hooks.check = [this](const v1::JobSpec& spec) {
+    return JobSettingsFromSpec(spec, facts_).status();
+  };
+  hooks.start = [this](const std::string& id, const v1::JobSpec& spec, const std::string& model,
+                       const std::vector<at::Tensor>& examples)
+      -> absl::StatusOr<std::shared_ptr<Job>> {
+    absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
+    if (!settings.ok()) return settings.status();
+    v1::CreateJobResponse response;
+    absl::StatusOr<std::shared_ptr<Job>> job = StartJob(id, spec, std::move(*settings), model,
+                                                        examples, {}, &response,
+                                                        /*durable=*/false);
+    if (job.ok()) {
+      spdlog::info("created job {} '{}' (detached); {}", id, spec.name(),
+                   response.plan_summary());
+    }
+    return job;
+  };
+  hooks.remove = [this](const std::string& id) { jobs_->Remove(id).IgnoreError(); };
+  hooks.new_id = [this] { return jobs_->NewJobId(); };
+  detached_ = std::make_unique<DetachedJobs>(
+      std::move(hooks),
+      records_->enabled() ? JoinPath(ParentPath(records_->dir()), "detached") : "");
   if (const char* drops = std::getenv("RANNC_TEST_DROP_RESPONSES")) {
     for (absl::string_view item : absl::StrSplit(drops, ',', absl::SkipEmpty())) {
       std::pair<std::string, std::string> rpc_n = absl::StrSplit(item, ':');
@@ -255,7 +280,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
 absl::StatusOr<std::shared_ptr<Job>> TrainingServiceImpl::StartJob(
     const std::string& id, const v1::JobSpec& spec, JobSettings settings,
     const std::string& model, const std::vector<at::Tensor>& examples, const SentTensors& sent,
-    v1::CreateJobResponse* response) {
+    v1::CreateJobResponse* response, bool durable) {
   comm::Store* store = nullptr;
   {
     std::lock_guard<std::mutex> lock(address_mu_);
@@ -289,7 +314,7 @@ absl::StatusOr<std::shared_ptr<Job>> TrainingServiceImpl::StartJob(
   for (const std::string& d : info.devices) response->add_devices(d);
   response->set_resumed_step(job->resumed_step());
   // A job that writes checkpoints is durable: its record lets a restarted daemon bring it back.
-  if (records_->enabled() && !job->checkpoint_job_dir().empty()) {
+  if (durable && records_->enabled() && !job->checkpoint_job_dir().empty()) {
     absl::Status saved = records_->Save(id, spec, model, examples, sent, info.plan);
     if (!saved.ok()) {
       spdlog::warn("job {} runs, but is not durable: its record was not written: {}", id,
@@ -456,6 +481,13 @@ grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext*,
 
 grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobRef* ref,
                                             v1::Empty*) {
+  if (detached_->Status(ref->job_id()).ok()) {
+    // A detached job's thread drives it: it stops after its step and deletes the job.
+    absl::Status cancelled = detached_->Cancel(ref->job_id());
+    if (!cancelled.ok()) return Fail("DeleteJob", cancelled);
+    spdlog::info("cancelled detached job {} (DeleteJob)", ref->job_id());
+    return grpc::Status::OK;
+  }
   absl::Status status = jobs_->Remove(ref->job_id());
   if (status.code() == absl::StatusCode::kNotFound && records_->Find(ref->job_id()).ok()) {
     status = absl::OkStatus();  // a suspended job: its record goes
@@ -959,6 +991,53 @@ grpc::Status TrainingServiceImpl::ExportCheckpoint(grpc::ServerContext* context,
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away during the export");
     }
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::SubmitJob(grpc::ServerContext*,
+                                            const v1::DetachedJobSpec* spec,
+                                            v1::SubmitJobResponse* response) {
+  absl::StatusOr<std::string> id = detached_->Submit(*spec);
+  if (!id.ok()) return Fail("SubmitJob", id.status());
+  response->set_job_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::DetachedJobStatus(grpc::ServerContext*, const v1::JobRef* ref,
+                                                    v1::DetachedStatus* response) {
+  absl::StatusOr<v1::DetachedStatus> status = detached_->Status(ref->job_id());
+  if (!status.ok()) return Fail("DetachedJobStatus", status.status());
+  *response = std::move(*status);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::DetachedJobLogs(grpc::ServerContext* context,
+                                                  const v1::DetachedLogsRequest* request,
+                                                  grpc::ServerWriter<v1::DetachedLogLine>* writer) {
+  int64_t after = request->after_seq();
+  while (!context->IsCancelled()) {
+    std::vector<v1::DetachedLogLine> lines;
+    bool ended = false;
+    absl::Status read =
+        detached_->Lines(request->job_id(), after,
+                         request->follow() ? std::chrono::milliseconds(500)
+                                           : std::chrono::milliseconds(0),
+                         &lines, &ended);
+    if (!read.ok()) return Fail("DetachedJobLogs", read);
+    for (const v1::DetachedLogLine& line : lines) {
+      if (!writer->Write(line)) return grpc::Status::OK;  // the client went away
+      after = line.seq();
+    }
+    if (!request->follow() || ended) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::CancelJob(grpc::ServerContext*, const v1::JobRef* ref,
+                                            v1::Empty*) {
+  absl::Status cancelled = detached_->Cancel(ref->job_id());
+  if (!cancelled.ok()) return Fail("CancelJob", cancelled);
+  spdlog::info("cancelling detached job {}", ref->job_id());
   return grpc::Status::OK;
 }
 

@@ -25,6 +25,7 @@
 #include "daemon/cluster/membership.h"
 #include "daemon/common/periodic.h"
 #include "daemon/server/call_ledger.h"
+#include "daemon/server/detached_jobs.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_records.h"
 #include "daemon/server/job_settings.h"
@@ -60,6 +61,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
 
   // The bound address is known only once the server runs (--listen may ask for port 0).
   void set_address(std::string address);
+  // Resubmits the detached jobs a previous run of the daemon left unfinished (DetachedJobs);
+  // once the server runs.
+  void ResumeDetachedJobs() { detached_->ResubmitRecorded(); }
   // Likewise the cluster, which needs that address. GetInfo lists its members once set; the
   // cluster must outlive the service.
   void set_cluster(const cluster::Cluster* cluster);
@@ -114,6 +118,13 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                                v1::ListCheckpointsResponse*) override;
   grpc::Status ExportCheckpoint(grpc::ServerContext*, const v1::CheckpointsRef*,
                                 grpc::ServerWriter<v1::ExportChunk>*) override;
+  grpc::Status SubmitJob(grpc::ServerContext*, const v1::DetachedJobSpec*,
+                         v1::SubmitJobResponse*) override;
+  grpc::Status DetachedJobStatus(grpc::ServerContext*, const v1::JobRef*,
+                                 v1::DetachedStatus*) override;
+  grpc::Status DetachedJobLogs(grpc::ServerContext*, const v1::DetachedLogsRequest*,
+                               grpc::ServerWriter<v1::DetachedLogLine>*) override;
+  grpc::Status CancelJob(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;
 
  private:
   // The work of Backward, Step and ZeroGrad, shared with deferred ops (ForwardRequest.before,
@@ -145,12 +156,14 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   bool DropResponse(const char* rpc);
 
   // A job made from `spec` under `id` (over the cluster when there is one), added to jobs_, and
-  // CreateJob's answer for it in `response`.
+  // CreateJob's answer for it in `response`. `durable`: a job that checkpoints gets a record
+  // (a detached job keeps its own).
   absl::StatusOr<std::shared_ptr<Job>> StartJob(const std::string& id, const v1::JobSpec& spec,
                                                 JobSettings settings, const std::string& model,
                                                 const std::vector<at::Tensor>& examples,
                                                 const SentTensors& sent,
-                                                v1::CreateJobResponse* response);
+                                                v1::CreateJobResponse* response,
+                                                bool durable = true);
   // Durable jobs: the suspended record a new job of `spec`'s name attaches to (the same name
   // and checkpoint directory, no live job), if any.
   std::optional<v1::JobRecord> SuspendedFor(const v1::JobSpec& spec) const;
@@ -183,6 +196,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   std::mutex drop_mu_;
   std::map<std::string, std::set<int>> drop_;  // the fault hook's: rpc -> ordinals to drop
   std::map<std::string, int> calls_;           // calls with a CallId so far, per rpc
+  std::unique_ptr<DetachedJobs> detached_;  // `rannc submit`'s jobs
   // The lease reaper (see the constructor): one round of it.
   void ReapExpiredJobs();
   Periodic reaper_;  // last: starts once everything above is constructed, stops first

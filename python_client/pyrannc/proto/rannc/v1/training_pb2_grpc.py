@@ -149,6 +149,26 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.CheckpointsRef.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.ExportChunk.FromString,
                 )
+        self.SubmitJob = channel.unary_unary(
+                '/rannc.v1.TrainingService/SubmitJob',
+                request_serializer=rannc_dot_v1_dot_training__pb2.DetachedJobSpec.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.SubmitJobResponse.FromString,
+                )
+        self.DetachedJobStatus = channel.unary_unary(
+                '/rannc.v1.TrainingService/DetachedJobStatus',
+                request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.DetachedStatus.FromString,
+                )
+        self.DetachedJobLogs = channel.unary_stream(
+                '/rannc.v1.TrainingService/DetachedJobLogs',
+                request_serializer=rannc_dot_v1_dot_training__pb2.DetachedLogsRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.DetachedLogLine.FromString,
+                )
+        self.CancelJob = channel.unary_unary(
+                '/rannc.v1.TrainingService/CancelJob',
+                request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
+                )
 
 
 class TrainingServiceServicer(object):
@@ -329,6 +349,34 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitJob(self, request, context):
+        """Detached jobs (docs/detached.md): the daemon trains them on its own, no client attached.
+        SubmitJob checks the spec (files, data, schedule) and answers with the job's id at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachedJobStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachedJobLogs(self, request, context):
+        """The job's log from `after_seq` on; with `follow`, then each new line until the job ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Stops the job after its current step and deletes it (its checkpoints stay).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -466,6 +514,26 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.ExportCheckpoint,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.CheckpointsRef.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.ExportChunk.SerializeToString,
+            ),
+            'SubmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.DetachedJobSpec.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.SubmitJobResponse.SerializeToString,
+            ),
+            'DetachedJobStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachedJobStatus,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.DetachedStatus.SerializeToString,
+            ),
+            'DetachedJobLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.DetachedJobLogs,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.DetachedLogsRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.DetachedLogLine.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -933,5 +1001,73 @@ class TrainingService(object):
         return grpc.experimental.unary_stream(request, target, '/rannc.v1.TrainingService/ExportCheckpoint',
             rannc_dot_v1_dot_training__pb2.CheckpointsRef.SerializeToString,
             rannc_dot_v1_dot_training__pb2.ExportChunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/SubmitJob',
+            rannc_dot_v1_dot_training__pb2.DetachedJobSpec.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.SubmitJobResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def DetachedJobStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/DetachedJobStatus',
+            rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.DetachedStatus.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def DetachedJobLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/rannc.v1.TrainingService/DetachedJobLogs',
+            rannc_dot_v1_dot_training__pb2.DetachedLogsRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.DetachedLogLine.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/CancelJob',
+            rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.Empty.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

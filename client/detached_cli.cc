@@ -1,0 +1,279 @@
+#include "client/detached_cli.h"
+
+#include <toml++/toml.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <iostream>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/files.h"
+
+namespace rannc {
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::cerr << "rannc: " << status.message() << "\n";
+  return 1;
+}
+
+std::string Where(const std::string& path, const std::string& key, const toml::node& node) {
+  return absl::StrCat("'", key, "' in ", path, " (line ", node.source().begin.line, ")");
+}
+
+// A path of the job file, absolute: relative ones are the file's directory's.
+std::string Resolve(const std::string& job_file, const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  const std::string dir = ParentPath(job_file);
+  std::string base = dir.empty() ? "." : dir;
+  if (base[0] != '/') {
+    char cwd[4096];
+    if (::getcwd(cwd, sizeof(cwd)) != nullptr) base = JoinPath(cwd, base == "." ? "" : base);
+  }
+  return JoinPath(base, path);
+}
+
+absl::StatusOr<double> Number(const std::string& where, const toml::node& node) {
+  if (node.is_integer()) return static_cast<double>(node.as_integer()->get());
+  if (node.is_floating_point()) return node.as_floating_point()->get();
+  if (node.is_boolean()) return node.as_boolean()->get() ? 1.0 : 0.0;
+  return absl::InvalidArgumentError(absl::StrCat(where, " must be a number"));
+}
+
+absl::StatusOr<int64_t> Integer(const std::string& where, const toml::node& node) {
+  if (!node.is_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " must be an integer"));
+  }
+  return node.as_integer()->get();
+}
+
+absl::StatusOr<std::string> Text(const std::string& where, const toml::node& node) {
+  if (!node.is_string()) return absl::InvalidArgumentError(absl::StrCat(where, " must be text"));
+  return std::string(node.as_string()->get());
+}
+
+// Sets an int64 field from `node`, failing the enclosing function on a wrong type.
+#define RANNC_SET_OR_RETURN(setter, getter, where, node)        \
+  do {                                                          \
+    auto value = getter(where, node);                           \
+    if (!value.ok()) return value.status();                     \
+    spec.setter(*value);                                        \
+  } while (false)
+
+absl::Status ReadOptimizer(const std::string& path, const toml::table& table,
+                           v1::DetachedJobSpec& spec) {
+  for (auto&& [k, node] : table) {
+    const std::string key(k.str());
+    const std::string where = Where(path, "optimizer." + key, node);
+    if (key == "type") {
+      RANNC_SET_OR_RETURN(set_optimizer, Text, where, node);
+    } else if (key == "betas" || key == "etas" || key == "step_sizes") {
+      const toml::array* pair = node.as_array();
+      if (pair == nullptr || pair->size() != 2) {
+        return absl::InvalidArgumentError(absl::StrCat(where, " must be [a, b]"));
+      }
+      const char* names[3][2] = {{"beta1", "beta2"}, {"etaminus", "etaplus"},
+                                 {"step_size_min", "step_size_max"}};
+      const int which = key == "betas" ? 0 : key == "etas" ? 1 : 2;
+      for (int i = 0; i < 2; ++i) {
+        absl::StatusOr<double> v = Number(where, *pair->get(i));
+        if (!v.ok()) return v.status();
+        (*spec.mutable_hyper())[names[which][i]] = *v;
+      }
+    } else {
+      absl::StatusOr<double> v = Number(where, node);
+      if (!v.ok()) return v.status();
+      (*spec.mutable_hyper())[key] = *v;  // the daemon names the unknown ones
+    }
+  }
+  return absl::OkStatus();
+}
+
+const char* StateName(v1::DetachedState state) {
+  switch (state) {
+    case v1::DETACHED_QUEUED: return "queued";
+    case v1::DETACHED_RUNNING: return "running";
+    case v1::DETACHED_DONE: return "done";
+    case v1::DETACHED_FAILED: return "failed";
+    case v1::DETACHED_CANCELLED: return "cancelled";
+    default: return "unknown";
+  }
+}
+
+std::string Duration(double seconds) {
+  if (!(seconds >= 0)) return "-";
+  const int64_t s = static_cast<int64_t>(std::llround(seconds));
+  if (s >= 3600) return absl::StrFormat("%dh%02dm", s / 3600, (s % 3600) / 60);
+  if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%ds", s);
+}
+
+// Prints the log from `after`; with `follow`, until the job ends or `interrupted`. Returns
+// the job's final state when it ended.
+absl::StatusOr<v1::DetachedState> FollowLog(const Client& client, const std::string& job,
+                                            bool follow,
+                                            const std::function<bool()>& interrupted) {
+  absl::Status read = client.DetachedJobLogs(
+      job, 0, follow,
+      [](const v1::DetachedLogLine& line) { std::cout << line.text() << "\n" << std::flush; },
+      interrupted);
+  if (!read.ok()) return read;
+  absl::StatusOr<v1::DetachedStatus> status = client.DetachedJobStatus(job);
+  if (!status.ok()) return status.status();
+  return status->state();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
+  if (!IsRegularFile(path)) return absl::NotFoundError(absl::StrCat("no job file ", path));
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    const auto& begin = e.source().begin;
+    return absl::InvalidArgumentError(absl::StrCat(path, ":", begin.line, ":", begin.column,
+                                                   ": ", std::string(e.description())));
+  }
+  v1::DetachedJobSpec spec;
+  for (auto&& [k, node] : table) {
+    const std::string key(k.str());
+    const std::string where = Where(path, key, node);
+    if (key == "name") {
+      RANNC_SET_OR_RETURN(set_name, Text, where, node);
+    } else if (key == "model" || key == "tokens" || key == "eval_tokens") {
+      absl::StatusOr<std::string> file = Text(where, node);
+      if (!file.ok()) return file.status();
+      const std::string resolved = Resolve(path, *file);
+      if (key == "model") spec.set_model_path(resolved);
+      if (key == "tokens") spec.set_tokens_path(resolved);
+      if (key == "eval_tokens") spec.set_eval_tokens_path(resolved);
+    } else if (key == "token_dtype") {
+      RANNC_SET_OR_RETURN(set_token_dtype, Text, where, node);
+    } else if (key == "batch") {
+      RANNC_SET_OR_RETURN(set_batch, Integer, where, node);
+    } else if (key == "seq") {
+      RANNC_SET_OR_RETURN(set_seq, Integer, where, node);
+    } else if (key == "steps") {
+      RANNC_SET_OR_RETURN(set_steps, Integer, where, node);
+    } else if (key == "seed") {
+      RANNC_SET_OR_RETURN(set_seed, Integer, where, node);
+    } else if (key == "eval_every") {
+      RANNC_SET_OR_RETURN(set_eval_every, Integer, where, node);
+    } else if (key == "eval_batches") {
+      RANNC_SET_OR_RETURN(set_eval_batches, Integer, where, node);
+    } else if (key == "optimizer" && node.is_table()) {
+      absl::Status read = ReadOptimizer(path, *node.as_table(), spec);
+      if (!read.ok()) return read;
+    } else if (key == "schedule" && node.is_table()) {
+      for (auto&& [sk, sn] : *node.as_table()) {
+        const std::string skey(sk.str());
+        const std::string swhere = Where(path, "schedule." + skey, sn);
+        if (skey == "kind") {
+          RANNC_SET_OR_RETURN(set_schedule, Text, swhere, sn);
+        } else if (skey == "warmup_steps") {
+          RANNC_SET_OR_RETURN(set_warmup_steps, Integer, swhere, sn);
+        } else if (skey == "min_lr") {
+          RANNC_SET_OR_RETURN(set_min_lr, Number, swhere, sn);
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat(swhere, ": unknown; schedule has kind, warmup_steps, min_lr"));
+        }
+      }
+    } else if (key == "config" && node.is_table()) {
+      for (auto&& [ck, cn] : *node.as_table()) {
+        const std::string ckey(ck.str());
+        std::string value;
+        if (cn.is_string()) {
+          value = std::string(cn.as_string()->get());
+          // A directory the job writes: relative to the job file, as its other paths.
+          if (ckey == "checkpoint_dir") value = Resolve(path, value);
+        } else if (cn.is_integer()) {
+          value = absl::StrCat(cn.as_integer()->get());
+        } else if (cn.is_floating_point()) {
+          value = absl::StrCat(cn.as_floating_point()->get());
+        } else if (cn.is_boolean()) {
+          value = cn.as_boolean()->get() ? "true" : "false";
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat(Where(path, "config." + ckey, cn), " must be text or a number"));
+        }
+        (*spec.mutable_config())[ckey] = value;
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": unknown; a job file has name, model, tokens, token_dtype, eval_tokens, "
+                 "batch, seq, steps, seed, eval_every, eval_batches and the tables "
+                 "[optimizer], [schedule], [config] (docs/detached.md)"));
+    }
+  }
+  return spec;
+}
+
+#undef RANNC_SET_OR_RETURN
+
+int RunSubmit(const Client& client, const std::string& file, bool follow,
+              const std::function<bool()>& interrupted) {
+  absl::StatusOr<v1::DetachedJobSpec> spec = ReadJobFile(file);
+  if (!spec.ok()) return Fail(spec.status());
+  absl::StatusOr<std::string> id = client.SubmitJob(*spec);
+  if (!id.ok()) return Fail(id.status());
+  std::cout << *id << "\n" << std::flush;
+  if (!follow) return 0;
+  absl::StatusOr<v1::DetachedState> ended = FollowLog(client, *id, true, interrupted);
+  if (!ended.ok()) return Fail(ended.status());
+  if (interrupted()) {
+    std::cout << "detached: job " << *id << " trains on (rannc status " << *id << ")\n";
+    return 0;
+  }
+  return *ended == v1::DETACHED_DONE ? 0 : 1;
+}
+
+int RunStatus(const Client& client, const std::string& job) {
+  absl::StatusOr<v1::DetachedStatus> s = client.DetachedJobStatus(job);
+  if (!s.ok()) return Fail(s.status());
+  std::cout << absl::StrFormat("job %s '%s': %s\n", s->job_id(), s->name(), StateName(s->state()));
+  if (s->state() != v1::DETACHED_QUEUED) {
+    const double pct = s->steps() > 0 ? 100.0 * s->step() / s->steps() : 0;
+    std::cout << absl::StrFormat(
+        "step %d/%d (%.0f%%)  loss %.6f  lr %.4g  %.1f tokens/s  elapsed %s  ETA %s\n",
+        s->step(), s->steps(), pct, s->loss(), s->lr(), s->tokens_per_s(),
+        Duration(s->elapsed_s()),
+        s->state() == v1::DETACHED_RUNNING ? Duration(s->eta_s()) : std::string("-"));
+  }
+  if (!std::isnan(s->eval_loss())) {
+    std::cout << absl::StrFormat("eval loss %.6f (after step %d)\n", s->eval_loss(),
+                                 s->eval_step());
+  }
+  if (!s->plan_summary().empty()) std::cout << "plan: " << s->plan_summary() << "\n";
+  if (s->device_bytes_size() > 0) {
+    std::vector<std::string> mib;
+    for (uint64_t b : s->device_bytes()) mib.push_back(absl::StrCat(b >> 20, " MiB"));
+    std::cout << "device memory: " << absl::StrJoin(mib, ", ") << "\n";
+  }
+  if (!s->error().empty()) std::cout << "error: " << s->error() << "\n";
+  return 0;
+}
+
+int RunLogs(const Client& client, const std::string& job, bool follow,
+            const std::function<bool()>& interrupted) {
+  absl::StatusOr<v1::DetachedState> ended = FollowLog(client, job, follow, interrupted);
+  return ended.ok() ? 0 : Fail(ended.status());
+}
+
+int RunCancel(const Client& client, const std::string& job) {
+  absl::StatusOr<v1::DetachedStatus> before = client.DetachedJobStatus(job);
+  if (!before.ok()) return Fail(before.status());
+  if (before->state() != v1::DETACHED_QUEUED && before->state() != v1::DETACHED_RUNNING) {
+    std::cout << "job " << job << " has ended (" << StateName(before->state()) << ")\n";
+    return 0;
+  }
+  if (absl::Status s = client.CancelJob(job); !s.ok()) return Fail(s);
+  std::cout << "cancelling job " << job << ": it stops after its current step\n";
+  return 0;
+}
+
+}  // namespace rannc

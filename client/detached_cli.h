@@ -1,0 +1,58 @@
+// `rannc submit`, `status`, `logs` and `cancel`: detached jobs, which the daemon trains on its
+// own (docs/detached.md). A job file is TOML:
+//
+//   name = "tiny-lm"
+//   model = "lm.pt"              # paths relative to this file; the daemon reads them
+//   tokens = "train.bin"
+//   token_dtype = "uint16"       # uint8, uint16, uint32 or int32
+//   eval_tokens = "val.bin"      # optional
+//   batch = 8
+//   seq = 64
+//   steps = 200
+//   seed = 0
+//   eval_every = 50              # 0: only at the end
+//   eval_batches = 4
+//   [optimizer]
+//   type = "adamw"               # torch.optim's name in lower case
+//   lr = 3e-3                    # the other keys: HyperParams' fields; betas = [b1, b2]
+//   weight_decay = 0.1
+//   [schedule]
+//   kind = "cosine"              # constant, linear or cosine
+//   warmup_steps = 20
+//   min_lr = 3e-4
+//   [config]                     # job config keys (docs/config.md)
+//   checkpoint_dir = "ckpt"      # relative paths: to this file
+//   checkpoint_every = 50
+//
+// Free functions; the CLI calls them from its main thread.
+#ifndef RANNC_CLIENT_DETACHED_CLI_H_
+#define RANNC_CLIENT_DETACHED_CLI_H_
+
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/rannc_client.h"
+#include "rannc/v1/training.pb.h"
+
+namespace rannc {
+
+// The job file at `path` as a spec, its paths made absolute. INVALID_ARGUMENT naming the key
+// for an unknown key or a value of the wrong type; NOT_FOUND for a file that does not open.
+absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path);
+
+// `rannc submit FILE [--follow]`: prints the job id. With `follow`, then the job's log until it
+// ends (exit status 0 when it is DONE) or `interrupted` says so (it goes on: exit status 0).
+int RunSubmit(const Client& client, const std::string& file, bool follow,
+              const std::function<bool()>& interrupted);
+// `rannc status JOB`: state, progress, loss, rate, ETA, evaluation, plan and memory.
+int RunStatus(const Client& client, const std::string& job);
+// `rannc logs JOB [-f]`.
+int RunLogs(const Client& client, const std::string& job, bool follow,
+            const std::function<bool()>& interrupted);
+// `rannc cancel JOB`.
+int RunCancel(const Client& client, const std::string& job);
+
+}  // namespace rannc
+
+#endif  // RANNC_CLIENT_DETACHED_CLI_H_

@@ -1,0 +1,527 @@
+#include "daemon/server/detached_jobs.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/randint.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "daemon/checkpoint/checkpoint.h"
+#include "daemon/common/elapsed.h"
+#include "daemon/common/files.h"
+#include "daemon/common/status.h"
+#include "daemon/common/token_file.h"
+#include "daemon/optim/lr_schedule.h"
+#include "daemon/planner/deployment.h"
+#include "daemon/server/job_settings.h"
+
+namespace rannc {
+namespace {
+
+constexpr size_t kKeptLines = 10000;
+constexpr int64_t kDefaultEvalBatches = 4;
+
+// `batch` windows of seq + 1 tokens at positions from `gen`: torch.randint(0, n - seq, (batch,),
+// generator=gen), as DetachedJobSpec.seed documents, split into inputs and next-token targets.
+std::pair<at::Tensor, at::Tensor> SampleWindows(const TokenFile& tokens, at::Generator& gen,
+                                                int64_t batch, int64_t seq) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const at::Tensor starts = at::randint(0, n - seq, {batch}, gen);
+  at::Tensor x = at::empty({batch, seq}, at::kLong);
+  at::Tensor y = at::empty({batch, seq}, at::kLong);
+  int64_t* xp = x.data_ptr<int64_t>();
+  int64_t* yp = y.data_ptr<int64_t>();
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < seq; ++t) {
+      xp[b * seq + t] = tokens.at(static_cast<size_t>(sp[b] + t));
+      yp[b * seq + t] = tokens.at(static_cast<size_t>(sp[b] + t + 1));
+    }
+  }
+  return {x, y};
+}
+
+// DetachedJobSpec.optimizer: torch.optim's kinds by OptimizerKindName.
+absl::StatusOr<v1::OptimizerType> OptimizerTypeNamed(const std::string& name) {
+  std::vector<std::string> names;
+  for (int t = v1::SGD; t <= v1::RPROP; ++t) {
+    const auto type = static_cast<v1::OptimizerType>(t);
+    absl::StatusOr<OptimizerKind> kind = OptimizerKindOf(type);
+    if (!kind.ok()) continue;
+    if (name == OptimizerKindName(*kind)) return type;
+    names.push_back(OptimizerKindName(*kind));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("optimizer: unknown '", name, "'; one of ",
+                                                 absl::StrJoin(names, ", ")));
+}
+
+// DetachedJobSpec.hyper: one HyperParams field by its name.
+absl::Status SetHyper(const std::string& name, double value, HyperParams* h) {
+  const std::map<std::string, double*> numbers = {
+      {"lr", &h->lr}, {"weight_decay", &h->weight_decay}, {"momentum", &h->momentum},
+      {"dampening", &h->dampening}, {"beta1", &h->beta1}, {"beta2", &h->beta2},
+      {"eps", &h->eps}, {"alpha", &h->alpha}, {"lr_decay", &h->lr_decay},
+      {"initial_accumulator_value", &h->initial_accumulator_value},
+      {"momentum_decay", &h->momentum_decay}, {"rho", &h->rho}, {"lambd", &h->lambd},
+      {"t0", &h->t0}, {"etaminus", &h->etaminus}, {"etaplus", &h->etaplus},
+      {"step_size_min", &h->step_size_min}, {"step_size_max", &h->step_size_max}};
+  const std::map<std::string, bool*> flags = {
+      {"nesterov", &h->nesterov}, {"amsgrad", &h->amsgrad}, {"centered", &h->centered},
+      {"maximize", &h->maximize}, {"decoupled_weight_decay", &h->decoupled_weight_decay}};
+  if (auto it = numbers.find(name); it != numbers.end()) {
+    *it->second = value;
+    return absl::OkStatus();
+  }
+  if (auto it = flags.find(name); it != flags.end()) {
+    if (value != 0 && value != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("hyper ", name, " is 0 or 1, not ", value));
+    }
+    *it->second = value != 0;
+    return absl::OkStatus();
+  }
+  std::vector<std::string> known;
+  for (const auto& [n, p] : numbers) known.push_back(n);
+  for (const auto& [n, p] : flags) known.push_back(n);
+  return absl::InvalidArgumentError(absl::StrCat("hyper: unknown '", name, "'; one of ",
+                                                 absl::StrJoin(known, ", ")));
+}
+
+absl::StatusOr<TokenFile> OpenTokens(const std::string& field, const std::string& path,
+                                     const std::string& dtype, int64_t seq) {
+  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
+  absl::StatusOr<TokenFile> tokens = TokenFile::Open(path, dtype);
+  if (!tokens.ok()) return Annotate(tokens.status(), field);
+  if (tokens->size() < static_cast<size_t>(seq) + 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %s holds %d tokens; seq %d needs at least %d", field, path, tokens->size(), seq,
+        seq + 1));
+  }
+  return tokens;
+}
+
+}  // namespace
+
+struct DetachedJobs::Entry {
+  std::string id;
+  v1::DetachedJobSpec spec;
+  v1::JobSpec job_spec;
+  std::string model;
+  std::optional<TokenFile> train, eval;
+  LrSchedule schedule;
+  v1::HyperParams hyper;  // the one group's, lr from the schedule at each step
+  std::atomic<bool> cancel{false};
+  std::thread thread;
+  // Guarded by DetachedJobs::mu_.
+  v1::DetachedStatus status;
+  std::deque<v1::DetachedLogLine> lines;
+  int64_t next_seq = 1;
+  std::shared_ptr<Job> job;  // while running
+  std::chrono::steady_clock::time_point started;
+};
+
+DetachedJobs::DetachedJobs(Hooks hooks, std::string records_dir)
+    : hooks_(std::move(hooks)), records_dir_(std::move(records_dir)) {}
+
+void DetachedJobs::ResubmitRecorded() {
+  if (records_dir_.empty()) return;
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(records_dir_);
+  if (!names.ok()) return;  // none yet
+  for (const std::string& name : *names) {
+    if (!absl::EndsWith(name, ".json")) continue;
+    const std::string id = name.substr(0, name.size() - 5);
+    v1::DetachedJobSpec spec;
+    absl::Status read = checkpoint::ReadJsonFile(JoinPath(records_dir_, name), &spec);
+    absl::StatusOr<std::string> again =
+        read.ok() ? SubmitAs(id, spec, /*resume=*/true) : absl::StatusOr<std::string>(read);
+    if (again.ok()) {
+      spdlog::info("detached job {} '{}' resubmitted after the restart", id, spec.name());
+    } else {
+      spdlog::error("detached job {} could not be resubmitted after the restart: {}", id,
+                    again.status().ToString());
+      (void)RemoveTree(JoinPath(records_dir_, name));
+    }
+  }
+}
+
+DetachedJobs::~DetachedJobs() {
+  stopping_ = true;
+  std::vector<Entry*> entries;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, entry] : jobs_) {
+      entry->cancel = true;
+      entries.push_back(entry.get());
+    }
+  }
+  changed_.notify_all();
+  for (Entry* e : entries) {
+    if (e->thread.joinable()) e->thread.join();
+  }
+}
+
+std::string DetachedJobs::RecordPath(const std::string& id) const {
+  return JoinPath(records_dir_, id + ".json");
+}
+
+absl::StatusOr<std::string> DetachedJobs::Submit(const v1::DetachedJobSpec& spec) {
+  return SubmitAs(hooks_.new_id(), spec, /*resume=*/false);
+}
+
+absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
+                                                   const v1::DetachedJobSpec& spec, bool resume) {
+  auto e = std::make_unique<Entry>();
+  e->id = id;
+  e->spec = spec;
+  if (spec.batch() <= 0 || spec.seq() <= 0 || spec.steps() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("batch (", spec.batch(), "), seq (",
+                                                   spec.seq(), ") and steps (", spec.steps(),
+                                                   ") must be positive"));
+  }
+  if (spec.eval_every() < 0 || spec.eval_batches() < 0) {
+    return absl::InvalidArgumentError("eval_every and eval_batches must not be negative");
+  }
+  if (spec.eval_batches() == 0) e->spec.set_eval_batches(kDefaultEvalBatches);
+  const std::string dtype = spec.token_dtype().empty() ? "uint16" : spec.token_dtype();
+  absl::StatusOr<std::string> model = ReadFile(spec.model_path());
+  if (!model.ok()) return Annotate(model.status(), "model");
+  e->model = std::move(*model);
+  absl::StatusOr<TokenFile> train = OpenTokens("tokens", spec.tokens_path(), dtype, spec.seq());
+  if (!train.ok()) return train.status();
+  e->train.emplace(std::move(*train));
+  if (!spec.eval_tokens_path().empty()) {
+    absl::StatusOr<TokenFile> eval =
+        OpenTokens("eval_tokens", spec.eval_tokens_path(), dtype, spec.seq());
+    if (!eval.ok()) return eval.status();
+    e->eval.emplace(std::move(*eval));
+  }
+
+  absl::StatusOr<v1::OptimizerType> type = OptimizerTypeNamed(spec.optimizer());
+  if (!type.ok()) return type.status();
+  absl::StatusOr<OptimizerKind> kind = OptimizerKindOf(*type);
+  if (!kind.ok()) return Annotate(kind.status(), "optimizer");
+  HyperParams hyper = DefaultHyperParams(*kind);
+  for (const auto& [name, value] : spec.hyper()) {
+    if (absl::Status set = SetHyper(name, value, &hyper); !set.ok()) return set;
+  }
+  if (absl::Status valid = ValidateHyperParams(*kind, hyper); !valid.ok()) {
+    return Annotate(valid, "hyper");
+  }
+  e->hyper = ToProto(hyper);
+  absl::StatusOr<LrSchedule::Kind> schedule =
+      ParseLrScheduleKind(spec.schedule().empty() ? "constant" : spec.schedule());
+  if (!schedule.ok()) return Annotate(schedule.status(), "schedule");
+  e->schedule = {*schedule, hyper.lr, spec.warmup_steps(), spec.min_lr(), spec.steps()};
+  if (absl::Status valid = e->schedule.Validate(); !valid.ok()) {
+    return Annotate(valid, "schedule");
+  }
+
+  v1::JobSpec& js = e->job_spec;
+  js.set_name(spec.name().empty() ? id : spec.name());
+  js.mutable_mode()->set_training(true);
+  js.mutable_mode()->set_dropout(true);
+  js.mutable_optimizer()->set_type(*type);  // one group of every parameter
+  js.mutable_options()->set_check_unused_values(true);
+  js.mutable_options()->set_gather_inputs(true);
+  *js.mutable_options()->mutable_config() = spec.config();
+  if (resume && spec.config().count("checkpoint_dir")) {
+    (*js.mutable_options()->mutable_config())["resume"] = "latest";
+  }
+  js.add_input_names("input_ids");
+  js.add_input_names("targets");
+  js.set_model_bytes(e->model.size());
+  if (absl::Status checked = hooks_.check(js); !checked.ok()) return checked;
+
+  if (!records_dir_.empty() && !resume) {
+    absl::Status made = MakeDirs(records_dir_);
+    absl::StatusOr<std::string> json = checkpoint::ToJson(spec);
+    if (made.ok() && !json.ok()) made = json.status();
+    if (made.ok()) made = WriteFileDurably(RecordPath(id), json->data(), json->size());
+    if (!made.ok()) {
+      spdlog::warn("detached job {} runs, but is not durable: {}", id, made.ToString());
+    }
+  }
+  Entry* entry = e.get();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    entry->status.set_job_id(id);
+    entry->status.set_name(js.name());
+    entry->status.set_state(v1::DETACHED_QUEUED);
+    entry->status.set_steps(spec.steps());
+    entry->status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
+    jobs_[id] = std::move(e);
+    queue_.push_back(id);
+  }
+  Log(entry, absl::StrFormat("submitted: %s, %d steps of %d x %d tokens from %s (%d tokens)",
+                             spec.model_path(), spec.steps(), spec.batch(), spec.seq(),
+                             spec.tokens_path(), entry->train->size()));
+  entry->thread = std::thread([this, entry] { Run(entry); });
+  return id;
+}
+
+void DetachedJobs::Log(Entry* entry, const std::string& text) {
+  spdlog::info("detached job {}: {}", entry->id, text);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    v1::DetachedLogLine& line = entry->lines.emplace_back();
+    line.set_seq(entry->next_seq++);
+    line.set_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count());
+    line.set_text(text);
+    if (entry->lines.size() > kKeptLines) entry->lines.pop_front();
+  }
+  changed_.notify_all();
+}
+
+void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::string& error) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job = std::move(entry->job);
+    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+      if (*it == entry->id) {
+        queue_.erase(it);
+        break;
+      }
+    }
+  }
+  if (job != nullptr) {
+    job.reset();
+    hooks_.remove(entry->id);
+  }
+  if (stopping_ && state == v1::DETACHED_CANCELLED) {
+    Log(entry, "stopped with the daemon; it resumes when the daemon starts again");
+  } else {
+    if (!records_dir_.empty()) (void)RemoveTree(RecordPath(entry->id));
+    const char* name = state == v1::DETACHED_DONE ? "done"
+                       : state == v1::DETACHED_FAILED ? "failed"
+                                                      : "cancelled";
+    Log(entry, absl::StrCat(name, error.empty() ? "" : ": ", error));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    entry->status.set_state(state);
+    entry->status.set_error(error);
+    entry->status.clear_device_bytes();
+  }
+  changed_.notify_all();
+  // Only the status and the log outlive the run (Finish runs on the job's own thread).
+  std::string().swap(entry->model);
+  entry->train.reset();
+  entry->eval.reset();
+}
+
+void DetachedJobs::Run(Entry* entry) {
+  const v1::DetachedJobSpec& spec = entry->spec;
+  // The examples the job is planned with: the first batch, drawn from a generator of its own.
+  at::Generator first = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
+  auto [x0, y0] = SampleWindows(*entry->train, first, spec.batch(), spec.seq());
+
+  // Wait for the turn (FIFO), then for the memory: a plan that does not fit now is tried again
+  // whenever another job ends, and at least every second.
+  std::shared_ptr<Job> job;
+  std::string waiting_for;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait(lock, [&] {
+        return entry->cancel || (!queue_.empty() && queue_.front() == entry->id);
+      });
+    }
+    if (entry->cancel) return Finish(entry, v1::DETACHED_CANCELLED, "");
+    absl::StatusOr<std::shared_ptr<Job>> made =
+        hooks_.start(entry->id, entry->job_spec, entry->model, {x0, y0});
+    if (made.ok()) {
+      job = std::move(*made);
+      break;
+    }
+    if (made.status().code() != absl::StatusCode::kResourceExhausted) {
+      return Finish(entry, v1::DETACHED_FAILED, std::string(made.status().message()));
+    }
+    if (waiting_for != made.status().message()) {
+      waiting_for = std::string(made.status().message());
+      Log(entry, "waiting for device memory: " + waiting_for);
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_for(lock, std::chrono::seconds(1), [&] { return entry->cancel.load(); });
+  }
+  const int64_t resumed = std::max<int64_t>(job->resumed_step(), 0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+      if (*it == entry->id) {
+        queue_.erase(it);
+        break;
+      }
+    }
+    entry->job = job;
+    entry->started = std::chrono::steady_clock::now();
+    entry->status.set_state(v1::DETACHED_RUNNING);
+    entry->status.set_step(resumed);
+    entry->status.set_plan_summary(std::string(
+        absl::StripTrailingAsciiWhitespace(planner::DescribeDeployment(job->info().plan))));
+  }
+  changed_.notify_all();
+  Log(entry, absl::StrCat("running on ", absl::StrJoin(job->info().devices, ","), ": ",
+                          absl::StripTrailingAsciiWhitespace(
+                              planner::DescribeDeployment(job->info().plan)),
+                          resumed > 0 ? absl::StrCat("; resumed at step ", resumed) : ""));
+
+  // The training windows: one generator, advanced past the steps a resumed job has done.
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
+  const int64_t positions = static_cast<int64_t>(entry->train->size()) - spec.seq();
+  for (int64_t s = 0; s < resumed; ++s) (void)at::randint(0, positions, {spec.batch()}, gen);
+  const OptimizerKind kind = job->optimizer_kind();
+  const int64_t log_every = std::max<int64_t>(1, spec.steps() / 20);
+  const double tokens_per_step = static_cast<double>(spec.batch() * spec.seq());
+
+  auto evaluate = [&](int64_t step) -> absl::Status {
+    if (!entry->eval.has_value()) return absl::OkStatus();
+    at::Generator eval_gen = at::make_generator<at::CPUGeneratorImpl>(spec.seed() + 1);
+    double sum = 0;
+    for (int64_t b = 0; b < spec.eval_batches(); ++b) {
+      auto [x, y] = SampleWindows(*entry->eval, eval_gen, spec.batch(), spec.seq());
+      absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, {x, y}, false);
+      if (!out.ok()) return Annotate(out.status(), "evaluation");
+      sum += (*out)[0].item<double>();
+    }
+    const double loss = sum / static_cast<double>(spec.eval_batches());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      entry->status.set_eval_loss(loss);
+      entry->status.set_eval_step(step);
+    }
+    Log(entry, absl::StrFormat("eval step %d/%d loss %.6f", step, spec.steps(), loss));
+    return absl::OkStatus();
+  };
+
+  absl::Status failed;
+  int64_t step = resumed;
+  while (step < spec.steps() && !entry->cancel) {
+    ++step;
+    auto [x, y] = SampleWindows(*entry->train, gen, spec.batch(), spec.seq());
+    JobOp zero;
+    zero.kind = JobOp::Kind::kZeroGrad;
+    zero.set_to_none = true;
+    failed = job->Run(0, zero).status();
+    if (!failed.ok()) break;
+    absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, {x, y}, true);
+    if (!out.ok()) {
+      failed = out.status();
+      break;
+    }
+    if (out->size() != 1 || (*out)[0].numel() != 1) {
+      failed = absl::InvalidArgumentError(absl::StrCat(
+          "the model must return one scalar loss from (input_ids, targets); it returned ",
+          out->size(), " outputs"));
+      break;
+    }
+    const double loss = (*out)[0].item<double>();
+    failed = job->Backward(0, {{0, at::ones_like((*out)[0])}}, false);
+    if (!failed.ok()) break;
+    v1::HyperParams hyper = entry->hyper;
+    hyper.set_lr(entry->schedule.At(step));
+    JobOp op;
+    op.kind = JobOp::Kind::kStep;
+    op.hypers.push_back(FromProto(hyper, kind));
+    failed = job->Run(0, op).status();
+    if (!failed.ok()) break;
+
+    const double elapsed = SecondsSince(entry->started);
+    const double rate = tokens_per_step * static_cast<double>(step - resumed) / elapsed;
+    const JobSummary summary = job->Summary();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      v1::DetachedStatus& st = entry->status;
+      st.set_step(step);
+      st.set_loss(loss);
+      st.set_lr(hyper.lr());
+      st.set_elapsed_s(elapsed);
+      st.set_tokens_per_s(rate);
+      st.set_eta_s(rate > 0 ? tokens_per_step * static_cast<double>(spec.steps() - step) / rate
+                            : 0);
+      st.clear_device_bytes();
+      for (int64_t b : summary.device_bytes) st.add_device_bytes(static_cast<uint64_t>(b));
+    }
+    if (step % log_every == 0 || step == resumed + 1 || step == spec.steps()) {
+      Log(entry, absl::StrFormat("step %d/%d loss %.6f lr %.6g tokens/s %.1f", step,
+                                 spec.steps(), loss, hyper.lr(), rate));
+    }
+    if ((spec.eval_every() > 0 && step % spec.eval_every() == 0) || step == spec.steps()) {
+      failed = evaluate(step);
+      if (!failed.ok()) break;
+    }
+  }
+  if (!failed.ok()) return Finish(entry, v1::DETACHED_FAILED, std::string(failed.message()));
+  if (entry->cancel) return Finish(entry, v1::DETACHED_CANCELLED, "");
+  Finish(entry, v1::DETACHED_DONE, "");
+}
+
+absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("no detached job ", id, " on this daemon"));
+  }
+  return it->second->status;
+}
+
+absl::Status DetachedJobs::Cancel(const std::string& id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("no detached job ", id, " on this daemon"));
+    }
+    it->second->cancel = true;
+  }
+  changed_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::Status DetachedJobs::Lines(const std::string& id, int64_t after_seq,
+                                 std::chrono::milliseconds wait,
+                                 std::vector<v1::DetachedLogLine>* out, bool* ended) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("no detached job ", id, " on this daemon"));
+  }
+  Entry* e = it->second.get();
+  auto over = [&] {
+    const v1::DetachedState s = e->status.state();
+    return s == v1::DETACHED_DONE || s == v1::DETACHED_FAILED || s == v1::DETACHED_CANCELLED;
+  };
+  auto fresh = [&] { return !e->lines.empty() && e->lines.back().seq() > after_seq; };
+  if (wait.count() > 0) changed_.wait_for(lock, wait, [&] { return fresh() || over(); });
+  for (const v1::DetachedLogLine& line : e->lines) {
+    if (line.seq() > after_seq) out->push_back(line);
+  }
+  *ended = over();
+  return absl::OkStatus();
+}
+
+std::vector<std::string> DetachedJobs::Active() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& [id, e] : jobs_) {
+    const v1::DetachedState s = e->status.state();
+    if (s == v1::DETACHED_QUEUED || s == v1::DETACHED_RUNNING) out.push_back(id);
+  }
+  return out;
+}
+
+}  // namespace rannc

@@ -1,0 +1,107 @@
+// Detached jobs: the daemon trains them on its own, with no client attached (`rannc submit`,
+// docs/detached.md). A DetachedJobSpec names a TorchScript language model (input_ids, targets)
+// -> loss and a token file on the daemon's file system; the job is checked at submission, waits
+// its turn (FIFO, and again while the devices lack the memory its plan needs), then a thread of
+// its own runs the training loop through the same Job a client would drive: zero_grad, forward,
+// backward, the optimizer step at the schedule's lr, an evaluation on held-out tokens every N
+// steps, checkpoints as its config keys say. Status (step, loss, tokens/s, ETA, eval loss) and a
+// log of lines are kept for `rannc status` and `rannc logs`; Cancel stops it after its current
+// step and deletes its Job (its checkpoints stay).
+//
+// Durable: with a records directory, each unfinished job's spec is kept there, and a daemon that
+// restarts submits them again under their ids with config resume=latest: each resumes from its
+// newest checkpoint and draws the batches an uninterrupted run would (the sampler is advanced
+// past the steps the checkpoint holds).
+//
+// Thread-safety: every method is safe from any thread. The destructor cancels every job and
+// joins their threads.
+#ifndef RANNC_DAEMON_SERVER_DETACHED_JOBS_H_
+#define RANNC_DAEMON_SERVER_DETACHED_JOBS_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "daemon/server/job.h"
+#include "rannc/v1/training.pb.h"
+
+namespace rannc {
+
+class DetachedJobs {
+ public:
+  struct Hooks {
+    // Checks a job spec as CreateJob would (its config keys, its options).
+    std::function<absl::Status(const v1::JobSpec&)> check;
+    // Makes and registers the job `id` (as CreateJob does, without a lease or a record).
+    std::function<absl::StatusOr<std::shared_ptr<Job>>(const std::string& id,
+                                                       const v1::JobSpec& spec,
+                                                       const std::string& model,
+                                                       const std::vector<at::Tensor>& examples)>
+        start;
+    // Deletes the job `id` (frees its devices).
+    std::function<void(const std::string& id)> remove;
+    std::function<std::string()> new_id;
+  };
+
+  // `records_dir`: where unfinished jobs' specs are kept ("" keeps none).
+  DetachedJobs(Hooks hooks, std::string records_dir);
+  // Stops every job after its current step; their records stay, for the next start.
+  ~DetachedJobs();
+  DetachedJobs(const DetachedJobs&) = delete;
+  DetachedJobs& operator=(const DetachedJobs&) = delete;
+
+  // The new job's id. INVALID_ARGUMENT naming the field for a spec that cannot run: sizes not
+  // positive, a model or token file that does not open (NOT_FOUND), data shorter than one
+  // window, an unknown dtype, optimizer or schedule, bad config keys.
+  absl::StatusOr<std::string> Submit(const v1::DetachedJobSpec& spec);
+  // NOT_FOUND for an id that was never submitted here.
+  absl::StatusOr<v1::DetachedStatus> Status(const std::string& id);
+  // Ends the job: a queued one at once, a running one after its current step. NOT_FOUND for an
+  // unknown id; OK (nothing to do) for one that has ended.
+  absl::Status Cancel(const std::string& id);
+  // The log lines numbered above `after_seq`. With `wait` > 0 and none yet, waits up to `wait`
+  // for one. `ended`: the job has ended and every line is in `out`.
+  absl::Status Lines(const std::string& id, int64_t after_seq, std::chrono::milliseconds wait,
+                     std::vector<v1::DetachedLogLine>* out, bool* ended);
+  // The ids of the jobs that are queued or running.
+  std::vector<std::string> Active();
+  // Submits again, under their ids and with config resume=latest, the jobs whose records a
+  // previous run left (a restart); once the hooks can make jobs. A record that no longer
+  // submits (a file gone) is logged and dropped.
+  void ResubmitRecorded();
+
+ private:
+  struct Entry;
+
+  absl::StatusOr<std::string> SubmitAs(const std::string& id, const v1::DetachedJobSpec& spec,
+                                       bool resume);
+  void Run(Entry* entry);
+  // Appends a line to `entry`'s log (and the daemon's); mu_ must not be held.
+  void Log(Entry* entry, const std::string& text);
+  // Ends `entry` in `state` on its own thread: deletes its job, drops its record (unless the
+  // daemon is stopping) and releases its model and data.
+  void Finish(Entry* entry, v1::DetachedState state, const std::string& error);
+  std::string RecordPath(const std::string& id) const;
+
+  const Hooks hooks_;
+  const std::string records_dir_;
+  std::atomic<bool> stopping_{false};  // the destructor's: runs end, records stay
+  std::mutex mu_;
+  std::condition_variable changed_;                   // a job's state, log or the queue
+  std::map<std::string, std::unique_ptr<Entry>> jobs_;  // guarded by mu_
+  std::deque<std::string> queue_;                     // guarded by mu_; waiting, FIFO
+};
+
+}  // namespace rannc
+
+#endif  // RANNC_DAEMON_SERVER_DETACHED_JOBS_H_

@@ -1,0 +1,274 @@
+"""Detached jobs (docs/detached.md): submitted with `rannc submit`, trained by the daemon on its
+own, followed with `rannc status` and `rannc logs`, cancelled, and resumed by a restarted
+daemon. Real ranncd processes on loopback (cpu:2) and the real CLI.
+
+The reference is the same training through pyrannc in this process: the same traced model and
+initial values, the same windows (torch.randint(0, n - seq, (batch,), generator) per step, as
+DetachedJobSpec documents), Hugging Face's warmup + cosine schedule written out here, the same
+evaluation windows. The final held-out loss must equal the detached job's (rtol 1e-5); the
+parameters after a SIGKILL and a restart must equal an uninterrupted run's bitwise.
+"""
+
+import math
+import os
+import struct
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pyrannc
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+from conftest import DaemonProcess, assert_close, built_binary
+
+pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
+
+V, D, BATCH, SEQ = 16, 32, 4, 16
+LR, WARMUP, MIN_LR = 0.05, 5, 0.005
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.fc = torch.nn.Linear(D, V)
+
+    def forward(self, input_ids, targets):
+        logits = self.fc(torch.tanh(self.emb(input_ids)))
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+
+
+def _tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    # A noisy cycle: mostly predictable, so the loss falls, but not to zero.
+    base = torch.arange(n) % V
+    noise = torch.randint(0, V, (n,), generator=g)
+    keep = torch.rand(n, generator=g) < 0.8
+    return torch.where(keep, base, noise)
+
+
+def _write_tokens(path, tokens):
+    with open(path, "wb") as f:
+        f.write(struct.pack(f"<{len(tokens)}H", *tokens.tolist()))
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    torch.jit.trace(model, (ids, ids)).save(str(tmp_path / "lm.pt"))
+    torch.save(model.state_dict(), tmp_path / "init.pt")
+    _write_tokens(tmp_path / "train.bin", _tokens(8192, 1))
+    _write_tokens(tmp_path / "val.bin", _tokens(1024, 2))
+    return tmp_path
+
+
+def _job_file(directory, name, steps, extra_config="", **overrides):
+    lines = {"name": f'"{name}"', "model": '"lm.pt"', "tokens": '"train.bin"',
+             "eval_tokens": '"val.bin"', "batch": BATCH, "seq": SEQ, "steps": steps, "seed": 7,
+             "eval_every": 10, "eval_batches": 3}
+    lines.update(overrides)
+    text = "".join(f"{k} = {v}\n" for k, v in lines.items() if v is not None)
+    text += (f'[optimizer]\ntype = "adamw"\nlr = {LR}\nbetas = [0.9, 0.95]\n'
+             f'[schedule]\nkind = "cosine"\nwarmup_steps = {WARMUP}\nmin_lr = {MIN_LR}\n'
+             f"[config]\n{extra_config}")
+    path = directory / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _cli(daemon, *args, check=True):
+    done = subprocess.run([built_binary("rannc", "RANNC_CLI_BIN", "client"), *args,
+                           "--daemon", daemon.address], capture_output=True, text=True,
+                          timeout=120)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _status(daemon, job):
+    out = _cli(daemon, "status", job).stdout
+    fields = {"state": out.split("\n")[0].rsplit(": ", 1)[1]}
+    for line in out.splitlines():
+        if line.startswith("step "):
+            fields["step"] = int(line.split()[1].split("/")[0])
+            fields["eta"] = line.rsplit("ETA ", 1)[1]
+        if line.startswith("eval loss "):
+            fields["eval_loss"] = float(line.split()[2])
+    return fields, out
+
+
+def _wait(daemon, job, states, timeout=120):
+    deadline = time.monotonic() + timeout
+    while True:
+        fields, out = _status(daemon, job)
+        if fields["state"] in states:
+            return fields, out
+        assert time.monotonic() < deadline, out + daemon.output()
+        time.sleep(0.05)
+
+
+def _lr(step, steps):
+    # Hugging Face's cosine schedule with warmup and a floor, at index step - 1.
+    i = step - 1
+    if i < WARMUP:
+        return LR * i / WARMUP
+    p = min(1.0, (i - WARMUP) / (steps - WARMUP))
+    return MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def _windows(tokens, gen):
+    starts = torch.randint(0, len(tokens) - SEQ, (BATCH,), generator=gen)
+    x = torch.stack([tokens[s:s + SEQ] for s in starts.tolist()])
+    y = torch.stack([tokens[s + 1:s + SEQ + 1] for s in starts.tolist()])
+    return x, y
+
+
+def _pyrannc_eval_loss(directory, steps):
+    """The detached job's training, through pyrannc: its held-out loss at the end."""
+    train, val = _tokens(8192, 1), _tokens(1024, 2)
+    model = TinyLM()
+    model.load_state_dict(torch.load(directory / "init.pt"))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95))
+    rmod = pyrannc.RaNNCModule(model, opt)
+    gen = torch.Generator().manual_seed(7)
+    try:
+        for step in range(1, steps + 1):
+            loss = rmod(*_windows(train, gen))
+            loss.backward()
+            opt.param_groups[0]["lr"] = _lr(step, steps)
+            opt.step()
+            opt.zero_grad()
+        eval_gen = torch.Generator().manual_seed(8)
+        with torch.no_grad():
+            losses = [rmod(*_windows(val, eval_gen)).item() for _ in range(3)]
+        return sum(losses) / len(losses)
+    finally:
+        pyrannc.clear()
+
+
+def test_submitted_job_trains_to_the_end_with_its_client_gone(job_dir):
+    steps = 2000
+    daemon = DaemonProcess("--devices", "cpu:2")
+    try:
+        job = _cli(daemon, "submit", _job_file(job_dir, "tiny", steps)).stdout.strip()
+        # The CLI has exited; the daemon trains on. Progress, and an ETA that shrinks.
+        running = []
+        deadline = time.monotonic() + 120
+        while True:
+            st = daemon.conn.call("DetachedJobStatus", pb.JobRef(job_id=job))
+            if st.state != pb.DETACHED_RUNNING and running:
+                break
+            if st.state == pb.DETACHED_RUNNING and st.step > 0:
+                running.append((st.step, st.eta_s))
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(running) >= 3, running
+        assert running[-1][0] > running[0][0] and running[-1][1] < running[0][1], running
+        final, out = _wait(daemon, job, {"done", "failed", "cancelled"})
+        assert final["state"] == "done", out + daemon.output()
+        assert final["step"] == steps
+        logs = _cli(daemon, "logs", job).stdout
+        losses = [float(line.split()[3]) for line in logs.splitlines()
+                  if line.startswith("step ")]
+        assert losses[-1] < 0.7 * losses[0], logs
+        assert f"eval step {steps}/{steps} loss" in logs
+        assert logs.splitlines()[-1] == "done", logs
+        # The same training through pyrannc ends at the same held-out loss.
+        ours = torch.tensor(final["eval_loss"])
+        assert_close(ours, torch.tensor(_pyrannc_eval_loss(job_dir, steps)),
+                     "held-out loss after the run")
+    finally:
+        daemon.stop()
+
+
+def test_cancel_frees_the_devices_within_a_second(job_dir):
+    daemon = DaemonProcess("--devices", "cpu:2")
+    try:
+        job = _cli(daemon, "submit", _job_file(job_dir, "long", 10**7)).stdout.strip()
+        _wait(daemon, job, {"running"})
+        assert job in _cli(daemon, "jobs").stdout
+        start = time.monotonic()
+        _cli(daemon, "cancel", job)
+        fields, out = _wait(daemon, job, {"cancelled", "done", "failed"})
+        assert fields["state"] == "cancelled", out
+        assert job not in _cli(daemon, "jobs").stdout
+        assert time.monotonic() - start < 1.0
+    finally:
+        daemon.stop()
+
+
+def _final_params(daemon, ckpt, name, out):
+    _cli(daemon, "export", name, str(out), "--dir", str(ckpt))
+    return torch.load(out)["model"]
+
+
+def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path):
+    steps = 60
+    ckpt = tmp_path / "ckpt"
+    config = f'checkpoint_dir = "{ckpt}"\ncheckpoint_every = 10\n'
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", str(tmp_path / "state1"))
+    try:
+        whole = _cli(daemon, "submit", _job_file(job_dir, "whole", steps, config)).stdout.strip()
+        _wait(daemon, whole, {"done"})
+        expected = _final_params(daemon, ckpt, "whole", tmp_path / "whole.pt")
+    finally:
+        daemon.stop()
+
+    state = str(tmp_path / "state2")
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state, "--log-level", "info")
+    job = _cli(daemon, "submit", _job_file(job_dir, "killed", steps, config)).stdout.strip()
+    deadline = time.monotonic() + 60
+    while len(list((ckpt / "killed").glob("step-*"))) < 2:
+        assert time.monotonic() < deadline, daemon.output()
+        time.sleep(0.01)
+    daemon.proc.kill()
+    daemon.proc.wait()
+    daemon.conn.close()
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state)
+    try:
+        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
+        assert fields["state"] == "done", out + daemon.output()
+        logs = _cli(daemon, "logs", job).stdout
+        assert "resumed at step" in logs, logs
+        resumed = _final_params(daemon, ckpt, "killed", tmp_path / "killed.pt")
+    finally:
+        daemon.stop()
+    for name, value in expected.items():
+        assert torch.equal(resumed[name], value), f"{name} differs after the SIGKILL"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": '"missing.pt"'}, "model: cannot read"),
+    ({"token_dtype": '"float16"'}, "unknown token dtype 'float16'"),
+    ({"seq": 100000}, "seq 100000 needs at least 100001"),
+    ({"batch": 0}, "must be positive"),
+    ({"optimizer_type": '"lbfgs"'}, "optimizer: unknown 'lbfgs'"),
+    ({"warmup": 500}, "warmup steps 500 must be in [0, steps = 50]"),
+    ({"config": 'pipline_num = 2\n'}, "pipline_num"),
+    ({"hyper": "betaz = 0.9\n"}, "hyper: unknown 'betaz'"),
+    ({"unknown": 1}, "'unknown' in"),
+])
+def test_bad_submissions_are_refused_naming_the_field(job_dir, change, message):
+    daemon = DaemonProcess("--devices", "cpu:2")
+    try:
+        overrides = {k: v for k, v in change.items()
+                     if k not in ("optimizer_type", "warmup", "config", "hyper")}
+        path = _job_file(job_dir, "bad", 50, change.get("config", ""), **overrides)
+        text = open(path).read()
+        if "optimizer_type" in change:
+            text = text.replace('type = "adamw"', f"type = {change['optimizer_type']}")
+        if "warmup" in change:
+            text = text.replace(f"warmup_steps = {WARMUP}", f"warmup_steps = {change['warmup']}")
+        if "hyper" in change:
+            text = text.replace("[schedule]", change["hyper"] + "[schedule]")
+        open(path, "w").write(text)
+        done = _cli(daemon, "submit", path, check=False)
+        assert done.returncode != 0
+        assert message in done.stderr, done.stderr
+        assert "(no jobs)" in _cli(daemon, "jobs").stdout
+    finally:
+        daemon.stop()
