@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import pyrannc
+from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from conftest import DaemonProcess, assert_close, built_binary
 
@@ -127,12 +128,13 @@ def _windows(tokens, gen):
     return x, y
 
 
-def _pyrannc_eval_loss(directory, steps):
+def _pyrannc_eval_loss(directory, steps, weight_decay=0.01):
     """The detached job's training, through pyrannc: its held-out loss at the end."""
     train, val = _tokens(8192, 1), _tokens(1024, 2)
     model = TinyLM()
     model.load_state_dict(torch.load(directory / "init.pt"))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95),
+                            weight_decay=weight_decay)
     rmod = pyrannc.RaNNCModule(model, opt)
     gen = torch.Generator().manual_seed(7)
     try:
@@ -272,3 +274,38 @@ def test_bad_submissions_are_refused_naming_the_field(job_dir, change, message):
         assert "(no jobs)" in _cli(daemon, "jobs").stdout
     finally:
         daemon.stop()
+
+
+def test_a_job_written_from_python_trains_as_pyrannc_does(job_dir, tmp_path, monkeypatch):
+    # pyrannc.detached.write_job from the model and optimizer objects a script uses, submitted
+    # from Python; the daemon trains it as the same loop through pyrannc does.
+    from pyrannc import detached
+    steps = 40
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    job_file = detached.write_job(
+        str(tmp_path / "job"), model, opt, _tokens(8192, 1), eval_tokens=_tokens(1024, 2),
+        batch=BATCH, seq=SEQ, steps=steps, seed=7, schedule="cosine", warmup_steps=WARMUP,
+        min_lr=MIN_LR, eval_batches=3, name="from-python")
+    spec = detached.read_job(job_file)
+    assert spec.optimizer == "adamw" and spec.hyper["weight_decay"] == 0.0
+    assert spec.hyper["beta2"] == pytest.approx(0.95)
+    daemon = DaemonProcess("--devices", "cpu:2")
+    try:
+        job = detached.submit(job_file, daemon=daemon.address)
+        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
+        assert fields["state"] == "done", out + daemon.output()
+        final = detached.status(job, daemon=daemon.address)
+        # The CLI reads the same file.
+        again = _cli(daemon, "submit", job_file).stdout.strip()
+        _wait(daemon, again, {"done"})
+    finally:
+        daemon.stop()
+    # job_dir's init.pt holds the same initial values (TinyLM at seed 0).
+    assert_close(torch.tensor(final.eval_loss),
+                 torch.tensor(_pyrannc_eval_loss(job_dir, steps, weight_decay=0.0)),
+                 "held-out loss of the job written from Python")
+    monkeypatch.delenv("RANNC_DAEMON", raising=False)
+    with pytest.raises(RanncError, match="outlives this process"):
+        detached.submit(job_file)
