@@ -20,21 +20,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import ByteGPT, load_text  # noqa: E402
+from train_gpt import ByteGPT, add_training_arguments, load_text  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the directory to write the job into")
-    ap.add_argument("--data", help="a text file (default: /usr/share/common-licenses/*)")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=96)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    add_training_arguments(ap)
     args = ap.parse_args()
 
     os.makedirs(args.out, exist_ok=True)

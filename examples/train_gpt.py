@@ -108,8 +108,8 @@ def batches(data, batch, seq, generator):
         yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_training_arguments(ap):
+    """The data, model and training options (detached_gpt.py takes the same)."""
     ap.add_argument("--data", help="a text file (default: /usr/share/common-licenses/*)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=16)
@@ -118,8 +118,13 @@ def main():
     ap.add_argument("--dim", type=int, default=96)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_arguments(ap)
+    ap.add_argument("--dropout", type=float, default=0.0)
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)

@@ -13,6 +13,7 @@ import math
 import os
 import struct
 import subprocess
+import sys
 import time
 
 import pytest
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 import pyrannc
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
-from conftest import DaemonProcess, assert_close, built_binary
+from conftest import REPO_ROOT, DaemonProcess, assert_close, built_binary
 
 pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
 
@@ -309,3 +310,18 @@ def test_a_job_written_from_python_trains_as_pyrannc_does(job_dir, tmp_path, mon
     monkeypatch.delenv("RANNC_DAEMON", raising=False)
     with pytest.raises(RanncError, match="outlives this process"):
         detached.submit(job_file)
+
+
+def test_the_readme_example_job_trains(tmp_path):
+    # examples/detached_gpt.py makes the README's GPT a detached job; a few steps of it.
+    example = os.path.join(REPO_ROOT, "examples", "detached_gpt.py")
+    made = subprocess.run([sys.executable, example, str(tmp_path / "gpt"), "--steps", "3",
+                           "--batch", "4"], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    daemon = DaemonProcess("--devices", "cpu:2")
+    try:
+        done = _cli(daemon, "submit", str(tmp_path / "gpt" / "job.toml"), "--follow")
+        assert "eval step 3/3 loss" in done.stdout and done.stdout.splitlines()[-1] == "done", \
+            done.stdout
+    finally:
+        daemon.stop()
