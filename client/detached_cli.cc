@@ -236,7 +236,10 @@ int RunStatus(const Client& client, const std::string& job) {
   absl::StatusOr<v1::DetachedStatus> s = client.DetachedJobStatus(job);
   if (!s.ok()) return Fail(s.status());
   std::cout << absl::StrFormat("job %s '%s': %s\n", s->job_id(), s->name(), StateName(s->state()));
-  if (s->state() != v1::DETACHED_QUEUED) {
+  if (s->state() == v1::DETACHED_QUEUED) {
+    std::cout << absl::StrFormat("place in the queue: %d", s->queue_position())
+              << (s->waiting_for().empty() ? "" : "; waiting: " + s->waiting_for()) << "\n";
+  } else {
     const double pct = s->steps() > 0 ? 100.0 * s->step() / s->steps() : 0;
     std::cout << absl::StrFormat(
         "step %d/%d (%.0f%%)  loss %.6f  lr %.4g  %.1f tokens/s  elapsed %s  ETA %s\n",

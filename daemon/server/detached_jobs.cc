@@ -330,8 +330,11 @@ void DetachedJobs::Run(Entry* entry) {
   at::Generator first = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
   auto [x0, y0] = SampleWindows(*entry->train, first, spec.batch(), spec.seq());
 
-  // Wait for the turn (FIFO), then for the memory: a plan that does not fit now is tried again
-  // whenever another job ends, and at least every second.
+  // Wait for the turn (FIFO), then for the memory: the job starts once its plan fits what the
+  // other jobs leave free; it looks again whenever a job ends, and at least every second.
+  absl::StatusOr<std::vector<uint64_t>> need =
+      hooks_.need(entry->job_spec, entry->model, {x0, y0});
+  if (!need.ok()) return Finish(entry, v1::DETACHED_FAILED, std::string(need.status().message()));
   std::shared_ptr<Job> job;
   std::string waiting_for;
   while (true) {
@@ -342,8 +345,19 @@ void DetachedJobs::Run(Entry* entry) {
       });
     }
     if (entry->cancel) return Finish(entry, v1::DETACHED_CANCELLED, "");
+    std::string short_of;
+    const std::vector<uint64_t> free = hooks_.free();
+    for (size_t d = 0; d < need->size() && d < free.size(); ++d) {
+      if ((*need)[d] > free[d] && short_of.empty()) {
+        short_of = absl::StrCat("its plan needs ", planner::HumanBytes((*need)[d]), " on ",
+                                hooks_.device_name(d), ", where other jobs leave ",
+                                planner::HumanBytes(free[d]));
+      }
+    }
     absl::StatusOr<std::shared_ptr<Job>> made =
-        hooks_.start(entry->id, entry->job_spec, entry->model, {x0, y0});
+        short_of.empty() ? hooks_.start(entry->id, entry->job_spec, entry->model, {x0, y0})
+                         : absl::StatusOr<std::shared_ptr<Job>>(
+                               absl::ResourceExhaustedError(short_of));
     if (made.ok()) {
       job = std::move(*made);
       break;
@@ -354,6 +368,8 @@ void DetachedJobs::Run(Entry* entry) {
     if (waiting_for != made.status().message()) {
       waiting_for = std::string(made.status().message());
       Log(entry, "waiting for device memory: " + waiting_for);
+      std::lock_guard<std::mutex> lock(mu_);
+      entry->status.set_waiting_for(waiting_for);
     }
     std::unique_lock<std::mutex> lock(mu_);
     changed_.wait_for(lock, std::chrono::seconds(1), [&] { return entry->cancel.load(); });
@@ -370,6 +386,7 @@ void DetachedJobs::Run(Entry* entry) {
     entry->job = job;
     entry->started = std::chrono::steady_clock::now();
     entry->status.set_state(v1::DETACHED_RUNNING);
+    entry->status.clear_waiting_for();
     entry->status.set_step(resumed);
     entry->status.set_plan_summary(std::string(
         absl::StripTrailingAsciiWhitespace(planner::DescribeDeployment(job->info().plan))));
@@ -476,7 +493,11 @@ absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("no detached job ", id, " on this daemon"));
   }
-  return it->second->status;
+  v1::DetachedStatus status = it->second->status;
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    if (queue_[i] == id) status.set_queue_position(static_cast<int64_t>(i) + 1);
+  }
+  return status;
 }
 
 absl::Status DetachedJobs::Cancel(const std::string& id) {

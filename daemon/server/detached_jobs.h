@@ -1,7 +1,7 @@
 // Detached jobs: the daemon trains them on its own, with no client attached (`rannc submit`,
 // docs/detached.md). A DetachedJobSpec names a TorchScript language model (input_ids, targets)
 // -> loss and a token file on the daemon's file system; the job is checked at submission, waits
-// its turn (FIFO, and again while the devices lack the memory its plan needs), then a thread of
+// its turn (FIFO, and while the memory its plan needs is held by other jobs), then a thread of
 // its own runs the training loop through the same Job a client would drive: zero_grad, forward,
 // backward, the optimizer step at the schedule's lr, an evaluation on held-out tokens every N
 // steps, checkpoints as its config keys say. Status (step, loss, tokens/s, ETA, eval loss) and a
@@ -50,6 +50,15 @@ class DetachedJobs {
         start;
     // Deletes the job `id` (frees its devices).
     std::function<void(const std::string& id)> remove;
+    // The bytes a job of `spec` would hold on each of this daemon's devices (its plan's
+    // estimates), and the bytes free on each now (the devices' memory less what the live jobs'
+    // plans hold). A job starts once its plan fits what is free.
+    std::function<absl::StatusOr<std::vector<uint64_t>>(const v1::JobSpec& spec,
+                                                        const std::string& model,
+                                                        const std::vector<at::Tensor>& examples)>
+        need;
+    std::function<std::vector<uint64_t>()> free;
+    std::function<std::string(size_t device)> device_name;
     std::function<std::string()> new_id;
   };
 

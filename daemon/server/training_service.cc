@@ -88,6 +88,22 @@ absl::StatusOr<SentTensors> DecodeModelTensors(
   return sent;
 }
 
+namespace {
+
+// A plan's estimated peak bytes on each of this daemon's `num_devices` devices (a device of a
+// cluster plan beyond them is another daemon's).
+std::vector<uint64_t> PlannedBytes(const v1::Deployment& plan, size_t num_devices) {
+  std::vector<uint64_t> bytes(num_devices, 0);
+  for (const v1::DeploymentStage& stage : plan.stages()) {
+    for (uint32_t d : stage.devices()) {
+      if (d < num_devices) bytes[d] += stage.memory_bytes();
+    }
+  }
+  return bytes;
+}
+
+}  // namespace
+
 TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
                                          PartChannels* parts, JobRecords* records)
     : facts_(std::move(facts)),
@@ -116,6 +132,28 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
     return job;
   };
   hooks.remove = [this](const std::string& id) { jobs_->Remove(id).IgnoreError(); };
+  hooks.need = [this](const v1::JobSpec& spec, const std::string& model,
+                      const std::vector<at::Tensor>& examples)
+      -> absl::StatusOr<std::vector<uint64_t>> {
+    absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
+    if (!settings.ok()) return settings.status();
+    absl::StatusOr<v1::Deployment> plan = PlanJob(*settings, model, examples);
+    if (!plan.ok()) return plan.status();
+    return PlannedBytes(*plan, facts_.devices.size());
+  };
+  hooks.free = [this] {
+    std::vector<uint64_t> free;
+    for (const DaemonFacts::Device& d : facts_.devices) free.push_back(d.memory_bytes);
+    for (const JobManager::Listed& listed : jobs_->List()) {
+      const std::vector<uint64_t> held =
+          PlannedBytes(listed.job->info().plan, facts_.devices.size());
+      for (size_t d = 0; d < free.size(); ++d) free[d] -= std::min(free[d], held[d]);
+    }
+    return free;
+  };
+  hooks.device_name = [this](size_t d) {
+    return d < facts_.devices.size() ? facts_.devices[d].name : absl::StrCat("device ", d);
+  };
   hooks.new_id = [this] { return jobs_->NewJobId(); };
   detached_ = std::make_unique<DetachedJobs>(
       std::move(hooks),

@@ -325,3 +325,30 @@ def test_the_readme_example_job_trains(tmp_path):
             done.stdout
     finally:
         daemon.stop()
+
+
+def test_a_job_waits_for_the_memory_another_holds(job_dir):
+    # Devices of 60 KiB: one TinyLM job's plan fits (34 KiB a device), two do not. The second
+    # waits, says why, and runs once the first is cancelled.
+    daemon = DaemonProcess("--devices", "cpu:2", "--device-memory", "60KiB")
+    try:
+        first = _cli(daemon, "submit", _job_file(job_dir, "holder", 10**7)).stdout.strip()
+        _wait(daemon, first, {"running"})
+        second = _cli(daemon, "submit", _job_file(job_dir, "waiter", 30)).stdout.strip()
+        deadline = time.monotonic() + 30
+        while True:
+            st = daemon.conn.call("DetachedJobStatus", pb.JobRef(job_id=second))
+            if st.waiting_for:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)
+        assert st.state == pb.DETACHED_QUEUED and st.queue_position == 1, st
+        assert "its plan needs" in st.waiting_for and "where other jobs leave" in st.waiting_for
+        out = _cli(daemon, "status", second).stdout
+        assert "queued" in out and "place in the queue: 1" in out, out
+        _cli(daemon, "cancel", first)
+        fields, out = _wait(daemon, second, {"done", "failed", "cancelled"})
+        assert fields["state"] == "done", out
+        assert "waiting for device memory" in _cli(daemon, "logs", second).stdout
+    finally:
+        daemon.stop()
