@@ -122,6 +122,7 @@ struct DetachedJobs::Entry {
   std::optional<TokenFile> train, eval;
   LrSchedule schedule;
   v1::HyperParams hyper;  // the one group's, lr from the schedule at each step
+  std::vector<uint64_t> need;  // its plan's bytes per device (Hooks::need)
   std::atomic<bool> cancel{false};
   std::thread thread;
   // Guarded by DetachedJobs::mu_.
@@ -243,6 +244,13 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
   js.add_input_names("targets");
   js.set_model_bytes(e->model.size());
   if (absl::Status checked = hooks_.check(js); !checked.ok()) return checked;
+  // Planned now, on the first batch: a model that does not take the data, or a plan that can
+  // never fit the devices, is refused here rather than queued.
+  at::Generator first = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
+  auto [x0, y0] = SampleWindows(*e->train, first, spec.batch(), spec.seq());
+  absl::StatusOr<std::vector<uint64_t>> need = hooks_.need(js, e->model, {x0, y0});
+  if (!need.ok()) return Annotate(need.status(), "planning the job");
+  e->need = std::move(*need);
 
   if (!records_dir_.empty() && !resume) {
     absl::Status made = MakeDirs(records_dir_);
@@ -332,9 +340,7 @@ void DetachedJobs::Run(Entry* entry) {
 
   // Wait for the turn (FIFO), then for the memory: the job starts once its plan fits what the
   // other jobs leave free; it looks again whenever a job ends, and at least every second.
-  absl::StatusOr<std::vector<uint64_t>> need =
-      hooks_.need(entry->job_spec, entry->model, {x0, y0});
-  if (!need.ok()) return Finish(entry, v1::DETACHED_FAILED, std::string(need.status().message()));
+  const std::vector<uint64_t>* need = &entry->need;
   std::shared_ptr<Job> job;
   std::string waiting_for;
   while (true) {

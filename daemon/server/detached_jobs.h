@@ -69,9 +69,11 @@ class DetachedJobs {
   DetachedJobs(const DetachedJobs&) = delete;
   DetachedJobs& operator=(const DetachedJobs&) = delete;
 
-  // The new job's id. INVALID_ARGUMENT naming the field for a spec that cannot run: sizes not
-  // positive, a model or token file that does not open (NOT_FOUND), data shorter than one
-  // window, an unknown dtype, optimizer or schedule, bad config keys.
+  // The new job's id, once the spec is checked and the job planned on its first batch.
+  // INVALID_ARGUMENT naming the field for a spec that cannot run: sizes not positive, a model
+  // or token file that does not open (NOT_FOUND), data shorter than one window, an unknown
+  // dtype, optimizer or schedule, bad config keys, a model that does not take the data;
+  // RESOURCE_EXHAUSTED for a plan that cannot fit the devices even with no other job.
   absl::StatusOr<std::string> Submit(const v1::DetachedJobSpec& spec);
   // NOT_FOUND for an id that was never submitted here.
   absl::StatusOr<v1::DetachedStatus> Status(const std::string& id);

@@ -254,8 +254,12 @@ def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path)
     ({"config": 'pipline_num = 2\n'}, "pipline_num"),
     ({"hyper": "betaz = 0.9\n"}, "hyper: unknown 'betaz'"),
     ({"unknown": 1}, "'unknown' in"),
+    # The model's embedding has 16 rows; ids up to 16 do not fit it (checked on the first
+    # batch, when the job is planned at submission).
+    ({"tokens": '"wide.bin"'}, "planning the job"),
 ])
 def test_bad_submissions_are_refused_naming_the_field(job_dir, change, message):
+    _write_tokens(job_dir / "wide.bin", torch.full((4096,), V))
     daemon = DaemonProcess("--devices", "cpu:2")
     try:
         overrides = {k: v for k, v in change.items()
@@ -350,5 +354,15 @@ def test_a_job_waits_for_the_memory_another_holds(job_dir):
         fields, out = _wait(daemon, second, {"done", "failed", "cancelled"})
         assert fields["state"] == "done", out
         assert "waiting for device memory" in _cli(daemon, "logs", second).stdout
+    finally:
+        daemon.stop()
+
+
+def test_a_plan_that_can_never_fit_is_refused_at_submission(job_dir):
+    daemon = DaemonProcess("--devices", "cpu:2", "--device-memory", "1KiB")
+    try:
+        done = _cli(daemon, "submit", _job_file(job_dir, "huge", 10), check=False)
+        assert done.returncode != 0
+        assert "planning the job" in done.stderr and "no plan fits" in done.stderr, done.stderr
     finally:
         daemon.stop()
