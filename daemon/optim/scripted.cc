@@ -101,10 +101,8 @@ ScriptedOptimizer::ScriptedOptimizer(std::vector<ParamGroup> groups,
                                      std::shared_ptr<const ScriptedUpdate> update,
                                      std::vector<optim_internal::SlotSpec> slots, bool keeps_step,
                                      torch::jit::Module module)
-    : SlotOptimizer(OptimizerKind::kScripted, std::move(groups), slots, keeps_step),
+    : SlotOptimizer(OptimizerKind::kScripted, std::move(groups), std::move(slots), keeps_step),
       update_(std::move(update)),
-      element_slots_(std::move(slots)),
-      counts_step_(keeps_step),
       module_(std::move(module)) {}
 
 void ScriptedOptimizer::StepParam(at::Tensor& param, const at::Tensor& grad,
@@ -112,24 +110,24 @@ void ScriptedOptimizer::StepParam(at::Tensor& param, const at::Tensor& grad,
   if (!state.present) {
     state.present = true;
     state.step = 0;
-    for (size_t s = 0; s < element_slots_.size(); ++s) {
+    for (size_t s = 0; s < slots().size(); ++s) {
       state.slots[s] = at::zeros_like(param, at::MemoryFormat::Preserve);
     }
   }
   state.step += 1;
   c10::Dict<std::string, at::Tensor> named_state;
-  if (counts_step_) {
+  if (keeps_step()) {
     named_state.insert("step", optim_internal::ScalarState(static_cast<double>(state.step)));
   }
-  for (size_t s = 0; s < element_slots_.size(); ++s) {
-    named_state.insert(element_slots_[s].key, state.slots[s]);
+  for (size_t s = 0; s < slots().size(); ++s) {
+    named_state.insert(slots()[s].key, state.slots[s]);
   }
   c10::Dict<std::string, double> group;
   for (const auto& [name, value] : hyper.named) group.insert(name, value);
   module_.forward({param, grad, named_state, group});
   // The update may have replaced an entry (state["m"] = new) rather than written into it.
-  for (size_t s = 0; s < element_slots_.size(); ++s) {
-    const char* key = element_slots_[s].key;
+  for (size_t s = 0; s < slots().size(); ++s) {
+    const char* key = slots()[s].key;
     auto it = named_state.find(key);
     TORCH_CHECK(it != named_state.end(), "the update removed state '", key, "'");
     const at::Tensor& value = it->value();

@@ -32,8 +32,6 @@ class ScriptedOptimizer final : public optim_internal::SlotOptimizer {
                  const HyperParams& hyper) override;
 
   std::shared_ptr<const ScriptedUpdate> update_;  // owns the strings the slots point into
-  std::vector<optim_internal::SlotSpec> element_slots_;  // the keys but "step", in order
-  bool counts_step_;  // "step" is a state key
   torch::jit::Module module_;
 };
 

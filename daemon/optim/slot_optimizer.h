@@ -69,6 +69,10 @@ class SlotOptimizer : public Optimizer {
   virtual void InitEagerState(const at::Tensor& param, ParamState& state,
                               const HyperParams& hyper) {}
 
+  // The kind's keys after "step" (ParamState::slots' order), and whether "step" is a key.
+  const std::vector<SlotSpec>& slots() const { return slots_; }
+  bool keeps_step() const { return keeps_step_; }
+
  private:
   OptimizerKind kind_;
   std::vector<ParamGroup> groups_;
