@@ -6,6 +6,7 @@
 #include <ATen/ops/randint.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -122,7 +123,8 @@ struct DetachedJobs::Entry {
   std::optional<TokenFile> train, eval;
   LrSchedule schedule;
   v1::HyperParams hyper;  // the one group's, lr from the schedule at each step
-  std::vector<uint64_t> need;  // its plan's bytes per device (Hooks::need)
+  std::vector<at::Tensor> examples;  // the first batch, which the job is planned and made with
+  std::vector<uint64_t> need;         // its plan's bytes per device (Hooks::need)
   std::atomic<bool> cancel{false};
   std::thread thread;
   // Guarded by DetachedJobs::mu_.
@@ -243,13 +245,14 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
   js.add_input_names("input_ids");
   js.add_input_names("targets");
   js.set_model_bytes(e->model.size());
-  if (absl::Status checked = hooks_.check(js); !checked.ok()) return checked;
-  // Planned now, on the first batch: a model that does not take the data, or a plan that can
-  // never fit the devices, is refused here rather than queued.
+  // Planned now, on the first batch (drawn from a generator of its own: the examples the job is
+  // made with): bad config keys, a model that does not take the data, or a plan that can never
+  // fit the devices are refused here rather than queued.
   at::Generator first = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
   auto [x0, y0] = SampleWindows(*e->train, first, spec.batch(), spec.seq());
-  absl::StatusOr<std::vector<uint64_t>> need = hooks_.need(js, e->model, {x0, y0});
-  if (!need.ok()) return Annotate(need.status(), "planning the job");
+  e->examples = {x0, y0};
+  absl::StatusOr<std::vector<uint64_t>> need = hooks_.need(js, e->model, e->examples);
+  if (!need.ok()) return need.status();
   e->need = std::move(*need);
 
   if (!records_dir_.empty() && !resume) {
@@ -299,12 +302,7 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
   {
     std::lock_guard<std::mutex> lock(mu_);
     job = std::move(entry->job);
-    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-      if (*it == entry->id) {
-        queue_.erase(it);
-        break;
-      }
-    }
+    DequeueLocked(entry->id);
   }
   if (job != nullptr) {
     job.reset();
@@ -334,10 +332,6 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
 
 void DetachedJobs::Run(Entry* entry) {
   const v1::DetachedJobSpec& spec = entry->spec;
-  // The examples the job is planned with: the first batch, drawn from a generator of its own.
-  at::Generator first = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
-  auto [x0, y0] = SampleWindows(*entry->train, first, spec.batch(), spec.seq());
-
   // Wait for the turn (FIFO), then for the memory: the job starts once its plan fits what the
   // other jobs leave free; it looks again whenever a job ends, and at least every second.
   const std::vector<uint64_t>* need = &entry->need;
@@ -361,7 +355,7 @@ void DetachedJobs::Run(Entry* entry) {
       }
     }
     absl::StatusOr<std::shared_ptr<Job>> made =
-        short_of.empty() ? hooks_.start(entry->id, entry->job_spec, entry->model, {x0, y0})
+        short_of.empty() ? hooks_.start(entry->id, entry->job_spec, entry->model, entry->examples)
                          : absl::StatusOr<std::shared_ptr<Job>>(
                                absl::ResourceExhaustedError(short_of));
     if (made.ok()) {
@@ -383,12 +377,7 @@ void DetachedJobs::Run(Entry* entry) {
   const int64_t resumed = std::max<int64_t>(job->resumed_step(), 0);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-      if (*it == entry->id) {
-        queue_.erase(it);
-        break;
-      }
-    }
+    DequeueLocked(entry->id);
     entry->job = job;
     entry->started = std::chrono::steady_clock::now();
     entry->status.set_state(v1::DETACHED_RUNNING);
@@ -493,13 +482,24 @@ void DetachedJobs::Run(Entry* entry) {
   Finish(entry, v1::DETACHED_DONE, "");
 }
 
-absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
+void DetachedJobs::DequeueLocked(const std::string& id) {
+  auto it = std::find(queue_.begin(), queue_.end(), id);
+  if (it != queue_.end()) queue_.erase(it);
+}
+
+absl::StatusOr<DetachedJobs::Entry*> DetachedJobs::FindLocked(const std::string& id) {
   auto it = jobs_.find(id);
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("no detached job ", id, " on this daemon"));
   }
-  v1::DetachedStatus status = it->second->status;
+  return it->second.get();
+}
+
+absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::StatusOr<Entry*> entry = FindLocked(id);
+  if (!entry.ok()) return entry.status();
+  v1::DetachedStatus status = (*entry)->status;
   for (size_t i = 0; i < queue_.size(); ++i) {
     if (queue_[i] == id) status.set_queue_position(static_cast<int64_t>(i) + 1);
   }
@@ -509,11 +509,9 @@ absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
 absl::Status DetachedJobs::Cancel(const std::string& id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(id);
-    if (it == jobs_.end()) {
-      return absl::NotFoundError(absl::StrCat("no detached job ", id, " on this daemon"));
-    }
-    it->second->cancel = true;
+    absl::StatusOr<Entry*> entry = FindLocked(id);
+    if (!entry.ok()) return entry.status();
+    (*entry)->cancel = true;
   }
   changed_.notify_all();
   return absl::OkStatus();
@@ -523,11 +521,9 @@ absl::Status DetachedJobs::Lines(const std::string& id, int64_t after_seq,
                                  std::chrono::milliseconds wait,
                                  std::vector<v1::DetachedLogLine>* out, bool* ended) {
   std::unique_lock<std::mutex> lock(mu_);
-  auto it = jobs_.find(id);
-  if (it == jobs_.end()) {
-    return absl::NotFoundError(absl::StrCat("no detached job ", id, " on this daemon"));
-  }
-  Entry* e = it->second.get();
+  absl::StatusOr<Entry*> found = FindLocked(id);
+  if (!found.ok()) return found.status();
+  Entry* e = *found;
   auto over = [&] {
     const v1::DetachedState s = e->status.state();
     return s == v1::DETACHED_DONE || s == v1::DETACHED_FAILED || s == v1::DETACHED_CANCELLED;

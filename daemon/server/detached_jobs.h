@@ -40,8 +40,6 @@ namespace rannc {
 class DetachedJobs {
  public:
   struct Hooks {
-    // Checks a job spec as CreateJob would (its config keys, its options).
-    std::function<absl::Status(const v1::JobSpec&)> check;
     // Makes and registers the job `id` (as CreateJob does, without a lease or a record).
     std::function<absl::StatusOr<std::shared_ptr<Job>>(const std::string& id,
                                                        const v1::JobSpec& spec,
@@ -51,7 +49,8 @@ class DetachedJobs {
     // Deletes the job `id` (frees its devices).
     std::function<void(const std::string& id)> remove;
     // The bytes a job of `spec` would hold on each of this daemon's devices (its plan's
-    // estimates), and the bytes free on each now (the devices' memory less what the live jobs'
+    // estimates; its settings and plan checked as CreateJob checks them), and the bytes free on
+    // each now (the devices' memory less what the live jobs'
     // plans hold). A job starts once its plan fits what is free.
     std::function<absl::StatusOr<std::vector<uint64_t>>(const v1::JobSpec& spec,
                                                         const std::string& model,
@@ -103,6 +102,9 @@ class DetachedJobs {
   // daemon is stopping) and releases its model and data.
   void Finish(Entry* entry, v1::DetachedState state, const std::string& error);
   std::string RecordPath(const std::string& id) const;
+  // With mu_ held: takes `id` out of queue_ (if there); the entry of `id`, or NOT_FOUND.
+  void DequeueLocked(const std::string& id);
+  absl::StatusOr<Entry*> FindLocked(const std::string& id);
 
   const Hooks hooks_;
   const std::string records_dir_;

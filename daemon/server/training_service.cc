@@ -113,9 +113,6 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
       records_(records),
       reaper_(std::chrono::seconds(1), [this] { ReapExpiredJobs(); }) {
   DetachedJobs::Hooks hooks;
-  hooks.check = [this](const v1::JobSpec& spec) {
-    return JobSettingsFromSpec(spec, facts_).status();
-  };
   hooks.start = [this](const std::string& id, const v1::JobSpec& spec, const std::string& model,
                        const std::vector<at::Tensor>& examples)
       -> absl::StatusOr<std::shared_ptr<Job>> {
@@ -138,7 +135,7 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
     absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
     if (!settings.ok()) return settings.status();
     absl::StatusOr<v1::Deployment> plan = PlanJob(*settings, model, examples);
-    if (!plan.ok()) return plan.status();
+    if (!plan.ok()) return Annotate(plan.status(), "planning the job");
     return PlannedBytes(*plan, facts_.devices.size());
   };
   hooks.free = [this] {
