@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <iostream>
-#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -14,11 +13,6 @@
 
 namespace rannc {
 namespace {
-
-int Fail(const absl::Status& status) {
-  std::cerr << "rannc: " << status.message() << "\n";
-  return 1;
-}
 
 std::string Where(const std::string& path, const std::string& key, const toml::node& node) {
   return absl::StrCat("'", key, "' in ", path, " (line ", node.source().begin.line, ")");
@@ -215,16 +209,16 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
 
 #undef RANNC_SET_OR_RETURN
 
-int RunSubmit(const Client& client, const std::string& file, bool follow,
-              const std::function<bool()>& interrupted) {
+absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, bool follow,
+                              const std::function<bool()>& interrupted) {
   absl::StatusOr<v1::DetachedJobSpec> spec = ReadJobFile(file);
-  if (!spec.ok()) return Fail(spec.status());
+  if (!spec.ok()) return spec.status();
   absl::StatusOr<std::string> id = client.SubmitJob(*spec);
-  if (!id.ok()) return Fail(id.status());
+  if (!id.ok()) return id.status();
   std::cout << *id << "\n" << std::flush;
   if (!follow) return 0;
   absl::StatusOr<v1::DetachedState> ended = FollowLog(client, *id, true, interrupted);
-  if (!ended.ok()) return Fail(ended.status());
+  if (!ended.ok()) return ended.status();
   if (interrupted()) {
     std::cout << "detached: job " << *id << " trains on (rannc status " << *id << ")\n";
     return 0;
@@ -232,9 +226,9 @@ int RunSubmit(const Client& client, const std::string& file, bool follow,
   return *ended == v1::DETACHED_DONE ? 0 : 1;
 }
 
-int RunStatus(const Client& client, const std::string& job) {
+absl::Status RunStatus(const Client& client, const std::string& job) {
   absl::StatusOr<v1::DetachedStatus> s = client.DetachedJobStatus(job);
-  if (!s.ok()) return Fail(s.status());
+  if (!s.ok()) return s.status();
   std::cout << absl::StrFormat("job %s '%s': %s\n", s->job_id(), s->name(), StateName(s->state()));
   if (s->state() == v1::DETACHED_QUEUED) {
     std::cout << absl::StrFormat("place in the queue: %d", s->queue_position())
@@ -258,25 +252,24 @@ int RunStatus(const Client& client, const std::string& job) {
     std::cout << "device memory: " << absl::StrJoin(mib, ", ") << "\n";
   }
   if (!s->error().empty()) std::cout << "error: " << s->error() << "\n";
-  return 0;
+  return absl::OkStatus();
 }
 
-int RunLogs(const Client& client, const std::string& job, bool follow,
-            const std::function<bool()>& interrupted) {
-  absl::StatusOr<v1::DetachedState> ended = FollowLog(client, job, follow, interrupted);
-  return ended.ok() ? 0 : Fail(ended.status());
+absl::Status RunLogs(const Client& client, const std::string& job, bool follow,
+                     const std::function<bool()>& interrupted) {
+  return FollowLog(client, job, follow, interrupted).status();
 }
 
-int RunCancel(const Client& client, const std::string& job) {
+absl::Status RunCancel(const Client& client, const std::string& job) {
   absl::StatusOr<v1::DetachedStatus> before = client.DetachedJobStatus(job);
-  if (!before.ok()) return Fail(before.status());
+  if (!before.ok()) return before.status();
   if (before->state() != v1::DETACHED_QUEUED && before->state() != v1::DETACHED_RUNNING) {
     std::cout << "job " << job << " has ended (" << StateName(before->state()) << ")\n";
-    return 0;
+    return absl::OkStatus();
   }
-  if (absl::Status s = client.CancelJob(job); !s.ok()) return Fail(s);
+  if (absl::Status s = client.CancelJob(job); !s.ok()) return s;
   std::cout << "cancelling job " << job << ": it stops after its current step\n";
-  return 0;
+  return absl::OkStatus();
 }
 
 }  // namespace rannc

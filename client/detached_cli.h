@@ -41,17 +41,20 @@ namespace rannc {
 // for an unknown key or a value of the wrong type; NOT_FOUND for a file that does not open.
 absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path);
 
+// The commands print what they show; an error comes back for the CLI to report.
+//
 // `rannc submit FILE [--follow]`: prints the job id. With `follow`, then the job's log until it
-// ends (exit status 0 when it is DONE) or `interrupted` says so (it goes on: exit status 0).
-int RunSubmit(const Client& client, const std::string& file, bool follow,
-              const std::function<bool()>& interrupted);
+// ends, or `interrupted` says so (it goes on). Returns the exit status: 0, or 1 for a followed
+// job that ended other than done.
+absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, bool follow,
+                              const std::function<bool()>& interrupted);
 // `rannc status JOB`: state, progress, loss, rate, ETA, evaluation, plan and memory.
-int RunStatus(const Client& client, const std::string& job);
+absl::Status RunStatus(const Client& client, const std::string& job);
 // `rannc logs JOB [-f]`.
-int RunLogs(const Client& client, const std::string& job, bool follow,
-            const std::function<bool()>& interrupted);
+absl::Status RunLogs(const Client& client, const std::string& job, bool follow,
+                     const std::function<bool()>& interrupted);
 // `rannc cancel JOB`.
-int RunCancel(const Client& client, const std::string& job);
+absl::Status RunCancel(const Client& client, const std::string& job);
 
 }  // namespace rannc
 

@@ -813,14 +813,16 @@ int Main(int argc, char** argv) {
   const auto interrupted = [] { return g_interrupted != 0; };
   if (*submit) {
     if (submit_follow) InstallSigintHandler();
-    return RunSubmit(client, submit_file, submit_follow, interrupted);
+    absl::StatusOr<int> code = RunSubmit(client, submit_file, submit_follow, interrupted);
+    return code.ok() ? *code : Fail(code.status());
   }
-  if (*status) return RunStatus(client, status_job);
+  auto done = [](const absl::Status& s) { return s.ok() ? 0 : Fail(s); };
+  if (*status) return done(RunStatus(client, status_job));
   if (*logs) {
     if (logs_follow) InstallSigintHandler();
-    return RunLogs(client, logs_job, logs_follow, interrupted);
+    return done(RunLogs(client, logs_job, logs_follow, interrupted));
   }
-  if (*cancel) return RunCancel(client, cancel_job);
+  if (*cancel) return done(RunCancel(client, cancel_job));
   if (*plan) return RunPlan(client, plan_flags);
   return 2;
 }
