@@ -127,12 +127,13 @@ def _named_hypers(group: dict) -> Dict[str, float]:
     for key, value in group.items():
         if key == "params":
             continue
-        if number(value) is not None:
-            named[key] = number(value)
-        elif isinstance(value, (tuple, list)) and value and all(
-                number(v) is not None for v in value):
-            for i, v in enumerate(value):
-                named[f"{key}_{i}"] = number(v)
+        scalar = number(value)
+        if scalar is not None:
+            named[key] = scalar
+            continue
+        items = [number(v) for v in value] if isinstance(value, (tuple, list)) else []
+        if items and None not in items:
+            named.update((f"{key}_{i}", v) for i, v in enumerate(items))
     return named
 
 
