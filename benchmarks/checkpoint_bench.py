@@ -44,7 +44,9 @@ RANNC_CHECKPOINT_KEEP, default 3), DIR a new directory under /tmp unless --dir n
    write), the checkpointing step (step + checkpoint(wait=False) call; "extra" is its median
    less the plain step's), blocked_s (the daemon's copy to host memory, from CheckpointInfo),
    and the plain steps that ran while a write was in flight (the writer thread shares the cores
-   with the devices). A write's span is taken from checkpoint(wait=False)'s return to that plus
+   with the devices), and the step right after each checkpoint: from CUDA devices the copies to
+   host memory run during it and its optimizer step waits for them, so the training held per
+   checkpoint is the call plus that step's extra. A write's span is taken from checkpoint(wait=False)'s return to that plus
    its write_s, which the daemon logs ("checkpoint of ... committed: N bytes in T s").
 3. Synchronous: --checkpoints times, a plain step and then checkpoint(wait=True): bytes
    (CheckpointInfo.bytes), write_s (serialization, CRC, write, fsync, rename, pruning) and
@@ -52,7 +54,9 @@ RANNC_CHECKPOINT_KEEP, default 3), DIR a new directory under /tmp unless --dir n
 4. The disk: --disk-reps times, a file of the checkpoint's size written into DIR/ckpt with
    os.write in 8 MiB blocks, fsync'ed and closed (timed from open to close), then removed.
    Ratio = checkpoint throughput (3) / disk MB/s.
-5. Restart: pyrannc.clear() and pyrannc._daemon.shutdown() stop the job and the daemon; then,
+5. Restart (with --restart-deployment from the first job's saved deployment, as a training
+   script that keeps its deployment file restarts: no trace, no planning): pyrannc.clear()
+   and pyrannc._daemon.shutdown() stop the job and the daemon; then,
    with RANNC_RESUME=latest, the clock runs from a new RaNNCModule(...) through resumed_step (as
    a resuming training loop reads it, which starts the daemon) and the first forward, backward,
    step and flush. Its parts: the daemon's start (until pyrannc's "started ranncd" log record,
@@ -211,6 +215,10 @@ def parse_args(argv=None):
     p.add_argument("--disk-reps", type=int, default=3)
     p.add_argument("--dir", help="where checkpoints, daemon logs and the profile cache go "
                    "(default: a new directory under /tmp, removed at the end)")
+    p.add_argument("--restart-deployment", action="store_true",
+                   help="the first job saves its deployment (RaNNCModule.save_deployment, with "
+                   "the trace) and the restart loads it (load_deployment=), as a restarted "
+                   "training script that keeps its deployment file does: no trace, no planning")
     p.add_argument("--keep", action="store_true", help="keep the default directory")
     p.add_argument("--verbose", action="store_true", help="pyrannc's log on stderr")
     p.add_argument("--dry-run", action="store_true", help="build the model, its optimizer and "
@@ -384,6 +392,7 @@ def main(argv=None):
     os.environ["RANNC_DAEMON_ARGS"] = (os.environ.get("RANNC_DAEMON_ARGS", "") +
                                        f" --profile-cache {base}/profiles.tsv").strip()
     os.environ["RANNC_DAEMON_LOG"] = logs[0]
+    deployment = os.path.join(base, "deployment.pb")
 
     records = Records()
     plog = logging.getLogger("pyrannc")
@@ -435,18 +444,29 @@ def main(argv=None):
         warm.append(time.perf_counter() - t0)
         steps_done += 1
     first_create_s = create_job_s(records.records)
+    if args.restart_deployment:
+        rmod.save_deployment(deployment)  # with the trace, for the restart
     note(f"first step {warm[0]:.2f} s (job creation included); {rmod.plan_summary.strip()}")
 
     # 2. Asynchronous checkpoints.
     plain = []   # (step number after it, t_start, t_end) on the monotonic clock
     ckpt_steps = []  # (step, step_s, call_s, blocked_s, t_return)
+    next_steps = []  # the step right after each checkpoint (whose optimizer step waits for the
+                     # copies from a CUDA device, if they are still running)
+
+    def plain_step():
+        nonlocal steps_done
+        x = batch_of()
+        t0 = time.monotonic()
+        step(rmod, opt, x)
+        steps_done += 1
+        plain.append((steps_done, t0, time.monotonic()))
+        if ckpt_steps and steps_done == ckpt_steps[-1][0] + 1:
+            next_steps.append(plain[-1][2] - t0)
+
     for i in range(args.checkpoints):
         for _ in range(args.every - 1):
-            x = batch_of()
-            t0 = time.monotonic()
-            step(rmod, opt, x)
-            steps_done += 1
-            plain.append((steps_done, t0, time.monotonic()))
+            plain_step()
         x = batch_of()
         t0 = time.monotonic()
         step(rmod, opt, x)
@@ -460,11 +480,7 @@ def main(argv=None):
         note(f"async checkpoint {i + 1}: step {info.step}, blocked_s {info.blocked_s:.3f}, "
              f"call {t2 - t1:.3f} s")
     for _ in range(args.every - 1):  # steps after the last one, as after the others
-        x = batch_of()
-        t0 = time.monotonic()
-        step(rmod, opt, x)
-        steps_done += 1
-        plain.append((steps_done, t0, time.monotonic()))
+        plain_step()
     # Wait for the last write to commit.
     deadline = time.monotonic() + 600
     while True:
@@ -535,7 +551,8 @@ def main(argv=None):
     fresh = work.reference_loss(model2, x, amp_level or "O1")
     mark = len(records.records)
     w0 = time.time()
-    rmod2 = pyrannc.RaNNCModule(model2, opt2, **rannc_kwargs)
+    kwargs2 = dict(rannc_kwargs, load_deployment=deployment if args.restart_deployment else None)
+    rmod2 = pyrannc.RaNNCModule(model2, opt2, **kwargs2)
     start = rmod2.resumed_step
     loss = step(rmod2, opt2, x)
     restart_s = time.time() - w0
@@ -588,6 +605,13 @@ def main(argv=None):
           f"checkpoint(wait=False) call {ck_call * 1e3:.0f} ms (blocked_s "
           f"{blocked * 1e3:.0f} ms); writes {med(async_write):.3f} s, {async_tput:.0f} MB/s "
           f"behind training; plain steps: {len(clean)} clean, {len(during)} during a write")
+    if next_steps:
+        next_extra = med(next_steps) - step_clean
+        print(f"- training held per asynchronous checkpoint: the call {ck_call * 1e3:.0f} ms + "
+              f"the next step's extra {next_extra * 1e3:+.0f} ms (that step "
+              f"{med(next_steps) * 1e3:.0f} ms, n={len(next_steps)}) = "
+              f"{(ck_call + next_extra) * 1e3:.0f} ms, {(ck_call + next_extra) / step_clean:.2f} "
+              f"steps")
     print(f"- synchronous: checkpoint(wait=True) call {sync_call:.3f} s (blocked_s "
           f"{sync_blocked * 1e3:.0f} ms + write_s {sync_write:.3f} s); bytes per checkpoint "
           f"{sorted(set(i.bytes for _, _, i in sync))}")
@@ -623,6 +647,9 @@ def main(argv=None):
           f"| {resume_create_s:.2f} s | {rest2:.2f} s ({rest1:.2f} s) | {ph_txt} "
           f"| {w0 + restart_s - create_end:.2f} s | {start} |")
     print()
+    how = ("loaded the first job's saved deployment (no trace, no planning)"
+           if args.restart_deployment else "traced and planned again (no saved deployment)")
+    print(f"- the restart {how}")
     if resumed_t is not None and created_t is not None and listening_t is not None:
         print(f"- daemon log, after RaNNCModule(...): 'listening' at +{listening_t - w0:.2f} s, "
               f"pyrannc connected at +{daemon_s:.2f} s, 'resumed from' at "

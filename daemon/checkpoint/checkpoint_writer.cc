@@ -18,6 +18,15 @@ uint64_t FileBytes(const google::protobuf::RepeatedPtrField<v1::CheckpointFile>&
   return bytes;
 }
 
+// The writer's first act: waiting for the copies from the devices.
+void AwaitCopies(const std::function<void()>& ready, int64_t step) {
+  if (!ready) return;
+  const auto start = std::chrono::steady_clock::now();
+  ready();
+  spdlog::info("checkpoint of step {}: the copies from the devices ended {:.3f} s after the "
+               "writer started", step, SecondsSince(start));
+}
+
 }  // namespace
 
 CheckpointWriter::~CheckpointWriter() { Join(); }
@@ -47,12 +56,13 @@ void CheckpointWriter::Run(int64_t step, std::function<absl::StatusOr<Result>()>
 }
 
 void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, std::string dir,
-                             Others others) {
+                             Others others, std::function<void()> ready) {
   const int64_t step = snapshot.manifest.step();
   Run(step, [job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
-             dir = std::move(dir), others = std::move(others)]() mutable
-            -> absl::StatusOr<Result> {
+             dir = std::move(dir), others = std::move(others),
+             ready = std::move(ready)]() mutable -> absl::StatusOr<Result> {
     const auto start = std::chrono::steady_clock::now();
+    AwaitCopies(ready, snapshot.manifest.step());
     auto failed = [&](const absl::Status& status) {
       spdlog::error("checkpoint of step {} under {} failed (the previous ones are intact): {}",
                     snapshot.manifest.step(), job_dir, status.ToString());
@@ -104,10 +114,11 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
 }
 
 void CheckpointWriter::StartShare(std::string dir, std::string prefix, int64_t step,
-                                  std::vector<Piece> pieces) {
-  Run(step, [dir = std::move(dir), prefix = std::move(prefix), step,
-             pieces = std::move(pieces)]() mutable -> absl::StatusOr<Result> {
+                                  std::vector<Piece> pieces, std::function<void()> ready) {
+  Run(step, [dir = std::move(dir), prefix = std::move(prefix), step, pieces = std::move(pieces),
+             ready = std::move(ready)]() mutable -> absl::StatusOr<Result> {
     const auto start = std::chrono::steady_clock::now();
+    AwaitCopies(ready, step);
     absl::StatusOr<v1::CheckpointShare> share = WriteShare(dir, prefix, pieces);
     pieces.clear();
     if (!share.ok()) {

@@ -45,12 +45,15 @@ class CheckpointWriter {
   // Waits for the write in flight (its result stays readable through last_error()), then
   // starts writing `snapshot` under `job_dir`: into `dir` when given (BeginCheckpoint's, which
   // the other daemons write their shares into; `others` waits for those), else a directory of
-  // its own. On failure the directory is abandoned.
+  // its own. On failure the directory is abandoned. `ready`, when given, returns once the
+  // snapshot's tensors hold their values (copies from devices still running when Start is
+  // called: PipelineEngine::BeginAsyncReads); the writer's thread calls it first.
   void Start(std::string job_dir, Snapshot snapshot, int keep, std::string dir = "",
-             Others others = nullptr);
+             Others others = nullptr, std::function<void()> ready = nullptr);
   // Another daemon's share of the leader's checkpoint `step`: `pieces` into `dir` as files
-  // `<prefix>*.pt` (WriteShare).
-  void StartShare(std::string dir, std::string prefix, int64_t step, std::vector<Piece> pieces);
+  // `<prefix>*.pt` (WriteShare), `ready` as Start's.
+  void StartShare(std::string dir, std::string prefix, int64_t step, std::vector<Piece> pieces,
+                  std::function<void()> ready = nullptr);
   // Waits for the write in flight; the result of the last write started (FAILED_PRECONDITION
   // when none was).
   absl::StatusOr<Result> Wait();

@@ -140,6 +140,36 @@ void MergeNodes(IrGraph& ir, const std::vector<std::pair<int, int>>& ranges) {
   for (auto& [op, node] : ir.node_of_op) node = group[node];
 }
 
+// IrOptions::dtype_device: each tensor value's dtype as `device` computes it.
+void TakeDeviceDtypes(IrGraph& ir, std::vector<NodeProbe>& probes,
+                      const std::vector<c10::IValue>& inputs, bool share,
+                      const c10::Device& device) {
+  absl::StatusOr<ProbeRun> run;
+  {
+    at::NoGradGuard no_grad;
+    run = RunProbes(ir, probes, inputs, share, device);  // host tensors stay as they were
+  }
+  if (!run.ok()) {
+    spdlog::warn("the model does not run node by node on {} ({}): the IR keeps the host's "
+                 "dtypes, and a stage casts what it sends to them",
+                 device.str(), std::string(run.status().message()));
+    return;
+  }
+  int changed = 0;
+  for (size_t i = 0; i < ir.values.size(); ++i) {
+    IrValue& value = ir.values[i];
+    if (!run->set[i] || !value.is_tensor || !run->values[i].isTensor()) continue;
+    const c10::ScalarType dtype = run->values[i].toTensor().scalar_type();
+    if (dtype == value.dtype) continue;
+    value.bytes = value.bytes / static_cast<int64_t>(c10::elementSize(value.dtype)) *
+                  static_cast<int64_t>(c10::elementSize(dtype));
+    value.dtype = dtype;
+    ++changed;
+  }
+  spdlog::info("IR: {} values have other dtypes on {} than on the host (its autocast)", changed,
+               device.str());
+}
+
 }  // namespace
 
 absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at::Tensor>& tensors,
@@ -484,6 +514,9 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
       for (int64_t s : value.shape) numel *= s;
       value.bytes = numel * static_cast<int64_t>(ta.element_size());
     }
+  }
+  if (options.dtype_device.has_value()) {
+    TakeDeviceDtypes(ir, *probes, inputs_a, share, *options.dtype_device);
   }
   for (int id : ir.outputs) {
     IrValue& value = ir.values[id];

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -131,6 +132,13 @@ struct IrOptions {
   // from the shapes of their inputs (no op turns tensor contents into sizes or scalars); the
   // IR is the same either way, only faster to build. False runs every node (tests compare).
   bool share_repeated_nodes = true;
+  // Where the job's stages run when that is not the host (a CUDA device): the values' dtypes
+  // are then those of one more run, on that device, under the caller's autocast for it (CUDA's
+  // autocast casts other ops than the CPU's: softmax and LayerNorm to fp32, for one), so that
+  // the values stages send each other have the dtypes the device computes. Everything else
+  // comes from the host's runs. The run is skipped, with a warning, where the model cannot run
+  // there node by node (a tensor constant baked into the trace on the host).
+  std::optional<c10::Device> dtype_device;
 };
 
 // Builds the IR. `tensors` are the lifted inputs' values in model.graph_tensor_names order.

@@ -9,6 +9,7 @@
 #define RANNC_DAEMON_GRAPH_IR_INTERNAL_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,9 +52,12 @@ struct ProbeRun {
 // Runs the probes in order on `graph_inputs` (user inputs, then lifted tensors). With `share`,
 // a node whose ops and input kinds (dtype, sizes, strides) equal an earlier node's does not run:
 // its values are that node's, which have the same shapes (ShapesFollowFromShapes), so the
-// layers of a deep model cost one layer's run.
+// layers of a deep model cost one layer's run. With `device`, each probe's tensor inputs are
+// copied there before it runs (the lifted tensors for that probe only), so its outputs are
+// computed there and stay there.
 absl::StatusOr<ProbeRun> RunProbes(const IrGraph& ir, std::vector<NodeProbe>& probes,
-                                   const std::vector<c10::IValue>& graph_inputs, bool share);
+                                   const std::vector<c10::IValue>& graph_inputs, bool share,
+                                   const std::optional<c10::Device>& device = std::nullopt);
 
 // Copies of the lifted tensors the graph may write (buffers), to put back after a run; the
 // others (all parameters, usually) are only read and need no copy.

@@ -80,7 +80,8 @@ absl::StatusOr<std::vector<NodeProbe>> BuildProbes(const IrGraph& ir) {
 }
 
 absl::StatusOr<ProbeRun> RunProbes(const IrGraph& ir, std::vector<NodeProbe>& probes,
-                                   const std::vector<c10::IValue>& graph_inputs, bool share) {
+                                   const std::vector<c10::IValue>& graph_inputs, bool share,
+                                   const std::optional<c10::Device>& device) {
   ProbeRun run;
   run.values.resize(ir.values.size());
   run.set.assign(ir.values.size(), false);
@@ -115,6 +116,11 @@ absl::StatusOr<ProbeRun> RunProbes(const IrGraph& ir, std::vector<NodeProbe>& pr
     }
     absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument,
                                     "the model's forward failed", [&] {
+      if (device) {
+        for (c10::IValue& v : stack) {
+          if (v.isTensor()) v = v.toTensor().to(*device);
+        }
+      }
       if (!probe.code) probe.code = std::make_unique<torch::jit::Code>(probe.graph, "probe");
       torch::jit::InterpreterState(*probe.code).run(stack);
       return absl::OkStatus();

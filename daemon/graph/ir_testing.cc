@@ -4,7 +4,7 @@
 
 namespace rannc::testing {
 
-FixtureIr BuildFixtureIr(const std::string& name) {
+FixtureIr BuildFixtureIr(const std::string& name, const IrOptions& options) {
   FixtureIr out;
   out.fixture = LoadFixture(name);
   absl::StatusOr<ImportedModel> model = ImportTorchScript(out.fixture.model_bytes);
@@ -15,7 +15,7 @@ FixtureIr BuildFixtureIr(const std::string& name) {
       if (t.name == tensor_name) out.tensors.push_back(t.tensor);
     }
   }
-  out.ir = BuildIr(out.model, out.tensors, out.fixture.inputs);
+  out.ir = BuildIr(out.model, out.tensors, out.fixture.inputs, options);
   if (out.ir.ok()) {
     absl::StatusOr<std::vector<at::Tensor>> user =
         WithStepInputs(*out.ir, out.fixture.inputs, out.tensors);

@@ -22,7 +22,7 @@ struct FixtureIr {
   std::vector<at::Tensor> user_inputs;
 };
 
-FixtureIr BuildFixtureIr(const std::string& name);
+FixtureIr BuildFixtureIr(const std::string& name, const IrOptions& options = {});
 
 }  // namespace rannc::testing
 

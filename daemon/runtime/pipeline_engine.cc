@@ -429,7 +429,10 @@ absl::StatusOr<std::unique_ptr<GradReducer>> PipelineEngine::Impl::MakeReducer(
 }
 
 PipelineEngine::PipelineEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-PipelineEngine::~PipelineEngine() = default;
+PipelineEngine::~PipelineEngine() {
+  // Copies still reading the devices' memory (asynchronous reads) end before it is freed.
+  impl_->AwaitAsyncReads();
+}
 
 absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
     const IrGraph& ir, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
@@ -553,6 +556,10 @@ std::map<int, std::vector<std::pair<std::string, at::Tensor>>> PipelineEngine::O
 std::vector<PipelineEngine::StatePiece> PipelineEngine::OptimizerStatePieces() const {
   return impl_->OptimizerStatePieces();
 }
+void PipelineEngine::BeginAsyncReads() { impl_->BeginAsyncReads(); }
+
+std::function<void()> PipelineEngine::EndAsyncReads() { return impl_->EndAsyncReads(); }
+
 absl::Status PipelineEngine::LoadOptimizerState(
     const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state) {
   return impl_->LoadOptimizerState(state);

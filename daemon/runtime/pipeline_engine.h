@@ -56,6 +56,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -263,6 +264,17 @@ class PipelineEngine {
     bool slice = false;
   };
   std::vector<StatePiece> OptimizerStatePieces() const;
+  // Reads for a checkpoint that do not hold training up. Between BeginAsyncReads and
+  // EndAsyncReads, ParamAt and OptimizerStatePieces copy a CUDA device's tensors into
+  // page-locked host memory on a side stream, after the work queued on the device so far, and
+  // return before the copies end; the host tensors hold their values once the function
+  // EndAsyncReads returns has run (on any thread). The devices' next writes of parameters and
+  // optimizer state (Step, SetParam, LoadOptimizerState) wait for the copies on the device, not
+  // on the host, so the next forwards and backwards run meanwhile. Buffers are not covered (a
+  // forward writes BatchNorm's running statistics): read them before BeginAsyncReads. On other
+  // devices the reads are the ordinary ones, and the function does nothing.
+  void BeginAsyncReads();
+  std::function<void()> EndAsyncReads();
   absl::Status LoadOptimizerState(
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   // p -= lr * grad on every device's copy of every parameter that has a gradient (tests).

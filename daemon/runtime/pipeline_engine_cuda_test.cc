@@ -20,6 +20,7 @@
 #include "daemon/runtime/pipeline_engine.h"
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -219,13 +220,16 @@ TEST_CASE("On CUDA devices the engine trains as on the CPU: plain, ZeRO, offload
   }
 }
 
-// A low-precision case's IR, built as a job builds it: on the host under the CPU's autocast,
-// whose op lists differ from CUDA's, so values crossing stages may be cast to dtypes the
-// one-device CUDA run does not use; the 2% bound holds all the same (passed on an H200,
-// 2026-12-02).
+// A low-precision case's IR, built as a job on CUDA devices builds it: on the host under the
+// CPU's autocast, the values' dtypes from one more run on the GPU under CUDA's
+// (IrOptions::dtype_device), whose op lists differ, so that stages send each other what they
+// compute, uncast, as the one-device run does.
 FixtureIr LowPrecisionIr(const Case& c, const Mode& mode) {
   AutocastGuard amp(mode.amp);
-  return BuildFixtureIr(c.model);
+  AutocastGuard cuda_amp(mode.amp, /*cuda=*/true);
+  IrOptions options;
+  options.dtype_device = c10::Device(c10::kCUDA, 0);
+  return BuildFixtureIr(c.model, options);
 }
 
 // The case's plan over 4 plan devices on the GPUs (staged), and the whole model on one device of
@@ -301,6 +305,62 @@ TEST_CASE("fp16 with loss scaling on CUDA devices: an overflow skips the step ev
     TrainAlike(f, one, cuda, true);
     CHECK(one.loss_scaler().skipped_steps() == 1);
     CHECK(cuda.loss_scaler().skipped_steps() == 1);
+  }
+}
+
+TEST_CASE("A checkpoint's reads from CUDA devices hold the step they were taken at while the "
+          "next step runs", "[gpu]") {
+  const int gpus = GpuCount();
+  INFO("this test needs a CUDA build of LibTorch and a GPU");
+  REQUIRE(gpus > 0);
+  const Case c = StagedCases()[0];
+  for (const Mode& mode : {Mode{"plain", false, false, {}}, Mode{"zero", true, false, {}}}) {
+    INFO(c.model << ", " << mode.name);
+    FixtureIr f = BuildFixtureIr(c.model);
+    REQUIRE(f.ir.ok());
+    const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B);
+    std::unique_ptr<PipelineEngine> e =
+        MakeEngine(f, plan, comm::Backend::kFake, mode, RoundRobin(4, gpus));
+    const std::vector<int> params = ParamIndices(*f.ir);
+    HyperParams adam;
+    adam.lr = 0.01;
+    REQUIRE(e->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
+    auto step = [&] {
+      absl::StatusOr<std::vector<at::Tensor>> out = e->Forward(f.fixture.inputs, true);
+      REQUIRE(out.ok());
+      const at::Tensor seed = at::ones({}, at::TensorOptions().dtype((*out)[0].scalar_type()));
+      REQUIRE(e->Backward({{0, seed}}, false).ok());
+      REQUIRE(e->Step({adam}).ok());
+      e->ZeroGrad(/*set_to_none=*/true);
+    };
+    step();
+    std::vector<at::Tensor> want;
+    for (int li : params) want.push_back(e->ParamAt(li));
+    std::vector<PipelineEngine::StatePiece> want_state = e->OptimizerStatePieces();
+
+    e->BeginAsyncReads();
+    std::vector<at::Tensor> got;
+    for (int li : params) got.push_back(e->ParamAt(li));
+    std::vector<PipelineEngine::StatePiece> got_state = e->OptimizerStatePieces();
+    std::function<void()> ready = e->EndAsyncReads();
+    step();  // writes every parameter and its state: after the copies, on the device
+    ready();
+    for (size_t k = 0; k < params.size(); ++k) {
+      INFO(f.ir->tensor_names[params[k]]);
+      CHECK(got[k].is_pinned());
+      CHECK(at::equal(got[k], want[k]));
+      CHECK(!at::equal(e->ParamAt(params[k]), want[k]));  // the second step moved it
+    }
+    REQUIRE(got_state.size() == want_state.size());
+    for (size_t k = 0; k < want_state.size(); ++k) {
+      INFO(f.ir->tensor_names[want_state[k].lifted] << " " << want_state[k].key);
+      CHECK(got_state[k].lifted == want_state[k].lifted);
+      CHECK(got_state[k].offset == want_state[k].offset);
+      CHECK(at::equal(got_state[k].value, want_state[k].value));
+    }
+    // After EndAsyncReads, reads are synchronous again.
+    const at::Tensor after = e->ParamAt(params[0]);
+    CHECK(!at::equal(after, want[0]));
   }
 }
 

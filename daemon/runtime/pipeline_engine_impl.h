@@ -22,6 +22,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "absl/status/statusor.h"
@@ -273,6 +275,10 @@ class PipelineEngine::Impl {
   const LossScaler& loss_scaler() const { return scaler_; }
   std::map<int, std::vector<std::pair<std::string, at::Tensor>>> OptimizerState() const;
   std::vector<PipelineEngine::StatePiece> OptimizerStatePieces() const;
+  void BeginAsyncReads();
+  std::function<void()> EndAsyncReads();
+  // Returns once every asynchronous read ended (before the devices' memory goes).
+  void AwaitAsyncReads() const;
   absl::Status LoadOptimizerState(
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);
@@ -443,6 +449,13 @@ class PipelineEngine::Impl {
   static at::Tensor ToHost(const at::Tensor& t);
   // A host copy of `t`, wherever `t` is (the engine's reads return host tensors of their own).
   static at::Tensor HostCopy(const at::Tensor& t);
+  // PipelineEngine::BeginAsyncReads..EndAsyncReads (pipeline_engine_offload.cc): HostCopy, or,
+  // while async_reads_, a copy on the device's read stream that returns before it ends.
+  at::Tensor ReadCopy(const at::Tensor& t) const;
+  // The devices' streams wait for the asynchronous reads (before a write of what they read).
+  void WaitForAsyncReads();
+  // Returns once `event`'s work has run.
+  static void AwaitOnHost(const c10::Event& event);
   // A ZeRO parameter's value assembled from its replicas' shards (offload: they are the
   // masters).
   at::Tensor ShardedValue(int lifted) const;
@@ -470,6 +483,15 @@ class PipelineEngine::Impl {
   std::unique_ptr<comm::Store> owned_store_;
   comm::Store* store_ = nullptr;  // owned_store_, or EngineOptions::store
   bool partial_ = false;          // some of the plan's devices belong to other processes
+  std::atomic<bool> warned_cast_{false};  // a sent value was cast to the IR's dtype (logged once)
+  // Asynchronous reads (ReadCopy). Mutable: reading the model is const, but queues copies.
+  struct PendingRead {
+    c10::Device device;
+    std::shared_ptr<c10::Event> done;
+  };
+  mutable bool async_reads_ = false;
+  mutable std::vector<std::pair<c10::Device, c10::Stream>> read_streams_;  // this batch's
+  std::vector<PendingRead> pending_reads_;  // ended batches' copies, not yet waited for
   std::vector<StageInfo> stages_;
   std::vector<Device> devices_;                 // the plan's devices, ascending index
   std::vector<int> world_rank_;                 // per global device index (-1: unused)

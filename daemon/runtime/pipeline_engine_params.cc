@@ -1,15 +1,19 @@
 // The engine's parameters, gradients and optimizers between steps (see pipeline_engine.h):
 // reads and writes of the lifted tensors by name or index, gradient accumulation from outside,
 // zeroing, norms and clipping, the per-device optimizers and their state, the loss scaler's
-// overflow check, and each device's held bytes. Called on the engine's calling thread between
+// overflow check, each device's held bytes, and the asynchronous reads of checkpoints. Called on the engine's calling thread between
 // steps; OnEveryDevice runs the parts that need the devices on their workers.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <future>
 #include <set>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
@@ -40,6 +44,7 @@ absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& 
 }
 
 void PipelineEngine::Impl::SetParam(int lifted, const at::Tensor& value) {
+  WaitForAsyncReads();
   at::NoGradGuard no_grad;
   auto slot = zero_slots_.find(lifted);
   for (Device& d : devices_) {
@@ -68,7 +73,7 @@ at::Tensor PipelineEngine::Impl::ParamValue(int lifted, int device) const {
   }
   if (d == nullptr || !d->lifted[lifted].defined()) return at::Tensor();
   if (offload_ && sharded(lifted)) return ShardedValue(lifted);
-  return HostCopy(d->Master(lifted).detach());
+  return ReadCopy(d->Master(lifted).detach());
 }
 
 void PipelineEngine::Impl::AddGrad(int lifted, const at::Tensor& grad) {
@@ -269,6 +274,7 @@ absl::Status PipelineEngine::Impl::Step(const std::vector<HyperParams>& hypers) 
 }
 
 absl::Status PipelineEngine::Impl::OptimizerStep(const std::vector<HyperParams>& hypers) {
+  WaitForAsyncReads();
   // Zeroed gradients are stepped as zeros, as PyTorch steps a zero gradient (weight decay and
   // moments still move).
   for (Device& d : devices_) {
@@ -348,6 +354,7 @@ PipelineEngine::Impl::OptimizerState() const {
 
 absl::Status PipelineEngine::Impl::LoadOptimizerState(
     const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state) {
+  WaitForAsyncReads();
   for (Device& d : devices_) {
     if (!d.optimizer) return absl::FailedPreconditionError("the engine has no optimizer");
     std::vector<std::pair<std::string, at::Tensor>> named;
@@ -461,6 +468,66 @@ int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
   }
   if (d.optimizer) bytes += d.optimizer->StateBytes();
   return bytes;
+}
+
+at::Tensor PipelineEngine::Impl::ReadCopy(const at::Tensor& t) const {
+  if (!async_reads_ || !t.is_cuda()) return HostCopy(t);
+  const c10::impl::VirtualGuardImpl impl(t.device().type());
+  auto found = std::find_if(read_streams_.begin(), read_streams_.end(),
+                            [&](const auto& s) { return s.first == t.device(); });
+  if (found == read_streams_.end()) {
+    // The device's read stream starts after the work queued on its stream so far (the last
+    // optimizer step's).
+    const c10::Stream stream = impl.getStreamFromGlobalPool(t.device());
+    c10::Event queued(t.device().type());
+    queued.record(impl.getStream(t.device()));
+    queued.block(stream);
+    found = read_streams_.emplace(read_streams_.end(), t.device(), stream);
+  }
+  at::Tensor host;
+  try {
+    host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  } catch (const c10::Error&) {
+    return HostCopy(t);  // no page-locked memory: a synchronous copy
+  }
+  const c10::StreamGuard on_read_stream(found->second);
+  host.copy_(t, /*non_blocking=*/true);
+  return host;
+}
+
+void PipelineEngine::Impl::WaitForAsyncReads() {
+  for (const PendingRead& r : pending_reads_) {
+    const c10::impl::VirtualGuardImpl impl(r.device.type());
+    r.done->block(impl.getStream(r.device));
+  }
+  pending_reads_.clear();
+}
+
+void PipelineEngine::Impl::BeginAsyncReads() { async_reads_ = true; }
+
+std::function<void()> PipelineEngine::Impl::EndAsyncReads() {
+  async_reads_ = false;
+  std::vector<std::shared_ptr<c10::Event>> events;
+  for (const auto& [device, stream] : read_streams_) {
+    auto done = std::make_shared<c10::Event>(device.type());
+    done->record(stream);
+    pending_reads_.push_back({device, done});
+    events.push_back(std::move(done));
+  }
+  read_streams_.clear();
+  return [events = std::move(events)] {
+    for (const std::shared_ptr<c10::Event>& e : events) AwaitOnHost(*e);
+  };
+}
+
+void PipelineEngine::Impl::AwaitAsyncReads() const {
+  for (const PendingRead& r : pending_reads_) AwaitOnHost(*r.done);
+}
+
+void PipelineEngine::Impl::AwaitOnHost(const c10::Event& event) {
+  // c10::Event has no host wait in every LibTorch this builds with: polled (the waiter is a
+  // checkpoint writer's thread, which has nothing else to do).
+  while (!event.query()) std::this_thread::sleep_for(std::chrono::microseconds(200));
 }
 
 }  // namespace rannc

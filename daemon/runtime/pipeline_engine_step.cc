@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
@@ -176,10 +177,18 @@ absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, i
           break;
       }
     }
-    // The IR's dtype, which the consumers receive: a CUDA stage's autocast may cast ops that the
-    // CPU's, under which the IR was built, does not.
+    // The IR's dtype, which the consumers receive. The IR takes a CUDA stage's dtypes from a
+    // run on the device (IrOptions::dtype_device); where that run could not be made, the host's
+    // autocast lists gave them and the two may differ.
     at::Tensor sent = (*out)[k];
-    if (sent.scalar_type() != ir.values[v].dtype) sent = sent.to(ir.values[v].dtype);
+    if (sent.scalar_type() != ir.values[v].dtype) {
+      if (!warned_cast_.exchange(true)) {
+        spdlog::warn("job {}: stage {} computes %{} as {} where the IR says {}; it is sent cast "
+                     "(logged once)", id_, d.stage, ir.values[v].name,
+                     c10::toString(sent.scalar_type()), c10::toString(ir.values[v].dtype));
+      }
+      sent = sent.to(ir.values[v].dtype);
+    }
     for (int q : st.consumers[k]) {
       for (const Transfer& t : Transfers(v, n, d.stage, q)) {
         if (t.src != d.replica) continue;

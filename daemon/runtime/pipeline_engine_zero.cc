@@ -276,7 +276,7 @@ std::vector<PipelineEngine::StatePiece> PipelineEngine::Impl::OptimizerStatePiec
       const size_t dot = name.find('.');
       const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
       if (li < 0 || owner_[li] != d.world_rank) continue;  // a ZeRO shard: below
-      out.push_back({li, name.substr(dot + 1), HostCopy(value.detach()), 0, false});
+      out.push_back({li, name.substr(dot + 1), ReadCopy(value.detach()), 0, false});
     }
     if (d.zero.empty() || d.replica != 0) continue;  // replica 0 reports every replica's
     for (const Device* r : Replicas(d.stage)) {
@@ -292,12 +292,12 @@ std::vector<PipelineEngine::StatePiece> PipelineEngine::Impl::OptimizerStatePiec
           for (size_t i = 0; i < part.params.size(); ++i) {
             if (IsScalarState(key)) {
               // The same on every shard: replica 0's, whole.
-              if (r == &d) out.push_back({part.params[i], key, HostCopy(value.detach()), 0, false});
+              if (r == &d) out.push_back({part.params[i], key, ReadCopy(value.detach()), 0, false});
               continue;
             }
             ForShardSlice(part, i, [&](int64_t shard_from, int64_t param_from, int64_t count) {
               out.push_back({part.params[i], key,
-                             HostCopy(value.detach().narrow(0, shard_from, count)), param_from,
+                             ReadCopy(value.detach().narrow(0, shard_from, count)), param_from,
                              true});
             });
           }

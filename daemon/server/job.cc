@@ -1,6 +1,7 @@
 #include "daemon/server/job.h"
 
 #include <chrono>
+#include <future>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -64,6 +65,12 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
                                                  const std::vector<at::Tensor>& example_inputs,
                                                  const SentTensors& sent,
                                                  PartChannels* channels) {
+  // A resumed job's checkpoint is read meanwhile.
+  std::future<ResumeRead> resume_read;
+  if (settings.checkpoints.resume >= 0 && !settings.is_part) {
+    resume_read = std::async(std::launch::async, &Job::ReadResume, settings.checkpoints,
+                             settings.name);
+  }
   auto phase = std::chrono::steady_clock::now();
   absl::StatusOr<ImportedModel> model =
       ImportJobModel(settings, model_bytes, sent, example_inputs);
@@ -95,6 +102,13 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
                                : absl::StrCat(s.plan_target.device_type, ":", d));
   }
 
+  job->last_hypers_ = s.optimizer.group_hyper;
+  if (resume_read.valid() && s.members.empty()) {
+    // On one daemon the checkpoint goes into the job before its devices get the parameters, so
+    // they get the checkpoint's once (and the optimizer state with them).
+    absl::Status resumed = job->Resume(resume_read.get());
+    if (!resumed.ok()) return resumed;
+  }
   phase = std::chrono::steady_clock::now();
   std::string whole;
   if (!s.members.empty() && !sent.empty()) {
@@ -111,9 +125,9 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
   if (s.client_world > 1) {
     job->client_ranks_ = std::make_unique<ClientRendezvous>(s.client_world, s.client_timeout);
   }
-  job->last_hypers_ = s.optimizer.group_hyper;
-  if (s.checkpoints.resume >= 0 && !s.is_part) {
-    absl::Status resumed = job->Resume();
+  if (resume_read.valid()) {
+    // Over several daemons, once every part exists: the state goes to the parts that hold it.
+    absl::Status resumed = job->Resume(resume_read.get());
     if (!resumed.ok()) return resumed;
   }
   return job;

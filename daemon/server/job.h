@@ -221,14 +221,32 @@ class Job {
   // creation (settings_.checkpoints.resume).
   absl::StatusOr<CheckpointInfo> CheckpointLocked(bool wait);
   // This daemon's share of a checkpoint, copied to host memory: the parameters, buffers and
-  // optimizer state it writes (LocalJob::Saves).
-  absl::StatusOr<std::vector<checkpoint::Piece>> ShareLocked();
-  absl::Status CopyShareLocked(std::vector<checkpoint::Piece>* out);  // ShareLocked's, may throw
+  // optimizer state it writes (LocalJob::Saves). The parameters' and optimizer state's copies
+  // from CUDA devices run on while training goes on: `ready` waits for them
+  // (LocalJob::BeginAsyncReads).
+  struct Share {
+    std::vector<checkpoint::Piece> pieces;
+    std::function<void()> ready;
+  };
+  absl::StatusOr<Share> ShareLocked();
+  absl::Status CopyShareLocked(Share* out);  // ShareLocked's, may throw
   void RestoreLossScalerLocked(double scale, int good_steps, int skipped_steps);
   // checkpoint_every's: a checkpoint that cannot be taken or written fails no step; the job
   // keeps training, and the failure is logged and reported (checkpoint_error).
   void CheckpointAfterStep();
-  absl::Status Resume();
+  // A job created from a checkpoint (settings_.checkpoints.resume): ReadResume finds and reads
+  // it (on a thread of its own while the job is made: the files' reading overlaps import,
+  // planning and placement); Resume loads what it read into the job.
+  struct ResumeRead {
+    std::string key;  // "resume=latest", "resume=<step>"
+    absl::Status status;  // of finding or reading it
+    bool none_yet = false;  // resume=latest before the first checkpoint: the job starts afresh
+    v1::CheckpointManifest manifest;
+    checkpoint::Contents contents;
+    double read_s = 0;
+  };
+  static ResumeRead ReadResume(const JobSettings::Checkpoints& c, const std::string& job_name);
+  absl::Status Resume(ResumeRead read);
   // Reads a tensor another daemon's part holds (null when none does: a part, or one daemon).
   RemoteRead Remote();
   std::vector<int> OutputBatchDims() const;

@@ -8,6 +8,7 @@
 #include <ATen/core/grad_mode.h>
 #include <spdlog/spdlog.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/checkpoint/checkpoint.h"
@@ -81,10 +82,12 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   // The copy to host memory, on every daemon at once: what training waits for.
   checkpoint::Snapshot snapshot;
   v1::CheckpointManifest& m = snapshot.manifest;
+  std::function<void()> ready;
   auto local = [&]() -> absl::Status {
-    absl::StatusOr<std::vector<checkpoint::Piece>> mine = ShareLocked();
+    absl::StatusOr<Share> mine = ShareLocked();
     if (!mine.ok()) return mine.status();
-    snapshot.files.push_back(std::move(*mine));
+    snapshot.files.push_back(std::move(mine->pieces));
+    ready = std::move(mine->ready);
     return absl::OkStatus();
   };
   absl::Status copied =
@@ -96,6 +99,7 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
                 local)
           : local();
   if (!copied.ok()) {
+    if (ready) ready();  // this daemon's copies end before their memory goes
     // A part that started writing fails its write once the directory is gone.
     checkpoint::AbandonCheckpoint(*dir);
     return Annotate(copied, "checkpoint");
@@ -149,10 +153,10 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
     others = [this, step] { return coordinator_.CheckpointShares(step); };
   }
   writer_.Start(*job_dir, std::move(snapshot), settings_.checkpoints.keep, *dir,
-                std::move(others));
+                std::move(others), std::move(ready));
   info.blocked_s = SecondsSince(start);
-  spdlog::info("job {}: checkpoint of step {} copied to host memory (training held {:.3f} s, "
-               "waiting for the previous write included); writing",
+  spdlog::info("job {}: checkpoint of step {} taken (training held {:.3f} s, waiting for the "
+               "previous write included); copying to host memory and writing",
                info_.id, info.step, info.blocked_s);
   if (!wait) return info;
   absl::StatusOr<checkpoint::CheckpointWriter::Result> done = writer_.Wait();
@@ -163,33 +167,44 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   return info;
 }
 
-absl::StatusOr<std::vector<checkpoint::Piece>> Job::ShareLocked() {
-  std::vector<checkpoint::Piece> pieces;
+absl::StatusOr<Job::Share> Job::ShareLocked() {
+  Share share;
   // Host memory may run out: a failed checkpoint, not a failed daemon.
   absl::Status copied = TorchCall(absl::StatusCode::kResourceExhausted,
                                   "copying the checkpoint to host memory",
-                                  [&] { return CopyShareLocked(&pieces); });
-  if (!copied.ok()) return copied;
-  return pieces;
+                                  [&] { return CopyShareLocked(&share); });
+  if (!copied.ok()) {
+    if (share.ready) share.ready();  // the copies queued end before their memory goes
+    return copied;
+  }
+  return share;
 }
 
-absl::Status Job::CopyShareLocked(std::vector<checkpoint::Piece>* out) {
+absl::Status Job::CopyShareLocked(Share* out) {
   const auto start = std::chrono::steady_clock::now();
-  std::vector<checkpoint::Piece>& pieces = *out;
+  std::vector<checkpoint::Piece>& pieces = out->pieces;
   const ParamStore& store = local_->params();
-  {
-    at::NoGradGuard no_grad;
-    for (const ParamStore::Entry& e : store.entries()) {
-      if (!local_->Saves(e.name)) continue;
-      checkpoint::Piece p;
-      p.kind = e.is_parameter ? v1::CheckpointEntry::PARAM : v1::CheckpointEntry::BUFFER;
-      p.name = e.name;
-      // A copy straight from the devices (not through the host master: one copy, not two);
-      // a tensor no device holds is the master's.
-      absl::StatusOr<std::optional<at::Tensor>> held = local_->Read(e.name, /*grad=*/false);
-      p.value = held.ok() && held->has_value() ? std::move(**held) : e.tensor.detach().clone();
-      pieces.push_back(std::move(p));
-    }
+  at::NoGradGuard no_grad;
+  auto add_entry = [&](const ParamStore::Entry& e) {
+    if (!local_->Saves(e.name)) return;
+    checkpoint::Piece p;
+    p.kind = e.is_parameter ? v1::CheckpointEntry::PARAM : v1::CheckpointEntry::BUFFER;
+    p.name = e.name;
+    // A copy straight from the devices (not through the host master: one copy, not two); a
+    // tensor no device holds is the master's.
+    absl::StatusOr<std::optional<at::Tensor>> held = local_->Read(e.name, /*grad=*/false);
+    p.value = held.ok() && held->has_value() ? std::move(**held) : e.tensor.detach().clone();
+    pieces.push_back(std::move(p));
+  };
+  // Buffers first, at once (a forward writes them); then parameters and optimizer state, whose
+  // copies from CUDA devices run on during the next forwards and backwards.
+  for (const ParamStore::Entry& e : store.entries()) {
+    if (!e.is_parameter) add_entry(e);
+  }
+  local_->BeginAsyncReads();
+  absl::Cleanup end_reads = [&] { out->ready = local_->EndAsyncReads(); };
+  for (const ParamStore::Entry& e : store.entries()) {
+    if (e.is_parameter) add_entry(e);
   }
   const double params_s = SecondsSince(start);
   // ZeRO's shards are written as they are, slices of their tensors (the reader assembles them).
@@ -217,8 +232,9 @@ absl::Status Job::CopyShareLocked(std::vector<checkpoint::Piece>* out) {
     bytes += static_cast<int64_t>(p.value.nbytes());
     if (p.value.is_pinned()) pinned += static_cast<int64_t>(p.value.nbytes());
   }
-  spdlog::info("job {}: {} tensors ({:.2f} GB, {:.2f} GB of it page-locked) copied to host "
-               "memory in {:.3f} s (parameters and buffers {:.3f} s, optimizer state {:.3f} s)",
+  spdlog::info("job {}: {} tensors ({:.2f} GB, {:.2f} GB of it page-locked) read in {:.3f} s "
+               "(buffers and parameters {:.3f} s, optimizer state {:.3f} s; from CUDA devices "
+               "the copies go on meanwhile)",
                info_.id, pieces.size(), bytes / 1e9, pinned / 1e9, SecondsSince(start),
                params_s, SecondsSince(start) - params_s);
   return absl::OkStatus();
@@ -240,9 +256,9 @@ absl::Status Job::StartCheckpointShare(const std::string& dir, const std::string
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   writer_.Wait().status().IgnoreError();  // the previous share's write
-  absl::StatusOr<std::vector<checkpoint::Piece>> pieces = ShareLocked();
-  if (!pieces.ok()) return pieces.status();
-  writer_.StartShare(dir, prefix, step, std::move(*pieces));
+  absl::StatusOr<Share> share = ShareLocked();
+  if (!share.ok()) return share.status();
+  writer_.StartShare(dir, prefix, step, std::move(share->pieces), std::move(share->ready));
   return absl::OkStatus();
 }
 
@@ -322,24 +338,48 @@ std::string Job::checkpoint_error() const {
   return snapshot_error_;
 }
 
-absl::Status Job::Resume() {
-  const JobSettings::Checkpoints& c = settings_.checkpoints;
-  absl::StatusOr<std::string> job_dir = checkpoint::JobDir(c.dir, settings_.name);
-  if (!job_dir.ok()) return job_dir.status();
-  const std::string key = c.resume == 0 ? "resume=latest" : absl::StrCat("resume=", c.resume);
+Job::ResumeRead Job::ReadResume(const JobSettings::Checkpoints& c, const std::string& job_name) {
+  ResumeRead out;
+  out.key = c.resume == 0 ? "resume=latest" : absl::StrCat("resume=", c.resume);
+  absl::StatusOr<std::string> job_dir = checkpoint::JobDir(c.dir, job_name);
+  if (!job_dir.ok()) {
+    out.status = job_dir.status();
+    return out;
+  }
   absl::StatusOr<v1::CheckpointManifest> m = checkpoint::FindCheckpoint(*job_dir, c.resume);
   if (c.resume == 0 && m.status().code() == absl::StatusCode::kNotFound) {
-    // resume=latest before the first checkpoint was written: the job starts afresh.
+    out.none_yet = true;
+    return out;
+  }
+  if (!m.ok()) {
+    out.status = Annotate(m.status(), out.key);
+    return out;
+  }
+  out.manifest = std::move(*m);
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<checkpoint::Contents> contents = checkpoint::ReadCheckpoint(*job_dir, out.manifest);
+  if (!contents.ok()) {
+    out.status = Annotate(contents.status(), out.key);
+    return out;
+  }
+  out.contents = std::move(*contents);
+  out.read_s = SecondsSince(start);
+  return out;
+}
+
+absl::Status Job::Resume(ResumeRead read) {
+  if (!read.status.ok()) return read.status;
+  const std::string& key = read.key;
+  if (read.none_yet) {
     spdlog::info("job {} '{}': resume=latest, and {} holds no checkpoint yet: starting afresh",
-                 info_.id, settings_.name, *job_dir);
+                 info_.id, settings_.name, checkpoint_job_dir());
     return absl::OkStatus();
   }
-  if (!m.ok()) return Annotate(m.status(), key);
-  const std::string dir = checkpoint::StepDir(*job_dir, m->step());
+  const v1::CheckpointManifest* m = &read.manifest;
+  checkpoint::Contents* contents = &read.contents;
+  const std::string dir = checkpoint::StepDir(checkpoint_job_dir(), m->step());
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<checkpoint::Contents> contents = checkpoint::ReadCheckpoint(*job_dir, *m);
-  if (!contents.ok()) return Annotate(contents.status(), key);
-  const double read_s = SecondsSince(start);
+  const double read_s = read.read_s;
   uint64_t bytes = 0;
   for (const v1::CheckpointFile& f : m->files()) bytes += f.bytes();
   auto another = [&](const std::string& why) {
@@ -411,8 +451,9 @@ absl::Status Job::Resume() {
   }
   resumed_step_ = m->step();
   spdlog::info("job {} '{}' resumed from {} (step {}, written by job {}; read {:.0f} MB in "
-               "{:.2f} s, applied in {:.2f} s)", info_.id, settings_.name, dir, m->step(),
-               m->job_id(), bytes / 1e6, read_s, SecondsSince(start) - read_s);
+               "{:.2f} s while the job was made, applied in {:.2f} s)", info_.id,
+               settings_.name, dir, m->step(), m->job_id(), bytes / 1e6, read_s,
+               SecondsSince(start));
   return absl::OkStatus();
 }
 

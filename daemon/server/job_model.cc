@@ -215,7 +215,17 @@ absl::StatusOr<PlannedModel> PlanJobModel(const JobSettings& config, const Impor
     tensors.push_back(store.Find(name)->tensor);
   }
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<IrGraph> ir = BuildIr(model, tensors, example_inputs);
+  // At O1 on CUDA devices the values' dtypes are CUDA autocast's, whose lists differ from the
+  // CPU's the host probes run under: stages then send each other what they compute, uncast.
+  IrOptions options;
+  for (const c10::Device& d : config.placement) {
+    if (d.is_cuda() && config.autocast().has_value()) options.dtype_device = d;
+  }
+  absl::StatusOr<IrGraph> ir;
+  {
+    AutocastGuard cuda_amp(options.dtype_device ? config.autocast() : AmpDtype(), /*cuda=*/true);
+    ir = BuildIr(model, tensors, example_inputs, options);
+  }
   if (!ir.ok()) return Annotate(ir.status(), "building the model's IR");
   PlannedModel out;
   out.ir_s = SecondsSince(start);

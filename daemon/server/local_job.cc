@@ -463,8 +463,12 @@ absl::StatusOr<std::optional<at::Tensor>> LocalJob::Read(const std::string& name
 absl::Status LocalJob::Load(const std::map<std::string, at::Tensor>& state, bool strict,
                             std::vector<std::string>* missing,
                             std::vector<std::string>* unexpected) {
-  // Entries the state leaves out keep the devices' values.
-  SyncStore(/*grads=*/false, nullptr);
+  // Entries the state leaves out keep the devices' values (a state that has them all, a
+  // checkpoint's, needs no copy of them first).
+  const std::vector<std::string>& keys = store_.state_keys();
+  if (!std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return state.count(k); })) {
+    SyncStore(/*grads=*/false, nullptr);
+  }
   absl::Status loaded = store_.Load(state, strict, missing, unexpected);
   if (!loaded.ok()) return loaded;
   if (engine_) {
@@ -516,6 +520,15 @@ std::vector<LocalJob::OptimizerPiece> LocalJob::OptimizerStatePieces() {
     out.push_back({{it->second->name, std::move(p.key), std::move(p.value)}, p.offset, p.slice});
   }
   return out;
+}
+
+void LocalJob::BeginAsyncReads() {
+  if (engine_) engine_->BeginAsyncReads();
+}
+
+std::function<void()> LocalJob::EndAsyncReads() {
+  if (!engine_) return [] {};
+  return engine_->EndAsyncReads();
 }
 
 absl::StatusOr<LocalJob::ByLifted> LocalJob::OptimizerStateByLifted(

@@ -130,6 +130,11 @@ class LocalJob {
     bool slice = false;
   };
   std::vector<OptimizerPiece> OptimizerStatePieces();
+  // Reads of a checkpoint that do not hold training up (PipelineEngine::BeginAsyncReads): the
+  // parameters and optimizer state read in between are valid once the returned function has
+  // run. Buffers are read before.
+  void BeginAsyncReads();
+  std::function<void()> EndAsyncReads();
   // With `check_only`, the checks and nothing else.
   absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state,
                                   bool check_only = false);
