@@ -138,13 +138,16 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
     const std::string where = Where(path, key, node);
     if (key == "name") {
       RANNC_SET_OR_RETURN(set_name, Text, where, node);
-    } else if (key == "model" || key == "tokens" || key == "eval_tokens") {
+    } else if (key == "model" || key == "tokens" || key == "eval_tokens" || key == "dataset" ||
+               key == "eval_dataset") {
       absl::StatusOr<std::string> file = Text(where, node);
       if (!file.ok()) return file.status();
       const std::string resolved = Resolve(path, *file);
       if (key == "model") spec.set_model_path(resolved);
       if (key == "tokens") spec.set_tokens_path(resolved);
       if (key == "eval_tokens") spec.set_eval_tokens_path(resolved);
+      if (key == "dataset") spec.set_dataset_path(resolved);
+      if (key == "eval_dataset") spec.set_eval_dataset_path(resolved);
     } else if (key == "token_dtype") {
       RANNC_SET_OR_RETURN(set_token_dtype, Text, where, node);
     } else if (key == "batch") {
@@ -159,6 +162,8 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
       RANNC_SET_OR_RETURN(set_eval_every, Integer, where, node);
     } else if (key == "eval_batches") {
       RANNC_SET_OR_RETURN(set_eval_batches, Integer, where, node);
+    } else if (key == "priority") {
+      RANNC_SET_OR_RETURN(set_priority, Integer, where, node);
     } else if (key == "optimizer" && node.is_table()) {
       absl::Status read = ReadOptimizer(path, *node.as_table(), spec);
       if (!read.ok()) return read;
@@ -200,7 +205,8 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": unknown; a job file has name, model, tokens, token_dtype, eval_tokens, "
-                 "batch, seq, steps, seed, eval_every, eval_batches and the tables "
+                 "dataset, eval_dataset, batch, seq, steps, seed, eval_every, eval_batches, "
+                 "priority and the tables "
                  "[optimizer], [schedule], [config] (docs/detached.md)"));
     }
   }

@@ -1,9 +1,6 @@
 #include "daemon/server/detached_jobs.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/ones_like.h>
-#include <ATen/ops/randint.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -24,9 +21,9 @@
 #include "daemon/common/elapsed.h"
 #include "daemon/common/files.h"
 #include "daemon/common/status.h"
-#include "daemon/common/token_file.h"
 #include "daemon/optim/lr_schedule.h"
 #include "daemon/planner/deployment.h"
+#include "daemon/server/detached_data.h"
 #include "daemon/server/job_settings.h"
 
 namespace rannc {
@@ -34,26 +31,6 @@ namespace {
 
 constexpr size_t kKeptLines = 10000;
 constexpr int64_t kDefaultEvalBatches = 4;
-
-// `batch` windows of seq + 1 tokens at positions from `gen`: torch.randint(0, n - seq, (batch,),
-// generator=gen), as DetachedJobSpec.seed documents, split into inputs and next-token targets.
-std::pair<at::Tensor, at::Tensor> SampleWindows(const TokenFile& tokens, at::Generator& gen,
-                                                int64_t batch, int64_t seq) {
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  const at::Tensor starts = at::randint(0, n - seq, {batch}, gen);
-  at::Tensor x = at::empty({batch, seq}, at::kLong);
-  at::Tensor y = at::empty({batch, seq}, at::kLong);
-  int64_t* xp = x.data_ptr<int64_t>();
-  int64_t* yp = y.data_ptr<int64_t>();
-  const int64_t* sp = starts.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t t = 0; t < seq; ++t) {
-      xp[b * seq + t] = tokens.at(static_cast<size_t>(sp[b] + t));
-      yp[b * seq + t] = tokens.at(static_cast<size_t>(sp[b] + t + 1));
-    }
-  }
-  return {x, y};
-}
 
 // DetachedJobSpec.optimizer: torch.optim's kinds by OptimizerKindName.
 absl::StatusOr<v1::OptimizerType> OptimizerTypeNamed(const std::string& name) {
@@ -100,19 +77,6 @@ absl::Status SetHyper(const std::string& name, double value, HyperParams* h) {
                                                  absl::StrJoin(known, ", ")));
 }
 
-absl::StatusOr<TokenFile> OpenTokens(const std::string& field, const std::string& path,
-                                     const std::string& dtype, int64_t seq) {
-  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
-  absl::StatusOr<TokenFile> tokens = TokenFile::Open(path, dtype);
-  if (!tokens.ok()) return Annotate(tokens.status(), field);
-  if (tokens->size() < static_cast<size_t>(seq) + 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: %s holds %d tokens; seq %d needs at least %d", field, path, tokens->size(), seq,
-        seq + 1));
-  }
-  return tokens;
-}
-
 }  // namespace
 
 struct DetachedJobs::Entry {
@@ -120,7 +84,7 @@ struct DetachedJobs::Entry {
   v1::DetachedJobSpec spec;
   v1::JobSpec job_spec;
   std::string model;
-  std::optional<TokenFile> train, eval;
+  std::unique_ptr<BatchSource> train, eval;  // eval: null without held-out data
   LrSchedule schedule;
   v1::HyperParams hyper;  // the one group's, lr from the schedule at each step
   std::vector<at::Tensor> examples;  // the first batch, which the job is planned and made with
@@ -188,28 +152,23 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
   auto e = std::make_unique<Entry>();
   e->id = id;
   e->spec = spec;
-  if (spec.batch() <= 0 || spec.seq() <= 0 || spec.steps() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("batch (", spec.batch(), "), seq (",
-                                                   spec.seq(), ") and steps (", spec.steps(),
-                                                   ") must be positive"));
+  if (spec.batch() <= 0 || spec.steps() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("batch (", spec.batch(), ") and steps (",
+                                                   spec.steps(), ") must be positive"));
   }
   if (spec.eval_every() < 0 || spec.eval_batches() < 0) {
     return absl::InvalidArgumentError("eval_every and eval_batches must not be negative");
   }
   if (spec.eval_batches() == 0) e->spec.set_eval_batches(kDefaultEvalBatches);
-  const std::string dtype = spec.token_dtype().empty() ? "uint16" : spec.token_dtype();
   absl::StatusOr<std::string> model = ReadFile(spec.model_path());
   if (!model.ok()) return Annotate(model.status(), "model");
   e->model = std::move(*model);
-  absl::StatusOr<TokenFile> train = OpenTokens("tokens", spec.tokens_path(), dtype, spec.seq());
+  absl::StatusOr<std::unique_ptr<BatchSource>> train = OpenTrainingData(spec);
   if (!train.ok()) return train.status();
-  e->train.emplace(std::move(*train));
-  if (!spec.eval_tokens_path().empty()) {
-    absl::StatusOr<TokenFile> eval =
-        OpenTokens("eval_tokens", spec.eval_tokens_path(), dtype, spec.seq());
-    if (!eval.ok()) return eval.status();
-    e->eval.emplace(std::move(*eval));
-  }
+  e->train = std::move(*train);
+  absl::StatusOr<std::unique_ptr<BatchSource>> eval = OpenEvalData(e->spec, *e->train);
+  if (!eval.ok()) return eval.status();
+  e->eval = std::move(*eval);
 
   absl::StatusOr<v1::OptimizerType> type = OptimizerTypeNamed(spec.optimizer());
   if (!type.ok()) return type.status();
@@ -242,15 +201,13 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
   if (resume && spec.config().count("checkpoint_dir")) {
     (*js.mutable_options()->mutable_config())["resume"] = "latest";
   }
-  js.add_input_names("input_ids");
-  js.add_input_names("targets");
+  for (const std::string& name : e->train->InputNames()) js.add_input_names(name);
   js.set_model_bytes(e->model.size());
-  // Planned now, on the first batch (drawn from a generator of its own: the examples the job is
-  // made with): bad config keys, a model that does not take the data, or a plan that can never
-  // fit the devices are refused here rather than queued.
-  at::Generator first = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
-  auto [x0, y0] = SampleWindows(*e->train, first, spec.batch(), spec.seq());
-  e->examples = {x0, y0};
+  // Planned now, on the first batch (the examples the job is made with): bad config keys, a
+  // model that does not take the data, or a plan that can never fit the devices are refused
+  // here rather than queued.
+  e->examples = e->train->Next();
+  e->train->Reset();
   absl::StatusOr<std::vector<uint64_t>> need = hooks_.need(js, e->model, e->examples);
   if (!need.ok()) return need.status();
   e->need = std::move(*need);
@@ -273,11 +230,14 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
     entry->status.set_steps(spec.steps());
     entry->status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
     jobs_[id] = std::move(e);
-    queue_.push_back(id);
+    // Behind every waiting job of its priority or a higher one.
+    auto behind = std::find_if(queue_.begin(), queue_.end(), [&](const std::string& q) {
+      return jobs_.at(q)->spec.priority() < spec.priority();
+    });
+    queue_.insert(behind, id);
   }
-  Log(entry, absl::StrFormat("submitted: %s, %d steps of %d x %d tokens from %s (%d tokens)",
-                             spec.model_path(), spec.steps(), spec.batch(), spec.seq(),
-                             spec.tokens_path(), entry->train->size()));
+  Log(entry, absl::StrFormat("submitted: %s, %d steps of batch %d from %s", spec.model_path(),
+                             spec.steps(), spec.batch(), entry->train->Describe()));
   entry->thread = std::thread([this, entry] { Run(entry); });
   return id;
 }
@@ -332,8 +292,9 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
 
 void DetachedJobs::Run(Entry* entry) {
   const v1::DetachedJobSpec& spec = entry->spec;
-  // Wait for the turn (FIFO), then for the memory: the job starts once its plan fits what the
-  // other jobs leave free; it looks again whenever a job ends, and at least every second.
+  // Wait for the turn (by priority, then FIFO), then for the memory: the job starts once its
+  // plan fits what the other jobs leave free; it looks again whenever a job ends, and at least
+  // every second. A job of a higher priority submitted meanwhile goes first.
   const std::vector<uint64_t>* need = &entry->need;
   std::shared_ptr<Job> job;
   std::string waiting_for;
@@ -392,25 +353,25 @@ void DetachedJobs::Run(Entry* entry) {
                               planner::DescribeDeployment(job->info().plan)),
                           resumed > 0 ? absl::StrCat("; resumed at step ", resumed) : ""));
 
-  // The training windows: one generator, advanced past the steps a resumed job has done.
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(spec.seed());
-  const int64_t positions = static_cast<int64_t>(entry->train->size()) - spec.seq();
-  for (int64_t s = 0; s < resumed; ++s) (void)at::randint(0, positions, {spec.batch()}, gen);
+  // The training batches, past those a resumed job has trained on, drawn ahead on a thread.
+  entry->train->Skip(resumed);
+  const int64_t batch_tokens = entry->train->TokensPerBatch();
+  BatchPrefetcher batches(std::move(entry->train));
   const OptimizerKind kind = job->optimizer_kind();
   const int64_t log_every = std::max<int64_t>(1, spec.steps() / 20);
-  const double tokens_per_step = static_cast<double>(spec.batch() * spec.seq());
+  const double tokens_per_step = static_cast<double>(batch_tokens);
 
   auto evaluate = [&](int64_t step) -> absl::Status {
-    if (!entry->eval.has_value()) return absl::OkStatus();
-    at::Generator eval_gen = at::make_generator<at::CPUGeneratorImpl>(spec.seed() + 1);
+    if (!entry->eval) return absl::OkStatus();
+    entry->eval->Reset();
+    const int64_t n = EvalBatches(spec, *entry->eval);
     double sum = 0;
-    for (int64_t b = 0; b < spec.eval_batches(); ++b) {
-      auto [x, y] = SampleWindows(*entry->eval, eval_gen, spec.batch(), spec.seq());
-      absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, {x, y}, false);
+    for (int64_t b = 0; b < n; ++b) {
+      absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, entry->eval->Next(), false);
       if (!out.ok()) return Annotate(out.status(), "evaluation");
       sum += (*out)[0].item<double>();
     }
-    const double loss = sum / static_cast<double>(spec.eval_batches());
+    const double loss = sum / static_cast<double>(n);
     {
       std::lock_guard<std::mutex> lock(mu_);
       entry->status.set_eval_loss(loss);
@@ -424,20 +385,20 @@ void DetachedJobs::Run(Entry* entry) {
   int64_t step = resumed;
   while (step < spec.steps() && !entry->cancel) {
     ++step;
-    auto [x, y] = SampleWindows(*entry->train, gen, spec.batch(), spec.seq());
+    std::vector<at::Tensor> batch = batches.Next();
     JobOp zero;
     zero.kind = JobOp::Kind::kZeroGrad;
     zero.set_to_none = true;
     failed = job->Run(0, zero).status();
     if (!failed.ok()) break;
-    absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, {x, y}, true);
+    absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, std::move(batch), true);
     if (!out.ok()) {
       failed = out.status();
       break;
     }
     if (out->size() != 1 || (*out)[0].numel() != 1) {
       failed = absl::InvalidArgumentError(absl::StrCat(
-          "the model must return one scalar loss from (input_ids, targets); it returned ",
+          "the model must return one scalar loss from a batch of the data; it returned ",
           out->size(), " outputs"));
       break;
     }

@@ -112,7 +112,7 @@ class DetachedJobs {
   std::mutex mu_;
   std::condition_variable changed_;                   // a job's state, log or the queue
   std::map<std::string, std::unique_ptr<Entry>> jobs_;  // guarded by mu_
-  std::deque<std::string> queue_;                     // guarded by mu_; waiting, FIFO
+  std::deque<std::string> queue_;  // guarded by mu_; waiting, by priority, then FIFO
 };
 
 }  // namespace rannc

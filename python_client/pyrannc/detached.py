@@ -7,8 +7,8 @@ a RaNNC script uses, submit it to a daemon that trains it on its own, and follow
     job_id = dj.submit(job_file)            # to RANNC_DAEMON (a daemon that outlives this process)
     print(dj.status(job_id).step)
 
-`write_job` writes the model traced as (input_ids, targets) -> loss and a job file that
-`rannc submit` reads too; `submit` reads such a file. The daemon reads the files named there
+`write_job` writes the model traced as (input_ids, targets) -> loss (token data) or on a batch of
+a tensor dataset, and a job file that `rannc submit` reads too; `submit` reads such a file. The daemon reads the files named there
 from its own file system.
 """
 
@@ -55,16 +55,29 @@ def _toml_value(v) -> str:
 
 
 def write_job(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              tokens, *, batch: int, seq: int, steps: int, eval_tokens=None,
-              token_dtype: str = "uint16", seed: int = 0, schedule: str = "constant",
-              warmup_steps: int = 0, min_lr: float = 0.0, eval_every: int = 0,
-              eval_batches: int = 4, config: Optional[Dict[str, object]] = None,
-              name: Optional[str] = None) -> str:
-    """Writes a detached job into `directory`: `model` (forward(input_ids, targets) -> a
-    scalar loss, traced at [batch, seq] int64 ids) as model.pt, the token data, and job.toml,
+              tokens=None, *, batch: int, steps: int, seq: Optional[int] = None,
+              eval_tokens=None, dataset=None, eval_dataset=None, token_dtype: str = "uint16",
+              seed: int = 0, schedule: str = "constant", warmup_steps: int = 0,
+              min_lr: float = 0.0, eval_every: int = 0, eval_batches: int = 4,
+              config: Optional[Dict[str, object]] = None, name: Optional[str] = None,
+              priority: int = 0) -> str:
+    """Writes a detached job into `directory`: `model` as model.pt, the data, and job.toml,
     whose optimizer is `optimizer`'s kind and one param group's hyper-parameters (lr: the
-    schedule's peak). `tokens` / `eval_tokens`: a token file's path, or ids (a tensor or a list)
-    written as `token_dtype`. Returns the job file's path."""
+    schedule's peak). `priority`: the queue's order (higher first, FIFO among equals). Returns
+    the job file's path. The data is one of:
+    - `tokens` / `eval_tokens`: a token file's path, or ids (a tensor or a list) written as
+      `token_dtype`; the model is forward(input_ids, targets) -> a scalar loss, traced at
+      [batch, seq] int64 ids, and trains on random windows of `seq` tokens;
+    - `dataset` / `eval_dataset`: a file torch.save wrote, or the tensors themselves (a tuple,
+      list or dict of tensors with one sample per row, torch.save'd as dataset.pt / eval.pt);
+      the model is forward(*a batch's tensors) -> a scalar loss, traced on the first `batch`
+      rows, and trains on batches of `batch` rows, epoch e's in the order of the e-th
+      torch.randperm(n, generator=g) of one g = torch.Generator().manual_seed(seed), the rest
+      of an epoch (less than a batch) dropped."""
+    if (tokens is None) == (dataset is None):
+        raise ValueError("name the training data: tokens or dataset, one of them")
+    if tokens is not None and seq is None:
+        raise ValueError("token data needs seq (tokens per window)")
     if type(optimizer) not in _NAMES:
         _optim.optimizer_type(optimizer)  # raises, naming what is supported
         raise NotImplementedError(
@@ -76,28 +89,39 @@ def write_job(directory: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     if token_dtype not in _TOKEN_DTYPES:
         raise ValueError(f"token_dtype {token_dtype!r}: one of {', '.join(_TOKEN_DTYPES)}")
     os.makedirs(directory, exist_ok=True)
-    ids = torch.zeros(batch, seq, dtype=torch.long)
-    was_training = model.training
-    model.train()
-    try:
-        traced = torch.jit.trace(model, (ids, ids))
-    finally:
-        model.train(was_training)
-    traced.save(os.path.join(directory, "model.pt"))
 
     def data(value, file_name):
         if isinstance(value, (str, os.PathLike)):
             return os.path.abspath(value)
         path = os.path.join(directory, file_name)
-        _write_tokens(path, value, token_dtype)
+        if tokens is not None:
+            _write_tokens(path, value, token_dtype)
+        else:
+            torch.save(value, path)
         return file_name
 
-    top = {"name": name or os.path.basename(os.path.abspath(directory)),
-           "model": "model.pt", "tokens": data(tokens, "train.bin"),
-           "token_dtype": token_dtype, "batch": batch, "seq": seq, "steps": steps,
-           "seed": seed, "eval_every": eval_every, "eval_batches": eval_batches}
-    if eval_tokens is not None:
-        top["eval_tokens"] = data(eval_tokens, "val.bin")
+    top = {"name": name or os.path.basename(os.path.abspath(directory)), "model": "model.pt"}
+    if tokens is not None:
+        example = (torch.zeros(batch, seq, dtype=torch.long),) * 2
+        top.update(tokens=data(tokens, "train.bin"), token_dtype=token_dtype, seq=seq)
+        if eval_tokens is not None:
+            top["eval_tokens"] = data(eval_tokens, "val.bin")
+    else:
+        top["dataset"] = data(dataset, "dataset.pt")
+        if eval_dataset is not None:
+            top["eval_dataset"] = data(eval_dataset, "eval.pt")
+        tensors = torch.load(os.path.join(directory, top["dataset"]))
+        tensors = list(tensors.values()) if isinstance(tensors, dict) else list(tensors)
+        example = tuple(t[:batch] for t in tensors)
+    top.update(batch=batch, steps=steps, seed=seed, eval_every=eval_every,
+               eval_batches=eval_batches, priority=priority)
+    was_training = model.training
+    model.train()
+    try:
+        traced = torch.jit.trace(model, example)
+    finally:
+        model.train(was_training)
+    traced.save(os.path.join(directory, "model.pt"))
     kind = _optim.optimizer_type(optimizer)
     hyper = _optim.hyper_params(optimizer.param_groups[0], kind)
     # Every field but the optional ones left unset (those take the daemon's defaults for the
@@ -131,9 +155,10 @@ def read_job(job_file: str) -> pb.DetachedJobSpec:
         return p if os.path.isabs(p) else os.path.join(base, p)
 
     spec = pb.DetachedJobSpec()
-    paths = {"model": "model_path", "tokens": "tokens_path", "eval_tokens": "eval_tokens_path"}
+    paths = {"model": "model_path", "tokens": "tokens_path", "eval_tokens": "eval_tokens_path",
+             "dataset": "dataset_path", "eval_dataset": "eval_dataset_path"}
     plain = ("name", "token_dtype", "batch", "seq", "steps", "seed", "eval_every",
-             "eval_batches")
+             "eval_batches", "priority")
     for key, value in doc.items():
         if key in paths:
             setattr(spec, paths[key], path(value))

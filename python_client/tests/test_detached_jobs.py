@@ -11,6 +11,7 @@ parameters after a SIGKILL and a restart must equal an uninterrupted run's bitwi
 
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -316,6 +317,96 @@ def test_a_job_written_from_python_trains_as_pyrannc_does(job_dir, tmp_path, mon
         detached.submit(job_file)
 
 
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, features, label):
+        return F.cross_entropy(self.fc2(torch.tanh(self.fc1(features))), label)
+
+
+def _classification(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return {"features": x, "label": (x[:, 0] > 0).long() + (x[:, 1] > 1).long()}
+
+
+def test_a_tensor_dataset_job_trains_on_shuffled_epochs(tmp_path):
+    # A torch.save'd dict of tensors: 50 samples in batches of 8 (6 a epoch, 2 rows dropped),
+    # 20 steps: over 3 epochs, each its own permutation. The reference draws the same
+    # permutations from one seeded generator (DetachedJobSpec.dataset_path); the held-out set
+    # (20 samples) in order, eval_batches 3 capped at its 2 whole batches.
+    from pyrannc import detached
+    steps, batch, seed = 20, 8, 5
+    train, val = _classification(50, 1), _classification(20, 2)
+    torch.manual_seed(0)
+    model = Classifier()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    job_file = detached.write_job(str(tmp_path / "job"), model, opt, dataset=train,
+                                  eval_dataset=val, batch=batch, steps=steps, seed=seed,
+                                  eval_batches=3, name="classifier")
+    spec = detached.read_job(job_file)
+    assert spec.dataset_path.endswith("dataset.pt") and not spec.tokens_path
+    daemon = DaemonProcess("--devices", "cpu:2")
+    try:
+        job = detached.submit(job_file, daemon=daemon.address)
+        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
+        assert fields["state"] == "done", out + daemon.output()
+        final = detached.status(job, daemon=daemon.address)
+        logs = _cli(daemon, "logs", job).stdout
+        assert "dataset.pt (50 samples)" in logs, logs
+    finally:
+        daemon.stop()
+
+    ref = Classifier()
+    ref.load_state_dict(init)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rmod = pyrannc.RaNNCModule(ref, ref_opt)
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        order, pos = None, 0
+        for _ in range(steps):
+            if order is None or pos + batch > 50:
+                order, pos = torch.randperm(50, generator=gen), 0
+            rows = order[pos:pos + batch]
+            pos += batch
+            loss = rmod(train["features"][rows], train["label"][rows])
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        with torch.no_grad():
+            losses = [rmod(val["features"][b * batch:(b + 1) * batch],
+                           val["label"][b * batch:(b + 1) * batch]).item() for b in range(2)]
+    finally:
+        pyrannc.clear()
+    assert_close(torch.tensor(final.eval_loss), torch.tensor(sum(losses) / 2),
+                 "held-out loss of the dataset job")
+
+
+@pytest.mark.parametrize("data, message", [
+    ("not a dataset", "dataset: "),
+    ((torch.zeros(10, 8), torch.zeros(9, dtype=torch.long)), "not one row per sample of 10"),
+    ((torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)), "fewer than a batch (8)"),
+])
+def test_bad_datasets_are_refused_naming_the_field(tmp_path, data, message):
+    from pyrannc import detached
+    opt_model = Classifier()
+    good = _classification(50, 1)
+    job_file = detached.write_job(str(tmp_path / "job"), opt_model,
+                                  torch.optim.SGD(opt_model.parameters(), lr=0.1),
+                                  dataset=good, batch=8, steps=5)
+    torch.save(data, tmp_path / "job" / "dataset.pt")
+    daemon = DaemonProcess("--devices", "cpu:2")
+    try:
+        with pytest.raises(RanncError, match=re.escape(message)):
+            detached.submit(job_file, daemon=daemon.address)
+    finally:
+        daemon.stop()
+
+
 def test_the_readme_example_job_trains(tmp_path):
     # examples/detached_gpt.py makes the README's GPT a detached job; a few steps of it.
     example = os.path.join(REPO_ROOT, "examples", "detached_gpt.py")
@@ -333,7 +424,8 @@ def test_the_readme_example_job_trains(tmp_path):
 
 def test_a_job_waits_for_the_memory_another_holds(job_dir):
     # Devices of 60 KiB: one TinyLM job's plan fits (34 KiB a device), two do not. The second
-    # waits, says why, and runs once the first is cancelled.
+    # waits, says why, and runs once the first is cancelled, after a third of a higher priority
+    # submitted later.
     daemon = DaemonProcess("--devices", "cpu:2", "--device-memory", "60KiB")
     try:
         first = _cli(daemon, "submit", _job_file(job_dir, "holder", 10**7)).stdout.strip()
@@ -350,9 +442,18 @@ def test_a_job_waits_for_the_memory_another_holds(job_dir):
         assert "its plan needs" in st.waiting_for and "where other jobs leave" in st.waiting_for
         out = _cli(daemon, "status", second).stdout
         assert "queued" in out and "place in the queue: 1" in out, out
+        # A job of a higher priority goes before it; one of the same priority behind it.
+        third = _cli(daemon, "submit", _job_file(job_dir, "urgent", 30, priority=5)).stdout.strip()
+        fourth = _cli(daemon, "submit", _job_file(job_dir, "later", 30)).stdout.strip()
+        positions = [daemon.conn.call("DetachedJobStatus", pb.JobRef(job_id=j)).queue_position
+                     for j in (second, third, fourth)]
+        assert positions == [2, 1, 3], positions
         _cli(daemon, "cancel", first)
-        fields, out = _wait(daemon, second, {"done", "failed", "cancelled"})
-        assert fields["state"] == "done", out
+        fields, out = _wait(daemon, third, {"running", "done"})
+        assert _status(daemon, second)[0]["state"] == "queued"
+        for job in (second, third, fourth):
+            fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
+            assert fields["state"] == "done", out
         assert "waiting for device memory" in _cli(daemon, "logs", second).stdout
     finally:
         daemon.stop()
