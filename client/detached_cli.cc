@@ -3,8 +3,13 @@
 #include <toml++/toml.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <iostream>
+#include <mutex>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -105,15 +110,101 @@ std::string Duration(double seconds) {
   return absl::StrFormat("%ds", s);
 }
 
-// Prints the log from `after`; with `follow`, until the job ends or `interrupted`. Returns
-// the job's final state when it ended.
+// The line a progress bar shows, as tqdm's: " 37%|####      | 74/200 [00:12<00:20, 5123.4
+// tokens/s, loss=2.3100]"; `width` characters of bar.
+std::string ProgressLine(const v1::DetachedStatus& s, int width) {
+  if (s.state() == v1::DETACHED_QUEUED) {
+    return absl::StrFormat("queued (place %d)%s", s.queue_position(),
+                           s.waiting_for().empty() ? "" : ": " + s.waiting_for());
+  }
+  const double done = s.steps() > 0 ? static_cast<double>(s.step()) / s.steps() : 0;
+  const int filled = static_cast<int>(done * width);
+  auto clock = [](double seconds) {
+    if (!(seconds >= 0)) return std::string("?");
+    const int64_t t = static_cast<int64_t>(std::llround(seconds));
+    return t >= 3600 ? absl::StrFormat("%d:%02d:%02d", t / 3600, t / 60 % 60, t % 60)
+                     : absl::StrFormat("%02d:%02d", t / 60, t % 60);
+  };
+  return absl::StrFormat("%3.0f%%|%s%s| %d/%d [%s<%s, %.1f tokens/s, loss=%.4f]", 100 * done,
+                         std::string(filled, '#'), std::string(width - filled, ' '), s.step(),
+                         s.steps(), clock(s.elapsed_s()),
+                         s.state() == v1::DETACHED_RUNNING ? clock(s.eta_s()) : "00:00",
+                         s.tokens_per_s(), s.loss());
+}
+
+// `rannc submit --follow`'s progress bar, on the last line of a terminal (stderr), redrawn from
+// the job's status twice a second by a thread of its own; log lines print above it. Nothing
+// when stderr is not a terminal.
+class ProgressBar {
+ public:
+  ProgressBar(const Client& client, std::string job)
+      : client_(client), job_(std::move(job)), enabled_(::isatty(STDERR_FILENO) == 1) {
+    if (enabled_) thread_ = std::thread([this] { Poll(); });
+  }
+  ~ProgressBar() {
+    if (!enabled_) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!line_.empty()) std::cerr << "\n" << std::flush;  // the last bar stays
+  }
+  // Prints `text` on a line of its own, above the bar.
+  void Print(const std::string& text) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (enabled_ && !line_.empty()) std::cerr << "\r\033[K" << std::flush;
+    std::cout << text << "\n" << std::flush;
+    if (enabled_ && !line_.empty()) std::cerr << line_ << std::flush;
+  }
+
+ private:
+  void Poll() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      lock.unlock();
+      absl::StatusOr<v1::DetachedStatus> s = client_.DetachedJobStatus(job_);
+      lock.lock();
+      if (s.ok() && !stop_) {
+        line_ = ProgressLine(*s, 20);
+        std::cerr << "\r\033[K" << line_ << std::flush;
+      }
+      changed_.wait_for(lock, std::chrono::milliseconds(500), [&] { return stop_; });
+    }
+  }
+
+  const Client& client_;
+  const std::string job_;
+  const bool enabled_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool stop_ = false;
+  std::string line_;  // the bar on screen ("" before the first)
+  std::thread thread_;
+};
+
+// Prints the log from `after`; with `follow`, until the job ends or `interrupted`, with a
+// progress bar when `bar`. Returns the job's final state when it ended.
 absl::StatusOr<v1::DetachedState> FollowLog(const Client& client, const std::string& job,
-                                            bool follow,
+                                            bool follow, bool bar,
                                             const std::function<bool()>& interrupted) {
-  absl::Status read = client.DetachedJobLogs(
-      job, 0, follow,
-      [](const v1::DetachedLogLine& line) { std::cout << line.text() << "\n" << std::flush; },
-      interrupted);
+  absl::Status read;
+  {
+    std::optional<ProgressBar> progress;
+    if (bar) progress.emplace(client, job);
+    read = client.DetachedJobLogs(
+        job, 0, follow,
+        [&](const v1::DetachedLogLine& line) {
+          if (progress) {
+            progress->Print(line.text());
+          } else {
+            std::cout << line.text() << "\n" << std::flush;
+          }
+        },
+        interrupted);
+  }
   if (!read.ok()) return read;
   absl::StatusOr<v1::DetachedStatus> status = client.DetachedJobStatus(job);
   if (!status.ok()) return status.status();
@@ -223,7 +314,8 @@ absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, boo
   if (!id.ok()) return id.status();
   std::cout << *id << "\n" << std::flush;
   if (!follow) return 0;
-  absl::StatusOr<v1::DetachedState> ended = FollowLog(client, *id, true, interrupted);
+  absl::StatusOr<v1::DetachedState> ended =
+      FollowLog(client, *id, /*follow=*/true, /*bar=*/true, interrupted);
   if (!ended.ok()) return ended.status();
   if (interrupted()) {
     std::cout << "detached: job " << *id << " trains on (rannc status " << *id << ")\n";
@@ -263,7 +355,7 @@ absl::Status RunStatus(const Client& client, const std::string& job) {
 
 absl::Status RunLogs(const Client& client, const std::string& job, bool follow,
                      const std::function<bool()>& interrupted) {
-  return FollowLog(client, job, follow, interrupted).status();
+  return FollowLog(client, job, follow, /*bar=*/false, interrupted).status();
 }
 
 absl::Status RunCancel(const Client& client, const std::string& job) {

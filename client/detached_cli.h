@@ -44,8 +44,9 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path);
 // The commands print what they show; an error comes back for the CLI to report.
 //
 // `rannc submit FILE [--follow]`: prints the job id. With `follow`, then the job's log until it
-// ends, or `interrupted` says so (it goes on). Returns the exit status: 0, or 1 for a followed
-// job that ended other than done.
+// ends, or `interrupted` says so (it goes on), with a progress bar on stderr when that is a
+// terminal (tqdm's: percent, bar, step/steps, elapsed<ETA, tokens/s, loss). Returns the exit
+// status: 0, or 1 for a followed job that ended other than done.
 absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, bool follow,
                               const std::function<bool()>& interrupted);
 // `rannc status JOB`: state, progress, loss, rate, ETA, evaluation, plan and memory.

@@ -317,6 +317,40 @@ def test_a_job_written_from_python_trains_as_pyrannc_does(job_dir, tmp_path, mon
         detached.submit(job_file)
 
 
+def test_submit_follow_shows_a_progress_bar_and_detaches_on_ctrl_c(job_dir):
+    # stderr on a terminal (a pseudo-terminal here): the bar, redrawn in place; the log on
+    # stdout. Ctrl-C (SIGINT) leaves the job training.
+    import pty
+    import signal
+    daemon = DaemonProcess("--devices", "cpu:2")
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [built_binary("rannc", "RANNC_CLI_BIN", "client"), "submit", "--follow",
+             _job_file(job_dir, "followed", 10**6), "--daemon", daemon.address],
+            stdout=subprocess.PIPE, stderr=slave, text=True)
+        os.close(slave)
+        seen = b""
+        deadline = time.monotonic() + 60
+        bars = []
+        while len(bars) < 2:  # redrawn: at least twice
+            assert time.monotonic() < deadline, seen
+            seen += os.read(master, 4096)
+            bars = [b for b in seen.decode().split("\r") if b.endswith("]")]
+        assert re.search(r"\d+%\|[# ]{20}\| \d+/1000000 \[[\d:]+<[\d:]+, "
+                         r"[\d.]+ tokens/s, loss=[\d.]+\]", bars[-1]), bars
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        job = out.splitlines()[0]
+        assert "submitted:" in out and f"detached: job {job} trains on" in out, out
+        assert _status(daemon, job)[0]["state"] == "running"
+        _cli(daemon, "cancel", job)
+    finally:
+        os.close(master)
+        daemon.stop()
+
+
 class Classifier(torch.nn.Module):
     def __init__(self):
         super().__init__()
