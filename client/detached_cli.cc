@@ -307,9 +307,26 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
 #undef RANNC_SET_OR_RETURN
 
 absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, bool follow,
-                              const std::function<bool()>& interrupted) {
+                              UploadFiles upload, const std::function<bool()>& interrupted) {
   absl::StatusOr<v1::DetachedJobSpec> spec = ReadJobFile(file);
   if (!spec.ok()) return spec.status();
+  if (upload == UploadFiles::kIfRemote) {
+    absl::StatusOr<v1::DaemonInfo> info = client.GetInfo();
+    if (!info.ok()) return info.status();
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    upload = info->hostname() != host ? UploadFiles::kYes : UploadFiles::kNo;
+  }
+  if (upload == UploadFiles::kYes) {
+    for (std::string* path : {spec->mutable_model_path(), spec->mutable_tokens_path(),
+                              spec->mutable_eval_tokens_path(), spec->mutable_dataset_path(),
+                              spec->mutable_eval_dataset_path()}) {
+      if (path->empty()) continue;
+      absl::StatusOr<std::string> there = client.UploadFile(*path);
+      if (!there.ok()) return there.status();
+      *path = *there;
+    }
+  }
   absl::StatusOr<std::string> id = client.SubmitJob(*spec);
   if (!id.ok()) return id.status();
   std::cout << *id << "\n" << std::flush;

@@ -43,12 +43,16 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path);
 
 // The commands print what they show; an error comes back for the CLI to report.
 //
-// `rannc submit FILE [--follow]`: prints the job id. With `follow`, then the job's log until it
+// Whether `rannc submit` sends the job's files (UploadFile) instead of naming them: always, never,
+// or when the daemon's host (GetInfo's hostname) is not this one.
+enum class UploadFiles { kIfRemote, kYes, kNo };
+
+// `rannc submit FILE [--follow] [--upload|--no-upload]`: prints the job id. With `follow`, then the job's log until it
 // ends, or `interrupted` says so (it goes on), with a progress bar on stderr when that is a
 // terminal (tqdm's: percent, bar, step/steps, elapsed<ETA, tokens/s, loss). Returns the exit
 // status: 0, or 1 for a followed job that ended other than done.
 absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, bool follow,
-                              const std::function<bool()>& interrupted);
+                              UploadFiles upload, const std::function<bool()>& interrupted);
 // `rannc status JOB`: state, progress, loss, rate, ETA, evaluation, plan and memory.
 absl::Status RunStatus(const Client& client, const std::string& job);
 // `rannc logs JOB [-f]`.

@@ -654,6 +654,12 @@ int Main(int argc, char** argv) {
   submit->add_option("file", submit_file, "the job file (TOML)")->required();
   submit->add_flag("--follow,-f", submit_follow,
                    "then print its log until it ends (Ctrl-C detaches; the job trains on)");
+  bool submit_upload = false, submit_no_upload = false;
+  submit->add_flag("--upload", submit_upload,
+                   "send the model and data files to the daemon (default: when the daemon "
+                   "runs on another host)");
+  submit->add_flag("--no-upload", submit_no_upload,
+                   "the daemon reads the files from its own file system, at the paths given");
   CLI::App* status = app.add_subcommand("status", "show a detached job's progress");
   std::string status_job;
   status->add_option("job", status_job, "the job's id")->required();
@@ -813,7 +819,11 @@ int Main(int argc, char** argv) {
   const auto interrupted = [] { return g_interrupted != 0; };
   if (*submit) {
     if (submit_follow) InstallSigintHandler();
-    absl::StatusOr<int> code = RunSubmit(client, submit_file, submit_follow, interrupted);
+    const UploadFiles upload = submit_upload      ? UploadFiles::kYes
+                               : submit_no_upload ? UploadFiles::kNo
+                                                  : UploadFiles::kIfRemote;
+    absl::StatusOr<int> code =
+        RunSubmit(client, submit_file, submit_follow, upload, interrupted);
     return code.ok() ? *code : Fail(code.status());
   }
   auto done = [](const absl::Status& s) { return s.ok() ? 0 : Fail(s); };

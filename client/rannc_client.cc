@@ -643,6 +643,44 @@ absl::StatusOr<v1::DetachedStatus> Client::DetachedJobStatus(const std::string& 
   return response;
 }
 
+absl::StatusOr<std::string> Client::UploadFile(const std::string& local_path) const {
+  std::FILE* file = std::fopen(local_path.c_str(), "rb");
+  if (file == nullptr) {
+    return absl::Status(absl::ErrnoToStatusCode(errno),
+                        absl::StrCat("UploadFile: cannot open ", local_path, ": ",
+                                     std::strerror(errno)));
+  }
+  std::fseek(file, 0, SEEK_END);
+  const long size = std::ftell(file);
+  std::fseek(file, 0, SEEK_SET);
+  grpc::ClientContext context;  // no deadline: the bytes take what they take
+  v1::UploadedFile response;
+  std::unique_ptr<grpc::ClientWriter<v1::UploadChunk>> writer =
+      stub_->UploadFile(&context, &response);
+  v1::UploadChunk chunk;
+  chunk.set_name(local_path.substr(local_path.find_last_of('/') + 1));
+  chunk.set_size(size > 0 ? static_cast<uint64_t>(size) : 0);
+  std::string buffer(std::min<size_t>(options_.max_message_bytes / 2, size_t{4} << 20), '\0');
+  bool open = true, read_error = false;
+  while (open) {
+    const size_t n = std::fread(buffer.data(), 1, buffer.size(), file);
+    if (n == 0 && std::ferror(file)) read_error = true;
+    chunk.set_data(buffer.data(), n);
+    open = writer->Write(chunk);
+    chunk.clear_name();
+    chunk.clear_size();
+    if (n < buffer.size()) break;
+  }
+  std::fclose(file);
+  if (open) writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (read_error) {
+    return absl::DataLossError(absl::StrCat("UploadFile: reading ", local_path, " failed"));
+  }
+  if (!s.ok()) return Convert("UploadFile", s);
+  return response.path();
+}
+
 absl::Status Client::DetachedJobLogs(const std::string& job_id, int64_t after_seq, bool follow,
                                      const std::function<void(const v1::DetachedLogLine&)>& line,
                                      const std::function<bool()>& stop) const {

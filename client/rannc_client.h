@@ -251,6 +251,10 @@ class Client {
                                const std::function<void(const v1::DetachedLogLine&)>& line,
                                const std::function<bool()>& stop = nullptr) const;
   absl::Status CancelJob(const std::string& job_id) const;
+  // Sends the file at `local_path` to the daemon (UploadFile), for a job to be submitted;
+  // returns its path there. Not bounded by the RPC timeout (a dataset may be large). An error
+  // reading the file names it.
+  absl::StatusOr<std::string> UploadFile(const std::string& local_path) const;
 
  private:
   void Prepare(grpc::ClientContext* context) const;

@@ -272,6 +272,7 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
     Log(entry, "stopped with the daemon; it resumes when the daemon starts again");
   } else {
     if (!records_dir_.empty()) (void)RemoveTree(RecordPath(entry->id));
+    if (hooks_.ended) hooks_.ended(entry->spec);
     const char* name = state == v1::DETACHED_DONE ? "done"
                        : state == v1::DETACHED_FAILED ? "failed"
                                                       : "cancelled";

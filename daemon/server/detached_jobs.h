@@ -59,6 +59,9 @@ class DetachedJobs {
     std::function<std::vector<uint64_t>()> free;
     std::function<std::string(size_t device)> device_name;
     std::function<std::string()> new_id;
+    // The job ended (not stopped with the daemon): what its spec named that is kept for it
+    // alone (uploaded files) can go. May be null.
+    std::function<void(const v1::DetachedJobSpec&)> ended;
   };
 
   // `records_dir`: where unfinished jobs' specs are kept ("" keeps none).

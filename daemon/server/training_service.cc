@@ -102,6 +102,21 @@ std::vector<uint64_t> PlannedBytes(const v1::Deployment& plan, size_t num_device
   return bytes;
 }
 
+// Where a daemon without a state dir keeps its uploads: $TMPDIR, else /tmp.
+std::string TempDir() {
+  const char* tmp = std::getenv("TMPDIR");
+  return tmp != nullptr && tmp[0] != '\0' ? tmp : "/tmp";
+}
+
+// The uploaded files `spec` names, removed (the job that named them ended, or was refused).
+void ReleaseUploads(const Uploads& uploads, const v1::DetachedJobSpec& spec) {
+  for (const std::string* path : {&spec.model_path(), &spec.tokens_path(),
+                                  &spec.eval_tokens_path(), &spec.dataset_path(),
+                                  &spec.eval_dataset_path()}) {
+    uploads.Release(*path);
+  }
+}
+
 }  // namespace
 
 TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
@@ -152,6 +167,12 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
     return d < facts_.devices.size() ? facts_.devices[d].name : absl::StrCat("device ", d);
   };
   hooks.new_id = [this] { return jobs_->NewJobId(); };
+  // Uploads live beside the records, or, without a state dir, for this process only.
+  uploads_ = records_->enabled()
+                 ? std::make_unique<Uploads>(JoinPath(ParentPath(records_->dir()), "uploads"))
+                 : std::make_unique<Uploads>(
+                       absl::StrCat(TempDir(), "/ranncd-uploads-", ::getpid()), true);
+  hooks.ended = [this](const v1::DetachedJobSpec& spec) { ReleaseUploads(*uploads_, spec); };
   detached_ = std::make_unique<DetachedJobs>(
       std::move(hooks),
       records_->enabled() ? JoinPath(ParentPath(records_->dir()), "detached") : "");
@@ -1033,8 +1054,36 @@ grpc::Status TrainingServiceImpl::SubmitJob(grpc::ServerContext*,
                                             const v1::DetachedJobSpec* spec,
                                             v1::SubmitJobResponse* response) {
   absl::StatusOr<std::string> id = detached_->Submit(*spec);
-  if (!id.ok()) return Fail("SubmitJob", id.status());
+  if (!id.ok()) {
+    ReleaseUploads(*uploads_, *spec);  // uploaded for this submission only
+    return Fail("SubmitJob", id.status());
+  }
   response->set_job_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainingServiceImpl::UploadFile(grpc::ServerContext*,
+                                             grpc::ServerReader<v1::UploadChunk>* reader,
+                                             v1::UploadedFile* response) {
+  v1::UploadChunk chunk;
+  if (!reader->Read(&chunk) || chunk.name().empty()) {
+    return Fail("UploadFile", absl::InvalidArgumentError(
+                                  "UploadFile's first chunk names the file (UploadChunk.name)"));
+  }
+  absl::StatusOr<std::unique_ptr<Uploads::Writer>> writer = uploads_->Begin(chunk.name());
+  if (!writer.ok()) return Fail("UploadFile", writer.status());
+  const uint64_t size = chunk.size();
+  uint64_t bytes = 0;
+  do {
+    absl::Status wrote = (*writer)->Write(chunk.data().data(), chunk.data().size());
+    if (!wrote.ok()) return Fail("UploadFile", wrote);
+    bytes += chunk.data().size();
+  } while (reader->Read(&chunk));
+  absl::StatusOr<std::string> path = (*writer)->Commit(size);
+  if (!path.ok()) return Fail("UploadFile", path.status());
+  spdlog::info("received the upload {} ({} bytes)", *path, bytes);
+  response->set_path(*path);
+  response->set_bytes(bytes);
   return grpc::Status::OK;
 }
 

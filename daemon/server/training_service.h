@@ -30,6 +30,7 @@
 #include "daemon/server/job_records.h"
 #include "daemon/server/job_settings.h"
 #include "daemon/server/part_channel.h"
+#include "daemon/server/uploads.h"
 #include "rannc/v1/job_part.grpc.pb.h"
 #include "rannc/v1/training.grpc.pb.h"
 
@@ -120,6 +121,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                                 grpc::ServerWriter<v1::ExportChunk>*) override;
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::DetachedJobSpec*,
                          v1::SubmitJobResponse*) override;
+  grpc::Status UploadFile(grpc::ServerContext*, grpc::ServerReader<v1::UploadChunk>*,
+                          v1::UploadedFile*) override;
   grpc::Status DetachedJobStatus(grpc::ServerContext*, const v1::JobRef*,
                                  v1::DetachedStatus*) override;
   grpc::Status DetachedJobLogs(grpc::ServerContext*, const v1::DetachedLogsRequest*,
@@ -196,6 +199,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   std::mutex drop_mu_;
   std::map<std::string, std::set<int>> drop_;  // the fault hook's: rpc -> ordinals to drop
   std::map<std::string, int> calls_;           // calls with a CallId so far, per rpc
+  std::unique_ptr<Uploads> uploads_;        // UploadFile's files (before detached_: it uses them)
   std::unique_ptr<DetachedJobs> detached_;  // `rannc submit`'s jobs
   // The lease reaper (see the constructor): one round of it.
   void ReapExpiredJobs();

@@ -13,6 +13,7 @@ from its own file system.
 """
 
 import os
+import socket
 import tomllib
 from typing import Dict, Optional, Union
 
@@ -200,11 +201,48 @@ def _connection(daemon: Optional[str]):
     return _daemon.Connection(address)
 
 
-def submit(job: Union[str, pb.DetachedJobSpec], daemon: Optional[str] = None) -> str:
-    """Submits a job file (or spec) to `daemon` (default RANNC_DAEMON); returns the job id."""
-    spec = read_job(job) if isinstance(job, (str, os.PathLike)) else job
+# The spec's fields naming files the daemon reads.
+_FILE_FIELDS = ("model_path", "tokens_path", "eval_tokens_path", "dataset_path",
+                "eval_dataset_path")
+_UPLOAD_CHUNK = 4 << 20
+
+
+def _upload(conn, path: str) -> str:
+    """Sends the file at `path` to the daemon (UploadFile); its path there."""
+    size = os.path.getsize(path)
+
+    def chunks():
+        with open(path, "rb") as f:
+            first = True
+            while True:
+                data = f.read(_UPLOAD_CHUNK)
+                if first:
+                    yield pb.UploadChunk(name=os.path.basename(path), size=size, data=data)
+                    first = False
+                elif data:
+                    yield pb.UploadChunk(data=data)
+                if len(data) < _UPLOAD_CHUNK:
+                    return
+
+    return conn.call_streaming_request("UploadFile", chunks()).path
+
+
+def submit(job: Union[str, pb.DetachedJobSpec], daemon: Optional[str] = None,
+           upload: Optional[bool] = None) -> str:
+    """Submits a job file (or spec) to `daemon` (default RANNC_DAEMON); returns the job id.
+    `upload`: send the model and data files to the daemon instead of naming them (a daemon on
+    another host cannot read this one's); None: when the daemon's hostname is not this host's,
+    as `rannc submit` decides."""
+    spec = pb.DetachedJobSpec()
+    spec.CopyFrom(read_job(job) if isinstance(job, (str, os.PathLike)) else job)
     conn = _connection(daemon)
     try:
+        if upload is None:
+            upload = conn.call("GetInfo", pb.GetInfoRequest()).hostname != socket.gethostname()
+        if upload:
+            for field in _FILE_FIELDS:
+                if getattr(spec, field):
+                    setattr(spec, field, _upload(conn, getattr(spec, field)))
         return conn.call("SubmitJob", spec).job_id
     finally:
         conn.close()

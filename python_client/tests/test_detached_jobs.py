@@ -351,6 +351,43 @@ def test_submit_follow_shows_a_progress_bar_and_detaches_on_ctrl_c(job_dir):
         daemon.stop()
 
 
+def test_uploaded_files_are_the_jobs_own_until_it_ends(job_dir, tmp_path):
+    # `rannc submit --upload`: the model and token files go to the daemon (UploadFile) and the
+    # job reads its copies under <state-dir>/uploads, so the client's may go at once; they are
+    # removed when the job ends, and when a submission is refused. pyrannc's submit the same.
+    import shutil
+    from pyrannc import detached
+    state = tmp_path / "state"
+    uploads = state / "uploads"
+    client_dir = tmp_path / "client"
+    shutil.copytree(job_dir, client_dir)
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", str(state))
+    try:
+        job = _cli(daemon, "submit", "--upload", _job_file(client_dir, "sent", 30)).stdout.strip()
+        shutil.rmtree(client_dir)
+        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
+        assert fields["state"] == "done", out + daemon.output()
+        assert f"submitted: {uploads}/" in _cli(daemon, "logs", job).stdout
+        assert os.listdir(uploads) == []
+
+        bad = _job_file(job_dir, "refused", 30, batch=0)
+        done = _cli(daemon, "submit", "--upload", bad, check=False)
+        assert done.returncode != 0 and "must be positive" in done.stderr, done.stderr
+        assert os.listdir(uploads) == []
+
+        model = Classifier()
+        job_file = detached.write_job(str(tmp_path / "py"), model,
+                                      torch.optim.SGD(model.parameters(), lr=0.1),
+                                      dataset=_classification(50, 1), batch=8, steps=5)
+        job = detached.submit(job_file, daemon=daemon.address, upload=True)
+        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
+        assert fields["state"] == "done", out
+        assert f"-model.pt, 5 steps of batch 8 from {uploads}/" in _cli(daemon, "logs", job).stdout
+        assert os.listdir(uploads) == []
+    finally:
+        daemon.stop()
+
+
 class Classifier(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -169,6 +169,11 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
                 )
+        self.UploadFile = channel.stream_unary(
+                '/rannc.v1.TrainingService/UploadFile',
+                request_serializer=rannc_dot_v1_dot_training__pb2.UploadChunk.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.UploadedFile.FromString,
+                )
 
 
 class TrainingServiceServicer(object):
@@ -377,6 +382,16 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadFile(self, request_iterator, context):
+        """A file for a job this client submits (a detached job's model and data, for a daemon that
+        cannot read the client's files): the first chunk names it, the chunks carry its bytes; the
+        answer is its path on the daemon, for the job's spec to name. Kept until the job naming it
+        ends, or its submission fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -534,6 +549,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
+            ),
+            'UploadFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadFile,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.UploadChunk.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.UploadedFile.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1069,5 +1089,22 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/CancelJob',
             rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
             rannc_dot_v1_dot_training__pb2.Empty.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def UploadFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/rannc.v1.TrainingService/UploadFile',
+            rannc_dot_v1_dot_training__pb2.UploadChunk.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.UploadedFile.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
