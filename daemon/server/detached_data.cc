@@ -20,9 +20,11 @@ namespace {
 
 class TokenWindows : public BatchSource {
  public:
-  TokenWindows(TokenFile tokens, std::string path, int64_t batch, int64_t seq, uint64_t seed)
-      : tokens_(std::move(tokens)), path_(std::move(path)), batch_(batch), seq_(seq),
-        seed_(seed), gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+  TokenWindows(TokenFile tokens, std::string field, std::string path, int64_t batch,
+               int64_t seq, uint64_t seed)
+      : tokens_(std::move(tokens)), field_(std::move(field)), path_(std::move(path)),
+        batch_(batch), seq_(seq), seed_(seed),
+        gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
 
   std::vector<at::Tensor> Next() override {
     const at::Tensor starts = Starts();
@@ -48,6 +50,19 @@ class TokenWindows : public BatchSource {
   std::string Describe() const override {
     return absl::StrCat(path_, " (", tokens_.size(), " tokens)");
   }
+  absl::Status CheckRange(int input, int64_t limit, std::optional<int64_t> ignore,
+                          const std::string& what) const override {
+    if (input > 1) return absl::OkStatus();  // inputs and targets are both the file's ids
+    for (size_t i = 0; i < tokens_.size(); ++i) {
+      const int64_t v = tokens_.at(i);
+      if ((v < 0 || v >= limit) && (!ignore || v != *ignore)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field_, ": ", path_, " holds token id ", v, " at position ", i, ", outside ", what,
+            " (ids in [0, ", limit, "))"));
+      }
+    }
+    return absl::OkStatus();
+  }
 
  private:
   at::Tensor Starts() {
@@ -55,7 +70,7 @@ class TokenWindows : public BatchSource {
   }
 
   TokenFile tokens_;
-  std::string path_;
+  std::string field_, path_;
   int64_t batch_, seq_;
   uint64_t seed_;
   at::Generator gen_;
@@ -64,9 +79,9 @@ class TokenWindows : public BatchSource {
 class TensorDataset : public BatchSource {
  public:
   TensorDataset(std::vector<at::Tensor> tensors, std::vector<std::string> names,
-                std::string path, int64_t batch, uint64_t seed, bool shuffle)
-      : tensors_(std::move(tensors)), names_(std::move(names)), path_(std::move(path)),
-        batch_(batch), seed_(seed), shuffle_(shuffle) {
+                std::string field, std::string path, int64_t batch, uint64_t seed, bool shuffle)
+      : tensors_(std::move(tensors)), names_(std::move(names)), field_(std::move(field)),
+        path_(std::move(path)), batch_(batch), seed_(seed), shuffle_(shuffle) {
     Reset();
   }
 
@@ -91,6 +106,23 @@ class TensorDataset : public BatchSource {
   std::string Describe() const override {
     return absl::StrCat(path_, " (", samples(), " samples)");
   }
+  absl::Status CheckRange(int input, int64_t limit, std::optional<int64_t> ignore,
+                          const std::string& what) const override {
+    if (input >= static_cast<int>(tensors_.size())) return absl::OkStatus();
+    const at::Tensor& t = tensors_[input];
+    if (at::isFloatingType(t.scalar_type()) || t.scalar_type() == at::kBool) {
+      return absl::OkStatus();
+    }
+    at::Tensor bad = t.lt(0).logical_or(t.ge(limit));
+    if (ignore) bad = bad.logical_and(t.ne(*ignore));
+    if (!bad.any().item<bool>()) return absl::OkStatus();
+    const int64_t flat = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
+    const int64_t value = t.reshape(-1)[flat].item<int64_t>();
+    const int64_t row = flat / std::max<int64_t>(1, t.numel() / t.size(0));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field_, ": ", path_, "'s '", names_[input], "' holds ", value, " in sample ", row,
+        ", outside ", what, " (values in [0, ", limit, "))"));
+  }
 
   int64_t samples() const { return tensors_[0].size(0); }
   const std::vector<at::Tensor>& tensors() const { return tensors_; }
@@ -110,7 +142,7 @@ class TensorDataset : public BatchSource {
 
   std::vector<at::Tensor> tensors_;
   std::vector<std::string> names_;
-  std::string path_;
+  std::string field_, path_;
   int64_t batch_;
   uint64_t seed_;
   bool shuffle_;
@@ -135,7 +167,7 @@ absl::StatusOr<std::unique_ptr<BatchSource>> OpenTokens(const std::string& field
         spec.seq(), spec.seq() + 1));
   }
   return std::unique_ptr<BatchSource>(
-      new TokenWindows(std::move(*tokens), path, spec.batch(), spec.seq(), seed));
+      new TokenWindows(std::move(*tokens), field, path, spec.batch(), spec.seq(), seed));
 }
 
 absl::StatusOr<std::unique_ptr<TensorDataset>> OpenDataset(const std::string& field,
@@ -189,7 +221,7 @@ absl::StatusOr<std::unique_ptr<TensorDataset>> OpenDataset(const std::string& fi
     return invalid(absl::StrCat("holds ", tensors[0].size(0), " samples, fewer than a batch (",
                                 spec.batch(), ")"));
   }
-  return std::make_unique<TensorDataset>(std::move(tensors), std::move(names), path,
+  return std::make_unique<TensorDataset>(std::move(tensors), std::move(names), field, path,
                                          spec.batch(), spec.seed(), shuffle);
 }
 

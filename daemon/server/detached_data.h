@@ -25,6 +25,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,6 +52,11 @@ class BatchSource {
   virtual int64_t TokensPerBatch() const = 0;
   // For logs: "train.bin (1000000 tokens)", "data.pt (60000 samples)".
   virtual std::string Describe() const = 0;
+  // OK when every value the data gives input `input` (all of it, not one batch) is in
+  // [0, limit) or equals `ignore`; else INVALID_ARGUMENT naming the field, the value, where it
+  // is and `what` it indexes. Floating inputs index nothing: OK.
+  virtual absl::Status CheckRange(int input, int64_t limit, std::optional<int64_t> ignore,
+                                  const std::string& what) const = 0;
 };
 
 // The training data: `spec.tokens_path` or `spec.dataset_path` (exactly one). NOT_FOUND for a

@@ -134,6 +134,29 @@ TEST_CASE("Data that is not what the spec says is refused naming the field") {
   }
 }
 
+TEST_CASE("Every value a dataset gives an indexing input is checked, not one batch's") {
+  const std::string path = TempPath("labels.pt");
+  at::Tensor labels = at::zeros({40}, at::kLong);
+  labels[33] = 5;   // past 3 classes
+  labels[7] = -100;  // the loss's ignore_index
+  Save(c10::ivalue::Tuple::create({at::zeros({40, 2}), labels}), path);
+  absl::StatusOr<std::unique_ptr<BatchSource>> data = OpenTrainingData(DatasetSpec(path, 4));
+  REQUIRE(data.ok());
+  CHECK((*data)->CheckRange(0, 3, std::nullopt, "classes").ok());  // floating: indexes nothing
+  absl::Status bad = (*data)->CheckRange(1, 3, int64_t{-100}, "the 3 classes of the loss");
+  CHECK(bad.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(bad.message()),
+             Catch::Contains("dataset: ") && Catch::Contains("'input_1' holds 5 in sample 33") &&
+                 Catch::Contains("outside the 3 classes of the loss"));
+  labels[33] = 2;
+  Save(c10::ivalue::Tuple::create({at::zeros({40, 2}), labels}), path);
+  data = OpenTrainingData(DatasetSpec(path, 4));
+  REQUIRE(data.ok());
+  CHECK((*data)->CheckRange(1, 3, int64_t{-100}, "classes").ok());
+  CHECK_THAT(std::string((*data)->CheckRange(1, 3, std::nullopt, "classes").message()),
+             Catch::Contains("holds -100 in sample 7"));
+}
+
 TEST_CASE("The prefetcher hands the source's batches over in its order") {
   const std::string path = TempPath("prefetch.pt");
   Save(c10::ivalue::Tuple::create({at::arange(20, at::kLong)}), path);

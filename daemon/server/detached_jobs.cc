@@ -208,9 +208,18 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
   // here rather than queued.
   e->examples = e->train->Next();
   e->train->Reset();
-  absl::StatusOr<std::vector<uint64_t>> need = hooks_.need(js, e->model, e->examples);
+  absl::StatusOr<Hooks::Need> need = hooks_.need(js, e->model, e->examples);
   if (!need.ok()) return need.status();
-  e->need = std::move(*need);
+  e->need = std::move(need->bytes);
+  // Every id of the data, not only the first batch's, within what the model indexes with it.
+  for (const IndexBound& bound : need->bounds) {
+    for (BatchSource* data : {e->train.get(), e->eval.get()}) {
+      if (data == nullptr) continue;
+      absl::Status in_range = data->CheckRange(bound.input, bound.limit, bound.ignore,
+                                               bound.what);
+      if (!in_range.ok()) return in_range;
+    }
+  }
 
   if (!records_dir_.empty() && !resume) {
     absl::Status made = MakeDirs(records_dir_);

@@ -32,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "daemon/graph/index_bounds.h"
 #include "daemon/server/job.h"
 #include "rannc/v1/training.pb.h"
 
@@ -49,12 +50,16 @@ class DetachedJobs {
     // Deletes the job `id` (frees its devices).
     std::function<void(const std::string& id)> remove;
     // The bytes a job of `spec` would hold on each of this daemon's devices (its plan's
-    // estimates; its settings and plan checked as CreateJob checks them), and the bytes free on
-    // each now (the devices' memory less what the live jobs'
-    // plans hold). A job starts once its plan fits what is free.
-    std::function<absl::StatusOr<std::vector<uint64_t>>(const v1::JobSpec& spec,
-                                                        const std::string& model,
-                                                        const std::vector<at::Tensor>& examples)>
+    // estimates; its settings and plan checked as CreateJob checks them) and the ranges its
+    // integer inputs must keep to (an embedding's rows), and the bytes free on each device now
+    // (the devices' memory less what the live jobs' plans hold). A job starts once its plan
+    // fits what is free.
+    struct Need {
+      std::vector<uint64_t> bytes;
+      std::vector<IndexBound> bounds;
+    };
+    std::function<absl::StatusOr<Need>(const v1::JobSpec& spec, const std::string& model,
+                                       const std::vector<at::Tensor>& examples)>
         need;
     std::function<std::vector<uint64_t>()> free;
     std::function<std::string(size_t device)> device_name;

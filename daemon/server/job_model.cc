@@ -241,7 +241,7 @@ absl::StatusOr<PlannedModel> PlanJobModel(const JobSettings& config, const Impor
 }
 absl::StatusOr<v1::Deployment> PlanJob(const JobSettings& config, const std::string& model_bytes,
                                        const std::vector<at::Tensor>& example_inputs,
-                                       const SentTensors& sent) {
+                                       const SentTensors& sent, std::vector<IndexBound>* bounds) {
   absl::StatusOr<ImportedModel> model = ImportJobModel(config, model_bytes, sent, example_inputs);
   if (!model.ok()) return model.status();
   ParamStore store = ParamStore::FromModuleTensors(model->tensors);
@@ -252,6 +252,7 @@ absl::StatusOr<v1::Deployment> PlanJob(const JobSettings& config, const std::str
   AutocastGuard amp(config.autocast());
   absl::StatusOr<PlannedModel> planned = PlanJobModel(config, *model, store, example_inputs);
   if (!planned.ok()) return planned.status();
+  if (bounds != nullptr) *bounds = FindIndexBounds(*planned->ir);
   return std::move(planned->plan);
 }
 

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/graph/index_bounds.h"
 #include "daemon/graph/ir.h"
 #include "daemon/graph/torchscript_import.h"
 #include "daemon/runtime/param_store.h"
@@ -60,10 +61,12 @@ absl::StatusOr<PlannedModel> PlanJobModel(const JobSettings& settings, const Imp
                                           const ParamStore& store,
                                           const std::vector<at::Tensor>& example_inputs);
 
-// A dry run: the same checks and planning as a job's creation, with no job.
+// A dry run: the same checks and planning as a job's creation, with no job. With `bounds`, also
+// the ranges the model's integer inputs must keep to (graph/index_bounds.h).
 absl::StatusOr<v1::Deployment> PlanJob(const JobSettings& settings, const std::string& model_bytes,
                                        const std::vector<at::Tensor>& example_inputs,
-                                       const SentTensors& sent = {});
+                                       const SentTensors& sent = {},
+                                       std::vector<IndexBound>* bounds = nullptr);
 
 // Per store entry, the IR lifted index of its tensor (under its name or an alias), or -1 when
 // the graph never reads it.

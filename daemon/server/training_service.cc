@@ -146,12 +146,14 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
   hooks.remove = [this](const std::string& id) { jobs_->Remove(id).IgnoreError(); };
   hooks.need = [this](const v1::JobSpec& spec, const std::string& model,
                       const std::vector<at::Tensor>& examples)
-      -> absl::StatusOr<std::vector<uint64_t>> {
+      -> absl::StatusOr<DetachedJobs::Hooks::Need> {
     absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
     if (!settings.ok()) return settings.status();
-    absl::StatusOr<v1::Deployment> plan = PlanJob(*settings, model, examples);
+    DetachedJobs::Hooks::Need need;
+    absl::StatusOr<v1::Deployment> plan = PlanJob(*settings, model, examples, {}, &need.bounds);
     if (!plan.ok()) return Annotate(plan.status(), "planning the job");
-    return PlannedBytes(*plan, facts_.devices.size());
+    need.bytes = PlannedBytes(*plan, facts_.devices.size());
+    return need;
   };
   hooks.free = [this] {
     std::vector<uint64_t> free;

@@ -258,9 +258,12 @@ def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path)
     # The model's embedding has 16 rows; ids up to 16 do not fit it (checked on the first
     # batch, when the job is planned at submission).
     ({"tokens": '"wide.bin"'}, "planning the job"),
+    # Past the first batch: every id of the file is checked against the bound the plan found.
+    ({"tokens": '"late.bin"'}, "holds token id 16 at position 8192, outside the rows of"),
 ])
 def test_bad_submissions_are_refused_naming_the_field(job_dir, change, message):
     _write_tokens(job_dir / "wide.bin", torch.full((4096,), V))
+    _write_tokens(job_dir / "late.bin", torch.cat([_tokens(8192, 1), torch.tensor([V])]))
     daemon = DaemonProcess("--devices", "cpu:2")
     try:
         overrides = {k: v for k, v in change.items()
