@@ -211,6 +211,9 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
   absl::StatusOr<Hooks::Need> need = hooks_.need(js, e->model, e->examples);
   if (!need.ok()) return need.status();
   e->need = std::move(need->bytes);
+  // The job starts with this plan (load_deployment), checked against the model again but not
+  // planned twice.
+  js.mutable_options()->set_load_deployment(std::move(need->plan));
   // Every id of the data, not only the first batch's, within what the model indexes with it.
   for (const IndexBound& bound : need->bounds) {
     for (BatchSource* data : {e->train.get(), e->eval.get()}) {

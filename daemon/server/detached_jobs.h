@@ -57,6 +57,7 @@ class DetachedJobs {
     struct Need {
       std::vector<uint64_t> bytes;
       std::vector<IndexBound> bounds;
+      std::string plan;  // the serialized Deployment, which the job starts with (not planned again)
     };
     std::function<absl::StatusOr<Need>(const v1::JobSpec& spec, const std::string& model,
                                        const std::vector<at::Tensor>& examples)>

@@ -153,6 +153,7 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
     absl::StatusOr<v1::Deployment> plan = PlanJob(*settings, model, examples, {}, &need.bounds);
     if (!plan.ok()) return Annotate(plan.status(), "planning the job");
     need.bytes = PlannedBytes(*plan, facts_.devices.size());
+    need.plan = plan->SerializeAsString();
     return need;
   };
   hooks.free = [this] {

@@ -181,6 +181,8 @@ def test_submitted_job_trains_to_the_end_with_its_client_gone(job_dir):
         assert losses[-1] < 0.7 * losses[0], logs
         assert f"eval step {steps}/{steps} loss" in logs
         assert logs.splitlines()[-1] == "done", logs
+        # It started with the plan made at submission, not planned again.
+        assert "loaded from a file" in out, out
         # The same training through pyrannc ends at the same held-out loss.
         ours = torch.tensor(final["eval_loss"])
         assert_close(ours, torch.tensor(_pyrannc_eval_loss(job_dir, steps)),
