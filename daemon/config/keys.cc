@@ -85,6 +85,8 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"checkpoint_keep", T::kInt, S::kJob, "3", "checkpoints kept, the newest (0: all)"},
       {"resume", T::kString, S::kJob, "(start afresh)",
        "latest or a step: the job starts from that checkpoint of checkpoint_dir/<job name>"},
+      {"admission_wait", T::kFloat, S::kJob, "30",
+       "seconds a job waits for the daemon's other jobs to leave its plan the memory it needs"},
       // ---- clients (pyrannc, the C++ SDK, the CLI) ----
       {"daemon", T::kString, S::kClient, "an embedded ranncd",
        "host:port of the ranncd to use; unset, pyrannc starts its own on loopback"},

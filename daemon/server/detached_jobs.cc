@@ -319,15 +319,7 @@ void DetachedJobs::Run(Entry* entry) {
       });
     }
     if (entry->cancel) return Finish(entry, v1::DETACHED_CANCELLED, "");
-    std::string short_of;
-    const std::vector<uint64_t> free = hooks_.free();
-    for (size_t d = 0; d < need->size() && d < free.size(); ++d) {
-      if ((*need)[d] > free[d] && short_of.empty()) {
-        short_of = absl::StrCat("its plan needs ", planner::HumanBytes((*need)[d]), " on ",
-                                hooks_.device_name(d), ", where other jobs leave ",
-                                planner::HumanBytes(free[d]));
-      }
-    }
+    const std::string short_of = hooks_.short_of(*need);
     absl::StatusOr<std::shared_ptr<Job>> made =
         short_of.empty() ? hooks_.start(entry->id, entry->job_spec, entry->model, entry->examples)
                          : absl::StatusOr<std::shared_ptr<Job>>(

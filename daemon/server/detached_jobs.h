@@ -51,9 +51,9 @@ class DetachedJobs {
     std::function<void(const std::string& id)> remove;
     // The bytes a job of `spec` would hold on each of this daemon's devices (its plan's
     // estimates; its settings and plan checked as CreateJob checks them) and the ranges its
-    // integer inputs must keep to (an embedding's rows), and the bytes free on each device now
-    // (the devices' memory less what the live jobs' plans hold). A job starts once its plan
-    // fits what is free.
+    // integer inputs must keep to (an embedding's rows); and why those bytes do not fit what the
+    // live jobs' plans leave of the devices' memory now ("" when they fit). A job starts once
+    // its plan fits.
     struct Need {
       std::vector<uint64_t> bytes;
       std::vector<IndexBound> bounds;
@@ -62,8 +62,7 @@ class DetachedJobs {
     std::function<absl::StatusOr<Need>(const v1::JobSpec& spec, const std::string& model,
                                        const std::vector<at::Tensor>& examples)>
         need;
-    std::function<std::vector<uint64_t>()> free;
-    std::function<std::string(size_t device)> device_name;
+    std::function<std::string(const std::vector<uint64_t>& need)> short_of;
     std::function<std::string()> new_id;
     // The job ended (not stopped with the daemon): what its spec named that is kept for it
     // alone (uploaded files) can go. May be null.

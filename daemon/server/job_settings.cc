@@ -230,6 +230,14 @@ absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
   settings.loss_scale = *loss_scale;
   absl::Status checkpoints = ApplyCheckpointKeys(keys, &settings);
   if (!checkpoints.ok()) return checkpoints;
+  if (auto wait = keys.find("admission_wait"); wait != keys.end()) {
+    double seconds = 0;
+    if (!absl::SimpleAtod(wait->second, &seconds) || !(seconds >= 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "admission_wait=", wait->second, ": expected seconds, 0 or more"));
+    }
+    settings.admission_wait = std::chrono::milliseconds(std::llround(seconds * 1000));
+  }
   if ((settings.checkpoints.every > 0) && settings.checkpoints.dir.empty()) {
     return absl::InvalidArgumentError(
         "checkpoint_every needs checkpoint_dir (RANNC_CHECKPOINT_DIR): where to write them");

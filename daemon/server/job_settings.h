@@ -129,6 +129,9 @@ struct JobSettings {
   // JobOptions.lease_ms: the job is deleted once no call has named it for this long
   // (JobManager); zero: never.
   std::chrono::milliseconds lease{0};
+  // Config key admission_wait: how long a client's job waits for other jobs to leave its plan
+  // the memory it needs (TrainingServiceImpl::Admit).
+  std::chrono::milliseconds admission_wait = std::chrono::seconds(30);
   // The client's PyTorch numeric switches (TF32, cuDNN, deterministic algorithms), which the
   // job holds while it lives (LocalJob: a NumericsLease).
   NumericSettings numerics;

@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
@@ -102,6 +103,19 @@ std::vector<uint64_t> PlannedBytes(const v1::Deployment& plan, size_t num_device
   return bytes;
 }
 
+// The first device where `need` is more than `free`, described ("its plan needs 2.0 GiB on
+// cuda:0, where other jobs leave 1.5 GiB"); "" when it fits everywhere.
+std::string FirstShortfall(const std::vector<uint64_t>& need, const std::vector<uint64_t>& free,
+                           const std::vector<DaemonFacts::Device>& devices) {
+  for (size_t d = 0; d < need.size() && d < free.size(); ++d) {
+    if (need[d] <= free[d]) continue;
+    return absl::StrCat("its plan needs ", planner::HumanBytes(need[d]), " on ",
+                        d < devices.size() ? devices[d].name : absl::StrCat("device ", d),
+                        ", where other jobs leave ", planner::HumanBytes(free[d]));
+  }
+  return "";
+}
+
 // Where a daemon without a state dir keeps its uploads: $TMPDIR, else /tmp.
 std::string TempDir() {
   const char* tmp = std::getenv("TMPDIR");
@@ -156,19 +170,7 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
     need.plan = plan->SerializeAsString();
     return need;
   };
-  hooks.free = [this] {
-    std::vector<uint64_t> free;
-    for (const DaemonFacts::Device& d : facts_.devices) free.push_back(d.memory_bytes);
-    for (const JobManager::Listed& listed : jobs_->List()) {
-      const std::vector<uint64_t> held =
-          PlannedBytes(listed.job->info().plan, facts_.devices.size());
-      for (size_t d = 0; d < free.size(); ++d) free[d] -= std::min(free[d], held[d]);
-    }
-    return free;
-  };
-  hooks.device_name = [this](size_t d) {
-    return d < facts_.devices.size() ? facts_.devices[d].name : absl::StrCat("device ", d);
-  };
+  hooks.short_of = [this](const std::vector<uint64_t>& need) { return ShortOf(need); };
   hooks.new_id = [this] { return jobs_->NewJobId(); };
   // Uploads live beside the records, or, without a state dir, for this process only.
   uploads_ = records_->enabled()
@@ -315,6 +317,9 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     return grpc::Status::OK;
   }
 
+  if (absl::Status admitted = Admit(model, *examples, sent, &settings); !admitted.ok()) {
+    return Fail("CreateJob", admitted);
+  }
   std::optional<v1::JobRecord> suspended = SuspendedFor(spec);
   if (suspended && settings.checkpoints.resume < 0) {
     spdlog::info("job '{}' attaches to the suspended job {} of that name: it resumes from its "
@@ -1051,6 +1056,50 @@ grpc::Status TrainingServiceImpl::ExportCheckpoint(grpc::ServerContext* context,
     }
   }
   return grpc::Status::OK;
+}
+
+std::vector<uint64_t> TrainingServiceImpl::FreeBytes() const {
+  std::vector<uint64_t> free;
+  for (const DaemonFacts::Device& d : facts_.devices) free.push_back(d.memory_bytes);
+  for (const JobManager::Listed& listed : jobs_->List()) {
+    const std::vector<uint64_t> held = PlannedBytes(listed.job->info().plan, free.size());
+    for (size_t d = 0; d < free.size(); ++d) free[d] -= std::min(free[d], held[d]);
+  }
+  return free;
+}
+
+std::string TrainingServiceImpl::ShortOf(const std::vector<uint64_t>& need) const {
+  return FirstShortfall(need, FreeBytes(), facts_.devices);
+}
+
+absl::Status TrainingServiceImpl::Admit(const std::string& model,
+                                        const std::vector<at::Tensor>& examples,
+                                        const SentTensors& sent, JobSettings* settings) {
+  // A job over a cluster's daemons is planned over them all, later (StartJob).
+  if (!OtherMembers().empty()) return absl::OkStatus();
+  // Alone on the devices, a job is planned for all of their memory: nothing to wait for.
+  if (jobs_->List().empty() || !settings->load_deployment.empty()) return absl::OkStatus();
+  absl::StatusOr<v1::Deployment> plan = PlanJob(*settings, model, examples, sent);
+  if (!plan.ok()) return plan.status();
+  const std::vector<uint64_t> need = PlannedBytes(*plan, facts_.devices.size());
+  const auto start = std::chrono::steady_clock::now();
+  std::string short_of = ShortOf(need);
+  if (!short_of.empty()) {
+    spdlog::info("job '{}' waits up to {:.1f} s for memory: {}", settings->name,
+                 settings->admission_wait.count() / 1e3, short_of);
+  }
+  while (!short_of.empty()) {
+    if (std::chrono::steady_clock::now() - start >= settings->admission_wait) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the job does not fit beside the daemon's other jobs: ", short_of, "; waited ",
+          absl::StrFormat("%.1f", SecondsSince(start)), " s for them to end (config key "
+          "admission_wait)"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    short_of = ShortOf(need);
+  }
+  settings->load_deployment = plan->SerializeAsString();
+  return absl::OkStatus();
 }
 
 grpc::Status TrainingServiceImpl::SubmitJob(grpc::ServerContext*,

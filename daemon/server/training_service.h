@@ -203,6 +203,16 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   std::unique_ptr<DetachedJobs> detached_;  // `rannc submit`'s jobs
   // The lease reaper (see the constructor): one round of it.
   void ReapExpiredJobs();
+  // What this daemon's devices have free: their memory less the live jobs' plans' estimates.
+  std::vector<uint64_t> FreeBytes() const;
+  // Why a plan needing `need` bytes per device does not fit FreeBytes() now ("" if it fits).
+  std::string ShortOf(const std::vector<uint64_t>& need) const;
+  // Admission of a client's job (CreateJob): with other jobs on this daemon (and not in a
+  // cluster), the job is planned first and waits, at most its config key admission_wait, until
+  // its plan fits what they leave; it then starts with that plan (`settings`' load_deployment).
+  // RESOURCE_EXHAUSTED naming the device and the bytes when the wait ends first.
+  absl::Status Admit(const std::string& model, const std::vector<at::Tensor>& examples,
+                     const SentTensors& sent, JobSettings* settings);
   Periodic reaper_;  // last: starts once everything above is constructed, stops first
 };
 

@@ -75,6 +75,8 @@ KEYS = {
         "checkpoints kept, the newest (0: all)"),
     "resume": ("job", "string", "(start afresh)",
         "latest or a step: the job starts from that checkpoint of checkpoint_dir/<job name>"),
+    "admission_wait": ("job", "float", "30",
+        "seconds a job waits for the daemon's other jobs to leave its plan the memory it needs"),
     "daemon": ("client", "string", "an embedded ranncd",
         "host:port of the ranncd to use; unset, pyrannc starts its own on loopback"),
     "daemon_bin": ("client", "string", "bazel-bin/daemon/ranncd, else ranncd on PATH",

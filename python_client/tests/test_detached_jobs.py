@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import pyrannc
 from pyrannc.errors import RanncError
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
-from conftest import REPO_ROOT, DaemonProcess, assert_close, built_binary
+from conftest import CLIENT_ROOT, REPO_ROOT, DaemonProcess, assert_close, built_binary
 
 pytestmark = pytest.mark.usefixtures("pyrannc_daemon")
 
@@ -531,6 +531,58 @@ def test_a_job_waits_for_the_memory_another_holds(job_dir):
             fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
             assert fields["state"] == "done", out
         assert "waiting for device memory" in _cli(daemon, "logs", second).stdout
+    finally:
+        daemon.stop()
+
+
+_ATTACHED_CLIENT = """
+import sys, time, torch, pyrannc
+from test_detached_jobs import TinyLM, _tokens, _windows
+model = TinyLM()
+rmod = pyrannc.RaNNCModule(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+print("ready", flush=True)
+start = time.monotonic()
+try:
+    loss = rmod(*_windows(_tokens(8192, 1), torch.Generator().manual_seed(0)))
+    print(f"trained {float(loss):.4f} after {time.monotonic() - start:.2f} s")
+except pyrannc.RanncError as err:
+    print(f"refused {err.code.name}: {err}")
+"""
+
+
+def _attached_client(daemon, wait, when_ready=None):
+    """Runs _ATTACHED_CLIENT against `daemon`; calls `when_ready` once it is about to create its
+    job; its last line."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([CLIENT_ROOT, os.path.dirname(__file__)]),
+               RANNC_DAEMON=daemon.address, RANNC_ADMISSION_WAIT=str(wait))
+    proc = subprocess.Popen([sys.executable, "-c", _ATTACHED_CLIENT], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline().strip() == "ready"
+    if when_ready:
+        when_ready()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return out.strip().splitlines()[-1]
+
+
+def test_an_attached_job_waits_for_memory_then_is_refused_or_admitted(job_dir):
+    # A pyrannc job on a daemon whose devices another job fills: it waits at most its
+    # admission_wait, then RESOURCE_EXHAUSTED says why; with a longer wait it starts once the
+    # other job is cancelled, and trains.
+    import threading
+    daemon = DaemonProcess("--devices", "cpu:2", "--device-memory", "60KiB")
+    try:
+        holder = _cli(daemon, "submit", _job_file(job_dir, "holder", 10**7)).stdout.strip()
+        _wait(daemon, holder, {"running"})
+        out = _attached_client(daemon, 0.5)
+        assert re.search(r"^refused RESOURCE_EXHAUSTED: .*does not fit beside the daemon's other "
+                         r"jobs: its plan needs .* on cpu:0, where other jobs leave .*; waited "
+                         r"0\.\d s .*admission_wait", out), out
+        cancel = threading.Timer(1.0, lambda: _cli(daemon, "cancel", holder))
+        out = _attached_client(daemon, 60, when_ready=cancel.start)
+        cancel.join()
+        took = float(re.match(r"trained [\d.]+ after ([\d.]+) s", out).group(1))
+        assert took >= 0.9, out  # it waited for the cancel
     finally:
         daemon.stop()
 
