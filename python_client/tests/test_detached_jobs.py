@@ -114,6 +114,13 @@ def _wait(daemon, job, states, timeout=120):
         time.sleep(0.05)
 
 
+def _until_done(daemon, job, timeout=120):
+    """Waits for `job` to end; it must have ended done."""
+    fields, out = _wait(daemon, job, {"done", "failed", "cancelled"}, timeout)
+    assert fields["state"] == "done", out + daemon.output()
+    return fields
+
+
 def _lr(step, steps):
     # Hugging Face's cosine schedule with warmup and a floor, at index step - 1.
     i = step - 1
@@ -236,8 +243,7 @@ def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path)
     daemon.conn.close()
     daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state)
     try:
-        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
-        assert fields["state"] == "done", out + daemon.output()
+        _until_done(daemon, job)
         logs = _cli(daemon, "logs", job).stdout
         assert "resumed at step" in logs, logs
         resumed = _final_params(daemon, ckpt, "killed", tmp_path / "killed.pt")
@@ -305,8 +311,7 @@ def test_a_job_written_from_python_trains_as_pyrannc_does(job_dir, tmp_path, mon
     daemon = DaemonProcess("--devices", "cpu:2")
     try:
         job = detached.submit(job_file, daemon=daemon.address)
-        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
-        assert fields["state"] == "done", out + daemon.output()
+        _until_done(daemon, job)
         final = detached.status(job, daemon=daemon.address)
         # The CLI reads the same file.
         again = _cli(daemon, "submit", job_file).stdout.strip()
@@ -370,8 +375,7 @@ def test_uploaded_files_are_the_jobs_own_until_it_ends(job_dir, tmp_path):
     try:
         job = _cli(daemon, "submit", "--upload", _job_file(client_dir, "sent", 30)).stdout.strip()
         shutil.rmtree(client_dir)
-        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
-        assert fields["state"] == "done", out + daemon.output()
+        _until_done(daemon, job)
         assert f"submitted: {uploads}/" in _cli(daemon, "logs", job).stdout
         assert os.listdir(uploads) == []
 
@@ -385,8 +389,7 @@ def test_uploaded_files_are_the_jobs_own_until_it_ends(job_dir, tmp_path):
                                       torch.optim.SGD(model.parameters(), lr=0.1),
                                       dataset=_classification(50, 1), batch=8, steps=5)
         job = detached.submit(job_file, daemon=daemon.address, upload=True)
-        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
-        assert fields["state"] == "done", out
+        _until_done(daemon, job)
         assert f"-model.pt, 5 steps of batch 8 from {uploads}/" in _cli(daemon, "logs", job).stdout
         assert os.listdir(uploads) == []
     finally:
@@ -429,8 +432,7 @@ def test_a_tensor_dataset_job_trains_on_shuffled_epochs(tmp_path):
     daemon = DaemonProcess("--devices", "cpu:2")
     try:
         job = detached.submit(job_file, daemon=daemon.address)
-        fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
-        assert fields["state"] == "done", out + daemon.output()
+        _until_done(daemon, job)
         final = detached.status(job, daemon=daemon.address)
         logs = _cli(daemon, "logs", job).stdout
         assert "dataset.pt (50 samples)" in logs, logs
@@ -528,8 +530,7 @@ def test_a_job_waits_for_the_memory_another_holds(job_dir):
         fields, out = _wait(daemon, third, {"running", "done"})
         assert _status(daemon, second)[0]["state"] == "queued"
         for job in (second, third, fourth):
-            fields, out = _wait(daemon, job, {"done", "failed", "cancelled"})
-            assert fields["state"] == "done", out
+            _until_done(daemon, job)
         assert "waiting for device memory" in _cli(daemon, "logs", second).stdout
     finally:
         daemon.stop()
