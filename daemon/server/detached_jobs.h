@@ -1,10 +1,12 @@
 // Detached jobs: the daemon trains them on its own, with no client attached (`rannc submit`,
-// docs/detached.md). A DetachedJobSpec names a TorchScript language model (input_ids, targets)
-// -> loss and a token file on the daemon's file system; the job is checked at submission, waits
-// its turn (FIFO, and while the memory its plan needs is held by other jobs), then a thread of
-// its own runs the training loop through the same Job a client would drive: zero_grad, forward,
-// backward, the optimizer step at the schedule's lr, an evaluation on held-out tokens every N
-// steps, checkpoints as its config keys say. Status (step, loss, tokens/s, ETA, eval loss) and a
+// docs/detached.md). A DetachedJobSpec names a TorchScript model returning its loss and its data
+// (a token file or a tensor dataset, detached_data.h) on the daemon's file system; the job is
+// checked and planned at submission (its data range-checked whole), waits its turn (by
+// priority, then FIFO, and while the memory its plan needs is held by other jobs), then a
+// thread of its own runs the training loop through the same Job a client would drive, on
+// batches a prefetching thread draws: zero_grad, forward, backward, the optimizer step at the
+// schedule's lr, an evaluation on held-out data every N steps, checkpoints as its config keys
+// say. Status (step, loss, tokens/s, ETA, eval loss) and a
 // log of lines are kept for `rannc status` and `rannc logs`; Cancel stops it after its current
 // step and deletes its Job (its checkpoints stay).
 //
@@ -78,8 +80,9 @@ class DetachedJobs {
 
   // The new job's id, once the spec is checked and the job planned on its first batch.
   // INVALID_ARGUMENT naming the field for a spec that cannot run: sizes not positive, a model
-  // or token file that does not open (NOT_FOUND), data shorter than one window, an unknown
-  // dtype, optimizer or schedule, bad config keys, a model that does not take the data;
+  // or data file that does not open (NOT_FOUND), data shorter than one window or batch, an
+  // unknown dtype, optimizer or schedule, bad config keys, a model that does not take the data,
+  // a value of the data outside what the model indexes with it;
   // RESOURCE_EXHAUSTED for a plan that cannot fit the devices even with no other job.
   absl::StatusOr<std::string> Submit(const v1::DetachedJobSpec& spec);
   // NOT_FOUND for an id that was never submitted here.
