@@ -46,8 +46,9 @@ RANNC_CHECKPOINT_KEEP, default 3), DIR a new directory under /tmp unless --dir n
    and the plain steps that ran while a write was in flight (the writer thread shares the cores
    with the devices), and the step right after each checkpoint: from CUDA devices the copies to
    host memory run during it and its optimizer step waits for them, so the training held per
-   checkpoint is the call plus that step's extra. A write's span is taken from checkpoint(wait=False)'s return to that plus
-   its write_s, which the daemon logs ("checkpoint of ... committed: N bytes in T s").
+   checkpoint is the call plus that step's extra. A write's span is taken from
+   checkpoint(wait=False)'s return to that plus its write_s, which the daemon logs
+   ("checkpoint of ... committed: N bytes in T s").
 3. Synchronous: --checkpoints times, a plain step and then checkpoint(wait=True): bytes
    (CheckpointInfo.bytes), write_s (serialization, CRC, write, fsync, rename, pruning) and
    bytes / write_s.

@@ -47,7 +47,8 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path);
 // or when the daemon's host (GetInfo's hostname) is not this one.
 enum class UploadFiles { kIfRemote, kYes, kNo };
 
-// `rannc submit FILE [--follow] [--upload|--no-upload]`: prints the job id. With `follow`, then the job's log until it
+// `rannc submit FILE [--follow] [--upload|--no-upload]`: prints the job id (first sending the
+// files when `upload` says so). With `follow`, then the job's log until it
 // ends, or `interrupted` says so (it goes on), with a progress bar on stderr when that is a
 // terminal (tqdm's: percent, bar, step/steps, elapsed<ETA, tokens/s, loss). Returns the exit
 // status: 0, or 1 for a followed job that ended other than done.

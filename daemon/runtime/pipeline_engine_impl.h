@@ -449,7 +449,7 @@ class PipelineEngine::Impl {
   static at::Tensor ToHost(const at::Tensor& t);
   // A host copy of `t`, wherever `t` is (the engine's reads return host tensors of their own).
   static at::Tensor HostCopy(const at::Tensor& t);
-  // PipelineEngine::BeginAsyncReads..EndAsyncReads (pipeline_engine_offload.cc): HostCopy, or,
+  // PipelineEngine::BeginAsyncReads..EndAsyncReads (pipeline_engine_params.cc): HostCopy, or,
   // while async_reads_, a copy on the device's read stream that returns before it ends.
   at::Tensor ReadCopy(const at::Tensor& t) const;
   // The devices' streams wait for the asynchronous reads (before a write of what they read).

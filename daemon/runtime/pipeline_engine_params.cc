@@ -1,8 +1,9 @@
 // The engine's parameters, gradients and optimizers between steps (see pipeline_engine.h):
 // reads and writes of the lifted tensors by name or index, gradient accumulation from outside,
 // zeroing, norms and clipping, the per-device optimizers and their state, the loss scaler's
-// overflow check, each device's held bytes, and the asynchronous reads of checkpoints. Called on the engine's calling thread between
-// steps; OnEveryDevice runs the parts that need the devices on their workers.
+// overflow check, each device's held bytes, and the asynchronous reads of checkpoints. Called on
+// the engine's calling thread between steps; OnEveryDevice runs the parts that need the devices
+// on their workers.
 #include <algorithm>
 #include <atomic>
 #include <chrono>

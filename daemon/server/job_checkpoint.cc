@@ -357,7 +357,8 @@ Job::ResumeRead Job::ReadResume(const JobSettings::Checkpoints& c, const std::st
   }
   out.manifest = std::move(*m);
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<checkpoint::Contents> contents = checkpoint::ReadCheckpoint(*job_dir, out.manifest);
+  absl::StatusOr<checkpoint::Contents> contents =
+      checkpoint::ReadCheckpoint(*job_dir, out.manifest);
   if (!contents.ok()) {
     out.status = Annotate(contents.status(), out.key);
     return out;

@@ -466,7 +466,8 @@ absl::Status LocalJob::Load(const std::map<std::string, at::Tensor>& state, bool
   // Entries the state leaves out keep the devices' values (a state that has them all, a
   // checkpoint's, needs no copy of them first).
   const std::vector<std::string>& keys = store_.state_keys();
-  if (!std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return state.count(k); })) {
+  if (!std::all_of(keys.begin(), keys.end(),
+                   [&](const std::string& k) { return state.count(k) > 0; })) {
     SyncStore(/*grads=*/false, nullptr);
   }
   absl::Status loaded = store_.Load(state, strict, missing, unexpected);

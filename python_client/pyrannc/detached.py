@@ -7,9 +7,10 @@ a RaNNC script uses, submit it to a daemon that trains it on its own, and follow
     job_id = dj.submit(job_file)            # to RANNC_DAEMON (a daemon that outlives this process)
     print(dj.status(job_id).step)
 
-`write_job` writes the model traced as (input_ids, targets) -> loss (token data) or on a batch of
-a tensor dataset, and a job file that `rannc submit` reads too; `submit` reads such a file. The daemon reads the files named there
-from its own file system.
+`write_job` writes the model traced as (input_ids, targets) -> loss (token data) or on a batch
+of a tensor dataset, and a job file that `rannc submit` reads too; `submit` reads such a file.
+The daemon reads the files named there from its own file system; `submit(..., upload=True)`
+sends them first (by default when the daemon runs on another host).
 """
 
 import os
