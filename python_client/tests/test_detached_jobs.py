@@ -260,6 +260,7 @@ def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path)
     ({"batch": 0}, "must be positive"),
     ({"optimizer_type": '"lbfgs"'}, "optimizer: unknown 'lbfgs'"),
     ({"warmup": 500}, "warmup steps 500 must be in [0, steps = 50]"),
+    ({"schedule_kind": '"exponential"'}, "schedule: unknown lr schedule 'exponential'"),
     ({"config": 'pipline_num = 2\n'}, "pipline_num"),
     ({"hyper": "betaz = 0.9\n"}, "hyper: unknown 'betaz'"),
     ({"unknown": 1}, "'unknown' in"),
@@ -275,13 +276,15 @@ def test_bad_submissions_are_refused_naming_the_field(job_dir, change, message):
     daemon = DaemonProcess("--devices", "cpu:2")
     try:
         overrides = {k: v for k, v in change.items()
-                     if k not in ("optimizer_type", "warmup", "config", "hyper")}
+                     if k not in ("optimizer_type", "warmup", "schedule_kind", "config", "hyper")}
         path = _job_file(job_dir, "bad", 50, change.get("config", ""), **overrides)
         text = open(path).read()
         if "optimizer_type" in change:
             text = text.replace('type = "adamw"', f"type = {change['optimizer_type']}")
         if "warmup" in change:
             text = text.replace(f"warmup_steps = {WARMUP}", f"warmup_steps = {change['warmup']}")
+        if "schedule_kind" in change:
+            text = text.replace('kind = "cosine"', f"kind = {change['schedule_kind']}")
         if "hyper" in change:
             text = text.replace("[schedule]", change["hyper"] + "[schedule]")
         open(path, "w").write(text)
@@ -468,6 +471,9 @@ def test_a_tensor_dataset_job_trains_on_shuffled_epochs(tmp_path):
     ("not a dataset", "dataset: "),
     ((torch.zeros(10, 8), torch.zeros(9, dtype=torch.long)), "not one row per sample of 10"),
     ((torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)), "fewer than a batch (8)"),
+    # Not what the model takes: features of another width, labels of another dtype.
+    ((torch.zeros(10, 5), torch.zeros(10, dtype=torch.long)), "planning the job"),
+    ((torch.zeros(10, 8), torch.zeros(10)), "planning the job"),
 ])
 def test_bad_datasets_are_refused_naming_the_field(tmp_path, data, message):
     from pyrannc import detached
