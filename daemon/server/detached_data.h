@@ -33,7 +33,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
-#include "proto/rannc/v1/training.pb.h"
+#include "rannc/v1/training.pb.h"
 
 namespace rannc {
 
