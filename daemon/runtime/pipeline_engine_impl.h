@@ -449,6 +449,8 @@ class PipelineEngine::Impl {
   static at::Tensor ToHost(const at::Tensor& t);
   // A host copy of `t`, wherever `t` is (the engine's reads return host tensors of their own).
   static at::Tensor HostCopy(const at::Tensor& t);
+  // An empty page-locked host tensor shaped as `t`; undefined when none can be had.
+  static at::Tensor PinnedLike(const at::Tensor& t);
   // PipelineEngine::BeginAsyncReads..EndAsyncReads (pipeline_engine_params.cc): HostCopy, or,
   // while async_reads_, a copy on the device's read stream that returns before it ends.
   at::Tensor ReadCopy(const at::Tensor& t) const;

@@ -133,14 +133,18 @@ at::Tensor PipelineEngine::Impl::HostCopy(const at::Tensor& t) {
   // bounce buffer and is faulted in page by page, ~1 GB/s), and LibTorch's caching host
   // allocator hands the same pages out again at the next read of the model (a checkpoint every
   // few steps), so they are pinned once.
-  at::Tensor host;
-  try {
-    host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-  } catch (const c10::Error&) {
-    return t.to(at::kCPU);  // no page-locked memory to be had: pageable
-  }
+  at::Tensor host = PinnedLike(t);
+  if (!host.defined()) return t.to(at::kCPU);  // no page-locked memory to be had: pageable
   host.copy_(t);
   return host;
+}
+
+at::Tensor PipelineEngine::Impl::PinnedLike(const at::Tensor& t) {
+  try {
+    return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  } catch (const c10::Error&) {
+    return at::Tensor();
+  }
 }
 
 }  // namespace rannc

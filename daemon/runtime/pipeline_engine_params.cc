@@ -485,12 +485,8 @@ at::Tensor PipelineEngine::Impl::ReadCopy(const at::Tensor& t) const {
     queued.block(stream);
     found = read_streams_.emplace(read_streams_.end(), t.device(), stream);
   }
-  at::Tensor host;
-  try {
-    host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-  } catch (const c10::Error&) {
-    return HostCopy(t);  // no page-locked memory: a synchronous copy
-  }
+  at::Tensor host = PinnedLike(t);
+  if (!host.defined()) return t.to(at::kCPU);  // no page-locked memory: a synchronous copy
   const c10::StreamGuard on_read_stream(found->second);
   host.copy_(t, /*non_blocking=*/true);
   return host;

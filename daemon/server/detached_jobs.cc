@@ -308,7 +308,6 @@ void DetachedJobs::Run(Entry* entry) {
   // Wait for the turn (by priority, then FIFO), then for the memory: the job starts once its
   // plan fits what the other jobs leave free; it looks again whenever a job ends, and at least
   // every second. A job of a higher priority submitted meanwhile goes first.
-  const std::vector<uint64_t>* need = &entry->need;
   std::shared_ptr<Job> job;
   std::string waiting_for;
   while (true) {
@@ -319,7 +318,7 @@ void DetachedJobs::Run(Entry* entry) {
       });
     }
     if (entry->cancel) return Finish(entry, v1::DETACHED_CANCELLED, "");
-    const std::string short_of = hooks_.short_of(*need);
+    const std::string short_of = hooks_.short_of(entry->need);
     absl::StatusOr<std::shared_ptr<Job>> made =
         short_of.empty() ? hooks_.start(entry->id, entry->job_spec, entry->model, entry->examples)
                          : absl::StatusOr<std::shared_ptr<Job>>(

@@ -376,13 +376,12 @@ absl::Status Job::Resume(ResumeRead read) {
                  info_.id, settings_.name, checkpoint_job_dir());
     return absl::OkStatus();
   }
-  const v1::CheckpointManifest* m = &read.manifest;
-  checkpoint::Contents* contents = &read.contents;
-  const std::string dir = checkpoint::StepDir(checkpoint_job_dir(), m->step());
+  const v1::CheckpointManifest& m = read.manifest;
+  checkpoint::Contents& contents = read.contents;
+  const std::string dir = checkpoint::StepDir(checkpoint_job_dir(), m.step());
   const auto start = std::chrono::steady_clock::now();
-  const double read_s = read.read_s;
   uint64_t bytes = 0;
-  for (const v1::CheckpointFile& f : m->files()) bytes += f.bytes();
+  for (const v1::CheckpointFile& f : m.files()) bytes += f.bytes();
   auto another = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat(
         key, ": the checkpoint in ", dir, " is of another model: ", why));
@@ -393,15 +392,15 @@ absl::Status Job::Resume(ResumeRead read) {
   std::map<std::string, at::Tensor> state;
   for (const std::string& name : store.state_keys()) {
     const ParamStore::Entry* e = store.Find(name);
-    auto it = contents->tensors.find(e->name);
-    if (it == contents->tensors.end()) return another(absl::StrCat("it has no '", name, "'"));
+    auto it = contents.tensors.find(e->name);
+    if (it == contents.tensors.end()) return another(absl::StrCat("it has no '", name, "'"));
     if (!it->second.sizes().equals(e->tensor.sizes())) {
       return another(absl::StrCat("'", name, "' has shape ", c10::str(it->second.sizes()),
                                   " there, ", c10::str(e->tensor.sizes()), " here"));
     }
     state[name] = it->second;
   }
-  for (const auto& [name, tensor] : contents->tensors) {
+  for (const auto& [name, tensor] : contents.tensors) {
     if (store.Find(name) == nullptr) {
       return another(absl::StrCat("it has '", name, "', which this model has not"));
     }
@@ -410,50 +409,50 @@ absl::Status Job::Resume(ResumeRead read) {
   absl::Status loaded = LoadStateLocked(state, /*strict=*/true, &missing, &unexpected);
   if (!loaded.ok()) return Annotate(loaded, key);
 
-  if (settings_.optimizer.enabled && !contents->optimizer.empty()) {
+  if (settings_.optimizer.enabled && !contents.optimizer.empty()) {
     const std::string kind = settings_.optimizer.Name();
-    if (m->optimizer() != kind) {
+    if (m.optimizer() != kind) {
       return absl::InvalidArgumentError(absl::StrCat(
-          key, ": the checkpoint in ", dir, " holds ", m->optimizer(), "'s state; this job's "
+          key, ": the checkpoint in ", dir, " holds ", m.optimizer(), "'s state; this job's "
           "optimizer is ", kind));
     }
     std::vector<OptimizerEntry> entries;
-    for (checkpoint::Contents::State& s : contents->optimizer) {
+    for (checkpoint::Contents::State& s : contents.optimizer) {
       entries.push_back({s.param, s.key, s.value});
     }
     absl::Status state_loaded = LoadOptimizerStateLocked(entries);
     if (!state_loaded.ok()) return Annotate(state_loaded, key);
   }
-  steps_ = m->step();
-  forwards_ = m->forwards();
-  for (int g = 0; g < m->param_groups_size() && g < static_cast<int>(last_hypers_.size()); ++g) {
-    last_hypers_[g] = FromProto(m->param_groups(g).hyper(), settings_.optimizer.kind);
+  steps_ = m.step();
+  forwards_ = m.forwards();
+  for (int g = 0; g < m.param_groups_size() && g < static_cast<int>(last_hypers_.size()); ++g) {
+    last_hypers_[g] = FromProto(m.param_groups(g).hyper(), settings_.optimizer.kind);
   }
   if (settings_.loss_scale.enabled) {
-    const int good_steps = static_cast<int>(m->loss_scale_good_steps());
-    const int skipped = static_cast<int>(m->skipped_steps());
-    RestoreLossScalerLocked(m->loss_scale(), good_steps, skipped);
+    const int good_steps = static_cast<int>(m.loss_scale_good_steps());
+    const int skipped = static_cast<int>(m.skipped_steps());
+    RestoreLossScalerLocked(m.loss_scale(), good_steps, skipped);
     if (coordinator_.leads()) {
       // Every daemon's engine scales and unscales its own share of the gradients.
       absl::Status restored = coordinator_.OnParts(
           [&](PartChannel& part, size_t) {
-            return part.RestoreLossScaler(m->loss_scale(), good_steps, skipped);
+            return part.RestoreLossScaler(m.loss_scale(), good_steps, skipped);
           },
           [] { return absl::OkStatus(); });
       if (!restored.ok()) return Annotate(restored, key);
     }
   }
-  if (!m->cpu_rng_state().empty()) {
+  if (!m.cpu_rng_state().empty()) {
     absl::Status rng = TorchCall(absl::StatusCode::kDataLoss, "restoring the RNG state", [&] {
-      SetRngState(m->cpu_rng_state());
+      SetRngState(m.cpu_rng_state());
       return absl::OkStatus();
     });
     if (!rng.ok()) return Annotate(rng, key);
   }
-  resumed_step_ = m->step();
+  resumed_step_ = m.step();
   spdlog::info("job {} '{}' resumed from {} (step {}, written by job {}; read {:.0f} MB in "
                "{:.2f} s while the job was made, applied in {:.2f} s)", info_.id,
-               settings_.name, dir, m->step(), m->job_id(), bytes / 1e6, read_s,
+               settings_.name, dir, m.step(), m.job_id(), bytes / 1e6, read.read_s,
                SecondsSince(start));
   return absl::OkStatus();
 }
