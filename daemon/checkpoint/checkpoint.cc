@@ -1,11 +1,11 @@
 #include "daemon/checkpoint/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -21,7 +21,10 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
 #include <google/protobuf/util/json_util.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include "absl/strings/match.h"
@@ -29,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "daemon/checkpoint/crc32.h"
 #include "daemon/common/files.h"
 #include "daemon/common/tensor_codec.h"
 
@@ -77,39 +81,6 @@ int64_t StepOf(const std::string& name) {
 
 }  // namespace
 
-uint32_t Crc32(const char* data, size_t size, uint32_t crc) {
-  // Slicing-by-8: eight bytes a round through eight tables (table[0] is the byte-wise one).
-  static const auto* tables = [] {
-    auto* t = new std::array<std::array<uint32_t, 256>, 8>();
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      (*t)[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; ++i) {
-      for (int k = 1; k < 8; ++k) {
-        (*t)[k][i] = ((*t)[k - 1][i] >> 8) ^ (*t)[0][(*t)[k - 1][i] & 0xFF];
-      }
-    }
-    return t;
-  }();
-  const auto& t = *tables;
-  const auto* p = reinterpret_cast<const uint8_t*>(data);
-  crc = ~crc;
-  while (size >= 8) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= crc;  // little-endian hosts
-    crc = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^
-          t[3][hi & 0xFF] ^ t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
-    p += 8;
-    size -= 8;
-  }
-  while (size-- > 0) crc = t[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
-  return ~crc;
-}
-
 absl::StatusOr<std::string> ToJson(const google::protobuf::Message& message) {
   std::string json;
   google::protobuf::util::JsonPrintOptions print;
@@ -157,9 +128,10 @@ namespace {
 constexpr int64_t kFileBytes = int64_t{64} << 20;
 
 // fn(0), ..., fn(n - 1) on up to one thread per core; returns when all have.
-void ForEachInParallel(size_t n, const std::function<void(size_t)>& fn) {
-  const size_t threads =
-      std::max<size_t>(1, std::min<size_t>(n, std::thread::hardware_concurrency()));
+// fn(0) ... fn(n - 1) on up to `cores` threads (0: one per core).
+void ForEachInParallel(size_t n, const std::function<void(size_t)>& fn, size_t cores = 0) {
+  if (cores == 0) cores = std::thread::hardware_concurrency();
+  const size_t threads = std::max<size_t>(1, std::min<size_t>(n, cores));
   std::atomic<size_t> next{0};
   std::vector<std::thread> workers;
   for (size_t t = 0; t < threads; ++t) {
@@ -391,33 +363,63 @@ namespace {
 
 // One tensor file of a checkpoint, read whole into memory, checked against its manifest record
 // and unpickled.
+// A tensor file mapped read-only: its CRC reads the page cache's own pages, and its tensors
+// are copied once, from them into their storage (a read into a buffer first cost a zeroing, a
+// copy and a second pass of the CRC over memory).
+class MappedFile : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  MappedFile(const char* data, size_t size) : data_(data), size_(size) {}
+  ~MappedFile() override { ::munmap(const_cast<char*>(data_), size_); }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const char* data() const { return data_; }
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= size_) return 0;
+    n = std::min<size_t>(n, size_ - pos);
+    std::memcpy(buf, data_ + pos, n);
+    return n;
+  }
+
+ private:
+  const char* data_;
+  size_t size_;
+};
+
 absl::Status ReadTensorFile(const std::string& path, const v1::CheckpointFile& record,
                             std::map<std::string, at::Tensor>* tensors) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::DataLossError(ErrnoStatus(errno, "reading " + path).message());
-  std::vector<char> bytes(record.bytes());
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::DataLossError(ErrnoStatus(err, "reading " + path).message());
   }
-  char extra;
-  const bool longer = done == bytes.size() && ::read(fd, &extra, 1) == 1;
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size != record.bytes() || size == 0) {
+    ::close(fd);
+    return absl::DataLossError(absl::StrCat(path, " holds ", size, " bytes; its manifest says ",
+                                            record.bytes(), " (truncated or overwritten)"));
+  }
+  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+  const int map_error = errno;
   ::close(fd);
-  if (done != bytes.size() || longer) {
-    return absl::DataLossError(absl::StrCat(path, " holds ", longer ? "more than " : "",
-                                            longer ? bytes.size() : done,
-                                            " bytes; its manifest says ", record.bytes(),
-                                            " (truncated or overwritten)"));
+  if (mapped == MAP_FAILED) {
+    return absl::DataLossError(ErrnoStatus(map_error, "mapping " + path).message());
   }
-  if (Crc32(bytes.data(), bytes.size()) != record.crc32()) {
+  auto file = std::make_shared<MappedFile>(static_cast<const char*>(mapped), size);
+  if (Crc32(file->data(), size) != record.crc32()) {
     return absl::DataLossError(absl::StrCat(path, " is corrupted: its CRC-32 differs from "
                                             "the manifest's"));
   }
   try {
-    const c10::IValue value = torch::jit::pickle_load(bytes);
+    // What torch::jit::pickle_load does with a whole file's bytes, reading from the mapping.
+    caffe2::serialize::PyTorchStreamReader reader(file);
+    const c10::IValue value = torch::jit::readArchiveAndTensors(
+        "data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", /*type_resolver=*/{},
+        /*obj_loader=*/{}, /*device=*/{}, reader);
     for (const auto& item : value.toGenericDict()) {
       (*tensors)[item.key().toStringRef()] = item.value().toTensor();
     }
@@ -433,14 +435,20 @@ absl::Status ReadTensorFile(const std::string& path, const v1::CheckpointFile& r
 absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
                                         const v1::CheckpointManifest& manifest) {
   const std::string dir = StepDir(job_dir, manifest.step());
-  // The files are read, checked and unpickled in parallel, as WriteShare writes them.
+  // The files are read, checked and unpickled in parallel, as WriteShare writes them, on half
+  // the cores: a resumed job reads its checkpoint while its model is imported and probed on the
+  // host, and a copy from the page cache gains little from more threads than memory has
+  // bandwidth for.
   std::map<std::string, std::map<std::string, at::Tensor>> files;
   for (const v1::CheckpointFile& f : manifest.files()) files[f.path()];
   std::vector<absl::Status> statuses(manifest.files_size());
-  ForEachInParallel(statuses.size(), [&](size_t i) {
-    const v1::CheckpointFile& f = manifest.files(static_cast<int>(i));
-    statuses[i] = ReadTensorFile(absl::StrCat(dir, "/", f.path()), f, &files.at(f.path()));
-  });
+  ForEachInParallel(
+      statuses.size(),
+      [&](size_t i) {
+        const v1::CheckpointFile& f = manifest.files(static_cast<int>(i));
+        statuses[i] = ReadTensorFile(absl::StrCat(dir, "/", f.path()), f, &files.at(f.path()));
+      },
+      std::max<size_t>(1, std::thread::hardware_concurrency() / 2));
   for (const absl::Status& status : statuses) {
     if (!status.ok()) return status;
   }

@@ -115,9 +115,6 @@ absl::StatusOr<std::vector<char>> ExportCheckpoint(const v1::CheckpointManifest&
 absl::StatusOr<std::string> ToJson(const google::protobuf::Message& message);
 absl::Status ReadJsonFile(const std::string& path, google::protobuf::Message* message);
 
-// The CRC-32 (IEEE, zlib's) of `size` bytes, continuing from `crc`.
-uint32_t Crc32(const char* data, size_t size, uint32_t crc = 0);
-
 }  // namespace checkpoint
 }  // namespace rannc
 

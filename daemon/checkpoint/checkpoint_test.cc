@@ -194,11 +194,6 @@ TEST_CASE("a write that fails leaves the committed checkpoints whole") {
   fs::remove_all(dir);
 }
 
-TEST_CASE("Crc32 is zlib's") {
-  const std::string text = "123456789";
-  CHECK(Crc32(text.data(), text.size()) == 0xCBF43926u);
-}
-
 }  // namespace
 }  // namespace checkpoint
 }  // namespace rannc

@@ -69,6 +69,14 @@ BatchFlow Analysis::Run() {
       return Fail(result, absl::StrCat("output %", out->debugName(),
                                        " numbers the samples, which a shard numbers anew"));
     }
+    if (k == Kind::kInterleaved) {
+      return Fail(result, absl::StrCat("output %", out->debugName(), " interleaves the samples' "
+                                       "rows with other rows (a reshape merged dimensions "
+                                       "before the batch's into it)"));
+    }
+  }
+  for (const auto& [v, flow] : flows_) {
+    if (flow.kind == Kind::kInterleaved) result.interleaved[v] = flow.outer;
   }
   return result;
 }
@@ -77,6 +85,7 @@ BatchFlow Analysis::Fail(BatchFlow& result, std::string why) {
   result.separable = false;
   result.why = std::move(why);
   result.reductions.clear();
+  result.interleaved.clear();
   return result;
 }
 

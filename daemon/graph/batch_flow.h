@@ -77,6 +77,10 @@ struct BatchFlow {
   // Each graph output computed from the batch that has no batch dimension: how the whole batch's
   // value combines the per-sample values (a mean: shards weighted by their samples).
   std::unordered_map<const torch::jit::Value*, SampleReduction> reductions;
+  // Tensors whose batch dimension holds `outer` blocks of every sample's rows (a view merged
+  // dimensions before the batch's into it: nn.MultiheadAttention's (seq * batch, embed)):
+  // exact within a shard, but not to be split into rows per sample.
+  std::unordered_map<const torch::jit::Value*, int64_t> interleaved;
 };
 
 BatchFlow AnalyzeBatchFlow(const BatchFlowInputs& inputs);

@@ -43,12 +43,20 @@ enum class Kind {
   // to pick each sample's own row of a per-sample tensor (x[arange(B)[:, None], j], as Hugging
   // Face's attention masks do), where a shard's numbers pick the same samples' rows.
   kSampleIndex,
+  // Per-sample, but a reshape merged dimensions before the batch's into it: the batch dimension
+  // holds `outer` blocks, each with every sample's rows in order (nn.MultiheadAttention's
+  // (seq * batch, embed) view before its output projection). Followed only through ops that
+  // treat each row of it apart (linear, elementwise ops with nothing else to broadcast) and
+  // reshapes, until one splits the blocks out again; a stage boundary may not reshard it
+  // (IrValue::interleave).
+  kInterleaved,
 };
 
 struct Flow {
   Kind kind = Kind::kFree;
   // kShape lists (x.size()): the element that is the batch's size; -1 if none is known.
   int batch_element = -1;
+  int64_t outer = 1;  // kInterleaved: the blocks along the batch dimension
 };
 
 inline bool IsReduced(Kind k) { return k == Kind::kMean || k == Kind::kSum; }
@@ -155,7 +163,9 @@ class Analysis {
     const ValueFacts* f = Facts(v);
     return f == nullptr ? -1 : static_cast<int>(f->shape.size());
   }
-  void Set(const Value* v, Kind k, int batch_element = -1) { flows_[v] = {k, batch_element}; }
+  void Set(const Value* v, Kind k, int batch_element = -1, int64_t outer = 1) {
+    flows_[v] = {k, batch_element, outer};
+  }
 
   // --- which rule an op follows (batch_flow_ops.cc) --------------------------------------------
   std::string Dispatch(const Node* n, const OpName& name);
@@ -178,6 +188,7 @@ class Analysis {
   std::string Squeeze(const Node* n);
   std::string Slice(const Node* n);
   std::string Reshape(const Node* n);
+  std::string InterleavedUse(const Node* n, const OpName& name);
   std::string Rearrange(const Node* n);
   std::string Expand(const Node* n);
   std::string Repeat(const Node* n);

@@ -60,6 +60,7 @@ std::string Analysis::Dispatch(const Node* n, const OpName& name) {
   const std::string qual = n->kind().toQualString();
   for (const Value* in : n->inputs()) {
     if (KindOf(in) == Kind::kSampleIndex) return SampleIndexUse(n, name);
+    if (KindOf(in) == Kind::kInterleaved) return InterleavedUse(n, name);
   }
   // Structure: lists, tuples, sizes, scalars.
   if (qual == "prim::ListConstruct" || qual == "prim::TupleConstruct") return ListConstruct(n);

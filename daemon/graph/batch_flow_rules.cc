@@ -126,7 +126,9 @@ std::string Analysis::Size(const Node* n) {
     }
     return "";
   }
-  Set(n->output(), bd >= 0 ? Kind::kShape : Kind::kFree, bd);
+  // x.size(): the element that is the batch's size (an interleaved batch dimension's is not).
+  Set(n->output(), bd >= 0 ? Kind::kShape : Kind::kFree,
+      KindOf(x) == Kind::kInterleaved ? -1 : bd);
   if (bd >= 0 && Facts(x)->shape[bd] == in_.example_batch) sample_counts_.insert(n->output());
   return "";
 }
@@ -371,19 +373,109 @@ std::string Analysis::Slice(const Node* n) {
 std::string Analysis::Reshape(const Node* n) {
   const Value* x = n->input(0);
   if (KindOf(x) == Kind::kShape || IsReduced(KindOf(x))) return SetAll(n, KindOf(x));
-  if (KindOf(x) != Kind::kBatched) return "reads batch values in a way the rules do not cover";
+  if (KindOf(x) != Kind::kBatched && KindOf(x) != Kind::kInterleaved) {
+    return "reads batch values in a way the rules do not cover";
+  }
   const Value* out = n->output();
   std::string why = CheckFacts(out, Kind::kBatched);
   if (!why.empty()) return why;
   const ValueFacts* a = Facts(x);
   const ValueFacts* b = Facts(out);
-  int64_t before_in = 1, before_out = 1;
-  for (int d = 0; d < a->batch_dim; ++d) before_in *= a->shape[d];
-  for (int d = 0; d < b->batch_dim; ++d) before_out *= b->shape[d];
-  if (before_in != before_out) {
-    return "reshapes so that samples interleave (the dimensions before the batch change)";
+  // Row-major, x is (blocks, samples, each sample's elements in the block): the blocks are the
+  // dimensions before the batch's, times an interleaved batch dimension's outer blocks.
+  const int64_t outer = FlowOf(x).outer;
+  int64_t blocks_in = outer, blocks_out = 1, row_out = 1;
+  for (int d = 0; d < a->batch_dim; ++d) blocks_in *= a->shape[d];
+  for (int d = 0; d < b->batch_dim; ++d) blocks_out *= b->shape[d];
+  for (size_t d = b->batch_dim + 1; d < b->shape.size(); ++d) row_out *= b->shape[d];
+  int64_t per_sample = a->shape[a->batch_dim] / (outer * in_.example_batch);
+  for (size_t d = a->batch_dim + 1; d < a->shape.size(); ++d) per_sample *= a->shape[d];
+  if (row_out == 0 || per_sample % row_out != 0) {
+    return "reshapes so that a row of the batch dimension holds several samples' elements";
   }
-  Set(out, Kind::kBatched);
+  if (blocks_in == blocks_out) {
+    Set(out, Kind::kBatched);
+    return "";
+  }
+  // Fewer blocks before the batch: the rest joined the batch dimension, each block of it
+  // holding every sample's rows.
+  if (blocks_out < blocks_in && blocks_in % blocks_out == 0 &&
+      b->shape[b->batch_dim] % (blocks_in / blocks_out * in_.example_batch) == 0) {
+    Set(out, Kind::kInterleaved, -1, blocks_in / blocks_out);
+    return "";
+  }
+  return "reshapes so that samples interleave (the dimensions before the batch change)";
+}
+
+// An op reading a kInterleaved value: its rows may be mapped one by one (linear, elementwise
+// ops with nothing else to broadcast against them), its sizes read, and reshaped; nothing else.
+std::string Analysis::InterleavedUse(const Node* n, const OpName& name) {
+  const std::string& op = name.base;
+  const std::string qual = n->kind().toQualString();
+  const Value* x = n->input(0);
+  if (KindOf(x) != Kind::kInterleaved) {
+    return "reads a value whose samples interleave with other rows (a reshape merged "
+           "dimensions before the batch's into its batch dimension) other than as its input";
+  }
+  // Options: a shape may come from the batch's size (x.view(length, batch, -1)).
+  for (size_t i = 1; i < n->inputs().size(); ++i) {
+    const Kind k = KindOf(n->input(i));
+    if (k != Kind::kFree && k != Kind::kShape) {
+      return "combines a value whose samples interleave with other rows with batch values";
+    }
+  }
+  if (qual == "aten::size" || qual == "aten::sym_size" || qual == "aten::numel" ||
+      qual == "aten::len" || qual == "prim::shape") {
+    return Size(n);
+  }
+  if (qual == "aten::dim" || qual == "prim::device" || qual == "prim::dtype" ||
+      qual == "prim::layout") {
+    return SetAll(n, Kind::kFree);
+  }
+  static const std::unordered_set<std::string> reshapes = {"view", "reshape", "_reshape_alias",
+                                                           "_unsafe_view", "flatten"};
+  if (reshapes.count(op)) return Reshape(n);
+  for (size_t i = 1; i < n->inputs().size(); ++i) {
+    if (KindOf(n->input(i)) != Kind::kFree) {
+      return "computes with the batch's size on a value whose samples interleave with other "
+             "rows";
+    }
+  }
+  // Each element, or each row, on its own; other operands give only options (a dtype, a
+  // dropout rate) or, for linear, the weights.
+  static const std::unordered_set<std::string> rowwise = {
+      "linear", "contiguous", "clone", "to", "_to_copy", "type_as", "detach", "alias", "float",
+      "double", "half", "bfloat16", "requires_grad", "_autocast_to_reduced_precision",
+      "_autocast_to_full_precision", "dropout", "native_dropout", "alpha_dropout", "relu",
+      "gelu", "silu", "sigmoid", "tanh", "neg"};
+  if (!rowwise.count(op)) {
+    return "reads a value whose samples interleave with other rows (a reshape merged "
+           "dimensions before the batch's into its batch dimension), which the rules follow "
+           "only through reshapes, linear and elementwise ops";
+  }
+  const int bd = BatchDim(x);
+  if (op == "linear") {
+    if (bd == Rank(x) - 1) return "contracts the batch dimension";
+  } else if (op != "type_as") {
+    for (size_t i = 1; i < n->inputs().size(); ++i) {
+      if (n->input(i)->type()->kind() == c10::TypeKind::TensorType) {
+        return "combines a value whose samples interleave with other rows with a tensor";
+      }
+    }
+  }
+  for (const Value* o : n->outputs()) {
+    if (o->type()->kind() != c10::TypeKind::TensorType) {
+      Set(o, Kind::kFree);
+      continue;
+    }
+    std::string why = CheckFacts(o, Kind::kBatched);
+    if (!why.empty()) return why;
+    const ValueFacts* f = Facts(o);
+    if (f->batch_dim != bd || f->shape[bd] != Facts(x)->shape[bd]) {
+      return "moves the batch dimension of a value whose samples interleave with other rows";
+    }
+    Set(o, Kind::kInterleaved, -1, FlowOf(x).outer);
+  }
   return "";
 }
 

@@ -128,7 +128,7 @@ graph(%x : Float(4, 6)):
   return (%y)
 )IR",
              "works along the batch dimension", x);
-  // Samples interleaved by a transpose and a reshape.
+  // Samples mixed within rows by a transpose and a reshape.
   CheckWhole(R"IR(
 graph(%x : Float(4, 6)):
   %zero : int = prim::Constant[value=0]()
@@ -138,7 +138,7 @@ graph(%x : Float(4, 6)):
   %y : Tensor = aten::reshape(%t, %shape)
   return (%y)
 )IR",
-             "samples interleave", x);
+             "a row of the batch dimension holds several samples' elements", x);
   // Only some of the samples.
   CheckWhole(R"IR(
 graph(%x : Float(4, 6)):
@@ -369,6 +369,68 @@ graph(%x : Float(4, 3)):
   return (%g)
 )IR",
              "across the batch", {Randn({4, 3})});
+}
+
+// nn.MultiheadAttention's output projection: (batch, length, embed) made (length * batch, embed)
+// rows, projected, and made (length, batch, embed) again.
+constexpr char kInterleavedProjection[] = R"IR(
+graph(%x : Float(4, 3, 6), %w : Float(6, 6), %b : Float(6)):
+  %zero : int = prim::Constant[value=0]()
+  %one : int = prim::Constant[value=1]()
+  %format : int = prim::Constant[value=0]()
+  %rows : int[] = prim::Constant[value=[-1, 6]]()
+  %t : Tensor = aten::transpose(%x, %zero, %one)
+  %c : Tensor = aten::contiguous(%t, %format)
+  %r : Tensor = aten::view(%c, %rows)
+  %p : Tensor = aten::linear(%r, %w, %b)
+  %BODY
+)IR";
+
+std::string Projection(const std::string& body) {
+  std::string text = kInterleavedProjection;
+  return text.replace(text.find("%BODY"), 5, body);
+}
+
+TEST_CASE("AnalyzeBatchFlow follows rows of length * batch through a projection", "[graph]") {
+  const std::vector<at::Tensor> x = {Randn({4, 3, 6})};
+  const std::vector<at::Tensor> w = {Randn({6, 6}), Randn({6})};
+  {
+    absl::StatusOr<IrGraph> ir = IrOf(Projection(R"IR(%s : int = aten::size(%p, %one)
+  %three : int = prim::Constant[value=3]()
+  %m1 : int = prim::Constant[value=-1]()
+  %exact : str = prim::Constant[value="none"]()
+  %shape : int[] = prim::ListConstruct(%three, %m1, %s)
+  %g : Tensor = aten::gelu(%p, %exact)
+  %v : Tensor = aten::view(%g, %shape)
+  %y : Tensor = aten::transpose(%v, %zero, %one)
+  return (%y))IR"), x, w);
+    INFO(ir.status().message());
+    REQUIRE(ir.ok());
+    INFO(ir->not_separable);
+    CHECK(ir->batch_separable);
+    // The (12, 6) rows are 3 blocks of the 4 samples' rows: a stage may not cut them.
+    int interleaved = 0;
+    for (const IrValue& v : ir->values) {
+      if (v.interleave == 1) continue;
+      ++interleaved;
+      CHECK(v.interleave == 3);
+      CHECK(v.shape == std::vector<int64_t>{12, 6});
+    }
+    CHECK(interleaved == 3);  // the view, the projection, the gelu
+  }
+  // Returned as they are: a shard's rows would not be its samples'.
+  CheckWhole(Projection("return (%p)"), "interleaves the samples' rows", x, w);
+  // A softmax across the rows mixes the samples.
+  CheckWhole(Projection(R"IR(%none : NoneType = prim::Constant()
+  %y : Tensor = aten::softmax(%p, %zero, %none)
+  return (%y))IR"), "follow only through reshapes, linear and elementwise ops", x, w);
+  // A bias over every row: each row's own.
+  CheckWhole(Projection(R"IR(%y : Tensor = aten::add(%p, %p, %one)
+  return (%y))IR"), "combines a value whose samples interleave", x, w);
+  // Split into (length, batch) the wrong way round.
+  CheckWhole(Projection(R"IR(%wrong : int[] = prim::Constant[value=[-1, 3, 6]]()
+  %y : Tensor = aten::view(%p, %wrong)
+  return (%y))IR"), "holds several samples' elements", x, w);
 }
 
 TEST_CASE("AnalyzeBatchFlow says which module keeps the batch whole", "[graph]") {

@@ -543,6 +543,10 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
   if (!analyzed.ok()) return analyzed;
   ir.batch_separable = flow.separable;
   ir.not_separable = flow.why;
+  for (const auto& [v, outer] : flow.interleaved) {
+    auto it = ir.value_index.find(v);
+    if (it != ir.value_index.end()) ir.values[it->second].interleave = outer;
+  }
   for (const auto& [v, reduction] : flow.reductions) {
     ir.values[ir.ValueOf(v)].reduction = reduction == SampleReduction::kMean
                                              ? IrValue::Reduction::kMean

@@ -64,6 +64,10 @@ struct IrValue {
   at::ScalarType dtype = at::ScalarType::Undefined;
   std::vector<int64_t> shape;
   int batch_dim = -1;
+  // > 1: the batch dimension holds this many blocks, each with every sample's rows in order
+  // (graph/batch_flow.h, BatchFlow::interleaved): its samples are not whole runs of rows, so a
+  // stage boundary that reshards it between different replica counts is not planned.
+  int64_t interleave = 1;
   bool is_loss = false;        // a model output with no batch dimension that depends on the batch
   // For a loss: how the whole batch's value combines its samples' (found by running the model
   // on samples apart), so shards of the batch can be combined exactly.
@@ -159,7 +163,10 @@ absl::StatusOr<IrGraph> BuildIr(const ImportedModel& model, const std::vector<at
 bool ShapesFollowFromShapes(torch::jit::Graph& graph);
 
 // The bytes per sample of the activations live across the boundary before atomic node
-// `boundary` (1..nodes.size()-1): what a stage cut there sends forward.
+// `boundary` (1..nodes.size()-1): what a stage cut there sends forward. A cut across an
+// interleaved value (IrValue::interleave) counts kNoCutBytes for it, so that no plan cuts
+// there while another boundary will do.
+constexpr double kNoCutBytes = 1e15;
 double CutBytesPerSample(const IrGraph& ir, int boundary);
 
 // A stable 64-bit hash (FNV-1a) of `bytes` as 16 hex digits: the same in every process and

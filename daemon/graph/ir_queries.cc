@@ -173,7 +173,9 @@ double CutBytesPerSample(const IrGraph& ir, int boundary) {
     if (v.producer < 0 || v.producer >= boundary || !v.is_tensor) continue;
     bool crosses = false;
     for (int c : v.consumers) crosses = crosses || c >= boundary;
-    if (crosses) bytes += static_cast<double>(v.bytes) / ir.example_batch;
+    if (crosses) {
+      bytes += v.interleave > 1 ? kNoCutBytes : static_cast<double>(v.bytes) / ir.example_batch;
+    }
   }
   return bytes;
 }

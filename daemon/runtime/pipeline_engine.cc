@@ -240,6 +240,22 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
           "; plan it with one micro-batch and one replica per stage"));
     }
   }
+  // A value whose samples interleave with other rows cannot be cut into rows per sample: it
+  // may cross only between stages of one replica count, where each replica's share goes whole.
+  for (int q = 0; q < S; ++q) {
+    for (size_t j = 0; j < stages_[q].data_inputs.size(); ++j) {
+      const int p = stages_[q].source[j];
+      const IrValue& value = ir.values[stages_[q].data_inputs[j]];
+      if (p >= 0 && value.interleave > 1 &&
+          stages_[p].devices.size() != stages_[q].devices.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the plan cuts %", value.name, " between stage ", p, " (",
+            stages_[p].devices.size(), " replicas) and stage ", q, " (",
+            stages_[q].devices.size(), "), but its samples interleave with other rows (a "
+            "reshape merged dimensions before the batch's into it); cut the model elsewhere"));
+      }
+    }
+  }
   fused_ = FusesForwardBackward(ir);
 
   for (size_t i = 0; i < lifted.size(); ++i) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <future>
 
 #include <ATen/core/Dict.h>
 #include <spdlog/spdlog.h>
@@ -27,6 +28,43 @@ constexpr char kTensors[] = "tensors.pt";
 
 JobRecords::JobRecords(std::string state_dir)
     : dir_(state_dir.empty() ? "" : JoinPath(state_dir, "jobs")) {}
+
+JobRecords::~JobRecords() { WaitForSaves(); }
+
+void JobRecords::SaveInBackground(std::string job_id, v1::JobSpec spec, std::string model_bytes,
+                                  std::vector<at::Tensor> example_inputs, SentTensors sent,
+                                  v1::Deployment plan) {
+  if (!enabled()) return;
+  std::shared_future<void> done =
+      std::async(std::launch::async, [this, job_id = std::move(job_id), spec = std::move(spec),
+                                      model_bytes = std::move(model_bytes),
+                                      example_inputs = std::move(example_inputs),
+                                      sent = std::move(sent), plan = std::move(plan)] {
+        absl::Status saved = Save(job_id, spec, model_bytes, example_inputs, sent, plan);
+        if (!saved.ok()) {
+          spdlog::warn("job {} runs, but is not durable: its record was not written: {}", job_id,
+                       saved.ToString());
+        }
+      }).share();
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  pending_.push_back(std::move(done));
+}
+
+void JobRecords::WaitForSaves() const {
+  std::vector<std::shared_future<void>> pending;
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    pending = pending_;
+  }
+  for (const std::shared_future<void>& f : pending) f.wait();
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [](const std::shared_future<void>& f) {
+                                  return f.wait_for(std::chrono::seconds(0)) ==
+                                         std::future_status::ready;
+                                }),
+                 pending_.end());
+}
 
 std::string JobRecords::JobDir(const std::string& job_id) const {
   return JoinPath(dir_, job_id);
@@ -95,6 +133,7 @@ absl::Status JobRecords::Remove(const std::string& job_id) {
   if (!enabled() || job_id.empty() || job_id.find('/') != std::string::npos) {
     return absl::OkStatus();
   }
+  WaitForSaves();
   std::lock_guard<std::mutex> lock(mu_);
   return RemoveTree(JobDir(job_id));
 }
@@ -102,6 +141,7 @@ absl::Status JobRecords::Remove(const std::string& job_id) {
 std::vector<v1::JobRecord> JobRecords::List() const {
   std::vector<v1::JobRecord> out;
   if (!enabled()) return out;
+  WaitForSaves();
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir_);
   for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {

@@ -275,7 +275,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
         "CreateJob must start with a JobSpec message, then the model's bytes"));
   }
   const auto received = std::chrono::steady_clock::now();
-  const v1::JobSpec spec = request.spec();
+  v1::JobSpec spec = std::move(*request.mutable_spec());
   std::string model;
   // A hint from the client, so bounded: a bogus size must not make the daemon allocate it.
   model.reserve(std::min<uint64_t>(spec.model_bytes(), uint64_t{1} << 30));
@@ -303,7 +303,13 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (!decoded.ok()) return Fail("CreateJob", decoded.status());
   const SentTensors sent = std::move(*decoded);
   const double tensors_s = SecondsSince(decoding);
+  // Decoded: what the spec keeps of them (inline bytes, or the client's shm files) is not
+  // needed again, and copies of the spec (the job's record) need not carry it.
+  spec.clear_example_inputs();
+  spec.clear_model_tensors();
   JobSettings settings = std::move(*made);
+  settings.spec.clear_example_inputs();
+  settings.spec.clear_model_tensors();
 
   if (spec.dry_run().num_devices() > 0) {
     absl::Status dry = ApplyDryRun(spec.dry_run(), &settings);
@@ -379,11 +385,7 @@ absl::StatusOr<std::shared_ptr<Job>> TrainingServiceImpl::StartJob(
   response->set_resumed_step(job->resumed_step());
   // A job that writes checkpoints is durable: its record lets a restarted daemon bring it back.
   if (durable && records_->enabled() && !job->checkpoint_job_dir().empty()) {
-    absl::Status saved = records_->Save(id, spec, model, examples, sent, info.plan);
-    if (!saved.ok()) {
-      spdlog::warn("job {} runs, but is not durable: its record was not written: {}", id,
-                   saved.ToString());
-    }
+    records_->SaveInBackground(id, spec, model, examples, sent, info.plan);
   }
   std::optional<v1::CreateJobResponse> joinable;
   if (info.client_world > 1) joinable = *response;

@@ -123,12 +123,12 @@ MODELS = {
     "hf_llama": (_llama, lambda s: _tokens(s, "tokens"), (2, 2, 2)),
     "hf_bert": (_bert, lambda s: _tokens(s, "classes"), (2, 2, 2)),
     "timm_convnext_atto": (_convnext, _images(32), (2, 2, 2)),
-    # BatchNorm in training mode, and nn.MultiheadAttention: the batch stays whole (see
-    # test_torchvision_models.py), so the forced plans are stages only.
+    # BatchNorm in training mode: the batch stays whole (see test_torchvision_models.py), so
+    # the forced plans are stages only.
     "resnet18": (_vision("resnet18"), _images(32), (2, 1, 1)),
     "mobilenet_v3_small": (_vision("mobilenet_v3_small"), _images(32), (2, 1, 1)),
-    "vit_tiny": (_vision("vit_tiny"), _images(32), (2, 1, 1)),
-    "transformer_encoder": (_vision("transformer_encoder"), _images(32), (2, 1, 1)),
+    "vit_tiny": (_vision("vit_tiny"), _images(32), (2, 2, 2)),
+    "transformer_encoder": (_vision("transformer_encoder"), _images(32), (2, 2, 2)),
 }
 
 

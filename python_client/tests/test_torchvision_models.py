@@ -8,8 +8,8 @@ planner's own plan and under forced ones.
     Adam, as a user would train them.
   - A VisionTransformer (2 layers, width 32, 8x8 patches) and torch.nn.TransformerEncoder (2
     layers over the patches): their nn.MultiheadAttention merges the batch with the sequence
-    for its output projection, which the analysis does not follow yet: the batch is kept whole
-    (and a forced split refused, naming the op), stages allowed. SGD.
+    for its output projection ((length * batch, embed) rows), which the analysis follows
+    (graph/batch_flow.h, kInterleaved): forced plans split the batch. SGD.
   - MobileNetV3-small with its BatchNorms frozen in eval mode (fine-tuning) and SqueezeNet (no
     normalization): samples independent, so forced plans split the batch into micro-batches
     and replicas, and the results still equal PyTorch's. SGD with momentum: a split reorders
@@ -100,12 +100,6 @@ def _sgd(m):
 
 
 _BATCH_NORM = "BatchNorm2d.*normalizes over the batch"
-# torch.nn.MultiheadAttention runs its output projection over (length * batch) rows
-# (attn_output.view(tgt_len * bsz, embed_dim)): the rows are still per sample, but the analysis
-# (graph/batch_flow.h) does not follow a batch merged with the dimension before it, so the plan
-# keeps the batch whole and names the op. Known limitation (issue 26), to be lifted; the
-# results are exact either way.
-_ATTENTION = "aten::view in .*MultiheadAttention.* samples interleave"
 
 # name -> (model factory, optimizer, image size, why the plan keeps the batch whole: a regular
 # expression of Deployment.batch_whole, or None when the batch may be split)
@@ -114,8 +108,8 @@ MODELS = {
     "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), _adam, 32, _BATCH_NORM),
     "mobilenet_v3_small_frozen_bn": (_frozen_bn_mobilenet, _sgd, 32, None),
     "squeezenet1_1": (_squeezenet, _sgd, 64, None),
-    "vit_tiny": (_vit, _sgd, 32, _ATTENTION),
-    "transformer_encoder": (PatchEncoder, _sgd, 32, _ATTENTION),
+    "vit_tiny": (_vit, _sgd, 32, None),
+    "transformer_encoder": (PatchEncoder, _sgd, 32, None),
 }
 
 # Per device count: forced (partition, pipeline, replica) plans.
