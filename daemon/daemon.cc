@@ -11,11 +11,14 @@
 #include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
-#include "daemon/comm/cuda_devices.h"
-#include "daemon/comm/grpc_store.h"
+#include "daemon/cluster/etcd_client.h"
 #include "daemon/cluster/peers.h"
+#include "daemon/comm/cuda_devices.h"
+#include "daemon/comm/etcd_store.h"
+#include "daemon/comm/grpc_store.h"
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/link_probe.h"
@@ -211,6 +214,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   daemon->address_ = absl::StrCat(host, ":", port);
   absl::StatusOr<std::string> advertise = AdvertisedAddress(options, daemon->address_);
+  if (advertise.ok() && !options.cluster_store.empty()) {
+    absl::Status joined = daemon->UseClusterStore(options.cluster_store, *advertise);
+    if (!joined.ok()) {
+      daemon->server_->Shutdown(std::chrono::system_clock::now());
+      return joined;
+    }
+  }
   absl::StatusOr<std::unique_ptr<cluster::Cluster>> joined =
       advertise.ok() ? JoinCluster(options, facts, *advertise)
                      : absl::StatusOr<std::unique_ptr<cluster::Cluster>>(advertise.status());
@@ -247,14 +257,47 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   return daemon;
 }
 
+absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& self) {
+  absl::StatusOr<std::vector<std::string>> endpoints = cluster::ParseEtcdUrl(url);
+  if (!endpoints.ok()) return Annotate(endpoints.status(), "--cluster-store");
+  absl::StatusOr<std::unique_ptr<cluster::EtcdClient>> etcd =
+      cluster::EtcdClient::Connect(*endpoints, std::chrono::seconds(5));
+  if (!etcd.ok()) return Annotate(etcd.status(), "--cluster-store");
+  etcd_ = std::move(*etcd);
+  // This daemon's lease: its member key, and the store keys of the groups it meets in, live as
+  // long as it does.
+  constexpr std::chrono::seconds kLeaseTtl(10);
+  absl::StatusOr<int64_t> lease = etcd_->GrantLease(kLeaseTtl);
+  if (!lease.ok()) return Annotate(lease.status(), "--cluster-store");
+  etcd_lease_ = std::make_unique<cluster::LeaseKeeper>(
+      etcd_.get(), *lease, kLeaseTtl, [self](const absl::Status& why) {
+        spdlog::error("this daemon ({}) lost its etcd lease: {}; its store keys and member key "
+                      "are gone", self, why.ToString());
+      });
+  absl::StatusOr<int64_t> put =
+      etcd_->Put(absl::StrCat("/rannc/members/", self), kRanncVersion, *lease);
+  if (!put.ok()) return Annotate(put.status(), "--cluster-store");
+  etcd_store_ = comm::MakeEtcdStore(etcd_.get(), "/rannc/store/", *lease);
+  training_->set_store(etcd_store_.get());
+  job_parts_->set_store(etcd_store_.get());
+  spdlog::info("cluster store: etcd at {} (lease {:x}); jobs over several daemons meet there",
+               absl::StrJoin(*endpoints, ","), *lease);
+  return absl::OkStatus();
+}
+
 void Daemon::Wait() {
   if (server_) server_->Wait();
 }
 
 void Daemon::Shutdown(std::chrono::milliseconds grace) {
   if (cluster_) cluster_->Stop();
-  if (!server_) return;
-  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
+  if (etcd_lease_) {
+    // Gone at once for the others, rather than when the lease would expire.
+    const int64_t lease = etcd_lease_->lease();
+    etcd_lease_.reset();
+    etcd_->RevokeLease(lease).IgnoreError();
+  }
 }
 
 }  // namespace rannc

@@ -27,6 +27,7 @@ namespace rannc {
 class JobManager;
 class JobRecords;
 namespace comm {
+class Store;
 class StoreServiceImpl;
 }  // namespace comm
 class GrpcPartChannels;
@@ -36,6 +37,8 @@ struct DaemonFacts;  // daemon/server/job_settings.h
 namespace cluster {
 class Cluster;
 class ClusterServiceImpl;
+class EtcdClient;
+class LeaseKeeper;
 }  // namespace cluster
 
 inline constexpr char kRanncVersion[] = "0.1.0";
@@ -64,6 +67,9 @@ class Daemon {
 
  private:
   Daemon();
+  // --cluster-store: connects to etcd, registers this daemon (`self`) under a lease it keeps,
+  // and gives jobs over several daemons their rendezvous there.
+  absl::Status UseClusterStore(const std::string& url, const std::string& self);
 
   std::string address_;
   std::unique_ptr<planner::ProfileCache> profile_cache_;
@@ -77,6 +83,11 @@ class Daemon {
   std::unique_ptr<JobPartServiceImpl> job_parts_;
   // The rendezvous of the data plane for jobs this daemon leads across the cluster.
   std::unique_ptr<comm::StoreServiceImpl> store_service_;
+  // --cluster-store: etcd, this daemon's lease there (its member key and store keys go with
+  // it), and the rendezvous store on it that replaces store_service_'s.
+  std::unique_ptr<cluster::EtcdClient> etcd_;
+  std::unique_ptr<cluster::LeaseKeeper> etcd_lease_;
+  std::unique_ptr<comm::Store> etcd_store_;
   std::unique_ptr<grpc::Server> server_;
 };
 

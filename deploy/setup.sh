@@ -1,9 +1,10 @@
 #!/bin/bash
 # Installs everything rannc needs on Debian 12 (bookworm) from Debian's own packages: LibTorch
 # and PyTorch 1.13 (CPU), gRPC 1.51, protobuf 3.21, spdlog, Catch2, UCX, Bazel 4.2.3, CMake and
-# ccache (the build without Bazel, docs/building.md) and the Python test tools (torchvision: the
-# real models of the tests). Idempotent: installs only what is missing. Needs root (uses sudo if
-# not).
+# ccache (the build without Bazel, docs/building.md), the Python test tools (torchvision: the
+# real models of the tests), and etcd (its .proto files make the cluster store's client,
+# third_party/etcd; its tests run real etcd). Idempotent: installs only what is missing. Needs
+# root (uses sudo if not).
 set -euo pipefail
 
 packages=(
@@ -15,6 +16,8 @@ packages=(
   bazel-bootstrap bazel-platforms bazel-rules-java
   cmake ccache
   python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm python3-torchvision
+  etcd-server golang-etcd-server-dev golang-github-gogo-protobuf-dev
+  golang-github-grpc-ecosystem-grpc-gateway-dev
 )
 
 missing=()

@@ -31,6 +31,12 @@ for pair in grpcpp/grpcpp.h:libgrpc++-dev google/protobuf/message.h:libprotobuf-
             toml++/toml.h:libtomlplusplus-dev catch2/catch.hpp:catch2; do
   [ -e "$SYS/usr/include/${pair%%:*}" ] || missing+=("${pair#*:}")
 done
+# etcd's .proto files (third_party/etcd/gen.sh) and the annotations they import.
+for pair in go.etcd.io/etcd/etcdserver/etcdserverpb/rpc.proto:golang-etcd-server-dev \
+            github.com/gogo/protobuf/gogoproto/gogo.proto:golang-github-gogo-protobuf-dev \
+            github.com/grpc-ecosystem/grpc-gateway/third_party/googleapis/google/api/annotations.proto:golang-github-grpc-ecosystem-grpc-gateway-dev; do
+  [ -e "$SYS/usr/share/gocode/src/${pair%%:*}" ] || missing+=("${pair#*:}")
+done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "gpu_cmake_build: $SYS lacks ${missing[*]}; where a registry is reachable:"
   echo "  ../shared/tools/gpu-debs.sh .gpu/debs ${missing[*]}"

@@ -44,6 +44,9 @@ std::vector<ConfigKey>* MakeRegistry() {
        "this daemon's address as the other members reach it; must be in peers"},
       {"cluster_size", T::kInt, S::kDaemon, "0 (the length of peers)",
        "how many daemons a DNS name in peers must resolve to"},
+      {"cluster_store", T::kString, S::kDaemon, "none (no shared store)",
+       "etcd://HOST:PORT[,HOST:PORT...]: etcd holds the rendezvous of jobs over several "
+       "daemons"},
       {"heartbeat_interval", T::kDuration, S::kDaemon, "1s",
        "how often each daemon heartbeats the others"},
       {"peer_timeout", T::kDuration, S::kDaemon, "10s",

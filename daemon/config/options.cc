@@ -105,6 +105,26 @@ absl::Status CheckPeers(std::string& value) {
   return absl::OkStatus();
 }
 
+absl::Status CheckClusterStore(std::string& value) {
+  if (value.empty() || value == "none") {
+    value.clear();
+    return absl::OkStatus();
+  }
+  absl::string_view rest = value;
+  if (!absl::ConsumePrefix(&rest, "etcd://") || rest.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster_store '", value, "' is not etcd://HOST:PORT[,HOST:PORT...]"));
+  }
+  for (absl::string_view endpoint : absl::StrSplit(rest, ',')) {
+    absl::Status ok = cluster::SplitHostPort(std::string(endpoint)).status();
+    if (!ok.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cluster_store '", value, "': ", ok.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckAdvertise(std::string& value) {
   if (value.empty()) return absl::OkStatus();
   return cluster::SplitHostPort(value).status();
@@ -173,6 +193,7 @@ const std::vector<Key>& Keys() {
       Text("peers", &DaemonOptions::peers, &CheckPeers),
       Text("advertise", &DaemonOptions::advertise, &CheckAdvertise),
       Count("cluster_size", &DaemonOptions::cluster_size, &CheckClusterSize),
+      Text("cluster_store", &DaemonOptions::cluster_store, &CheckClusterStore),
       Duration("heartbeat_interval", &DaemonOptions::heartbeat_interval),
       Duration("peer_timeout", &DaemonOptions::peer_timeout),
   };
@@ -498,6 +519,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                 "NAME:PORT resolving to all (with --cluster-size) (default: this daemon alone)"},
       {"advertise", "this daemon's address in --peers (default the --listen address)"},
       {"cluster_size", "daemons a --peers name must resolve to (default: the length of --peers)"},
+      {"cluster_store", "etcd://HOST:PORT[,...]: etcd keeps the rendezvous of jobs over several "
+                        "daemons (default: none)"},
       {"heartbeat_interval", "how often to heartbeat each peer (default 1s)"},
       {"peer_timeout", "silence after which a peer is DOWN (default 10s)"},
   };
@@ -507,6 +530,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"links", "SPEEDS"},    {"profile_cache", "FILE"},       {"peers", "LIST"},
       {"state_dir", "DIR"},
       {"advertise", "HOST:PORT"}, {"cluster_size", "N"},       {"heartbeat_interval", "DURATION"},
+      {"cluster_store", "URL"},
       {"peer_timeout", "DURATION"},
   };
   std::vector<FlagValue> flags;
@@ -521,7 +545,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
     if (key.text == &DaemonOptions::shm_dir || key.text == &DaemonOptions::devices ||
         key.text == &DaemonOptions::links || key.text == &DaemonOptions::profile_cache ||
         key.text == &DaemonOptions::state_dir ||
-        key.text == &DaemonOptions::peers || key.text == &DaemonOptions::advertise) {
+        key.text == &DaemonOptions::peers || key.text == &DaemonOptions::advertise ||
+        key.text == &DaemonOptions::cluster_store) {
       flag.option->expected(0, 1);
     }
   }
@@ -536,7 +561,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
       "log_level, max_message_size, shm_dir, links, profile_cache, state_dir, peers, advertise, "
-      "cluster_size, heartbeat_interval, peer_timeout) and in the environment as RANNC_<KEY> (e.g. "
+      "cluster_size, cluster_store, heartbeat_interval, peer_timeout) and in the environment as "
+      "RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");
 
   try {

@@ -8,7 +8,8 @@
 // else $HOME/.rannc/rannc.toml. A missing default file is fine; a missing --config file, a
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
 // names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
-// profile_cache, state_dir, peers, advertise, cluster_size, heartbeat_interval, peer_timeout)
+// profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, heartbeat_interval,
+// peer_timeout)
 // at the top
 // level; `peers` may also be an array of strings. The same file may hold any other key of the
 // registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
@@ -116,6 +117,11 @@ struct DaemonOptions {
   // How many daemons a DNS name in `peers` must resolve to before ranks are assigned. Default
   // 0: the length of a static `peers` list.
   uint64_t cluster_size = 0;
+
+  // etcd, where the daemons of a cluster keep what they share (cluster/etcd_client.h):
+  // "etcd://HOST:PORT[,HOST:PORT...]". Today the rendezvous of jobs over several daemons
+  // (comm/etcd_store.h) instead of the store their leading daemon serves. Default "": none.
+  std::string cluster_store = "";
 
   // How often this daemon heartbeats every other member. Default 1 s.
   std::chrono::milliseconds heartbeat_interval{1000};

@@ -49,7 +49,7 @@ grpc::Status JobPartServiceImpl::CreatePart(grpc::ServerContext*,
   model.reserve(std::min<uint64_t>(header.spec().model_bytes(), uint64_t{1} << 30));
   while (reader->Read(&request)) model += request.model_chunk();
   absl::StatusOr<std::string> id =
-      CreatePartJob(header.spec(), header.part(), model, facts_, jobs_);
+      CreatePartJob(header.spec(), header.part(), model, facts_, jobs_, store_);
   if (!id.ok()) return FailRpc("CreatePart", id.status());
   response->set_part_id(*id);
   return grpc::Status::OK;

@@ -24,6 +24,9 @@ absl::StatusOr<std::string> CreatePartJob(const v1::JobSpec& spec, const v1::Par
 class JobPartServiceImpl final : public v1::JobPartService::Service {
  public:
   JobPartServiceImpl(const DaemonFacts& facts, JobManager* jobs) : facts_(facts), jobs_(jobs) {}
+  // The cluster's shared rendezvous store (ranncd --cluster-store), which the parts' engines
+  // meet their leader's in instead of the store the leader serves; set before serving.
+  void set_store(comm::Store* store) { store_ = store; }
 
   grpc::Status CreatePart(grpc::ServerContext*, grpc::ServerReader<v1::CreatePartRequest>*,
                           v1::CreatePartResponse*) override;
@@ -67,6 +70,7 @@ class JobPartServiceImpl final : public v1::JobPartService::Service {
 
   const DaemonFacts facts_;
   JobManager* const jobs_;
+  comm::Store* store_ = nullptr;
 };
 
 }  // namespace rannc

@@ -4,6 +4,10 @@ devices and trained with a stage per daemon. It must train exactly like one PyTo
 (conftest.assert_close: rtol 1e-5, atol 1e-6). A daemon SIGKILLed mid-training fails the job
 at once with UNAVAILABLE naming it, and the others go on.
 
+With a real etcd on loopback (Debian's etcd-server), the daemons also run with
+--cluster-store: each registers under its lease, and the job's engines meet in etcd instead of
+the store their leading daemon serves.
+
 RANNC_CLUSTER_DEVICES: each daemon's --devices (default cpu:2; two devices each). On a GPU
 machine, e.g. cuda:0/2: every daemon holds two shares of GPU 0 and the stages exchange CUDA
 tensors across the daemons."""
@@ -65,9 +69,56 @@ def _free_ports(n):
     return ports
 
 
+ETCD = os.environ.get("RANNC_ETCD_BIN", "/usr/bin/etcd")
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A one-member etcd on loopback ports; its client URL."""
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip(f"SKIPPED LOUDLY: {ETCD} is missing (Debian's etcd-server; deploy/setup.sh "
+                    "installs it)")
+    client, peer = _free_ports(2)
+    log = open(tmp_path / "etcd.log", "w")
+    proc = subprocess.Popen(
+        [ETCD, "--name", "m0", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}",
+         "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"m0=http://127.0.0.1:{peer}", "--logger", "zap",
+         "--log-outputs", "stderr"], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", client), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, open(tmp_path / "etcd.log").read()
+            time.sleep(0.1)
+    yield f"etcd://127.0.0.1:{client}"
+    proc.kill()
+    proc.wait()
+
+
+def _etcd_keys(url, prefix):
+    """The keys under `prefix`, read with etcdctl."""
+    done = subprocess.run(
+        ["etcdctl", "--endpoints", url[len("etcd://"):], "get", "--prefix", "--keys-only",
+         prefix], env=dict(os.environ, ETCDCTL_API="3"), capture_output=True, text=True,
+        timeout=30)
+    assert done.returncode == 0, done.stderr
+    return [k for k in done.stdout.split("\n") if k]
+
+
 @pytest.fixture(params=[2], ids=lambda n: f"{n}daemons")
 def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a clean config
-    count = request.param
+    yield from _start_cluster(request.param)
+
+
+def _start_cluster(count, store=None):
+    """`count` daemons (with --cluster-store `store`, if given), once every one is UP in every
+    other's view; stopped when the generator closes."""
     peers = [f"127.0.0.1:{p}" for p in _free_ports(count)]
     logs, procs = [], []
     for address in peers:
@@ -76,7 +127,8 @@ def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a 
         procs.append(subprocess.Popen(
             [daemon_binary(), "--listen", address, "--devices", CLUSTER_DEVICES, "--peers",
              ",".join(peers), "--heartbeat-interval", "200ms", "--peer-timeout", "5s",
-             "--profile-cache", "none", "--links", "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s"],
+             "--profile-cache", "none", "--links", "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s"]
+            + (["--cluster-store", store] if store else []),
             stdout=log, stderr=subprocess.STDOUT))
     deadline = time.time() + 60
     names = []  # each daemon's device names
@@ -125,6 +177,36 @@ def test_a_job_spans_the_daemons_and_trains_like_pytorch(tmp_path, cluster):
     assert sorted(d for s in got["stages"] for d in s) == list(range(2 * len(peers)))
 
     _assert_trains_like_pytorch(got)
+
+
+def test_a_job_meets_in_etcd_with_cluster_store_and_trains_like_pytorch(
+        tmp_path, etcd, pyrannc_daemon):
+    # Two daemons with --cluster-store: each registers under its lease, the job's engines meet in
+    # etcd (their keys are there while it runs), and training is exact.
+    gen = _start_cluster(2, etcd)
+    peers, logs, procs, names = next(gen)
+    try:
+        assert sorted(_etcd_keys(etcd, "/rannc/members/")) == sorted(
+            f"/rannc/members/{p}" for p in peers)
+        out = str(tmp_path / "client.json")
+        env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=peers[0],
+                   RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2")
+        script = _CLIENT.format(tests=os.path.dirname(os.path.abspath(__file__)), steps=STEPS,
+                                out=out)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=300)
+        logs_text = "".join(open(l.name).read() for l in logs)
+        assert done.returncode == 0, done.stderr + "\n" + logs_text
+        assert "cluster store: etcd at" in logs_text
+        got = json.load(open(out))
+        assert sorted(d for s in got["stages"] for d in s) == [0, 1, 2, 3]
+        # The rendezvous of the job's groups: in etcd, not in the leading daemon's store.
+        assert _etcd_keys(etcd, "/rannc/store/"), "no rendezvous keys in etcd"
+        _assert_trains_like_pytorch(got)
+    finally:
+        next(gen, None)  # the teardown: each daemon is stopped (SIGTERM)
+    # A daemon that stops revokes its lease: its keys go at once.
+    assert _etcd_keys(etcd, "/rannc/") == []
 
 
 def _assert_trains_like_pytorch(got):

@@ -1,0 +1,144 @@
+// Test helper: a real etcd cluster of `members` processes on loopback ports, each with a data
+// directory of its own under a temporary directory, started and waited for by the constructor,
+// killed (SIGKILL) by the destructor or Kill(i). Needs Debian's etcd-server (/usr/bin/etcd or
+// RANNC_ETCD_BIN); without it, `available()` is false and says why, and tests skip loudly.
+// Header-only; uses Catch2, so include it from tests only.
+#ifndef RANNC_DAEMON_CLUSTER_ETCD_TESTING_H_
+#define RANNC_DAEMON_CLUSTER_ETCD_TESTING_H_
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "daemon/cluster/etcd_client.h"
+
+extern char** environ;
+
+namespace rannc::testing {
+
+// A loopback port nothing listens on now (bound, read, released: another process may take it
+// before etcd does, which the start then reports).
+inline int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+class EtcdCluster {
+ public:
+  explicit EtcdCluster(int members) {
+    const char* bin = std::getenv("RANNC_ETCD_BIN");
+    binary_ = bin != nullptr ? bin : "/usr/bin/etcd";
+    if (::access(binary_.c_str(), X_OK) != 0) {
+      why_ = binary_ + " is missing: install Debian's etcd-server (deploy/setup.sh does)";
+      return;
+    }
+    char dir[] = "/tmp/rannc-etcd-XXXXXX";
+    REQUIRE(::mkdtemp(dir) != nullptr);
+    dir_ = dir;
+    std::string initial;
+    for (int i = 0; i < members; ++i) {
+      Member m;
+      m.name = "m" + std::to_string(i);
+      m.client = "127.0.0.1:" + std::to_string(FreePort());
+      m.peer = "http://127.0.0.1:" + std::to_string(FreePort());
+      initial += (i ? "," : "") + m.name + "=" + m.peer;
+      members_.push_back(m);
+    }
+    for (Member& m : members_) {
+      const std::string client_url = "http://" + m.client;
+      std::vector<std::string> args = {
+          binary_, "--name", m.name, "--data-dir", dir_ + "/" + m.name,
+          "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+          "--listen-peer-urls", m.peer, "--initial-advertise-peer-urls", m.peer,
+          "--initial-cluster", initial, "--initial-cluster-state", "new",
+          "--initial-cluster-token", dir_, "--heartbeat-interval", "50",
+          "--election-timeout", "500", "--logger", "zap", "--log-level", "error",
+          "--log-outputs", dir_ + "/" + m.name + ".log"};
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      REQUIRE(::posix_spawn(&m.pid, binary_.c_str(), nullptr, nullptr, argv.data(), environ) ==
+              0);
+    }
+    // Up when a client's call through every member answers.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (const Member& m : members_) {
+      while (true) {
+        auto client = cluster::EtcdClient::Connect({m.client}, std::chrono::seconds(1));
+        if (client.ok() && (*client)->Put("/rannc-test/ready", m.name).ok()) break;
+        INFO("etcd member " << m.name << " at " << m.client << " (log: " << dir_ << "/"
+                            << m.name << ".log)");
+        int status = 0;
+        REQUIRE(::waitpid(m.pid, &status, WNOHANG) == 0);  // it exited
+        REQUIRE(std::chrono::steady_clock::now() < deadline);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  }
+
+  ~EtcdCluster() {
+    for (size_t i = 0; i < members_.size(); ++i) Kill(static_cast<int>(i));
+    if (!dir_.empty()) std::system(("rm -rf '" + dir_ + "'").c_str());
+  }
+  EtcdCluster(const EtcdCluster&) = delete;
+  EtcdCluster& operator=(const EtcdCluster&) = delete;
+
+  bool available() const { return why_.empty(); }
+  const std::string& why() const { return why_; }
+
+  std::vector<std::string> endpoints() const {
+    std::vector<std::string> out;
+    for (const Member& m : members_) out.push_back(m.client);
+    return out;
+  }
+  std::string url() const {
+    std::string out = "etcd://";
+    for (size_t i = 0; i < members_.size(); ++i) out += (i ? "," : "") + members_[i].client;
+    return out;
+  }
+
+  void Kill(int i) {
+    Member& m = members_[i];
+    if (m.pid <= 0) return;
+    ::kill(m.pid, SIGKILL);
+    ::waitpid(m.pid, nullptr, 0);
+    m.pid = -1;
+  }
+
+ private:
+  struct Member {
+    std::string name, client, peer;
+    pid_t pid = -1;
+  };
+  std::string binary_, dir_, why_;
+  std::vector<Member> members_;
+};
+
+// Skips the rest of a test case, loudly, where etcd is not installed.
+#define RANNC_REQUIRE_ETCD(cluster)                                  \
+  if (!(cluster).available()) {                                      \
+    WARN("SKIPPED (etcd is not available): " << (cluster).why());    \
+    return;                                                          \
+  }
+
+}  // namespace rannc::testing
+
+#endif  // RANNC_DAEMON_CLUSTER_ETCD_TESTING_H_
