@@ -15,6 +15,7 @@
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
 #include "daemon/cluster/etcd_client.h"
+#include "daemon/cluster/etcd_transport.h"
 #include "daemon/cluster/peers.h"
 #include "daemon/comm/cuda_devices.h"
 #include "daemon/comm/etcd_store.h"
@@ -102,9 +103,10 @@ absl::StatusOr<std::string> AdvertisedAddress(const DaemonOptions& options,
   return bound;
 }
 
-absl::StatusOr<std::unique_ptr<cluster::Cluster>> JoinCluster(const DaemonOptions& options,
-                                                              const DaemonFacts& facts,
-                                                              const std::string& advertise) {
+// `transport`: how members hear each other (gRPC heartbeats, or etcd's member keys).
+absl::StatusOr<std::unique_ptr<cluster::Cluster>> JoinCluster(
+    const DaemonOptions& options, const DaemonFacts& facts, const std::string& advertise,
+    std::unique_ptr<cluster::PeerTransport> transport) {
   cluster::ClusterOptions o;
   if (!options.peers.empty()) {
     absl::StatusOr<std::vector<std::string>> peers = cluster::ParsePeerList(options.peers);
@@ -120,7 +122,7 @@ absl::StatusOr<std::unique_ptr<cluster::Cluster>> JoinCluster(const DaemonOption
   }
   o.hostname = facts.hostname;
   o.version = facts.version;
-  return cluster::Cluster::Create(std::move(o), cluster::MakeGrpcTransport());
+  return cluster::Cluster::Create(std::move(o), std::move(transport));
 }
 
 }  // namespace
@@ -221,8 +223,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       return joined;
     }
   }
+  // With --cluster-store, members hear each other through etcd, not by calling each other.
+  std::unique_ptr<cluster::PeerTransport> transport = cluster::MakeGrpcTransport();
+  if (advertise.ok() && daemon->etcd_) {
+    absl::StatusOr<std::unique_ptr<cluster::PeerTransport>> on_etcd =
+        cluster::MakeEtcdTransport(daemon->etcd_.get(), daemon->etcd_lease_->lease());
+    if (!on_etcd.ok()) {
+      daemon->server_->Shutdown(std::chrono::system_clock::now());
+      return Annotate(on_etcd.status(), "--cluster-store");
+    }
+    transport = std::move(*on_etcd);
+  }
   absl::StatusOr<std::unique_ptr<cluster::Cluster>> joined =
-      advertise.ok() ? JoinCluster(options, facts, *advertise)
+      advertise.ok() ? JoinCluster(options, facts, *advertise, std::move(transport))
                      : absl::StatusOr<std::unique_ptr<cluster::Cluster>>(advertise.status());
   if (!joined.ok()) {
     daemon->server_->Shutdown(std::chrono::system_clock::now());
@@ -264,8 +277,8 @@ absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& 
       cluster::EtcdClient::Connect(*endpoints, std::chrono::seconds(5));
   if (!etcd.ok()) return Annotate(etcd.status(), "--cluster-store");
   etcd_ = std::move(*etcd);
-  // This daemon's lease: its member key, and the store keys of the groups it meets in, live as
-  // long as it does.
+  // This daemon's lease: its member key (cluster/etcd_transport.h), and the store keys of the
+  // groups it meets in, live as long as it does.
   constexpr std::chrono::seconds kLeaseTtl(10);
   absl::StatusOr<int64_t> lease = etcd_->GrantLease(kLeaseTtl);
   if (!lease.ok()) return Annotate(lease.status(), "--cluster-store");
@@ -274,9 +287,6 @@ absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& 
         spdlog::error("this daemon ({}) lost its etcd lease: {}; its store keys and member key "
                       "are gone", self, why.ToString());
       });
-  absl::StatusOr<int64_t> put =
-      etcd_->Put(absl::StrCat("/rannc/members/", self), kRanncVersion, *lease);
-  if (!put.ok()) return Annotate(put.status(), "--cluster-store");
   etcd_store_ = comm::MakeEtcdStore(etcd_.get(), "/rannc/store/", *lease);
   training_->set_store(etcd_store_.get());
   job_parts_->set_store(etcd_store_.get());

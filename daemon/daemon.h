@@ -67,8 +67,8 @@ class Daemon {
 
  private:
   Daemon();
-  // --cluster-store: connects to etcd, registers this daemon (`self`) under a lease it keeps,
-  // and gives jobs over several daemons their rendezvous there.
+  // --cluster-store: connects to etcd, takes a lease it keeps (this daemon's member key and
+  // store keys go with it), and gives jobs over several daemons their rendezvous there.
   absl::Status UseClusterStore(const std::string& url, const std::string& self);
 
   std::string address_;

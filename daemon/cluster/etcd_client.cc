@@ -153,37 +153,19 @@ absl::StatusOr<int64_t> EtcdClient::Put(const std::string& key, const std::strin
   return revision;
 }
 
-absl::StatusOr<std::optional<KeyValue>> EtcdClient::Get(const std::string& key,
+absl::StatusOr<std::vector<KeyValue>> EtcdClient::Range(const std::string& key,
+                                                        const std::string& end,
                                                         int64_t* revision) {
-  std::optional<KeyValue> out;
-  absl::Status s = Call("get " + key, [&](const std::shared_ptr<grpc::Channel>& ch) {
+  std::vector<KeyValue> out;
+  const std::string what = "get " + key + (end.empty() ? "" : "*");
+  absl::Status s = Call(what, [&](const std::shared_ptr<grpc::Channel>& ch) {
     etcdserverpb::RangeRequest req;
     req.set_key(key);
+    if (!end.empty()) req.set_range_end(end);
     etcdserverpb::RangeResponse resp;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, timeout_);
-    absl::Status status = FromGrpc(etcdserverpb::KV::NewStub(ch)->Range(&ctx, req, &resp),
-                                   "get " + key);
-    if (status.ok() && resp.kvs_size() > 0) out = FromProto(resp.kvs(0));
-    if (revision != nullptr) *revision = resp.header().revision();
-    return status;
-  });
-  if (!s.ok()) return s;
-  return out;
-}
-
-absl::StatusOr<std::vector<KeyValue>> EtcdClient::GetPrefix(const std::string& prefix,
-                                                            int64_t* revision) {
-  std::vector<KeyValue> out;
-  absl::Status s = Call("get " + prefix + "*", [&](const std::shared_ptr<grpc::Channel>& ch) {
-    etcdserverpb::RangeRequest req;
-    req.set_key(prefix);
-    req.set_range_end(PrefixEnd(prefix));
-    etcdserverpb::RangeResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, timeout_);
-    absl::Status status = FromGrpc(etcdserverpb::KV::NewStub(ch)->Range(&ctx, req, &resp),
-                                   "get " + prefix + "*");
+    absl::Status status = FromGrpc(etcdserverpb::KV::NewStub(ch)->Range(&ctx, req, &resp), what);
     out.clear();
     for (const mvccpb::KeyValue& kv : resp.kvs()) out.push_back(FromProto(kv));
     if (revision != nullptr) *revision = resp.header().revision();
@@ -191,6 +173,19 @@ absl::StatusOr<std::vector<KeyValue>> EtcdClient::GetPrefix(const std::string& p
   });
   if (!s.ok()) return s;
   return out;
+}
+
+absl::StatusOr<std::optional<KeyValue>> EtcdClient::Get(const std::string& key,
+                                                        int64_t* revision) {
+  absl::StatusOr<std::vector<KeyValue>> found = Range(key, "", revision);
+  if (!found.ok()) return found.status();
+  if (found->empty()) return std::optional<KeyValue>();
+  return std::optional<KeyValue>(std::move(found->front()));
+}
+
+absl::StatusOr<std::vector<KeyValue>> EtcdClient::GetPrefix(const std::string& prefix,
+                                                            int64_t* revision) {
+  return Range(prefix, PrefixEnd(prefix), revision);
 }
 
 absl::StatusOr<int64_t> EtcdClient::DeleteRange(const std::string& key,

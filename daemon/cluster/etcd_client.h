@@ -146,6 +146,9 @@ class EtcdClient {
  private:
   EtcdClient(std::vector<std::string> endpoints, std::chrono::milliseconds timeout);
   std::shared_ptr<grpc::Channel> Channel(size_t* index);
+  // Keys in [key, end) (end "": `key` alone).
+  absl::StatusOr<std::vector<KeyValue>> Range(const std::string& key, const std::string& end,
+                                              int64_t* revision);
   absl::StatusOr<int64_t> DeleteRange(const std::string& key, const std::string& end);
   void Failed(size_t index);
   // Runs `call` on the current endpoint's channel, moving on (once per endpoint) while it is

@@ -45,8 +45,8 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"cluster_size", T::kInt, S::kDaemon, "0 (the length of peers)",
        "how many daemons a DNS name in peers must resolve to"},
       {"cluster_store", T::kString, S::kDaemon, "none (no shared store)",
-       "etcd://HOST:PORT[,HOST:PORT...]: etcd holds the rendezvous of jobs over several "
-       "daemons"},
+       "etcd://HOST:PORT[,HOST:PORT...]: etcd holds the members' liveness and the "
+       "rendezvous of jobs over several daemons"},
       {"heartbeat_interval", T::kDuration, S::kDaemon, "1s",
        "how often each daemon heartbeats the others"},
       {"peer_timeout", T::kDuration, S::kDaemon, "10s",

@@ -519,8 +519,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                 "NAME:PORT resolving to all (with --cluster-size) (default: this daemon alone)"},
       {"advertise", "this daemon's address in --peers (default the --listen address)"},
       {"cluster_size", "daemons a --peers name must resolve to (default: the length of --peers)"},
-      {"cluster_store", "etcd://HOST:PORT[,...]: etcd keeps the rendezvous of jobs over several "
-                        "daemons (default: none)"},
+      {"cluster_store", "etcd://HOST:PORT[,...]: etcd keeps members' liveness and jobs' "
+                        "rendezvous (default: none)"},
       {"heartbeat_interval", "how often to heartbeat each peer (default 1s)"},
       {"peer_timeout", "silence after which a peer is DOWN (default 10s)"},
   };

@@ -119,8 +119,9 @@ struct DaemonOptions {
   uint64_t cluster_size = 0;
 
   // etcd, where the daemons of a cluster keep what they share (cluster/etcd_client.h):
-  // "etcd://HOST:PORT[,HOST:PORT...]". Today the rendezvous of jobs over several daemons
-  // (comm/etcd_store.h) instead of the store their leading daemon serves. Default "": none.
+  // "etcd://HOST:PORT[,HOST:PORT...]". Today membership (members' reports under leases,
+  // cluster/etcd_transport.h, instead of heartbeats between daemons) and the rendezvous of jobs
+  // over several daemons (comm/etcd_store.h). Default "": none.
   std::string cluster_store = "";
 
   // How often this daemon heartbeats every other member. Default 1 s.

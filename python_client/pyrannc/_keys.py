@@ -28,7 +28,7 @@ KEYS = {
     "cluster_size": ("daemon", "int", "0 (the length of peers)",
         "how many daemons a DNS name in peers must resolve to"),
     "cluster_store": ("daemon", "string", "none (no shared store)",
-        "etcd://HOST:PORT[,HOST:PORT...]: etcd holds the rendezvous of jobs over several daemons"),
+        "etcd://HOST:PORT[,HOST:PORT...]: etcd holds the members' liveness and the rendezvous of jobs over several daemons"),
     "heartbeat_interval": ("daemon", "duration", "1s",
         "how often each daemon heartbeats the others"),
     "peer_timeout": ("daemon", "duration", "10s",

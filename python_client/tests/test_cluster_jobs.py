@@ -181,8 +181,9 @@ def test_a_job_spans_the_daemons_and_trains_like_pytorch(tmp_path, cluster):
 
 def test_a_job_meets_in_etcd_with_cluster_store_and_trains_like_pytorch(
         tmp_path, etcd, pyrannc_daemon):
-    # Two daemons with --cluster-store: each registers under its lease, the job's engines meet in
-    # etcd (their keys are there while it runs), and training is exact.
+    # Two daemons with --cluster-store: each registers under its lease, they see each other UP
+    # through etcd, the job's engines meet in etcd (their keys are there while it runs), and
+    # training is exact.
     gen = _start_cluster(2, etcd)
     peers, logs, procs, names = next(gen)
     try:
@@ -203,6 +204,20 @@ def test_a_job_meets_in_etcd_with_cluster_store_and_trains_like_pytorch(
         # The rendezvous of the job's groups: in etcd, not in the leading daemon's store.
         assert _etcd_keys(etcd, "/rannc/store/"), "no rendezvous keys in etcd"
         _assert_trains_like_pytorch(got)
+        # Membership is etcd's: a daemon that stops revokes its lease, and the other, which
+        # heartbeats nobody, finds its member key gone and reports it DOWN after the peer
+        # timeout (5 s).
+        procs[1].terminate()
+        procs[1].wait(timeout=15)
+        stub = rpc.TrainingServiceStub(grpc.insecure_channel(peers[0]))
+        deadline = time.time() + 20
+        while True:
+            info = stub.GetInfo(pb.GetInfoRequest(), timeout=5)
+            if {m.address: m.state for m in info.cluster}[peers[1]] == cluster_pb2.MEMBER_DOWN:
+                break
+            assert time.time() < deadline, open(logs[0].name).read()
+            time.sleep(0.2)
+        assert f"{peers[1]} has no member key in etcd" in open(logs[0].name).read()
     finally:
         next(gen, None)  # the teardown: each daemon is stopped (SIGTERM)
     # A daemon that stops revokes its lease: its keys go at once.

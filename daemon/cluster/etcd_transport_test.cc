@@ -1,0 +1,125 @@
+// Membership through etcd: two daemons' transports (and a Cluster on one) over a real etcd.
+#include "daemon/cluster/etcd_transport.h"
+
+#include <chrono>
+#include <thread>
+
+#include <catch2/catch.hpp>
+
+#include "daemon/cluster/etcd_testing.h"
+
+namespace rannc {
+namespace cluster {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+PeerReport Report(const std::string& address, uint64_t incarnation) {
+  PeerReport r;
+  r.address = address;
+  r.incarnation = incarnation;
+  r.hostname = "host-" + address;
+  r.members = {"a:1", "b:1"};
+  return r;
+}
+
+template <typename Fn>
+bool Eventually(Fn done) {
+  const auto deadline = std::chrono::steady_clock::now() + seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return done();
+}
+
+TEST_CASE("A member is heard through etcd while its key lives, and not after", "[etcd]") {
+  testing::EtcdCluster etcd(1);
+  RANNC_REQUIRE_ETCD(etcd);
+  auto client = EtcdClient::Connect(etcd.endpoints(), seconds(5));
+  REQUIRE(client.ok());
+  EtcdClient& c = **client;
+  const int64_t lease_a = c.GrantLease(seconds(10)).value();
+  const int64_t lease_b = c.GrantLease(seconds(10)).value();
+  auto a = MakeEtcdTransport(&c, lease_a);
+  auto b = MakeEtcdTransport(&c, lease_b);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+
+  // b has not written its report yet.
+  auto before = (*a)->HeartbeatAll({"b:1"}, Report("a:1", 7), milliseconds(100));
+  REQUIRE(before.size() == 1);
+  CHECK(before[0].status().code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(before[0].status().message()), Catch::Contains("/rannc/members/b:1"));
+
+  (*b)->HeartbeatAll({"a:1"}, Report("b:1", 9), milliseconds(100));
+  absl::StatusOr<PeerReport> heard = absl::UnknownError("not yet");
+  CHECK(Eventually([&] {
+    heard = (*a)->HeartbeatAll({"b:1"}, Report("a:1", 7), milliseconds(100))[0];
+    return heard.ok();
+  }));
+  REQUIRE(heard.ok());
+  CHECK(heard->address == "b:1");
+  CHECK(heard->incarnation == 9);
+  CHECK(heard->hostname == "host-b:1");
+  // And b hears a, which wrote its report with its first heartbeat.
+  CHECK(Eventually([&] {
+    return (*b)->HeartbeatAll({"a:1"}, Report("b:1", 9), milliseconds(100))[0].ok();
+  }));
+
+  // b's lease ends (b stopped): a no longer hears it.
+  REQUIRE(c.RevokeLease(lease_b).ok());
+  CHECK(Eventually([&] {
+    return !(*a)->HeartbeatAll({"b:1"}, Report("a:1", 7), milliseconds(100))[0].ok();
+  }));
+}
+
+TEST_CASE("A cluster on the etcd transport sees its members UP, then DOWN", "[etcd]") {
+  testing::EtcdCluster etcd(1);
+  RANNC_REQUIRE_ETCD(etcd);
+  auto client = EtcdClient::Connect(etcd.endpoints(), seconds(5));
+  REQUIRE(client.ok());
+  EtcdClient& c = **client;
+  const int64_t lease_a = c.GrantLease(seconds(10)).value();
+  const int64_t lease_b = c.GrantLease(seconds(10)).value();
+  auto make = [&](const std::string& self, int64_t lease) {
+    ClusterOptions o;
+    o.peers = {"a:1", "b:1"};
+    o.advertise = self;
+    o.peer_timeout = milliseconds(500);
+    o.heartbeat_interval = milliseconds(100);
+    auto transport = MakeEtcdTransport(&c, lease);
+    REQUIRE(transport.ok());
+    auto cluster = Cluster::Create(o, std::move(*transport));
+    REQUIRE(cluster.ok());
+    return std::move(*cluster);
+  };
+  std::unique_ptr<Cluster> a = make("a:1", lease_a);
+  std::unique_ptr<Cluster> b = make("b:1", lease_b);
+  std::vector<std::string> downs;
+  a->OnMemberDown([&](const MemberInfo& m, const std::string&) { downs.push_back(m.address); });
+  auto state_of_b = [&] {
+    for (const MemberInfo& m : a->Members()) {
+      if (m.address == "b:1") return m.state;
+    }
+    return MemberState::kUnknown;
+  };
+  CHECK(Eventually([&] {
+    a->Tick();
+    b->Tick();
+    return state_of_b() == MemberState::kUp;
+  }));
+  // b stops: its lease is revoked; a marks it DOWN after the peer timeout.
+  b.reset();
+  REQUIRE(c.RevokeLease(lease_b).ok());
+  CHECK(Eventually([&] {
+    a->Tick();
+    return state_of_b() == MemberState::kDown;
+  }));
+  CHECK(downs == std::vector<std::string>{"b:1"});
+}
+
+}  // namespace
+}  // namespace cluster
+}  // namespace rannc
