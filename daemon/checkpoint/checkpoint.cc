@@ -127,8 +127,7 @@ namespace {
 // Tensor files of about this size are written in parallel.
 constexpr int64_t kFileBytes = int64_t{64} << 20;
 
-// fn(0), ..., fn(n - 1) on up to one thread per core; returns when all have.
-// fn(0) ... fn(n - 1) on up to `cores` threads (0: one per core).
+// fn(0), ..., fn(n - 1) on up to `cores` threads (0: one per core); returns when all have.
 void ForEachInParallel(size_t n, const std::function<void(size_t)>& fn, size_t cores = 0) {
   if (cores == 0) cores = std::thread::hardware_concurrency();
   const size_t threads = std::max<size_t>(1, std::min<size_t>(n, cores));
@@ -361,11 +360,10 @@ absl::Status PruneCheckpoints(const std::string& job_dir, int keep) {
 
 namespace {
 
-// One tensor file of a checkpoint, read whole into memory, checked against its manifest record
-// and unpickled.
-// A tensor file mapped read-only: its CRC reads the page cache's own pages, and its tensors
-// are copied once, from them into their storage (a read into a buffer first cost a zeroing, a
-// copy and a second pass of the CRC over memory).
+// One tensor file of a checkpoint, mapped read-only, checked against its manifest record and
+// unpickled: its CRC reads the page cache's own pages, and its tensors are copied once, from
+// them into their storage (a read into a buffer first cost a zeroing, a copy and a second pass
+// of the CRC over memory).
 class MappedFile : public caffe2::serialize::ReadAdapterInterface {
  public:
   MappedFile(const char* data, size_t size) : data_(data), size_(size) {}

@@ -112,11 +112,11 @@ MODELS = {
     "transformer_encoder": (PatchEncoder, _sgd, 32, None),
 }
 
-# Per device count: forced (partition, pipeline, replica) plans.
+# Per device count: forced (partition, pipeline, replica) plans, up to 4 stages.
 FORCED = {
-    1: [(1, 2, 1), (1, 4, 1)],
-    2: [(1, 1, 2), (2, 2, 1)],
-    4: [(1, 2, 4), (2, 2, 2)],
+    1: [(1, 2, 1), (1, 4, 1), (1, 1, 1)],
+    2: [(1, 1, 2), (2, 2, 1), (2, 1, 1)],
+    4: [(1, 2, 4), (2, 2, 2), (4, 2, 1)],
 }
 
 
@@ -174,7 +174,7 @@ def test_default_plan_trains_like_pytorch(name, monkeypatch):
         assert not deployment.batch_whole, deployment.batch_whole
 
 
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("index", [0, 1, 2])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_forced_plan_trains_like_pytorch_or_is_refused(name, index, monkeypatch):
     plan = FORCED[len(daemon_device_names())][index]
