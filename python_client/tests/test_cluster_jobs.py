@@ -5,8 +5,9 @@ devices and trained with a stage per daemon. It must train exactly like one PyTo
 at once with UNAVAILABLE naming it, and the others go on.
 
 With a real etcd on loopback (Debian's etcd-server), the daemons also run with
---cluster-store: each registers under its lease, and the job's engines meet in etcd instead of
-the store their leading daemon serves.
+--cluster-store: each registers under its lease, they see each other UP (and a stopped one
+DOWN) through etcd instead of heartbeats, and the job's engines meet in etcd instead of the
+store their leading daemon serves.
 
 RANNC_CLUSTER_DEVICES: each daemon's --devices (default cpu:2; two devices each). On a GPU
 machine, e.g. cuda:0/2: every daemon holds two shares of GPU 0 and the stages exchange CUDA
