@@ -160,6 +160,7 @@ void Cluster::Tick() {
         std::min(options_.heartbeat_interval, std::chrono::milliseconds(1000));
     answers = transport_->HeartbeatAll(peers, self, deadline);
   }
+  const std::vector<std::pair<std::string, std::string>> lost = transport_->TakeLost();
 
   std::vector<MemberEvent> downs;
   std::vector<MemberDownFn> callbacks;
@@ -167,6 +168,8 @@ void Cluster::Tick() {
     std::lock_guard<std::mutex> lock(mu_);
     const Clock::time_point now = options_.now();
     std::vector<MemberEvent> events;
+    // Those known gone first: a member that is back already (a new report) is UP again below.
+    for (const auto& [address, why] : lost) membership_->Lost(address, why, &events);
     for (size_t i = 0; i < answers.size() && i < peers.size(); ++i) {
       absl::Status status = answers[i].status();
       if (status.ok() && answers[i]->address != peers[i]) {

@@ -32,6 +32,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -74,6 +75,9 @@ class PeerTransport {
   virtual std::vector<absl::StatusOr<PeerReport>> HeartbeatAll(
       const std::vector<std::string>& addresses, const PeerReport& self,
       std::chrono::milliseconds deadline) = 0;
+  // Members known gone since the last call, (address, why), without waiting for the peer
+  // timeout (etcd: a member key deleted when its lease ended). None for heartbeats.
+  virtual std::vector<std::pair<std::string, std::string>> TakeLost() { return {}; }
 };
 
 class Cluster {

@@ -29,14 +29,23 @@ class EtcdTransport final : public PeerTransport {
           if (e.type == WatchEvent::Type::kPut) {
             Seen(e.kv.key, e.kv.value);
           } else {
+            const std::string address = e.kv.key.substr(sizeof(kEtcdMembersPrefix) - 1);
             std::lock_guard<std::mutex> lock(mu_);
-            reports_.erase(e.kv.key.substr(sizeof(kEtcdMembersPrefix) - 1));
+            reports_.erase(address);
+            lost_.emplace_back(address, absl::StrCat(
+                "its member key in etcd (", e.kv.key, ") was deleted at revision ",
+                e.kv.mod_revision, ": its lease ended (stopped, or not kept alive)"));
           }
         },
         [](const absl::Status& s) {
           spdlog::error("cluster: the watch of etcd's members ended: {}", s.ToString());
         });
     return absl::OkStatus();
+  }
+
+  std::vector<std::pair<std::string, std::string>> TakeLost() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::exchange(lost_, {});
   }
 
   std::vector<absl::StatusOr<PeerReport>> HeartbeatAll(
@@ -82,6 +91,7 @@ class EtcdTransport final : public PeerTransport {
   std::string last_put_error_;  // the heartbeat thread's
   std::mutex mu_;
   std::map<std::string, PeerReport> reports_;  // by address: what etcd holds now
+  std::vector<std::pair<std::string, std::string>> lost_;  // deleted since TakeLost
   std::unique_ptr<EtcdClient::Watch> watch_;   // destroyed first
 };
 

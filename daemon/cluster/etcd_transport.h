@@ -2,9 +2,10 @@
 // "heartbeat" is a read of etcd, not a call to each peer. Each daemon's report (the wire
 // MemberReport) lives under /rannc/members/<address>, written under the daemon's lease at every
 // heartbeat interval; every daemon watches that prefix and answers HeartbeatAll from what it
-// has seen. A member whose key is there answers; one whose lease ended (stopped: revoked at
-// once; killed, or cut off from etcd: after its TTL) does not, and Membership marks it DOWN
-// after the peer timeout, as a silent one. No daemon calls another to learn it is alive.
+// has seen. A member whose key is there answers; one whose key goes (its lease ended:
+// stopped, revoked at once; killed, or cut off from etcd, after its TTL) is DOWN at the next
+// heartbeat round (TakeLost), without waiting for the peer timeout. No daemon calls another to
+// learn it is alive.
 //
 //   auto cluster = Cluster::Create(options, MakeEtcdTransport(etcd, lease));
 //

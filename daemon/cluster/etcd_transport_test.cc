@@ -87,7 +87,8 @@ TEST_CASE("A cluster on the etcd transport sees its members UP, then DOWN", "[et
     ClusterOptions o;
     o.peers = {"a:1", "b:1"};
     o.advertise = self;
-    o.peer_timeout = milliseconds(500);
+    // Long: a DOWN within the test's 10 s comes from the deleted key, not from silence.
+    o.peer_timeout = seconds(60);
     o.heartbeat_interval = milliseconds(100);
     auto transport = MakeEtcdTransport(&c, lease);
     REQUIRE(transport.ok());
@@ -97,8 +98,11 @@ TEST_CASE("A cluster on the etcd transport sees its members UP, then DOWN", "[et
   };
   std::unique_ptr<Cluster> a = make("a:1", lease_a);
   std::unique_ptr<Cluster> b = make("b:1", lease_b);
-  std::vector<std::string> downs;
-  a->OnMemberDown([&](const MemberInfo& m, const std::string&) { downs.push_back(m.address); });
+  std::vector<std::string> downs, reasons;
+  a->OnMemberDown([&](const MemberInfo& m, const std::string& why) {
+    downs.push_back(m.address);
+    reasons.push_back(why);
+  });
   auto state_of_b = [&] {
     for (const MemberInfo& m : a->Members()) {
       if (m.address == "b:1") return m.state;
@@ -110,7 +114,7 @@ TEST_CASE("A cluster on the etcd transport sees its members UP, then DOWN", "[et
     b->Tick();
     return state_of_b() == MemberState::kUp;
   }));
-  // b stops: its lease is revoked; a marks it DOWN after the peer timeout.
+  // b stops: its lease is revoked, its key deleted, and a marks it DOWN at its next round.
   b.reset();
   REQUIRE(c.RevokeLease(lease_b).ok());
   CHECK(Eventually([&] {
@@ -118,6 +122,16 @@ TEST_CASE("A cluster on the etcd transport sees its members UP, then DOWN", "[et
     return state_of_b() == MemberState::kDown;
   }));
   CHECK(downs == std::vector<std::string>{"b:1"});
+  REQUIRE(reasons.size() == 1);
+  CHECK_THAT(reasons[0], Catch::Contains("/rannc/members/b:1") && Catch::Contains("deleted"));
+  // b back (a new incarnation under a new lease): UP again.
+  const int64_t lease_b2 = c.GrantLease(seconds(10)).value();
+  b = make("b:1", lease_b2);
+  CHECK(Eventually([&] {
+    a->Tick();
+    b->Tick();
+    return state_of_b() == MemberState::kUp;
+  }));
 }
 
 }  // namespace

@@ -93,6 +93,15 @@ void Membership::Expire(Clock::time_point now, std::vector<MemberEvent>* events)
   }
 }
 
+void Membership::Lost(const std::string& address, const std::string& reason,
+                      std::vector<MemberEvent>* events) {
+  for (MemberInfo& m : members_) {
+    if (m.address != address || m.self || m.state != MemberState::kUp) continue;
+    m.state = MemberState::kDown;
+    events->push_back({MemberEvent::Kind::kDown, m, reason});
+  }
+}
+
 std::vector<std::string> Membership::Peers() const {
   std::vector<std::string> peers;
   for (const MemberInfo& m : members_) {

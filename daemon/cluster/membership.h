@@ -86,6 +86,10 @@ class Membership {
 
   // Marks UP members not heard from for longer than the peer timeout DOWN.
   void Expire(Clock::time_point now, std::vector<MemberEvent>* events);
+  // `address` is known gone (its etcd lease ended, cluster/etcd_transport.h): an UP member
+  // goes DOWN now, saying `reason`. Self and members not UP are left as they are.
+  void Lost(const std::string& address, const std::string& reason,
+            std::vector<MemberEvent>* events);
 
   // Every member in rank order.
   std::vector<MemberInfo> Snapshot() const { return members_; }

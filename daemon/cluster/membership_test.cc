@@ -46,6 +46,28 @@ TEST_CASE("Membership: ranks, self UP, others UNKNOWN until heard", "[cluster]")
   CHECK(m.Peers() == Strings{"a:1", "c:1"});
 }
 
+TEST_CASE("Membership: a member known gone is DOWN at once, and UP when heard again",
+          "[cluster]") {
+  const Clock::time_point t0 = Clock::time_point() + seconds(1000);
+  Membership m(kMembers, Report("a:1", 1), seconds(3));
+  std::vector<MemberEvent> events;
+  // Not UP yet, or self: nothing happens.
+  m.Lost("b:1", "its key was deleted", &events);
+  m.Lost("a:1", "its key was deleted", &events);
+  CHECK(events.empty());
+  REQUIRE(m.Heard(Report("b:1", 7), t0, &events).ok());
+  events.clear();
+  m.Lost("b:1", "its key was deleted", &events);
+  REQUIRE(events.size() == 1);
+  CHECK(events[0].kind == MemberEvent::Kind::kDown);
+  CHECK(events[0].member.address == "b:1");
+  CHECK(events[0].reason == "its key was deleted");
+  CHECK(Find(m, "b:1").state == MemberState::kDown);
+  events.clear();
+  REQUIRE(m.Heard(Report("b:1", 8), t0 + seconds(1), &events).ok());
+  CHECK(Find(m, "b:1").state == MemberState::kUp);
+}
+
 TEST_CASE("Membership: the timeout state machine, transition by transition", "[cluster]") {
   const Clock::time_point t0 = Clock::time_point() + seconds(1000);
   Membership m(kMembers, Report("a:1", 1), seconds(3));
