@@ -18,17 +18,7 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 using testing::EtcdCluster;
-
-// Polls `done` every 20 ms for up to `limit`.
-template <typename Fn>
-bool Eventually(Fn done, milliseconds limit = milliseconds(10000)) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  return done();
-}
+using testing::Eventually;
 
 TEST_CASE("ParseEtcdUrl takes etcd://HOST:PORT lists and names what is wrong", "[etcd]") {
   CHECK(ParseEtcdUrl("etcd://a:1,b:2").value() == std::vector<std::string>{"a:1", "b:2"});

@@ -132,6 +132,17 @@ class EtcdCluster {
   std::vector<Member> members_;
 };
 
+// Polls `done` every 20 ms until it holds or `limit` passes; whether it held.
+template <typename Fn>
+bool Eventually(Fn done, std::chrono::milliseconds limit = std::chrono::seconds(10)) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return done();
+}
+
 // Skips the rest of a test case, loudly, where etcd is not installed.
 #define RANNC_REQUIRE_ETCD(cluster)                                  \
   if (!(cluster).available()) {                                      \

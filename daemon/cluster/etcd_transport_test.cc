@@ -14,6 +14,7 @@ namespace {
 
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+using testing::Eventually;
 
 PeerReport Report(const std::string& address, uint64_t incarnation) {
   PeerReport r;
@@ -22,16 +23,6 @@ PeerReport Report(const std::string& address, uint64_t incarnation) {
   r.hostname = "host-" + address;
   r.members = {"a:1", "b:1"};
   return r;
-}
-
-template <typename Fn>
-bool Eventually(Fn done) {
-  const auto deadline = std::chrono::steady_clock::now() + seconds(10);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  return done();
 }
 
 TEST_CASE("A member is heard through etcd while its key lives, and not after", "[etcd]") {
