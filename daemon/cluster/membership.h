@@ -11,6 +11,7 @@
 //   UNKNOWN --heard--> UP --silent > peer_timeout--> DOWN --heard--> UP (rejoined)
 //   UP --heard with a new incarnation--> DOWN (restarted) then UP, in one call: the old
 //   process and whatever it held are gone even if the new one answered within the timeout.
+//   UP --Lost (known gone: its etcd member key deleted)--> DOWN, at once.
 // A member that was never heard from stays UNKNOWN (a cluster starts one daemon at a time).
 //
 // Thread-safety: none; the owner serialises calls.
