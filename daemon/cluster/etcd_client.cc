@@ -9,8 +9,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "etcd/etcdserver/api/v3election/v3electionpb/v3election.grpc.pb.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
 
@@ -43,28 +41,6 @@ KeyValue FromProto(const mvccpb::KeyValue& kv) {
 }
 
 }  // namespace
-
-absl::StatusOr<std::vector<std::string>> ParseEtcdUrl(const std::string& url) {
-  absl::string_view rest = url;
-  absl::ConsumePrefix(&rest, "etcd://");
-  std::vector<std::string> endpoints;
-  for (absl::string_view part : absl::StrSplit(rest, ',', absl::SkipWhitespace())) {
-    part = absl::StripAsciiWhitespace(part);
-    const size_t colon = part.rfind(':');
-    if (colon == absl::string_view::npos || colon == 0 || colon + 1 == part.size() ||
-        part.find('/') != absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "etcd endpoint '", part, "' in '", url, "' is not HOST:PORT (want etcd://HOST:PORT"
-          "[,HOST:PORT...])"));
-    }
-    endpoints.emplace_back(part);
-  }
-  if (endpoints.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "'", url, "' names no etcd endpoint (want etcd://HOST:PORT[,HOST:PORT...])"));
-  }
-  return endpoints;
-}
 
 std::string PrefixEnd(const std::string& prefix) {
   std::string end = prefix;

@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/cluster/peers.h"  // ParseEtcdUrl
 
 namespace grpc {
 class Channel;
@@ -42,9 +43,6 @@ class ClientContext;
 
 namespace rannc {
 namespace cluster {
-
-// "etcd://h1:2379,h2:2379" (or "h1:2379,h2:2379") -> {"h1:2379", "h2:2379"}.
-absl::StatusOr<std::vector<std::string>> ParseEtcdUrl(const std::string& url);
 
 // The smallest key after every key that starts with `prefix` (etcd's range_end of a prefix).
 std::string PrefixEnd(const std::string& prefix);

@@ -20,13 +20,7 @@ using std::chrono::seconds;
 using testing::EtcdCluster;
 using testing::Eventually;
 
-TEST_CASE("ParseEtcdUrl takes etcd://HOST:PORT lists and names what is wrong", "[etcd]") {
-  CHECK(ParseEtcdUrl("etcd://a:1,b:2").value() == std::vector<std::string>{"a:1", "b:2"});
-  CHECK(ParseEtcdUrl("127.0.0.1:2379").value() == std::vector<std::string>{"127.0.0.1:2379"});
-  CHECK_THAT(std::string(ParseEtcdUrl("etcd://a").status().message()),
-             Catch::Contains("'a'") && Catch::Contains("HOST:PORT"));
-  CHECK_FALSE(ParseEtcdUrl("etcd://").ok());
-  CHECK_FALSE(ParseEtcdUrl("http://a:1/x").ok());
+TEST_CASE("PrefixEnd is the first key after a prefix", "[etcd]") {
   CHECK(PrefixEnd("/a/") == "/a0");
   CHECK(PrefixEnd(std::string("a\xff", 2)) == "b");
 }

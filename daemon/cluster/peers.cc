@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace rannc {
 namespace cluster {
@@ -69,6 +70,18 @@ absl::StatusOr<std::vector<std::string>> ParsePeerList(const std::string& spec) 
     peers.push_back(entry);
   }
   return peers;
+}
+
+absl::StatusOr<std::vector<std::string>> ParseEtcdUrl(const std::string& url) {
+  absl::string_view rest = url;
+  absl::ConsumePrefix(&rest, "etcd://");
+  absl::StatusOr<std::vector<std::string>> endpoints = ParsePeerList(std::string(rest));
+  if (!endpoints.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("etcd endpoints '", url, "': ",
+                                                   endpoints.status().message(),
+                                                   " (want etcd://HOST:PORT[,HOST:PORT...])"));
+  }
+  return endpoints;
 }
 
 ResolveFn SystemResolver() {

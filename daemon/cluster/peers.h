@@ -44,6 +44,10 @@ bool IsIpLiteral(const std::string& host);
 // list or entry, an entry that is not host:port, or one given twice.
 absl::StatusOr<std::vector<std::string>> ParsePeerList(const std::string& spec);
 
+// The endpoints of "etcd://h1:2379,h2:2379" (or of the list alone), as ParsePeerList takes
+// them (ranncd --cluster-store, cluster/etcd_client.h). INVALID_ARGUMENT naming the URL.
+absl::StatusOr<std::vector<std::string>> ParseEtcdUrl(const std::string& url);
+
 // Resolves a host name to its IP addresses (text form, any order). NOT_FOUND when it resolves
 // to nothing (yet).
 using ResolveFn = std::function<absl::StatusOr<std::vector<std::string>>(const std::string&)>;

@@ -133,6 +133,15 @@ TEST_CASE("SystemResolver resolves localhost and reports unknown names as NOT_FO
   CHECK(missing.status().code() == absl::StatusCode::kNotFound);
 }
 
+TEST_CASE("ParseEtcdUrl takes etcd://HOST:PORT lists and names what is wrong", "[peers]") {
+  CHECK(ParseEtcdUrl("etcd://a:1,b:2").value() == std::vector<std::string>{"a:1", "b:2"});
+  CHECK(ParseEtcdUrl("127.0.0.1:2379").value() == std::vector<std::string>{"127.0.0.1:2379"});
+  CHECK_THAT(std::string(ParseEtcdUrl("etcd://a").status().message()),
+             Catch::Contains("'a'") && Catch::Contains("HOST:PORT"));
+  CHECK_FALSE(ParseEtcdUrl("etcd://").ok());
+  CHECK_FALSE(ParseEtcdUrl("http://a:1/x").ok());
+}
+
 }  // namespace
 }  // namespace cluster
 }  // namespace rannc

@@ -110,18 +110,13 @@ absl::Status CheckClusterStore(std::string& value) {
     value.clear();
     return absl::OkStatus();
   }
-  absl::string_view rest = value;
-  if (!absl::ConsumePrefix(&rest, "etcd://") || rest.empty()) {
+  if (!absl::StartsWith(value, "etcd://")) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cluster_store '", value, "' is not etcd://HOST:PORT[,HOST:PORT...]"));
   }
-  for (absl::string_view endpoint : absl::StrSplit(rest, ',')) {
-    absl::Status ok = cluster::SplitHostPort(std::string(endpoint)).status();
-    if (!ok.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cluster_store '", value, "': ", ok.message()));
-    }
-  }
+  absl::Status parsed = cluster::ParseEtcdUrl(value).status();
+  if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat("cluster_store: ",
+                                                                   parsed.message()));
   return absl::OkStatus();
 }
 
