@@ -21,7 +21,11 @@ using Clock = std::chrono::steady_clock;
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+  // A deadline the server meets first (a campaign still waiting) comes back as UNKNOWN.
+  const bool deadline = s.error_code() == grpc::StatusCode::UNKNOWN &&
+                        absl::StrContains(s.error_message(), "context deadline exceeded");
+  return absl::Status(deadline ? absl::StatusCode::kDeadlineExceeded
+                               : static_cast<absl::StatusCode>(s.error_code()),
                       absl::StrCat("etcd: ", what, ": ", s.error_message()));
 }
 

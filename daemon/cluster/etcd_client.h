@@ -104,7 +104,9 @@ class EtcdClient {
   absl::StatusOr<int64_t> KeepAlive(int64_t lease);
 
   // Elections (etcd's v3election): Campaign waits until this caller leads `name` (or `timeout`
-  // passes: DEADLINE_EXCEEDED), holding it with `lease` and announcing `value`.
+  // passes: DEADLINE_EXCEEDED), holding it with `lease` and announcing `value`. etcd withdraws
+  // a campaign that timed out by deleting its key, which is named after the lease, perhaps
+  // after a new campaign began: campaign again under another lease.
   absl::StatusOr<Leadership> Campaign(const std::string& name, int64_t lease,
                                       const std::string& value,
                                       std::chrono::milliseconds timeout);
