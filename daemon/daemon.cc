@@ -27,6 +27,7 @@
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_part_service.h"
 #include "daemon/server/job_records.h"
+#include "daemon/server/job_registry.h"
 #include "daemon/server/training_service.h"
 
 namespace rannc {
@@ -256,6 +257,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     }
   });
   daemon->training_->set_cluster(daemon->cluster_.get());
+  if (daemon->etcd_) {
+    daemon->registry_ = std::make_unique<JobRegistry>(daemon->etcd_.get(),
+                                                      daemon->etcd_lease_.get(), *advertise);
+    daemon->training_->set_registry(daemon->registry_.get());
+  }
   std::string device_list;
   for (const DaemonFacts::Device& d : facts.devices) {
     absl::StrAppend(&device_list, device_list.empty() ? "" : ", ", d.name, " (",
@@ -280,13 +286,20 @@ absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& 
   // This daemon's lease: its member key (cluster/etcd_transport.h), and the store keys of the
   // groups it meets in, live as long as it does.
   constexpr std::chrono::seconds kLeaseTtl(10);
+  const auto asked = std::chrono::steady_clock::now();
   absl::StatusOr<int64_t> lease = etcd_->GrantLease(kLeaseTtl);
   if (!lease.ok()) return Annotate(lease.status(), "--cluster-store");
   etcd_lease_ = std::make_unique<cluster::LeaseKeeper>(
       etcd_.get(), *lease, kLeaseTtl, [self](const absl::Status& why) {
-        spdlog::error("this daemon ({}) lost its etcd lease: {}; its store keys and member key "
-                      "are gone", self, why.ToString());
-      });
+        // Its member key, store keys and job leaderships are gone, or soon will be: other
+        // daemons take its jobs over. It must drive none of them from now on, and cannot
+        // rejoin under this lease: as Kubernetes' own controllers do when they lose their
+        // leader lease, it exits, for its supervisor to start it again.
+        spdlog::critical("this daemon ({}) lost its etcd lease ({}): its jobs are taken over "
+                         "by other daemons; exiting (75) to be restarted", self, why.ToString());
+        spdlog::shutdown();
+        std::_Exit(75);
+      }, asked);
   etcd_store_ = comm::MakeEtcdStore(etcd_.get(), "/rannc/store/", *lease);
   training_->set_store(etcd_store_.get());
   job_parts_->set_store(etcd_store_.get());
@@ -301,6 +314,8 @@ void Daemon::Wait() {
 
 void Daemon::Shutdown(std::chrono::milliseconds grace) {
   if (cluster_) cluster_->Stop();
+  // Jobs led here go to other daemons once the lease is revoked below; take over none now.
+  if (registry_) registry_->StopWatching();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
   if (etcd_lease_) {
     // Gone at once for the others, rather than when the lease would expire.

@@ -26,6 +26,7 @@ namespace rannc {
 
 class JobManager;
 class JobRecords;
+class JobRegistry;
 namespace comm {
 class Store;
 class StoreServiceImpl;
@@ -67,14 +68,23 @@ class Daemon {
 
  private:
   Daemon();
-  // --cluster-store: connects to etcd, takes a lease it keeps (this daemon's member key and
-  // store keys go with it), and gives jobs over several daemons their rendezvous there.
+  // --cluster-store: connects to etcd, takes a lease it keeps (this daemon's member key, store
+  // keys and job leaderships go with it), and gives jobs over several daemons their rendezvous
+  // there. A daemon whose lease is lost (cut off from etcd for its TTL) exits with code 75: its
+  // jobs are others' now (job_registry.h), and its supervisor restarts it under a new lease.
   absl::Status UseClusterStore(const std::string& url, const std::string& self);
 
   std::string address_;
   std::unique_ptr<planner::ProfileCache> profile_cache_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<JobRecords> records_;  // durable jobs (--state-dir)
+  // --cluster-store: etcd, this daemon's lease there (its member key, store keys and job
+  // leaderships go with it), the rendezvous store on it that replaces store_service_'s, and
+  // the job registry. Before the cluster and the services, which use them, so they outlive them.
+  std::unique_ptr<cluster::EtcdClient> etcd_;
+  std::unique_ptr<cluster::LeaseKeeper> etcd_lease_;
+  std::unique_ptr<comm::Store> etcd_store_;
+  std::unique_ptr<JobRegistry> registry_;
   // Declared before the services so that it outlives the server, which calls into it.
   std::unique_ptr<cluster::Cluster> cluster_;
   std::unique_ptr<cluster::ClusterServiceImpl> cluster_service_;
@@ -83,11 +93,6 @@ class Daemon {
   std::unique_ptr<JobPartServiceImpl> job_parts_;
   // The rendezvous of the data plane for jobs this daemon leads across the cluster.
   std::unique_ptr<comm::StoreServiceImpl> store_service_;
-  // --cluster-store: etcd, this daemon's lease there (its member key and store keys go with
-  // it), and the rendezvous store on it that replaces store_service_'s.
-  std::unique_ptr<cluster::EtcdClient> etcd_;
-  std::unique_ptr<cluster::LeaseKeeper> etcd_lease_;
-  std::unique_ptr<comm::Store> etcd_store_;
   std::unique_ptr<grpc::Server> server_;
 };
 

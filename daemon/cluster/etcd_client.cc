@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "etcd/etcdserver/api/v3election/v3electionpb/v3election.grpc.pb.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
@@ -223,6 +224,62 @@ absl::StatusOr<bool> EtcdClient::PutIfModRevision(const std::string& key,
   return succeeded;
 }
 
+namespace {
+
+// The compare of a fenced write: `fence_key` exists, created at `fence_revision`.
+void AddFence(etcdserverpb::TxnRequest* req, const std::string& fence_key,
+              int64_t fence_revision) {
+  etcdserverpb::Compare* cmp = req->add_compare();
+  cmp->set_key(fence_key);
+  cmp->set_result(etcdserverpb::Compare::EQUAL);
+  cmp->set_target(etcdserverpb::Compare::CREATE);
+  cmp->set_create_revision(fence_revision);
+}
+
+}  // namespace
+
+absl::StatusOr<bool> EtcdClient::PutIfFenced(const std::string& key, const std::string& value,
+                                             const std::string& fence_key,
+                                             int64_t fence_revision) {
+  bool succeeded = false;
+  const std::string what = absl::StrCat("put ", key, " fenced by ", fence_key);
+  absl::Status s = Call(what, [&](const std::shared_ptr<grpc::Channel>& ch) {
+    etcdserverpb::TxnRequest req;
+    AddFence(&req, fence_key, fence_revision);
+    etcdserverpb::PutRequest* put = req.add_success()->mutable_request_put();
+    put->set_key(key);
+    put->set_value(value);
+    etcdserverpb::TxnResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, timeout_);
+    absl::Status status = FromGrpc(etcdserverpb::KV::NewStub(ch)->Txn(&ctx, req, &resp), what);
+    succeeded = resp.succeeded();
+    return status;
+  });
+  if (!s.ok()) return s;
+  return succeeded;
+}
+
+absl::StatusOr<bool> EtcdClient::DeleteIfFenced(const std::string& key,
+                                                const std::string& fence_key,
+                                                int64_t fence_revision) {
+  bool succeeded = false;
+  const std::string what = absl::StrCat("delete ", key, " fenced by ", fence_key);
+  absl::Status s = Call(what, [&](const std::shared_ptr<grpc::Channel>& ch) {
+    etcdserverpb::TxnRequest req;
+    AddFence(&req, fence_key, fence_revision);
+    req.add_success()->mutable_request_delete_range()->set_key(key);
+    etcdserverpb::TxnResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, timeout_);
+    absl::Status status = FromGrpc(etcdserverpb::KV::NewStub(ch)->Txn(&ctx, req, &resp), what);
+    succeeded = resp.succeeded();
+    return status;
+  });
+  if (!s.ok()) return s;
+  return succeeded;
+}
+
 absl::StatusOr<bool> EtcdClient::PutIfAbsent(const std::string& key, const std::string& value,
                                              int64_t lease) {
   // A key that does not exist compares as modified at revision 0.
@@ -261,12 +318,12 @@ absl::Status EtcdClient::RevokeLease(int64_t lease) {
   });
 }
 
-absl::StatusOr<int64_t> EtcdClient::KeepAlive(int64_t lease) {
+absl::StatusOr<int64_t> EtcdClient::KeepAlive(int64_t lease, std::chrono::milliseconds timeout) {
   int64_t ttl = 0;
   const std::string what = absl::StrCat("keep lease ", lease, " alive");
   absl::Status s = Call(what, [&](const std::shared_ptr<grpc::Channel>& ch) {
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, timeout_);
+    SetDeadline(&ctx, timeout.count() > 0 ? timeout : timeout_);
     auto stream = etcdserverpb::Lease::NewStub(ch)->LeaseKeepAlive(&ctx);
     etcdserverpb::LeaseKeepAliveRequest req;
     req.set_id(lease);
@@ -308,6 +365,39 @@ absl::StatusOr<Leadership> EtcdClient::Campaign(const std::string& name, int64_t
   });
   if (!s.ok()) return s;
   return out;
+}
+
+absl::StatusOr<std::optional<Leadership>> EtcdClient::TryLead(const std::string& name,
+                                                               int64_t lease,
+                                                               const std::string& value) {
+  const std::string prefix = name + "/";
+  const std::string key = absl::StrFormat("%s%x", prefix, lease);
+  absl::StatusOr<bool> created = PutIfAbsent(key, value, lease);
+  if (!created.ok()) return created.status();
+  absl::StatusOr<std::vector<KeyValue>> candidates = GetPrefix(prefix);
+  if (!candidates.ok()) return candidates.status();
+  const KeyValue* first = nullptr;
+  const KeyValue* mine = nullptr;
+  for (const KeyValue& kv : *candidates) {
+    if (first == nullptr || kv.create_revision < first->create_revision) first = &kv;
+    if (kv.key == key) mine = &kv;
+  }
+  if (mine == nullptr) {
+    return absl::NotFoundError(absl::StrCat("etcd: campaign for ", name, ": lease ", lease,
+                                            " has expired"));
+  }
+  if (first == mine) {
+    if (!*created && mine->value != value) {  // this lease led already, announcing another value
+      absl::StatusOr<bool> put = PutIfModRevision(key, value, mine->mod_revision, lease);
+      if (!put.ok()) return put.status();
+    }
+    return Leadership{name, key, mine->create_revision, lease};
+  }
+  if (*created) {
+    absl::StatusOr<int64_t> withdrawn = Delete(key);
+    if (!withdrawn.ok()) return withdrawn.status();
+  }
+  return std::nullopt;
 }
 
 absl::Status EtcdClient::Resign(const Leadership& leadership) {
@@ -445,8 +535,10 @@ void EtcdClient::Watch::Run() {
 }
 
 LeaseKeeper::LeaseKeeper(EtcdClient* client, int64_t lease, std::chrono::seconds ttl,
-                         std::function<void(const absl::Status&)> on_lost)
+                         std::function<void(const absl::Status&)> on_lost,
+                         Clock::time_point granted)
     : client_(client), lease_(lease), ttl_(ttl), on_lost_(std::move(on_lost)) {
+  valid_until_ns_ = (granted + ttl_ - std::chrono::milliseconds(ttl_) / 10).time_since_epoch().count();
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -459,29 +551,46 @@ LeaseKeeper::~LeaseKeeper() {
   if (thread_.joinable()) thread_.join();
 }
 
+Clock::time_point LeaseKeeper::valid_until() const {
+  return Clock::time_point(Clock::duration(valid_until_ns_.load()));
+}
+
+bool LeaseKeeper::valid() const { return !lost_ && Clock::now() < valid_until(); }
+
 void LeaseKeeper::Run() {
-  // Alive until `expires` unless renewed; renewed every third of the TTL.
-  Clock::time_point expires = Clock::now() + ttl_;
   const auto period = std::chrono::duration_cast<Clock::duration>(ttl_) / 3;
+  const auto retry = std::min<Clock::duration>(period, std::chrono::milliseconds(500));
+  Clock::time_point next = Clock::now() + period;
+  absl::Status why = absl::DeadlineExceededError("no keep-alive was answered");
   while (true) {
+    const Clock::time_point until = valid_until();
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (cv_.wait_for(lock, period, [&] { return stopping_; })) return;
+      if (cv_.wait_until(lock, std::min(next, until), [&] { return stopping_; })) return;
     }
-    absl::StatusOr<int64_t> ttl = client_->KeepAlive(lease_);
+    const Clock::time_point sent = Clock::now();
+    if (sent >= until) break;
+    // A keep-alive answered after the lease surely lives no longer would not help.
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - sent);
+    absl::StatusOr<int64_t> ttl =
+        client_->KeepAlive(lease_, std::max(left, std::chrono::milliseconds(1)));
     if (ttl.ok()) {
-      expires = Clock::now() + std::chrono::seconds(*ttl);
+      const std::chrono::milliseconds granted = std::chrono::seconds(*ttl);
+      valid_until_ns_ = (sent + granted - granted / 10).time_since_epoch().count();
+      next = Clock::now() + period;
       continue;
     }
-    if (ttl.status().code() == absl::StatusCode::kNotFound || Clock::now() >= expires) {
-      lost_ = true;
-      spdlog::error("etcd lease {:x} is lost: {}", lease_, ttl.status().ToString());
-      if (on_lost_) on_lost_(ttl.status());
-      return;
-    }
-    spdlog::warn("etcd lease {:x}: keep-alive failed ({}); retrying until it would expire",
-                 lease_, ttl.status().ToString());
+    why = ttl.status();
+    if (why.code() == absl::StatusCode::kNotFound) break;
+    spdlog::warn("etcd lease {:x}: keep-alive failed ({}); retrying while it surely lives "
+                 "({} ms more)", lease_, why.ToString(),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(valid_until() -
+                                                                       Clock::now()).count());
+    next = Clock::now() + retry;
   }
+  lost_ = true;
+  spdlog::error("etcd lease {:x} is lost: {}", lease_, why.ToString());
+  if (on_lost_) on_lost_(why);
 }
 
 }  // namespace cluster

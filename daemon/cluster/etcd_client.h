@@ -96,12 +96,21 @@ class EtcdClient {
                                    int64_t lease = 0);
   absl::StatusOr<bool> PutIfModRevision(const std::string& key, const std::string& value,
                                         int64_t mod_revision, int64_t lease = 0);
+  // Fenced writes: put / delete `key` only while `fence_key` exists with creation revision
+  // `fence_revision` (a Leadership's key and revision: only the leader's writes land). False when
+  // the fence failed.
+  absl::StatusOr<bool> PutIfFenced(const std::string& key, const std::string& value,
+                                   const std::string& fence_key, int64_t fence_revision);
+  absl::StatusOr<bool> DeleteIfFenced(const std::string& key, const std::string& fence_key,
+                                      int64_t fence_revision);
 
   // Leases: granted with a TTL; NOT_FOUND once expired or revoked.
   absl::StatusOr<int64_t> GrantLease(std::chrono::seconds ttl);
   absl::Status RevokeLease(int64_t lease);
-  // One keep-alive: the TTL the lease has again, in seconds.
-  absl::StatusOr<int64_t> KeepAlive(int64_t lease);
+  // One keep-alive: the TTL the lease has again, in seconds. `timeout` (0: call_timeout())
+  // bounds it.
+  absl::StatusOr<int64_t> KeepAlive(int64_t lease,
+                                    std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // Elections (etcd's v3election): Campaign waits until this caller leads `name` (or `timeout`
   // passes: DEADLINE_EXCEEDED), holding it with `lease` and announcing `value`. etcd withdraws
@@ -110,6 +119,12 @@ class EtcdClient {
   absl::StatusOr<Leadership> Campaign(const std::string& name, int64_t lease,
                                       const std::string& value,
                                       std::chrono::milliseconds timeout);
+  // Campaign without waiting, by the same protocol (this caller's key `name`/<lease in hex>
+  // under `lease`; the key created first leads): the leadership if this caller leads now, else
+  // nullopt, its key withdrawn. For many daemons racing to take one job over: one wins, the
+  // others go on at once.
+  absl::StatusOr<std::optional<Leadership>> TryLead(const std::string& name, int64_t lease,
+                                                    const std::string& value);
   absl::Status Resign(const Leadership& leadership);
   // The current leader's announcement; NOT_FOUND when none leads.
   absl::StatusOr<KeyValue> Leader(const std::string& name);
@@ -163,19 +178,28 @@ class EtcdClient {
   size_t current_ = 0;
 };
 
-// Keeps a lease alive (a keep-alive every third of its TTL) on a thread of its own; calls
-// `on_lost` once, from that thread, when the lease expired or etcd could not be reached for
-// longer than the TTL: whatever the lease held is gone, and a leader must stop acting as one.
+// Keeps a lease alive (a keep-alive every third of its TTL) on a thread of its own, and knows
+// until when the lease surely lives: `valid_until` is the send time of the last keep-alive etcd
+// answered plus the TTL it gave, less a tenth of the TTL for clock rate differences. etcd expires
+// the lease no sooner than TTL after it *received* that keep-alive, so while valid() holds no
+// other daemon can hold what the lease holds (an election it won): a leader checks valid() before
+// acting as one (the fence). Calls `on_lost` once, from the keeper's thread, when etcd says the
+// lease is gone or valid_until passes without a renewal: a leader must stop acting as one then.
 class LeaseKeeper {
  public:
+  // `granted`: when the lease was asked for (its validity counts from then).
   LeaseKeeper(EtcdClient* client, int64_t lease, std::chrono::seconds ttl,
-              std::function<void(const absl::Status&)> on_lost);
+              std::function<void(const absl::Status&)> on_lost,
+              std::chrono::steady_clock::time_point granted = std::chrono::steady_clock::now());
   ~LeaseKeeper();  // stops keeping it (the lease then expires unless revoked)
   LeaseKeeper(const LeaseKeeper&) = delete;
   LeaseKeeper& operator=(const LeaseKeeper&) = delete;
 
   bool lost() const { return lost_; }
   int64_t lease() const { return lease_; }
+  // Whether the lease surely still lives (see above).
+  bool valid() const;
+  std::chrono::steady_clock::time_point valid_until() const;
 
  private:
   void Run();
@@ -184,6 +208,7 @@ class LeaseKeeper {
   const std::chrono::seconds ttl_;
   std::function<void(const absl::Status&)> on_lost_;
   std::atomic<bool> lost_{false};
+  std::atomic<int64_t> valid_until_ns_;  // steady_clock's, since its epoch
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;

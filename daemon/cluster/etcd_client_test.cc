@@ -171,6 +171,75 @@ TEST_CASE("An election has one leader at a time; the next leads when it resigns"
   CHECK(c.Leader("/e/job").status().code() == absl::StatusCode::kNotFound);
 }
 
+TEST_CASE("TryLead: one of several candidates leads; only the leader's fenced writes land",
+          "[etcd]") {
+  EtcdCluster etcd(1);
+  RANNC_REQUIRE_ETCD(etcd);
+  auto client = EtcdClient::Connect(etcd.endpoints(), seconds(5));
+  REQUIRE(client.ok());
+  EtcdClient& c = **client;
+  const int64_t la = c.GrantLease(seconds(10)).value();
+  const int64_t lb = c.GrantLease(seconds(10)).value();
+
+  std::optional<Leadership> a = c.TryLead("/t/job", la, "daemon-a").value();
+  REQUIRE(a.has_value());
+  CHECK(c.Leader("/t/job").value().value == "daemon-a");
+  // b does not wait: it is told at once, and leaves no key behind.
+  CHECK_FALSE(c.TryLead("/t/job", lb, "daemon-b").value().has_value());
+  CHECK(c.GetPrefix("/t/job/").value().size() == 1);
+  // Asking again while leading keeps the same leadership.
+  std::optional<Leadership> again = c.TryLead("/t/job", la, "daemon-a").value();
+  REQUIRE(again.has_value());
+  CHECK(again->revision == a->revision);
+
+  CHECK(c.PutIfFenced("/t/entry", "1", a->key, a->revision).value());
+  CHECK(c.Get("/t/entry").value()->value == "1");
+  CHECK_FALSE(c.PutIfFenced("/t/entry", "stale", a->key, a->revision - 1).value());
+  // a's lease ends: b takes over, and a's fenced writes no longer land.
+  REQUIRE(c.RevokeLease(la).ok());
+  std::optional<Leadership> b = c.TryLead("/t/job", lb, "daemon-b").value();
+  REQUIRE(b.has_value());
+  CHECK(b->revision > a->revision);
+  CHECK_FALSE(c.PutIfFenced("/t/entry", "from a", a->key, a->revision).value());
+  CHECK_FALSE(c.DeleteIfFenced("/t/entry", a->key, a->revision).value());
+  CHECK(c.PutIfFenced("/t/entry", "2", b->key, b->revision).value());
+  CHECK(c.Get("/t/entry").value()->value == "2");
+  CHECK(c.DeleteIfFenced("/t/entry", b->key, b->revision).value());
+  CHECK_FALSE(c.Get("/t/entry").value().has_value());
+}
+
+TEST_CASE("A kept lease is valid; cut off from etcd, it stops being valid before etcd would "
+          "expire it, and the keeper says it is lost", "[etcd]") {
+  EtcdCluster etcd(1);
+  RANNC_REQUIRE_ETCD(etcd);
+  auto client = EtcdClient::Connect(etcd.endpoints(), seconds(5));
+  REQUIRE(client.ok());
+  EtcdClient& c = **client;
+  const auto granted = std::chrono::steady_clock::now();
+  const int64_t lease = c.GrantLease(seconds(3)).value();
+  std::atomic<bool> lost{false};
+  std::atomic<int64_t> lost_ns{0};  // steady_clock's, since its epoch
+  LeaseKeeper keeper(&c, lease, seconds(3), [&](const absl::Status&) {
+    lost_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+    lost = true;
+  }, granted);
+  std::this_thread::sleep_for(milliseconds(3500));  // past the TTL: renewed
+  CHECK(keeper.valid());
+  const auto renewed_until = keeper.valid_until();
+  CHECK(renewed_until > std::chrono::steady_clock::now() + milliseconds(1500));
+  const auto cut = std::chrono::steady_clock::now();
+  etcd.Kill(0);
+  CHECK(Eventually([&] { return lost.load(); }, seconds(10)));
+  CHECK_FALSE(keeper.valid());
+  // Lost no later than 0.9 of the TTL after the last renewal was sent (plus the keeper's wake-up),
+  // so before etcd could have expired it.
+  const std::chrono::steady_clock::time_point lost_at{
+      std::chrono::steady_clock::duration(lost_ns.load())};
+  CHECK(lost_at >= renewed_until);
+  CHECK(lost_at < renewed_until + milliseconds(300));
+  CHECK(lost_at - cut < seconds(3));
+}
+
 TEST_CASE("EtcdClient goes on through the other members when one dies", "[etcd]") {
   EtcdCluster etcd(3);
   RANNC_REQUIRE_ETCD(etcd);

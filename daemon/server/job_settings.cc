@@ -336,9 +336,12 @@ absl::Status SpanCluster(const std::string& job_id, const v1::JobSpec& spec,
                                }),
                 members.end());
   if (members.size() < 2) return absl::OkStatus();
+  // The leading daemon's devices first, then the others' by rank: a plan that uses fewer
+  // devices than the cluster has uses the leader's (which must take part: it runs the job's
+  // first engine and its client's calls).
   std::sort(members.begin(), members.end(),
             [](const cluster::MemberInfo& a, const cluster::MemberInfo& b) {
-              return a.rank < b.rank;
+              return std::make_pair(!a.self, a.rank) < std::make_pair(!b.self, b.rank);
             });
   settings->device_names.clear();
   settings->local_devices.clear();

@@ -53,28 +53,32 @@ TEST_CASE("JobSettingsFromSpec resolves a spec for this daemon's devices", "[job
         absl::StatusCode::kInvalidArgument);
 }
 
-TEST_CASE("SpanCluster numbers the cluster's devices by member rank", "[job]") {
+TEST_CASE("SpanCluster numbers the leader's devices first, then the others' by member rank",
+          "[job]") {
   v1::JobSpec spec;
   JobSettings s = *JobSettingsFromSpec(spec, TwoCpus());
   std::vector<std::string> left_out;
-  // This daemon is rank 1; rank 2 is DOWN and left out.
+  // This daemon (the leader) is rank 1; rank 2 is DOWN and left out, rank 3 comes after it.
   absl::Status spanned = SpanCluster(
       "job-1", spec,
       {Member("b:1", 1, cluster::MemberState::kUp, true),
+       Member("d:1", 3, cluster::MemberState::kUp, false),
        Member("a:1", 0, cluster::MemberState::kUp, false),
        Member("c:1", 2, cluster::MemberState::kDown, false)},
       TwoCpus(), nullptr, &s, &left_out);
   REQUIRE(spanned.ok());
   CHECK(left_out == std::vector<std::string>{"c:1"});
-  CHECK(s.device_names ==
-        std::vector<std::string>{"a:1/cpu:0", "a:1/cpu:1", "b:1/cpu:0", "b:1/cpu:1"});
-  CHECK(s.local_devices == std::vector<int>{2, 3});
-  REQUIRE(s.members.size() == 1);
+  CHECK(s.device_names == std::vector<std::string>{"b:1/cpu:0", "b:1/cpu:1", "a:1/cpu:0",
+                                                   "a:1/cpu:1", "d:1/cpu:0", "d:1/cpu:1"});
+  CHECK(s.local_devices == std::vector<int>{0, 1});
+  REQUIRE(s.members.size() == 2);
   CHECK(s.members[0].address == "a:1");
-  CHECK(s.members[0].devices == std::vector<int>{0, 1});
+  CHECK(s.members[0].devices == std::vector<int>{2, 3});
+  CHECK(s.members[1].address == "d:1");
+  CHECK(s.members[1].devices == std::vector<int>{4, 5});
   CHECK(s.self_address == "b:1");
   CHECK(s.engine_group == "job-1");
-  CHECK(s.plan_target.num_devices == 4);
+  CHECK(s.plan_target.num_devices == 6);
 
   // A member not heard from yet is waited for; alone, a daemon runs the job by itself.
   JobSettings waiting = *JobSettingsFromSpec(spec, TwoCpus());

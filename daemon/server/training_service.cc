@@ -201,8 +201,10 @@ void TrainingServiceImpl::ReapExpiredJobs() {
       spdlog::warn("suspended job {} '{}': no call from its client for its lease of {} ms; its "
                    "last checkpoint is written and its record kept (ResumeJob, or a client "
                    "creating a job of its name, brings it back)", e.id, e.name, e.lease.count());
+      Unregister(e.id);
       continue;
     }
+    Unregister(e.id);
     records_->Remove(e.id).IgnoreError();
     spdlog::warn("deleted job {} '{}': no call from its client for its lease of {} ms (the "
                  "client exited or hung without deleting it)",
@@ -332,10 +334,28 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
                  "latest checkpoint", spec.name(), suspended->job_id());
     settings.checkpoints.resume = 0;
   }
+  const bool registers = Registers(spec, settings);
+  if (registers) {
+    if (absl::Status led = registry_->Lead(spec.name()); !led.ok()) {
+      return Fail("CreateJob", led);
+    }
+  }
   const std::string id = jobs_->NewJobId();
   absl::StatusOr<std::shared_ptr<Job>> job =
       StartJob(id, spec, std::move(settings), model, *examples, sent, response);
-  if (!job.ok()) return Fail("CreateJob", job.status());
+  if (!job.ok()) {
+    if (registers) registry_->Abandon(spec.name());
+    return Fail("CreateJob", job.status());
+  }
+  if (registers) {
+    if (absl::Status registered = Register(**job, spec, model, *examples, sent);
+        !registered.ok()) {
+      jobs_->Remove(id).IgnoreError();
+      records_->Remove(id).IgnoreError();
+      registry_->Abandon(spec.name());
+      return Fail("CreateJob", registered);
+    }
+  }
   if (suspended) records_->Remove(suspended->job_id()).IgnoreError();
   const JobInfo& info = (*job)->info();
   spdlog::info("created job {} '{}' ({} parameters, {} bytes of TorchScript); {}; seconds: "
@@ -421,6 +441,126 @@ std::optional<v1::JobRecord> TrainingServiceImpl::SuspendedFor(const v1::JobSpec
     }
   }
   return found;
+}
+
+void TrainingServiceImpl::set_registry(JobRegistry* registry) {
+  registry_ = registry;
+  if (registry_ != nullptr) {
+    registry_->WatchOrphans([this](const std::string& name) { TakeOver(name); });
+  }
+}
+
+bool TrainingServiceImpl::Registers(const v1::JobSpec& spec, const JobSettings& settings) const {
+  return registry_ != nullptr && !settings.checkpoints.dir.empty() && !spec.name().empty();
+}
+
+JobRecords& TrainingServiceImpl::SharedRecords(const std::string& job_dir) {
+  std::lock_guard<std::mutex> lock(shared_mu_);
+  std::unique_ptr<JobRecords>& records = shared_records_[job_dir];
+  if (!records) records = std::make_unique<JobRecords>(job_dir);
+  return *records;
+}
+
+absl::Status TrainingServiceImpl::Register(const Job& job, const v1::JobSpec& spec,
+                                           const std::string& model,
+                                           const std::vector<at::Tensor>& examples,
+                                           const SentTensors& sent) {
+  const std::string job_dir = job.checkpoint_job_dir();
+  // The record first, where a daemon taking the job over reads it (in the background, as the
+  // state dir's: a takeover before it is written fails and is tried again).
+  SharedRecords(job_dir).SaveInBackground(job.info().id, spec, model, examples, sent,
+                                          job.info().plan);
+  v1::RegisteredJob entry;
+  entry.set_name(spec.name());
+  entry.set_job_id(job.info().id);
+  entry.set_record_dir(job_dir);
+  entry.set_record_id(job.info().id);
+  entry.set_resumed_step(job.resumed_step());
+  entry.set_client_world(static_cast<uint32_t>(job.info().client_world));
+  for (const std::string& d : job.info().devices) entry.add_devices(d);
+  absl::Status published = registry_->Publish(std::move(entry));
+  if (published.ok()) {
+    spdlog::info("job {} '{}' is in the cluster's registry: another daemon takes it over if "
+                 "this one is lost", job.info().id, spec.name());
+  }
+  return published;
+}
+
+void TrainingServiceImpl::Unregister(const std::string& job_id) {
+  if (registry_ == nullptr) return;
+  std::optional<v1::RegisteredJob> released = registry_->Release(job_id);
+  if (released) SharedRecords(released->record_dir()).Remove(released->record_id()).IgnoreError();
+}
+
+void TrainingServiceImpl::TakeOver(const std::string& name) {
+  const auto now = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(shared_mu_);
+    auto it = takeover_after_.find(name);
+    if (it != takeover_after_.end() && now < it->second) return;  // failed here just now
+  }
+  absl::StatusOr<std::optional<v1::RegisteredJob>> won = registry_->TakeOver(name);
+  if (!won.ok()) {
+    spdlog::warn("job '{}' has no leader; taking it over failed: {}", name,
+                 won.status().ToString());
+    return;
+  }
+  if (!won->has_value()) return;  // another daemon leads it
+  v1::RegisteredJob entry = std::move(**won);
+  const auto started = std::chrono::steady_clock::now();
+  spdlog::warn("job '{}' ({}) lost its leader {}: this daemon takes it over from its latest "
+               "checkpoint in {}", name, entry.job_id(), entry.leader(), entry.record_dir());
+  auto fail = [&](const absl::Status& why) {
+    spdlog::error("taking over job '{}' failed: {}; another daemon (or this one, in 5 s) tries "
+                  "again", name, why.ToString());
+    registry_->Abandon(name);
+    std::lock_guard<std::mutex> lock(shared_mu_);
+    takeover_after_[name] = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  };
+  // Planned over the members that are UP: wait (briefly) until this daemon's view has the lost
+  // leader DOWN too (its member key went with the same lease), rather than plan over it.
+  const auto down_by = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (std::chrono::steady_clock::now() < down_by) {
+    if (registry_->stopping()) return fail(absl::CancelledError("this daemon is stopping"));
+    bool up = false;
+    for (const cluster::MemberInfo& m : Members()) {
+      up |= !m.self && m.address == entry.leader() && m.state == cluster::MemberState::kUp;
+    }
+    if (!up) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  absl::StatusOr<JobRecords::Loaded> loaded =
+      SharedRecords(entry.record_dir()).Load(entry.record_id());
+  if (!loaded.ok()) return fail(loaded.status());
+  v1::JobSpec spec = loaded->record.spec();
+  (*spec.mutable_options()->mutable_config())["resume"] = "latest";
+  absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
+  if (!settings.ok()) return fail(settings.status());
+  const std::string id = jobs_->NewJobId();
+  v1::CreateJobResponse response;
+  absl::StatusOr<std::shared_ptr<Job>> job =
+      StartJob(id, spec, std::move(*settings), loaded->model_bytes, loaded->example_inputs,
+               loaded->sent, &response, /*durable=*/true);
+  if (!job.ok()) return fail(job.status());
+  if (registry_->stopping()) {
+    jobs_->Remove(id).IgnoreError();
+    records_->Remove(id).IgnoreError();
+    return fail(absl::CancelledError("this daemon is stopping"));
+  }
+  const std::string previous = entry.job_id();
+  entry.set_job_id(id);
+  entry.set_resumed_step((*job)->resumed_step());
+  entry.set_generation(entry.generation() + 1);
+  entry.clear_devices();
+  for (const std::string& d : (*job)->info().devices) entry.add_devices(d);
+  if (absl::Status published = registry_->Publish(entry); !published.ok()) {
+    jobs_->Remove(id).IgnoreError();
+    records_->Remove(id).IgnoreError();
+    return fail(published);
+  }
+  spdlog::warn("took over job '{}': {} runs as {} here, from step {} ({}; {:.2f} s); it waits "
+               "for its client", name, previous, id, (*job)->resumed_step(),
+               response.plan_summary(), SecondsSince(started));
 }
 
 std::vector<cluster::MemberInfo> TrainingServiceImpl::Members() const {
@@ -559,6 +699,7 @@ grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobR
     status = absl::OkStatus();  // a suspended job: its record goes
   }
   if (!status.ok()) return Fail("DeleteJob", status);
+  Unregister(ref->job_id());
   records_->Remove(ref->job_id()).IgnoreError();
   spdlog::info("deleted job {}", ref->job_id());
   return grpc::Status::OK;
@@ -645,6 +786,19 @@ grpc::Status TrainingServiceImpl::ResumeJob(grpc::ServerContext*, const v1::JobR
   return grpc::Status::OK;
 }
 
+grpc::Status TrainingServiceImpl::LocateJob(grpc::ServerContext*,
+                                            const v1::LocateJobRequest* request,
+                                            v1::RegisteredJob* response) {
+  if (registry_ == nullptr) {
+    return Fail("LocateJob", absl::FailedPreconditionError(
+        "this daemon keeps no job registry (start ranncd with --cluster-store)"));
+  }
+  absl::StatusOr<v1::RegisteredJob> entry = registry_->Find(request->name());
+  if (!entry.ok()) return Fail("LocateJob", entry.status());
+  *response = std::move(*entry);
+  return grpc::Status::OK;
+}
+
 grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
                                           v1::ForwardResponse* response) {
   return Once(context, "Forward", request->call(), response, [&]() -> grpc::Status {
@@ -679,6 +833,10 @@ absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest
 
 absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& request,
                                          int client_rank) const {
+  // The fence: a daemon that may have lost the job to another applies no step.
+  if (registry_ != nullptr) {
+    if (absl::Status leads = registry_->CheckLeads(job.info().id); !leads.ok()) return leads;
+  }
   JobOp op;
   op.kind = JobOp::Kind::kStep;
   for (const v1::HyperParams& h : request.groups()) {

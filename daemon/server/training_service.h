@@ -9,6 +9,7 @@
 #ifndef RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 #define RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <functional>
@@ -28,6 +29,7 @@
 #include "daemon/server/detached_jobs.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_records.h"
+#include "daemon/server/job_registry.h"
 #include "daemon/server/job_settings.h"
 #include "daemon/server/part_channel.h"
 #include "daemon/server/uploads.h"
@@ -70,6 +72,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   void set_cluster(const cluster::Cluster* cluster);
   // The store this daemon serves (not owned): the rendezvous of jobs it leads over the cluster.
   void set_store(comm::Store* store) { store_ = store; }
+  // --cluster-store: the cluster's job registry (not owned; outlives the service). Jobs that
+  // checkpoint are registered there, and this daemon takes over those whose leader is lost.
+  void set_registry(JobRegistry* registry);
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::DaemonInfo*) override;
@@ -113,6 +118,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                                      v1::Empty*) override;
   grpc::Status ResumeJob(grpc::ServerContext*, const v1::JobRef*,
                          v1::CreateJobResponse*) override;
+  grpc::Status LocateJob(grpc::ServerContext*, const v1::LocateJobRequest*,
+                         v1::RegisteredJob*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
                           v1::CheckpointInfo*) override;
   grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::CheckpointsRef*,
@@ -173,6 +180,19 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // At a lease's end: a durable job writes a last checkpoint and is kept as suspended.
   bool Suspend(Job& job);
 
+  // The cluster's registry (--cluster-store; job_registry.h). A job that checkpoints is
+  // registered: this daemon leads its name before it is created (Lead), then writes its record
+  // into its checkpoint directory, which every daemon reads, and publishes its entry
+  // (Register). A job whose leader is lost is brought back here from its record and latest
+  // checkpoint, under a new id, if this daemon wins the race for it (TakeOver). A job deleted
+  // or expired leaves the registry (Unregister).
+  bool Registers(const v1::JobSpec& spec, const JobSettings& settings) const;
+  absl::Status Register(const Job& job, const v1::JobSpec& spec, const std::string& model,
+                        const std::vector<at::Tensor>& examples, const SentTensors& sent);
+  void TakeOver(const std::string& name);
+  void Unregister(const std::string& job_id);
+  JobRecords& SharedRecords(const std::string& job_dir);
+
   // The job directory a CheckpointsRef names: a live job's, or a name under a directory.
   absl::StatusOr<std::string> CheckpointsOf(const v1::CheckpointsRef& ref,
                                             std::shared_ptr<Job>* job) const;
@@ -195,6 +215,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   mutable std::mutex peers_mu_;
   mutable std::map<std::string, std::unique_ptr<v1::TrainingService::Stub>> peers_;
   mutable std::map<std::string, std::unique_ptr<v1::JobPartService::Stub>> part_stubs_;
+  JobRegistry* registry_ = nullptr;
+  std::mutex shared_mu_;
+  std::map<std::string, std::unique_ptr<JobRecords>> shared_records_;  // by checkpoint job dir
+  std::map<std::string, std::chrono::steady_clock::time_point> takeover_after_;  // retry backoff
   CallLedger ledger_;
   std::mutex drop_mu_;
   std::map<std::string, std::set<int>> drop_;  // the fault hook's: rpc -> ordinals to drop

@@ -15,12 +15,12 @@ from pyrannc import _daemon, _jobs, _runtime
 from pyrannc._deployment import show_deployment
 from pyrannc._optim import register_optimizer
 from pyrannc._runtime import get_rank, get_world_size
-from pyrannc.errors import RanncError
+from pyrannc.errors import JobMoved, RanncError
 from pyrannc.module import RaNNCModule
 from pyrannc.proto.rannc.v1 import training_pb2 as _pb
 
 __all__ = [
-    "RaNNCModule", "RanncError", "barrier", "clear", "delay_grad_allreduce", "get_rank",
+    "JobMoved", "RaNNCModule", "RanncError", "barrier", "clear", "delay_grad_allreduce", "get_rank",
     "get_world_size", "keep_graph", "recreate_all_communicators", "register_optimizer",
     "show_deployment",
     "sync_params_on_init", "daemon_info",

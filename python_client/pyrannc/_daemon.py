@@ -33,7 +33,7 @@ import torch
 
 from pyrannc import _config, _shm
 from pyrannc._binaries import find_daemon_binary
-from pyrannc.errors import RanncError, from_rpc_error
+from pyrannc.errors import JobMoved, RanncError, from_rpc_error
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from pyrannc.proto.rannc.v1 import training_pb2_grpc as pb_grpc
 
@@ -233,7 +233,8 @@ class Connection:
         rpc = getattr(self.stub, method)
         if "call" in request.DESCRIPTOR.fields_by_name:
             request.call.CopyFrom(self._next_call_id())
-            return self._with_retries(method, lambda: rpc(request, timeout=timeout))
+            job_id = getattr(request, "job_id", "")
+            return self._with_retries(method, lambda: rpc(request, timeout=timeout), job_id)
         try:
             return rpc(request, timeout=timeout)
         except grpc.RpcError as err:
@@ -260,12 +261,14 @@ class Connection:
         local.seq += 1
         return pb.CallId(client_id=local.client_id, seq=local.seq)
 
-    def _with_retries(self, method: str, attempt: Callable):
+    def _with_retries(self, method: str, attempt: Callable, job_id: str = ""):
         """Runs `attempt` (one call with a fixed CallId) until it gets an answer: the daemon
         unreachable (UNAVAILABLE) or a deadline passed is retried with backoff for up to
         call_retry_timeout seconds (RANNC_CALL_RETRY_TIMEOUT, default 30; 0: no retries), then
         raised with its cause. An error the daemon answers from its record of the call
-        (metadata rannc-replayed) is the call's own, raised at once."""
+        (metadata rannc-replayed) is the call's own, raised at once. Between retries, a job of a
+        cluster with a registry (`watch_for_moves`) is looked for on the other daemons: taken
+        over by one of them, it raises JobMoved."""
         deadline = None
         delay = 0.05
         while True:
@@ -274,6 +277,8 @@ class Connection:
             except grpc.RpcError as err:
                 replayed = any(k == "rannc-replayed" for k, _ in err.trailing_metadata() or ())
                 gone = self.embedded is not None and self.embedded.exited() is not None
+                if err.code() in _RETRIED and not replayed and job_id:
+                    _raise_if_moved(job_id, self.address)
                 if (err.code() in _RETRIED and not replayed and not gone):
                     if deadline is None:
                         deadline = time.monotonic() + _config.client_seconds(
@@ -389,6 +394,100 @@ def _connect(address: str, what: str) -> Connection:
     return conn
 
 
+def configured_addresses() -> List[str]:
+    """The `daemon` key as a list: RANNC_DAEMON=host:port, or several, comma-separated (daemons
+    of one cluster: the first that answers is used, and the others are where a job is looked for
+    when its daemon is lost)."""
+    return [a.strip() for a in _config.client_setting("daemon").split(",") if a.strip()]
+
+
+def _connect_any(addresses: List[str], what: str) -> Connection:
+    """A ready connection to the first of `addresses` that answers (asking each in turn, two
+    seconds at a time, for up to daemon_connect_timeout)."""
+    if len(addresses) == 1:
+        return _connect(addresses[0], what)
+    timeout = _config.client_seconds("daemon_connect_timeout", 30.0)
+    deadline = time.monotonic() + timeout
+    failures = {}
+    while True:
+        for address in addresses:
+            conn = Connection(address)
+            try:
+                conn.wait_ready(min(deadline, time.monotonic() + 2.0), lambda: None)
+                return conn
+            except RanncError as err:
+                conn.close()
+                failures[address] = err.details or str(err)
+        if time.monotonic() >= deadline:
+            tried = "; ".join(f"{a}: {why}" for a, why in failures.items())
+            raise RanncError(f"pyrannc cannot reach any ranncd of {', '.join(addresses)} "
+                             f"({what}): {tried}", code=grpc.StatusCode.UNAVAILABLE,
+                             details=tried)
+
+
+# Jobs to look for on the other daemons when their own is lost (a cluster with --cluster-store
+# takes them over): job id -> (job name, what to call with the RegisteredJob once moved).
+_watched: Dict[str, tuple] = {}
+_watched_lock = threading.Lock()
+
+
+def watch_for_moves(job_id: str, name: str, on_moved: Callable) -> None:
+    with _watched_lock:
+        _watched[job_id] = (name, on_moved)
+
+
+def stop_watching(job_id: str) -> None:
+    with _watched_lock:
+        _watched.pop(job_id, None)
+
+
+def _other_addresses(lost: str) -> List[str]:
+    """Where else a job may be: the configured daemons and every cluster member the daemons
+    reported (GetInfo), but `lost`."""
+    seen = []
+    conns = [c for c in [_connection] + list(_others.values()) if c is not None]
+    for address in configured_addresses() + [m.address for c in conns if c.info is not None
+                                            for m in c.info.cluster]:
+        if address and address != lost and address not in seen:
+            seen.append(address)
+    return seen
+
+
+def locate_job(name: str, lost: str) -> Optional[pb.RegisteredJob]:
+    """The registry's entry of the job `name`, from the first other daemon that answers."""
+    for address in _other_addresses(lost):
+        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        try:
+            return pb_grpc.TrainingServiceStub(channel).LocateJob(
+                pb.LocateJobRequest(name=name), timeout=2.0)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                return None  # not registered (or no registry): nothing will take it over
+        finally:
+            channel.close()
+    return None
+
+
+def _raise_if_moved(job_id: str, lost: str) -> None:
+    """Raises JobMoved when the job `job_id`, whose daemon at `lost` does not answer, runs
+    elsewhere now (taken over under a new id), after rebinding its module there."""
+    with _watched_lock:
+        watched = _watched.get(job_id)
+    if watched is None:
+        return
+    name, on_moved = watched
+    located = locate_job(name, lost)
+    if located is None or located.job_id == job_id or not located.leader:
+        return  # not taken over (yet)
+    stop_watching(job_id)
+    on_moved(located)
+    step = max(located.resumed_step, 0)
+    raise JobMoved(f"ranncd at {lost} leading job '{name}' ({job_id}) was lost; the daemon at "
+                   f"{located.leader} took it over as {located.job_id} from its checkpoint of "
+                   f"step {step}: go on from that step", name, located.job_id, located.leader,
+                   step)
+
+
 def connection(address: Optional[str] = None) -> Connection:
     """The process's connection, connecting (or starting the embedded daemon) on first use.
 
@@ -416,7 +515,7 @@ def connection(address: Optional[str] = None) -> Connection:
             return _connection
         address, where = _config.client_setting_from("daemon")
         if address:
-            conn = _connect(address, where)
+            conn = _connect_any(configured_addresses(), where)
         else:
             conn = _start_embedded()
         try:

@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Dict, List, Optional, Tuple
 
-from pyrannc import _config
+from pyrannc import _config, _daemon
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
 logger = logging.getLogger("pyrannc")
@@ -39,6 +39,8 @@ class Job:
         self.group_ids = group_ids
         self.devices = devices
         self.lease_conn = None  # the connection renewing the job's lease (hold_lease)
+        self.lease = 0.0  # seconds
+        self.name = ""  # the job's name (JobSpec.name): a cluster's registry knows it by it
         # Counted here rather than taken from ForwardResponse.forward_id, so the check that a
         # backward belongs to the last forward does not depend on the daemon numbering them.
         self.forwards = 0
@@ -56,6 +58,8 @@ class Job:
         # lease is no longer renewed: a job still on the daemon expires there.
         if self.lease_conn is not None:
             self.lease_conn.release_lease(self.id)
+        if _daemon is not None:  # None at interpreter exit
+            _daemon.stop_watching(self.id)
 
 
 def defer_ops() -> bool:

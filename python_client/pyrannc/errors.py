@@ -20,6 +20,29 @@ class RanncError(RuntimeError):
         self.details = details
 
 
+class JobMoved(RanncError):
+    """The daemon that led the job was lost, and another daemon of the cluster took the job over
+    from its latest checkpoint (ranncd --cluster-store; docs/cluster.md "Failover"). The module
+    drives it there from now on; the call that raised this was not applied, nor were those since
+    that checkpoint. `step` is the optimizer steps the checkpoint had taken (also the module's
+    `resumed_step`): go on with the training loop from that step's batch, as a resumed job does:
+
+        step = model.resumed_step or 0
+        while step < steps:
+            try:
+                train_one(step); step += 1
+            except pyrannc.JobMoved as moved:
+                step = moved.step
+    """
+
+    def __init__(self, message: str, job_name: str, job_id: str, leader: str, step: int):
+        super().__init__(message, code=grpc.StatusCode.UNAVAILABLE, details=message)
+        self.job_name = job_name
+        self.job_id = job_id
+        self.leader = leader
+        self.step = step
+
+
 def from_rpc_error(method: str, err: grpc.RpcError, hint: str = "") -> RanncError:
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import grpc
@@ -379,6 +380,11 @@ class RaNNCModule(torch.nn.Module):
                               address)
         conn.hold_lease(resp.job_id, lease)
         self._job.lease_conn = conn
+        self._job.lease = lease
+        self._job.name = _jobs.job_name(self.model)
+        on_moved = weakref.WeakMethod(self._job_moved)
+        _daemon.watch_for_moves(resp.job_id, self._job.name,
+                                lambda located: on_moved() and on_moved()(located))
         self._deployment = resp.deployment if resp.HasField("deployment") else None
         self._plan_summary = resp.plan_summary or None
         self._resumed_step = resp.resumed_step if resp.resumed_step >= 0 else None
@@ -387,6 +393,35 @@ class RaNNCModule(torch.nn.Module):
             logger.info("pyrannc: job %s resumed from the checkpoint of step %d", resp.job_id,
                         self._resumed_step)
         logger.info("pyrannc: job %s on %s", resp.job_id, ", ".join(resp.devices))
+
+    def _job_moved(self, located: pb.RegisteredJob) -> None:
+        """The job's daemon was lost and `located.leader` took it over from its latest
+        checkpoint, as `located.job_id`: drive it there from now on (_daemon raises JobMoved)."""
+        job = self._job
+        if job is None:
+            return
+        if job.lease_conn is not None:
+            job.lease_conn.release_lease(job.id)
+        conn = _daemon.connection(located.leader)
+        job.id = located.job_id
+        job.address = located.leader
+        job.devices = list(located.devices)
+        # Nothing of the lost daemon's job carries over: its last forward and deferred ops.
+        job.forwards = 0
+        job.last_forward_id = None
+        job.pending = []
+        job.graph_released = False
+        job.undeployed = False
+        conn.hold_lease(job.id, job.lease)
+        job.lease_conn = conn
+        self._resumed_step = located.resumed_step if located.resumed_step >= 0 else None
+        self._state_dirty = True  # the local model mirrors the checkpoint's values now
+        on_moved = weakref.WeakMethod(self._job_moved)
+        _daemon.watch_for_moves(job.id, job.name,
+                                lambda again: on_moved() and on_moved()(again))
+        logger.warning("pyrannc: job '%s' moved to ranncd at %s as %s, from the checkpoint of "
+                       "step %d", job.name, located.leader, job.id,
+                       max(located.resumed_step, 0))
 
     def _switch_mode(self, inputs, mode: pb.Mode) -> None:
         job = self._job

@@ -150,12 +150,15 @@ def _start_cluster(count, store=None):
             assert time.time() < deadline, open(logs[0].name).read()
             time.sleep(0.1)
     yield peers, logs, procs, names
+    # All at once: with --cluster-store, a daemon stopped alone hands its jobs to the others.
     for p in procs:
         if p.poll() is None:
             p.terminate()
-            p.wait(timeout=15)
+    for p in procs:
+        p.wait(timeout=15)
     for log in logs:
-        os.unlink(log.name)
+        if not os.environ.get("RANNC_KEEP_LOGS"):
+            os.unlink(log.name)
 
 
 @pytest.mark.parametrize("cluster", [2, 3], indirect=True, ids=["2daemons", "3daemons"])
@@ -908,3 +911,106 @@ def test_the_loss_scalers_state_resumes_on_every_daemon(tmp_path, cluster):
                                        **scaling)
     assert resumed["before"] == 4
     _assert_like_uninterrupted_adam({"loss scaling resumed over two daemons": resumed})
+
+
+_FAILOVER_CLIENT = textwrap.dedent("""
+    import sys, time, torch
+    import pyrannc
+    sys.path.insert(0, {tests!r})
+    import models
+    torch.manual_seed(0)
+    model = models.TinyGPT(qkv_bias=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    rmod = pyrannc.RaNNCModule(model, opt)
+    step = rmod.resumed_step or 0
+    moves = []
+    while step < {steps}:
+        try:
+            x, y = models.gpt_batch(step, batch=8)
+            loss = rmod(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            print("step", step, flush=True)
+        except pyrannc.JobMoved as moved:
+            print("moved", moved.step, moved.leader, flush=True)
+            moves.append([moved.step, moved.leader, moved.job_id, time.time()])
+            step = moved.step
+    torch.save({{"state": rmod.state_dict(), "moves": moves,
+                "devices": list(rmod._job.devices)}}, {out!r})
+""")
+
+
+def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
+        tmp_path, etcd, pyrannc_daemon):
+    # Three daemons on one etcd; a job over two of them (2 stages x 2 replicas x 2 micro-batches)
+    # checkpoints every 5 steps into a directory they all reach. Its leading daemon is SIGKILLed
+    # mid-training: another daemon takes the job over from the latest checkpoint within the
+    # lease's TTL (10 s) and re-plans over the members that are UP; the client, which knows
+    # every daemon (RANNC_DAEMON=a,b,c), finds it there (JobMoved), goes on from that step, and
+    # ends with the parameters of an uninterrupted run, bitwise.
+    steps = 20
+    gen = _start_cluster(3, etcd)
+    peers, logs, procs, names = next(gen)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(peers),
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
+               RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"), RANNC_CHECKPOINT_EVERY="5",
+               RANNC_CALL_RETRY_TIMEOUT="60")
+
+    def all_logs():
+        return "\n".join(f"--- {p}\n" + open(l.name).read() for p, l in zip(peers, logs))
+
+    try:
+        whole_out = str(tmp_path / "whole.pt")
+        done = subprocess.run(
+            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps,
+                                                           out=whole_out)],
+            env=dict(env, RANNC_JOB="whole"), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr + all_logs()
+
+        out = str(tmp_path / "moved.pt")
+        client = subprocess.Popen(
+            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps, out=out)],
+            env=dict(env, RANNC_JOB="moved"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        entry = None
+        killed_at = None
+        lines = []
+        for line in client.stdout:
+            lines.append(line.strip())
+            if line.split()[:2] == ["step", "13"] and killed_at is None:
+                stub = rpc.TrainingServiceStub(grpc.insecure_channel(peers[1]))
+                entry = stub.LocateJob(pb.LocateJobRequest(name="moved"), timeout=10)
+                assert entry.leader == peers[0] and entry.generation == 0, all_logs()
+                # The leader and its parts: the job runs on two daemons.
+                assert any(d.startswith(peers[0]) for d in entry_devices(peers[0], entry.job_id))
+                procs[0].kill()  # SIGKILL the leading daemon mid-training
+                killed_at = time.time()
+        client.wait(timeout=120)
+        assert client.returncode == 0, "\n".join(lines) + client.stderr.read() + all_logs()
+        got, whole = torch.load(out), torch.load(whole_out)
+        assert len(got["moves"]) == 1, got["moves"]
+        step, leader, job_id, moved_at = got["moves"][0]
+        assert step == 10 and leader in peers[1:] and job_id != entry.job_id, got["moves"]
+        assert not any(d.startswith(peers[0]) for d in got["devices"]), got["devices"]
+        took = moved_at - killed_at
+        print(f"the client went on at {leader} {took:.1f} s after its leader's SIGKILL")
+        assert took < 25, all_logs()
+        now = rpc.TrainingServiceStub(grpc.insecure_channel(peers[1])).LocateJob(
+            pb.LocateJobRequest(name="moved"), timeout=10)
+        assert now.leader == leader and now.generation == 1 and now.resumed_step == 10, now
+        for name, value in whole["state"].items():
+            assert torch.equal(got["state"][name], value), f"{name} differs after the failover"
+    finally:
+        next(gen, None)
+
+
+def entry_devices(address, job_id):
+    """The devices of job `job_id` as the daemon at `address` lists them."""
+    stub = rpc.TrainingServiceStub(grpc.insecure_channel(address))
+    for job in stub.ListJobs(pb.Empty(), timeout=10).jobs:
+        if job.job_id == job_id:
+            return list(job.devices)
+    return []

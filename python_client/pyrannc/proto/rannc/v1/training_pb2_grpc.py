@@ -134,6 +134,11 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.CreateJobResponse.FromString,
                 )
+        self.LocateJob = channel.unary_unary(
+                '/rannc.v1.TrainingService/LocateJob',
+                request_serializer=rannc_dot_v1_dot_training__pb2.LocateJobRequest.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.RegisteredJob.FromString,
+                )
         self.Checkpoint = channel.unary_unary(
                 '/rannc.v1.TrainingService/Checkpoint',
                 request_serializer=rannc_dot_v1_dot_training__pb2.CheckpointRequest.SerializeToString,
@@ -333,6 +338,15 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocateJob(self, request, context):
+        """Where a job of the cluster runs now, from the registry on etcd (any daemon answers): a
+        client whose leader is lost asks the others, and drives the job where it was taken over.
+        NOT_FOUND for a job not registered; FAILED_PRECONDITION without --cluster-store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Checkpoint(self, request, context):
         """Writes a checkpoint of the job now (at the boundary of the call it waits for).
         """
@@ -514,6 +528,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.ResumeJob,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.CreateJobResponse.SerializeToString,
+            ),
+            'LocateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateJob,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.LocateJobRequest.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.RegisteredJob.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -970,6 +989,23 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ResumeJob',
             rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
             rannc_dot_v1_dot_training__pb2.CreateJobResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def LocateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/LocateJob',
+            rannc_dot_v1_dot_training__pb2.LocateJobRequest.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.RegisteredJob.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
