@@ -42,6 +42,20 @@ absl::Status ErrnoStatus(int err, const std::string& what) {
   }
 }
 
+absl::Status AppendToFile(const std::string& path, const std::string& data) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  const ssize_t n = ::write(fd, data.data(), data.size());
+  const int err = errno;
+  ::close(fd);
+  if (n < 0) return ErrnoStatus(err, absl::StrCat("appending to ", path));
+  if (static_cast<size_t>(n) != data.size()) {
+    return absl::DataLossError(absl::StrCat("appending to ", path, ": wrote ", n, " of ",
+                                            data.size(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteFileDurably(const std::string& path, const char* data, size_t size) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating ", path));

@@ -28,6 +28,9 @@ absl::StatusOr<std::string> ReadFile(const std::string& path);
 // names the path, its code from errno: RESOURCE_EXHAUSTED for a full disk, PERMISSION_DENIED,
 // NOT_FOUND, else INTERNAL.
 absl::Status WriteFileDurably(const std::string& path, const char* data, size_t size);
+// Appends `data` to `path` (created if missing) in one write(2) with O_APPEND, so that what
+// several processes append does not interleave; not fsync'ed.
+absl::Status AppendToFile(const std::string& path, const std::string& data);
 // fsyncs the directory `path` (so that files created or renamed in it are durable).
 absl::Status SyncDirectory(const std::string& path);
 // The status of errno `err` when doing `what` (as above).

@@ -31,6 +31,21 @@ TEST_CASE("ReadFile returns a file's bytes, or NOT_FOUND naming it", "[common]")
   CHECK_THAT(std::string(missing.status().message()), Catch::Contains(path));
 }
 
+TEST_CASE("AppendToFile creates a file and appends to it; a missing directory is named",
+          "[common]") {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(dir != nullptr ? dir : "/tmp") + "/files_test.log";
+  std::remove(path.c_str());
+  REQUIRE(AppendToFile(path, "1 a\n").ok());
+  REQUIRE(AppendToFile(path, "2 b\n").ok());
+  CHECK(ReadFile(path).value() == "1 a\n2 b\n");
+  std::remove(path.c_str());
+  const std::string nowhere = path + ".missing/x.log";
+  absl::Status failed = AppendToFile(nowhere, "x");
+  CHECK(failed.code() == absl::StatusCode::kNotFound);
+  CHECK_THAT(std::string(failed.message()), Catch::Contains(nowhere));
+}
+
 TEST_CASE("directories are made, listed and removed without std::filesystem", "[common]") {
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string root = JoinPath(tmp != nullptr ? tmp : "/tmp", "files_test_tree");

@@ -6,9 +6,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/elapsed.h"
+#include "daemon/common/files.h"
 #include "daemon/common/status.h"
 #include "daemon/server/job_model.h"
 #include "daemon/server/rank_batches.h"
@@ -236,6 +238,9 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
             "the job was created without an optimizer; pass one to RaNNCModule to call step()");
       }
       if (pending) return NotReduced("optimizer step");
+      if (settings_.fence) {
+        if (absl::Status fenced = settings_.fence(); !fenced.ok()) return fenced;
+      }
       break;
     case JobOp::Kind::kAllReduceGrads:
       // Every daemon of the job has seen the same backwards, so what is pending here is pending
@@ -273,6 +278,7 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
   if (!status.ok()) return status;
   if (op.kind == JobOp::Kind::kStep) {
     ++steps_;
+    if (!settings_.step_log_daemon.empty()) LogStep();
     if (!op.hypers.empty()) last_hypers_ = op.hypers;
     const int every = settings_.checkpoints.every;
     if (every > 0 && !settings_.is_part && steps_ % every == 0) CheckpointAfterStep();
@@ -361,6 +367,19 @@ absl::Status Job::Backward(int client_rank, const OutputGrads& output_grads, boo
   };
   return client_ranks_->Meet<OutputGrads, bool>("backward", client_rank, output_grads, run)
       .status();
+}
+
+void Job::LogStep() {
+  const std::string path = JoinPath(checkpoint_job_dir(), "steps.log");
+  const std::string line = absl::StrCat(
+      std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::system_clock::now().time_since_epoch()).count(),
+      " ", settings_.step_log_daemon, " ", info_.id, " ", steps_, "\n");
+  absl::Status appended = AppendToFile(path, line);
+  if (!appended.ok()) {
+    spdlog::warn("job {}: step {} is not in its step log: {}", info_.id, steps_,
+                 appended.ToString());
+  }
 }
 
 absl::StatusOr<NamedTensors> Job::Run(int client_rank, const JobOp& op) {

@@ -262,6 +262,7 @@ class Job {
   // Samples each client rank gave the last collective forward (to split its outputs).
   std::vector<int64_t> rank_rows_;
   int64_t steps_ = 0;
+  void LogStep();  // appends step steps_ to the step log (JobSettings::step_log_daemon)
   int64_t forwards_ = 0;
   // The hyper-parameters of the last step, per param group (a scheduler's), for checkpoints.
   std::vector<HyperParams> last_hypers_;

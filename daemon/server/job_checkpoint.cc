@@ -149,8 +149,18 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   info.path = checkpoint::StepDir(*job_dir, step);
   info.created_unix_ms = m.created_unix_ms();
   checkpoint::CheckpointWriter::Others others;
-  if (coordinator_.leads()) {
-    others = [this, step] { return coordinator_.CheckpointShares(step); };
+  if (coordinator_.leads() || settings_.fence) {
+    // The parts' shares; and, last before the commit, the fence: a daemon that may have lost
+    // the job to another commits nothing (the new leader resumes from what was committed).
+    others = [this, step]() -> absl::StatusOr<std::vector<v1::CheckpointShare>> {
+      absl::StatusOr<std::vector<v1::CheckpointShare>> shares =
+          coordinator_.leads() ? coordinator_.CheckpointShares(step)
+                               : std::vector<v1::CheckpointShare>();
+      if (shares.ok() && settings_.fence) {
+        if (absl::Status fenced = settings_.fence(); !fenced.ok()) return fenced;
+      }
+      return shares;
+    };
   }
   writer_.Start(*job_dir, std::move(snapshot), settings_.checkpoints.keep, *dir,
                 std::move(others), std::move(ready));

@@ -167,12 +167,12 @@ std::optional<v1::RegisteredJob> JobRegistry::Release(const std::string& job_id)
   return entry;
 }
 
-absl::Status JobRegistry::CheckLeads(const std::string& job_id) const {
-  if (!Registered(job_id) || keeper_->valid()) return absl::OkStatus();
+absl::Status JobRegistry::Fence() const {
+  if (keeper_->valid()) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat(
-      "this daemon (", self_, ") cannot be sure it still leads job ", job_id, ": its etcd lease "
-      "was not renewed in time, so another daemon may take the job over; find where it runs "
-      "with LocateJob"));
+      "this daemon (", self_, ") cannot be sure it still leads the job: its etcd lease was not "
+      "renewed in time, so another daemon may take the job over; find where it runs with "
+      "LocateJob"));
 }
 
 bool JobRegistry::Registered(const std::string& job_id) const {

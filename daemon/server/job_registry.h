@@ -14,7 +14,7 @@
 //   JobRegistry registry(etcd, keeper, "10.0.0.1:7000");
 //   absl::Status led = registry.Lead("gpt");            // ALREADY_EXISTS: led elsewhere
 //   registry.Publish(entry);                            // once the job runs
-//   registry.CheckLeads(job_id);                        // the fence, before a step
+//   registry.Fence();                                   // before a step, a commit
 //   registry.Release(job_id);                           // the job is deleted: entry goes
 //   registry.WatchOrphans([](const std::string& name) { /* take it over */ });
 //
@@ -64,10 +64,11 @@ class JobRegistry {
   // job that is not registered here.
   std::optional<v1::RegisteredJob> Release(const std::string& job_id);
 
-  // Whether this daemon surely leads the job `job_id` now: OK for a job not registered here;
-  // UNAVAILABLE once its lease may have expired (another daemon may lead it).
-  absl::Status CheckLeads(const std::string& job_id) const;
+  // The fence of the jobs this daemon leads (JobSettings::fence): OK while its lease surely
+  // lives; UNAVAILABLE once it may have expired (another daemon may lead them).
+  absl::Status Fence() const;
   bool Registered(const std::string& job_id) const;
+  const std::string& self() const { return self_; }
 
   // The entry of `name`: NOT_FOUND when none.
   absl::StatusOr<v1::RegisteredJob> Find(const std::string& name) const;

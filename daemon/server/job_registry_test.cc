@@ -55,7 +55,7 @@ TEST_CASE("JobRegistry: a name is led by one daemon; its entry goes with the job
   CHECK(found.leader_revision() > 0);
   CHECK(b.registry.Find("gpt").value().job_id() == "job-a-1");
   CHECK(a.registry.Registered("job-a-1"));
-  CHECK(a.registry.CheckLeads("job-a-1").ok());
+  CHECK(a.registry.Fence().ok());
 
   absl::Status again = a.registry.Lead("gpt");
   CHECK(again.code() == absl::StatusCode::kAlreadyExists);
@@ -141,7 +141,7 @@ TEST_CASE("JobRegistry: a job whose leader's lease ends is orphaned, taken over 
   CHECK(a->registry.Publish(entry).code() == absl::StatusCode::kFailedPrecondition);
   CHECK(b.registry.Find("gpt").value().job_id() == winner + "-2");
   CHECK(testing::Eventually([&] { return a->keeper.lost(); }, seconds(5)));
-  CHECK(a->registry.CheckLeads("job-a-1").code() == absl::StatusCode::kUnavailable);
+  CHECK(a->registry.Fence().code() == absl::StatusCode::kUnavailable);
   a.reset();
 }
 

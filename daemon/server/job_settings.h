@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <memory>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -147,6 +148,12 @@ struct JobSettings {
     int64_t resume = -1;
   };
   Checkpoints checkpoints;
+  // A job in the cluster's registry (server/job_registry.h): `fence` says whether this daemon
+  // surely still leads it, checked before each optimizer step and checkpoint commit; and each
+  // step applied is appended to the job's step log (<checkpoint job dir>/steps.log:
+  // "<unix ms> <daemon> <job id> <step>"), so that who applied which step can be checked.
+  std::function<absl::Status()> fence;
+  std::string step_log_daemon;  // the daemon's address; empty: no step log
 
   // A job over several daemons (docs/cluster.md): the plan's devices this daemon runs (empty:
   // all), where the parts' communicators meet (this daemon's own store when it leads, else the

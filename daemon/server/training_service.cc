@@ -339,6 +339,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
     if (absl::Status led = registry_->Lead(spec.name()); !led.ok()) {
       return Fail("CreateJob", led);
     }
+    Fence(&settings);
   }
   const std::string id = jobs_->NewJobId();
   absl::StatusOr<std::shared_ptr<Job>> job =
@@ -454,6 +455,11 @@ bool TrainingServiceImpl::Registers(const v1::JobSpec& spec, const JobSettings& 
   return registry_ != nullptr && !settings.checkpoints.dir.empty() && !spec.name().empty();
 }
 
+void TrainingServiceImpl::Fence(JobSettings* settings) const {
+  settings->fence = [registry = registry_] { return registry->Fence(); };
+  settings->step_log_daemon = registry_->self();
+}
+
 JobRecords& TrainingServiceImpl::SharedRecords(const std::string& job_dir) {
   std::lock_guard<std::mutex> lock(shared_mu_);
   std::unique_ptr<JobRecords>& records = shared_records_[job_dir];
@@ -536,6 +542,7 @@ void TrainingServiceImpl::TakeOver(const std::string& name) {
   (*spec.mutable_options()->mutable_config())["resume"] = "latest";
   absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
   if (!settings.ok()) return fail(settings.status());
+  Fence(&*settings);
   const std::string id = jobs_->NewJobId();
   v1::CreateJobResponse response;
   absl::StatusOr<std::shared_ptr<Job>> job =
@@ -833,10 +840,6 @@ absl::Status TrainingServiceImpl::DoBackward(Job& job, const v1::BackwardRequest
 
 absl::Status TrainingServiceImpl::DoStep(Job& job, const v1::StepRequest& request,
                                          int client_rank) const {
-  // The fence: a daemon that may have lost the job to another applies no step.
-  if (registry_ != nullptr) {
-    if (absl::Status leads = registry_->CheckLeads(job.info().id); !leads.ok()) return leads;
-  }
   JobOp op;
   op.kind = JobOp::Kind::kStep;
   for (const v1::HyperParams& h : request.groups()) {

@@ -187,6 +187,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // checkpoint, under a new id, if this daemon wins the race for it (TakeOver). A job deleted
   // or expired leaves the registry (Unregister).
   bool Registers(const v1::JobSpec& spec, const JobSettings& settings) const;
+  void Fence(JobSettings* settings) const;  // the fence and step log of a registered job
   absl::Status Register(const Job& job, const v1::JobSpec& spec, const std::string& model,
                         const std::vector<at::Tensor>& examples, const SentTensors& sent);
   void TakeOver(const std::string& name);

@@ -15,6 +15,7 @@ tensors across the daemons."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import CLIENT_ROOT, DaemonProcess, assert_close, daemon_binary
+from conftest import CLIENT_ROOT, DaemonProcess, assert_close, built_binary, daemon_binary
 import models
 from pyrannc.proto.rannc.v1 import cluster_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -73,33 +74,72 @@ def _free_ports(n):
 ETCD = os.environ.get("RANNC_ETCD_BIN", "/usr/bin/etcd")
 
 
+class EtcdProcesses:
+    """`members` etcd processes on loopback ports forming one cluster; `url` names them all."""
+
+    def __init__(self, tmp_path, members):
+        if not os.access(ETCD, os.X_OK):
+            pytest.skip(f"SKIPPED LOUDLY: {ETCD} is missing (Debian's etcd-server; "
+                        "deploy/setup.sh installs it)")
+        ports = _free_ports(2 * members)
+        self.clients = [f"127.0.0.1:{p}" for p in ports[:members]]
+        peers = [f"http://127.0.0.1:{p}" for p in ports[members:]]
+        initial = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
+        self.procs, self.logs = [], []
+        for i in range(members):
+            log_path = tmp_path / f"etcd-{i}.log"
+            self.logs.append(log_path)
+            self.procs.append(subprocess.Popen(
+                [ETCD, "--name", f"m{i}", "--data-dir", str(tmp_path / f"etcd-{i}"),
+                 "--listen-client-urls", f"http://{self.clients[i]}",
+                 "--advertise-client-urls", f"http://{self.clients[i]}",
+                 "--listen-peer-urls", peers[i], "--initial-advertise-peer-urls", peers[i],
+                 "--initial-cluster", initial, "--initial-cluster-state", "new",
+                 "--logger", "zap", "--log-outputs", "stderr"],
+                stdout=open(log_path, "w"), stderr=subprocess.STDOUT))
+        deadline = time.time() + 30
+        for i, client in enumerate(self.clients):
+            while subprocess.run(["etcdctl", "--endpoints", client, "endpoint", "health"],
+                                 env=dict(os.environ, ETCDCTL_API="3"),
+                                 capture_output=True).returncode != 0:
+                assert self.procs[i].poll() is None and time.time() < deadline, \
+                    open(self.logs[i]).read()
+                time.sleep(0.1)
+        self.url = "etcd://" + ",".join(self.clients)
+
+    def leader(self):
+        """The index of the member that leads the etcd cluster now."""
+        done = subprocess.run(["etcdctl", "--endpoints", ",".join(self.clients), "endpoint",
+                               "status", "-w", "json"], env=dict(os.environ, ETCDCTL_API="3"),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        for i, s in enumerate(status):
+            if s["Status"]["header"]["member_id"] == s["Status"]["leader"]:
+                return self.clients.index(s["Endpoint"])
+        raise AssertionError(f"no etcd leader in {status}")
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 @pytest.fixture
 def etcd(tmp_path):
     """A one-member etcd on loopback ports; its client URL."""
-    if not os.access(ETCD, os.X_OK):
-        pytest.skip(f"SKIPPED LOUDLY: {ETCD} is missing (Debian's etcd-server; deploy/setup.sh "
-                    "installs it)")
-    client, peer = _free_ports(2)
-    log = open(tmp_path / "etcd.log", "w")
-    proc = subprocess.Popen(
-        [ETCD, "--name", "m0", "--data-dir", str(tmp_path / "etcd"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}",
-         "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"m0=http://127.0.0.1:{peer}", "--logger", "zap",
-         "--log-outputs", "stderr"], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", client), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, open(tmp_path / "etcd.log").read()
-            time.sleep(0.1)
-    yield f"etcd://127.0.0.1:{client}"
-    proc.kill()
-    proc.wait()
+    members = EtcdProcesses(tmp_path, 1)
+    yield members.url
+    members.stop()
+
+
+@pytest.fixture
+def etcd3(tmp_path):
+    """A three-member etcd on loopback ports."""
+    members = EtcdProcesses(tmp_path, 3)
+    yield members
+    members.stop()
 
 
 def _etcd_keys(url, prefix):
@@ -1003,6 +1043,71 @@ def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
         assert now.leader == leader and now.generation == 1 and now.resumed_step == 10, now
         for name, value in whole["state"].items():
             assert torch.equal(got["state"][name], value), f"{name} differs after the failover"
+        # The step log: steps 1.. by the first leader, then 11..20 by the new one, never at
+        # the same time.
+        log = [line.split() for line in open(tmp_path / "ckpt" / "moved" / "steps.log")]
+        first = [(int(t), int(n)) for t, daemon, _, n in log if daemon == peers[0]]
+        second = [(int(t), int(n)) for t, daemon, _, n in log if daemon == leader]
+        assert len(first) + len(second) == len(log), log
+        assert [n for _, n in first] == list(range(1, len(first) + 1)) and len(first) >= 13, log
+        assert [n for _, n in second] == list(range(11, steps + 1)), log
+        assert max(t for t, _ in first) < min(t for t, _ in second), log
+    finally:
+        next(gen, None)
+
+
+def test_three_daemons_on_a_three_member_etcd_train_through_the_loss_of_an_etcd_member(
+        tmp_path, etcd3, pyrannc_daemon):
+    # Three daemons on a three-member etcd: all UP through it (rannc info says so), a job over
+    # all of them (3 stages x 2 replicas x 2 micro-batches), and the etcd member that leads the
+    # etcd cluster SIGKILLed mid-training: the daemons' calls move to the other members, no
+    # lease is lost, no job moves, and training ends as an uninterrupted run does, bitwise.
+    steps = 20
+    gen = _start_cluster(3, etcd3.url)
+    peers, logs, procs, names = next(gen)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(peers),
+               RANNC_PARTITION_NUM="3", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
+               RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"), RANNC_CHECKPOINT_EVERY="5")
+
+    def all_logs():
+        return "\n".join(f"--- {p}\n" + open(l.name).read() for p, l in zip(peers, logs))
+
+    try:
+        info = subprocess.run([built_binary("rannc", "RANNC_CLI_BIN", "client"), "info",
+                               "--daemon", peers[1]], capture_output=True, text=True, timeout=30)
+        assert info.returncode == 0, info.stderr
+        for p in peers:
+            assert re.search(rf"{re.escape(p)}.*UP", info.stdout), info.stdout
+        whole_out = str(tmp_path / "whole.pt")
+        done = subprocess.run(
+            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps,
+                                                           out=whole_out)],
+            env=dict(env, RANNC_JOB="whole"), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr + all_logs()
+
+        out = str(tmp_path / "through.pt")
+        client = subprocess.Popen(
+            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps, out=out)],
+            env=dict(env, RANNC_JOB="through"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        killed = None
+        for line in client.stdout:
+            if line.split()[:2] == ["step", "7"] and killed is None:
+                killed = etcd3.leader()
+                etcd3.procs[killed].kill()
+                etcd3.procs[killed].wait()
+        client.wait(timeout=120)
+        assert client.returncode == 0, client.stderr.read() + all_logs()
+        got, whole = torch.load(out), torch.load(whole_out)
+        assert got["moves"] == [], got["moves"]
+        assert sorted({d.split("/")[0] for d in got["devices"]}) == sorted(peers)
+        for name, value in whole["state"].items():
+            assert torch.equal(got["state"][name], value), f"{name} differs"
+        assert all(p.poll() is None for p in procs), all_logs()
+        assert "lost its etcd lease" not in all_logs()
+        print(f"etcd member {killed} (the etcd leader) was SIGKILLed after step 7; training "
+              f"went on")
     finally:
         next(gen, None)
 
