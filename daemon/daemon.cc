@@ -218,7 +218,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->address_ = absl::StrCat(host, ":", port);
   absl::StatusOr<std::string> advertise = AdvertisedAddress(options, daemon->address_);
   if (advertise.ok() && !options.cluster_store.empty()) {
-    absl::Status joined = daemon->UseClusterStore(options.cluster_store, *advertise);
+    absl::Status joined = daemon->UseClusterStore(options.cluster_store, *advertise,
+                                                         options.cluster_lease);
     if (!joined.ok()) {
       daemon->server_->Shutdown(std::chrono::system_clock::now());
       return joined;
@@ -246,13 +247,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->cluster_service_->Attach(daemon->cluster_.get());
   // A lost daemon fails the jobs that have a part on it at once (never a hang); others go on.
   // The parts of jobs it led are useless: they go, their devices freed.
-  daemon->cluster_->OnMemberDown([jobs = daemon->jobs_.get()](
+  // A job registered on etcd that lost a part comes back from its checkpoint (Recover).
+  daemon->cluster_->OnMemberDown([jobs = daemon->jobs_.get(), training = daemon->training_.get()](
                                      const cluster::MemberInfo& member, const std::string& why) {
     for (const JobManager::Listed& listed : jobs->List()) {
-      if (listed.job->coordinator().MemberLost(member.address, why)) {
-        const std::string& id = listed.job->info().id;
+      Coordinator& coordinator = listed.job->coordinator();
+      const std::string& id = listed.job->info().id;
+      if (coordinator.MemberLost(member.address, why)) {
         spdlog::warn("deleting job {}: its leading daemon {} is lost", id, member.address);
         jobs->Remove(id).IgnoreError();
+      } else if (coordinator.leads() && !coordinator.Lost().ok()) {
+        training->Recover(id);
       }
     }
   });
@@ -276,7 +281,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   return daemon;
 }
 
-absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& self) {
+absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& self,
+                                     std::chrono::milliseconds lease_ttl) {
+  const auto ttl = std::chrono::duration_cast<std::chrono::seconds>(lease_ttl);
+  if (ttl < std::chrono::seconds(2) || ttl != lease_ttl) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cluster-lease ", lease_ttl.count(), "ms: give whole seconds, 2s or more (etcd's "
+        "leases count seconds, and live at least about as long as its election timeout)"));
+  }
   absl::StatusOr<std::vector<std::string>> endpoints = cluster::ParseEtcdUrl(url);
   if (!endpoints.ok()) return Annotate(endpoints.status(), "--cluster-store");
   absl::StatusOr<std::unique_ptr<cluster::EtcdClient>> etcd =
@@ -285,12 +297,11 @@ absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& 
   etcd_ = std::move(*etcd);
   // This daemon's lease: its member key (cluster/etcd_transport.h), and the store keys of the
   // groups it meets in, live as long as it does.
-  constexpr std::chrono::seconds kLeaseTtl(10);
   const auto asked = std::chrono::steady_clock::now();
-  absl::StatusOr<int64_t> lease = etcd_->GrantLease(kLeaseTtl);
+  absl::StatusOr<int64_t> lease = etcd_->GrantLease(ttl);
   if (!lease.ok()) return Annotate(lease.status(), "--cluster-store");
   etcd_lease_ = std::make_unique<cluster::LeaseKeeper>(
-      etcd_.get(), *lease, kLeaseTtl, [self](const absl::Status& why) {
+      etcd_.get(), *lease, ttl, [self](const absl::Status& why) {
         // Its member key, store keys and job leaderships are gone, or soon will be: other
         // daemons take its jobs over. It must drive none of them from now on, and cannot
         // rejoin under this lease: as Kubernetes' own controllers do when they lose their

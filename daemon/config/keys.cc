@@ -45,8 +45,11 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"cluster_size", T::kInt, S::kDaemon, "0 (the length of peers)",
        "how many daemons a DNS name in peers must resolve to"},
       {"cluster_store", T::kString, S::kDaemon, "none (no shared store)",
-       "etcd://HOST:PORT[,HOST:PORT...]: etcd holds the members' liveness and the "
-       "rendezvous of jobs over several daemons"},
+       "etcd://HOST:PORT[,HOST:PORT...]: etcd holds the members' liveness, the rendezvous of "
+       "jobs over several daemons and the registry of jobs that fail over (docs/cluster.md)"},
+      {"cluster_lease", T::kDuration, S::kDaemon, "10s",
+       "with cluster_store: each daemon's etcd lease (whole seconds, at least 2s); a daemon "
+       "lost for this long is DOWN and its jobs are taken over by the others"},
       {"heartbeat_interval", T::kDuration, S::kDaemon, "1s",
        "how often each daemon heartbeats the others"},
       {"peer_timeout", T::kDuration, S::kDaemon, "10s",
@@ -92,7 +95,9 @@ std::vector<ConfigKey>* MakeRegistry() {
        "seconds a job waits for the daemon's other jobs to leave its plan the memory it needs"},
       // ---- clients (pyrannc, the C++ SDK, the CLI) ----
       {"daemon", T::kString, S::kClient, "an embedded ranncd",
-       "host:port of the ranncd to use; unset, pyrannc starts its own on loopback"},
+       "host:port of the ranncd to use; unset, pyrannc starts its own on loopback. pyrannc "
+       "takes several, comma-separated (daemons of one cluster): the first that answers, and "
+       "where a job is looked for when its daemon is lost"},
       {"daemon_bin", T::kString, S::kClient, "bazel-bin/daemon/ranncd, else ranncd on PATH",
        "the ranncd binary pyrannc's embedded daemon runs"},
       {"cli_bin", T::kString, S::kClient, "bazel-bin/client/rannc, else rannc on PATH",

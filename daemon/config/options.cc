@@ -189,6 +189,7 @@ const std::vector<Key>& Keys() {
       Text("advertise", &DaemonOptions::advertise, &CheckAdvertise),
       Count("cluster_size", &DaemonOptions::cluster_size, &CheckClusterSize),
       Text("cluster_store", &DaemonOptions::cluster_store, &CheckClusterStore),
+      Duration("cluster_lease", &DaemonOptions::cluster_lease),
       Duration("heartbeat_interval", &DaemonOptions::heartbeat_interval),
       Duration("peer_timeout", &DaemonOptions::peer_timeout),
   };
@@ -514,8 +515,10 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                 "NAME:PORT resolving to all (with --cluster-size) (default: this daemon alone)"},
       {"advertise", "this daemon's address in --peers (default the --listen address)"},
       {"cluster_size", "daemons a --peers name must resolve to (default: the length of --peers)"},
-      {"cluster_store", "etcd://HOST:PORT[,...]: etcd keeps members' liveness and jobs' "
-                        "rendezvous (default: none)"},
+      {"cluster_store", "etcd://HOST:PORT[,...]: etcd keeps members' liveness, jobs' "
+                        "rendezvous and the registry of jobs that fail over (default: none)"},
+      {"cluster_lease", "with --cluster-store: this daemon's etcd lease; lost for this long, its "
+                        "jobs are taken over (default 10s)"},
       {"heartbeat_interval", "how often to heartbeat each peer (default 1s)"},
       {"peer_timeout", "silence after which a peer is DOWN (default 10s)"},
   };
@@ -525,7 +528,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"links", "SPEEDS"},    {"profile_cache", "FILE"},       {"peers", "LIST"},
       {"state_dir", "DIR"},
       {"advertise", "HOST:PORT"}, {"cluster_size", "N"},       {"heartbeat_interval", "DURATION"},
-      {"cluster_store", "URL"},
+      {"cluster_store", "URL"},      {"cluster_lease", "DURATION"},
       {"peer_timeout", "DURATION"},
   };
   std::vector<FlagValue> flags;
@@ -556,7 +559,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
       "log_level, max_message_size, shm_dir, links, profile_cache, state_dir, peers, advertise, "
-      "cluster_size, cluster_store, heartbeat_interval, peer_timeout) and in the environment as "
+      "cluster_size, cluster_store, cluster_lease, heartbeat_interval, peer_timeout) and in the "
+      "environment as "
       "RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");
 

@@ -8,8 +8,8 @@
 // else $HOME/.rannc/rannc.toml. A missing default file is fine; a missing --config file, a
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
 // names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
-// profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, heartbeat_interval,
-// peer_timeout)
+// profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, cluster_lease,
+// heartbeat_interval, peer_timeout)
 // at the top
 // level; `peers` may also be an array of strings. The same file may hold any other key of the
 // registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
@@ -123,6 +123,11 @@ struct DaemonOptions {
   // cluster/etcd_transport.h, instead of heartbeats between daemons) and the rendezvous of jobs
   // over several daemons (comm/etcd_store.h). Default "": none.
   std::string cluster_store = "";
+
+  // With cluster_store: the TTL of this daemon's etcd lease (whole seconds, 2 s or more). Its
+  // member key, store keys and job leaderships live this long after it last renewed them, so a
+  // lost daemon is DOWN, and its jobs are taken over, after at most this long. Default 10 s.
+  std::chrono::milliseconds cluster_lease{10000};
 
   // How often this daemon heartbeats every other member. Default 1 s.
   std::chrono::milliseconds heartbeat_interval{1000};

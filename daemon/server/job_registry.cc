@@ -17,11 +17,11 @@ int64_t NowUnixMs() {
              std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::string ElectionOf(const std::string& name) {
+std::string ElectionKey(const std::string& name) {
   return absl::StrCat(JobRegistry::kElections, name);
 }
 
-std::string EntryOf(const std::string& name) { return absl::StrCat(JobRegistry::kEntries, name); }
+std::string EntryKey(const std::string& name) { return absl::StrCat(JobRegistry::kEntries, name); }
 
 }  // namespace
 
@@ -58,10 +58,10 @@ absl::Status JobRegistry::Lead(const std::string& name) {
     }
   }
   absl::StatusOr<std::optional<cluster::Leadership>> led =
-      etcd_->TryLead(ElectionOf(name), keeper_->lease(), self_);
+      etcd_->TryLead(ElectionKey(name), keeper_->lease(), self_);
   if (!led.ok()) return Annotate(led.status(), absl::StrCat("registering job '", name, "'"));
   if (!led->has_value()) {
-    absl::StatusOr<cluster::KeyValue> leader = etcd_->Leader(ElectionOf(name));
+    absl::StatusOr<cluster::KeyValue> leader = etcd_->Leader(ElectionKey(name));
     return absl::AlreadyExistsError(absl::StrCat(
         "a job named '", name, "' runs in this cluster, led by the daemon at ",
         leader.ok() ? leader->value : "(unknown)", "; drive it there (LocateJob), delete it, "
@@ -78,7 +78,7 @@ absl::StatusOr<std::optional<v1::RegisteredJob>> JobRegistry::TakeOver(const std
     if (held_.count(name)) return std::nullopt;  // led here already
   }
   absl::StatusOr<std::optional<cluster::Leadership>> led =
-      etcd_->TryLead(ElectionOf(name), keeper_->lease(), self_);
+      etcd_->TryLead(ElectionKey(name), keeper_->lease(), self_);
   if (!led.ok()) return led.status();
   if (!led->has_value()) return std::nullopt;
   {
@@ -108,7 +108,7 @@ absl::Status JobRegistry::Publish(v1::RegisteredJob entry) {
   entry.set_leader(self_);
   entry.set_leader_revision(leadership.revision);
   entry.set_updated_unix_ms(NowUnixMs());
-  absl::StatusOr<bool> put = etcd_->PutIfFenced(EntryOf(entry.name()), entry.SerializeAsString(),
+  absl::StatusOr<bool> put = etcd_->PutIfFenced(EntryKey(entry.name()), entry.SerializeAsString(),
                                                 leadership.key, leadership.revision);
   if (!put.ok()) return Annotate(put.status(), absl::StrCat("registering job '", entry.name(), "'"));
   if (!*put) {
@@ -155,7 +155,7 @@ std::optional<v1::RegisteredJob> JobRegistry::Release(const std::string& job_id)
   if (name.empty()) return std::nullopt;
   // The entry first: a job without a leader but with an entry would be taken over.
   absl::StatusOr<bool> deleted =
-      etcd_->DeleteIfFenced(EntryOf(name), leadership.key, leadership.revision);
+      etcd_->DeleteIfFenced(EntryKey(name), leadership.key, leadership.revision);
   if (!deleted.ok()) {
     spdlog::warn("job {} '{}': deleting its entry from the registry failed ({}); another daemon "
                  "may bring it back once this one's lease ends", job_id, name,
@@ -183,15 +183,23 @@ bool JobRegistry::Registered(const std::string& job_id) const {
   return false;
 }
 
+std::optional<v1::RegisteredJob> JobRegistry::EntryOf(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, held] : held_) {
+    if (held.entry && held.entry->job_id() == job_id) return held.entry;
+  }
+  return std::nullopt;
+}
+
 absl::StatusOr<v1::RegisteredJob> JobRegistry::Find(const std::string& name) const {
-  absl::StatusOr<std::optional<cluster::KeyValue>> kv = etcd_->Get(EntryOf(name));
+  absl::StatusOr<std::optional<cluster::KeyValue>> kv = etcd_->Get(EntryKey(name));
   if (!kv.ok()) return kv.status();
   if (!kv->has_value()) {
     return absl::NotFoundError(absl::StrCat("no job named '", name, "' in the cluster's registry"));
   }
   v1::RegisteredJob entry;
   if (!entry.ParseFromString((*kv)->value)) {
-    return absl::DataLossError(absl::StrCat("the registry's entry ", EntryOf(name),
+    return absl::DataLossError(absl::StrCat("the registry's entry ", EntryKey(name),
                                             " does not parse as a RegisteredJob"));
   }
   return entry;

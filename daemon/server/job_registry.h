@@ -68,6 +68,8 @@ class JobRegistry {
   // lives; UNAVAILABLE once it may have expired (another daemon may lead them).
   absl::Status Fence() const;
   bool Registered(const std::string& job_id) const;
+  // The entry of the job this daemon leads under `job_id`, if registered.
+  std::optional<v1::RegisteredJob> EntryOf(const std::string& job_id) const;
   const std::string& self() const { return self_; }
 
   // The entry of `name`: NOT_FOUND when none.

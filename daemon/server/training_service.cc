@@ -192,7 +192,14 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
   }
 }
 
-TrainingServiceImpl::~TrainingServiceImpl() = default;
+TrainingServiceImpl::~TrainingServiceImpl() {
+  std::vector<std::thread> recoveries;
+  {
+    std::lock_guard<std::mutex> lock(shared_mu_);
+    recoveries.swap(recoveries_);
+  }
+  for (std::thread& t : recoveries) t.join();
+}
 
 void TrainingServiceImpl::ReapExpiredJobs() {
   for (const JobManager::Expired& e :
@@ -513,46 +520,77 @@ void TrainingServiceImpl::TakeOver(const std::string& name) {
   }
   if (!won->has_value()) return;  // another daemon leads it
   v1::RegisteredJob entry = std::move(**won);
-  const auto started = std::chrono::steady_clock::now();
   spdlog::warn("job '{}' ({}) lost its leader {}: this daemon takes it over from its latest "
                "checkpoint in {}", name, entry.job_id(), entry.leader(), entry.record_dir());
-  auto fail = [&](const absl::Status& why) {
+  const std::string lost = entry.leader();
+  if (absl::Status restarted = Restart(std::move(entry), lost, "took over");
+      !restarted.ok()) {
     spdlog::error("taking over job '{}' failed: {}; another daemon (or this one, in 5 s) tries "
-                  "again", name, why.ToString());
+                  "again", name, restarted.ToString());
     registry_->Abandon(name);
     std::lock_guard<std::mutex> lock(shared_mu_);
     takeover_after_[name] = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  };
+  }
+}
+
+void TrainingServiceImpl::Recover(const std::string& job_id) {
+  if (registry_ == nullptr) return;
+  std::optional<v1::RegisteredJob> entry = registry_->EntryOf(job_id);
+  if (!entry) return;
+  std::lock_guard<std::mutex> lock(shared_mu_);
+  if (!recovering_.insert(job_id).second) return;
+  recoveries_.emplace_back([this, entry = std::move(*entry)]() mutable {
+    const std::string old_id = entry.job_id();
+    const std::string name = entry.name();
+    spdlog::warn("job {} '{}' lost a daemon it ran on: bringing it back from its latest "
+                 "checkpoint over the members that are UP", old_id, name);
+    absl::Status restarted = Restart(std::move(entry), "", "recovered");
+    if (restarted.ok()) {
+      // Published under its new id first, so that its client finds it before the old id goes.
+      jobs_->Remove(old_id).IgnoreError();
+      records_->Remove(old_id).IgnoreError();
+    } else {
+      spdlog::error("bringing job {} '{}' back failed: {}; its calls fail, naming the lost "
+                    "daemon, until it is deleted", old_id, name, restarted.ToString());
+    }
+    std::lock_guard<std::mutex> lock(shared_mu_);
+    recovering_.erase(old_id);
+  });
+}
+
+absl::Status TrainingServiceImpl::Restart(v1::RegisteredJob entry, const std::string& lost_leader,
+                                          const char* why) {
+  const auto started = std::chrono::steady_clock::now();
   // Planned over the members that are UP: wait (briefly) until this daemon's view has the lost
   // leader DOWN too (its member key went with the same lease), rather than plan over it.
   const auto down_by = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-  while (std::chrono::steady_clock::now() < down_by) {
-    if (registry_->stopping()) return fail(absl::CancelledError("this daemon is stopping"));
+  while (!lost_leader.empty() && std::chrono::steady_clock::now() < down_by) {
+    if (registry_->stopping()) return absl::CancelledError("this daemon is stopping");
     bool up = false;
     for (const cluster::MemberInfo& m : Members()) {
-      up |= !m.self && m.address == entry.leader() && m.state == cluster::MemberState::kUp;
+      up |= !m.self && m.address == lost_leader && m.state == cluster::MemberState::kUp;
     }
     if (!up) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   absl::StatusOr<JobRecords::Loaded> loaded =
       SharedRecords(entry.record_dir()).Load(entry.record_id());
-  if (!loaded.ok()) return fail(loaded.status());
+  if (!loaded.ok()) return loaded.status();
   v1::JobSpec spec = loaded->record.spec();
   (*spec.mutable_options()->mutable_config())["resume"] = "latest";
   absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
-  if (!settings.ok()) return fail(settings.status());
+  if (!settings.ok()) return settings.status();
   Fence(&*settings);
   const std::string id = jobs_->NewJobId();
   v1::CreateJobResponse response;
   absl::StatusOr<std::shared_ptr<Job>> job =
       StartJob(id, spec, std::move(*settings), loaded->model_bytes, loaded->example_inputs,
                loaded->sent, &response, /*durable=*/true);
-  if (!job.ok()) return fail(job.status());
+  if (!job.ok()) return job.status();
   if (registry_->stopping()) {
     jobs_->Remove(id).IgnoreError();
     records_->Remove(id).IgnoreError();
-    return fail(absl::CancelledError("this daemon is stopping"));
+    return absl::CancelledError("this daemon is stopping");
   }
   const std::string previous = entry.job_id();
   entry.set_job_id(id);
@@ -560,14 +598,16 @@ void TrainingServiceImpl::TakeOver(const std::string& name) {
   entry.set_generation(entry.generation() + 1);
   entry.clear_devices();
   for (const std::string& d : (*job)->info().devices) entry.add_devices(d);
-  if (absl::Status published = registry_->Publish(entry); !published.ok()) {
+  const std::string name = entry.name();
+  if (absl::Status published = registry_->Publish(std::move(entry)); !published.ok()) {
     jobs_->Remove(id).IgnoreError();
     records_->Remove(id).IgnoreError();
-    return fail(published);
+    return published;
   }
-  spdlog::warn("took over job '{}': {} runs as {} here, from step {} ({}; {:.2f} s); it waits "
-               "for its client", name, previous, id, (*job)->resumed_step(),
+  spdlog::warn("{} job '{}': {} runs as {} here, from step {} ({}; {:.2f} s); it waits for its "
+               "client", why, name, previous, id, (*job)->resumed_step(),
                response.plan_summary(), SecondsSince(started));
+  return absl::OkStatus();
 }
 
 std::vector<cluster::MemberInfo> TrainingServiceImpl::Members() const {

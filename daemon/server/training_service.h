@@ -17,6 +17,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "daemon/comm/factory.h"
@@ -75,6 +76,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // --cluster-store: the cluster's job registry (not owned; outlives the service). Jobs that
   // checkpoint are registered there, and this daemon takes over those whose leader is lost.
   void set_registry(JobRegistry* registry);
+  // A registered job led here lost a daemon it ran on (Cluster::OnMemberDown): it is brought
+  // back from its latest checkpoint over the members that are UP, under a new id (its client
+  // follows it with LocateJob), on a thread of its own. Nothing for a job not registered.
+  void Recover(const std::string& job_id);
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::DaemonInfo*) override;
@@ -191,6 +196,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   absl::Status Register(const Job& job, const v1::JobSpec& spec, const std::string& model,
                         const std::vector<at::Tensor>& examples, const SentTensors& sent);
   void TakeOver(const std::string& name);
+  // Brings `entry`'s job back here from its record and latest checkpoint under a new id and
+  // publishes it (TakeOver and Recover); `lost_leader`: an address to wait to see DOWN first.
+  absl::Status Restart(v1::RegisteredJob entry, const std::string& lost_leader,
+                       const char* why);
   void Unregister(const std::string& job_id);
   JobRecords& SharedRecords(const std::string& job_dir);
 
@@ -220,6 +229,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   std::mutex shared_mu_;
   std::map<std::string, std::unique_ptr<JobRecords>> shared_records_;  // by checkpoint job dir
   std::map<std::string, std::chrono::steady_clock::time_point> takeover_after_;  // retry backoff
+  std::set<std::string> recovering_;    // job ids being recovered, under shared_mu_
+  std::vector<std::thread> recoveries_;  // joined by the destructor
   CallLedger ledger_;
   std::mutex drop_mu_;
   std::map<std::string, std::set<int>> drop_;  // the fault hook's: rpc -> ordinals to drop

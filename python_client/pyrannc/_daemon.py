@@ -277,9 +277,14 @@ class Connection:
             except grpc.RpcError as err:
                 replayed = any(k == "rannc-replayed" for k, _ in err.trailing_metadata() or ())
                 gone = self.embedded is not None and self.embedded.exited() is not None
-                if err.code() in _RETRIED and not replayed and job_id:
+                # A job of a cluster's registry may move: its daemon is lost (UNAVAILABLE), or
+                # lost a part and brings the job back under a new id (the call's own answer,
+                # replayed, is UNAVAILABLE until then; the old id NOT_FOUND after).
+                watched = bool(job_id) and _is_watched(job_id)
+                if watched and (err.code() in _RETRIED or
+                                err.code() == grpc.StatusCode.NOT_FOUND):
                     _raise_if_moved(job_id, self.address)
-                if (err.code() in _RETRIED and not replayed and not gone):
+                if (err.code() in _RETRIED and (not replayed or watched) and not gone):
                     if deadline is None:
                         deadline = time.monotonic() + _config.client_seconds(
                             "call_retry_timeout", 30.0)
@@ -436,21 +441,26 @@ def watch_for_moves(job_id: str, name: str, on_moved: Callable) -> None:
         _watched[job_id] = (name, on_moved)
 
 
+def _is_watched(job_id: str) -> bool:
+    with _watched_lock:
+        return job_id in _watched
+
+
 def stop_watching(job_id: str) -> None:
     with _watched_lock:
         _watched.pop(job_id, None)
 
 
 def _other_addresses(lost: str) -> List[str]:
-    """Where else a job may be: the configured daemons and every cluster member the daemons
-    reported (GetInfo), but `lost`."""
+    """Where a job may be: the configured daemons and every cluster member the daemons reported
+    (GetInfo), `lost` last (it may be up, having brought the job back under a new id)."""
     seen = []
     conns = [c for c in [_connection] + list(_others.values()) if c is not None]
     for address in configured_addresses() + [m.address for c in conns if c.info is not None
                                             for m in c.info.cluster]:
         if address and address != lost and address not in seen:
             seen.append(address)
-    return seen
+    return seen + [lost]
 
 
 def locate_job(name: str, lost: str) -> Optional[pb.RegisteredJob]:
@@ -482,10 +492,12 @@ def _raise_if_moved(job_id: str, lost: str) -> None:
     stop_watching(job_id)
     on_moved(located)
     step = max(located.resumed_step, 0)
-    raise JobMoved(f"ranncd at {lost} leading job '{name}' ({job_id}) was lost; the daemon at "
-                   f"{located.leader} took it over as {located.job_id} from its checkpoint of "
-                   f"step {step}: go on from that step", name, located.job_id, located.leader,
-                   step)
+    what = (f"job '{name}' ({job_id}) lost a daemon it ran on; ranncd at {lost} brought it back"
+            if located.leader == lost else
+            f"ranncd at {lost} leading job '{name}' ({job_id}) was lost; the daemon at "
+            f"{located.leader} took it over")
+    raise JobMoved(f"{what} as {located.job_id} from its checkpoint of step {step}: go on from "
+                   f"that step", name, located.job_id, located.leader, step)
 
 
 def connection(address: Optional[str] = None) -> Connection:

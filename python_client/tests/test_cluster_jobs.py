@@ -1056,6 +1056,71 @@ def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
         next(gen, None)
 
 
+def test_a_job_that_loses_a_part_comes_back_from_its_checkpoint_bitwise(
+        tmp_path, etcd, pyrannc_daemon):
+    # Three daemons on etcd; a job led by the first with its other stage on the second (2 stages
+    # x 2 replicas x 2 micro-batches, checkpoint every 5 steps). The second is SIGKILLed after
+    # step 13: the leader brings the job back from step 10 over the daemons that are UP (itself
+    # and the third), under a new id; the client follows it (JobMoved) and ends with the
+    # parameters of an uninterrupted run, bitwise.
+    steps = 20
+    gen = _start_cluster(3, etcd)
+    peers, logs, procs, names = next(gen)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(peers),
+               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
+               RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"), RANNC_CHECKPOINT_EVERY="5",
+               RANNC_CALL_RETRY_TIMEOUT="60")
+
+    def all_logs():
+        return "\n".join(f"--- {p}\n" + open(l.name).read() for p, l in zip(peers, logs))
+
+    try:
+        whole_out = str(tmp_path / "whole.pt")
+        done = subprocess.run(
+            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps,
+                                                           out=whole_out)],
+            env=dict(env, RANNC_JOB="whole"), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr + all_logs()
+        # The uninterrupted job's parts: gone once the job is deleted, which the lease does
+        # late; delete it so that the second daemon holds only the next job's part.
+        stub = rpc.TrainingServiceStub(grpc.insecure_channel(peers[0]))
+        for job in stub.ListJobs(pb.Empty(), timeout=10).jobs:
+            stub.DeleteJob(pb.JobRef(job_id=job.job_id), timeout=30)
+
+        out = str(tmp_path / "parted.pt")
+        client = subprocess.Popen(
+            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps, out=out)],
+            env=dict(env, RANNC_JOB="parted"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        entry = killed_at = None
+        for line in client.stdout:
+            if line.split()[:2] == ["step", "13"] and killed_at is None:
+                entry = stub.LocateJob(pb.LocateJobRequest(name="parted"), timeout=10)
+                assert entry.leader == peers[0], entry
+                used = {d.split("/")[0] for d in entry.devices}
+                assert len(used) == 2 and peers[0] in used, entry
+                part = peers.index((used - {peers[0]}).pop())
+                procs[part].kill()  # SIGKILL the daemon of the second stage
+                killed_at = time.time()
+        client.wait(timeout=120)
+        assert client.returncode == 0, client.stderr.read() + all_logs()
+        got, whole = torch.load(out), torch.load(whole_out)
+        assert len(got["moves"]) == 1, got["moves"]
+        step, leader, job_id, moved_at = got["moves"][0]
+        assert step == 10 and leader == peers[0] and job_id != entry.job_id, got["moves"]
+        third = ({0, 1, 2} - {0, part}).pop()
+        assert {d.split("/")[0] for d in got["devices"]} == {peers[0], peers[third]}, \
+            got["devices"]
+        print(f"the job came back {moved_at - killed_at:.1f} s after its part's SIGKILL")
+        now = stub.LocateJob(pb.LocateJobRequest(name="parted"), timeout=10)
+        assert now.job_id == job_id and now.generation == 1 and now.resumed_step == 10, now
+        for name, value in whole["state"].items():
+            assert torch.equal(got["state"][name], value), f"{name} differs after the recovery"
+    finally:
+        next(gen, None)
+
+
 def test_three_daemons_on_a_three_member_etcd_train_through_the_loss_of_an_etcd_member(
         tmp_path, etcd3, pyrannc_daemon):
     # Three daemons on a three-member etcd: all UP through it (rannc info says so), a job over
