@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "client/integration_testing.h"
+#include "daemon/cluster/etcd_testing.h"
 #include "client/rannc_client.h"
 
 namespace rannc {
@@ -642,6 +643,96 @@ TEST_CASE("a job without checkpoint_dir cannot checkpoint", "[integration]") {
   CHECK(client.ListCheckpoints(ref).status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK(client.Checkpoint("no-such-job").status().code() == absl::StatusCode::kNotFound);
   REQUIRE(client.DeleteJob(job_id).ok());
+}
+
+}  // namespace
+}  // namespace rannc
+
+namespace rannc {
+namespace {
+
+TEST_CASE("failover: a job whose daemon is lost is found where it was taken over and trains on "
+          "from its checkpoint as in PyTorch", "[integration][etcd]") {
+  testing::EtcdCluster etcd(1);
+  RANNC_REQUIRE_ETCD(etcd);
+  const std::string a = "127.0.0.1:" + std::to_string(testing::FreeLoopbackPort());
+  const std::string b = "127.0.0.1:" + std::to_string(testing::FreeLoopbackPort());
+  const std::vector<std::string> flags = {
+      "--peers", a + "," + b, "--cluster-store", "etcd://" + etcd.endpoints()[0],
+      "--cluster-lease", "3s", "--heartbeat-interval", "200ms", "--profile-cache", "none",
+      "--links", "p2p=5GB/s,allreduce=2:3GB/s"};
+  const std::map<std::string, std::string> env = {{"RANNC_STATE_DIR", "none"}};
+  testing::DaemonProcess first("failover-a", env, {}, flags, std::stoi(a.substr(10)));
+  testing::DaemonProcess second("failover-b", env, {}, flags, std::stoi(b.substr(10)));
+  REQUIRE(first.Start().ok());
+  REQUIRE(second.Start().ok());
+  // Both UP in the first's view before a job is planned over them.
+  REQUIRE(testing::Eventually([&] {
+    absl::StatusOr<v1::DaemonInfo> info = first.client().GetInfo();
+    if (!info.ok() || info->cluster_size() != 2) return false;
+    for (const v1::ClusterMember& m : info->cluster()) {
+      if (m.state() != v1::MEMBER_UP) return false;
+    }
+    return true;
+  }, std::chrono::seconds(30)));
+
+  ClientOptions no_retries;
+  no_retries.call_retry_timeout = absl::ZeroDuration();
+  Client client(a + "," + b, no_retries);
+  CHECK(client.addresses() == std::vector<std::string>{a, b});
+  const std::string name = "sdk-failover";
+  const std::string dir = TmpDir() + "/sdk_failover";
+  std::string job_id = CreateLinearJob(client, v1::SGD, name,
+                                       {{"checkpoint_dir", dir}, {"checkpoint_every", "2"}});
+  absl::StatusOr<v1::RegisteredJob> entry = client.LocateJob(name);
+  INFO(entry.status().ToString());
+  REQUIRE(entry.ok());
+  CHECK(entry->job_id() == job_id);
+  CHECK(entry->leader() == a);
+  CHECK(entry->generation() == 0);
+  CHECK(client.Moved(job_id, name).value() == std::nullopt);
+  CHECK(client.LocateJob("no-such-job").status().code() == absl::StatusCode::kNotFound);
+
+  v1::HyperParams sgd;
+  sgd.set_lr(0.1);
+  auto step = [&](Client& c, int k) {
+    INFO("step " << k);
+    REQUIRE(c.ZeroGrad(job_id).ok());
+    CheckClose({ForwardLoss(c, job_id)}, Expected("sgd_loss " + std::to_string(k)), "loss");
+    REQUIRE(c.Backward(job_id, {{0, HostTensor::Scalar(1.0f)}}).ok());
+    REQUIRE(c.Step(job_id, {sgd}).ok());
+  };
+  step(client, 0);
+  step(client, 1);  // checkpoint_every 2: the checkpoint of step 2
+  REQUIRE(testing::Eventually([&] {
+    v1::CheckpointsRef ref;
+    ref.set_job_id(job_id);
+    absl::StatusOr<v1::ListCheckpointsResponse> list = client.ListCheckpoints(ref);
+    return list.ok() && list->checkpoints_size() == 1 && list->checkpoints(0).committed();
+  }));
+  step(client, 2);
+
+  first.Kill();  // SIGKILL the leading daemon
+  CHECK_FALSE(client.ZeroGrad(job_id).ok());
+  std::optional<v1::RegisteredJob> moved;
+  REQUIRE(testing::Eventually([&] {
+    absl::StatusOr<std::optional<v1::RegisteredJob>> m = client.Moved(job_id, name);
+    if (m.ok()) moved = *m;
+    return moved.has_value();
+  }, std::chrono::seconds(30)));
+  CHECK(moved->leader() == b);
+  CHECK(moved->resumed_step() == 2);
+  CHECK(moved->generation() == 1);
+  // Driven there from the checkpoint's step: the third step again, as PyTorch took it.
+  Client there(moved->leader());
+  job_id = moved->job_id();
+  step(there, 2);
+  for (const char* param : {"fc.weight", "fc.bias"}) {
+    CheckClose(Values(there.GetParam(job_id, param)), Expected("sgd_param " + std::string(param)),
+               std::string("param ") + param);
+  }
+  REQUIRE(there.DeleteJob(job_id).ok());
+  CHECK(there.LocateJob(name).status().code() == absl::StatusCode::kNotFound);
 }
 
 }  // namespace

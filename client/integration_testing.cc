@@ -81,7 +81,7 @@ void RunPython(const std::string& name, const std::string& script, const std::st
 
 absl::Status DaemonProcess::Start() {
   binary_ = Env("RANNC_DAEMON_BIN", Runfile("daemon/ranncd"));
-  address_ = "127.0.0.1:" + std::to_string(FreeLoopbackPort());
+  address_ = "127.0.0.1:" + std::to_string(port_ != 0 ? port_ : FreeLoopbackPort());
   log_path_ = TmpDir() + "/" + name_ + ".log";
   pid_ = ::fork();
   if (pid_ < 0) return absl::InternalError("fork failed");
@@ -92,8 +92,13 @@ absl::Status DaemonProcess::Start() {
     // Keeps a developer's ~/.rannc/rannc.toml out of the test.
     ::setenv("RANNC_CONF_DIR", TmpDir().c_str(), 1);
     for (const auto& [name, value] : env_) ::setenv(name.c_str(), value.c_str(), 1);
-    ::execl(binary_.c_str(), binary_.c_str(), "--listen", address_.c_str(), "--devices",
-            "cpu:1", "--device-memory", "2GiB", static_cast<char*>(nullptr));
+    std::vector<std::string> args = {binary_, "--listen", address_, "--devices", "cpu:1",
+                                     "--device-memory", "2GiB"};
+    args.insert(args.end(), flags_.begin(), flags_.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(binary_.c_str(), argv.data());
     std::perror("exec ranncd");
     ::_exit(127);
   }
@@ -111,6 +116,13 @@ absl::Status DaemonProcess::Start() {
   Stop();
   return absl::DeadlineExceededError("ranncd (" + binary_ + ") did not answer on " + address_ +
                                      " within 90 s; log:\n" + Log());
+}
+
+void DaemonProcess::Kill() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  ::waitpid(pid_, nullptr, 0);
+  pid_ = -1;
 }
 
 void DaemonProcess::Stop() {

@@ -56,13 +56,20 @@ void RunPython(const std::string& name, const std::string& script, const std::st
 // in its environment (e.g. the fault hook RANNC_TEST_DROP_RESPONSES).
 class DaemonProcess {
  public:
+  // `flags` go after --listen, --devices cpu:1 and --device-memory; `port` 0: a free one.
   explicit DaemonProcess(std::string name = "ranncd",
                          std::map<std::string, std::string> env = {},
-                         ClientOptions client_options = {})
-      : name_(std::move(name)), env_(std::move(env)), client_options_(std::move(client_options)) {}
+                         ClientOptions client_options = {}, std::vector<std::string> flags = {},
+                         int port = 0)
+      : name_(std::move(name)),
+        env_(std::move(env)),
+        client_options_(std::move(client_options)),
+        flags_(std::move(flags)),
+        port_(port) {}
   // Starts ranncd and waits until it answers; on failure, stops it and returns the reason.
   absl::Status Start();
   void Stop();
+  void Kill();  // SIGKILL, and reaped
   ~DaemonProcess() { Stop(); }
 
   const std::string& address() const { return address_; }
@@ -73,6 +80,8 @@ class DaemonProcess {
   const std::string name_;
   const std::map<std::string, std::string> env_;
   const ClientOptions client_options_;
+  const std::vector<std::string> flags_;
+  const int port_;
   std::string binary_;
   std::string address_;
   std::string log_path_;

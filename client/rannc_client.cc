@@ -11,7 +11,9 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "daemon/common/periodic.h"
 
@@ -74,15 +76,57 @@ absl::Status FromGrpcStatus(absl::string_view rpc, const grpc::Status& status) {
                       absl::StrCat(rpc, ": ", status.error_message()));
 }
 
+namespace {
+
+std::vector<std::string> SplitAddresses(const std::string& addresses) {
+  std::vector<std::string> out;
+  for (absl::string_view a : absl::StrSplit(addresses, ',', absl::SkipWhitespace())) {
+    out.emplace_back(absl::StripAsciiWhitespace(a));
+  }
+  if (out.empty()) out.push_back(addresses);
+  return out;
+}
+
+}  // namespace
+
 Client::Client(const std::string& address, const ClientOptions& options)
-    : Client(MakeChannel(address, options), address, options) {}
+    : Client(MakeChannel(SplitAddresses(address)[0], options), address, options) {}
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, std::string address,
                const ClientOptions& options)
-    : address_(std::move(address)),
+    : addresses_(SplitAddresses(address)),
       options_(options),
       channel_(std::move(channel)),
-      stub_(v1::TrainingService::NewStub(channel_)) {}
+      stub_(v1::TrainingService::NewStub(channel_)) {
+  address_ = addresses_[0];
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::ConnectAny(const std::string& addresses,
+                                                           absl::Duration timeout,
+                                                           const ClientOptions& options) {
+  const std::vector<std::string> all = SplitAddresses(addresses);
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string failures;
+  while (true) {
+    failures.clear();
+    for (size_t i = 0; i < all.size(); ++i) {
+      // This one first, then the others, for LocateJob.
+      std::string ordered = all[i];
+      for (size_t j = 0; j < all.size(); ++j) {
+        if (j != i) absl::StrAppend(&ordered, ",", all[j]);
+      }
+      auto client = std::make_unique<Client>(ordered, options);
+      absl::Status ready = client->WaitUntilReady(
+          std::max(std::min(absl::Seconds(1), deadline - absl::Now()), absl::Milliseconds(1)));
+      if (ready.ok()) return client;
+      absl::StrAppend(&failures, failures.empty() ? "" : "; ", ready.message());
+    }
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(
+          absl::StrCat("no ranncd of ", addresses, " answered: ", failures));
+    }
+  }
+}
 
 Client::~Client() = default;
 
@@ -171,6 +215,42 @@ absl::Status Client::WaitUntilReady(absl::Duration timeout) const {
                                                   " did not become ready within ",
                                                   absl::FormatDuration(timeout), " (last: ",
                                                   last.error_message(), ")"));
+}
+
+absl::StatusOr<v1::RegisteredJob> Client::LocateJob(const std::string& name) const {
+  v1::LocateJobRequest request;
+  request.set_name(name);
+  std::string unreachable;
+  for (size_t i = 0; i < addresses_.size(); ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    v1::RegisteredJob entry;
+    grpc::Status s;
+    if (i == 0) {
+      s = stub_->LocateJob(&context, request, &entry);
+    } else {
+      auto stub = v1::TrainingService::NewStub(MakeChannel(addresses_[i], options_));
+      s = stub->LocateJob(&context, request, &entry);
+    }
+    if (s.ok()) return entry;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE &&
+        s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return FromGrpcStatus("LocateJob", s);
+    }
+    absl::StrAppend(&unreachable, unreachable.empty() ? "" : "; ", addresses_[i], ": ",
+                    s.error_message());
+  }
+  return absl::UnavailableError(
+      absl::StrCat("LocateJob: no ranncd answered (", unreachable, ")"));
+}
+
+absl::StatusOr<std::optional<v1::RegisteredJob>> Client::Moved(const std::string& job_id,
+                                                               const std::string& name) const {
+  absl::StatusOr<v1::RegisteredJob> entry = LocateJob(name);
+  if (entry.status().code() == absl::StatusCode::kNotFound) return std::nullopt;
+  if (!entry.ok()) return entry.status();
+  if (entry->job_id() == job_id || entry->leader().empty()) return std::nullopt;
+  return *entry;
 }
 
 absl::StatusOr<v1::DaemonInfo> Client::GetInfo() const {

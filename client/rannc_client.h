@@ -131,10 +131,32 @@ struct LoadStateDictResult {
   std::vector<std::string> unexpected_keys;
 };
 
+// Failover (ranncd --cluster-store; docs/cluster.md): a job that checkpoints is in the
+// cluster's registry, and when the daemon leading it is lost another daemon takes it over from
+// its latest checkpoint under a new id (or its leader brings it back so after losing a part).
+// Its calls then fail (UNAVAILABLE, or NOT_FOUND for the old id); Moved says where it went:
+//
+//   rannc::Client client("10.0.0.1:7411,10.0.0.2:7411");   // the daemons it may move to
+//   absl::Status s = client.Step(job_id, {sgd});
+//   if (!s.ok()) {
+//     absl::StatusOr<std::optional<v1::RegisteredJob>> moved = client.Moved(job_id, "gpt");
+//     if (moved.ok() && moved->has_value()) {
+//       rannc::Client there((*moved)->leader());   // drive it there, under its new id,
+//       job_id = (*moved)->job_id();               // from its checkpoint's step:
+//       step = std::max<int64_t>((*moved)->resumed_step(), 0);
+//     }
+//   }
 class Client {
  public:
-  // Connects lazily to `address` ("host:port", or any gRPC target such as "unix:/path").
+  // Connects lazily to `address` ("host:port", or any gRPC target such as "unix:/path"). A
+  // comma-separated list names daemons of one cluster: the Client talks to the first, and
+  // LocateJob asks the others too (ConnectAny picks the first that answers instead).
   explicit Client(const std::string& address, const ClientOptions& options = {});
+  // A Client of the first of `addresses` ("a:1,b:2") that answers GetInfo, asking each in turn
+  // (a second at a time) for up to `timeout`: UNAVAILABLE naming each when none does.
+  static absl::StatusOr<std::unique_ptr<Client>> ConnectAny(const std::string& addresses,
+                                                            absl::Duration timeout,
+                                                            const ClientOptions& options = {});
   // Uses an existing channel, e.g. an in-process one in tests.
   Client(std::shared_ptr<grpc::Channel> channel, std::string address,
          const ClientOptions& options = {});
@@ -144,6 +166,8 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   const std::string& address() const { return address_; }
+  // Every daemon this Client knows: its own first, then the others its address listed.
+  const std::vector<std::string>& addresses() const { return addresses_; }
 
   // Blocks until the daemon answers GetInfo or `timeout` passes (DEADLINE_EXCEEDED, naming the
   // address). A daemon that is still starting is retried, not reported.
@@ -167,6 +191,14 @@ class Client {
   // Brings back a suspended job (ranncd --state-dir; `job`: its id or name) from its latest
   // checkpoint, under its id and held by no client; NOT_FOUND when there is none.
   absl::StatusOr<v1::CreateJobResponse> ResumeJob(const std::string& job) const;
+  // Where the job `name` runs now (ranncd --cluster-store), from the cluster's registry, asked
+  // of each daemon this Client knows (its own first) until one answers: NOT_FOUND when the job
+  // is not registered, FAILED_PRECONDITION from a daemon without a registry.
+  absl::StatusOr<v1::RegisteredJob> LocateJob(const std::string& name) const;
+  // The registry's entry of the job `name` if it runs under another id than `job_id` now (it
+  // moved: see "Failover" above); nullopt while it has not (or is not registered).
+  absl::StatusOr<std::optional<v1::RegisteredJob>> Moved(const std::string& job_id,
+                                                         const std::string& name) const;
   // Renews the client's lease on these jobs (JobOptions.lease_ms); returns the ids the daemon
   // does not know (deleted, or expired). Any call naming a job renews it too; LeaseKeeper
   // renews from a thread.
@@ -275,6 +307,7 @@ class Client {
                                                bool keyed) const;
 
   std::string address_;
+  std::vector<std::string> addresses_;  // address_ first
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::TrainingService::Stub> stub_;
