@@ -34,5 +34,27 @@ uint64_t CudaDeviceMemory(int index) {
 #endif
 }
 
+bool CudaHostRegister(void* ptr, uint64_t bytes) {
+#ifdef RANNC_WITH_NCCL
+  if (cudaHostRegister(ptr, bytes, cudaHostRegisterDefault) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+#else
+  (void)ptr;
+  (void)bytes;
+  return false;
+#endif
+}
+
+void CudaHostUnregister(void* ptr) {
+#ifdef RANNC_WITH_NCCL
+  if (cudaHostUnregister(ptr) != cudaSuccess) cudaGetLastError();
+#else
+  (void)ptr;
+#endif
+}
+
 }  // namespace comm
 }  // namespace rannc

@@ -15,6 +15,12 @@ int CudaDeviceCount();
 // Device `index`'s total memory in bytes (0 when it cannot be read).
 uint64_t CudaDeviceMemory(int index);
 
+// Page-locks host memory the process allocated (cudaHostRegister), so that copies between it
+// and the devices run asynchronously at the link's speed; false without CUDA or when the
+// driver refuses. CudaHostUnregister undoes it.
+bool CudaHostRegister(void* ptr, uint64_t bytes);
+void CudaHostUnregister(void* ptr);
+
 }  // namespace comm
 }  // namespace rannc
 

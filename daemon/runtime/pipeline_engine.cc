@@ -64,6 +64,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   const AmpDtype amp = options.amp;
   timeout_ = options.timeout;
   cancel_ = options.cancel;
+  checkpoint_memory_ = options.checkpoint_memory;
   const comm::Backend backend = options.backend;
   const int num_devices = options.num_devices;
   id_ = !options.group.empty() ? options.group
@@ -573,6 +574,8 @@ std::vector<PipelineEngine::StatePiece> PipelineEngine::OptimizerStatePieces() c
   return impl_->OptimizerStatePieces();
 }
 void PipelineEngine::BeginAsyncReads() { impl_->BeginAsyncReads(); }
+
+int64_t PipelineEngine::CudaBytes() const { return impl_->CudaBytes(); }
 
 std::function<void()> PipelineEngine::EndAsyncReads() { return impl_->EndAsyncReads(); }
 

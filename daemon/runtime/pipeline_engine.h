@@ -76,6 +76,8 @@
 
 namespace rannc {
 
+class PinnedArena;  // pinned_arena.h
+
 // How an engine runs: its data plane, and for a job spanning several processes (daemons), which
 // of the plan's devices this process runs and where the processes meet.
 struct EngineOptions {
@@ -103,6 +105,10 @@ struct EngineOptions {
   // Set by another thread to cancel: the step in progress fails at once (its waits abandoned)
   // and so does every later one, with ABORTED. E.g. a job that lost a daemon running its part.
   std::shared_ptr<std::atomic<bool>> cancel;
+  // Where a checkpoint's asynchronous reads (BeginAsyncReads) put their host copies of CUDA
+  // tensors, made ready beforehand (pinned_arena.h); null, or what does not fit: LibTorch's
+  // pinned allocator.
+  std::shared_ptr<PinnedArena> checkpoint_memory;
   // ZeRO (stage 2): on stages with replicas, the gradients and optimizer state of untied
   // parameters are sharded over the replicas, from SetOptimizer on: each backward's gradients
   // are reduce-scattered (instead of all-reduced), each replica's optimizer steps its shard,
@@ -282,6 +288,9 @@ class PipelineEngine {
 
   // Bytes the engine holds on `device`: parameters, gradients, buffers, optimizer state.
   int64_t DeviceBytes(int device) const;
+  // The same, summed over this process's CUDA devices: a bound on what a checkpoint copies
+  // from them.
+  int64_t CudaBytes() const;
   // The most device `device` held at once during any step since the engine was made (or
   // ResetPeakDeviceBytes): what it held when the step began plus the high-water mark of its
   // worker's LibTorch allocations during the step (activations, workspaces, transfers), and at

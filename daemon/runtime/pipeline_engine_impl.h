@@ -283,6 +283,7 @@ class PipelineEngine::Impl {
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);
   int64_t DeviceBytes(int device) const;
+  int64_t CudaBytes() const;
   int64_t PeakDeviceBytes(int device) const;
   void ResetPeakDeviceBytes();
   std::pair<int, int> OverlappedBuckets(int device) const;
@@ -511,6 +512,8 @@ class PipelineEngine::Impl {
   std::map<int, OutputKind> stage_outputs_;     // IR value -> kind, for values stages produce
   std::atomic<bool> aborted_{false};
   std::shared_ptr<std::atomic<bool>> cancel_;  // EngineOptions::cancel
+  std::shared_ptr<PinnedArena> checkpoint_memory_;  // EngineOptions::checkpoint_memory
+  mutable bool arena_open_ = false;  // this batch of asynchronous reads allocates from it
   bool Cancelled() const { return cancel_ && cancel_->load(); }
   bool broken_ = false;
   std::mutex error_mu_;

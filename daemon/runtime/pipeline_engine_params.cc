@@ -21,6 +21,7 @@
 #include "daemon/common/tensor_codec.h"
 #include "daemon/optim/grad_norm.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
+#include "daemon/runtime/pinned_arena.h"
 #include "daemon/runtime/tensor_buffer.h"
 
 namespace rannc {
@@ -417,6 +418,14 @@ void PipelineEngine::Impl::ApplySgd(double lr) {
   }
 }
 
+int64_t PipelineEngine::Impl::CudaBytes() const {
+  int64_t bytes = 0;
+  for (const Device& d : devices_) {
+    if (d.local && d.place.is_cuda()) bytes += HeldBytes(d);
+  }
+  return bytes;
+}
+
 int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
   if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
     return 0;
@@ -485,7 +494,9 @@ at::Tensor PipelineEngine::Impl::ReadCopy(const at::Tensor& t) const {
     queued.block(stream);
     found = read_streams_.emplace(read_streams_.end(), t.device(), stream);
   }
-  at::Tensor host = PinnedLike(t);
+  at::Tensor host = arena_open_ ? checkpoint_memory_->Allocate(t.sizes(), t.scalar_type())
+                                : at::Tensor();
+  if (!host.defined()) host = PinnedLike(t);
   if (!host.defined()) return t.to(at::kCPU);  // no page-locked memory: a synchronous copy
   const c10::StreamGuard on_read_stream(found->second);
   host.copy_(t, /*non_blocking=*/true);
@@ -500,10 +511,14 @@ void PipelineEngine::Impl::WaitForAsyncReads() {
   pending_reads_.clear();
 }
 
-void PipelineEngine::Impl::BeginAsyncReads() { async_reads_ = true; }
+void PipelineEngine::Impl::BeginAsyncReads() {
+  async_reads_ = true;
+  arena_open_ = checkpoint_memory_ != nullptr && checkpoint_memory_->Begin();
+}
 
 std::function<void()> PipelineEngine::Impl::EndAsyncReads() {
   async_reads_ = false;
+  arena_open_ = false;
   std::vector<std::shared_ptr<c10::Event>> events;
   for (const auto& [device, stream] : read_streams_) {
     auto done = std::make_shared<c10::Event>(device.type());

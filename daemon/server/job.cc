@@ -279,6 +279,8 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
   if (op.kind == JobOp::Kind::kStep) {
     ++steps_;
     if (!settings_.step_log_daemon.empty()) LogStep();
+    // The first checkpoint's host memory, made ready while training goes on (pinned_arena.h).
+    if (!settings_.checkpoints.dir.empty()) local_->PrepareCheckpointMemory();
     if (!op.hypers.empty()) last_hypers_ = op.hypers;
     const int every = settings_.checkpoints.every;
     if (every > 0 && !settings_.is_part && steps_ % every == 0) CheckpointAfterStep();

@@ -430,7 +430,14 @@ TEST_CASE("Job runs its plan over the devices, undeploys and redeploys, survives
     CHECK(d.micro_batches() == 2);
     JobSummary before = job->Summary();
     CHECK(job->info().devices == std::vector<std::string>{"cpu:0", "cpu:1", "cpu:2", "cpu:3"});
-    for (int64_t bytes : before.device_bytes) CHECK(bytes > 0);
+    // Every device holds its stage's parameters: tiny_gpt's stages each have some; multi_io's
+    // split is timed by the planner's profiles, and a stage of it may hold none.
+    int64_t total = 0;
+    for (int64_t bytes : before.device_bytes) {
+      total += bytes;
+      if (std::string(name) == "tiny_gpt") CHECK(bytes > 0);
+    }
+    CHECK(total > 0);
 
     const HyperParams h = SgdConfig().optimizer.group_hyper[0];
     for (int step = 0; step < 2; ++step) {

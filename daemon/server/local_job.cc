@@ -138,6 +138,7 @@ absl::Status LocalJob::Deploy() {
   options.amp = settings_.autocast();
   options.grad_wire_dtype = settings_.grad_wire_dtype();
   options.cancel = new_cancel_();
+  options.checkpoint_memory = checkpoint_memory_;
   if (settings_.engine_store != nullptr) {
     options.store = settings_.engine_store;
   } else if (!settings_.engine_store_address.empty()) {
@@ -521,6 +522,13 @@ std::vector<LocalJob::OptimizerPiece> LocalJob::OptimizerStatePieces() {
     out.push_back({{it->second->name, std::move(p.key), std::move(p.value)}, p.offset, p.slice});
   }
   return out;
+}
+
+void LocalJob::PrepareCheckpointMemory() {
+  if (!engine_ || checkpoint_memory_->prepared()) return;
+  const int64_t bytes = engine_->CudaBytes();
+  // Slack for what a checkpoint reads beyond a step's state (an optimizer's step counters).
+  if (bytes > 0) checkpoint_memory_->Prepare(static_cast<size_t>(bytes) + (size_t{64} << 20));
 }
 
 void LocalJob::BeginAsyncReads() {

@@ -32,6 +32,7 @@
 #include "daemon/runtime/model_runner.h"
 #include "daemon/runtime/numerics.h"
 #include "daemon/runtime/param_store.h"
+#include "daemon/runtime/pinned_arena.h"
 #include "daemon/runtime/pipeline_engine.h"
 #include "daemon/server/job_model.h"
 #include "daemon/server/job_settings.h"
@@ -133,6 +134,10 @@ class LocalJob {
   // Reads of a checkpoint that do not hold training up (PipelineEngine::BeginAsyncReads): the
   // parameters and optimizer state read in between are valid once the returned function has
   // run. Buffers are read before.
+  // Makes host memory ready for the checkpoints' copies from CUDA devices (pinned_arena.h),
+  // sized by what the devices hold now, on a thread of its own: after the first optimizer step
+  // of a job that checkpoints. Nothing without CUDA devices, or when done already.
+  void PrepareCheckpointMemory();
   void BeginAsyncReads();
   std::function<void()> EndAsyncReads();
   // With `check_only`, the checks and nothing else.
@@ -183,6 +188,8 @@ class LocalJob {
   std::vector<int> lifted_of_entry_;     // per store entry: its IR lifted index, or -1
   std::vector<std::vector<int>> optimizer_groups_;  // lifted indices per param group
   std::unique_ptr<PipelineEngine> engine_;  // null while released
+  // Outlives the engines: the checkpoints' host memory stays ready across redeployments.
+  std::shared_ptr<PinnedArena> checkpoint_memory_ = std::make_shared<PinnedArena>();
   bool engine_forward_ = true;
   std::unique_ptr<comm::Store> part_store_;  // the leader's store, when a part
   int deployments_ = 0;                      // engines built so far

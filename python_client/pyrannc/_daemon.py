@@ -284,6 +284,7 @@ class Connection:
                 if watched and (err.code() in _RETRIED or
                                 err.code() == grpc.StatusCode.NOT_FOUND):
                     _raise_if_moved(job_id, self.address)
+                    watched = _is_watched(job_id)  # no longer, when it is in no registry
                 if (err.code() in _RETRIED and (not replayed or watched) and not gone):
                     if deadline is None:
                         deadline = time.monotonic() + _config.client_seconds(
@@ -463,8 +464,12 @@ def _other_addresses(lost: str) -> List[str]:
     return seen + [lost]
 
 
-def locate_job(name: str, lost: str) -> Optional[pb.RegisteredJob]:
-    """The registry's entry of the job `name`, from the first other daemon that answers."""
+_NOT_REGISTERED = object()
+
+
+def locate_job(name: str, lost: str):
+    """The registry's entry of the job `name`, from the first daemon that answers; None when
+    none answers, _NOT_REGISTERED when the job is in no registry (nothing will move it)."""
     for address in _other_addresses(lost):
         channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         try:
@@ -472,7 +477,7 @@ def locate_job(name: str, lost: str) -> Optional[pb.RegisteredJob]:
                 pb.LocateJobRequest(name=name), timeout=2.0)
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-                return None  # not registered (or no registry): nothing will take it over
+                return _NOT_REGISTERED
         finally:
             channel.close()
     return None
@@ -487,6 +492,9 @@ def _raise_if_moved(job_id: str, lost: str) -> None:
         return
     name, on_moved = watched
     located = locate_job(name, lost)
+    if located is _NOT_REGISTERED:
+        stop_watching(job_id)  # a job of no registry: its calls fail as they always did
+        return
     if located is None or located.job_id == job_id or not located.leader:
         return  # not taken over (yet)
     stop_watching(job_id)
