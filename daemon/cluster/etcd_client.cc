@@ -197,22 +197,10 @@ absl::StatusOr<int64_t> EtcdClient::DeletePrefix(const std::string& prefix) {
   return DeleteRange(prefix, PrefixEnd(prefix));
 }
 
-absl::StatusOr<bool> EtcdClient::PutIfModRevision(const std::string& key,
-                                                  const std::string& value,
-                                                  int64_t mod_revision, int64_t lease) {
+absl::StatusOr<bool> EtcdClient::Txn(const std::string& what,
+                                     const etcdserverpb::TxnRequest& req) {
   bool succeeded = false;
-  const std::string what = "compare-and-put " + key;
   absl::Status s = Call(what, [&](const std::shared_ptr<grpc::Channel>& ch) {
-    etcdserverpb::TxnRequest req;
-    etcdserverpb::Compare* cmp = req.add_compare();
-    cmp->set_key(key);
-    cmp->set_result(etcdserverpb::Compare::EQUAL);
-    cmp->set_target(etcdserverpb::Compare::MOD);
-    cmp->set_mod_revision(mod_revision);
-    etcdserverpb::PutRequest* put = req.add_success()->mutable_request_put();
-    put->set_key(key);
-    put->set_value(value);
-    put->set_lease(lease);
     etcdserverpb::TxnResponse resp;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, timeout_);
@@ -222,6 +210,22 @@ absl::StatusOr<bool> EtcdClient::PutIfModRevision(const std::string& key,
   });
   if (!s.ok()) return s;
   return succeeded;
+}
+
+absl::StatusOr<bool> EtcdClient::PutIfModRevision(const std::string& key,
+                                                  const std::string& value,
+                                                  int64_t mod_revision, int64_t lease) {
+  etcdserverpb::TxnRequest req;
+  etcdserverpb::Compare* cmp = req.add_compare();
+  cmp->set_key(key);
+  cmp->set_result(etcdserverpb::Compare::EQUAL);
+  cmp->set_target(etcdserverpb::Compare::MOD);
+  cmp->set_mod_revision(mod_revision);
+  etcdserverpb::PutRequest* put = req.add_success()->mutable_request_put();
+  put->set_key(key);
+  put->set_value(value);
+  put->set_lease(lease);
+  return Txn("compare-and-put " + key, req);
 }
 
 namespace {
@@ -241,43 +245,21 @@ void AddFence(etcdserverpb::TxnRequest* req, const std::string& fence_key,
 absl::StatusOr<bool> EtcdClient::PutIfFenced(const std::string& key, const std::string& value,
                                              const std::string& fence_key,
                                              int64_t fence_revision) {
-  bool succeeded = false;
-  const std::string what = absl::StrCat("put ", key, " fenced by ", fence_key);
-  absl::Status s = Call(what, [&](const std::shared_ptr<grpc::Channel>& ch) {
-    etcdserverpb::TxnRequest req;
-    AddFence(&req, fence_key, fence_revision);
-    etcdserverpb::PutRequest* put = req.add_success()->mutable_request_put();
-    put->set_key(key);
-    put->set_value(value);
-    etcdserverpb::TxnResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, timeout_);
-    absl::Status status = FromGrpc(etcdserverpb::KV::NewStub(ch)->Txn(&ctx, req, &resp), what);
-    succeeded = resp.succeeded();
-    return status;
-  });
-  if (!s.ok()) return s;
-  return succeeded;
+  etcdserverpb::TxnRequest req;
+  AddFence(&req, fence_key, fence_revision);
+  etcdserverpb::PutRequest* put = req.add_success()->mutable_request_put();
+  put->set_key(key);
+  put->set_value(value);
+  return Txn(absl::StrCat("put ", key, " fenced by ", fence_key), req);
 }
 
 absl::StatusOr<bool> EtcdClient::DeleteIfFenced(const std::string& key,
                                                 const std::string& fence_key,
                                                 int64_t fence_revision) {
-  bool succeeded = false;
-  const std::string what = absl::StrCat("delete ", key, " fenced by ", fence_key);
-  absl::Status s = Call(what, [&](const std::shared_ptr<grpc::Channel>& ch) {
-    etcdserverpb::TxnRequest req;
-    AddFence(&req, fence_key, fence_revision);
-    req.add_success()->mutable_request_delete_range()->set_key(key);
-    etcdserverpb::TxnResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, timeout_);
-    absl::Status status = FromGrpc(etcdserverpb::KV::NewStub(ch)->Txn(&ctx, req, &resp), what);
-    succeeded = resp.succeeded();
-    return status;
-  });
-  if (!s.ok()) return s;
-  return succeeded;
+  etcdserverpb::TxnRequest req;
+  AddFence(&req, fence_key, fence_revision);
+  req.add_success()->mutable_request_delete_range()->set_key(key);
+  return Txn(absl::StrCat("delete ", key, " fenced by ", fence_key), req);
 }
 
 absl::StatusOr<bool> EtcdClient::PutIfAbsent(const std::string& key, const std::string& value,

@@ -40,6 +40,9 @@ namespace grpc {
 class Channel;
 class ClientContext;
 }  // namespace grpc
+namespace etcdserverpb {
+class TxnRequest;
+}  // namespace etcdserverpb
 
 namespace rannc {
 namespace cluster {
@@ -165,6 +168,8 @@ class EtcdClient {
   absl::StatusOr<std::vector<KeyValue>> Range(const std::string& key, const std::string& end,
                                               int64_t* revision);
   absl::StatusOr<int64_t> DeleteRange(const std::string& key, const std::string& end);
+  // One transaction: whether its compares held (its success ops ran).
+  absl::StatusOr<bool> Txn(const std::string& what, const etcdserverpb::TxnRequest& req);
   void Failed(size_t index);
   // Runs `call` on the current endpoint's channel, moving on (once per endpoint) while it is
   // UNAVAILABLE.

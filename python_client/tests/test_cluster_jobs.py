@@ -982,6 +982,68 @@ _FAILOVER_CLIENT = textwrap.dedent("""
 """)
 
 
+class _Failover:
+    """Three daemons on the cluster store `store` (each `cpu:2`) for the failover tests: the
+    client env (every daemon in RANNC_DAEMON, the plan, a checkpoint every 5 steps into a
+    directory all of them reach), an uninterrupted run of _FAILOVER_CLIENT, and a run that
+    calls `on_line(words)` for each line its client prints (where the test kills something)."""
+
+    STEPS = 20
+
+    def __init__(self, tmp_path, store, plan, **env):
+        self.tmp_path = tmp_path
+        self._gen = _start_cluster(3, store)
+        self.peers, self._logs, self.procs, _ = next(self._gen)
+        partitions, replicas, pipeline = plan
+        self.env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(self.peers),
+                        RANNC_PARTITION_NUM=str(partitions), RANNC_REPLICA_NUM=str(replicas),
+                        RANNC_PIPELINE_NUM=str(pipeline),
+                        RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"), RANNC_CHECKPOINT_EVERY="5",
+                        **env)
+
+    def logs(self):
+        return "\n".join(f"--- {p}\n" + open(l.name).read()
+                         for p, l in zip(self.peers, self._logs))
+
+    def _script(self, out):
+        return _FAILOVER_CLIENT.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                                       steps=self.STEPS, out=out)
+
+    def run_whole(self):
+        """The uninterrupted run (job 'whole'): what its client saved."""
+        out = str(self.tmp_path / "whole.pt")
+        done = subprocess.run([sys.executable, "-c", self._script(out)],
+                              env=dict(self.env, RANNC_JOB="whole"), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr + self.logs()
+        return torch.load(out)
+
+    def run(self, job, on_line):
+        out = str(self.tmp_path / f"{job}.pt")
+        client = subprocess.Popen([sys.executable, "-c", self._script(out)],
+                                  env=dict(self.env, RANNC_JOB=job), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in client.stdout:
+            lines.append(line.strip())
+            on_line(line.split())
+        client.wait(timeout=120)
+        assert client.returncode == 0, "\n".join(lines) + client.stderr.read() + self.logs()
+        return torch.load(out)
+
+    def locate(self, name, address=None):
+        stub = rpc.TrainingServiceStub(grpc.insecure_channel(address or self.peers[1]))
+        return stub.LocateJob(pb.LocateJobRequest(name=name), timeout=10)
+
+    def stop(self):
+        next(self._gen, None)
+
+
+def _assert_bitwise(got, whole, what):
+    for name, value in whole["state"].items():
+        assert torch.equal(got["state"][name], value), f"{name} differs {what}"
+
+
 def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
         tmp_path, etcd, pyrannc_daemon):
     # Three daemons on one etcd; a job over two of them (2 stages x 2 replicas x 2 micro-batches)
@@ -990,59 +1052,32 @@ def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
     # lease's TTL (10 s) and re-plans over the members that are UP; the client, which knows
     # every daemon (RANNC_DAEMON=a,b,c), finds it there (JobMoved), goes on from that step, and
     # ends with the parameters of an uninterrupted run, bitwise.
-    steps = 20
-    gen = _start_cluster(3, etcd)
-    peers, logs, procs, names = next(gen)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(peers),
-               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
-               RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"), RANNC_CHECKPOINT_EVERY="5",
-               RANNC_CALL_RETRY_TIMEOUT="60")
-
-    def all_logs():
-        return "\n".join(f"--- {p}\n" + open(l.name).read() for p, l in zip(peers, logs))
-
+    f = _Failover(tmp_path, etcd, (2, 2, 2), RANNC_CALL_RETRY_TIMEOUT="60")
+    peers = f.peers
+    killed = {}
     try:
-        whole_out = str(tmp_path / "whole.pt")
-        done = subprocess.run(
-            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps,
-                                                           out=whole_out)],
-            env=dict(env, RANNC_JOB="whole"), capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr + all_logs()
+        whole = f.run_whole()
 
-        out = str(tmp_path / "moved.pt")
-        client = subprocess.Popen(
-            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps, out=out)],
-            env=dict(env, RANNC_JOB="moved"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-        entry = None
-        killed_at = None
-        lines = []
-        for line in client.stdout:
-            lines.append(line.strip())
-            if line.split()[:2] == ["step", "13"] and killed_at is None:
-                stub = rpc.TrainingServiceStub(grpc.insecure_channel(peers[1]))
-                entry = stub.LocateJob(pb.LocateJobRequest(name="moved"), timeout=10)
-                assert entry.leader == peers[0] and entry.generation == 0, all_logs()
+        def kill_the_leader(words):
+            if words[:2] == ["step", "13"] and not killed:
+                entry = f.locate("moved")
+                assert entry.leader == peers[0] and entry.generation == 0, f.logs()
                 # The leader and its parts: the job runs on two daemons.
                 assert any(d.startswith(peers[0]) for d in entry_devices(peers[0], entry.job_id))
-                procs[0].kill()  # SIGKILL the leading daemon mid-training
-                killed_at = time.time()
-        client.wait(timeout=120)
-        assert client.returncode == 0, "\n".join(lines) + client.stderr.read() + all_logs()
-        got, whole = torch.load(out), torch.load(whole_out)
+                f.procs[0].kill()  # SIGKILL the leading daemon mid-training
+                killed.update(at=time.time(), job_id=entry.job_id)
+
+        got = f.run("moved", kill_the_leader)
         assert len(got["moves"]) == 1, got["moves"]
         step, leader, job_id, moved_at = got["moves"][0]
-        assert step == 10 and leader in peers[1:] and job_id != entry.job_id, got["moves"]
+        assert step == 10 and leader in peers[1:] and job_id != killed["job_id"], got["moves"]
         assert not any(d.startswith(peers[0]) for d in got["devices"]), got["devices"]
-        took = moved_at - killed_at
+        took = moved_at - killed["at"]
         print(f"the client went on at {leader} {took:.1f} s after its leader's SIGKILL")
-        assert took < 25, all_logs()
-        now = rpc.TrainingServiceStub(grpc.insecure_channel(peers[1])).LocateJob(
-            pb.LocateJobRequest(name="moved"), timeout=10)
+        assert took < 25, f.logs()
+        now = f.locate("moved")
         assert now.leader == leader and now.generation == 1 and now.resumed_step == 10, now
-        for name, value in whole["state"].items():
-            assert torch.equal(got["state"][name], value), f"{name} differs after the failover"
+        _assert_bitwise(got, whole, "after the failover")
         # The step log: steps 1.. by the first leader, then 11..20 by the new one, never at
         # the same time.
         log = [line.split() for line in open(tmp_path / "ckpt" / "moved" / "steps.log")]
@@ -1050,75 +1085,53 @@ def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
         second = [(int(t), int(n)) for t, daemon, _, n in log if daemon == leader]
         assert len(first) + len(second) == len(log), log
         assert [n for _, n in first] == list(range(1, len(first) + 1)) and len(first) >= 13, log
-        assert [n for _, n in second] == list(range(11, steps + 1)), log
+        assert [n for _, n in second] == list(range(11, f.STEPS + 1)), log
         assert max(t for t, _ in first) < min(t for t, _ in second), log
     finally:
-        next(gen, None)
+        f.stop()
 
 
 def test_a_job_that_loses_a_part_comes_back_from_its_checkpoint_bitwise(
         tmp_path, etcd, pyrannc_daemon):
-    # Three daemons on etcd; a job led by the first with its other stage on the second (2 stages
-    # x 2 replicas x 2 micro-batches, checkpoint every 5 steps). The second is SIGKILLed after
-    # step 13: the leader brings the job back from step 10 over the daemons that are UP (itself
-    # and the third), under a new id; the client follows it (JobMoved) and ends with the
-    # parameters of an uninterrupted run, bitwise.
-    steps = 20
-    gen = _start_cluster(3, etcd)
-    peers, logs, procs, names = next(gen)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(peers),
-               RANNC_PARTITION_NUM="2", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
-               RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"), RANNC_CHECKPOINT_EVERY="5",
-               RANNC_CALL_RETRY_TIMEOUT="60")
-
-    def all_logs():
-        return "\n".join(f"--- {p}\n" + open(l.name).read() for p, l in zip(peers, logs))
-
+    # Three daemons on etcd; a job led by the first with its other stage on another (2 stages x
+    # 2 replicas x 2 micro-batches, checkpoint every 5 steps). That one is SIGKILLed after step
+    # 13: the leader brings the job back from step 10 over the daemons that are UP (itself and
+    # the third), under a new id; the client follows it (JobMoved) and ends with the parameters
+    # of an uninterrupted run, bitwise.
+    f = _Failover(tmp_path, etcd, (2, 2, 2), RANNC_CALL_RETRY_TIMEOUT="60")
+    peers = f.peers
+    killed = {}
     try:
-        whole_out = str(tmp_path / "whole.pt")
-        done = subprocess.run(
-            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps,
-                                                           out=whole_out)],
-            env=dict(env, RANNC_JOB="whole"), capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr + all_logs()
+        whole = f.run_whole()
         # The uninterrupted job's parts: gone once the job is deleted, which the lease does
-        # late; delete it so that the second daemon holds only the next job's part.
+        # late; delete it so that the part's daemon holds only the next job's part.
         stub = rpc.TrainingServiceStub(grpc.insecure_channel(peers[0]))
         for job in stub.ListJobs(pb.Empty(), timeout=10).jobs:
             stub.DeleteJob(pb.JobRef(job_id=job.job_id), timeout=30)
 
-        out = str(tmp_path / "parted.pt")
-        client = subprocess.Popen(
-            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps, out=out)],
-            env=dict(env, RANNC_JOB="parted"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-        entry = killed_at = None
-        for line in client.stdout:
-            if line.split()[:2] == ["step", "13"] and killed_at is None:
-                entry = stub.LocateJob(pb.LocateJobRequest(name="parted"), timeout=10)
+        def kill_a_part(words):
+            if words[:2] == ["step", "13"] and not killed:
+                entry = f.locate("parted", peers[0])
                 assert entry.leader == peers[0], entry
                 used = {d.split("/")[0] for d in entry.devices}
                 assert len(used) == 2 and peers[0] in used, entry
                 part = peers.index((used - {peers[0]}).pop())
-                procs[part].kill()  # SIGKILL the daemon of the second stage
-                killed_at = time.time()
-        client.wait(timeout=120)
-        assert client.returncode == 0, client.stderr.read() + all_logs()
-        got, whole = torch.load(out), torch.load(whole_out)
+                f.procs[part].kill()  # SIGKILL the daemon of the second stage
+                killed.update(at=time.time(), job_id=entry.job_id, part=part)
+
+        got = f.run("parted", kill_a_part)
         assert len(got["moves"]) == 1, got["moves"]
         step, leader, job_id, moved_at = got["moves"][0]
-        assert step == 10 and leader == peers[0] and job_id != entry.job_id, got["moves"]
-        third = ({0, 1, 2} - {0, part}).pop()
+        assert step == 10 and leader == peers[0] and job_id != killed["job_id"], got["moves"]
+        third = ({0, 1, 2} - {0, killed["part"]}).pop()
         assert {d.split("/")[0] for d in got["devices"]} == {peers[0], peers[third]}, \
             got["devices"]
-        print(f"the job came back {moved_at - killed_at:.1f} s after its part's SIGKILL")
-        now = stub.LocateJob(pb.LocateJobRequest(name="parted"), timeout=10)
+        print(f"the job came back {moved_at - killed['at']:.1f} s after its part's SIGKILL")
+        now = f.locate("parted", peers[0])
         assert now.job_id == job_id and now.generation == 1 and now.resumed_step == 10, now
-        for name, value in whole["state"].items():
-            assert torch.equal(got["state"][name], value), f"{name} differs after the recovery"
+        _assert_bitwise(got, whole, "after the recovery")
     finally:
-        next(gen, None)
+        f.stop()
 
 
 def test_three_daemons_on_a_three_member_etcd_train_through_the_loss_of_an_etcd_member(
@@ -1127,54 +1140,33 @@ def test_three_daemons_on_a_three_member_etcd_train_through_the_loss_of_an_etcd_
     # all of them (3 stages x 2 replicas x 2 micro-batches), and the etcd member that leads the
     # etcd cluster SIGKILLed mid-training: the daemons' calls move to the other members, no
     # lease is lost, no job moves, and training ends as an uninterrupted run does, bitwise.
-    steps = 20
-    gen = _start_cluster(3, etcd3.url)
-    peers, logs, procs, names = next(gen)
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(peers),
-               RANNC_PARTITION_NUM="3", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="2",
-               RANNC_CHECKPOINT_DIR=str(tmp_path / "ckpt"), RANNC_CHECKPOINT_EVERY="5")
-
-    def all_logs():
-        return "\n".join(f"--- {p}\n" + open(l.name).read() for p, l in zip(peers, logs))
-
+    f = _Failover(tmp_path, etcd3.url, (3, 2, 2))
+    killed = []
     try:
         info = subprocess.run([built_binary("rannc", "RANNC_CLI_BIN", "client"), "info",
-                               "--daemon", peers[1]], capture_output=True, text=True, timeout=30)
+                               "--daemon", f.peers[1]], capture_output=True, text=True,
+                              timeout=30)
         assert info.returncode == 0, info.stderr
-        for p in peers:
+        for p in f.peers:
             assert re.search(rf"{re.escape(p)}.*UP", info.stdout), info.stdout
-        whole_out = str(tmp_path / "whole.pt")
-        done = subprocess.run(
-            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps,
-                                                           out=whole_out)],
-            env=dict(env, RANNC_JOB="whole"), capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr + all_logs()
+        whole = f.run_whole()
 
-        out = str(tmp_path / "through.pt")
-        client = subprocess.Popen(
-            [sys.executable, "-c", _FAILOVER_CLIENT.format(tests=tests, steps=steps, out=out)],
-            env=dict(env, RANNC_JOB="through"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-        killed = None
-        for line in client.stdout:
-            if line.split()[:2] == ["step", "7"] and killed is None:
-                killed = etcd3.leader()
-                etcd3.procs[killed].kill()
-                etcd3.procs[killed].wait()
-        client.wait(timeout=120)
-        assert client.returncode == 0, client.stderr.read() + all_logs()
-        got, whole = torch.load(out), torch.load(whole_out)
+        def kill_the_etcd_leader(words):
+            if words[:2] == ["step", "7"] and not killed:
+                killed.append(etcd3.leader())
+                etcd3.procs[killed[0]].kill()
+                etcd3.procs[killed[0]].wait()
+
+        got = f.run("through", kill_the_etcd_leader)
         assert got["moves"] == [], got["moves"]
-        assert sorted({d.split("/")[0] for d in got["devices"]}) == sorted(peers)
-        for name, value in whole["state"].items():
-            assert torch.equal(got["state"][name], value), f"{name} differs"
-        assert all(p.poll() is None for p in procs), all_logs()
-        assert "lost its etcd lease" not in all_logs()
-        print(f"etcd member {killed} (the etcd leader) was SIGKILLed after step 7; training "
+        assert sorted({d.split("/")[0] for d in got["devices"]}) == sorted(f.peers)
+        _assert_bitwise(got, whole, "after the loss of an etcd member")
+        assert all(p.poll() is None for p in f.procs), f.logs()
+        assert "lost its etcd lease" not in f.logs()
+        print(f"etcd member {killed[0]} (the etcd leader) was SIGKILLed after step 7; training "
               f"went on")
     finally:
-        next(gen, None)
+        f.stop()
 
 
 def entry_devices(address, job_id):
