@@ -218,8 +218,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->address_ = absl::StrCat(host, ":", port);
   absl::StatusOr<std::string> advertise = AdvertisedAddress(options, daemon->address_);
   if (advertise.ok() && !options.cluster_store.empty()) {
-    absl::Status joined = daemon->UseClusterStore(options.cluster_store, *advertise,
-                                                         options.cluster_lease);
+    absl::Status joined =
+        daemon->UseClusterStore(options.cluster_store, *advertise, options.cluster_lease);
     if (!joined.ok()) {
       daemon->server_->Shutdown(std::chrono::system_clock::now());
       return joined;
