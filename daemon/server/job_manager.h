@@ -38,6 +38,10 @@ class JobManager {
 
   // A new id, unique within this daemon's lifetime ("job-1a2b3c4d-7").
   std::string NewJobId();
+  // `job` shared, so that wherever its last reference goes (DeleteJob, or a call in flight that
+  // ends after it) the heap is trimmed after it: glibc keeps what a job's many threads freed in
+  // their arenas, and a long-running daemon's footprint must follow its live jobs.
+  static std::shared_ptr<Job> Share(std::unique_ptr<Job> job);
   // Add starts the job's lease, and Get renews it. A job of several client ranks has the
   // answer its other ranks get from JoinJob (`joinable`).
   void Add(std::shared_ptr<Job> job,

@@ -32,7 +32,7 @@ absl::StatusOr<std::string> CreatePartJob(const v1::JobSpec& spec, const v1::Par
   if (!job.ok()) return job.status();
   spdlog::info("created part {} of a job led by {} ('{}')", id, part.store_address(),
                spec.name());
-  jobs->Add(std::move(*job));
+  jobs->Add(JobManager::Share(std::move(*job)));
   return id;
 }
 

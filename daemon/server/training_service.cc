@@ -398,7 +398,7 @@ absl::StatusOr<std::shared_ptr<Job>> TrainingServiceImpl::StartJob(
   absl::StatusOr<std::unique_ptr<Job>> made =
       Job::Create(id, std::move(settings), model, examples, sent, parts_);
   if (!made.ok()) return made.status();
-  std::shared_ptr<Job> job = std::move(*made);
+  std::shared_ptr<Job> job = JobManager::Share(std::move(*made));
   const JobInfo& info = job->info();
   response->set_job_id(id);
   *response->mutable_deployment() = info.plan;
