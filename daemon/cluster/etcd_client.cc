@@ -520,7 +520,8 @@ LeaseKeeper::LeaseKeeper(EtcdClient* client, int64_t lease, std::chrono::seconds
                          std::function<void(const absl::Status&)> on_lost,
                          Clock::time_point granted)
     : client_(client), lease_(lease), ttl_(ttl), on_lost_(std::move(on_lost)) {
-  valid_until_ns_ = (granted + ttl_ - std::chrono::milliseconds(ttl_) / 10).time_since_epoch().count();
+  const std::chrono::milliseconds whole = ttl_;
+  valid_until_ns_ = (granted + whole - whole / 10).time_since_epoch().count();
   thread_ = std::thread([this] { Run(); });
 }
 

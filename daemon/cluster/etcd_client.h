@@ -112,8 +112,8 @@ class EtcdClient {
   absl::Status RevokeLease(int64_t lease);
   // One keep-alive: the TTL the lease has again, in seconds. `timeout` (0: call_timeout())
   // bounds it.
-  absl::StatusOr<int64_t> KeepAlive(int64_t lease,
-                                    std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  absl::StatusOr<int64_t> KeepAlive(
+      int64_t lease, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // Elections (etcd's v3election): Campaign waits until this caller leads `name` (or `timeout`
   // passes: DEADLINE_EXCEEDED), holding it with `lease` and announcing `value`. etcd withdraws

@@ -134,7 +134,9 @@ at::Tensor PinnedArena::Allocate(at::IntArrayRef shape, at::ScalarType dtype) {
     // Within one registration: a copy whose host range spans two is refused by CUDA
     // ("invalid argument"). Larger tensors go to the caller's allocator.
     if (need > kChunk) return at::Tensor();
-    if (offset_ / kChunk != (offset_ + need - 1) / kChunk) offset_ = (offset_ / kChunk + 1) * kChunk;
+    if (offset_ / kChunk != (offset_ + need - 1) / kChunk) {
+      offset_ = (offset_ / kChunk + 1) * kChunk;
+    }
     if (offset_ + need > region_->ready.load()) return at::Tensor();
     ptr = static_cast<char*>(region_->base) + offset_;
     offset_ += need;

@@ -110,7 +110,9 @@ absl::Status JobRegistry::Publish(v1::RegisteredJob entry) {
   entry.set_updated_unix_ms(NowUnixMs());
   absl::StatusOr<bool> put = etcd_->PutIfFenced(EntryKey(entry.name()), entry.SerializeAsString(),
                                                 leadership.key, leadership.revision);
-  if (!put.ok()) return Annotate(put.status(), absl::StrCat("registering job '", entry.name(), "'"));
+  if (!put.ok()) {
+    return Annotate(put.status(), absl::StrCat("registering job '", entry.name(), "'"));
+  }
   if (!*put) {
     return absl::FailedPreconditionError(absl::StrCat(
         "this daemon leads job '", entry.name(), "' no more (its leadership in etcd is gone)"));
@@ -173,14 +175,6 @@ absl::Status JobRegistry::Fence() const {
       "this daemon (", self_, ") cannot be sure it still leads the job: its etcd lease was not "
       "renewed in time, so another daemon may take the job over; find where it runs with "
       "LocateJob"));
-}
-
-bool JobRegistry::Registered(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [name, held] : held_) {
-    if (held.entry && held.entry->job_id() == job_id) return true;
-  }
-  return false;
 }
 
 std::optional<v1::RegisteredJob> JobRegistry::EntryOf(const std::string& job_id) const {

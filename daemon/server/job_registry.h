@@ -67,7 +67,6 @@ class JobRegistry {
   // The fence of the jobs this daemon leads (JobSettings::fence): OK while its lease surely
   // lives; UNAVAILABLE once it may have expired (another daemon may lead them).
   absl::Status Fence() const;
-  bool Registered(const std::string& job_id) const;
   // The entry of the job this daemon leads under `job_id`, if registered.
   std::optional<v1::RegisteredJob> EntryOf(const std::string& job_id) const;
   const std::string& self() const { return self_; }

@@ -54,7 +54,7 @@ TEST_CASE("JobRegistry: a name is led by one daemon; its entry goes with the job
   CHECK(found.leader() == "10.0.0.1:7000");
   CHECK(found.leader_revision() > 0);
   CHECK(b.registry.Find("gpt").value().job_id() == "job-a-1");
-  CHECK(a.registry.Registered("job-a-1"));
+  CHECK(a.registry.EntryOf("job-a-1").has_value());
   CHECK(a.registry.Fence().ok());
 
   absl::Status again = a.registry.Lead("gpt");

@@ -358,8 +358,7 @@ grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
   if (registers) {
     if (absl::Status registered = Register(**job, spec, model, *examples, sent);
         !registered.ok()) {
-      jobs_->Remove(id).IgnoreError();
-      records_->Remove(id).IgnoreError();
+      Discard(id);
       registry_->Abandon(spec.name());
       return Fail("CreateJob", registered);
     }
@@ -474,6 +473,29 @@ JobRecords& TrainingServiceImpl::SharedRecords(const std::string& job_dir) {
   return *records;
 }
 
+absl::StatusOr<std::shared_ptr<Job>> TrainingServiceImpl::StartResumed(
+    const std::string& id, const JobRecords::Loaded& loaded, v1::JobSpec spec, bool fenced,
+    v1::CreateJobResponse* response) {
+  (*spec.mutable_options()->mutable_config())["resume"] = "latest";
+  absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
+  if (!settings.ok()) return settings.status();
+  if (fenced) Fence(&*settings);
+  return StartJob(id, spec, std::move(*settings), loaded.model_bytes, loaded.example_inputs,
+                  loaded.sent, response);
+}
+
+void TrainingServiceImpl::Discard(const std::string& job_id) {
+  jobs_->Remove(job_id).IgnoreError();
+  records_->Remove(job_id).IgnoreError();
+}
+
+void TrainingServiceImpl::Describe(const Job& job, v1::RegisteredJob* entry) {
+  entry->set_job_id(job.info().id);
+  entry->set_resumed_step(job.resumed_step());
+  entry->clear_devices();
+  for (const std::string& d : job.info().devices) entry->add_devices(d);
+}
+
 absl::Status TrainingServiceImpl::Register(const Job& job, const v1::JobSpec& spec,
                                            const std::string& model,
                                            const std::vector<at::Tensor>& examples,
@@ -485,12 +507,10 @@ absl::Status TrainingServiceImpl::Register(const Job& job, const v1::JobSpec& sp
                                           job.info().plan);
   v1::RegisteredJob entry;
   entry.set_name(spec.name());
-  entry.set_job_id(job.info().id);
   entry.set_record_dir(job_dir);
   entry.set_record_id(job.info().id);
-  entry.set_resumed_step(job.resumed_step());
   entry.set_client_world(static_cast<uint32_t>(job.info().client_world));
-  for (const std::string& d : job.info().devices) entry.add_devices(d);
+  Describe(job, &entry);
   absl::Status published = registry_->Publish(std::move(entry));
   if (published.ok()) {
     spdlog::info("job {} '{}' is in the cluster's registry: another daemon takes it over if "
@@ -547,8 +567,7 @@ void TrainingServiceImpl::Recover(const std::string& job_id) {
     absl::Status restarted = Restart(std::move(entry), "", "recovered");
     if (restarted.ok()) {
       // Published under its new id first, so that its client finds it before the old id goes.
-      jobs_->Remove(old_id).IgnoreError();
-      records_->Remove(old_id).IgnoreError();
+      Discard(old_id);
     } else {
       spdlog::error("bringing job {} '{}' back failed: {}; its calls fail, naming the lost "
                     "daemon, until it is deleted", old_id, name, restarted.ToString());
@@ -576,32 +595,21 @@ absl::Status TrainingServiceImpl::Restart(v1::RegisteredJob entry, const std::st
   absl::StatusOr<JobRecords::Loaded> loaded =
       SharedRecords(entry.record_dir()).Load(entry.record_id());
   if (!loaded.ok()) return loaded.status();
-  v1::JobSpec spec = loaded->record.spec();
-  (*spec.mutable_options()->mutable_config())["resume"] = "latest";
-  absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
-  if (!settings.ok()) return settings.status();
-  Fence(&*settings);
   const std::string id = jobs_->NewJobId();
   v1::CreateJobResponse response;
   absl::StatusOr<std::shared_ptr<Job>> job =
-      StartJob(id, spec, std::move(*settings), loaded->model_bytes, loaded->example_inputs,
-               loaded->sent, &response, /*durable=*/true);
+      StartResumed(id, *loaded, loaded->record.spec(), /*fenced=*/true, &response);
   if (!job.ok()) return job.status();
   if (registry_->stopping()) {
-    jobs_->Remove(id).IgnoreError();
-    records_->Remove(id).IgnoreError();
+    Discard(id);
     return absl::CancelledError("this daemon is stopping");
   }
   const std::string previous = entry.job_id();
-  entry.set_job_id(id);
-  entry.set_resumed_step((*job)->resumed_step());
   entry.set_generation(entry.generation() + 1);
-  entry.clear_devices();
-  for (const std::string& d : (*job)->info().devices) entry.add_devices(d);
+  Describe(**job, &entry);
   const std::string name = entry.name();
   if (absl::Status published = registry_->Publish(std::move(entry)); !published.ok()) {
-    jobs_->Remove(id).IgnoreError();
-    records_->Remove(id).IgnoreError();
+    Discard(id);
     return published;
   }
   spdlog::warn("{} job '{}': {} runs as {} here, from step {} ({}; {:.2f} s); it waits for its "
@@ -819,14 +827,10 @@ grpc::Status TrainingServiceImpl::ResumeJob(grpc::ServerContext*, const v1::JobR
         "job ", id, " '", loaded->record.name(), "' runs already")));
   }
   v1::JobSpec spec = loaded->record.spec();
-  (*spec.mutable_options()->mutable_config())["resume"] = "latest";
   spec.mutable_options()->set_lease_ms(0);  // no client holds it yet
   spec.mutable_options()->set_client_world(1);
-  absl::StatusOr<JobSettings> settings = JobSettingsFromSpec(spec, facts_);
-  if (!settings.ok()) return Fail("ResumeJob", settings.status());
   absl::StatusOr<std::shared_ptr<Job>> job =
-      StartJob(id, spec, std::move(*settings), loaded->model_bytes, loaded->example_inputs,
-               loaded->sent, response);
+      StartResumed(id, *loaded, std::move(spec), /*fenced=*/false, response);
   if (!job.ok()) return Fail("ResumeJob", job.status());
   spdlog::info("resumed the suspended job {} '{}' at step {}", id, loaded->record.name(),
                (*job)->resumed_step());

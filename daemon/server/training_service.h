@@ -196,6 +196,17 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   absl::Status Register(const Job& job, const v1::JobSpec& spec, const std::string& model,
                         const std::vector<at::Tensor>& examples, const SentTensors& sent);
   void TakeOver(const std::string& name);
+  // A job made again from a durable record (`loaded`, with the spec `spec`) under `id`,
+  // resumed from its latest checkpoint; `fenced`: a registered job's (Fence). ResumeJob's and
+  // Restart's.
+  absl::StatusOr<std::shared_ptr<Job>> StartResumed(const std::string& id,
+                                                    const JobRecords::Loaded& loaded,
+                                                    v1::JobSpec spec, bool fenced,
+                                                    v1::CreateJobResponse* response);
+  // A job that will not run after all (or runs on under another id): it and its record go.
+  void Discard(const std::string& job_id);
+  // `job`'s id, resumed step and devices, into its registry entry.
+  static void Describe(const Job& job, v1::RegisteredJob* entry);
   // Brings `entry`'s job back here from its record and latest checkpoint under a new id and
   // publishes it (TakeOver and Recover); `lost_leader`: an address to wait to see DOWN first.
   absl::Status Restart(v1::RegisteredJob entry, const std::string& lost_leader,
