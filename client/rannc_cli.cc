@@ -2,6 +2,7 @@
 //
 //   rannc info   [--daemon HOST:PORT]     the daemon's version, LibTorch, devices, job count
 //   rannc jobs                            a table of the daemon's jobs
+//   rannc locate NAME                     where a registered job runs (ranncd --cluster-store)
 //   rannc train  MODEL.pt --tokens FILE --batch B --seq T --steps N [...]
 //   rannc delete JOB_ID
 //   rannc checkpoint  JOB [--no-wait]          write a checkpoint of a live job now
@@ -16,7 +17,8 @@
 //                                              input); no daemon involved. pyrannc's
 //                                              show_deployment prints through this.
 //
-// The daemon address comes from --daemon, else $RANNC_DAEMON, else 127.0.0.1:7411. Errors print
+// The daemon address comes from --daemon, else $RANNC_DAEMON, else 127.0.0.1:7411. A list
+// ("a:7411,b:7411": daemons of one cluster) means the first of them that answers. Errors print
 // the daemon's message and exit non-zero.
 //
 // JOB is a live job's id, or the name of exactly one live job (`rannc jobs` lists both). For
@@ -136,7 +138,13 @@ void PrintCluster(const v1::DaemonInfo& info) {
   int up = 0;
   for (const v1::ClusterMember& m : info.cluster()) up += m.state() == v1::MEMBER_UP;
   std::cout << "cluster: " << info.cluster_size() << " daemon"
-            << (info.cluster_size() == 1 ? "" : "s") << ", " << up << " up\n";
+            << (info.cluster_size() == 1 ? "" : "s") << ", " << up << " up";
+  if (!info.coordinator().empty()) {
+    std::cout << "; coordinator " << info.coordinator()
+              << (info.cluster_store().empty() ? " (rank 0)" : " (elected in etcd)");
+  }
+  std::cout << "\n";
+  if (!info.cluster_store().empty()) std::cout << "cluster store: " << info.cluster_store() << "\n";
   std::vector<std::vector<std::string>> rows = {
       {"RANK", "ADDRESS", "STATE", "HOST", "DEVICES", "LAST SEEN", "INCARNATION"}};
   for (const v1::ClusterMember& m : info.cluster()) {
@@ -196,6 +204,20 @@ int RunJobs(const Client& client) {
   return 0;
 }
 
+int RunLocate(const Client& client, const std::string& name) {
+  absl::StatusOr<v1::RegisteredJob> job = client.LocateJob(name);
+  if (!job.ok()) return Fail(job.status());
+  std::cout << "job " << job->name() << " (" << job->job_id() << ") runs on ranncd at "
+            << job->leader() << "\n";
+  std::cout << "devices: " << absl::StrJoin(job->devices(), ",") << "\n";
+  std::cout << "taken over: " << job->generation() << " time"
+            << (job->generation() == 1 ? "" : "s");
+  if (job->resumed_step() >= 0) std::cout << ", last resumed from step " << job->resumed_step();
+  std::cout << "\n";
+  std::cout << "record and checkpoints: " << job->record_dir() << "\n";
+  return 0;
+}
+
 int RunDelete(const Client& client, const std::string& job_id) {
   if (absl::Status s = client.DeleteJob(job_id); !s.ok()) return Fail(s);
   std::cout << "deleted job " << job_id << "\n";
@@ -222,6 +244,13 @@ absl::StatusOr<std::string> ResolveJob(const Client& client, const std::string& 
   }
   if (named.size() == 1) return named[0];
   if (named.empty()) {
+    // A registered job of that name may run on another daemon of the cluster.
+    absl::StatusOr<v1::RegisteredJob> located = client.LocateJob(job);
+    if (located.ok() && located->leader() != client.address()) {
+      return absl::NotFoundError(absl::StrCat(
+          "job '", job, "' (", located->job_id(), ") runs on ranncd at ", located->leader(),
+          ", not at ", client.address(), ": ask there (--daemon ", located->leader(), ")"));
+    }
     return absl::NotFoundError(absl::StrCat("no job with id or name '", job, "' on ranncd at ",
                                             client.address(), " (`rannc jobs` lists them)"));
   }
@@ -634,12 +663,18 @@ int Main(int argc, char** argv) {
   // Lets `--daemon` follow the subcommand too: `rannc info --daemon host:port`.
   app.fallthrough();
   std::string daemon = "127.0.0.1:7411";
-  app.add_option("--daemon", daemon, "ranncd address HOST:PORT")
+  app.add_option("--daemon", daemon,
+                 "ranncd address HOST:PORT, or several of one cluster (a:7411,b:7411): the "
+                 "first that answers")
       ->envname("RANNC_DAEMON")
       ->capture_default_str();
 
   CLI::App* info = app.add_subcommand("info", "show the daemon's version, devices and jobs");
   CLI::App* jobs = app.add_subcommand("jobs", "list the daemon's jobs");
+  CLI::App* locate = app.add_subcommand(
+      "locate", "say where a registered job runs now (ranncd --cluster-store), and since when");
+  std::string locate_name;
+  locate->add_option("name", locate_name, "the job's name")->required();
 
   CLI::App* resume = app.add_subcommand(
       "resume", "bring back a suspended job (ranncd --state-dir) from its latest checkpoint");
@@ -807,9 +842,18 @@ int Main(int argc, char** argv) {
   if (*keys) return RunKeys(keys_format);
   if (*plan && !plan_flags.show.empty()) return RunShow(plan_flags);
 
-  Client client(daemon);
+  std::unique_ptr<Client> connected;
+  if (daemon.find(',') == std::string::npos) {
+    connected = std::make_unique<Client>(daemon);
+  } else {
+    absl::StatusOr<std::unique_ptr<Client>> any = Client::ConnectAny(daemon, absl::Seconds(5));
+    if (!any.ok()) return Fail(any.status());
+    connected = std::move(*any);
+  }
+  const Client& client = *connected;
   if (*info) return RunInfo(client);
   if (*jobs) return RunJobs(client);
+  if (*locate) return RunLocate(client, locate_name);
   if (*del) return RunDelete(client, delete_id);
   if (*resume) return RunResume(client, resume_job);
   if (*checkpoint) return RunCheckpoint(client, checkpoint_job, no_wait);

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
+#include "daemon/cluster/election.h"
 #include "daemon/cluster/etcd_client.h"
 #include "daemon/cluster/etcd_transport.h"
 #include "daemon/cluster/peers.h"
@@ -32,6 +33,9 @@
 
 namespace rannc {
 namespace {
+
+// The election of the cluster's coordinator, with --cluster-store (cluster/election.h).
+constexpr char kCoordinatorElection[] = "/rannc/coordinator";
 
 uint64_t PhysicalMemoryBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES);
@@ -93,13 +97,13 @@ absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Devic
 absl::StatusOr<std::string> AdvertisedAddress(const DaemonOptions& options,
                                               const std::string& bound) {
   if (!options.advertise.empty()) return options.advertise;
-  if (options.peers.empty()) return bound;
+  if (options.peers.empty() && options.cluster_store.empty()) return bound;
   absl::StatusOr<cluster::HostPort> listen = cluster::SplitHostPort(options.listen);
   if (!listen.ok() || listen->host == "0.0.0.0" || listen->host == "::" ||
       listen->host.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--listen ", options.listen, " is not an address the other daemons can reach; give "
-        "--advertise HOST:PORT, this daemon's entry in --peers"));
+        "--advertise HOST:PORT, the address the other daemons call it at"));
   }
   return bound;
 }
@@ -114,6 +118,8 @@ absl::StatusOr<std::unique_ptr<cluster::Cluster>> JoinCluster(
     if (!peers.ok()) return Annotate(peers.status(), "--peers");
     o.peers = *peers;
   }
+  // With etcd and no list, the members are those that write their keys there.
+  o.discover = o.peers.empty() && !options.cluster_store.empty();
   o.advertise = advertise;
   o.cluster_size = static_cast<int>(options.cluster_size);
   o.heartbeat_interval = options.heartbeat_interval;
@@ -266,6 +272,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     daemon->registry_ = std::make_unique<JobRegistry>(daemon->etcd_.get(),
                                                       daemon->etcd_lease_.get(), *advertise);
     daemon->training_->set_registry(daemon->registry_.get());
+    absl::StatusOr<std::unique_ptr<cluster::Election>> coordinator = cluster::Election::Start(
+        daemon->etcd_.get(), daemon->etcd_lease_->lease(), kCoordinatorElection, *advertise);
+    if (!coordinator.ok()) {
+      daemon->server_->Shutdown(std::chrono::system_clock::now());
+      return Annotate(coordinator.status(), "--cluster-store: standing for coordinator");
+    }
+    daemon->coordinator_ = std::move(*coordinator);
+    daemon->training_->set_coordinator_election(daemon->coordinator_.get(),
+                                                options.cluster_store);
   }
   std::string device_list;
   for (const DaemonFacts::Device& d : facts.devices) {
@@ -327,6 +342,10 @@ void Daemon::Shutdown(std::chrono::milliseconds grace) {
   if (cluster_) cluster_->Stop();
   // Jobs led here go to other daemons once the lease is revoked below; take over none now.
   if (registry_) registry_->StopWatching();
+  if (coordinator_) {
+    training_->set_coordinator_election(nullptr, "");
+    coordinator_.reset();  // resigns: another daemon coordinates at once
+  }
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
   if (etcd_lease_) {
     // Gone at once for the others, rather than when the lease would expire.

@@ -38,6 +38,7 @@ struct DaemonFacts;  // daemon/server/job_settings.h
 namespace cluster {
 class Cluster;
 class ClusterServiceImpl;
+class Election;
 class EtcdClient;
 class LeaseKeeper;
 }  // namespace cluster
@@ -86,6 +87,7 @@ class Daemon {
   std::unique_ptr<cluster::LeaseKeeper> etcd_lease_;
   std::unique_ptr<comm::Store> etcd_store_;
   std::unique_ptr<JobRegistry> registry_;
+  std::unique_ptr<cluster::Election> coordinator_;  // the cluster's coordinator election
   // Declared before the services so that it outlives the server, which calls into it.
   std::unique_ptr<cluster::Cluster> cluster_;
   std::unique_ptr<cluster::ClusterServiceImpl> cluster_service_;

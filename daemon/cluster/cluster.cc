@@ -44,8 +44,12 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(
   const ClusterOptions& o = cluster->options_;
   if (o.peers.empty()) {
     cluster->membership_.emplace(std::vector<std::string>{o.advertise}, cluster->self_,
-                                 o.peer_timeout);
+                                 o.peer_timeout, o.discover);
     return cluster;
+  }
+  if (o.discover) {
+    return absl::InvalidArgumentError(
+        "a cluster discovers its members or is given them (--peers), not both");
   }
   absl::StatusOr<PeerResolution> resolution = ResolvePeers(o.peers, o.cluster_size, o.resolve);
   if (!resolution.ok()) return resolution.status();
@@ -84,8 +88,11 @@ Cluster::~Cluster() { Stop(); }
 void Cluster::Start() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (options_.peers.empty()) return;
-    if (membership_) {
+    if (options_.peers.empty() && !options_.discover) return;
+    if (options_.discover) {
+      spdlog::info("cluster: finding the members through the cluster store, incarnation {:016x}",
+                   self_.incarnation);
+    } else if (membership_) {
       spdlog::info("cluster: rank {} of {} ({}), incarnation {:016x}", membership_->self().rank,
                    membership_->self().members.size(),
                    absl::StrJoin(membership_->self().members, ","), self_.incarnation);
@@ -145,16 +152,26 @@ void Cluster::Tick() {
   }
   if (!resolved) TryResolve();
 
+  const std::vector<std::string> found =
+      options_.discover ? transport_->Discovered() : std::vector<std::string>{};
   std::vector<std::string> peers;
   PeerReport self;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!membership_) return;
+    for (const std::string& address : found) {
+      if (membership_->Add(address)) {
+        spdlog::info("cluster: found member {}; {} members: {}", address,
+                     membership_->self().members.size(),
+                     absl::StrJoin(membership_->self().members, ","));
+      }
+    }
     peers = membership_->Peers();
     self = membership_->self();
   }
   std::vector<absl::StatusOr<PeerReport>> answers;
-  if (!peers.empty()) {
+  // A discovering daemon alone still reports itself: that is how the others find it.
+  if (!peers.empty() || options_.discover) {
     // Within the interval, so one unreachable peer never stretches the heartbeat period.
     const std::chrono::milliseconds deadline =
         std::min(options_.heartbeat_interval, std::chrono::milliseconds(1000));

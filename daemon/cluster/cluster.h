@@ -15,7 +15,8 @@
 // name for --peers, Tick first resolves it again until it yields every member; until then the
 // cluster has no ranks (Members() lists self with rank -1) and peers' heartbeats are refused.
 // Without peers (options.peers empty) the cluster is this daemon alone, rank 0, and Start
-// starts no thread.
+// starts no thread, unless it discovers its members (options.discover: etcd's member keys),
+// starting alone and adding each member its transport finds (PeerTransport::Discovered).
 //
 // Thread-safety: every method may be called from any thread. OnMemberDown callbacks run on the
 // thread calling Tick (the heartbeat thread once started), one at a time, in the order the
@@ -44,8 +45,11 @@ namespace rannc {
 namespace cluster {
 
 struct ClusterOptions {
-  // The --peers entries (ParsePeerList); empty: a cluster of this daemon alone.
+  // The --peers entries (ParsePeerList); empty: a cluster of this daemon alone, or of those
+  // discovered.
   std::vector<std::string> peers;
+  // No fixed list: the members are those the transport finds (--cluster-store without --peers).
+  bool discover = false;
   // This daemon's address as the others know it; must be a member.
   std::string advertise;
   // Members a DNS name in `peers` must resolve to; 0 for a static list (see peers.h).
@@ -78,6 +82,9 @@ class PeerTransport {
   // Members known gone since the last call, (address, why), without waiting for the peer
   // timeout (etcd: a member key deleted when its lease ended). None for heartbeats.
   virtual std::vector<std::pair<std::string, std::string>> TakeLost() { return {}; }
+  // Every member address the transport has found so far (etcd: each that had a member key),
+  // for a cluster that discovers its members. None for heartbeats, which need --peers.
+  virtual std::vector<std::string> Discovered() { return {}; }
 };
 
 class Cluster {

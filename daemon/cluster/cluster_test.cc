@@ -36,6 +36,12 @@ class FakeTransport final : public PeerTransport {
     }
     return answers;
   }
+  // As etcd's member keys: every daemon on the network.
+  Strings Discovered() override {
+    Strings out;
+    for (const auto& [address, node] : net_->nodes) out.push_back(address);
+    return out;
+  }
 
  private:
   FakeNetwork* net_;
@@ -92,6 +98,67 @@ TEST_CASE("Cluster: without peers it is this daemon alone, rank 0", "[cluster]")
   CHECK(members[0].self);
   CHECK(members[0].state == MemberState::kUp);
   CHECK(members[0].devices.size() == 2);
+}
+
+TEST_CASE("Cluster: a discovering daemon starts alone and adds each member found, ranked by "
+          "address", "[cluster]") {
+  FakeNetwork net;
+  FakeClock clock;
+  ClusterOptions options = Options("h:2", {}, clock, 2);
+  options.discover = true;
+  std::unique_ptr<Cluster> a = Make(net, options);
+  a->Tick();
+  REQUIRE(a->Members().size() == 1);
+  CHECK(a->Members()[0].rank == 0);
+
+  options = Options("h:1", {}, clock, 1);
+  options.discover = true;
+  std::unique_ptr<Cluster> b = Make(net, options);
+  for (int round = 0; round < 2; ++round) {
+    a->Tick();
+    b->Tick();
+  }
+  std::vector<MemberInfo> members = a->Members();
+  REQUIRE(members.size() == 2);
+  CHECK(members[0].address == "h:1");  // ranks follow the addresses, not the order found
+  CHECK(members[0].rank == 0);
+  CHECK(members[1].self);
+  CHECK(members[1].rank == 1);
+  CHECK(StateOf(*a, "h:1") == MemberState::kUp);
+  CHECK(StateOf(*b, "h:2") == MemberState::kUp);
+
+  // A third: while a and b list different members, their heartbeats are still taken.
+  options = Options("h:0", {}, clock, 3);
+  options.discover = true;
+  std::unique_ptr<Cluster> c = Make(net, options);
+  for (int round = 0; round < 2; ++round) {
+    a->Tick();
+    b->Tick();
+    c->Tick();
+  }
+  for (Cluster* node : {a.get(), b.get(), c.get()}) {
+    members = node->Members();
+    REQUIRE(members.size() == 3);
+    for (size_t rank = 0; rank < 3; ++rank) {
+      CHECK(members[rank].address == "h:" + std::to_string(rank));
+      CHECK(members[rank].rank == static_cast<int>(rank));
+      CHECK(members[rank].state == MemberState::kUp);
+    }
+  }
+
+  // One gone stays a member, DOWN.
+  std::vector<std::string> lost;
+  a->OnMemberDown([&](const MemberInfo& m, const std::string&) { lost.push_back(m.address); });
+  net.cut.insert("h:1");
+  clock.t += seconds(4);
+  a->Tick();
+  CHECK(lost == Strings{"h:1"});
+  CHECK(a->Members().size() == 3);
+  CHECK(StateOf(*a, "h:1") == MemberState::kDown);
+
+  ClusterOptions both = Options("h:1", {"h:1", "h:2"}, clock, 1);
+  both.discover = true;
+  CHECK(Cluster::Create(both, nullptr).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("Cluster: refuses a peer list without itself, and bad timings", "[cluster]") {

@@ -1,6 +1,7 @@
 #include "daemon/cluster/etcd_transport.h"
 
 #include <map>
+#include <set>
 #include <mutex>
 #include <utility>
 
@@ -43,6 +44,11 @@ class EtcdTransport final : public PeerTransport {
     return absl::OkStatus();
   }
 
+  std::vector<std::string> Discovered() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::vector<std::string>(found_.begin(), found_.end());
+  }
+
   std::vector<std::pair<std::string, std::string>> TakeLost() override {
     std::lock_guard<std::mutex> lock(mu_);
     return std::exchange(lost_, {});
@@ -82,8 +88,10 @@ class EtcdTransport final : public PeerTransport {
       spdlog::warn("cluster: etcd key {} is not a member report; ignored", key);
       return;
     }
+    const std::string address = key.substr(sizeof(kEtcdMembersPrefix) - 1);
     std::lock_guard<std::mutex> lock(mu_);
-    reports_[key.substr(sizeof(kEtcdMembersPrefix) - 1)] = FromProto(proto);
+    reports_[address] = FromProto(proto);
+    found_.insert(address);
   }
 
   EtcdClient* const etcd_;
@@ -91,6 +99,7 @@ class EtcdTransport final : public PeerTransport {
   std::string last_put_error_;  // the heartbeat thread's
   std::mutex mu_;
   std::map<std::string, PeerReport> reports_;  // by address: what etcd holds now
+  std::set<std::string> found_;                // every address that has had a key
   std::vector<std::pair<std::string, std::string>> lost_;  // deleted since TakeLost
   std::unique_ptr<EtcdClient::Watch> watch_;   // destroyed first
 };

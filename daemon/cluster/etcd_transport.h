@@ -5,7 +5,8 @@
 // has seen. A member whose key is there answers; one whose key goes (its lease ended:
 // stopped, revoked at once; killed, or cut off from etcd, after its TTL) is DOWN at the next
 // heartbeat round (TakeLost), without waiting for the peer timeout. No daemon calls another to
-// learn it is alive.
+// learn it is alive. Every address that has had a key is a member found (Discovered): without
+// --peers, that is the member list.
 //
 //   auto cluster = Cluster::Create(options, MakeEtcdTransport(etcd, lease));
 //

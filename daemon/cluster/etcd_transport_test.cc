@@ -59,14 +59,17 @@ TEST_CASE("A member is heard through etcd while its key lives, and not after", "
     return (*b)->HeartbeatAll({"a:1"}, Report("b:1", 9), milliseconds(100))[0].ok();
   }));
 
-  // b's lease ends (b stopped): a no longer hears it.
+  // b's lease ends (b stopped): a no longer hears it, and still knows it as a member found.
   REQUIRE(c.RevokeLease(lease_b).ok());
   CHECK(Eventually([&] {
     return !(*a)->HeartbeatAll({"b:1"}, Report("a:1", 7), milliseconds(100))[0].ok();
   }));
+  CHECK((*a)->Discovered() == std::vector<std::string>{"a:1", "b:1"});
 }
 
 TEST_CASE("A cluster on the etcd transport sees its members UP, then DOWN", "[etcd]") {
+  // With --peers, or finding its members in etcd.
+  const bool discover = GENERATE(false, true);
   testing::EtcdCluster etcd(1);
   RANNC_REQUIRE_ETCD(etcd);
   auto client = EtcdClient::Connect(etcd.endpoints(), seconds(5));
@@ -76,7 +79,8 @@ TEST_CASE("A cluster on the etcd transport sees its members UP, then DOWN", "[et
   const int64_t lease_b = c.GrantLease(seconds(10)).value();
   auto make = [&](const std::string& self, int64_t lease) {
     ClusterOptions o;
-    o.peers = {"a:1", "b:1"};
+    if (!discover) o.peers = {"a:1", "b:1"};
+    o.discover = discover;
     o.advertise = self;
     // Long: a DOWN within the test's 10 s comes from the deleted key, not from silence.
     o.peer_timeout = seconds(60);

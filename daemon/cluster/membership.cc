@@ -24,12 +24,11 @@ const char* MemberStateName(MemberState state) {
 }
 
 Membership::Membership(std::vector<std::string> members, PeerReport self,
-                       Clock::duration peer_timeout)
-    : self_(std::move(self)), peer_timeout_(peer_timeout) {
-  for (size_t rank = 0; rank < members.size(); ++rank) {
+                       Clock::duration peer_timeout, bool discovered)
+    : self_(std::move(self)), peer_timeout_(peer_timeout), discovered_(discovered) {
+  for (const std::string& address : members) {
     MemberInfo info;
-    info.address = members[rank];
-    info.rank = static_cast<int>(rank);
+    info.address = address;
     if (info.address == self_.address) {
       info.state = MemberState::kUp;
       info.incarnation = self_.incarnation;
@@ -37,11 +36,33 @@ Membership::Membership(std::vector<std::string> members, PeerReport self,
       info.hostname = self_.hostname;
       info.version = self_.version;
       info.self = true;
-      self_.rank = info.rank;
     }
     members_.push_back(std::move(info));
   }
-  self_.members = std::move(members);
+  Rank();
+}
+
+void Membership::Rank() {
+  std::stable_sort(members_.begin(), members_.end(),
+                   [](const MemberInfo& a, const MemberInfo& b) { return a.address < b.address; });
+  self_.members.clear();
+  for (size_t rank = 0; rank < members_.size(); ++rank) {
+    members_[rank].rank = static_cast<int>(rank);
+    if (members_[rank].self) self_.rank = members_[rank].rank;
+    self_.members.push_back(members_[rank].address);
+  }
+}
+
+bool Membership::Add(const std::string& address) {
+  if (!discovered_) return false;
+  for (const MemberInfo& m : members_) {
+    if (m.address == address) return false;
+  }
+  MemberInfo info;
+  info.address = address;
+  members_.push_back(std::move(info));
+  Rank();
+  return true;
 }
 
 absl::Status Membership::Heard(const PeerReport& report, Clock::time_point now,
@@ -53,7 +74,7 @@ absl::Status Membership::Heard(const PeerReport& report, Clock::time_point now,
         "'", report.address, "' is not a member of the cluster of ", self_.address, " (",
         absl::StrJoin(self_.members, ","), "); add it to every daemon's --peers"));
   }
-  if (report.members != self_.members || report.rank != it->rank) {
+  if (!discovered_ && (report.members != self_.members || report.rank != it->rank)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "member lists differ: ", report.address, " has ", absl::StrJoin(report.members, ","),
         " (rank ", report.rank, "), ", self_.address, " has ", absl::StrJoin(self_.members, ","),

@@ -13,6 +13,8 @@
 //   process and whatever it held are gone even if the new one answered within the timeout.
 //   UP --Lost (known gone: its etcd member key deleted)--> DOWN, at once.
 // A member that was never heard from stays UNKNOWN (a cluster starts one daemon at a time).
+// A discovered membership (etcd without --peers) starts as self alone and grows as members are
+// found (Add); members once found stay, DOWN while gone; ranks follow the address order.
 //
 // Thread-safety: none; the owner serialises calls.
 #ifndef RANNC_DAEMON_CLUSTER_MEMBERSHIP_H_
@@ -76,7 +78,14 @@ class Membership {
  public:
   // `members` in rank order (RankOrder); `self` is this daemon's report, whose address must be
   // one of them (Cluster checks that first, with a message for the user).
-  Membership(std::vector<std::string> members, PeerReport self, Clock::duration peer_timeout);
+  // `discovered`: members join by Add, and member lists in reports are not compared (they
+  // differ while a new member is being found).
+  Membership(std::vector<std::string> members, PeerReport self, Clock::duration peer_timeout,
+             bool discovered = false);
+
+  // A discovered membership only: `address` joins, UNKNOWN until heard from, and every member's
+  // rank is its place in the new address order. False when it is a member already.
+  bool Add(const std::string& address);
 
   // Records `report`, heard at `now`, appending state changes to `events`. Nothing is recorded
   // and the error says why when the sender is not a member (PERMISSION_DENIED), has another
@@ -99,9 +108,13 @@ class Membership {
   const PeerReport& self() const { return self_; }
 
  private:
+  // Numbers members_ (sorted by address) and fills self_'s rank and member list.
+  void Rank();
+
   std::vector<MemberInfo> members_;
   PeerReport self_;
   Clock::duration peer_timeout_;
+  bool discovered_ = false;
 };
 
 }  // namespace cluster

@@ -133,6 +133,36 @@ TEST_CASE("Membership: the timeout state machine, transition by transition", "[c
   CHECK(events[0].member.address == "b:1");
 }
 
+TEST_CASE("Membership: a discovered one grows by Add, re-ranks, and takes other lists",
+          "[cluster]") {
+  const Clock::time_point t0 = Clock::time_point() + seconds(1000);
+  PeerReport self = Report("b:1", 2);
+  Membership m({"b:1"}, self, seconds(3), /*discovered=*/true);
+  CHECK(m.self().rank == 0);
+  CHECK(m.Add("c:1"));
+  CHECK(m.Add("a:1"));
+  CHECK_FALSE(m.Add("a:1"));
+  CHECK(m.self().rank == 1);
+  CHECK(m.self().members == kMembers);
+  CHECK(m.Peers() == Strings{"a:1", "c:1"});
+  CHECK(Find(m, "c:1").rank == 2);
+  CHECK(Find(m, "a:1").state == MemberState::kUnknown);
+
+  // a:1 has not found c:1 yet: its list differs, and its report is still taken.
+  PeerReport a = Report("a:1", 1);
+  a.members = {"a:1", "b:1"};
+  std::vector<MemberEvent> events;
+  CHECK(m.Heard(a, t0, &events).ok());
+  CHECK(Find(m, "a:1").state == MemberState::kUp);
+  // A stranger is still one.
+  PeerReport z = Report("z:1", 9);
+  CHECK(m.Heard(z, t0, &events).code() == absl::StatusCode::kPermissionDenied);
+
+  Membership fixed(kMembers, Report("a:1", 1), seconds(3));
+  CHECK_FALSE(fixed.Add("d:1"));
+  CHECK(fixed.Snapshot().size() == 3);
+}
+
 TEST_CASE("Membership: refuses strangers, other member lists and a second self", "[cluster]") {
   const Clock::time_point t0 = Clock::time_point() + seconds(1000);
   Membership m(kMembers, Report("a:1", 1), seconds(3));

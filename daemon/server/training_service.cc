@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "daemon/cluster/cluster.h"
 #include "daemon/cluster/cluster_service.h"
+#include "daemon/cluster/election.h"
 #include "daemon/common/elapsed.h"
 #include "daemon/common/files.h"
 #include "daemon/common/status.h"
@@ -245,6 +246,13 @@ void TrainingServiceImpl::set_cluster(const cluster::Cluster* cluster) {
   cluster_ = cluster;
 }
 
+void TrainingServiceImpl::set_coordinator_election(const cluster::Election* election,
+                                                   std::string cluster_store) {
+  std::lock_guard<std::mutex> lock(address_mu_);
+  coordinator_election_ = election;
+  cluster_store_ = std::move(cluster_store);
+}
+
 grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                                           v1::DaemonInfo* info) {
   info->set_version(facts_.version);
@@ -260,6 +268,14 @@ grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInf
     for (const cluster::MemberInfo& member : cluster->Members()) {
       cluster::ToProto(member, now, info->add_cluster());
     }
+    absl::StatusOr<std::string> coordinator = Coordinator();
+    if (coordinator.ok()) {
+      info->set_coordinator(coordinator->empty() ? info->listen() : *coordinator);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(address_mu_);
+    info->set_cluster_store(cluster_store_);
   }
   info->set_hostname(facts_.hostname);
   info->set_max_message_bytes(facts_.max_message_bytes);
@@ -632,15 +648,26 @@ std::vector<std::string> TrainingServiceImpl::OtherMembers() const {
   return out;
 }
 
-std::string TrainingServiceImpl::Coordinator() const {
+absl::StatusOr<std::string> TrainingServiceImpl::Coordinator() const {
   std::lock_guard<std::mutex> lock(address_mu_);
-  if (cluster_ == nullptr) return "";
-  const std::vector<cluster::MemberInfo> members = cluster_->Members();
-  if (members.size() < 2) return "";
-  for (const cluster::MemberInfo& m : members) {
-    if (m.rank == 0) return m.self ? "" : m.address;
+  if (coordinator_election_ != nullptr) {
+    if (coordinator_election_->leads()) return std::string();
+    std::string leader = coordinator_election_->leader();
+    if (leader.empty()) {
+      // pyrannc.barrier() retries on "has no coordinator yet": such a call met no one.
+      return absl::UnavailableError(absl::StrCat(
+          "the cluster has no coordinator yet (elected in etcd, ", cluster_store_,
+          "): the last one just left, or etcd cannot be reached; retry"));
+    }
+    return leader;
   }
-  return "";
+  if (cluster_ == nullptr) return std::string();
+  const std::vector<cluster::MemberInfo> members = cluster_->Members();
+  if (members.size() < 2) return std::string();
+  for (const cluster::MemberInfo& m : members) {
+    if (m.rank == 0) return m.self ? std::string() : m.address;
+  }
+  return std::string();
 }
 
 v1::TrainingService::Stub* TrainingServiceImpl::PeerStub(const std::string& address) const {
@@ -695,7 +722,9 @@ grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext* context,
   const int world = static_cast<int>(request->client_world());
   if (world <= 1) return grpc::Status::OK;
   // Over a cluster, client ranks may talk to different daemons: they meet at the coordinator.
-  if (const std::string coordinator = Coordinator(); !coordinator.empty()) {
+  absl::StatusOr<std::string> coordinator_or = Coordinator();
+  if (!coordinator_or.ok()) return Fail("ClientBarrier", coordinator_or.status());
+  if (const std::string& coordinator = *coordinator_or; !coordinator.empty()) {
     grpc::ClientContext forwarded;
     forwarded.set_deadline(std::chrono::system_clock::now() +
                            std::chrono::milliseconds(request->timeout_ms()) +

@@ -40,6 +40,7 @@
 namespace rannc {
 namespace cluster {
 class Cluster;
+class Election;
 }  // namespace cluster
 
 // Tensors of a request (example inputs, a forward's inputs), out of files under `shm` where
@@ -76,6 +77,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // --cluster-store: the cluster's job registry (not owned; outlives the service). Jobs that
   // checkpoint are registered there, and this daemon takes over those whose leader is lost.
   void set_registry(JobRegistry* registry);
+  // --cluster-store: the cluster's coordinator election (not owned; outlives the service), which
+  // replaces "rank 0 coordinates".
+  void set_coordinator_election(const cluster::Election* election, std::string cluster_store);
   // A registered job led here lost a daemon it ran on (Cluster::OnMemberDown): it is brought
   // back from its latest checkpoint over the members that are UP, under a new id (its client
   // follows it with LocateJob), on a thread of its own. Nothing for a job not registered.
@@ -156,7 +160,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // meets at the coordinator.
   std::vector<cluster::MemberInfo> Members() const;
   std::vector<std::string> OtherMembers() const;
-  std::string Coordinator() const;  // the rank-0 member's address; empty without a cluster
+  // The coordinator's address: elected in etcd with --cluster-store, else the rank-0 member's;
+  // "" for this daemon, and without a cluster. UNAVAILABLE while none is elected.
+  absl::StatusOr<std::string> Coordinator() const;
   v1::TrainingService::Stub* PeerStub(const std::string& address) const;
   v1::JobPartService::Stub* PartStub(const std::string& address) const;
 
@@ -229,6 +235,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   mutable std::mutex address_mu_;
   std::string address_;
   const cluster::Cluster* cluster_ = nullptr;  // guarded by address_mu_
+  const cluster::Election* coordinator_election_ = nullptr;  // guarded by address_mu_
+  std::string cluster_store_;                                // guarded by address_mu_
   comm::Store* store_ = nullptr;
   // pyrannc.barrier(): one rendezvous per name and client count.
   std::mutex barriers_mu_;

@@ -11,7 +11,11 @@ first forward; RaNNCModule.save_deployment / load_deployment and show_deployment
 saved plans (see pyrannc._deployment and docs/planner.md).
 """
 
-from pyrannc import _daemon, _jobs, _runtime
+import time
+
+import grpc
+
+from pyrannc import _config, _daemon, _jobs, _runtime
 from pyrannc._deployment import show_deployment
 from pyrannc._optim import register_optimizer
 from pyrannc._runtime import get_rank, get_world_size
@@ -29,13 +33,25 @@ __all__ = [
 
 def barrier() -> None:
     """Blocks until every client rank of the job (same RANNC_JOB) reaches it; with one rank it
-    returns at once."""
+    returns at once. Ranks on different daemons meet at the cluster's coordinator; while a
+    cluster on etcd has none (the last one just died), the call is retried for up to
+    call_retry_timeout seconds (it reached no rendezvous, so it cannot be counted twice)."""
     world = _runtime.get_world_size()
     if world <= 1:
         return
-    _daemon.connection().call("ClientBarrier", _pb.ClientBarrierRequest(
+    request = _pb.ClientBarrierRequest(
         name=_jobs.job_name(None), client_rank=_runtime.get_rank(), client_world=world,
-        timeout_ms=_jobs.client_timeout_ms()))
+        timeout_ms=_jobs.client_timeout_ms())
+    deadline = time.monotonic() + _config.client_seconds("call_retry_timeout", 30.0)
+    while True:
+        try:
+            _daemon.connection().call("ClientBarrier", request)
+            return
+        except RanncError as err:
+            if (err.code != grpc.StatusCode.UNAVAILABLE or
+                    "has no coordinator yet" not in str(err) or time.monotonic() > deadline):
+                raise
+            time.sleep(0.2)
 
 
 def clear() -> None:

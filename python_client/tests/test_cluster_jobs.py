@@ -13,6 +13,7 @@ RANNC_CLUSTER_DEVICES: each daemon's --devices (default cpu:2; two devices each)
 machine, e.g. cuda:0/2: every daemon holds two shares of GPU 0 and the stages exchange CUDA
 tensors across the daemons."""
 
+import concurrent.futures
 import json
 import os
 import re
@@ -157,19 +158,21 @@ def cluster(request, pyrannc_daemon):  # pyrannc_daemon: RANNC_DAEMON_BIN and a 
     yield from _start_cluster(request.param)
 
 
-def _start_cluster(count, store=None):
+def _start_cluster(count, store=None, discover=False, flags=()):
     """`count` daemons (with --cluster-store `store`, if given), once every one is UP in every
-    other's view; stopped when the generator closes."""
+    other's view; stopped when the generator closes. `discover`: no --peers, the daemons find
+    each other in the store."""
     peers = [f"127.0.0.1:{p}" for p in _free_ports(count)]
     logs, procs = [], []
     for address in peers:
         log = tempfile.NamedTemporaryFile(prefix="ranncd-", suffix=".log", delete=False)
         logs.append(log)
         procs.append(subprocess.Popen(
-            [daemon_binary(), "--listen", address, "--devices", CLUSTER_DEVICES, "--peers",
-             ",".join(peers), "--heartbeat-interval", "200ms", "--peer-timeout", "5s",
+            [daemon_binary(), "--listen", address, "--devices", CLUSTER_DEVICES,
+             "--heartbeat-interval", "200ms", "--peer-timeout", "5s",
              "--profile-cache", "none", "--links", "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s"]
-            + (["--cluster-store", store] if store else []),
+            + ([] if discover else ["--peers", ",".join(peers)])
+            + (["--cluster-store", store] if store else []) + list(flags),
             stdout=log, stderr=subprocess.STDOUT))
     deadline = time.time() + 60
     names = []  # each daemon's device names
@@ -990,9 +993,9 @@ class _Failover:
 
     STEPS = 20
 
-    def __init__(self, tmp_path, store, plan, **env):
+    def __init__(self, tmp_path, store, plan, discover=False, **env):
         self.tmp_path = tmp_path
-        self._gen = _start_cluster(3, store)
+        self._gen = _start_cluster(3, store, discover)
         self.peers, self._logs, self.procs, _ = next(self._gen)
         partitions, replicas, pipeline = plan
         self.env = dict(os.environ, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(self.peers),
@@ -1051,8 +1054,10 @@ def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
     # mid-training: another daemon takes the job over from the latest checkpoint within the
     # lease's TTL (10 s) and re-plans over the members that are UP; the client, which knows
     # every daemon (RANNC_DAEMON=a,b,c), finds it there (JobMoved), goes on from that step, and
-    # ends with the parameters of an uninterrupted run, bitwise.
-    f = _Failover(tmp_path, etcd, (2, 2, 2), RANNC_CALL_RETRY_TIMEOUT="60")
+    # ends with the parameters of an uninterrupted run, bitwise. The daemons have no --peers:
+    # they find each other in etcd. `rannc locate` over the same list (its first daemon dead)
+    # names the new leader.
+    f = _Failover(tmp_path, etcd, (2, 2, 2), discover=True, RANNC_CALL_RETRY_TIMEOUT="60")
     peers = f.peers
     killed = {}
     try:
@@ -1077,6 +1082,12 @@ def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
         assert took < 25, f.logs()
         now = f.locate("moved")
         assert now.leader == leader and now.generation == 1 and now.resumed_step == 10, now
+        located = subprocess.run([built_binary("rannc", "RANNC_CLI_BIN", "client"), "locate",
+                                  "moved", "--daemon", ",".join(peers)], capture_output=True,
+                                 text=True, timeout=30)
+        assert located.returncode == 0, located.stderr
+        assert f"({now.job_id}) runs on ranncd at {leader}" in located.stdout, located.stdout
+        assert "taken over: 1 time, last resumed from step 10" in located.stdout, located.stdout
         _assert_bitwise(got, whole, "after the failover")
         # The step log: steps 1.. by the first leader, then 11..20 by the new one, never at
         # the same time.
@@ -1140,7 +1151,8 @@ def test_three_daemons_on_a_three_member_etcd_train_through_the_loss_of_an_etcd_
     # all of them (3 stages x 2 replicas x 2 micro-batches), and the etcd member that leads the
     # etcd cluster SIGKILLed mid-training: the daemons' calls move to the other members, no
     # lease is lost, no job moves, and training ends as an uninterrupted run does, bitwise.
-    f = _Failover(tmp_path, etcd3.url, (3, 2, 2))
+    # The daemons have no --peers (they find each other in etcd) and elect a coordinator there.
+    f = _Failover(tmp_path, etcd3.url, (3, 2, 2), discover=True)
     killed = []
     try:
         info = subprocess.run([built_binary("rannc", "RANNC_CLI_BIN", "client"), "info",
@@ -1149,6 +1161,9 @@ def test_three_daemons_on_a_three_member_etcd_train_through_the_loss_of_an_etcd_
         assert info.returncode == 0, info.stderr
         for p in f.peers:
             assert re.search(rf"{re.escape(p)}.*UP", info.stdout), info.stdout
+        assert re.search(r"cluster: 3 daemons, 3 up; coordinator 127\.0\.0\.1:\d+ \(elected in "
+                         r"etcd\)", info.stdout), info.stdout
+        assert f"cluster store: {etcd3.url}" in info.stdout, info.stdout
         whole = f.run_whole()
 
         def kill_the_etcd_leader(words):
@@ -1167,6 +1182,54 @@ def test_three_daemons_on_a_three_member_etcd_train_through_the_loss_of_an_etcd_
               f"went on")
     finally:
         f.stop()
+
+
+def test_the_coordinator_is_elected_in_etcd_and_replaced_when_it_dies(tmp_path, etcd,
+                                                                      pyrannc_daemon):
+    # Three daemons without --peers on one etcd (leases of 3 s) elect one coordinator, which
+    # every one of them names; client ranks on all three daemons meet at it (ClientBarrier).
+    # SIGKILLed, it is replaced within its lease's TTL by a daemon both others name, and ranks
+    # on those two meet there. (Two coordinators would leave each rank waiting alone.)
+    gen = _start_cluster(3, etcd, discover=True, flags=("--cluster-lease", "3s"))
+    peers, logs, procs, _ = next(gen)
+
+    def coordinators(addresses):
+        return {a: rpc.TrainingServiceStub(grpc.insecure_channel(a)).GetInfo(
+            pb.GetInfoRequest(), timeout=5).coordinator for a in addresses}
+
+    def meet(addresses, name):
+        with concurrent.futures.ThreadPoolExecutor(len(addresses)) as pool:
+            calls = [pool.submit(rpc.TrainingServiceStub(grpc.insecure_channel(a)).ClientBarrier,
+                                 pb.ClientBarrierRequest(name=name, client_rank=rank,
+                                                         client_world=len(addresses),
+                                                         timeout_ms=15000), timeout=30)
+                     for rank, a in enumerate(addresses)]
+            for call in calls:
+                call.result()
+
+    try:
+        named = coordinators(peers)
+        first = named[peers[0]]
+        assert first in peers and set(named.values()) == {first}, named
+        meet(peers, "before")
+        procs[peers.index(first)].kill()
+        killed_at = time.time()
+        rest = [p for p in peers if p != first]
+        while True:
+            named = coordinators(rest)
+            if len(set(named.values())) == 1 and named[rest[0]] in rest:
+                break
+            assert time.time() - killed_at < 15, (named, "\n".join(open(l.name).read()
+                                                                  for l in logs))
+            time.sleep(0.1)
+        took = time.time() - killed_at
+        print(f"{named[rest[0]]} coordinates {took:.1f} s after {first} was SIGKILLed")
+        assert took > 1, "elected again before the old coordinator's lease could have ended"
+        meet(rest, "after")
+        log = open(logs[peers.index(named[rest[0]])].name).read()
+        assert f"election /rannc/coordinator: {named[rest[0]]} leads (this daemon)" in log, log
+    finally:
+        next(gen, None)
 
 
 def entry_devices(address, job_id):
