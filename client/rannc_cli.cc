@@ -58,6 +58,7 @@
 #include "client/token_data.h"
 #include "daemon/config/keys.h"
 #include "daemon/common/files.h"
+#include "daemon/security/tls.h"
 
 namespace rannc {
 namespace {
@@ -81,7 +82,8 @@ int Fail(const absl::Status& status) {
   std::cerr << "rannc: " << status.message() << "\n";
   if (status.code() == absl::StatusCode::kUnavailable) {
     std::cerr << "rannc: is ranncd running there? Point at it with --daemon HOST:PORT or "
-                 "RANNC_DAEMON.\n";
+                 "RANNC_DAEMON. A ranncd started with --tls-cert speaks TLS only: give the CA "
+                 "that signed its certificate (--tls-ca or RANNC_TLS_CA).\n";
   }
   return 1;
 }
@@ -668,6 +670,15 @@ int Main(int argc, char** argv) {
                  "first that answers")
       ->envname("RANNC_DAEMON")
       ->capture_default_str();
+  // TLS, for a daemon started with --tls-cert (docs/security.md).
+  ClientOptions client_options;
+  app.add_option("--tls-ca", client_options.tls_ca, "PEM CA to verify the daemon with")
+      ->envname("RANNC_TLS_CA");
+  app.add_option("--tls-cert", client_options.tls_cert,
+                 "PEM client certificate to present (with --tls-key)")
+      ->envname("RANNC_TLS_CERT");
+  app.add_option("--tls-key", client_options.tls_key, "PEM private key of --tls-cert")
+      ->envname("RANNC_TLS_KEY");
 
   CLI::App* info = app.add_subcommand("info", "show the daemon's version, devices and jobs");
   CLI::App* jobs = app.add_subcommand("jobs", "list the daemon's jobs");
@@ -842,11 +853,17 @@ int Main(int argc, char** argv) {
   if (*keys) return RunKeys(keys_format);
   if (*plan && !plan_flags.show.empty()) return RunShow(plan_flags);
 
+  const security::TlsFiles tls{client_options.tls_cert, client_options.tls_key,
+                               client_options.tls_ca};
+  if (absl::Status files = security::CheckTlsFiles(tls, "--tls", false); !files.ok()) {
+    return Fail(files);
+  }
   std::unique_ptr<Client> connected;
   if (daemon.find(',') == std::string::npos) {
-    connected = std::make_unique<Client>(daemon);
+    connected = std::make_unique<Client>(daemon, client_options);
   } else {
-    absl::StatusOr<std::unique_ptr<Client>> any = Client::ConnectAny(daemon, absl::Seconds(5));
+    absl::StatusOr<std::unique_ptr<Client>> any =
+        Client::ConnectAny(daemon, absl::Seconds(5), client_options);
     if (!any.ok()) return Fail(any.status());
     connected = std::move(*any);
   }

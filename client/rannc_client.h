@@ -92,6 +92,12 @@ struct ClientOptions {
   // not call the Client (from this thread: its calls would overtake the one being retried).
   // Default none.
   std::function<void(absl::string_view rpc, const absl::Status& cause)> on_retry;
+  // TLS (a daemon started with --tls-cert): the CA to verify the daemon with, and a client
+  // certificate and key to present (optional). All empty, the default: plain text. The same as
+  // the client config keys tls_ca, tls_cert and tls_key (RANNC_TLS_CA, ...).
+  std::string tls_ca;
+  std::string tls_cert;
+  std::string tls_key;
 };
 
 // What CreateJob needs besides the model bytes: JobSpec with HostTensor example inputs.

@@ -24,6 +24,7 @@
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/link_probe.h"
+#include "daemon/security/tls.h"
 #include "daemon/server/grpc_part_channel.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_part_service.h"
@@ -190,13 +191,24 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   daemon->records_ = std::make_unique<JobRecords>(state_dir == "none" ? "" : state_dir);
 
+  // TLS: the server's, and that of this daemon's calls to the others (mutual TLS).
+  const security::TlsFiles tls{options.tls_cert, options.tls_key, options.tls_ca};
+  if (absl::Status checked = security::CheckTlsFiles(tls, "--tls", true); !checked.ok()) {
+    return checked;
+  }
+  const auto tls_refresh = std::chrono::duration_cast<std::chrono::seconds>(options.tls_refresh);
+  std::shared_ptr<grpc::ServerCredentials> server_credentials =
+      tls.enabled() ? security::ServerCredentials(tls, tls_refresh)
+                    : grpc::InsecureServerCredentials();
+  if (tls.enabled()) security::SetPeerCredentials(security::ChannelCredentials(tls, tls_refresh));
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   // Without this gRPC binds with SO_REUSEPORT, and a second daemon on a busy port would
   // silently share it.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(options.listen, server_credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(
       std::min<uint64_t>(options.max_message_size, std::numeric_limits<int>::max())));
   builder.SetMaxSendMessageSize(std::numeric_limits<int>::max());
@@ -225,7 +237,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   absl::StatusOr<std::string> advertise = AdvertisedAddress(options, daemon->address_);
   if (advertise.ok() && !options.cluster_store.empty()) {
     absl::Status joined =
-        daemon->UseClusterStore(options.cluster_store, *advertise, options.cluster_lease);
+        daemon->UseClusterStore(options, *advertise);
     if (!joined.ok()) {
       daemon->server_->Shutdown(std::chrono::system_clock::now());
       return joined;
@@ -291,13 +303,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->training_->set_address(daemon->address_);
   daemon->training_->ResumeDetachedJobs();
   daemon->cluster_->Start();
-  spdlog::info("ranncd listening on {} (version {}, LibTorch {})", daemon->address_,
-               kRanncVersion, TORCH_VERSION);
+  spdlog::info("ranncd listening on {} (version {}, LibTorch {}, {})", daemon->address_,
+               kRanncVersion, TORCH_VERSION,
+               !tls.enabled()     ? "plain text"
+               : tls.ca.empty()   ? "TLS"
+                                  : "TLS, daemons' certificates checked against --tls-ca");
   return daemon;
 }
 
-absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& self,
-                                     std::chrono::milliseconds lease_ttl) {
+absl::Status Daemon::UseClusterStore(const DaemonOptions& options, const std::string& self) {
+  const std::string& url = options.cluster_store;
+  const std::chrono::milliseconds lease_ttl = options.cluster_lease;
   const auto ttl = std::chrono::duration_cast<std::chrono::seconds>(lease_ttl);
   if (ttl < std::chrono::seconds(2) || ttl != lease_ttl) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -306,8 +322,15 @@ absl::Status Daemon::UseClusterStore(const std::string& url, const std::string& 
   }
   absl::StatusOr<std::vector<std::string>> endpoints = cluster::ParseEtcdUrl(url);
   if (!endpoints.ok()) return Annotate(endpoints.status(), "--cluster-store");
-  absl::StatusOr<std::unique_ptr<cluster::EtcdClient>> etcd =
-      cluster::EtcdClient::Connect(*endpoints, std::chrono::seconds(5));
+  const security::TlsFiles tls{options.cluster_store_cert, options.cluster_store_key,
+                               options.cluster_store_ca};
+  if (absl::Status files = security::CheckTlsFiles(tls, "--cluster-store", false); !files.ok()) {
+    return files;
+  }
+  const auto refresh = std::chrono::duration_cast<std::chrono::seconds>(options.tls_refresh);
+  absl::StatusOr<std::unique_ptr<cluster::EtcdClient>> etcd = cluster::EtcdClient::Connect(
+      *endpoints, std::chrono::seconds(5),
+      tls.enabled() ? security::ChannelCredentials(tls, refresh) : nullptr);
   if (!etcd.ok()) return Annotate(etcd.status(), "--cluster-store");
   etcd_ = std::move(*etcd);
   // This daemon's lease: its member key (cluster/etcd_transport.h), and the store keys of the

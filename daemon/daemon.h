@@ -73,8 +73,8 @@ class Daemon {
   // keys and job leaderships go with it), and gives jobs over several daemons their rendezvous
   // there. A daemon whose lease is lost (cut off from etcd for its TTL) exits with code 75: its
   // jobs are others' now (job_registry.h), and its supervisor restarts it under a new lease.
-  absl::Status UseClusterStore(const std::string& url, const std::string& self,
-                               std::chrono::milliseconds lease_ttl);
+  // `self`: this daemon's advertised address.
+  absl::Status UseClusterStore(const DaemonOptions& options, const std::string& self);
 
   std::string address_;
   std::unique_ptr<planner::ProfileCache> profile_cache_;

@@ -18,6 +18,7 @@ packages=(
   python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm python3-torchvision
   etcd-server golang-etcd-server-dev golang-github-gogo-protobuf-dev
   golang-github-grpc-ecosystem-grpc-gateway-dev
+  openssl
 )
 
 missing=()

@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/security/tls.h"
 
 namespace rannc {
 namespace cluster {
@@ -91,7 +92,7 @@ class GrpcTransport final : public PeerTransport {
       args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
       args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
       stub = v1::ClusterService::NewStub(
-          grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+          grpc::CreateCustomChannel(address, security::PeerCredentials(), args));
     }
     return *stub;
   }

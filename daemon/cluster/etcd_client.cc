@@ -59,19 +59,23 @@ std::string PrefixEnd(const std::string& prefix) {
   return std::string(1, '\0');  // every key
 }
 
-EtcdClient::EtcdClient(std::vector<std::string> endpoints, std::chrono::milliseconds timeout)
+EtcdClient::EtcdClient(std::vector<std::string> endpoints, std::chrono::milliseconds timeout,
+                       const std::shared_ptr<grpc::ChannelCredentials>& credentials)
     : endpoints_(std::move(endpoints)), timeout_(timeout) {
   for (const std::string& e : endpoints_) {
-    channels_.push_back(grpc::CreateChannel(e, grpc::InsecureChannelCredentials()));
+    channels_.push_back(grpc::CreateChannel(
+        e, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials()));
   }
 }
 
 EtcdClient::~EtcdClient() = default;
 
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(
-    std::vector<std::string> endpoints, std::chrono::milliseconds timeout) {
+    std::vector<std::string> endpoints, std::chrono::milliseconds timeout,
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
   if (endpoints.empty()) return absl::InvalidArgumentError("no etcd endpoints");
-  std::unique_ptr<EtcdClient> client(new EtcdClient(std::move(endpoints), timeout));
+  std::unique_ptr<EtcdClient> client(
+      new EtcdClient(std::move(endpoints), timeout, credentials));
   // Reachable at all: a member answering a read.
   absl::StatusOr<std::optional<KeyValue>> probe = client->Get("/rannc/");
   if (!probe.ok()) {

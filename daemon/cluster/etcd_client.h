@@ -38,6 +38,7 @@
 
 namespace grpc {
 class Channel;
+class ChannelCredentials;
 class ClientContext;
 }  // namespace grpc
 namespace etcdserverpb {
@@ -74,8 +75,11 @@ struct Leadership {
 
 class EtcdClient {
  public:
+  // `credentials`: TLS to etcd (security::ChannelCredentials; etcd's --cert-file, and its
+  // --trusted-ca-file with --client-cert-auth); null: plain text.
   static absl::StatusOr<std::unique_ptr<EtcdClient>> Connect(
-      std::vector<std::string> endpoints, std::chrono::milliseconds timeout);
+      std::vector<std::string> endpoints, std::chrono::milliseconds timeout,
+      std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
   ~EtcdClient();
 
   const std::vector<std::string>& endpoints() const { return endpoints_; }
@@ -162,7 +166,8 @@ class EtcdClient {
                                      std::function<void(const absl::Status&)> on_error = {});
 
  private:
-  EtcdClient(std::vector<std::string> endpoints, std::chrono::milliseconds timeout);
+  EtcdClient(std::vector<std::string> endpoints, std::chrono::milliseconds timeout,
+             const std::shared_ptr<grpc::ChannelCredentials>& credentials);
   std::shared_ptr<grpc::Channel> Channel(size_t* index);
   // Keys in [key, end) (end "": `key` alone).
   absl::StatusOr<std::vector<KeyValue>> Range(const std::string& key, const std::string& end,

@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include "daemon/cluster/etcd_testing.h"
+#include "daemon/security/tls_testing.h"
 
 namespace rannc {
 namespace cluster {
@@ -62,6 +63,34 @@ TEST_CASE("EtcdClient reads, writes and compares keys", "[etcd]") {
   CHECK(c.DeletePrefix("/t/").value() == 2);
   CHECK(c.GetPrefix("/t/").value().empty());
   CHECK(c.Get("/u/c").value()->value == "3");
+}
+
+TEST_CASE("etcd over TLS: a client of its CA with a certificate gets in; plain text, another "
+          "CA, or no certificate does not", "[etcd]") {
+  testing::TestCa ca, other;
+  ca.Issue("etcd");
+  ca.Issue("daemon");
+  other.Issue("stranger");
+  EtcdCluster etcd(1, {ca.cert("etcd"), ca.key("etcd"), ca.ca()});
+  RANNC_REQUIRE_ETCD(etcd);
+  auto client = EtcdClient::Connect(
+      etcd.endpoints(), seconds(2),
+      security::ChannelCredentials({ca.cert("daemon"), ca.key("daemon"), ca.ca()}, seconds(10)));
+  REQUIRE(client.ok());
+  REQUIRE((*client)->Put("/test/tls", "yes").ok());
+  CHECK((*client)->Get("/test/tls").value()->value == "yes");
+
+  auto plain = EtcdClient::Connect(etcd.endpoints(), seconds(2));
+  CHECK(plain.status().code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(plain.status().message()), Catch::Contains("no etcd member of"));
+  auto no_certificate = EtcdClient::Connect(
+      etcd.endpoints(), seconds(2), security::ChannelCredentials({"", "", ca.ca()}, seconds(10)));
+  CHECK_FALSE(no_certificate.ok());
+  auto wrong_ca = EtcdClient::Connect(
+      etcd.endpoints(), seconds(2),
+      security::ChannelCredentials({other.cert("stranger"), other.key("stranger"), other.ca()},
+                                   seconds(10)));
+  CHECK_FALSE(wrong_ca.ok());
 }
 
 TEST_CASE("EtcdClient's connection to nothing fails at once, naming the endpoints", "[etcd]") {

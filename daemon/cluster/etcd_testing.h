@@ -2,6 +2,8 @@
 // directory of its own under a temporary directory, started and waited for by the constructor,
 // killed (SIGKILL) by the destructor or Kill(i). Needs Debian's etcd-server (/usr/bin/etcd or
 // RANNC_ETCD_BIN); without it, `available()` is false and says why, and tests skip loudly.
+// With `tls`, its clients must speak TLS and present a certificate of tls.ca (etcd's
+// --client-cert-auth); credentials() is what they connect with.
 // Header-only; uses Catch2, so include it from tests only.
 #ifndef RANNC_DAEMON_CLUSTER_ETCD_TESTING_H_
 #define RANNC_DAEMON_CLUSTER_ETCD_TESTING_H_
@@ -22,6 +24,7 @@
 #include <catch2/catch.hpp>
 
 #include "daemon/cluster/etcd_client.h"
+#include "daemon/security/tls.h"
 
 extern char** environ;
 
@@ -43,7 +46,7 @@ inline int FreePort() {
 
 class EtcdCluster {
  public:
-  explicit EtcdCluster(int members) {
+  explicit EtcdCluster(int members, security::TlsFiles tls = {}) : tls_(std::move(tls)) {
     const char* bin = std::getenv("RANNC_ETCD_BIN");
     binary_ = bin != nullptr ? bin : "/usr/bin/etcd";
     if (::access(binary_.c_str(), X_OK) != 0) {
@@ -63,7 +66,7 @@ class EtcdCluster {
       members_.push_back(m);
     }
     for (Member& m : members_) {
-      const std::string client_url = "http://" + m.client;
+      const std::string client_url = (tls_.enabled() ? "https://" : "http://") + m.client;
       std::vector<std::string> args = {
           binary_, "--name", m.name, "--data-dir", dir_ + "/" + m.name,
           "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
@@ -72,6 +75,10 @@ class EtcdCluster {
           "--initial-cluster-token", dir_, "--heartbeat-interval", "50",
           "--election-timeout", "500", "--logger", "zap", "--log-level", "error",
           "--log-outputs", dir_ + "/" + m.name + ".log"};
+      if (tls_.enabled()) {
+        args.insert(args.end(), {"--cert-file", tls_.cert, "--key-file", tls_.key,
+                                 "--trusted-ca-file", tls_.ca, "--client-cert-auth"});
+      }
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -82,7 +89,8 @@ class EtcdCluster {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     for (const Member& m : members_) {
       while (true) {
-        auto client = cluster::EtcdClient::Connect({m.client}, std::chrono::seconds(1));
+        auto client =
+            cluster::EtcdClient::Connect({m.client}, std::chrono::seconds(1), credentials());
         if (client.ok() && (*client)->Put("/rannc-test/ready", m.name).ok()) break;
         INFO("etcd member " << m.name << " at " << m.client << " (log: " << dir_ << "/"
                             << m.name << ".log)");
@@ -102,6 +110,12 @@ class EtcdCluster {
   EtcdCluster& operator=(const EtcdCluster&) = delete;
 
   bool available() const { return why_.empty(); }
+  // What its clients connect with: null for plain text; with TLS, the server's own certificate
+  // (of the CA) as the client's.
+  std::shared_ptr<grpc::ChannelCredentials> credentials() const {
+    if (!tls_.enabled()) return nullptr;
+    return security::ChannelCredentials(tls_, std::chrono::seconds(60));
+  }
   const std::string& why() const { return why_; }
 
   std::vector<std::string> endpoints() const {
@@ -128,6 +142,7 @@ class EtcdCluster {
     std::string name, client, peer;
     pid_t pid = -1;
   };
+  security::TlsFiles tls_;
   std::string binary_, dir_, why_;
   std::vector<Member> members_;
 };

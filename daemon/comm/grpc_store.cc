@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/security/tls.h"
 
 namespace rannc {
 namespace comm {
@@ -24,7 +25,7 @@ class GrpcStore final : public Store {
       : address_(std::move(address)),
         rpc_timeout_(rpc_timeout),
         stub_(v1::StoreService::NewStub(
-            grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()))) {}
+            grpc::CreateChannel(address_, security::PeerCredentials()))) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
     v1::StoreSetRequest request;

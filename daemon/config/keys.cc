@@ -50,10 +50,25 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"cluster_lease", T::kDuration, S::kDaemon, "10s",
        "with cluster_store: each daemon's etcd lease (whole seconds, at least 2s); a daemon "
        "lost for this long is DOWN and its jobs are taken over by the others"},
+      {"cluster_store_cert", T::kString, S::kDaemon, "none (plain text to etcd)",
+       "TLS to etcd: the PEM client certificate ranncd presents (with cluster_store_key)"},
+      {"cluster_store_key", T::kString, S::kDaemon, "none",
+       "TLS to etcd: the PEM private key of cluster_store_cert"},
+      {"cluster_store_ca", T::kString, S::kDaemon, "none",
+       "TLS to etcd: the PEM CA that signed etcd's certificate"},
       {"heartbeat_interval", T::kDuration, S::kDaemon, "1s",
        "how often each daemon heartbeats the others"},
       {"peer_timeout", T::kDuration, S::kDaemon, "10s",
        "a member not heard from for this long is DOWN; must exceed heartbeat_interval"},
+      {"tls_cert", T::kString, S::kDaemon, "none (plain text)",
+       "PEM certificate chain ranncd serves TLS with (with tls_key); clients (pyrannc, the SDK, "
+       "the CLI) given one present it (mutual TLS)"},
+      {"tls_key", T::kString, S::kDaemon, "none", "PEM private key of tls_cert"},
+      {"tls_ca", T::kString, S::kDaemon, "none",
+       "PEM CA certificate(s): clients verify ranncd with it; ranncd verifies the other "
+       "daemons' certificates (mutual TLS), and clients' when they present one"},
+      {"tls_refresh", T::kDuration, S::kDaemon, "10s",
+       "how often ranncd reads its TLS files again (a rotated certificate needs no restart)"},
       // ---- a job (sent with CreateJob; planner/planner.h, runtime/loss_scale.h, server/) ----
       {"partition_num", T::kInt, S::kJob, "0 (the planner's choice)", "pipeline stages"},
       {"pipeline_num", T::kInt, S::kJob, "0 (the planner's choice)", "micro-batches per step"},

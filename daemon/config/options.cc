@@ -190,8 +190,15 @@ const std::vector<Key>& Keys() {
       Count("cluster_size", &DaemonOptions::cluster_size, &CheckClusterSize),
       Text("cluster_store", &DaemonOptions::cluster_store, &CheckClusterStore),
       Duration("cluster_lease", &DaemonOptions::cluster_lease),
+      Text("cluster_store_cert", &DaemonOptions::cluster_store_cert),
+      Text("cluster_store_key", &DaemonOptions::cluster_store_key),
+      Text("cluster_store_ca", &DaemonOptions::cluster_store_ca),
       Duration("heartbeat_interval", &DaemonOptions::heartbeat_interval),
       Duration("peer_timeout", &DaemonOptions::peer_timeout),
+      Text("tls_cert", &DaemonOptions::tls_cert),
+      Text("tls_key", &DaemonOptions::tls_key),
+      Text("tls_ca", &DaemonOptions::tls_ca),
+      Duration("tls_refresh", &DaemonOptions::tls_refresh),
   };
   return *keys;
 }
@@ -519,8 +526,17 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                         "rendezvous and the registry of jobs that fail over (default: none)"},
       {"cluster_lease", "with --cluster-store: this daemon's etcd lease; lost for this long, its "
                         "jobs are taken over (default 10s)"},
+      {"cluster_store_cert", "TLS to etcd: the PEM client certificate to present (with "
+                             "--cluster-store-key)"},
+      {"cluster_store_key", "TLS to etcd: the PEM private key of --cluster-store-cert"},
+      {"cluster_store_ca", "TLS to etcd: the PEM CA that signed etcd's certificate"},
       {"heartbeat_interval", "how often to heartbeat each peer (default 1s)"},
       {"peer_timeout", "silence after which a peer is DOWN (default 10s)"},
+      {"tls_cert", "PEM certificate chain: serve TLS (with --tls-key; default: plain text)"},
+      {"tls_key", "PEM private key of --tls-cert"},
+      {"tls_ca", "PEM CA certificate(s): the other daemons' certificates (mutual TLS) and "
+                 "clients' that present one must chain to it"},
+      {"tls_refresh", "how often the TLS files are read again, for rotation (default 10s)"},
   };
   const std::map<std::string, std::string> type_names = {
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
@@ -530,6 +546,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"advertise", "HOST:PORT"}, {"cluster_size", "N"},       {"heartbeat_interval", "DURATION"},
       {"cluster_store", "URL"},      {"cluster_lease", "DURATION"},
       {"peer_timeout", "DURATION"},
+      {"tls_cert", "FILE"}, {"tls_key", "FILE"}, {"tls_ca", "FILE"}, {"tls_refresh", "DURATION"},
+      {"cluster_store_cert", "FILE"}, {"cluster_store_key", "FILE"}, {"cluster_store_ca", "FILE"},
   };
   std::vector<FlagValue> flags;
   flags.reserve(Keys().size());
@@ -544,7 +562,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
         key.text == &DaemonOptions::links || key.text == &DaemonOptions::profile_cache ||
         key.text == &DaemonOptions::state_dir ||
         key.text == &DaemonOptions::peers || key.text == &DaemonOptions::advertise ||
-        key.text == &DaemonOptions::cluster_store) {
+        key.text == &DaemonOptions::cluster_store || key.text == &DaemonOptions::tls_cert ||
+        key.text == &DaemonOptions::tls_key || key.text == &DaemonOptions::tls_ca) {
       flag.option->expected(0, 1);
     }
   }
@@ -559,7 +578,9 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
       "log_level, max_message_size, shm_dir, links, profile_cache, state_dir, peers, advertise, "
-      "cluster_size, cluster_store, cluster_lease, heartbeat_interval, peer_timeout) and in the "
+      "cluster_size, cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, "
+      "cluster_store_ca, heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, "
+      "tls_refresh) and in the "
       "environment as "
       "RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");

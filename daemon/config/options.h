@@ -9,8 +9,8 @@
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
 // names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
 // profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, cluster_lease,
-// heartbeat_interval, peer_timeout)
-// at the top
+// cluster_store_cert, cluster_store_key, cluster_store_ca, heartbeat_interval, peer_timeout,
+// tls_cert, tls_key, tls_ca, tls_refresh) at the top
 // level; `peers` may also be an array of strings. The same file may hold any other key of the
 // registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
 // unregistered key is an error naming the key, the file and the nearest registered key.
@@ -22,9 +22,11 @@
 //
 // Flags (CLI11): --listen, --devices, --device-memory, --log-level, --max-message-size,
 // --shm-dir, --links, --profile-cache, --state-dir, --peers, --advertise, --cluster-size,
-// --heartbeat-interval, --peer-timeout, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both work; a flag
-// given twice takes the last value; unknown flags and positional arguments are errors naming
-// them.
+// --cluster-store, --cluster-lease, --cluster-store-cert, --cluster-store-key,
+// --cluster-store-ca, --heartbeat-interval, --peer-timeout, --tls-cert, --tls-key,
+// --tls-ca, --tls-refresh, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both
+// work; a flag given twice takes the last value; unknown flags and positional arguments are
+// errors naming them.
 //
 // Sizes (device_memory, max_message_size) accept an integer number of bytes, or a string: a
 // number, optionally fractional, and an optional unit, B, KB, MB, GB, TB (powers of 1000) or
@@ -129,12 +131,28 @@ struct DaemonOptions {
   // lost daemon is DOWN, and its jobs are taken over, after at most this long. Default 10 s.
   std::chrono::milliseconds cluster_lease{10000};
 
+  // TLS to etcd (any of them set): the client certificate and key this daemon presents (etcd's
+  // --client-cert-auth), and the CA that signed etcd's certificate. Default "": plain text.
+  std::string cluster_store_cert = "";
+  std::string cluster_store_key = "";
+  std::string cluster_store_ca = "";
+
   // How often this daemon heartbeats every other member. Default 1 s.
   std::chrono::milliseconds heartbeat_interval{1000};
 
   // A member not heard from for this long is DOWN. Default 10 s; must exceed
   // heartbeat_interval.
   std::chrono::milliseconds peer_timeout{10000};
+
+  // TLS (security/tls.h): this daemon's PEM certificate chain and key (both, or neither: plain
+  // text), and the CA that other daemons' certificates (mutual TLS), and clients' when they
+  // present one, must chain to. Checked at start. Default "": none.
+  std::string tls_cert = "";
+  std::string tls_key = "";
+  std::string tls_ca = "";
+  // How often those files are read again (a rotated certificate is used without a restart).
+  // Default 10 s.
+  std::chrono::milliseconds tls_refresh{10000};
 
   // The TOML file the options were read from; "" when none was found. Output only: the file is
   // chosen by --config or RANNC_CONF_DIR, never by a key.

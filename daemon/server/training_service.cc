@@ -26,6 +26,7 @@
 #include "daemon/planner/deployment.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/planner.h"
+#include "daemon/security/tls.h"
 #include "daemon/server/job_model.h"
 #include "daemon/server/optimizer_state_codec.h"
 #include "daemon/server/rpc_status.h"
@@ -675,7 +676,7 @@ v1::TrainingService::Stub* TrainingServiceImpl::PeerStub(const std::string& addr
   std::unique_ptr<v1::TrainingService::Stub>& stub = peers_[address];
   if (!stub) {
     stub = v1::TrainingService::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(address, security::PeerCredentials()));
   }
   return stub.get();
 }
@@ -685,7 +686,7 @@ v1::JobPartService::Stub* TrainingServiceImpl::PartStub(const std::string& addre
   std::unique_ptr<v1::JobPartService::Stub>& stub = part_stubs_[address];
   if (!stub) {
     stub = v1::JobPartService::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(address, security::PeerCredentials()));
   }
   return stub.get();
 }

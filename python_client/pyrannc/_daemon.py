@@ -51,6 +51,48 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+_TLS_KEYS = ("tls_ca", "tls_cert", "tls_key")
+
+
+def _tls_files() -> Dict[str, str]:
+    """The TLS files the client config names (tls_ca: the CA to verify ranncd with; tls_cert and
+    tls_key: a client certificate to present), by key; empty for plain text."""
+    return {key: path for key in _TLS_KEYS if (path := _config.client_setting(key).strip())}
+
+
+def make_channel(address: str, plain: bool = False) -> grpc.Channel:
+    """A channel to the ranncd at `address`: TLS when the client config names TLS files (read
+    now: a new channel uses rotated files), plain text otherwise or when `plain` (the embedded
+    daemon). A file that cannot be read is a RanncError naming its key and path."""
+    files = {} if plain else _tls_files()
+    if not files:
+        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    if ("tls_cert" in files) != ("tls_key" in files):
+        raise RanncError("pyrannc: give tls_cert and tls_key together (RANNC_TLS_CERT, "
+                         "RANNC_TLS_KEY: a client certificate and its private key)")
+    pem = {}
+    for key, path in files.items():
+        try:
+            with open(path, "rb") as f:
+                pem[key] = f.read()
+        except OSError as err:
+            where = _config.client_setting_from(key)[1]
+            raise RanncError(f"pyrannc: cannot read the TLS file of {where}: {err}") from None
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem.get("tls_ca"),
+                                               private_key=pem.get("tls_key"),
+                                               certificate_chain=pem.get("tls_cert"))
+    return grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+
+
+def _tls_hint() -> str:
+    """What to check when a daemon does not answer: its TLS, as much as its being there."""
+    if _tls_files():
+        return (" (TLS: RANNC_TLS_CA must name the CA that signed ranncd's certificate, which "
+                "must name the address dialled; a ranncd without --tls-cert speaks plain text)")
+    return (" (a ranncd started with --tls-cert speaks TLS only: set RANNC_TLS_CA to the CA that "
+            "signed its certificate)")
+
+
 def _free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -106,9 +148,12 @@ class _EmbeddedDaemon:
 
     def __init__(self, binary: str, address: str, settings: EmbeddedSettings):
         self.address = address
-        # Private to this process, it keeps no durable jobs (daemon_args may still ask).
+        # Private to this process, it keeps no durable jobs (daemon_args may still ask), and
+        # serves plain text on loopback: the client's TLS keys (RANNC_TLS_CA, ...), which name
+        # a remote daemon's CA, are not its own.
         self.args = [binary, "--listen", address, "--devices", settings.devices,
-                     "--state-dir", "none"] + settings.flags
+                     "--state-dir", "none", "--tls-cert=", "--tls-key=", "--tls-ca="]
+        self.args += settings.flags
         self.stop_timeout = settings.stop_timeout
         self.tail = collections.deque(maxlen=200)
         self.owner_pid = os.getpid()
@@ -170,7 +215,7 @@ class Connection:
     def __init__(self, address: str, embedded: Optional[_EmbeddedDaemon] = None):
         self.address = address
         self.embedded = embedded
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = make_channel(address, plain=embedded is not None)
         self.stub = pb_grpc.TrainingServiceStub(self.channel)
         self.info: Optional[pb.DaemonInfo] = None
         # Same-host shared-memory transfer; set once the daemon answered (see _shm).
@@ -321,12 +366,13 @@ class Connection:
                 # A channel that failed to connect waits out gRPC's reconnect backoff (seconds)
                 # even once the daemon listens; a new one connects at once.
                 self.channel.close()
-                self.channel = grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+                self.channel = make_channel(self.address, plain=self.embedded is not None)
                 self.stub = pb_grpc.TrainingServiceStub(self.channel)
                 fresh_at = time.monotonic() + 0.5
             time.sleep(0.1)
         detail = last_error.details() if last_error is not None else "no answer"
-        raise RanncError(f"ranncd at {self.address} did not answer GetInfo in time: {detail}",
+        raise RanncError(f"ranncd at {self.address} did not answer GetInfo in time: {detail}"
+                         f"{_tls_hint() if self.embedded is None else ''}",
                          code=grpc.StatusCode.DEADLINE_EXCEEDED, details=detail)
 
     def close(self):
@@ -471,7 +517,7 @@ def locate_job(name: str, lost: str):
     """The registry's entry of the job `name`, from the first daemon that answers; None when
     none answers, _NOT_REGISTERED when the job is in no registry (nothing will move it)."""
     for address in _other_addresses(lost):
-        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        channel = make_channel(address)
         try:
             return pb_grpc.TrainingServiceStub(channel).LocateJob(
                 pb.LocateJobRequest(name=name), timeout=2.0)

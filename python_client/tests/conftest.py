@@ -69,6 +69,16 @@ def built_binary(name: str, env: str, package: str = "daemon") -> str:
                 f"{candidates})")
 
 
+def repo_file(path: str) -> str:
+    """A file of the repository: the Bazel runfile under `bazel test`, else the checkout's."""
+    srcdir = os.environ.get("TEST_SRCDIR")
+    if srcdir:
+        runfile = os.path.join(srcdir, os.environ.get("TEST_WORKSPACE", "rannc"), path)
+        if os.path.exists(runfile):
+            return runfile
+    return os.path.join(REPO_ROOT, path)
+
+
 def free_port() -> int:
     return _daemon._free_loopback_port()
 

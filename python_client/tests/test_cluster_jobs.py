@@ -76,14 +76,19 @@ ETCD = os.environ.get("RANNC_ETCD_BIN", "/usr/bin/etcd")
 
 
 class EtcdProcesses:
-    """`members` etcd processes on loopback ports forming one cluster; `url` names them all."""
+    """`members` etcd processes on loopback ports forming one cluster; `url` names them all.
+    `tls` (cert, key, ca): clients must speak TLS and present a certificate of that CA."""
 
-    def __init__(self, tmp_path, members):
+    def __init__(self, tmp_path, members, tls=None):
         if not os.access(ETCD, os.X_OK):
             pytest.skip(f"SKIPPED LOUDLY: {ETCD} is missing (Debian's etcd-server; "
                         "deploy/setup.sh installs it)")
         ports = _free_ports(2 * members)
         self.clients = [f"127.0.0.1:{p}" for p in ports[:members]]
+        scheme = "https" if tls else "http"
+        tls_flags = ["--cert-file", tls[0], "--key-file", tls[1], "--trusted-ca-file", tls[2],
+                     "--client-cert-auth"] if tls else []
+        ctl_flags = ["--cert", tls[0], "--key", tls[1], "--cacert", tls[2]] if tls else []
         peers = [f"http://127.0.0.1:{p}" for p in ports[members:]]
         initial = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
         self.procs, self.logs = [], []
@@ -92,15 +97,16 @@ class EtcdProcesses:
             self.logs.append(log_path)
             self.procs.append(subprocess.Popen(
                 [ETCD, "--name", f"m{i}", "--data-dir", str(tmp_path / f"etcd-{i}"),
-                 "--listen-client-urls", f"http://{self.clients[i]}",
-                 "--advertise-client-urls", f"http://{self.clients[i]}",
+                 "--listen-client-urls", f"{scheme}://{self.clients[i]}",
+                 "--advertise-client-urls", f"{scheme}://{self.clients[i]}",
                  "--listen-peer-urls", peers[i], "--initial-advertise-peer-urls", peers[i],
                  "--initial-cluster", initial, "--initial-cluster-state", "new",
-                 "--logger", "zap", "--log-outputs", "stderr"],
+                 "--logger", "zap", "--log-outputs", "stderr", *tls_flags],
                 stdout=open(log_path, "w"), stderr=subprocess.STDOUT))
         deadline = time.time() + 30
         for i, client in enumerate(self.clients):
-            while subprocess.run(["etcdctl", "--endpoints", client, "endpoint", "health"],
+            while subprocess.run(["etcdctl", "--endpoints", client, *ctl_flags, "endpoint",
+                                  "health"],
                                  env=dict(os.environ, ETCDCTL_API="3"),
                                  capture_output=True).returncode != 0:
                 assert self.procs[i].poll() is None and time.time() < deadline, \
