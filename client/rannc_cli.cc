@@ -80,6 +80,9 @@ void InstallSigintHandler() {
 
 int Fail(const absl::Status& status) {
   std::cerr << "rannc: " << status.message() << "\n";
+  if (status.code() == absl::StatusCode::kUnauthenticated) {
+    std::cerr << "rannc: this ranncd wants a token: RANNC_TOKEN, or --token-file FILE.\n";
+  }
   if (status.code() == absl::StatusCode::kUnavailable) {
     std::cerr << "rannc: is ranncd running there? Point at it with --daemon HOST:PORT or "
                  "RANNC_DAEMON. A ranncd started with --tls-cert speaks TLS only: give the CA "
@@ -679,6 +682,11 @@ int Main(int argc, char** argv) {
       ->envname("RANNC_TLS_CERT");
   app.add_option("--tls-key", client_options.tls_key, "PEM private key of --tls-cert")
       ->envname("RANNC_TLS_KEY");
+  // Tokens, for a daemon started with --auth-token-file.
+  std::string token_file;
+  app.add_option("--token-file", token_file,
+                 "file whose first line is the token to send (the admin's, or a job's)")
+      ->envname("RANNC_TOKEN_FILE");
 
   CLI::App* info = app.add_subcommand("info", "show the daemon's version, devices and jobs");
   CLI::App* jobs = app.add_subcommand("jobs", "list the daemon's jobs");
@@ -853,6 +861,17 @@ int Main(int argc, char** argv) {
   if (*keys) return RunKeys(keys_format);
   if (*plan && !plan_flags.show.empty()) return RunShow(plan_flags);
 
+  if (const char* token = std::getenv("RANNC_TOKEN"); token != nullptr) {
+    client_options.token = token;
+  }
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    std::string line;
+    if (!in || !std::getline(in, line)) {
+      return Fail(absl::StrCat("--token-file ", token_file, ": cannot be read"));
+    }
+    client_options.token = std::string(absl::StripAsciiWhitespace(line));
+  }
   const security::TlsFiles tls{client_options.tls_cert, client_options.tls_key,
                                client_options.tls_ca};
   if (absl::Status files = security::CheckTlsFiles(tls, "--tls", false); !files.ok()) {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "daemon/common/periodic.h"
+#include "daemon/security/auth.h"
 #include "daemon/security/tls.h"
 
 namespace rannc {
@@ -30,8 +31,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, options.min_reconnect_backoff_ms);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, options.max_reconnect_backoff_ms);
   const security::TlsFiles tls{options.tls_cert, options.tls_key, options.tls_ca};
-  return grpc::CreateCustomChannel(
-      address, security::ChannelCredentials(tls, std::chrono::seconds(60)), args);
+  return security::TokenChannel(
+      address, security::ChannelCredentials(tls, std::chrono::seconds(60)), args, options.token);
 }
 
 // Writes `first` (the spec or header), then `model_bytes` as model_chunk messages. A failed

@@ -98,6 +98,9 @@ struct ClientOptions {
   std::string tls_ca;
   std::string tls_cert;
   std::string tls_key;
+  // The token every call carries (a daemon with --auth-token-file): the admin's, or a job's
+  // (CreateJobResponse.job_token). Empty, the default: none. The client config key `token`.
+  std::string token;
 };
 
 // What CreateJob needs besides the model bytes: JobSpec with HostTensor example inputs.

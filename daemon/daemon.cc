@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/version.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/cluster/cluster.h"
@@ -24,6 +25,7 @@
 #include "daemon/common/status.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/link_probe.h"
+#include "daemon/security/auth.h"
 #include "daemon/security/tls.h"
 #include "daemon/server/grpc_part_channel.h"
 #include "daemon/server/job_manager.h"
@@ -91,6 +93,33 @@ absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Devic
   probe.repeats = 2;
   probe.time_budget_s = 0.5;
   return planner::MeasureCpuLinks(probe);
+}
+
+// Whether `listen` can be reached from this host only: loopback, or a Unix socket.
+bool LocalOnly(const std::string& listen) {
+  if (absl::StartsWith(listen, "unix:")) return true;
+  const size_t colon = listen.rfind(':');
+  const std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  return host == "localhost" || absl::StartsWith(host, "127.") || host == "[::1]";
+}
+
+// The safe default (docs/security.md): whoever reaches ranncd's port runs code on its host, so
+// an address others reach needs TLS and tokens, or --insecure said out loud.
+absl::Status CheckExposure(const DaemonOptions& options, bool tls, bool tokens) {
+  if (LocalOnly(options.listen) || (tls && tokens)) return absl::OkStatus();
+  const std::string missing = !tls && !tokens ? "TLS (--tls-cert, --tls-key) and tokens "
+                                                "(--auth-token-file)"
+                              : !tls          ? "TLS (--tls-cert, --tls-key)"
+                                              : "tokens (--auth-token-file)";
+  if (!options.insecure) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--listen ", options.listen, " can be reached from other hosts, and whoever reaches "
+        "ranncd runs code on this one: give it ", missing, " (docs/security.md), or --insecure "
+        "to serve it so anyway"));
+  }
+  spdlog::warn("--insecure: serving {} without {}; whoever reaches it runs code on this host",
+               options.listen, missing);
+  return absl::OkStatus();
 }
 
 // The address the other members know this daemon by: --advertise, else the bound address,
@@ -197,6 +226,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     return checked;
   }
   const auto tls_refresh = std::chrono::duration_cast<std::chrono::seconds>(options.tls_refresh);
+  absl::StatusOr<std::unique_ptr<security::Authorizer>> auth =
+      security::Authorizer::FromFile(options.auth_token_file);
+  if (!auth.ok()) return auth.status();
+  if (absl::Status exposed = CheckExposure(options, tls.enabled(), (*auth)->enabled());
+      !exposed.ok()) {
+    return exposed;
+  }
+  daemon->auth_ = std::move(*auth);
+  // The other daemons of the cluster share the admin token; this daemon's calls to them carry it.
+  if (daemon->auth_->enabled()) security::SetPeerToken(daemon->auth_->admin_token());
   std::shared_ptr<grpc::ServerCredentials> server_credentials =
       tls.enabled() ? security::ServerCredentials(tls, tls_refresh)
                     : grpc::InsecureServerCredentials();
@@ -217,14 +256,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->part_channels_ = std::make_unique<GrpcPartChannels>();
   daemon->training_ = std::make_unique<TrainingServiceImpl>(
       facts, daemon->jobs_.get(), daemon->part_channels_.get(), daemon->records_.get());
+  daemon->training_->set_authorizer(daemon->auth_.get());
   builder.RegisterService(daemon->training_.get());
   daemon->job_parts_ = std::make_unique<JobPartServiceImpl>(facts, daemon->jobs_.get());
+  daemon->job_parts_->set_authorizer(daemon->auth_.get());
   builder.RegisterService(daemon->job_parts_.get());
   // Registered now, attached to the cluster once the bound port (hence this daemon's own
   // address) is known; until then peers' heartbeats get UNAVAILABLE.
   daemon->cluster_service_ = std::make_unique<cluster::ClusterServiceImpl>();
+  daemon->cluster_service_->set_authorizer(daemon->auth_.get());
   builder.RegisterService(daemon->cluster_service_.get());
   daemon->store_service_ = std::make_unique<comm::StoreServiceImpl>(comm::MakeInMemoryStore());
+  daemon->store_service_->set_authorizer(daemon->auth_.get());
   builder.RegisterService(daemon->store_service_.get());
   daemon->training_->set_store(daemon->store_service_->store());
   daemon->server_ = builder.BuildAndStart();
@@ -303,11 +346,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->training_->set_address(daemon->address_);
   daemon->training_->ResumeDetachedJobs();
   daemon->cluster_->Start();
-  spdlog::info("ranncd listening on {} (version {}, LibTorch {}, {})", daemon->address_,
+  spdlog::info("ranncd listening on {} (version {}, LibTorch {}, {}, {})", daemon->address_,
                kRanncVersion, TORCH_VERSION,
                !tls.enabled()     ? "plain text"
                : tls.ca.empty()   ? "TLS"
-                                  : "TLS, daemons' certificates checked against --tls-ca");
+                                  : "TLS, daemons' certificates checked against --tls-ca",
+               daemon->auth_->enabled() ? "tokens required" : "no tokens");
   return daemon;
 }
 
@@ -362,13 +406,14 @@ void Daemon::Wait() {
 }
 
 void Daemon::Shutdown(std::chrono::milliseconds grace) {
-  if (cluster_) cluster_->Stop();
-  // Jobs led here go to other daemons once the lease is revoked below; take over none now.
+  // Jobs led here go to other daemons once the lease is revoked below; take over none now,
+  // before the others' stopping (their leases revoked) orphans theirs.
   if (registry_) registry_->StopWatching();
   if (coordinator_) {
     training_->set_coordinator_election(nullptr, "");
     coordinator_.reset();  // resigns: another daemon coordinates at once
   }
+  if (cluster_) cluster_->Stop();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
   if (etcd_lease_) {
     // Gone at once for the others, rather than when the lease would expire.

@@ -35,6 +35,9 @@ class GrpcPartChannels;
 class JobPartServiceImpl;
 class TrainingServiceImpl;
 struct DaemonFacts;  // daemon/server/job_settings.h
+namespace security {
+class Authorizer;
+}  // namespace security
 namespace cluster {
 class Cluster;
 class ClusterServiceImpl;
@@ -80,6 +83,7 @@ class Daemon {
   std::unique_ptr<planner::ProfileCache> profile_cache_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<JobRecords> records_;  // durable jobs (--state-dir)
+  std::unique_ptr<security::Authorizer> auth_;  // tokens (--auth-token-file); the services use it
   // --cluster-store: etcd, this daemon's lease there (its member key, store keys and job
   // leaderships go with it), the rendezvous store on it that replaces store_service_'s, and
   // the job registry. Before the cluster and the services, which use them, so they outlive them.

@@ -6,7 +6,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/security/tls.h"
 
 namespace rannc {
 namespace cluster {
@@ -92,7 +91,7 @@ class GrpcTransport final : public PeerTransport {
       args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
       args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
       stub = v1::ClusterService::NewStub(
-          grpc::CreateCustomChannel(address, security::PeerCredentials(), args));
+          security::PeerChannel(address, args));
     }
     return *stub;
   }
@@ -103,9 +102,12 @@ class GrpcTransport final : public PeerTransport {
 
 }  // namespace
 
-grpc::Status ClusterServiceImpl::Heartbeat(grpc::ServerContext*,
+grpc::Status ClusterServiceImpl::Heartbeat(grpc::ServerContext* context,
                                            const v1::HeartbeatRequest* request,
                                            v1::HeartbeatResponse* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.ClusterService/Heartbeat");
+  if (!denied.ok()) return denied;
   Cluster* cluster = cluster_.load();
   if (cluster == nullptr) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "ranncd is starting; try again");

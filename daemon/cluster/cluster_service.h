@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "daemon/cluster/cluster.h"
+#include "daemon/security/auth.h"
 #include "rannc/v1/cluster.grpc.pb.h"
 
 namespace rannc {
@@ -26,11 +27,15 @@ class ClusterServiceImpl final : public v1::ClusterService::Service {
  public:
   void Attach(Cluster* cluster) { cluster_.store(cluster); }
 
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+  // Tokens (security/auth.h; not owned): callers must be daemons of the cluster. Unset: all.
+  void set_authorizer(const security::Authorizer* auth) { auth_ = auth; }
+
+  grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override;
 
  private:
   std::atomic<Cluster*> cluster_{nullptr};
+  const security::Authorizer* auth_ = nullptr;
 };
 
 // Heartbeats over gRPC, one channel per peer, kept for the process's life. Channels retry a

@@ -34,6 +34,7 @@ Election::Election(EtcdClient* etcd, int64_t lease, std::string name, std::strin
     : etcd_(etcd), lease_(lease), name_(std::move(name)), value_(std::move(value)) {}
 
 Election::~Election() {
+  stopping_ = true;
   rescan_.reset();
   watch_.reset();
   std::lock_guard<std::mutex> round(round_mu_);
@@ -59,9 +60,10 @@ bool Election::leads() const {
 
 absl::Status Election::Round() {
   std::lock_guard<std::mutex> round(round_mu_);
+  if (stopping_) return absl::OkStatus();
   absl::StatusOr<KeyValue> now = etcd_->Leader(name_);
   std::optional<Leadership> won;
-  if (!now.ok() && now.status().code() == absl::StatusCode::kNotFound) {
+  if (!now.ok() && now.status().code() == absl::StatusCode::kNotFound && !stopping_) {
     absl::StatusOr<std::optional<Leadership>> led = etcd_->TryLead(name_, lease_, value_);
     if (!led.ok()) {
       now = led.status();

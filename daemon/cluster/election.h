@@ -17,6 +17,7 @@
 #ifndef RANNC_DAEMON_CLUSTER_ELECTION_H_
 #define RANNC_DAEMON_CLUSTER_ELECTION_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -56,6 +57,7 @@ class Election {
   const int64_t lease_;
   const std::string name_;
   const std::string value_;
+  std::atomic<bool> stopping_{false};  // set by the destructor: a round in flight stands no more
   std::mutex round_mu_;  // one round at a time
   mutable std::mutex mu_;
   std::string leader_;                   // guarded by mu_

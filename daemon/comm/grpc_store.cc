@@ -7,7 +7,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/security/tls.h"
 
 namespace rannc {
 namespace comm {
@@ -25,7 +24,7 @@ class GrpcStore final : public Store {
       : address_(std::move(address)),
         rpc_timeout_(rpc_timeout),
         stub_(v1::StoreService::NewStub(
-            grpc::CreateChannel(address_, security::PeerCredentials()))) {}
+            security::PeerChannel(address_))) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
     v1::StoreSetRequest request;
@@ -121,13 +120,19 @@ grpc::Status ToGrpc(const absl::Status& s) {
 
 StoreServiceImpl::StoreServiceImpl(std::unique_ptr<Store> store) : store_(std::move(store)) {}
 
-grpc::Status StoreServiceImpl::Set(grpc::ServerContext*, const v1::StoreSetRequest* request,
+grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                                    v1::StoreSetResponse*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.StoreService/Set");
+  if (!denied.ok()) return denied;
   return ToGrpc(store_->Set(request->key(), request->value()));
 }
 
-grpc::Status StoreServiceImpl::Get(grpc::ServerContext*, const v1::StoreGetRequest* request,
+grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context, const v1::StoreGetRequest* request,
                                    v1::StoreGetResponse* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.StoreService/Get");
+  if (!denied.ok()) return denied;
   const milliseconds wait = std::min(milliseconds(request->wait_ms()), kServerWaitCap);
   absl::StatusOr<std::string> value = store_->Get(request->key(), wait);
   if (value.ok()) {
@@ -139,8 +144,11 @@ grpc::Status StoreServiceImpl::Get(grpc::ServerContext*, const v1::StoreGetReque
   return ToGrpc(value.status());
 }
 
-grpc::Status StoreServiceImpl::Add(grpc::ServerContext*, const v1::StoreAddRequest* request,
+grpc::Status StoreServiceImpl::Add(grpc::ServerContext* context, const v1::StoreAddRequest* request,
                                    v1::StoreAddResponse* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.StoreService/Add");
+  if (!denied.ok()) return denied;
   absl::StatusOr<int64_t> value = store_->Add(request->key(), request->delta());
   if (!value.ok()) return ToGrpc(value.status());
   response->set_value(*value);

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "daemon/comm/store.h"
+#include "daemon/security/auth.h"
 #include "rannc/v1/store.grpc.pb.h"
 
 namespace rannc {
@@ -30,6 +31,9 @@ class StoreServiceImpl final : public v1::StoreService::Service {
   explicit StoreServiceImpl(std::unique_ptr<Store> store);
   // The served store, for this process's own ranks.
   Store* store() const { return store_.get(); }
+  // Tokens (security/auth.h; not owned): callers must be daemons of the cluster (a certificate,
+  // or the admin token). Unset: every call is allowed.
+  void set_authorizer(const security::Authorizer* auth) { auth_ = auth; }
 
   grpc::Status Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                    v1::StoreSetResponse* response) override;
@@ -40,6 +44,7 @@ class StoreServiceImpl final : public v1::StoreService::Service {
 
  private:
   std::unique_ptr<Store> store_;
+  const security::Authorizer* auth_ = nullptr;
 };
 
 // A client of the StoreService at `address` ("host:port"). Each call has `rpc_timeout` to

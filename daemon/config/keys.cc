@@ -69,6 +69,12 @@ std::vector<ConfigKey>* MakeRegistry() {
        "daemons' certificates (mutual TLS), and clients' when they present one"},
       {"tls_refresh", T::kDuration, S::kDaemon, "10s",
        "how often ranncd reads its TLS files again (a rotated certificate needs no restart)"},
+      {"auth_token_file", T::kString, S::kDaemon, "none (no tokens)",
+       "file whose first line is the admin token; every call then needs a token: the admin's, "
+       "or the job's that CreateJob returns (docs/security.md)"},
+      {"insecure", T::kBool, S::kDaemon, "false",
+       "allow listening on an address other than loopback without TLS and tokens (a warning "
+       "is logged): whoever reaches the port runs code"},
       // ---- a job (sent with CreateJob; planner/planner.h, runtime/loss_scale.h, server/) ----
       {"partition_num", T::kInt, S::kJob, "0 (the planner's choice)", "pipeline stages"},
       {"pipeline_num", T::kInt, S::kJob, "0 (the planner's choice)", "micro-batches per step"},
@@ -141,6 +147,10 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"job_name", T::kString, S::kClient, "", "the same as job"},
       {"client_timeout", T::kFloat, S::kClient, "300",
        "seconds the daemon waits for every client rank of a step"},
+      {"token", T::kString, S::kClient, "none",
+       "the token sent with every call (a ranncd with --auth-token-file): the admin's, or a "
+       "job's"},
+      {"token_file", T::kString, S::kClient, "none", "a file whose first line is the token"},
       {"job_lease", T::kFloat, S::kClient, "300",
        "seconds without a word from the client after which its job is deleted; 0: never"},
       {"trace_batch", T::kInt, S::kClient, "0 (the whole batch)",

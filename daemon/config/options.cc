@@ -141,6 +141,7 @@ struct Key {
   uint64_t DaemonOptions::*size = nullptr;   // a byte size ("2GiB")
   uint64_t DaemonOptions::*count = nullptr;  // a plain non-negative integer
   std::chrono::milliseconds DaemonOptions::*duration = nullptr;
+  bool DaemonOptions::*flag = nullptr;  // true/false, 1/0, yes/no; a bare --flag is true
   absl::Status (*check_text)(std::string&) = nullptr;
   absl::Status (*check_number)(uint64_t) = nullptr;  // for size and count
 };
@@ -174,6 +175,12 @@ Key Duration(const char* name, std::chrono::milliseconds DaemonOptions::*field) 
   return key;
 }
 
+Key Bool(const char* name, bool DaemonOptions::*field) {
+  Key key{name};
+  key.flag = field;
+  return key;
+}
+
 const std::vector<Key>& Keys() {
   static const auto* keys = new std::vector<Key>{
       Text("listen", &DaemonOptions::listen, &CheckListen),
@@ -199,6 +206,8 @@ const std::vector<Key>& Keys() {
       Text("tls_key", &DaemonOptions::tls_key),
       Text("tls_ca", &DaemonOptions::tls_ca),
       Duration("tls_refresh", &DaemonOptions::tls_refresh),
+      Text("auth_token_file", &DaemonOptions::auth_token_file),
+      Bool("insecure", &DaemonOptions::insecure),
   };
   return *keys;
 }
@@ -234,6 +243,18 @@ absl::Status ApplyText(const Key& key, std::string value, const std::string& sou
       if (absl::Status status = key.check_number(number); !status.ok()) return fail(status);
     }
     options.*(key.size != nullptr ? key.size : key.count) = number;
+    return absl::OkStatus();
+  }
+  if (key.flag != nullptr) {
+    const std::string lower = absl::AsciiStrToLower(absl::StripAsciiWhitespace(value));
+    if (lower == "true" || lower == "1" || lower == "yes" || lower == "on") {
+      options.*key.flag = true;
+    } else if (lower == "false" || lower == "0" || lower == "no" || lower == "off") {
+      options.*key.flag = false;
+    } else {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("'", value, "' is not true or false (1 or 0)")));
+    }
     return absl::OkStatus();
   }
   if (key.duration != nullptr) {
@@ -338,6 +359,10 @@ absl::Status ApplyTomlFile(const std::string& path, DaemonOptions& options) {
       }
       absl::Status status = ApplyText(*key, absl::StrCat(value), source, options);
       if (!status.ok()) return status;
+    } else if (key->flag != nullptr && node.is_boolean()) {
+      absl::Status status =
+          ApplyText(*key, node.as_boolean()->get() ? "true" : "false", source, options);
+      if (!status.ok()) return status;
     } else if (key->text == &DaemonOptions::peers && node.is_array()) {
       // peers = ["h1:7411", "h2:7411"] reads better in a file than one long string.
       std::vector<std::string> entries;
@@ -356,6 +381,7 @@ absl::Status ApplyTomlFile(const std::string& path, DaemonOptions& options) {
           key->size != nullptr       ? "an integer number of bytes or a size string such as \"2GiB\""
           : key->count != nullptr    ? "an integer"
           : key->duration != nullptr ? "a duration string such as \"1s\" or \"500ms\""
+          : key->flag != nullptr     ? "true or false"
           : key->text == &DaemonOptions::peers ? "a string or an array of strings"
                                                : "a string";
       return absl::InvalidArgumentError(
@@ -537,6 +563,10 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"tls_ca", "PEM CA certificate(s): the other daemons' certificates (mutual TLS) and "
                  "clients' that present one must chain to it"},
       {"tls_refresh", "how often the TLS files are read again, for rotation (default 10s)"},
+      {"auth_token_file", "file whose first line is the admin token; calls then need a token "
+                          "(docs/security.md; default: none)"},
+      {"insecure", "allow a --listen address other than loopback without TLS and tokens (logs "
+                   "a warning)"},
   };
   const std::map<std::string, std::string> type_names = {
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
@@ -548,6 +578,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"peer_timeout", "DURATION"},
       {"tls_cert", "FILE"}, {"tls_key", "FILE"}, {"tls_ca", "FILE"}, {"tls_refresh", "DURATION"},
       {"cluster_store_cert", "FILE"}, {"cluster_store_key", "FILE"}, {"cluster_store_ca", "FILE"},
+      {"auth_token_file", "FILE"}, {"insecure", "BOOL"},
   };
   std::vector<FlagValue> flags;
   flags.reserve(Keys().size());
@@ -563,7 +594,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
         key.text == &DaemonOptions::state_dir ||
         key.text == &DaemonOptions::peers || key.text == &DaemonOptions::advertise ||
         key.text == &DaemonOptions::cluster_store || key.text == &DaemonOptions::tls_cert ||
-        key.text == &DaemonOptions::tls_key || key.text == &DaemonOptions::tls_ca) {
+        key.text == &DaemonOptions::tls_key || key.text == &DaemonOptions::tls_ca ||
+        key.text == &DaemonOptions::auth_token_file || key.flag != nullptr) {
       flag.option->expected(0, 1);
     }
   }
@@ -580,7 +612,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       "log_level, max_message_size, shm_dir, links, profile_cache, state_dir, peers, advertise, "
       "cluster_size, cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, "
       "cluster_store_ca, heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, "
-      "tls_refresh) and in the "
+      "tls_refresh, auth_token_file, insecure) and in the "
       "environment as "
       "RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");
@@ -611,6 +643,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
   if (!status.ok()) return status;
   for (FlagValue& flag : flags) {
     if (flag.option->count() == 0) continue;
+    // A bare --insecure means true.
+    if (flag.key->flag != nullptr && flag.value.empty()) flag.value = "true";
     status = ApplyText(*flag.key, flag.value, FlagName(*flag.key), options);
     if (!status.ok()) return status;
   }

@@ -10,7 +10,7 @@
 // names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
 // profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, cluster_lease,
 // cluster_store_cert, cluster_store_key, cluster_store_ca, heartbeat_interval, peer_timeout,
-// tls_cert, tls_key, tls_ca, tls_refresh) at the top
+// tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file, insecure) at the top
 // level; `peers` may also be an array of strings. The same file may hold any other key of the
 // registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
 // unregistered key is an error naming the key, the file and the nearest registered key.
@@ -24,7 +24,7 @@
 // --shm-dir, --links, --profile-cache, --state-dir, --peers, --advertise, --cluster-size,
 // --cluster-store, --cluster-lease, --cluster-store-cert, --cluster-store-key,
 // --cluster-store-ca, --heartbeat-interval, --peer-timeout, --tls-cert, --tls-key,
-// --tls-ca, --tls-refresh, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both
+// --tls-ca, --tls-refresh, --auth-token-file, --insecure, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both
 // work; a flag given twice takes the last value; unknown flags and positional arguments are
 // errors naming them.
 //
@@ -153,6 +153,14 @@ struct DaemonOptions {
   // How often those files are read again (a rotated certificate is used without a restart).
   // Default 10 s.
   std::chrono::milliseconds tls_refresh{10000};
+
+  // Tokens (security/auth.h): the file whose first line is the admin token. Set, every call
+  // needs a token: the admin's, or a job's (CreateJob returns it). Default "": none.
+  std::string auth_token_file = "";
+
+  // Listening on an address other than loopback without TLS and tokens is refused unless this
+  // is set (then a warning is logged): whoever reaches the port runs code. Default false.
+  bool insecure = false;
 
   // The TOML file the options were read from; "" when none was found. Output only: the file is
   // chosen by --config or RANNC_CONF_DIR, never by a key.

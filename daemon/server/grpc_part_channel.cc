@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/tensor_codec.h"
-#include "daemon/security/tls.h"
+#include "daemon/security/auth.h"
 #include "daemon/server/job_settings.h"
 #include "daemon/server/optimizer_state_codec.h"
 
@@ -298,7 +298,7 @@ std::shared_ptr<v1::JobPartService::Stub> GrpcPartChannels::Stub(const std::stri
     args.SetMaxReceiveMessageSize(-1);
     args.SetMaxSendMessageSize(-1);
     stub = v1::JobPartService::NewStub(
-        grpc::CreateCustomChannel(address, security::PeerCredentials(), args));
+        security::PeerChannel(address, args));
   }
   return stub;
 }

@@ -36,9 +36,12 @@ absl::StatusOr<std::string> CreatePartJob(const v1::JobSpec& spec, const v1::Par
   return id;
 }
 
-grpc::Status JobPartServiceImpl::CreatePart(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::CreatePart(grpc::ServerContext* context,
                                             grpc::ServerReader<v1::CreatePartRequest>* reader,
                                             v1::CreatePartResponse* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/CreatePart");
+  if (!denied.ok()) return denied;
   v1::CreatePartRequest request;
   if (!reader->Read(&request) || !request.has_header()) {
     return FailRpc("CreatePart", absl::InvalidArgumentError(
@@ -55,17 +58,23 @@ grpc::Status JobPartServiceImpl::CreatePart(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::DeletePart(grpc::ServerContext*, const v1::PartRef* ref,
+grpc::Status JobPartServiceImpl::DeletePart(grpc::ServerContext* context, const v1::PartRef* ref,
                                             v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/DeletePart");
+  if (!denied.ok()) return denied;
   absl::Status status = jobs_->Remove(ref->part_id());
   if (!status.ok()) return FailRpc("DeletePart", status);
   spdlog::info("deleted part {}", ref->part_id());
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::Forward(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::Forward(grpc::ServerContext* context,
                                          const v1::PartForwardRequest* request,
                                          v1::PartForwardResponse* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/Forward");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
   if (!job.ok()) return FailRpc("part Forward", job.status());
   std::vector<at::Tensor> inputs;
@@ -84,8 +93,11 @@ grpc::Status JobPartServiceImpl::Forward(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::Backward(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::Backward(grpc::ServerContext* context,
                                           const v1::PartBackwardRequest* request, v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/Backward");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
   if (!job.ok()) return FailRpc("part Backward", job.status());
   OutputGrads grads;
@@ -110,8 +122,12 @@ grpc::Status JobPartServiceImpl::RunOp(const char* rpc, const std::string& part_
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::Step(grpc::ServerContext*, const v1::PartStepRequest* request,
+grpc::Status JobPartServiceImpl::Step(grpc::ServerContext* context,
+                                      const v1::PartStepRequest* request,
                                       v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/Step");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
   if (!job.ok()) return FailRpc("part Step", job.status());
   JobOp op;
@@ -122,31 +138,44 @@ grpc::Status JobPartServiceImpl::Step(grpc::ServerContext*, const v1::PartStepRe
   return RunOp("part Step", request->part_id(), op);
 }
 
-grpc::Status JobPartServiceImpl::AllReduceGrads(grpc::ServerContext*, const v1::PartRef* ref,
+grpc::Status JobPartServiceImpl::AllReduceGrads(grpc::ServerContext* context,
+                                                const v1::PartRef* ref,
                                                 v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/AllReduceGrads");
+  if (!denied.ok()) return denied;
   JobOp op;
   op.kind = JobOp::Kind::kAllReduceGrads;
   return RunOp("part AllReduceGrads", ref->part_id(), op);
 }
 
-grpc::Status JobPartServiceImpl::ZeroGrad(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::ZeroGrad(grpc::ServerContext* context,
                                           const v1::PartZeroGradRequest* request, v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/ZeroGrad");
+  if (!denied.ok()) return denied;
   JobOp op;
   op.kind = JobOp::Kind::kZeroGrad;
   op.set_to_none = request->set_to_none();
   return RunOp("part ZeroGrad", request->part_id(), op);
 }
 
-grpc::Status JobPartServiceImpl::RecreateCommunicators(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::RecreateCommunicators(grpc::ServerContext* context,
                                                        const v1::PartRef* ref, v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/RecreateCommunicators");
+  if (!denied.ok()) return denied;
   JobOp op;
   op.kind = JobOp::Kind::kRecreateCommunicators;
   return RunOp("part RecreateCommunicators", ref->part_id(), op);
 }
 
-grpc::Status JobPartServiceImpl::GradNorms(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::GradNorms(grpc::ServerContext* context,
                                            const v1::GradNormsRequest* request,
                                            v1::GradNormsResponse* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/GradNorms");
+  if (!denied.ok()) return denied;
   JobOp op;
   op.kind = JobOp::Kind::kGradNorms;
   op.norm_type = request->norm_type();
@@ -161,8 +190,11 @@ grpc::Status JobPartServiceImpl::GradNorms(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::ScaleGrads(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::ScaleGrads(grpc::ServerContext* context,
                                             const v1::ScaleGradsRequest* request, v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/ScaleGrads");
+  if (!denied.ok()) return denied;
   absl::StatusOr<at::Tensor> coefficient =
       DecodeTensor(request->coefficient(), "clip coefficient");
   if (!coefficient.ok()) return FailRpc("part ScaleGrads", coefficient.status());
@@ -172,9 +204,12 @@ grpc::Status JobPartServiceImpl::ScaleGrads(grpc::ServerContext*,
   return RunOp("part ScaleGrads", request->part_id(), op);
 }
 
-grpc::Status JobPartServiceImpl::GetTensor(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::GetTensor(grpc::ServerContext* context,
                                            const v1::PartTensorRequest* request,
                                            v1::PartTensorResponse* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/GetTensor");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
   if (!job.ok()) return FailRpc("part GetTensor", job.status());
   absl::StatusOr<std::optional<at::Tensor>> t =
@@ -188,9 +223,12 @@ grpc::Status JobPartServiceImpl::GetTensor(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::LoadState(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::LoadState(grpc::ServerContext* context,
                                            grpc::ServerReader<v1::LoadPartStateRequest>* reader,
                                            v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/LoadState");
+  if (!denied.ok()) return denied;
   v1::LoadPartStateRequest request;
   if (!reader->Read(&request) || request.part_id().empty()) {
     return FailRpc("part LoadState", absl::InvalidArgumentError(
@@ -212,8 +250,12 @@ grpc::Status JobPartServiceImpl::LoadState(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::OptimizerState(grpc::ServerContext*, const v1::PartRef* ref,
+grpc::Status JobPartServiceImpl::OptimizerState(grpc::ServerContext* context,
+                                                const v1::PartRef* ref,
                                                 grpc::ServerWriter<v1::StateDictChunk>* writer) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/OptimizerState");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
   if (!job.ok()) return FailRpc("part OptimizerState", job.status());
   absl::StatusOr<std::vector<OptimizerEntry>> state = (*job)->OptimizerState();
@@ -225,8 +267,11 @@ grpc::Status JobPartServiceImpl::OptimizerState(grpc::ServerContext*, const v1::
 }
 
 grpc::Status JobPartServiceImpl::LoadOptimizerState(
-    grpc::ServerContext*, grpc::ServerReader<v1::LoadPartOptimizerStateRequest>* reader,
+    grpc::ServerContext* context, grpc::ServerReader<v1::LoadPartOptimizerStateRequest>* reader,
     v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/LoadOptimizerState");
+  if (!denied.ok()) return denied;
   v1::LoadPartOptimizerStateRequest request;
   if (!reader->Read(&request) || request.part_id().empty()) {
     return FailRpc("part LoadOptimizerState", absl::InvalidArgumentError(
@@ -247,17 +292,23 @@ grpc::Status JobPartServiceImpl::LoadOptimizerState(
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::Undeploy(grpc::ServerContext*, const v1::PartRef* ref,
+grpc::Status JobPartServiceImpl::Undeploy(grpc::ServerContext* context, const v1::PartRef* ref,
                                           v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/Undeploy");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
   if (!job.ok()) return FailRpc("part Undeploy", job.status());
   (*job)->Undeploy();
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::StartCheckpointShare(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::StartCheckpointShare(grpc::ServerContext* context,
                                                       const v1::PartCheckpointRequest* request,
                                                       v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/StartCheckpointShare");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
   if (!job.ok()) return FailRpc("part StartCheckpointShare", job.status());
   absl::Status started = (*job)->StartCheckpointShare(request->directory(),
@@ -266,9 +317,12 @@ grpc::Status JobPartServiceImpl::StartCheckpointShare(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::CheckpointShare(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::CheckpointShare(grpc::ServerContext* context,
                                                  const v1::PartCheckpointRef* ref,
                                                  v1::CheckpointShare* response) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/CheckpointShare");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
   if (!job.ok()) return FailRpc("part CheckpointShare", job.status());
   absl::StatusOr<v1::CheckpointShare> share = (*job)->CheckpointShare(ref->step());
@@ -277,9 +331,12 @@ grpc::Status JobPartServiceImpl::CheckpointShare(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::RestoreLossScaler(grpc::ServerContext*,
+grpc::Status JobPartServiceImpl::RestoreLossScaler(grpc::ServerContext* context,
                                                    const v1::PartLossScalerRequest* request,
                                                    v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/RestoreLossScaler");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->part_id());
   if (!job.ok()) return FailRpc("part RestoreLossScaler", job.status());
   (*job)->RestoreLossScaler(request->scale(), static_cast<int>(request->good_steps()),
@@ -287,16 +344,23 @@ grpc::Status JobPartServiceImpl::RestoreLossScaler(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::AbortStep(grpc::ServerContext*, const v1::PartRef* ref,
+grpc::Status JobPartServiceImpl::AbortStep(grpc::ServerContext* context, const v1::PartRef* ref,
                                            v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/AbortStep");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->part_id());
   if (!job.ok()) return FailRpc("part AbortStep", job.status());
   (*job)->coordinator().AbortStep();
   return grpc::Status::OK;
 }
 
-grpc::Status JobPartServiceImpl::FindJob(grpc::ServerContext*, const v1::FindJobRequest* request,
+grpc::Status JobPartServiceImpl::FindJob(grpc::ServerContext* context,
+                                         const v1::FindJobRequest* request,
                                          v1::Empty*) {
+  grpc::Status denied =
+      security::CheckCall(auth_, *context, "/rannc.v1.JobPartService/FindJob");
+  if (!denied.ok()) return denied;
   if (jobs_->FindJoinable(request->name(), static_cast<int>(request->client_world()))) {
     return grpc::Status::OK;
   }

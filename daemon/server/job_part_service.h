@@ -8,6 +8,7 @@
 #ifndef RANNC_DAEMON_SERVER_JOB_PART_SERVICE_H_
 #define RANNC_DAEMON_SERVER_JOB_PART_SERVICE_H_
 
+#include "daemon/security/auth.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_settings.h"
 #include "rannc/v1/job_part.grpc.pb.h"
@@ -27,6 +28,9 @@ class JobPartServiceImpl final : public v1::JobPartService::Service {
   // The cluster's shared rendezvous store (ranncd --cluster-store), which the parts' engines
   // meet their leader's in instead of the store the leader serves; set before serving.
   void set_store(comm::Store* store) { store_ = store; }
+  // Tokens (security/auth.h; not owned): every call must come from another daemon (its
+  // certificate, or the admin token). Unset: every call is allowed.
+  void set_authorizer(const security::Authorizer* auth) { auth_ = auth; }
 
   grpc::Status CreatePart(grpc::ServerContext*, grpc::ServerReader<v1::CreatePartRequest>*,
                           v1::CreatePartResponse*) override;
@@ -71,6 +75,7 @@ class JobPartServiceImpl final : public v1::JobPartService::Service {
   const DaemonFacts facts_;
   JobManager* const jobs_;
   comm::Store* store_ = nullptr;
+  const security::Authorizer* auth_ = nullptr;
 };
 
 }  // namespace rannc

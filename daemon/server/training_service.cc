@@ -26,7 +26,6 @@
 #include "daemon/planner/deployment.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/planner.h"
-#include "daemon/security/tls.h"
 #include "daemon/server/job_model.h"
 #include "daemon/server/optimizer_state_codec.h"
 #include "daemon/server/rpc_status.h"
@@ -254,8 +253,10 @@ void TrainingServiceImpl::set_coordinator_election(const cluster::Election* elec
   cluster_store_ = std::move(cluster_store);
 }
 
-grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext* context, const v1::GetInfoRequest*,
                                           v1::DaemonInfo* info) {
+  grpc::Status denied = Authorize(*context, "GetInfo");
+  if (!denied.ok()) return denied;
   info->set_version(facts_.version);
   info->set_torch_version(facts_.torch_version);
   const cluster::Cluster* cluster = nullptr;
@@ -292,9 +293,11 @@ grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext*, const v1::GetInf
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::CreateJob(grpc::ServerContext* context,
                                             grpc::ServerReader<v1::CreateJobRequest>* reader,
                                             v1::CreateJobResponse* response) {
+  grpc::Status denied = Authorize(*context, "CreateJob");
+  if (!denied.ok()) return denied;
   v1::CreateJobRequest request;
   if (!reader->Read(&request) || !request.has_spec()) {
     return Fail("CreateJob", absl::InvalidArgumentError(
@@ -417,6 +420,9 @@ absl::StatusOr<std::shared_ptr<Job>> TrainingServiceImpl::StartJob(
   std::shared_ptr<Job> job = JobManager::Share(std::move(*made));
   const JobInfo& info = job->info();
   response->set_job_id(id);
+  if (auth_ != nullptr && auth_->enabled()) {
+    response->set_job_token(auth_->IssueJobToken(id, spec.name()));
+  }
   *response->mutable_deployment() = info.plan;
   response->set_plan_summary(planner::DescribeDeployment(info.plan));
   for (const ParamStore::Entry& e : job->params().entries()) {
@@ -649,6 +655,38 @@ std::vector<std::string> TrainingServiceImpl::OtherMembers() const {
   return out;
 }
 
+grpc::Status TrainingServiceImpl::Authorize(const grpc::ServerContext& context, const char* rpc,
+                                            const std::string& job_id,
+                                            const std::string& job_name) const {
+  if (auth_ == nullptr || !auth_->enabled()) return grpc::Status::OK;
+  return Authorize(auth_->Identify(context), rpc, job_id, job_name);
+}
+
+security::Caller TrainingServiceImpl::Authenticate(const grpc::ServerContext& context,
+                                                   const char* rpc, grpc::Status* denied) const {
+  *denied = grpc::Status::OK;
+  if (auth_ == nullptr || !auth_->enabled()) return security::Caller();
+  security::Caller caller = auth_->Identify(context);
+  absl::Status status =
+      auth_->Authenticated(caller, absl::StrCat("/rannc.v1.TrainingService/", rpc));
+  if (!status.ok()) {
+    spdlog::warn("refused {}: {}", rpc, std::string(status.message()));
+    *denied = ToGrpcStatus(status);
+  }
+  return caller;
+}
+
+grpc::Status TrainingServiceImpl::Authorize(const security::Caller& caller, const char* rpc,
+                                            const std::string& job_id,
+                                            const std::string& job_name) const {
+  if (auth_ == nullptr || !auth_->enabled()) return grpc::Status::OK;
+  absl::Status status =
+      auth_->Allow(caller, absl::StrCat("/rannc.v1.TrainingService/", rpc), job_id, job_name);
+  if (status.ok()) return grpc::Status::OK;
+  spdlog::warn("refused {}: {}", rpc, std::string(status.message()));
+  return ToGrpcStatus(status);
+}
+
 absl::StatusOr<std::string> TrainingServiceImpl::Coordinator() const {
   std::lock_guard<std::mutex> lock(address_mu_);
   if (coordinator_election_ != nullptr) {
@@ -676,7 +714,7 @@ v1::TrainingService::Stub* TrainingServiceImpl::PeerStub(const std::string& addr
   std::unique_ptr<v1::TrainingService::Stub>& stub = peers_[address];
   if (!stub) {
     stub = v1::TrainingService::NewStub(
-        grpc::CreateChannel(address, security::PeerCredentials()));
+        security::PeerChannel(address));
   }
   return stub.get();
 }
@@ -686,7 +724,7 @@ v1::JobPartService::Stub* TrainingServiceImpl::PartStub(const std::string& addre
   std::unique_ptr<v1::JobPartService::Stub>& stub = part_stubs_[address];
   if (!stub) {
     stub = v1::JobPartService::NewStub(
-        grpc::CreateChannel(address, security::PeerCredentials()));
+        security::PeerChannel(address));
   }
   return stub.get();
 }
@@ -694,6 +732,8 @@ v1::JobPartService::Stub* TrainingServiceImpl::PartStub(const std::string& addre
 grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
                                           const v1::JoinJobRequest* request,
                                           v1::CreateJobResponse* response) {
+  grpc::Status denied = Authorize(*context, "JoinJob", "", request->name());
+  if (!denied.ok()) return denied;
   // Rank 0 may still be creating the job (planning takes a while), and on another daemon of the
   // cluster: wait for it, asking the others too.
   auto leader_elsewhere = [&]() -> std::optional<std::string> {
@@ -714,12 +754,17 @@ grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
       [context] { return context->IsCancelled(); });
   if (!joined.ok()) return Fail("JoinJob", joined.status());
   *response = std::move(*joined);
+  if (auth_ != nullptr && auth_->enabled() && response->leader().empty()) {
+    response->set_job_token(auth_->JobToken(response->job_id()));
+  }
   return grpc::Status::OK;
 }
 
 grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext* context,
                                                 const v1::ClientBarrierRequest* request,
                                                 v1::Empty*) {
+  grpc::Status denied = Authorize(*context, "ClientBarrier", "", request->name());
+  if (!denied.ok()) return denied;
   const int world = static_cast<int>(request->client_world());
   if (world <= 1) return grpc::Status::OK;
   // Over a cluster, client ranks may talk to different daemons: they meet at the coordinator.
@@ -752,15 +797,20 @@ grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext* context,
                                           grpc::ServerReader<v1::AddModeRequest>* reader,
                                           v1::AddModeResponse*) {
+  grpc::Status denied;
+  const security::Caller caller = Authenticate(*context, "AddMode", &denied);
+  if (!denied.ok()) return denied;
   v1::AddModeRequest request;
   if (!reader->Read(&request) || !request.has_header()) {
     return Fail("AddMode", absl::InvalidArgumentError(
         "AddMode must start with a header message, then the model's bytes"));
   }
   const v1::AddModeRequest::Header header = request.header();
+  denied = Authorize(caller, "AddMode", header.job_id());
+  if (!denied.ok()) return denied;
   std::string model;
   while (reader->Read(&request)) model += request.model_chunk();
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(header.job_id());
@@ -770,8 +820,10 @@ grpc::Status TrainingServiceImpl::AddMode(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobRef* ref,
+grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext* context, const v1::JobRef* ref,
                                             v1::Empty*) {
+  grpc::Status denied = Authorize(*context, "DeleteJob", ref->job_id());
+  if (!denied.ok()) return denied;
   if (detached_->Status(ref->job_id()).ok()) {
     // A detached job's thread drives it: it stops after its step and deletes the job.
     absl::Status cancelled = detached_->Cancel(ref->job_id());
@@ -786,23 +838,39 @@ grpc::Status TrainingServiceImpl::DeleteJob(grpc::ServerContext*, const v1::JobR
   if (!status.ok()) return Fail("DeleteJob", status);
   Unregister(ref->job_id());
   records_->Remove(ref->job_id()).IgnoreError();
+  if (auth_ != nullptr) auth_->ForgetJob(ref->job_id());
   spdlog::info("deleted job {}", ref->job_id());
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::RenewLeases(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::RenewLeases(grpc::ServerContext* context,
                                               const v1::RenewLeasesRequest* request,
                                               v1::RenewLeasesResponse* response) {
+  grpc::Status denied;
+  const security::Caller caller = Authenticate(*context, "RenewLeases", &denied);
+  if (!denied.ok()) return denied;
+  for (const std::string& id : request->job_ids()) {
+    denied = Authorize(caller, "RenewLeases", id);
+    if (!denied.ok()) return denied;
+  }
   for (const std::string& id : request->job_ids()) {
     if (!jobs_->Get(id).ok()) response->add_unknown(id);  // Get renews the lease
   }
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty*,
+grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext* context, const v1::Empty*,
                                            v1::ListJobsResponse* response) {
+  grpc::Status denied;
+  const security::Caller caller = Authenticate(*context, "ListJobs", &denied);
+  if (!denied.ok()) return denied;
+  // A job's token lists that job alone.
+  auto hidden = [&](const std::string& id) {
+    return caller.kind == security::Caller::Kind::kJob && id != caller.job_id;
+  };
   for (const JobManager::Listed& listed : jobs_->List()) {
     const JobInfo& info = listed.job->info();
+    if (hidden(info.id)) continue;
     JobSummary s = listed.job->Summary();
     v1::JobSummary* out = response->add_jobs();
     out->set_job_id(info.id);
@@ -827,7 +895,7 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
   std::set<std::string> live;
   for (const v1::JobSummary& j : response->jobs()) live.insert(j.job_id());
   for (const v1::JobRecord& r : records_->List()) {
-    if (live.count(r.job_id())) continue;
+    if (live.count(r.job_id()) || hidden(r.job_id())) continue;
     v1::JobSummary* out = response->add_jobs();
     out->set_job_id(r.job_id());
     out->set_name(r.name());
@@ -847,8 +915,10 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext*, const v1::Empty
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::ResumeJob(grpc::ServerContext*, const v1::JobRef* ref,
+grpc::Status TrainingServiceImpl::ResumeJob(grpc::ServerContext* context, const v1::JobRef* ref,
                                             v1::CreateJobResponse* response) {
+  grpc::Status denied = Authorize(*context, "ResumeJob", ref->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<JobRecords::Loaded> loaded = records_->Load(ref->job_id());
   if (!loaded.ok()) return Fail("ResumeJob", loaded.status());
   const std::string& id = loaded->record.job_id();
@@ -867,9 +937,11 @@ grpc::Status TrainingServiceImpl::ResumeJob(grpc::ServerContext*, const v1::JobR
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::LocateJob(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::LocateJob(grpc::ServerContext* context,
                                             const v1::LocateJobRequest* request,
                                             v1::RegisteredJob* response) {
+  grpc::Status denied = Authorize(*context, "LocateJob", "", request->name());
+  if (!denied.ok()) return denied;
   if (registry_ == nullptr) {
     return Fail("LocateJob", absl::FailedPreconditionError(
         "this daemon keeps no job registry (start ranncd with --cluster-store)"));
@@ -882,6 +954,8 @@ grpc::Status TrainingServiceImpl::LocateJob(grpc::ServerContext*,
 
 grpc::Status TrainingServiceImpl::Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
                                           v1::ForwardResponse* response) {
+  grpc::Status denied = Authorize(*context, "Forward", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "Forward", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("Forward", job.status());
@@ -955,6 +1029,8 @@ absl::Status TrainingServiceImpl::RunDeferred(
 
 grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext* context,
                                            const v1::BackwardRequest* request, v1::Empty* response) {
+  grpc::Status denied = Authorize(*context, "Backward", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "Backward", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("Backward", job.status());
@@ -966,6 +1042,8 @@ grpc::Status TrainingServiceImpl::Backward(grpc::ServerContext* context,
 
 grpc::Status TrainingServiceImpl::Step(grpc::ServerContext* context, const v1::StepRequest* request,
                                        v1::Empty* response) {
+  grpc::Status denied = Authorize(*context, "Step", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "Step", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("Step", job.status());
@@ -977,6 +1055,8 @@ grpc::Status TrainingServiceImpl::Step(grpc::ServerContext* context, const v1::S
 
 grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext* context,
                                            const v1::ZeroGradRequest* request, v1::Empty* response) {
+  grpc::Status denied = Authorize(*context, "ZeroGrad", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "ZeroGrad", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("ZeroGrad", job.status());
@@ -989,6 +1069,8 @@ grpc::Status TrainingServiceImpl::ZeroGrad(grpc::ServerContext* context,
 grpc::Status TrainingServiceImpl::AllReduceGrads(grpc::ServerContext* context,
                                                  const v1::AllReduceGradsRequest* request,
                                                  v1::Empty* response) {
+  grpc::Status denied = Authorize(*context, "AllReduceGrads", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "AllReduceGrads", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("AllReduceGrads", job.status());
@@ -1002,6 +1084,8 @@ grpc::Status TrainingServiceImpl::AllReduceGrads(grpc::ServerContext* context,
 
 grpc::Status TrainingServiceImpl::Flush(grpc::ServerContext* context, const v1::FlushRequest* request,
                                         v1::Empty* response) {
+  grpc::Status denied = Authorize(*context, "Flush", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "Flush", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("Flush", job.status());
@@ -1015,6 +1099,8 @@ grpc::Status TrainingServiceImpl::Flush(grpc::ServerContext* context, const v1::
 grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext* context,
                                                const v1::ClipGradNormRequest* request,
                                                v1::ClipGradNormResponse* response) {
+  grpc::Status denied = Authorize(*context, "ClipGradNorm", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "ClipGradNorm", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("ClipGradNorm", job.status());
@@ -1027,9 +1113,11 @@ grpc::Status TrainingServiceImpl::ClipGradNorm(grpc::ServerContext* context,
   });
 }
 
-grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext* context,
                                            const v1::GetParamRequest* request,
                                            v1::GetParamResponse* response) {
+  grpc::Status denied = Authorize(*context, "GetParam", request->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("GetParam", job.status());
   if (request->amp_master_param() && !(*job)->info().amp) {
@@ -1053,6 +1141,8 @@ grpc::Status TrainingServiceImpl::GetParam(grpc::ServerContext*,
 grpc::Status TrainingServiceImpl::StateDict(grpc::ServerContext* context,
                                             const v1::StateDictRequest* request,
                                             grpc::ServerWriter<v1::StateDictChunk>* writer) {
+  grpc::Status denied = Authorize(*context, "StateDict", request->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("StateDict", job.status());
   if (request->amp_master_params() && !(*job)->info().amp) {
@@ -1076,12 +1166,17 @@ grpc::Status TrainingServiceImpl::StateDict(grpc::ServerContext* context,
 grpc::Status TrainingServiceImpl::LoadStateDict(
     grpc::ServerContext* context, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
     v1::LoadStateDictResponse* response) {
+  grpc::Status denied;
+  const security::Caller caller = Authenticate(*context, "LoadStateDict", &denied);
+  if (!denied.ok()) return denied;
   v1::LoadStateDictRequest request;
   if (!reader->Read(&request) || !request.has_header()) {
     return Fail("LoadStateDict", absl::InvalidArgumentError(
         "LoadStateDict must start with a header message, then the chunks"));
   }
   const v1::LoadStateDictRequest::Header header = request.header();
+  denied = Authorize(caller, "LoadStateDict", header.job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(header.job_id());
   if (!job.ok()) return Fail("LoadStateDict", job.status());
   StateDictAssembler assembler;
@@ -1102,24 +1197,31 @@ grpc::Status TrainingServiceImpl::LoadStateDict(
   });
 }
 
-grpc::Status TrainingServiceImpl::SetMode(grpc::ServerContext*, const v1::SetModeRequest* request,
+grpc::Status TrainingServiceImpl::SetMode(grpc::ServerContext* context,
+                                          const v1::SetModeRequest* request,
                                           v1::SetModeResponse* response) {
+  grpc::Status denied = Authorize(*context, "SetMode", request->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
   if (!job.ok()) return Fail("SetMode", job.status());
   response->set_has_graph((*job)->SetMode(FromProto(request->mode())));
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::Undeploy(grpc::ServerContext*, const v1::JobRef* ref,
+grpc::Status TrainingServiceImpl::Undeploy(grpc::ServerContext* context, const v1::JobRef* ref,
                                            v1::Empty*) {
+  grpc::Status denied = Authorize(*context, "Undeploy", ref->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
   if (!job.ok()) return Fail("Undeploy", job.status());
   (*job)->Undeploy();
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::RecreateCommunicators(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::RecreateCommunicators(grpc::ServerContext* context,
                                                         const v1::JobRef* ref, v1::Empty*) {
+  grpc::Status denied = Authorize(*context, "RecreateCommunicators", ref->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
   if (!job.ok()) return Fail("RecreateCommunicators", job.status());
   JobOp op;
@@ -1132,6 +1234,8 @@ grpc::Status TrainingServiceImpl::RecreateCommunicators(grpc::ServerContext*,
 grpc::Status TrainingServiceImpl::OptimizerState(grpc::ServerContext* context,
                                                  const v1::JobRef* ref,
                                                  grpc::ServerWriter<v1::StateDictChunk>* writer) {
+  grpc::Status denied = Authorize(*context, "OptimizerState", ref->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(ref->job_id());
   if (!job.ok()) return Fail("OptimizerState", job.status());
   absl::StatusOr<std::vector<OptimizerEntry>> state = (*job)->OptimizerState();
@@ -1148,11 +1252,16 @@ grpc::Status TrainingServiceImpl::OptimizerState(grpc::ServerContext* context,
 grpc::Status TrainingServiceImpl::LoadOptimizerState(
     grpc::ServerContext* context, grpc::ServerReader<v1::LoadStateDictRequest>* reader,
     v1::LoadStateDictResponse* response) {
+  grpc::Status denied;
+  const security::Caller caller = Authenticate(*context, "LoadOptimizerState", &denied);
+  if (!denied.ok()) return denied;
   v1::LoadStateDictRequest request;
   if (!reader->Read(&request) || !request.has_header()) {
     return Fail("LoadOptimizerState", absl::InvalidArgumentError(
         "LoadOptimizerState must start with a header message, then the chunks"));
   }
+  denied = Authorize(caller, "LoadOptimizerState", request.header().job_id());
+  if (!denied.ok()) return denied;
   const v1::CallId call = request.header().call();
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request.header().job_id());
   if (!job.ok()) return Fail("LoadOptimizerState", job.status());
@@ -1251,6 +1360,8 @@ absl::StatusOr<std::string> TrainingServiceImpl::CheckpointsOf(const v1::Checkpo
 grpc::Status TrainingServiceImpl::Checkpoint(grpc::ServerContext* context,
                                              const v1::CheckpointRequest* request,
                                              v1::CheckpointInfo* response) {
+  grpc::Status denied = Authorize(*context, "Checkpoint", request->job_id());
+  if (!denied.ok()) return denied;
   return Once(context, "Checkpoint", request->call(), response, [&]() -> grpc::Status {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Get(request->job_id());
     if (!job.ok()) return Fail("Checkpoint", job.status());
@@ -1261,9 +1372,12 @@ grpc::Status TrainingServiceImpl::Checkpoint(grpc::ServerContext* context,
   });
 }
 
-grpc::Status TrainingServiceImpl::ListCheckpoints(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::ListCheckpoints(grpc::ServerContext* context,
                                                   const v1::CheckpointsRef* request,
                                                   v1::ListCheckpointsResponse* response) {
+  grpc::Status denied =
+      Authorize(*context, "ListCheckpoints", request->job_id(), request->job_name());
+  if (!denied.ok()) return denied;
   std::shared_ptr<Job> job;
   absl::StatusOr<std::string> dir = CheckpointsOf(*request, &job);
   if (!dir.ok()) return Fail("ListCheckpoints", dir.status());
@@ -1277,6 +1391,9 @@ grpc::Status TrainingServiceImpl::ListCheckpoints(grpc::ServerContext*,
 grpc::Status TrainingServiceImpl::ExportCheckpoint(grpc::ServerContext* context,
                                                    const v1::CheckpointsRef* request,
                                                    grpc::ServerWriter<v1::ExportChunk>* writer) {
+  grpc::Status denied =
+      Authorize(*context, "ExportCheckpoint", request->job_id(), request->job_name());
+  if (!denied.ok()) return denied;
   std::shared_ptr<Job> job;
   absl::StatusOr<std::string> dir = CheckpointsOf(*request, &job);
   if (!dir.ok()) return Fail("ExportCheckpoint", dir.status());
@@ -1339,9 +1456,11 @@ absl::Status TrainingServiceImpl::Admit(const std::string& model,
   return absl::OkStatus();
 }
 
-grpc::Status TrainingServiceImpl::SubmitJob(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::SubmitJob(grpc::ServerContext* context,
                                             const v1::DetachedJobSpec* spec,
                                             v1::SubmitJobResponse* response) {
+  grpc::Status denied = Authorize(*context, "SubmitJob");
+  if (!denied.ok()) return denied;
   absl::StatusOr<std::string> id = detached_->Submit(*spec);
   if (!id.ok()) {
     ReleaseUploads(*uploads_, *spec);  // uploaded for this submission only
@@ -1351,9 +1470,11 @@ grpc::Status TrainingServiceImpl::SubmitJob(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::UploadFile(grpc::ServerContext*,
+grpc::Status TrainingServiceImpl::UploadFile(grpc::ServerContext* context,
                                              grpc::ServerReader<v1::UploadChunk>* reader,
                                              v1::UploadedFile* response) {
+  grpc::Status denied = Authorize(*context, "UploadFile");
+  if (!denied.ok()) return denied;
   v1::UploadChunk chunk;
   if (!reader->Read(&chunk) || chunk.name().empty()) {
     return Fail("UploadFile", absl::InvalidArgumentError(
@@ -1376,8 +1497,11 @@ grpc::Status TrainingServiceImpl::UploadFile(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::DetachedJobStatus(grpc::ServerContext*, const v1::JobRef* ref,
+grpc::Status TrainingServiceImpl::DetachedJobStatus(grpc::ServerContext* context,
+                                                    const v1::JobRef* ref,
                                                     v1::DetachedStatus* response) {
+  grpc::Status denied = Authorize(*context, "DetachedJobStatus", ref->job_id());
+  if (!denied.ok()) return denied;
   absl::StatusOr<v1::DetachedStatus> status = detached_->Status(ref->job_id());
   if (!status.ok()) return Fail("DetachedJobStatus", status.status());
   *response = std::move(*status);
@@ -1387,6 +1511,8 @@ grpc::Status TrainingServiceImpl::DetachedJobStatus(grpc::ServerContext*, const 
 grpc::Status TrainingServiceImpl::DetachedJobLogs(grpc::ServerContext* context,
                                                   const v1::DetachedLogsRequest* request,
                                                   grpc::ServerWriter<v1::DetachedLogLine>* writer) {
+  grpc::Status denied = Authorize(*context, "DetachedJobLogs", request->job_id());
+  if (!denied.ok()) return denied;
   int64_t after = request->after_seq();
   while (!context->IsCancelled()) {
     std::vector<v1::DetachedLogLine> lines;
@@ -1406,8 +1532,10 @@ grpc::Status TrainingServiceImpl::DetachedJobLogs(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status TrainingServiceImpl::CancelJob(grpc::ServerContext*, const v1::JobRef* ref,
+grpc::Status TrainingServiceImpl::CancelJob(grpc::ServerContext* context, const v1::JobRef* ref,
                                             v1::Empty*) {
+  grpc::Status denied = Authorize(*context, "CancelJob", ref->job_id());
+  if (!denied.ok()) return denied;
   absl::Status cancelled = detached_->Cancel(ref->job_id());
   if (!cancelled.ok()) return Fail("CancelJob", cancelled);
   spdlog::info("cancelling detached job {}", ref->job_id());

@@ -26,6 +26,7 @@
 #include "daemon/planner/profile_cache.h"
 #include "daemon/cluster/membership.h"
 #include "daemon/common/periodic.h"
+#include "daemon/security/auth.h"
 #include "daemon/server/call_ledger.h"
 #include "daemon/server/detached_jobs.h"
 #include "daemon/server/job_manager.h"
@@ -80,6 +81,9 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // --cluster-store: the cluster's coordinator election (not owned; outlives the service), which
   // replaces "rank 0 coordinates".
   void set_coordinator_election(const cluster::Election* election, std::string cluster_store);
+  // Tokens (security/auth.h; not owned, outlives the service): every call is checked against
+  // its rule. Unset, or without --auth-token-file, every call is allowed.
+  void set_authorizer(security::Authorizer* auth) { auth_ = auth; }
   // A registered job led here lost a daemon it ran on (Cluster::OnMemberDown): it is brought
   // back from its latest checkpoint over the members that are UP, under a new id (its client
   // follows it with LocateJob), on a thread of its own. Nothing for a job not registered.
@@ -160,6 +164,17 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // meets at the coordinator.
   std::vector<cluster::MemberInfo> Members() const;
   std::vector<std::string> OtherMembers() const;
+  // Whether the caller may make the call `rpc` on the job `job_id` (or of the name `job_name`):
+  // OK, or the status to return, logged without the token (security/auth.h).
+  grpc::Status Authorize(const grpc::ServerContext& context, const char* rpc,
+                         const std::string& job_id = "", const std::string& job_name = "") const;
+  // In two halves, for a stream whose first message names its job: Authenticate before reading
+  // it (UNAUTHENTICATED without a valid token), Authorize after.
+  security::Caller Authenticate(const grpc::ServerContext& context, const char* rpc,
+                                grpc::Status* denied) const;
+  grpc::Status Authorize(const security::Caller& caller, const char* rpc,
+                         const std::string& job_id, const std::string& job_name = "") const;
+
   // The coordinator's address: elected in etcd with --cluster-store, else the rank-0 member's;
   // "" for this daemon, and without a cluster. UNAVAILABLE while none is elected.
   absl::StatusOr<std::string> Coordinator() const;
@@ -245,6 +260,7 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   mutable std::map<std::string, std::unique_ptr<v1::TrainingService::Stub>> peers_;
   mutable std::map<std::string, std::unique_ptr<v1::JobPartService::Stub>> part_stubs_;
   JobRegistry* registry_ = nullptr;
+  security::Authorizer* auth_ = nullptr;
   std::mutex shared_mu_;
   std::map<std::string, std::unique_ptr<JobRecords>> shared_records_;  // by checkpoint job dir
   std::map<std::string, std::chrono::steady_clock::time_point> takeover_after_;  // retry backoff

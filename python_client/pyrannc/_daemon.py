@@ -60,13 +60,66 @@ def _tls_files() -> Dict[str, str]:
     return {key: path for key in _TLS_KEYS if (path := _config.client_setting(key).strip())}
 
 
+def _token() -> str:
+    """The token the client config names (token, else the first line of token_file); "" for
+    none."""
+    token = _config.client_setting("token").strip()
+    if token:
+        return token
+    path = _config.client_setting("token_file").strip()
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip()
+    except OSError as err:
+        where = _config.client_setting_from("token_file")[1]
+        raise RanncError(f"pyrannc: cannot read the token file of {where}: {err}") from None
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call of a plain-text channel (over TLS the
+    token travels as call credentials instead)."""
+
+    def __init__(self, token: str):
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        metadata = list(details.metadata or []) + [self._entry]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            getattr(details, "wait_for_ready", None),
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
 def make_channel(address: str, plain: bool = False) -> grpc.Channel:
     """A channel to the ranncd at `address`: TLS when the client config names TLS files (read
     now: a new channel uses rotated files), plain text otherwise or when `plain` (the embedded
-    daemon). A file that cannot be read is a RanncError naming its key and path."""
+    daemon); every call carries the config's token (token, token_file), if any. A file that
+    cannot be read is a RanncError naming its key and path."""
     files = {} if plain else _tls_files()
+    token = "" if plain else _token()
     if not files:
-        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        return grpc.intercept_channel(channel, _TokenInterceptor(token)) if token else channel
     if ("tls_cert" in files) != ("tls_key" in files):
         raise RanncError("pyrannc: give tls_cert and tls_key together (RANNC_TLS_CERT, "
                          "RANNC_TLS_KEY: a client certificate and its private key)")
@@ -81,6 +134,9 @@ def make_channel(address: str, plain: bool = False) -> grpc.Channel:
     credentials = grpc.ssl_channel_credentials(root_certificates=pem.get("tls_ca"),
                                                private_key=pem.get("tls_key"),
                                                certificate_chain=pem.get("tls_cert"))
+    if token:
+        credentials = grpc.composite_channel_credentials(
+            credentials, grpc.access_token_call_credentials(token))
     return grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
 
 
@@ -149,10 +205,11 @@ class _EmbeddedDaemon:
     def __init__(self, binary: str, address: str, settings: EmbeddedSettings):
         self.address = address
         # Private to this process, it keeps no durable jobs (daemon_args may still ask), and
-        # serves plain text on loopback: the client's TLS keys (RANNC_TLS_CA, ...), which name
-        # a remote daemon's CA, are not its own.
+        # serves plain text on loopback without tokens: the client's TLS keys (RANNC_TLS_CA,
+        # ...), which name a remote daemon's CA, are not its own.
         self.args = [binary, "--listen", address, "--devices", settings.devices,
-                     "--state-dir", "none", "--tls-cert=", "--tls-key=", "--tls-ca="]
+                     "--state-dir", "none", "--tls-cert=", "--tls-key=", "--tls-ca=",
+                     "--auth-token-file="]
         self.args += settings.flags
         self.stop_timeout = settings.stop_timeout
         self.tail = collections.deque(maxlen=200)

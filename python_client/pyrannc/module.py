@@ -141,6 +141,7 @@ class RaNNCModule(torch.nn.Module):
         self._no_trace_reason = ""  # why _saved_trace is None after a job was created
         self._save_forward = False  # RANNC_SAVE_JOB: the next training forward is saved too
         self._plan_summary: Optional[str] = None
+        self._job_token: Optional[str] = None
         self._dropout: Optional[bool] = None  # enable_dropout(); None: follows training
         self._state_dirty = False
         self._resumed_step: Optional[int] = None  # of the job's checkpoint (config key resume)
@@ -387,6 +388,7 @@ class RaNNCModule(torch.nn.Module):
                                 lambda located: on_moved() and on_moved()(located))
         self._deployment = resp.deployment if resp.HasField("deployment") else None
         self._plan_summary = resp.plan_summary or None
+        self._job_token = resp.job_token or None
         self._resumed_step = resp.resumed_step if resp.resumed_step >= 0 else None
         if self._resumed_step is not None:
             self._state_dirty = True  # the local model mirrors the checkpoint's values
@@ -825,6 +827,13 @@ class RaNNCModule(torch.nn.Module):
     def plan_summary(self) -> Optional[str]:
         """The daemon's description of the plan for people, or None before the first forward."""
         return self._plan_summary
+
+    @property
+    def job_token(self) -> Optional[str]:
+        """The job's token, which alone (or the admin's) may drive, read, checkpoint or delete
+        it: for other processes (RANNC_TOKEN). None before the first forward, and from a daemon
+        without tokens (docs/security.md)."""
+        return self._job_token
 
     def save_deployment(self, file) -> None:
         """Writes the job's deployment to `file`, for RaNNCModule(load_deployment=file) and

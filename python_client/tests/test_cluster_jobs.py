@@ -203,8 +203,10 @@ def _start_cluster(count, store=None, discover=False, flags=()):
     for p in procs:
         if p.poll() is None:
             p.terminate()
+    # Kubernetes' default grace period: a daemon may be finishing an etcd call (5 s each) when
+    # the signal comes.
     for p in procs:
-        p.wait(timeout=15)
+        p.wait(timeout=30)
     for log in logs:
         if not os.environ.get("RANNC_KEEP_LOGS"):
             os.unlink(log.name)

@@ -14,11 +14,15 @@ import sys
 import textwrap
 import time
 
+import grpc
 import pytest
 import torch
 
 from conftest import (CLIENT_ROOT, DaemonProcess, assert_close, built_binary, daemon_binary,
                       free_port, repo_file)
+from pyrannc import _daemon
+from pyrannc.proto.rannc.v1 import training_pb2 as pb
+from pyrannc.proto.rannc.v1 import training_pb2_grpc as rpc
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="openssl is missing (deploy/setup.sh installs it)")
@@ -325,3 +329,230 @@ def test_a_daemon_reaches_etcd_over_tls(tmp_path, ca, other_ca, pyrannc_daemon):
             proc.wait(timeout=15)
     finally:
         etcd.stop()
+
+
+# ---- Tokens. -----------------------------------------------------------------------------------
+
+_ADMIN = "admin-" + "0123456789abcdef" * 2
+# Who may call what, as docs/security.md says (the test's own table, not the daemon's).
+_ANY_VALID_TOKEN = {"GetInfo", "ListJobs"}
+
+
+def _rpcs():
+    """Every RPC of rannc.v1's services, read from the .proto files: (service, method, client
+    streaming, server streaming). A new RPC is in the matrix below without anyone adding it."""
+    out = []
+    for proto in ("training", "job_part", "store", "cluster"):
+        text = open(repo_file(f"proto/rannc/v1/{proto}.proto")).read()
+        for service, body in re.findall(r"service (\w+) \{(.*?)\n\}", text, re.S):
+            for m in re.finditer(r"rpc (\w+)\((stream )?[\w.]+\) returns \((stream )?", body):
+                out.append((service, m.group(1), bool(m.group(2)), bool(m.group(3))))
+    return out
+
+
+def _request(service, method, job_id, name):
+    """The request of `method` naming job `job_id` (or `name`), serialized; b"" where the
+    message is not in pyrannc's stubs (the peer services': any bytes do for the check)."""
+    if service != "TrainingService":
+        return b""
+    descriptor = pb.DESCRIPTOR.services_by_name[service].methods_by_name[method]
+    request = getattr(pb, descriptor.input_type.name)()
+    fields = request.DESCRIPTOR.fields_by_name
+    if "job_id" in fields:
+        request.job_id = job_id
+    if "job_ids" in fields:
+        request.job_ids.append(job_id)
+    if "name" in fields and fields["name"].type == fields["name"].TYPE_STRING:
+        request.name = name
+    if "job_name" in fields:
+        request.job_name = name
+    if "header" in fields and "job_id" in fields["header"].message_type.fields_by_name:
+        request.header.job_id = job_id
+    if "spec" in fields:
+        request.spec.name = name
+    return request.SerializeToString()
+
+
+def _call(channel, service, method, client_stream, server_stream, payload, token):
+    """The status code of one call of `method` with `token` ("" for none)."""
+    path = f"/rannc.v1.{service}/{method}"
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    identity = lambda b: b  # noqa: E731
+    try:
+        if client_stream:
+            channel.stream_unary(path, identity, identity)(iter([payload]), metadata=metadata,
+                                                           timeout=30)
+        elif server_stream:
+            for _ in channel.unary_stream(path, identity, identity)(payload, metadata=metadata,
+                                                                   timeout=30):
+                pass
+        else:
+            channel.unary_unary(path, identity, identity)(payload, metadata=metadata, timeout=30)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        return err.code()
+
+
+@pytest.fixture
+def token_daemon(tmp_path, pyrannc_daemon, monkeypatch):
+    """A daemon with --auth-token-file on loopback, two jobs on it ('tok-a', 'tok-b') created
+    with the admin token by this process, and their tokens: (daemon, {name: (id, token)})."""
+    path = tmp_path / "admin.token"
+    path.write_text(_ADMIN + "\n")
+    monkeypatch.setenv("RANNC_TOKEN", _ADMIN)
+    daemon = DaemonProcess("--auth-token-file", str(path))
+    monkeypatch.setenv("RANNC_DAEMON", daemon.address)
+    _daemon.shutdown()  # this process's pyrannc connects to this daemon now, with the token
+    import pyrannc
+    jobs, modules = {}, []
+    for name in ("tok-a", "tok-b"):
+        monkeypatch.setenv("RANNC_JOB", name)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rmod = pyrannc.RaNNCModule(model, opt)
+        rmod(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        assert rmod.job_token and rmod.job_token.startswith("rj1."), rmod.job_token
+        jobs[name] = (rmod._job.id, rmod.job_token)
+        modules.append(rmod)
+    monkeypatch.delenv("RANNC_JOB")
+    yield daemon, jobs
+    for rmod in modules:
+        rmod._job = None  # deleted by the test, or with the daemon
+    _daemon.shutdown()
+    daemon.stop()
+
+
+def test_tokens_guard_every_rpc(token_daemon):
+    # The matrix of issue 24 over every RPC of every service: no token, a wrong one and a
+    # malformed one are UNAUTHENTICATED; job A's token on job B (or on what only the admin or a
+    # daemon may do) is PERMISSION_DENIED; GetInfo and ListJobs take any valid token.
+    daemon, jobs = token_daemon
+    a_id, a_token = jobs["tok-a"]
+    b_id, _ = jobs["tok-b"]
+    channel = grpc.insecure_channel(daemon.address)
+    rpcs = _rpcs()
+    assert len(rpcs) > 50 and ("TrainingService", "Step", False, False) in rpcs, rpcs
+    wrong = [("", "none"), ("rj1." + a_id + ".0000", "a forged job token"),
+             ("x" * 40, "an unknown token")]
+    for service, method, client_stream, server_stream in rpcs:
+        payload = _request(service, method, b_id, "tok-b")
+        for token, what in wrong:
+            code = _call(channel, service, method, client_stream, server_stream, payload, token)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (service, method, what, code)
+        code = _call(channel, service, method, client_stream, server_stream, payload, a_token)
+        expected = (grpc.StatusCode.OK if service == "TrainingService" and
+                    method in _ANY_VALID_TOKEN else grpc.StatusCode.PERMISSION_DENIED)
+        assert code == expected, (service, method, "job A's token on job B", code)
+    # Malformed: no "Bearer ".
+    code = grpc.insecure_channel(daemon.address)
+    try:
+        rpc.TrainingServiceStub(code).GetInfo(pb.GetInfoRequest(), timeout=10,
+                                              metadata=[("authorization", _ADMIN)])
+        raise AssertionError("a token without 'Bearer ' was taken")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+    assert _ADMIN not in daemon.output() and a_token not in daemon.output()
+
+
+def test_a_job_token_drives_its_job_alone_and_the_admin_token_everything(token_daemon):
+    daemon, jobs = token_daemon
+    a_id, a_token = jobs["tok-a"]
+    b_id, b_token = jobs["tok-b"]
+    stub = rpc.TrainingServiceStub(grpc.insecure_channel(daemon.address))
+
+    def as_(token):
+        return [("authorization", f"Bearer {token}")]
+
+    # Its own job: read it, list it (alone), find it by name.
+    got = stub.GetParam(pb.GetParamRequest(job_id=a_id, name="weight"), metadata=as_(a_token),
+                        timeout=30)
+    assert got.has_value
+    listed = stub.ListJobs(pb.Empty(), metadata=as_(a_token), timeout=30)
+    assert [j.job_id for j in listed.jobs] == [a_id]
+    listed = stub.ListJobs(pb.Empty(), metadata=as_(_ADMIN), timeout=30)
+    assert {a_id, b_id} <= {j.job_id for j in listed.jobs}
+    # The CLI with a token file: its own job only.
+    token_file = daemon.log.name + ".a-token"
+    with open(token_file, "w") as f:
+        f.write(a_token + "\n")
+    try:
+        shown = _cli("jobs", "--daemon", daemon.address, "--token-file", token_file,
+                     RANNC_TOKEN="")
+        assert shown.returncode == 0, shown.stderr
+        assert a_id in shown.stdout and b_id not in shown.stdout, shown.stdout
+        refused = _cli("jobs", "--daemon", daemon.address, RANNC_TOKEN="")
+        assert refused.returncode == 1 and "wants a token" in refused.stderr, refused.stderr
+    finally:
+        os.unlink(token_file)
+    # It may delete its job, not the other; after, its token is no one's.
+    with pytest.raises(grpc.RpcError) as denied:
+        stub.DeleteJob(pb.JobRef(job_id=b_id), metadata=as_(a_token), timeout=30)
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    stub.DeleteJob(pb.JobRef(job_id=a_id), metadata=as_(a_token), timeout=30)
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.GetInfo(pb.GetInfoRequest(), metadata=as_(a_token), timeout=30)
+    assert gone.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub.GetInfo(pb.GetInfoRequest(), metadata=as_(b_token), timeout=30)
+
+
+def test_an_oversized_token_is_refused_and_the_daemon_serves_on(token_daemon):
+    daemon, _ = token_daemon
+    stub = rpc.TrainingServiceStub(grpc.insecure_channel(daemon.address))
+    with pytest.raises(grpc.RpcError) as big:
+        stub.GetInfo(pb.GetInfoRequest(), timeout=30,
+                     metadata=[("authorization", "Bearer " + "y" * (64 << 10))])
+    # gRPC's own limit on metadata (8 KiB) refuses it before ranncd sees it, and closes that
+    # connection (the client sees the socket closed, or the limit); a new one is served.
+    assert big.value.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), big.value
+    assert daemon.proc.poll() is None
+    fresh = rpc.TrainingServiceStub(grpc.insecure_channel(daemon.address))
+    fresh.GetInfo(pb.GetInfoRequest(), timeout=30,
+                  metadata=[("authorization", f"Bearer {_ADMIN}")])
+
+
+def test_other_hosts_need_tls_and_tokens_or_insecure(tmp_path, ca, pyrannc_daemon):
+    token = tmp_path / "admin.token"
+    token.write_text(_ADMIN + "\n")
+    exposed = ["--listen", f"0.0.0.0:{free_port()}", "--devices", "cpu:1", "--links",
+               "p2p=5GB/s", "--state-dir", "none", "--profile-cache", "none"]
+    for extra, says in [
+            ([], "give it TLS (--tls-cert, --tls-key) and tokens (--auth-token-file)"),
+            (["--auth-token-file", str(token)], "give it TLS (--tls-cert, --tls-key) (docs"),
+            (ca.flags("daemon-a"), "give it tokens (--auth-token-file)")]:
+        done = subprocess.run([daemon_binary(), *exposed, *extra], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode != 0
+        assert says in done.stdout + done.stderr, done.stdout + done.stderr
+        assert "or --insecure" in done.stdout + done.stderr
+    for extra, says in [(["--insecure"], "--insecure: serving 0.0.0.0:"),
+                        (ca.flags("daemon-a") + ["--auth-token-file", str(token)],
+                         "TLS, daemons' certificates checked against --tls-ca, tokens required")]:
+        proc = subprocess.Popen([daemon_binary(), *exposed, *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            seen = ""
+            deadline = time.time() + 60
+            while "ranncd listening on" not in seen:
+                assert proc.poll() is None and time.time() < deadline, seen
+                seen += proc.stdout.readline()
+            assert says in seen, seen
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+
+
+def test_a_bad_token_file_stops_the_daemon_naming_it(tmp_path, pyrannc_daemon):
+    short = tmp_path / "short.token"
+    short.write_text("abc\n")
+    for path, says in [(tmp_path / "missing.token", "cannot be read"),
+                       (short, "has 3 characters; give at least 16")]:
+        done = subprocess.run([daemon_binary(), "--listen", f"127.0.0.1:{free_port()}",
+                               "--devices", "cpu:1", "--links", "p2p=5GB/s",
+                               "--auth-token-file", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0
+        assert f"--auth-token-file {path}: " in done.stdout + done.stderr
+        assert says in done.stdout + done.stderr, done.stdout + done.stderr

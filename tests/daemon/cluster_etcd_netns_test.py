@@ -304,7 +304,8 @@ class Ranncd:
             k, RANNCD, "--listen", self.address, "--devices", "cpu:2", "--device-memory", "1GiB",
             "--peers", ",".join(f"{ip}:{PORT}" for ip in net.ip), "--cluster-store", store,
             "--heartbeat-interval", f"{HEARTBEAT_MS}ms", "--peer-timeout", f"{PEER_TIMEOUT_S}s",
-            "--profile-cache", "none", "--links", "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s"),
+            "--profile-cache", "none", "--links", "p2p=5GB/s,allreduce=2:3GB/s;4:2GB/s",
+            "--insecure"),  # a private network of namespaces, neither TLS nor tokens
             env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         # ip netns exec execs the daemon: this pid is ranncd's, its exit code ranncd's.
         self.channel = grpc.insecure_channel(self.address)

@@ -233,7 +233,8 @@ def test_wildcard_listen_needs_advertise(logdir):
     own, other = free_ports(2)
     proc = subprocess.run(
         [RANNCD, "--listen", f"0.0.0.0:{own}", "--devices", "cpu:1", "--links", "p2p=5GB/s",
-         "--profile-cache", "none", "--peers", f"127.0.0.1:{own},127.0.0.1:{other}"],
+         "--profile-cache", "none", "--peers", f"127.0.0.1:{own},127.0.0.1:{other}",
+         "--insecure"],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "give --advertise HOST:PORT" in proc.stderr + proc.stdout
