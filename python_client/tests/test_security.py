@@ -508,8 +508,10 @@ def test_an_oversized_token_is_refused_and_the_daemon_serves_on(token_daemon):
                                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), big.value
     assert daemon.proc.poll() is None
-    fresh = rpc.TrainingServiceStub(grpc.insecure_channel(daemon.address))
-    fresh.GetInfo(pb.GetInfoRequest(), timeout=30,
+    # A connection of its own (gRPC would share the closed one between equal channels).
+    fresh = rpc.TrainingServiceStub(grpc.insecure_channel(
+        daemon.address, options=[("grpc.use_local_subchannel_pool", 1)]))
+    fresh.GetInfo(pb.GetInfoRequest(), timeout=30, wait_for_ready=True,
                   metadata=[("authorization", f"Bearer {_ADMIN}")])
 
 
