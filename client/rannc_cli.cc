@@ -58,6 +58,7 @@
 #include "client/token_data.h"
 #include "daemon/config/keys.h"
 #include "daemon/common/files.h"
+#include "daemon/security/auth.h"
 #include "daemon/security/tls.h"
 
 namespace rannc {
@@ -865,12 +866,9 @@ int Main(int argc, char** argv) {
     client_options.token = token;
   }
   if (!token_file.empty()) {
-    std::ifstream in(token_file);
-    std::string line;
-    if (!in || !std::getline(in, line)) {
-      return Fail(absl::StrCat("--token-file ", token_file, ": cannot be read"));
-    }
-    client_options.token = std::string(absl::StripAsciiWhitespace(line));
+    absl::StatusOr<std::string> token = security::ReadTokenFile(token_file, "--token-file");
+    if (!token.ok()) return Fail(token.status());
+    client_options.token = *token;
   }
   const security::TlsFiles tls{client_options.tls_cert, client_options.tls_key,
                                client_options.tls_ca};

@@ -11,7 +11,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "daemon/security/tls.h"
 
 namespace rannc {
@@ -71,6 +70,18 @@ class TokenInterceptorFactory final : public grpc::experimental::ClientIntercept
   const std::string token_;
 };
 
+// The token of job `job_id` with `secret` (Identify parses it back).
+std::string FormatJobToken(const std::string& job_id, const std::string& secret) {
+  return absl::StrCat(kJobTokenPrefix, job_id, ".", secret);
+}
+
+// `status` for gRPC (absl and gRPC share the canonical codes), a refusal logged.
+grpc::Status Refusal(const std::string& method, const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  spdlog::warn("refused {}: {}", method, std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
 std::mutex peer_token_mu;
 std::string& PeerTokenSlot() {
   static auto* token = new std::string();
@@ -119,12 +130,22 @@ const std::map<std::string, Access>& MethodAccess() {
 }
 
 grpc::Status CheckCall(const Authorizer* auth, const grpc::ServerContext& context,
-                       const std::string& method) {
+                       const std::string& method, const std::string& job_id,
+                       const std::string& job_name) {
   if (auth == nullptr || !auth->enabled()) return grpc::Status::OK;
-  absl::Status status = auth->Check(context, method);
-  if (status.ok()) return grpc::Status::OK;
-  spdlog::warn("refused {}: {}", method, std::string(status.message()));
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return Refusal(method, auth->Check(context, method, job_id, job_name));
+}
+
+grpc::Status CheckAuthenticated(const Authorizer* auth, const Caller& caller,
+                                const std::string& method) {
+  if (auth == nullptr) return grpc::Status::OK;
+  return Refusal(method, auth->Authenticated(caller, method));
+}
+
+grpc::Status CheckCaller(const Authorizer* auth, const Caller& caller, const std::string& method,
+                         const std::string& job_id, const std::string& job_name) {
+  if (auth == nullptr) return grpc::Status::OK;
+  return Refusal(method, auth->Allow(caller, method, job_id, job_name));
 }
 
 bool ConstantTimeEqual(const std::string& a, const std::string& b) {
@@ -136,15 +157,21 @@ bool ConstantTimeEqual(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-absl::StatusOr<std::unique_ptr<Authorizer>> Authorizer::FromFile(const std::string& token_file) {
-  if (token_file.empty()) return std::unique_ptr<Authorizer>(new Authorizer(""));
-  std::ifstream in(token_file);
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag) {
+  std::ifstream in(path);
   std::string line;
   if (!in || !std::getline(in, line)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--auth-token-file ", token_file, ": cannot be read (the admin token, one line)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " ", path, ": cannot be read (a token, on its first line)"));
   }
-  const std::string token(absl::StripAsciiWhitespace(line));
+  return std::string(absl::StripAsciiWhitespace(line));
+}
+
+absl::StatusOr<std::unique_ptr<Authorizer>> Authorizer::FromFile(const std::string& token_file) {
+  if (token_file.empty()) return std::unique_ptr<Authorizer>(new Authorizer(""));
+  absl::StatusOr<std::string> read = ReadTokenFile(token_file, "--auth-token-file");
+  if (!read.ok()) return read.status();
+  const std::string& token = *read;
   if (token.size() < 16) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--auth-token-file ", token_file, ": the token's first line has ", token.size(),
@@ -162,7 +189,7 @@ std::string Authorizer::IssueJobToken(const std::string& job_id, const std::stri
   const std::string secret = RandomHex(24);
   std::lock_guard<std::mutex> lock(mu_);
   jobs_[job_id] = Issued{secret, job_name};
-  return absl::StrCat(kJobTokenPrefix, job_id, ".", secret);
+  return FormatJobToken(job_id, secret);
 }
 
 void Authorizer::ForgetJob(const std::string& job_id) {
@@ -214,7 +241,7 @@ std::string Authorizer::JobToken(const std::string& job_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return "";
-  return absl::StrCat(kJobTokenPrefix, job_id, ".", it->second.secret);
+  return FormatJobToken(job_id, it->second.secret);
 }
 
 absl::Status Authorizer::Check(const grpc::ServerContext& context, const std::string& method,

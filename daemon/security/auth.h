@@ -103,10 +103,22 @@ class Authorizer {
   std::map<std::string, Issued> jobs_;  // by job id
 };
 
-// A handler's check of its caller (Authorizer::Check): OK, or the gRPC status to return, logged
-// without the token. A null `auth` allows everything.
+// A handler's checks of its caller, as gRPC statuses: OK, or the status to return, the refusal
+// logged (without the token). A null `auth`, or one without tokens, allows everything.
+// CheckCall: Authorizer::Check. For a stream whose first message names its job, in two halves:
+// CheckAuthenticated (Authorizer::Authenticated) before reading it, CheckCaller
+// (Authorizer::Allow) after.
 grpc::Status CheckCall(const Authorizer* auth, const grpc::ServerContext& context,
-                       const std::string& method);
+                       const std::string& method, const std::string& job_id = "",
+                       const std::string& job_name = "");
+grpc::Status CheckAuthenticated(const Authorizer* auth, const Caller& caller,
+                                const std::string& method);
+grpc::Status CheckCaller(const Authorizer* auth, const Caller& caller, const std::string& method,
+                         const std::string& job_id, const std::string& job_name = "");
+
+// A token file's token: the first line of `path`, stripped. INVALID_ARGUMENT naming `flag` and
+// the file when it cannot be read.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
 
 // Whether two strings are equal, in time that depends on their lengths only.
 bool ConstantTimeEqual(const std::string& a, const std::string& b);

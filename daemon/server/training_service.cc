@@ -655,36 +655,35 @@ std::vector<std::string> TrainingServiceImpl::OtherMembers() const {
   return out;
 }
 
+namespace {
+
+std::string TrainingMethod(const char* rpc) {
+  return absl::StrCat("/rannc.v1.TrainingService/", rpc);
+}
+
+}  // namespace
+
 grpc::Status TrainingServiceImpl::Authorize(const grpc::ServerContext& context, const char* rpc,
                                             const std::string& job_id,
                                             const std::string& job_name) const {
-  if (auth_ == nullptr || !auth_->enabled()) return grpc::Status::OK;
-  return Authorize(auth_->Identify(context), rpc, job_id, job_name);
+  return security::CheckCall(auth_, context, TrainingMethod(rpc), job_id, job_name);
 }
 
 security::Caller TrainingServiceImpl::Authenticate(const grpc::ServerContext& context,
                                                    const char* rpc, grpc::Status* denied) const {
-  *denied = grpc::Status::OK;
-  if (auth_ == nullptr || !auth_->enabled()) return security::Caller();
-  security::Caller caller = auth_->Identify(context);
-  absl::Status status =
-      auth_->Authenticated(caller, absl::StrCat("/rannc.v1.TrainingService/", rpc));
-  if (!status.ok()) {
-    spdlog::warn("refused {}: {}", rpc, std::string(status.message()));
-    *denied = ToGrpcStatus(status);
+  if (auth_ == nullptr || !auth_->enabled()) {
+    *denied = grpc::Status::OK;
+    return security::Caller();
   }
+  security::Caller caller = auth_->Identify(context);
+  *denied = security::CheckAuthenticated(auth_, caller, TrainingMethod(rpc));
   return caller;
 }
 
 grpc::Status TrainingServiceImpl::Authorize(const security::Caller& caller, const char* rpc,
                                             const std::string& job_id,
                                             const std::string& job_name) const {
-  if (auth_ == nullptr || !auth_->enabled()) return grpc::Status::OK;
-  absl::Status status =
-      auth_->Allow(caller, absl::StrCat("/rannc.v1.TrainingService/", rpc), job_id, job_name);
-  if (status.ok()) return grpc::Status::OK;
-  spdlog::warn("refused {}: {}", rpc, std::string(status.message()));
-  return ToGrpcStatus(status);
+  return security::CheckCaller(auth_, caller, TrainingMethod(rpc), job_id, job_name);
 }
 
 absl::StatusOr<std::string> TrainingServiceImpl::Coordinator() const {
