@@ -361,6 +361,10 @@ absl::Status RunStatus(const Client& client, const std::string& job) {
                                  s->eval_step());
   }
   if (!s->plan_summary().empty()) std::cout << "plan: " << s->plan_summary() << "\n";
+  if (s->step_seconds() > 0) {
+    std::cout << absl::StrFormat("last step %.3f s (planned %.3f s), pipeline bubble %.0f%%\n",
+                                 s->step_seconds(), s->planned_step_seconds(), 100 * s->bubble());
+  }
   if (s->device_bytes_size() > 0) {
     std::vector<std::string> mib;
     for (uint64_t b : s->device_bytes()) mib.push_back(absl::StrCat(b >> 20, " MiB"));

@@ -193,14 +193,25 @@ int RunInfo(const Client& client) {
 int RunJobs(const Client& client) {
   absl::StatusOr<std::vector<v1::JobSummary>> jobs = client.ListJobs();
   if (!jobs.ok()) return Fail(jobs.status());
-  std::vector<std::vector<std::string>> rows = {
-      {"JOB ID", "NAME", "STATE", "PARAMS", "STEPS", "IDLE", "LEASE", "DEVICES"}};
+  // STEP: the last iteration's wall time / the plan's estimate; the metrics endpoint's numbers.
+  std::vector<std::vector<std::string>> rows = {{"JOB ID", "NAME", "STATE", "PARAMS", "STEPS",
+                                                 "STEP (PLAN)", "TOK/S", "BUBBLE", "MEMORY",
+                                                 "IDLE", "LEASE", "DEVICES"}};
   auto seconds = [](uint64_t ms) { return absl::StrFormat("%ds", ms / 1000); };
   for (const v1::JobSummary& job : *jobs) {
-    rows.push_back({job.job_id(), job.name().empty() ? "-" : job.name(), StateName(job.state()),
-                    HumanCount(job.num_params()), std::to_string(job.steps()),
-                    seconds(job.idle_ms()), job.lease_ms() == 0 ? "-" : seconds(job.lease_ms()),
-                    absl::StrJoin(job.devices(), ",")});
+    uint64_t memory = 0;
+    for (uint64_t b : job.device_bytes()) memory += b;
+    const bool stepped = job.step_seconds() > 0;
+    rows.push_back(
+        {job.job_id(), job.name().empty() ? "-" : job.name(), StateName(job.state()),
+         HumanCount(job.num_params()), std::to_string(job.steps()),
+         stepped ? absl::StrFormat("%.3fs (%.3fs)", job.step_seconds(),
+                                   job.planned_step_seconds())
+                 : "-",
+         stepped ? absl::StrFormat("%.0f", job.tokens_per_second()) : "-",
+         stepped ? absl::StrFormat("%.0f%%", 100 * job.bubble()) : "-",
+         memory > 0 ? HumanBytes(memory) : "-", seconds(job.idle_ms()),
+         job.lease_ms() == 0 ? "-" : seconds(job.lease_ms()), absl::StrJoin(job.devices(), ",")});
   }
   PrintTable(rows, "");
   for (const v1::JobSummary& job : *jobs) {

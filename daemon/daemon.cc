@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <set>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -23,6 +24,8 @@
 #include "daemon/comm/etcd_store.h"
 #include "daemon/comm/grpc_store.h"
 #include "daemon/common/status.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/metrics/rpc_metrics.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/link_probe.h"
 #include "daemon/security/auth.h"
@@ -270,6 +273,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->store_service_->set_authorizer(daemon->auth_.get());
   builder.RegisterService(daemon->store_service_.get());
   daemon->training_->set_store(daemon->store_service_->store());
+  // Every call of every service is counted by method and code (the metrics endpoint's).
+  daemon->rpc_metrics_ = std::make_unique<metrics::RpcMetrics>();
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counted;
+  counted.push_back(daemon->rpc_metrics_->InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(counted));
   daemon->server_ = builder.BuildAndStart();
   if (daemon->server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -306,6 +314,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   daemon->cluster_ = std::move(*joined);
   daemon->cluster_service_->Attach(daemon->cluster_.get());
+  if (!options.metrics_listen.empty()) {
+    Daemon* self = daemon.get();
+    absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> served = metrics::MetricsServer::Start(
+        options.metrics_listen, [self] { return self->MetricsSample(); },
+        daemon->rpc_metrics_.get());
+    if (!served.ok()) {
+      daemon->server_->Shutdown(std::chrono::system_clock::now());
+      return served.status();
+    }
+    daemon->metrics_ = std::move(*served);
+  }
   // A lost daemon fails the jobs that have a part on it at once (never a hang); others go on.
   // The parts of jobs it led are useless: they go, their devices freed.
   // A job registered on etcd that lost a part comes back from its checkpoint (Recover).
@@ -405,7 +424,31 @@ void Daemon::Wait() {
   if (server_) server_->Wait();
 }
 
+metrics::DaemonSample Daemon::MetricsSample() const {
+  metrics::DaemonSample s;
+  s.version = kRanncVersion;
+  s.jobs_by_state = {{"DEPLOYED", 0}, {"UNDEPLOYED", 0}, {"SUSPENDED", 0}};
+  std::set<std::string> live;
+  for (const JobManager::Listed& listed : jobs_->List()) {
+    const JobInfo& info = listed.job->info();
+    JobMetrics::Snapshot m = listed.job->Measure();
+    ++s.jobs_by_state[m.state];
+    live.insert(info.id);
+    s.jobs.push_back({info.name.empty() ? info.id : info.name, std::move(m)});
+  }
+  // Kept (--state-dir) and not running: SUSPENDED, as ListJobs has them.
+  for (const v1::JobRecord& r : records_->List()) {
+    if (!live.count(r.job_id())) ++s.jobs_by_state["SUSPENDED"];
+  }
+  s.detached_queued = static_cast<int64_t>(training_->detached_queued());
+  for (const cluster::MemberInfo& m : cluster_->Members()) {
+    ++(m.state == cluster::MemberState::kUp ? s.members_up : s.members_down);
+  }
+  return s;
+}
+
 void Daemon::Shutdown(std::chrono::milliseconds grace) {
+  metrics_.reset();  // no scrape reads the jobs while they go
   // Jobs led here go to other daemons once the lease is revoked below; take over none now,
   // before the others' stopping (their leases revoked) orphans theirs.
   if (registry_) registry_->StopWatching();

@@ -38,6 +38,11 @@ struct DaemonFacts;  // daemon/server/job_settings.h
 namespace security {
 class Authorizer;
 }  // namespace security
+namespace metrics {
+class MetricsServer;
+class RpcMetrics;
+struct DaemonSample;
+}  // namespace metrics
 namespace cluster {
 class Cluster;
 class ClusterServiceImpl;
@@ -78,6 +83,9 @@ class Daemon {
   // jobs are others' now (job_registry.h), and its supervisor restarts it under a new lease.
   // `self`: this daemon's advertised address.
   absl::Status UseClusterStore(const DaemonOptions& options, const std::string& self);
+  // What the metrics endpoint serves at a scrape: each job's measurements, jobs by state, the
+  // detached queue, the cluster's members.
+  metrics::DaemonSample MetricsSample() const;
 
   std::string address_;
   std::unique_ptr<planner::ProfileCache> profile_cache_;
@@ -100,7 +108,12 @@ class Daemon {
   std::unique_ptr<JobPartServiceImpl> job_parts_;
   // The rendezvous of the data plane for jobs this daemon leads across the cluster.
   std::unique_ptr<comm::StoreServiceImpl> store_service_;
+  // Counts the server's calls (declared first: outlives it).
+  std::unique_ptr<metrics::RpcMetrics> rpc_metrics_;
   std::unique_ptr<grpc::Server> server_;
+  // The metrics endpoint (--metrics-listen): serves rpc_metrics_ and MetricsSample; goes first
+  // at Shutdown.
+  std::unique_ptr<metrics::MetricsServer> metrics_;
 };
 
 }  // namespace rannc

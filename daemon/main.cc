@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "daemon/common/crash_report.h"
+#include "daemon/common/json_log.h"
 #include "daemon/config/options.h"
 #include "daemon/daemon.h"
 
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   spdlog::set_level(spdlog::level::from_str(options->log_level));
+  if (options->log_format == "json") rannc::UseJsonLogs(*spdlog::default_logger());
   if (!options->config_file.empty()) spdlog::info("config: {}", options->config_file);
 
   absl::StatusOr<std::unique_ptr<rannc::Daemon>> daemon = rannc::Daemon::Start(*options);

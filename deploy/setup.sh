@@ -2,7 +2,8 @@
 # Installs everything rannc needs on Debian 12 (bookworm) from Debian's own packages: LibTorch
 # and PyTorch 1.13 (CPU), gRPC 1.51, protobuf 3.21, spdlog, Catch2, UCX, Bazel 4.2.3, CMake and
 # ccache (the build without Bazel, docs/building.md), the Python test tools (torchvision: the
-# real models of the tests), and etcd (its .proto files make the cluster store's client,
+# real models of the tests), prometheus-cpp (the metrics endpoint) and the Prometheus server (its
+# test scrapes ranncd), and etcd (its .proto files make the cluster store's client,
 # third_party/etcd; its tests run real etcd). Idempotent: installs only what is missing. Needs
 # root (uses sudo if not).
 set -euo pipefail
@@ -12,13 +13,13 @@ packages=(
   libtorch-dev python3-torch
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev catch2 libucx-dev ucx-utils
-  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
+  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev prometheus-cpp-dev
   bazel-bootstrap bazel-platforms bazel-rules-java
   cmake ccache
   python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm python3-torchvision
   etcd-server golang-etcd-server-dev golang-github-gogo-protobuf-dev
   golang-github-grpc-ecosystem-grpc-gateway-dev
-  openssl
+  openssl prometheus
 )
 
 missing=()

@@ -9,8 +9,8 @@ import re
 import sys
 
 # Highest first: each folder may include the ones after it.
-LAYERS = ["server", "checkpoint", "planner", "runtime", "optim", "graph", "comm", "config",
-          "cluster", "security", "common"]
+LAYERS = ["metrics", "server", "checkpoint", "planner", "runtime", "optim", "graph", "comm",
+          "config", "cluster", "security", "common"]
 
 INCLUDE = re.compile(r'#include\s+"daemon/([a-z_]+)/')
 

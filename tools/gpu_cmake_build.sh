@@ -2,7 +2,7 @@
 # Builds ranncd, the `rannc` CLI and the C++ SDK example with CMake on the GPU machine, where
 # there is no Bazel (docs/building.md): LibTorch with CUDA from python3's PyTorch, NCCL from its
 # nvidia-nccl package (the NCCL backend is built in), and gRPC, protobuf, abseil, spdlog, UCX,
-# CLI11, toml++ and Catch2 from the Debian 12 .debs in .gpu/debs (../shared/tools/gpu-debs.sh)
+# CLI11, toml++, Catch2 and prometheus-cpp from the Debian 12 .debs in .gpu/debs (../shared/tools/gpu-debs.sh)
 # unpacked into $SYS, as tools/torch2_compile_check.sh does. Then runs the smoke check
 # (tools/cmake_smoke.sh, CPU devices); with TESTS=1 it also builds the C++ tests and runs them,
 # the NCCL backend's GPU test included, but not the client's integration tests
@@ -28,7 +28,8 @@ missing=()
 for pair in grpcpp/grpcpp.h:libgrpc++-dev google/protobuf/message.h:libprotobuf-dev \
             absl/status/statusor.h:libabsl-dev spdlog/spdlog.h:libspdlog-dev \
             fmt/format.h:libfmt-dev ucp/api/ucp.h:libucx-dev CLI/CLI.hpp:libcli11-dev \
-            toml++/toml.h:libtomlplusplus-dev catch2/catch.hpp:catch2; do
+            toml++/toml.h:libtomlplusplus-dev catch2/catch.hpp:catch2 \
+            prometheus/exposer.h:"prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1"; do
   [ -e "$SYS/usr/include/${pair%%:*}" ] || missing+=("${pair#*:}")
 done
 # etcd's .proto files (third_party/etcd/gen.sh) and the annotations they import.

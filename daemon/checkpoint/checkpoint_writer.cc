@@ -40,6 +40,11 @@ void CheckpointWriter::Join() {
   if (thread.joinable()) thread.join();
 }
 
+CheckpointWriter::Totals CheckpointWriter::totals() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return totals_;
+}
+
 void CheckpointWriter::Run(int64_t step, std::function<absl::StatusOr<Result>()> write) {
   Join();
   std::lock_guard<std::mutex> lock(mu_);
@@ -49,6 +54,12 @@ void CheckpointWriter::Run(int64_t step, std::function<absl::StatusOr<Result>()>
     absl::StatusOr<Result> result = write();
     write = nullptr;  // the host copies go now, not when the next write starts
     std::lock_guard<std::mutex> lock(mu_);
+    if (result.ok()) {
+      ++totals_.written;
+      totals_.bytes += result->bytes;
+    } else {
+      ++totals_.failed;
+    }
     result_ = std::move(result);
     running_step_ = -1;
     done_.notify_all();

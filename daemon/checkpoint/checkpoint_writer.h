@@ -61,6 +61,14 @@ class CheckpointWriter {
   std::string last_error() const;
   // The step of the write in flight, or -1.
   int64_t busy_step() const;
+  // Totals since the writer was made, for the job's metrics: writes finished, writes that
+  // failed, and the bytes of the tensor files of those that succeeded.
+  struct Totals {
+    uint64_t written = 0;
+    uint64_t failed = 0;
+    uint64_t bytes = 0;
+  };
+  Totals totals() const;
 
  private:
   void Join();
@@ -71,6 +79,7 @@ class CheckpointWriter {
   std::thread thread_;
   int64_t running_step_ = -1;
   std::optional<absl::StatusOr<Result>> result_;  // of the last write started, once done
+  Totals totals_;  // guarded by mu_
 };
 
 }  // namespace checkpoint

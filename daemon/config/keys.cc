@@ -27,6 +27,9 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"device_memory", T::kBytes, S::kDaemon, "the device's size",
        "memory per device the planner may use (\"2GiB\")"},
       {"log_level", T::kString, S::kDaemon, "info", "trace, debug, info, warn or error"},
+      {"log_format", T::kString, S::kDaemon, "text",
+       "text, or json: one JSON object per line with time, level, logger, job and message, for "
+       "log collectors"},
       {"max_message_size", T::kBytes, S::kDaemon, "64MiB",
        "largest client message; larger ones get RESOURCE_EXHAUSTED"},
       {"shm_dir", T::kString, S::kDaemon, "/dev/shm",
@@ -75,6 +78,8 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"insecure", T::kBool, S::kDaemon, "false",
        "allow listening on an address other than loopback without TLS and tokens (a warning "
        "is logged): whoever reaches the port runs code"},
+      {"metrics_listen", T::kString, S::kDaemon, "none (no metrics endpoint)",
+       "HOST:PORT where ranncd serves Prometheus metrics at /metrics (docs/observability.md)"},
       // ---- a job (sent with CreateJob; planner/planner.h, runtime/loss_scale.h, server/) ----
       {"partition_num", T::kInt, S::kJob, "0 (the planner's choice)", "pipeline stages"},
       {"pipeline_num", T::kInt, S::kJob, "0 (the planner's choice)", "micro-batches per step"},

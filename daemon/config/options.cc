@@ -66,6 +66,16 @@ absl::Status CheckListen(std::string& value) {
   return absl::OkStatus();
 }
 
+absl::Status CheckLogFormat(std::string& value) {
+  std::string lower = absl::AsciiStrToLower(value);
+  if (lower != "text" && lower != "json") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown log format '", value, "'; expected text or json"));
+  }
+  value = lower;
+  return absl::OkStatus();
+}
+
 absl::Status CheckLogLevel(std::string& value) {
   std::string lower = absl::AsciiStrToLower(value);
   static const std::set<std::string, std::less<>> kLevels = {"trace", "debug", "info", "warn",
@@ -187,6 +197,7 @@ const std::vector<Key>& Keys() {
       Text("devices", &DaemonOptions::devices, &CheckDevicesSyntax),
       Size("device_memory", &DaemonOptions::device_memory),
       Text("log_level", &DaemonOptions::log_level, &CheckLogLevel),
+      Text("log_format", &DaemonOptions::log_format, &CheckLogFormat),
       Size("max_message_size", &DaemonOptions::max_message_size, &CheckMaxMessageSize),
       Text("shm_dir", &DaemonOptions::shm_dir, &CheckShmDir),
       Text("links", &DaemonOptions::links),
@@ -208,6 +219,7 @@ const std::vector<Key>& Keys() {
       Duration("tls_refresh", &DaemonOptions::tls_refresh),
       Text("auth_token_file", &DaemonOptions::auth_token_file),
       Bool("insecure", &DaemonOptions::insecure),
+      Text("metrics_listen", &DaemonOptions::metrics_listen),
   };
   return *keys;
 }
@@ -536,6 +548,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                   "every CUDA GPU, else cpu:1)"},
       {"device_memory", "memory budget per device, e.g. 2GiB (default: the device's size)"},
       {"log_level", "trace, debug, info, warn or error (default info)"},
+      {"log_format", "text, or json: a JSON object per line, with the job (default text)"},
       {"max_message_size", "largest client message, e.g. 64MiB (default 64MiB)"},
       {"shm_dir", "directory for same-host tensor transfer, \"\" disables (default /dev/shm)"},
       {"links", "link speeds for the planner, e.g. p2p=5GB/s,allreduce=2:3GB/s (default: "
@@ -567,6 +580,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                           "(docs/security.md; default: none)"},
       {"insecure", "allow a --listen address other than loopback without TLS and tokens (logs "
                    "a warning)"},
+      {"metrics_listen", "serve Prometheus metrics at http://HOST:PORT/metrics (default: none)"},
   };
   const std::map<std::string, std::string> type_names = {
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
@@ -579,6 +593,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"tls_cert", "FILE"}, {"tls_key", "FILE"}, {"tls_ca", "FILE"}, {"tls_refresh", "DURATION"},
       {"cluster_store_cert", "FILE"}, {"cluster_store_key", "FILE"}, {"cluster_store_ca", "FILE"},
       {"auth_token_file", "FILE"}, {"insecure", "BOOL"},
+      {"log_format", "FORMAT"}, {"metrics_listen", "HOST:PORT"},
   };
   std::vector<FlagValue> flags;
   flags.reserve(Keys().size());
@@ -595,7 +610,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
         key.text == &DaemonOptions::peers || key.text == &DaemonOptions::advertise ||
         key.text == &DaemonOptions::cluster_store || key.text == &DaemonOptions::tls_cert ||
         key.text == &DaemonOptions::tls_key || key.text == &DaemonOptions::tls_ca ||
-        key.text == &DaemonOptions::auth_token_file || key.flag != nullptr) {
+        key.text == &DaemonOptions::auth_token_file ||
+        key.text == &DaemonOptions::metrics_listen || key.flag != nullptr) {
       flag.option->expected(0, 1);
     }
   }
@@ -609,10 +625,11 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       "--version", absl::StrCat("ranncd ", version.empty() ? "(unversioned)" : ToAbsl(version)));
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
-      "log_level, max_message_size, shm_dir, links, profile_cache, state_dir, peers, advertise, "
+      "log_level, log_format, max_message_size, shm_dir, links, profile_cache, state_dir, peers, "
+      "advertise, "
       "cluster_size, cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, "
       "cluster_store_ca, heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, "
-      "tls_refresh, auth_token_file, insecure) and in the "
+      "tls_refresh, auth_token_file, insecure, metrics_listen) and in the "
       "environment as "
       "RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");

@@ -7,10 +7,10 @@
 // TOML file: --config FILE if given, else $RANNC_CONF_DIR/rannc.toml if RANNC_CONF_DIR is set,
 // else $HOME/.rannc/rannc.toml. A missing default file is fine; a missing --config file, a
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
-// names below (listen, devices, device_memory, log_level, max_message_size, shm_dir, links,
-// profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, cluster_lease,
+// names below (listen, devices, device_memory, log_level, log_format, max_message_size, shm_dir,
+// links, profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, cluster_lease,
 // cluster_store_cert, cluster_store_key, cluster_store_ca, heartbeat_interval, peer_timeout,
-// tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file, insecure) at the top
+// tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file, insecure, metrics_listen) at the top
 // level; `peers` may also be an array of strings. The same file may hold any other key of the
 // registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
 // unregistered key is an error naming the key, the file and the nearest registered key.
@@ -20,13 +20,13 @@
 // (the client's, e.g. RANNC_DAEMON, RANNC_PARTITION_NUM) are ignored: an embedded daemon
 // inherits its client's environment.
 //
-// Flags (CLI11): --listen, --devices, --device-memory, --log-level, --max-message-size,
-// --shm-dir, --links, --profile-cache, --state-dir, --peers, --advertise, --cluster-size,
-// --cluster-store, --cluster-lease, --cluster-store-cert, --cluster-store-key,
-// --cluster-store-ca, --heartbeat-interval, --peer-timeout, --tls-cert, --tls-key,
-// --tls-ca, --tls-refresh, --auth-token-file, --insecure, --config, --help, --version. `--flag VALUE` and `--flag=VALUE` both
-// work; a flag given twice takes the last value; unknown flags and positional arguments are
-// errors naming them.
+// Flags (CLI11): --listen, --devices, --device-memory, --log-level, --log-format,
+// --max-message-size, --shm-dir, --links, --profile-cache, --state-dir, --peers, --advertise,
+// --cluster-size, --cluster-store, --cluster-lease, --cluster-store-cert, --cluster-store-key,
+// --cluster-store-ca, --heartbeat-interval, --peer-timeout, --tls-cert, --tls-key, --tls-ca,
+// --tls-refresh, --auth-token-file, --insecure, --metrics-listen, --config, --help, --version.
+// `--flag VALUE` and `--flag=VALUE` both work; a flag given twice takes the last value; unknown
+// flags and positional arguments are errors naming them.
 //
 // Sizes (device_memory, max_message_size) accept an integer number of bytes, or a string: a
 // number, optionally fractional, and an optional unit, B, KB, MB, GB, TB (powers of 1000) or
@@ -83,6 +83,9 @@ struct DaemonOptions {
   // spdlog level: trace, debug, info, warn or error (case-insensitive; stored lower-case).
   // Default "info".
   std::string log_level = "info";
+  // "text" (spdlog's default pattern), or "json": one object per line with time, level, logger,
+  // job (the job a line is about, when it names one) and message. Default "text".
+  std::string log_format = "text";
 
   // Largest client message in bytes; larger ones get RESOURCE_EXHAUSTED. Default 64 MiB. At
   // most 2^31-1, gRPC's limit.
@@ -161,6 +164,10 @@ struct DaemonOptions {
   // Listening on an address other than loopback without TLS and tokens is refused unless this
   // is set (then a warning is logged): whoever reaches the port runs code. Default false.
   bool insecure = false;
+
+  // Where to serve Prometheus metrics (http://HOST:PORT/metrics; metrics/metrics.h). Default
+  // "": no endpoint.
+  std::string metrics_listen = "";
 
   // The TOML file the options were read from; "" when none was found. Output only: the file is
   // chosen by --config or RANNC_CONF_DIR, never by a key.

@@ -296,6 +296,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   d.set_micro_batches(plan->micro_batches);
   d.set_estimated_step_ms(plan->simulated_ms);
   d.set_objective_ms(plan->objective_ms);
+  d.set_estimated_bubble(plan->simulated_bubble);
   d.set_optimizer(memory.optimizer);
   if (!ir.batch_separable) d.set_batch_whole(ir.not_separable);
   d.set_zero(memory.zero);

@@ -686,7 +686,9 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
     plan.devices_used += sp.replicas;
   }
   plan.objective_ms = Objective(stage_evals, plan.micro_batches);
-  plan.simulated_ms = SimulateStep(stage_evals, plan.micro_batches, plan.schedule);
+  const SimResult simulated = Simulate(stage_evals, plan.micro_batches, plan.schedule);
+  plan.simulated_ms = simulated.step_ms;
+  plan.simulated_bubble = simulated.bubble_fraction;
   return plan;
 }
 

@@ -42,6 +42,7 @@ struct Plan {
   Schedule schedule = Schedule::k1F1B;
   double objective_ms = 0;   // Objective() of the stages: the step time the search minimised
   double simulated_ms = 0;   // SimulateStep() of the same stages (schedule_sim.h)
+  double simulated_bubble = 0;  // the simulation's bubble_fraction
   int devices_used = 0;      // sum of the stages' replicas
 };
 

@@ -17,6 +17,7 @@
 #include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/comm/counting.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/optim/grad_norm.h"
 #include "daemon/runtime/host_staged_communicator.h"
@@ -65,6 +66,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   timeout_ = options.timeout;
   cancel_ = options.cancel;
   checkpoint_memory_ = options.checkpoint_memory;
+  counters_ = options.counters;
   const comm::Backend backend = options.backend;
   const int num_devices = options.num_devices;
   id_ = !options.group.empty() ? options.group
@@ -425,9 +427,12 @@ absl::StatusOr<std::unique_ptr<comm::Communicator>> PipelineEngine::Impl::MakeDe
   comm::GroupOptions options{store_, group, rank, size, timeout_};
   if (d.place.is_cuda()) options.cuda_device = d.place.index();
   absl::StatusOr<std::unique_ptr<comm::Communicator>> c = comm::MakeCommunicator(backend, options);
-  if (!c.ok() || !d.place.is_cuda() || backend == comm::Backend::kNccl) return c;
+  if (!c.ok()) return c;
+  std::unique_ptr<comm::Communicator> counted =
+      comm::CountBytes(std::move(*c), counters_ ? counters_->data_plane_bytes : nullptr);
+  if (!d.place.is_cuda() || backend == comm::Backend::kNccl) return counted;
   // The host backends move host memory: a CUDA device's buffers go through it.
-  return StageThroughHost(std::move(*c));
+  return StageThroughHost(std::move(counted));
 }
 
 absl::StatusOr<std::unique_ptr<GradReducer>> PipelineEngine::Impl::MakeReducer(

@@ -78,6 +78,22 @@ namespace rannc {
 
 class PinnedArena;  // pinned_arena.h
 
+// What a job's engines have done, summed over this process's devices, for the job's metrics:
+// the counters outlive an engine (a job's engine is rebuilt after an undeploy and goes on adding
+// to the same ones). Times are the host's: a CUDA stage's kernels run asynchronously, so its
+// compute time is what the host spent issuing (and waiting on) them.
+struct EngineCounters {
+  // Bytes handed to the data plane: sends and each collective's local contribution
+  // (comm/counting.h).
+  std::shared_ptr<std::atomic<uint64_t>> data_plane_bytes =
+      std::make_shared<std::atomic<uint64_t>>(0);
+  // Per device, summed: time in its stage's forwards and backwards, and time running a step's
+  // schedule (those plus waiting for other stages' activations and gradients). One minus their
+  // ratio over a step is the measured pipeline bubble.
+  std::atomic<int64_t> compute_ns{0};
+  std::atomic<int64_t> schedule_ns{0};
+};
+
 // How an engine runs: its data plane, and for a job spanning several processes (daemons), which
 // of the plan's devices this process runs and where the processes meet.
 struct EngineOptions {
@@ -132,6 +148,8 @@ struct EngineOptions {
   // none: as their own): RaNNC's allreduce_amp_master_params=False at amp_level O2, where the
   // forward reads the parameters in the low precision. Not for ZeRO's reduce-scatter.
   AmpDtype grad_wire_dtype;
+  // Where the engine counts what it does (null: nowhere).
+  std::shared_ptr<EngineCounters> counters;
   // Loss scaling (fp16 mixed precision), starting from this scaler's state (a job moving to a
   // new engine passes the old one's loss_scaler()): every backward starts from the loss's
   // gradient (or the client's output gradients) times scale(), and the step's gradients are

@@ -379,7 +379,11 @@ class PipelineEngine::Impl {
                     Pending& pending);
   absl::Status Recv(Device& d, const at::Tensor& t, int src_device, uint32_t tag,
                     const std::string& what);
-  absl::Status RunDevice(Device& d, const StepPlan& step);
+  absl::Status RunDevice(Device& d, const StepPlan& step);  // RunDeviceOps, timed
+  absl::Status RunDeviceOps(Device& d, const StepPlan& step);
+  // Adds the time since `start` to counters_'s `counter` (nothing without counters).
+  void CountSince(std::chrono::steady_clock::time_point start,
+                  std::atomic<int64_t> EngineCounters::*counter) const;
   absl::Status RunForward(Device& d, const StepPlan& step, int mb, Pending& pending);
   absl::Status RunBackward(Device& d, const StepPlan& step, int mb, Pending& pending);
   // Sums `d`'s current gradients over the stage's replicas (tied ones over every device). Each
@@ -513,6 +517,7 @@ class PipelineEngine::Impl {
   std::atomic<bool> aborted_{false};
   std::shared_ptr<std::atomic<bool>> cancel_;  // EngineOptions::cancel
   std::shared_ptr<PinnedArena> checkpoint_memory_;  // EngineOptions::checkpoint_memory
+  std::shared_ptr<EngineCounters> counters_;        // EngineOptions::counters (may be null)
   mutable bool arena_open_ = false;  // this batch of asynchronous reads allocates from it
   bool Cancelled() const { return cancel_ && cancel_->load(); }
   bool broken_ = false;

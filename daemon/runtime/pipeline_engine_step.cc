@@ -153,7 +153,9 @@ absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, i
     }
     in.push_back(x);
   }
+  const auto compute_start = std::chrono::steady_clock::now();
   absl::StatusOr<std::vector<at::Tensor>> out = d.exec->Forward(mb, in, step.requires_grad);
+  CountSince(compute_start, &EngineCounters::compute_ns);
   if (!out.ok()) return Annotate(out.status(), absl::StrCat("micro-batch ", mb));
   for (size_t k = 0; k < st.outputs.size(); ++k) {
     const int v = st.outputs[k];
@@ -262,8 +264,10 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
     }
     out_grads.push_back(g);
   }
+  const auto compute_start = std::chrono::steady_clock::now();
   absl::StatusOr<std::vector<at::Tensor>> in_grads =
       d.exec->Backward(mb, out_grads, step.retain_graph);
+  CountSince(compute_start, &EngineCounters::compute_ns);
   if (!in_grads.ok()) return Annotate(in_grads.status(), absl::StrCat("micro-batch ", mb));
   for (size_t j = 0; j < st.data_inputs.size(); ++j) {
     const int p = st.source[j];
@@ -284,6 +288,21 @@ absl::Status PipelineEngine::Impl::RunBackward(Device& d, const StepPlan& step, 
 }
 
 absl::Status PipelineEngine::Impl::RunDevice(Device& d, const StepPlan& step) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = RunDeviceOps(d, step);
+  CountSince(start, &EngineCounters::schedule_ns);
+  return s;
+}
+
+void PipelineEngine::Impl::CountSince(std::chrono::steady_clock::time_point start,
+                                      std::atomic<int64_t> EngineCounters::*counter) const {
+  if (!counters_) return;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now() - start);
+  ((*counters_).*counter).fetch_add(ns.count(), std::memory_order_relaxed);
+}
+
+absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step) {
   const StageInfo& st = stages_[d.stage];
   const int S = static_cast<int>(stages_.size());
   const int m = static_cast<int>(step.mb_sizes.size());

@@ -419,7 +419,7 @@ void DetachedJobs::Run(Entry* entry) {
 
     const double elapsed = SecondsSince(entry->started);
     const double rate = tokens_per_step * static_cast<double>(step - resumed) / elapsed;
-    const JobSummary summary = job->Summary();
+    const JobMetrics::Snapshot measured = job->Measure();
     {
       std::lock_guard<std::mutex> lock(mu_);
       v1::DetachedStatus& st = entry->status;
@@ -431,7 +431,10 @@ void DetachedJobs::Run(Entry* entry) {
       st.set_eta_s(rate > 0 ? tokens_per_step * static_cast<double>(spec.steps() - step) / rate
                             : 0);
       st.clear_device_bytes();
-      for (int64_t b : summary.device_bytes) st.add_device_bytes(static_cast<uint64_t>(b));
+      for (int64_t b : measured.device_bytes) st.add_device_bytes(static_cast<uint64_t>(b));
+      st.set_step_seconds(measured.step_s);
+      st.set_planned_step_seconds(measured.planned_step_s);
+      st.set_bubble(measured.bubble);
     }
     if (step % log_every == 0 || step == resumed + 1 || step == spec.steps()) {
       Log(entry, absl::StrFormat("step %d/%d loss %.6f lr %.6g tokens/s %.1f", step,
@@ -500,6 +503,11 @@ absl::Status DetachedJobs::Lines(const std::string& id, int64_t after_seq,
   }
   *ended = over();
   return absl::OkStatus();
+}
+
+size_t DetachedJobs::Queued() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size();
 }
 
 std::vector<std::string> DetachedJobs::Active() {

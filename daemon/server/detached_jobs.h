@@ -96,6 +96,8 @@ class DetachedJobs {
                      std::vector<v1::DetachedLogLine>* out, bool* ended);
   // The ids of the jobs that are queued or running.
   std::vector<std::string> Active();
+  // How many jobs wait in the queue.
+  size_t Queued();
   // Submits again, under their ids and with config resume=latest, the jobs whose records a
   // previous run left (a restart); once the hooks can make jobs. A record that no longer
   // submits (a file gone) is logged and dropped.

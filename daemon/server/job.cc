@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/elapsed.h"
 #include "daemon/common/files.h"
+#include "daemon/common/json_log.h"
 #include "daemon/common/status.h"
 #include "daemon/server/job_model.h"
 #include "daemon/server/rank_batches.h"
@@ -58,9 +59,10 @@ Job::Job(std::string id, JobSettings settings, PartChannels* channels)
   info_.amp = settings_.amp.has_value();
   info_.lease = settings_.lease;
   info_.created = std::chrono::system_clock::now();
+  NameJob(info_.id, info_.name);  // JSON log lines about the job carry its name
 }
 
-Job::~Job() = default;
+Job::~Job() { ForgetJob(info_.id); }
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings settings,
                                                  const std::string& model_bytes,
@@ -132,7 +134,62 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
     absl::Status resumed = job->Resume(resume_read.get());
     if (!resumed.ok()) return resumed;
   }
+  job->counters_ = local_job->counters();
+  job->metrics_.SetPlan(info.plan.estimated_step_ms() / 1000, info.plan.estimated_bubble());
+  job->metrics_.SetState(JobStateName(job->state_));
+  job->metrics_.SetSteps(job->steps_);
+  job->MeasuredMemory();
   return job;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics (job_metrics.h).
+
+void Job::Measured(std::chrono::steady_clock::time_point start) {
+  metrics_.AddBusy(SecondsSince(start));
+  metrics_.SetState(JobStateName(state_));
+  // A lost job's engine may still be waiting on the daemon that went: it is not read.
+  if (coordinator_.Lost().ok()) MeasuredMemory();
+}
+
+void Job::MeasuredForward(const std::vector<at::Tensor>& inputs) {
+  // Samples: the first input's leading dimension. Tokens: the elements of the first integer
+  // input (a language model's token ids), else the samples.
+  int64_t samples = 0, tokens = -1;
+  for (const at::Tensor& t : inputs) {
+    if (!t.defined()) continue;
+    if (samples == 0 && t.dim() > 0) samples = t.size(0);
+    if (tokens < 0 && at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+      tokens = t.numel();
+    }
+  }
+  metrics_.AddForward(samples, tokens < 0 ? samples : tokens);
+}
+
+void Job::MeasuredStep() {
+  std::vector<int64_t> bytes, peak;
+  LossScaler scaler(settings_.loss_scale);
+  local_->Usage(&bytes, &peak, &scaler);
+  metrics_.EndStep(steps_, counters_ ? counters_->compute_ns.load() : 0,
+                   counters_ ? counters_->schedule_ns.load() : 0, std::move(bytes),
+                   std::move(peak));
+}
+
+void Job::MeasuredMemory() {
+  std::vector<int64_t> bytes, peak;
+  LossScaler scaler(settings_.loss_scale);
+  local_->Usage(&bytes, &peak, &scaler);
+  metrics_.SetMemory(std::move(bytes), std::move(peak));
+}
+
+JobMetrics::Snapshot Job::Measure() const {
+  JobMetrics::Snapshot s = metrics_.Read();
+  if (counters_) s.data_plane_bytes = counters_->data_plane_bytes->load();
+  const checkpoint::CheckpointWriter::Totals written = writer_.totals();
+  s.checkpoints_written = written.written;
+  s.checkpoints_failed = written.failed;
+  s.checkpoint_bytes = written.bytes;
+  return s;
 }
 
 RemoteRead Job::Remote() {
@@ -161,6 +218,16 @@ bool Job::SetMode(const ModelMode& mode) {
 absl::StatusOr<std::vector<at::Tensor>> Job::ForwardLocked(const std::vector<at::Tensor>& inputs,
                                                            bool requires_grad,
                                                            bool delay_grad_allreduce) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::vector<at::Tensor>> out =
+      ForwardUnmeasured(inputs, requires_grad, delay_grad_allreduce);
+  Measured(start);
+  if (out.ok() && requires_grad) MeasuredForward(inputs);
+  return out;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> Job::ForwardUnmeasured(
+    const std::vector<at::Tensor>& inputs, bool requires_grad, bool delay_grad_allreduce) {
   absl::Status checked = local_->CheckInputs(inputs);
   if (!checked.ok()) return checked;
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
@@ -209,6 +276,14 @@ absl::StatusOr<std::vector<at::Tensor>> Job::ForwardLocked(const std::vector<at:
 
 absl::Status Job::BackwardLocked(const OutputGrads& output_grads, bool retain_graph,
                                  bool delay_grad_allreduce) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = BackwardUnmeasured(output_grads, retain_graph, delay_grad_allreduce);
+  Measured(start);
+  return s;
+}
+
+absl::Status Job::BackwardUnmeasured(const OutputGrads& output_grads, bool retain_graph,
+                                     bool delay_grad_allreduce) {
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   auto local = [&] {
     return coordinator_.PartStatus(
@@ -228,6 +303,14 @@ absl::Status Job::BackwardLocked(const OutputGrads& output_grads, bool retain_gr
 }
 
 absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<NamedTensors> out = RunUnmeasured(op);
+  Measured(start);
+  if (out.ok() && op.kind == JobOp::Kind::kStep) MeasuredStep();
+  return out;
+}
+
+absl::StatusOr<NamedTensors> Job::RunUnmeasured(const JobOp& op) {
   // A lost job's engine may still wait on the daemon that went: it is not touched again.
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   const bool pending = local_->flags().grads_pending;
@@ -289,6 +372,13 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
 }
 
 absl::StatusOr<double> Job::ClipLocked(double max_norm, double norm_type) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<double> norm = ClipUnmeasured(max_norm, norm_type);
+  Measured(start);
+  return norm;
+}
+
+absl::StatusOr<double> Job::ClipUnmeasured(double max_norm, double norm_type) {
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   if (local_->flags().grads_pending) return NotReduced("clip_grad_norm");
   if (!coordinator_.leads()) return local_->ClipGradNorm(max_norm, norm_type);
@@ -502,6 +592,8 @@ void Job::Undeploy() {
   local_->Release();
   coordinator_.UndeployParts();
   state_ = JobState::kUndeployed;
+  metrics_.SetState(JobStateName(state_));
+  MeasuredMemory();
 }
 
 JobSummary Job::Summary() {
@@ -513,6 +605,7 @@ JobSummary Job::Summary() {
   s.forwards = forwards_;
   LossScaler scaler(settings_.loss_scale);
   local_->Usage(&s.device_bytes, &s.peak_device_bytes, &scaler);
+  metrics_.SetMemory(s.device_bytes, s.peak_device_bytes);  // Measure's, now
   s.loss_scale = scaler.scale();
   s.skipped_steps = scaler.skipped_steps();
   return s;

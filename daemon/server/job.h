@@ -54,6 +54,7 @@
 #include "daemon/runtime/param_store.h"
 #include "daemon/server/client_ranks.h"
 #include "daemon/server/coordinator.h"
+#include "daemon/server/job_metrics.h"
 #include "daemon/server/job_settings.h"
 #include "daemon/server/local_job.h"
 #include "daemon/server/part_channel.h"
@@ -174,6 +175,8 @@ class Job {
   // kept on the host); the next Forward deploys again.
   void Undeploy();
   JobSummary Summary();
+  // The job's measurements (job_metrics.h), read without waiting for a call in progress.
+  JobMetrics::Snapshot Measure() const;
 
   // Checkpoints (docs/checkpoints.md; JobSettings::checkpoints). Checkpoint copies the job's
   // state (parameters, buffers, optimizer state, step counters, the loss scaler, the RNG) to
@@ -205,13 +208,21 @@ class Job {
  private:
   Job(std::string id, JobSettings settings, PartChannels* channels);
 
+  // Each *Locked is its *Unmeasured, timed for metrics_.
   absl::StatusOr<std::vector<at::Tensor>> ForwardLocked(const std::vector<at::Tensor>& inputs,
                                                         bool requires_grad,
                                                         bool delay_grad_allreduce);
+  absl::StatusOr<std::vector<at::Tensor>> ForwardUnmeasured(const std::vector<at::Tensor>& inputs,
+                                                            bool requires_grad,
+                                                            bool delay_grad_allreduce);
   absl::Status BackwardLocked(const OutputGrads& output_grads, bool retain_graph,
                               bool delay_grad_allreduce);
+  absl::Status BackwardUnmeasured(const OutputGrads& output_grads, bool retain_graph,
+                                  bool delay_grad_allreduce);
   absl::StatusOr<NamedTensors> RunLocked(const JobOp& op);
+  absl::StatusOr<NamedTensors> RunUnmeasured(const JobOp& op);
   absl::StatusOr<double> ClipLocked(double max_norm, double norm_type);
+  absl::StatusOr<double> ClipUnmeasured(double max_norm, double norm_type);
   absl::Status LoadStateLocked(const std::map<std::string, at::Tensor>& state, bool strict,
                                std::vector<std::string>* missing,
                                std::vector<std::string>* unexpected);
@@ -269,6 +280,13 @@ class Job {
   int64_t resumed_step_ = -1;
   mutable std::mutex error_mu_;
   std::string snapshot_error_;  // the last checkpoint_every snapshot's failure ("" none)
+  JobMetrics metrics_;
+  std::shared_ptr<const EngineCounters> counters_;  // local_'s, set at creation
+  // A call's end for metrics_: its time since `start` (and, for a step, the iteration's end).
+  void Measured(std::chrono::steady_clock::time_point start);
+  void MeasuredForward(const std::vector<at::Tensor>& inputs);
+  void MeasuredStep();
+  void MeasuredMemory();
   // Declared last: destroyed first, waiting for a write in flight while the job is whole.
   checkpoint::CheckpointWriter writer_;
 };

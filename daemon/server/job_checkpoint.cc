@@ -165,6 +165,7 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   writer_.Start(*job_dir, std::move(snapshot), settings_.checkpoints.keep, *dir,
                 std::move(others), std::move(ready));
   info.blocked_s = SecondsSince(start);
+  metrics_.AddCheckpointBlocked(info.blocked_s);
   spdlog::info("job {}: checkpoint of step {} taken (training held {:.3f} s, waiting for the "
                "previous write included); copying to host memory and writing",
                info_.id, info.step, info.blocked_s);

@@ -139,6 +139,7 @@ absl::Status LocalJob::Deploy() {
   options.grad_wire_dtype = settings_.grad_wire_dtype();
   options.cancel = new_cancel_();
   options.checkpoint_memory = checkpoint_memory_;
+  options.counters = counters_;
   if (settings_.engine_store != nullptr) {
     options.store = settings_.engine_store;
   } else if (!settings_.engine_store_address.empty()) {

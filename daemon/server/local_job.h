@@ -144,6 +144,8 @@ class LocalJob {
   absl::Status LoadOptimizerState(const std::vector<OptimizerEntry>& state,
                                   bool check_only = false);
 
+  // What the job's engines have done here (data-plane bytes, compute and schedule time).
+  std::shared_ptr<const EngineCounters> counters() const { return counters_; }
   // Per plan device: bytes held now and the most held at once since deployed (zeros released);
   // the loss scaler's state.
   void Usage(std::vector<int64_t>* bytes, std::vector<int64_t>* peak, LossScaler* scaler) const;
@@ -190,6 +192,8 @@ class LocalJob {
   std::unique_ptr<PipelineEngine> engine_;  // null while released
   // Outlives the engines: the checkpoints' host memory stays ready across redeployments.
   std::shared_ptr<PinnedArena> checkpoint_memory_ = std::make_shared<PinnedArena>();
+  // Every engine of the job counts into these (the job's metrics).
+  const std::shared_ptr<EngineCounters> counters_ = std::make_shared<EngineCounters>();
   bool engine_forward_ = true;
   std::unique_ptr<comm::Store> part_store_;  // the leader's store, when a part
   int deployments_ = 0;                      // engines built so far

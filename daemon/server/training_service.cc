@@ -879,10 +879,7 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext* context, const v
     out->set_steps(s.steps);
     out->set_forwards(s.forwards);
     for (const std::string& d : info.devices) out->add_devices(d);
-    for (int64_t bytes : s.device_bytes) out->add_device_bytes(static_cast<uint64_t>(bytes));
-    for (int64_t bytes : s.peak_device_bytes) {
-      out->add_peak_device_bytes(static_cast<uint64_t>(bytes));
-    }
+
     out->set_loss_scale(s.loss_scale);
     out->set_skipped_steps(static_cast<uint64_t>(s.skipped_steps));
     out->set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -890,6 +887,22 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext* context, const v
     out->set_lease_ms(static_cast<uint32_t>(info.lease.count()));
     out->set_idle_ms(static_cast<uint64_t>(std::max<int64_t>(0, listed.idle.count())));
     out->set_checkpoint_dir(listed.job->checkpoint_dir());
+    // Memory as the metrics endpoint serves it (Summary measured it just now).
+    const JobMetrics::Snapshot m = listed.job->Measure();
+    for (int64_t bytes : m.device_bytes) out->add_device_bytes(static_cast<uint64_t>(bytes));
+    for (int64_t bytes : m.peak_device_bytes) {
+      out->add_peak_device_bytes(static_cast<uint64_t>(bytes));
+    }
+    out->set_step_seconds(m.step_s);
+    out->set_busy_seconds(m.busy_s);
+    out->set_planned_step_seconds(m.planned_step_s);
+    out->set_tokens_per_second(m.tokens_per_s);
+    out->set_bubble(m.bubble);
+    out->set_planned_bubble(m.planned_bubble);
+    out->set_tokens(static_cast<uint64_t>(m.tokens));
+    out->set_data_plane_bytes(m.data_plane_bytes);
+    out->set_checkpoint_blocked_seconds(m.checkpoint_blocked_s);
+    out->set_checkpoint_bytes(m.checkpoint_bytes);
   }
   std::set<std::string> live;
   for (const v1::JobSummary& j : response->jobs()) live.insert(j.job_id());
