@@ -78,7 +78,7 @@ rannc_import_library(rannc::spdlog PACKAGE "libspdlog-dev and libfmt-dev"
   HEADER spdlog/spdlog.h LIBS spdlog fmt
   DEFINES SPDLOG_SHARED_LIB SPDLOG_COMPILED_LIB SPDLOG_FMT_EXTERNAL DEPS Threads::Threads)
 rannc_import_library(rannc::prometheus PACKAGE prometheus-cpp-dev
-  HEADER prometheus/exposer.h LIBS prometheus-cpp-pull prometheus-cpp-core)
+  HEADER prometheus/text_serializer.h LIBS prometheus-cpp-core)
 rannc_import_library(rannc::ucx PACKAGE libucx-dev HEADER ucp/api/ucp.h LIBS ucp uct ucs)
 # Header-only, as Bazel uses them.
 rannc_import_library(rannc::toml PACKAGE libtomlplusplus-dev HEADER toml++/toml.h)

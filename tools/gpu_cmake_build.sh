@@ -29,7 +29,7 @@ for pair in grpcpp/grpcpp.h:libgrpc++-dev google/protobuf/message.h:libprotobuf-
             absl/status/statusor.h:libabsl-dev spdlog/spdlog.h:libspdlog-dev \
             fmt/format.h:libfmt-dev ucp/api/ucp.h:libucx-dev CLI/CLI.hpp:libcli11-dev \
             toml++/toml.h:libtomlplusplus-dev catch2/catch.hpp:catch2 \
-            prometheus/exposer.h:"prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1"; do
+            prometheus/text_serializer.h:"prometheus-cpp-dev libprometheus-cpp-core1.0"; do
   [ -e "$SYS/usr/include/${pair%%:*}" ] || missing+=("${pair#*:}")
 done
 # etcd's .proto files (third_party/etcd/gen.sh) and the annotations they import.

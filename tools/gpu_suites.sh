@@ -11,6 +11,7 @@
 #   checkpoint   benchmarks/checkpoint_bench.py --size workload-a (2 checkpoints EVERY steps
 #                apart, default 80: more than a 16 GB write takes; restart; CKPT_ARGS adds
 #                options, e.g. --restart-deployment)
+#   metrics      tools/metrics_check.py on cuda: the metrics endpoint against ListJobs
 #
 #   STEPS="models amp" OUT=/tmp/out tools/gpu_suites.sh      (with the device tool: carry .gpu)
 export NCCL_NVLS_ENABLE=0
@@ -58,6 +59,7 @@ for step in $steps; do
       run checkpoint 540 python3 benchmarks/checkpoint_bench.py --size workload-a \
       --checkpoints 2 --every "${EVERY:-80}" --warmup 2 --disk-reps 1 --dir /tmp/rb ${CKPT_ARGS:-}
       cp /tmp/rb/ranncd-*.log "$OUT/" 2>/dev/null ;;
+    metrics) run metrics 120 python3 tools/metrics_check.py --devices cuda ;;
     *) echo "unknown suite $step"; exit 2 ;;
   esac
 done

@@ -1,14 +1,11 @@
 #include "daemon/metrics/metrics.h"
 
 #include <algorithm>
-#include <exception>
 #include <limits>
 #include <set>
 #include <sstream>
 #include <utility>
 
-#include <prometheus/collectable.h>
-#include <prometheus/exposer.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
 #include <spdlog/spdlog.h>
@@ -98,7 +95,8 @@ const JobFamily kJobFamilies[] = {
     {"rannc_job_planned_step_seconds", "The plan's estimate of a step's time.", MetricType::Gauge,
      [](const JobMetrics::Snapshot& m) { return m.planned_step_s; }},
     {"rannc_job_pipeline_bubble_ratio",
-     "Share of the devices' schedule time the last iteration spent waiting for other stages.",
+     "Share of the devices' schedule time the last iteration spent outside stage compute "
+     "(waiting for other stages, transfers, bookkeeping): an upper bound of the bubble.",
      MetricType::Gauge, [](const JobMetrics::Snapshot& m) { return m.bubble; }},
     {"rannc_job_planned_pipeline_bubble_ratio", "The plan's estimate of the pipeline bubble.",
      MetricType::Gauge, [](const JobMetrics::Snapshot& m) { return m.planned_bubble; }},
@@ -207,38 +205,20 @@ std::string Text(const std::vector<MetricFamily>& families) {
   return out.str();
 }
 
-class MetricsServer::Collector : public prometheus::Collectable {
- public:
-  Collector(std::function<DaemonSample()> sample, const RpcMetrics* rpcs)
-      : sample_(std::move(sample)), rpcs_(rpcs) {}
-  std::vector<MetricFamily> Collect() const override { return Families(sample_(), rpcs_); }
-
- private:
-  const std::function<DaemonSample()> sample_;
-  const RpcMetrics* const rpcs_;
-};
-
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::string& listen, std::function<DaemonSample()> sample, const RpcMetrics* rpcs) {
-  const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos || colon + 1 == listen.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--metrics-listen ", listen, " has no port: give HOST:PORT, e.g. 127.0.0.1:9400"));
-  }
   std::unique_ptr<MetricsServer> server(new MetricsServer());
-  server->collector_ = std::make_shared<Collector>(std::move(sample), rpcs);
-  // civetweb takes "[::1]:9400" for IPv6 and "HOST:PORT" otherwise; "HOST:0" picks a port.
-  try {
-    server->exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/2);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("--metrics-listen ", listen,
-                                               ": cannot serve metrics there (", e.what(),
-                                               "); pick another address or port"));
+  absl::StatusOr<std::unique_ptr<HttpEndpoint>> endpoint = HttpEndpoint::Start(
+      listen, "/metrics", "text/plain; version=0.0.4; charset=utf-8",
+      [sample = std::move(sample), rpcs] { return Text(Families(sample(), rpcs)); });
+  if (!endpoint.ok()) {
+    return absl::Status(endpoint.status().code(),
+                        absl::StrCat("--metrics-listen ", endpoint.status().message(),
+                                     ": pick another address or port"));
   }
-  server->exposer_->RegisterCollectable(server->collector_);
-  const std::vector<int> ports = server->exposer_->GetListeningPorts();
-  server->address_ =
-      absl::StrCat(listen.substr(0, colon), ":", ports.empty() ? 0 : ports.front());
+  server->endpoint_ = std::move(*endpoint);
+  server->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":",
+                                  server->endpoint_->port());
   spdlog::info("serving Prometheus metrics at http://{}/metrics", server->address_);
   return server;
 }

@@ -14,7 +14,9 @@
 //   absl::StatusOr<std::unique_ptr<MetricsServer>> m =
 //       MetricsServer::Start("127.0.0.1:9400", [&] { return Sample(); }, &rpcs);
 //
-// Thread-safe: scrapes run on the HTTP server's threads and call `sample` there.
+// Thread-safe: scrapes run on the endpoint's thread and call `sample` there. prometheus-cpp's
+// core gives the metric families and their text format. Its exposer (civetweb) is not used: in
+// ranncd's process on the GPU machine it could not start its threads ("Cannot create threads").
 #ifndef RANNC_DAEMON_METRICS_METRICS_H_
 #define RANNC_DAEMON_METRICS_METRICS_H_
 
@@ -26,11 +28,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/metrics/http_endpoint.h"
 #include "daemon/metrics/rpc_metrics.h"
 #include "daemon/server/job_metrics.h"
 
 namespace prometheus {
-class Exposer;
 struct MetricFamily;
 }  // namespace prometheus
 
@@ -60,8 +62,9 @@ std::string Text(const std::vector<prometheus::MetricFamily>& families);
 
 class MetricsServer {
  public:
-  // Serves `sample`'s and `rpcs`'s families at http://listen/metrics. INVALID_ARGUMENT for a
-  // listen address without a port, UNAVAILABLE when it cannot be bound.
+  // Serves `sample`'s and `rpcs`'s families at http://listen/metrics (http_endpoint.h: one
+  // scrape at a time, each called on the endpoint's thread). INVALID_ARGUMENT for a listen
+  // address that is not HOST:PORT, UNAVAILABLE when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::string& listen, std::function<DaemonSample()> sample, const RpcMetrics* rpcs);
   ~MetricsServer();
@@ -70,10 +73,8 @@ class MetricsServer {
   const std::string& address() const { return address_; }
 
  private:
-  class Collector;
   MetricsServer() = default;
-  std::shared_ptr<Collector> collector_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<HttpEndpoint> endpoint_;
   std::string address_;
 };
 

@@ -88,8 +88,8 @@ struct EngineCounters {
   std::shared_ptr<std::atomic<uint64_t>> data_plane_bytes =
       std::make_shared<std::atomic<uint64_t>>(0);
   // Per device, summed: time in its stage's forwards and backwards, and time running a step's
-  // schedule (those plus waiting for other stages' activations and gradients). One minus their
-  // ratio over a step is the measured pipeline bubble.
+  // schedule (those plus waiting for other stages' activations and gradients, transfers and
+  // bookkeeping). One minus their ratio over a step bounds the pipeline bubble from above.
   std::atomic<int64_t> compute_ns{0};
   std::atomic<int64_t> schedule_ns{0};
 };

@@ -7,7 +7,8 @@
 // all-reduces and the step itself. Its wall time (from the previous step's end to this one's) is
 // what a training loop sees per step, client time included; its busy time is the part spent in
 // the job's calls here, which is what the planner's estimate (planned_step_s) predicts. Its
-// bubble is the share of the devices' schedule time spent waiting for other stages.
+// bubble is the share of the devices' schedule time spent outside their stages' forwards and
+// backwards (waiting for other stages, transfers, bookkeeping): an upper bound of the pipeline's.
 //
 //   JobMetrics m;
 //   m.SetPlan(/*planned_step_s=*/0.12, /*planned_bubble=*/0.2);

@@ -232,8 +232,9 @@ def test_prometheus_scrapes_a_training_job_and_rannc_jobs_shows_the_same(tmp_pat
 
 
 def test_a_metrics_address_that_cannot_be_served_stops_the_daemon_saying_so(pyrannc_daemon):
-    for bad, says in (("127.0.0.1", "has no port"), ("203.0.113.9:9400",
-                                                      "cannot serve metrics there")):
+    for bad, says in (("127.0.0.1", "--metrics-listen 127.0.0.1 is not HOST:PORT"),
+                      ("203.0.113.9:9400", "--metrics-listen cannot listen on 203.0.113.9:9400: "
+                                           "Cannot assign requested address")):
         done = subprocess.run([os.environ["RANNC_DAEMON_BIN"], "--listen", "127.0.0.1:0",
                                "--devices", "cpu:1", "--metrics-listen", bad],
                               capture_output=True, text=True, timeout=120)
