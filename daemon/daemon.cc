@@ -23,7 +23,9 @@
 #include "daemon/comm/cuda_devices.h"
 #include "daemon/comm/etcd_store.h"
 #include "daemon/comm/grpc_store.h"
+#include "daemon/common/periodic.h"
 #include "daemon/common/status.h"
+#include "daemon/health.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/rpc_metrics.h"
 #include "daemon/planner/links.h"
@@ -284,6 +286,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
         "cannot listen on ", options.listen, " (address in use, or not an address of this "
         "host); pick another with --listen"));
   }
+  absl::StatusOr<std::unique_ptr<Health>> health =
+      Health::Start(daemon->server_.get(), options.health_listen);
+  if (!health.ok()) {
+    daemon->server_->Shutdown(std::chrono::system_clock::now());
+    return health.status();
+  }
+  daemon->health_ = std::move(*health);
   daemon->address_ = absl::StrCat(host, ":", port);
   absl::StatusOr<std::string> advertise = AdvertisedAddress(options, daemon->address_);
   if (advertise.ok() && !options.cluster_store.empty()) {
@@ -365,6 +374,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->training_->set_address(daemon->address_);
   daemon->training_->ResumeDetachedJobs();
   daemon->cluster_->Start();
+  // Ready (health "rannc.ready") once the cluster's members are known and this daemon ranked.
+  daemon->readiness_ = std::make_unique<Periodic>(
+      std::chrono::milliseconds(500),
+      [health = daemon->health_.get(), cluster = daemon->cluster_.get()] {
+        health->SetReady(cluster->Joined());
+      },
+      Periodic::First::kNow);
+  if (!daemon->health_->address().empty()) {
+    spdlog::info("serving gRPC health (plain text) on {}", daemon->health_->address());
+  }
   spdlog::info("ranncd listening on {} (version {}, LibTorch {}, {}, {})", daemon->address_,
                kRanncVersion, TORCH_VERSION,
                !tls.enabled()     ? "plain text"
@@ -449,6 +468,9 @@ metrics::DaemonSample Daemon::MetricsSample() const {
 
 void Daemon::Shutdown(std::chrono::milliseconds grace) {
   metrics_.reset();  // no scrape reads the jobs while they go
+  // Not ready, then not live, for the probes, before anything stops.
+  if (readiness_) readiness_->Stop();
+  if (health_) health_->Shutdown();
   // Jobs led here go to other daemons once the lease is revoked below; take over none now,
   // before the others' stopping (their leases revoked) orphans theirs.
   if (registry_) registry_->StopWatching();

@@ -32,6 +32,8 @@ class Store;
 class StoreServiceImpl;
 }  // namespace comm
 class GrpcPartChannels;
+class Health;
+class Periodic;
 class JobPartServiceImpl;
 class TrainingServiceImpl;
 struct DaemonFacts;  // daemon/server/job_settings.h
@@ -114,6 +116,9 @@ class Daemon {
   // The metrics endpoint (--metrics-listen): serves rpc_metrics_ and MetricsSample; goes first
   // at Shutdown.
   std::unique_ptr<metrics::MetricsServer> metrics_;
+  // Liveness and readiness for probes (health.h), kept by readiness_ from the cluster.
+  std::unique_ptr<Health> health_;
+  std::unique_ptr<Periodic> readiness_;
 };
 
 }  // namespace rannc

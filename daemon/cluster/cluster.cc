@@ -237,6 +237,11 @@ absl::StatusOr<PeerReport> Cluster::HandleHeartbeat(const PeerReport& sender) {
   return membership_->self();
 }
 
+bool Cluster::Joined() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return membership_.has_value();
+}
+
 std::vector<MemberInfo> Cluster::Members() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (membership_) return membership_->Snapshot();

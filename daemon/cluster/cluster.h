@@ -112,6 +112,9 @@ class Cluster {
 
   // Every member in rank order; while a DNS name is still resolving, only self (rank -1).
   std::vector<MemberInfo> Members() const;
+  // Whether the members are known and this daemon has its rank (false while a DNS name is still
+  // resolving to --cluster-size addresses): the daemon's readiness.
+  bool Joined() const;
   // Called for each member lost from UP: silent past the timeout, or restarted.
   void OnMemberDown(MemberDownFn fn);
 

@@ -78,7 +78,7 @@ class JsonFormatter : public spdlog::formatter {
         std::chrono::duration_cast<std::chrono::milliseconds>(since_epoch).count() % 1000);
     std::tm utc{};
     gmtime_r(&seconds, &utc);
-    char time[40];
+    char time[80];
     std::snprintf(time, sizeof(time), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", utc.tm_year + 1900,
                   utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, millis);
     const spdlog::string_view_t level = spdlog::level::to_string_view(msg.level);

@@ -80,6 +80,9 @@ std::vector<ConfigKey>* MakeRegistry() {
        "is logged): whoever reaches the port runs code"},
       {"metrics_listen", T::kString, S::kDaemon, "none (no metrics endpoint)",
        "HOST:PORT where ranncd serves Prometheus metrics at /metrics (docs/observability.md)"},
+      {"health_listen", T::kString, S::kDaemon, "none (health on the main port only)",
+       "HOST:PORT of a plaintext port serving only the gRPC health service (\"\": live; "
+       "\"rannc.ready\": joined its cluster), for Kubernetes' gRPC probes, which cannot do TLS"},
       // ---- a job (sent with CreateJob; planner/planner.h, runtime/loss_scale.h, server/) ----
       {"partition_num", T::kInt, S::kJob, "0 (the planner's choice)", "pipeline stages"},
       {"pipeline_num", T::kInt, S::kJob, "0 (the planner's choice)", "micro-batches per step"},

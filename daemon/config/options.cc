@@ -220,6 +220,7 @@ const std::vector<Key>& Keys() {
       Text("auth_token_file", &DaemonOptions::auth_token_file),
       Bool("insecure", &DaemonOptions::insecure),
       Text("metrics_listen", &DaemonOptions::metrics_listen),
+      Text("health_listen", &DaemonOptions::health_listen),
   };
   return *keys;
 }
@@ -581,6 +582,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"insecure", "allow a --listen address other than loopback without TLS and tokens (logs "
                    "a warning)"},
       {"metrics_listen", "serve Prometheus metrics at http://HOST:PORT/metrics (default: none)"},
+      {"health_listen", "serve the gRPC health service alone, in plain text, on HOST:PORT (for "
+                        "Kubernetes' probes; default: none)"},
   };
   const std::map<std::string, std::string> type_names = {
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
@@ -593,7 +596,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"tls_cert", "FILE"}, {"tls_key", "FILE"}, {"tls_ca", "FILE"}, {"tls_refresh", "DURATION"},
       {"cluster_store_cert", "FILE"}, {"cluster_store_key", "FILE"}, {"cluster_store_ca", "FILE"},
       {"auth_token_file", "FILE"}, {"insecure", "BOOL"},
-      {"log_format", "FORMAT"}, {"metrics_listen", "HOST:PORT"},
+      {"log_format", "FORMAT"}, {"metrics_listen", "HOST:PORT"}, {"health_listen", "HOST:PORT"},
   };
   std::vector<FlagValue> flags;
   flags.reserve(Keys().size());
@@ -611,7 +614,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
         key.text == &DaemonOptions::cluster_store || key.text == &DaemonOptions::tls_cert ||
         key.text == &DaemonOptions::tls_key || key.text == &DaemonOptions::tls_ca ||
         key.text == &DaemonOptions::auth_token_file ||
-        key.text == &DaemonOptions::metrics_listen || key.flag != nullptr) {
+        key.text == &DaemonOptions::metrics_listen ||
+        key.text == &DaemonOptions::health_listen || key.flag != nullptr) {
       flag.option->expected(0, 1);
     }
   }
@@ -629,7 +633,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       "advertise, "
       "cluster_size, cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, "
       "cluster_store_ca, heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, "
-      "tls_refresh, auth_token_file, insecure, metrics_listen) and in the "
+      "tls_refresh, auth_token_file, insecure, metrics_listen, health_listen) and in the "
       "environment as "
       "RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");

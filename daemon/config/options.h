@@ -10,10 +10,11 @@
 // names below (listen, devices, device_memory, log_level, log_format, max_message_size, shm_dir,
 // links, profile_cache, state_dir, peers, advertise, cluster_size, cluster_store, cluster_lease,
 // cluster_store_cert, cluster_store_key, cluster_store_ca, heartbeat_interval, peer_timeout,
-// tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file, insecure, metrics_listen) at the top
-// level; `peers` may also be an array of strings. The same file may hold any other key of the
-// registry (config/keys.h: a job's keys, the clients', RaNNC's), which are ignored here; an
-// unregistered key is an error naming the key, the file and the nearest registered key.
+// tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file, insecure, metrics_listen,
+// health_listen) at the top level; `peers` may also be an array of strings. The same file may
+// hold any other key of the registry (config/keys.h: a job's keys, the clients', RaNNC's), which
+// are ignored here; an unregistered key is an error naming the key, the file and the nearest
+// registered key.
 //
 // Environment: RANNC_ + upper-case key (RANNC_DEVICE_MEMORY=2GiB). A variable that is set
 // counts even when empty (RANNC_SHM_DIR= disables shared memory). Other RANNC_* variables
@@ -24,7 +25,8 @@
 // --max-message-size, --shm-dir, --links, --profile-cache, --state-dir, --peers, --advertise,
 // --cluster-size, --cluster-store, --cluster-lease, --cluster-store-cert, --cluster-store-key,
 // --cluster-store-ca, --heartbeat-interval, --peer-timeout, --tls-cert, --tls-key, --tls-ca,
-// --tls-refresh, --auth-token-file, --insecure, --metrics-listen, --config, --help, --version.
+// --tls-refresh, --auth-token-file, --insecure, --metrics-listen, --health-listen, --config,
+// --help, --version.
 // `--flag VALUE` and `--flag=VALUE` both work; a flag given twice takes the last value; unknown
 // flags and positional arguments are errors naming them.
 //
@@ -168,6 +170,10 @@ struct DaemonOptions {
   // Where to serve Prometheus metrics (http://HOST:PORT/metrics; metrics/metrics.h). Default
   // "": no endpoint.
   std::string metrics_listen = "";
+
+  // A plaintext port serving only the gRPC health service (daemon/health.h), for Kubernetes'
+  // gRPC probes, which do not speak TLS. Default "": health on the main port only.
+  std::string health_listen = "";
 
   // The TOML file the options were read from; "" when none was found. Output only: the file is
   // chosen by --config or RANNC_CONF_DIR, never by a key.

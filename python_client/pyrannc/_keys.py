@@ -57,6 +57,8 @@ KEYS = {
         "allow listening on an address other than loopback without TLS and tokens (a warning is logged): whoever reaches the port runs code"),
     "metrics_listen": ("daemon", "string", "none (no metrics endpoint)",
         "HOST:PORT where ranncd serves Prometheus metrics at /metrics (docs/observability.md)"),
+    "health_listen": ("daemon", "string", "none (health on the main port only)",
+        "HOST:PORT of a plaintext port serving only the gRPC health service (\"\": live; \"rannc.ready\": joined its cluster), for Kubernetes' gRPC probes, which cannot do TLS"),
     "partition_num": ("job", "int", "0 (the planner's choice)",
         "pipeline stages"),
     "pipeline_num": ("job", "int", "0 (the planner's choice)",

@@ -1,9 +1,10 @@
-"""Metrics and logs (issue 24, docs/observability.md): ranncd with --metrics-listen serves
-Prometheus metrics, and the real Prometheus server (Debian's `prometheus`) scrapes it while a job
-trains: PromQL over its HTTP API gives the job a step rate above 0 and its device memory, and the
-daemon's gRPC calls by method and code; checkpoints and data-plane bytes are counted. `rannc
-jobs` shows the numbers the endpoint serves, and --log-format json writes one JSON object per
-line naming the job."""
+"""Metrics, logs and health (issues 24 and 23, docs/observability.md): ranncd with
+--metrics-listen serves Prometheus metrics, and the real Prometheus server (Debian's `prometheus`)
+scrapes it while a job trains: PromQL over its HTTP API gives the job a step rate above 0 and its
+device memory, and the daemon's gRPC calls by method and code; checkpoints and data-plane bytes
+are counted. `rannc jobs` shows the numbers the endpoint serves; --log-format json writes one
+JSON object per line naming the job; --health-listen serves liveness and readiness in plain
+text for Kubernetes' probes."""
 
 import json
 import os
@@ -244,3 +245,67 @@ def test_a_metrics_address_that_cannot_be_served_stops_the_daemon_saying_so(pyra
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "unknown log format 'xml'; expected text or json" in done.stderr
+
+
+def _health(address, service):
+    """grpc.health.v1.Health/Check of `service` at `address` (plain text): "SERVING",
+    "NOT_SERVING", or the call's status code name."""
+    import grpc
+    # HealthCheckRequest{service = 1}; HealthCheckResponse{status = 1}: 1 SERVING, 2 NOT_SERVING.
+    request = (b"\x0a" + bytes([len(service)]) + service.encode()) if service else b""
+    with grpc.insecure_channel(address) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        try:
+            answer = check(request, timeout=10)
+        except grpc.RpcError as err:
+            return err.code().name
+    return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(answer, repr(answer))
+
+
+def test_health_for_kubernetes_probes_on_a_plain_port(pyrannc_daemon):
+    """--health-listen: the gRPC health service alone, in plain text (kubelet's gRPC probes do
+    not do TLS): "" is live, "rannc.ready" says the daemon has joined its cluster; a port that
+    cannot be bound stops the daemon naming the flag."""
+    import grpc
+    health = f"127.0.0.1:{free_port()}"
+    daemon = DaemonProcess("--health-listen", health)
+    try:
+        deadline = time.monotonic() + 30
+        while _health(health, "rannc.ready") != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _health(health, "rannc.ready") == "SERVING"
+        assert _health(health, "") == "SERVING"
+        assert _health(daemon.address, "rannc.ready") == "SERVING"  # the main port too
+        assert _health(health, "no.such.Service") == "NOT_FOUND"
+        # Nothing but health on that port.
+        with grpc.insecure_channel(health) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary("/rannc.v1.TrainingService/GetInfo")(b"", timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "--health-listen" in err.value.details()
+        assert f"serving gRPC health (plain text) on {health}" in daemon.output()
+    finally:
+        daemon.stop()
+
+    # A member of a cluster whose name does not yet resolve to --cluster-size daemons is live
+    # but not ready.
+    health = f"127.0.0.1:{free_port()}"
+    waiting = DaemonProcess("--health-listen", health, "--peers", "localhost:7411",
+                            "--cluster-size", "3", "--advertise", "127.0.0.1:7411")
+    try:
+        time.sleep(1.5)
+        assert _health(health, "") == "SERVING"
+        assert _health(health, "rannc.ready") == "NOT_SERVING"
+    finally:
+        waiting.stop()
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = subprocess.run([os.environ["RANNC_DAEMON_BIN"], "--listen", "127.0.0.1:0",
+                               "--devices", "cpu:1", "--health-listen",
+                               "127.0.0.1:%d" % taken.getsockname()[1]],
+                              capture_output=True, text=True, timeout=120)
+    assert busy.returncode != 0
+    assert "--health-listen 127.0.0.1:" in busy.stderr, busy.stderr
+    assert "cannot listen there" in busy.stderr, busy.stderr
