@@ -4,8 +4,9 @@
 # ccache (the build without Bazel, docs/building.md), the Python test tools (torchvision: the
 # real models of the tests), prometheus-cpp (the metrics endpoint) and the Prometheus server (its
 # test scrapes ranncd), and etcd (its .proto files make the cluster store's client,
-# third_party/etcd; its tests run real etcd). Idempotent: installs only what is missing. Needs
-# root (uses sudo if not).
+# third_party/etcd; its tests run real etcd), and what tools/check_k8s.py validates the
+# Kubernetes manifests with (python3-jsonschema, python3-yaml; kubectl renders them). Idempotent:
+# installs only what is missing. Needs root (uses sudo if not).
 set -euo pipefail
 
 packages=(
@@ -20,6 +21,7 @@ packages=(
   etcd-server golang-etcd-server-dev golang-github-gogo-protobuf-dev
   golang-github-grpc-ecosystem-grpc-gateway-dev
   openssl prometheus
+  python3-jsonschema python3-yaml
 )
 
 missing=()
