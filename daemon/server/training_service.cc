@@ -272,7 +272,9 @@ grpc::Status TrainingServiceImpl::GetInfo(grpc::ServerContext* context, const v1
     }
     absl::StatusOr<std::string> coordinator = Coordinator();
     if (coordinator.ok()) {
-      info->set_coordinator(coordinator->empty() ? info->listen() : *coordinator);
+      // Empty: this daemon coordinates; it is named as the others know it (its advertised
+      // address), not by its listen address (0.0.0.0:7411 in a pod).
+      info->set_coordinator(coordinator->empty() ? cluster->address() : *coordinator);
     }
   }
   {
