@@ -5,7 +5,8 @@
 # real models of the tests), prometheus-cpp (the metrics endpoint) and the Prometheus server (its
 # test scrapes ranncd), and etcd (its .proto files make the cluster store's client,
 # third_party/etcd; its tests run real etcd), and what tools/check_k8s.py validates the
-# Kubernetes manifests with (python3-jsonschema, python3-yaml; kubectl renders them). Idempotent:
+# Kubernetes manifests with (python3-jsonschema, python3-yaml; kubectl renders them), and what
+# deploy/image/build.sh makes the CPU container image with (mmdebstrap, umoci; 7 MB). Idempotent:
 # installs only what is missing. Needs root (uses sudo if not).
 set -euo pipefail
 
@@ -22,6 +23,7 @@ packages=(
   golang-github-grpc-ecosystem-grpc-gateway-dev
   openssl prometheus
   python3-jsonschema python3-yaml
+  mmdebstrap umoci
 )
 
 missing=()
