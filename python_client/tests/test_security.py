@@ -233,6 +233,8 @@ def test_a_daemon_whose_certificate_another_ca_signed_never_joins(tmp_path, ca, 
 
 def test_a_rotated_certificate_is_used_without_a_restart(tmp_path, ca, other_ca,
                                                          pyrannc_daemon):
+    """The files are read again every --tls-refresh: a new pair is used by new connections, and
+    a certificate file that is gone leaves the last good pair in use."""
     live = tmp_path / "live"
     live.mkdir()
     cert, key = str(live / "tls.crt"), str(live / "tls.key")
@@ -259,6 +261,14 @@ def test_a_rotated_certificate_is_used_without_a_restart(tmp_path, ca, other_ca,
             assert time.time() < deadline and proc.poll() is None, log.read_text()
             time.sleep(0.5)
         assert _cli("info", "--daemon", address, "--tls-ca", ca.ca).returncode != 0
+        assert proc.poll() is None
+        # A rotation that goes wrong (the certificate gone): the daemon keeps the last good
+        # pair, logs why, and serves on. (A file of garbage is not caught yet: docs/security.md.)
+        os.remove(cert)
+        time.sleep(2.5)  # two refreshes
+        assert _cli("info", "--daemon", address, "--tls-ca", other_ca.ca).returncode == 0, \
+            log.read_text()
+        assert "Failed to get the file's modification time of " + cert in log.read_text()
         assert proc.poll() is None
     finally:
         proc.terminate()
