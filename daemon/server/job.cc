@@ -167,12 +167,8 @@ void Job::MeasuredForward(const std::vector<at::Tensor>& inputs) {
 }
 
 void Job::MeasuredStep() {
-  std::vector<int64_t> bytes, peak;
-  LossScaler scaler(settings_.loss_scale);
-  local_->Usage(&bytes, &peak, &scaler);
   metrics_.EndStep(steps_, counters_ ? counters_->compute_ns.load() : 0,
-                   counters_ ? counters_->schedule_ns.load() : 0, std::move(bytes),
-                   std::move(peak));
+                   counters_ ? counters_->schedule_ns.load() : 0);
 }
 
 void Job::MeasuredMemory() {
@@ -305,7 +301,7 @@ absl::Status Job::BackwardUnmeasured(const OutputGrads& output_grads, bool retai
 absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<NamedTensors> out = RunUnmeasured(op);
-  Measured(start);
+  Measured(start);  // the step's memory too
   if (out.ok() && op.kind == JobOp::Kind::kStep) MeasuredStep();
   return out;
 }

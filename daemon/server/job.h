@@ -282,7 +282,8 @@ class Job {
   std::string snapshot_error_;  // the last checkpoint_every snapshot's failure ("" none)
   JobMetrics metrics_;
   std::shared_ptr<const EngineCounters> counters_;  // local_'s, set at creation
-  // A call's end for metrics_: its time since `start` (and, for a step, the iteration's end).
+  // A call's end for metrics_: its time since `start`, the job's state and memory; and, after
+  // a step's Measured, the iteration's end (MeasuredStep).
   void Measured(std::chrono::steady_clock::time_point start);
   void MeasuredForward(const std::vector<at::Tensor>& inputs);
   void MeasuredStep();

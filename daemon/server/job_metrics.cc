@@ -44,14 +44,10 @@ void JobMetrics::AddForward(int64_t samples, int64_t tokens) {
   tokens_ += tokens;
 }
 
-void JobMetrics::EndStep(int64_t steps, int64_t compute_ns, int64_t schedule_ns,
-                         std::vector<int64_t> device_bytes,
-                         std::vector<int64_t> peak_device_bytes) {
+void JobMetrics::EndStep(int64_t steps, int64_t compute_ns, int64_t schedule_ns) {
   const Clock::time_point now = now_();
   std::lock_guard<std::mutex> lock(mu_);
   s_.steps = steps;
-  s_.device_bytes = std::move(device_bytes);
-  s_.peak_device_bytes = std::move(peak_device_bytes);
   const int64_t compute = compute_ns - compute_ns_;
   const int64_t schedule = schedule_ns - schedule_ns_;
   compute_ns_ = compute_ns;

@@ -13,7 +13,7 @@
 //   JobMetrics m;
 //   m.SetPlan(/*planned_step_s=*/0.12, /*planned_bubble=*/0.2);
 //   m.AddForward(/*samples=*/8, /*tokens=*/8 * 512);  m.AddBusy(0.05);   // each call
-//   m.EndStep(steps, compute_ns, schedule_ns, device_bytes, peak);        // each step
+//   m.SetMemory(device_bytes, peak);  m.EndStep(steps, compute_ns, schedule_ns);  // each step
 //   JobMetrics::Snapshot s = m.Read();
 //
 // Thread-safe.
@@ -50,11 +50,9 @@ class JobMetrics {
   void AddForward(int64_t samples, int64_t tokens);
   // Optimizer step `steps` ended: closes the iteration. `compute_ns` and `schedule_ns` are the
   // engine's counters now (EngineCounters); their growth over the iteration gives its bubble.
-  // `device_bytes` / `peak_device_bytes`: what the job holds on each of its devices now, and
-  // the most it held during the step.
-  void EndStep(int64_t steps, int64_t compute_ns, int64_t schedule_ns,
-               std::vector<int64_t> device_bytes, std::vector<int64_t> peak_device_bytes);
-  // What the job holds on its devices, outside a step (deployed, undeployed: zeros).
+  void EndStep(int64_t steps, int64_t compute_ns, int64_t schedule_ns);
+  // What the job holds on each of its devices now, and the most it held during a step since it
+  // was last deployed (undeployed: zeros).
   void SetMemory(std::vector<int64_t> device_bytes, std::vector<int64_t> peak_device_bytes);
   // A checkpoint held training for `seconds` (copying to host memory, waiting for the previous
   // write).

@@ -17,7 +17,8 @@ TEST_CASE("JobMetrics: an iteration's wall time, busy time, tokens and bubble", 
   // The first step only starts the first iteration.
   m.AddForward(8, 8 * 16);
   m.AddBusy(0.1);
-  m.EndStep(11, /*compute_ns=*/1000, /*schedule_ns=*/2000, {100}, {150});
+  m.SetMemory({100}, {150});
+  m.EndStep(11, /*compute_ns=*/1000, /*schedule_ns=*/2000);
   JobMetrics::Snapshot s = m.Read();
   CHECK(s.steps == 11);
   CHECK(s.samples == 8);
@@ -34,7 +35,8 @@ TEST_CASE("JobMetrics: an iteration's wall time, busy time, tokens and bubble", 
   m.AddForward(8, 100);
   m.AddBusy(0.2);
   m.AddBusy(0.1);
-  m.EndStep(12, 1600, 2800, {100}, {160});
+  m.SetMemory({100}, {160});
+  m.EndStep(12, 1600, 2800);
   s = m.Read();
   CHECK(s.steps == 12);
   CHECK(s.samples == 24);
@@ -60,9 +62,9 @@ TEST_CASE("JobMetrics: an iteration's wall time, busy time, tokens and bubble", 
   // A slow iteration (40 s) lands only in the larger buckets; one past the last bound only in
   // the count (+Inf).
   now += std::chrono::seconds(40);
-  m.EndStep(13, 1600, 2800, {100}, {160});
+  m.EndStep(13, 1600, 2800);
   now += std::chrono::seconds(1000);
-  m.EndStep(14, 1600, 2800, {100}, {160});
+  m.EndStep(14, 1600, 2800);
   s = m.Read();
   CHECK(s.step_count == 3);
   CHECK(s.step_buckets.back() == 2);  // 0.5 s and 40 s are <= 300 s

@@ -889,12 +889,12 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext* context, const v
     out->set_lease_ms(static_cast<uint32_t>(info.lease.count()));
     out->set_idle_ms(static_cast<uint64_t>(std::max<int64_t>(0, listed.idle.count())));
     out->set_checkpoint_dir(listed.job->checkpoint_dir());
-    // Memory as the metrics endpoint serves it (Summary measured it just now).
-    const JobMetrics::Snapshot m = listed.job->Measure();
-    for (int64_t bytes : m.device_bytes) out->add_device_bytes(static_cast<uint64_t>(bytes));
-    for (int64_t bytes : m.peak_device_bytes) {
+    // Summary measured the memory just now and gave the metrics endpoint the same numbers.
+    for (int64_t bytes : s.device_bytes) out->add_device_bytes(static_cast<uint64_t>(bytes));
+    for (int64_t bytes : s.peak_device_bytes) {
       out->add_peak_device_bytes(static_cast<uint64_t>(bytes));
     }
+    const JobMetrics::Snapshot m = listed.job->Measure();
     out->set_step_seconds(m.step_s);
     out->set_busy_seconds(m.busy_s);
     out->set_planned_step_seconds(m.planned_step_s);
