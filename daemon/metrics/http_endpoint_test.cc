@@ -1,8 +1,5 @@
 #include "daemon/metrics/http_endpoint.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -11,34 +8,14 @@
 
 #include <catch2/catch.hpp>
 
+#include "daemon/metrics/http_testing.h"
+
 namespace rannc {
 namespace metrics {
 namespace {
 
 using Catch::Contains;
 using Catch::StartsWith;
-
-int Connect(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  return fd;
-}
-
-// Sends `request` and reads the whole answer (the server closes the connection).
-std::string Exchange(int port, const std::string& request) {
-  const int fd = Connect(port);
-  REQUIRE(write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size()));
-  std::string response;
-  char buffer[4096];
-  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
-  close(fd);
-  return response;
-}
 
 TEST_CASE("HttpEndpoint: answers GET and HEAD of its path, refuses the rest", "[metrics]") {
   std::atomic<int> calls{0};
@@ -50,19 +27,19 @@ TEST_CASE("HttpEndpoint: answers GET and HEAD of its path, refuses the rest", "[
   REQUIRE(e.ok());
   const int port = (*e)->port();
   REQUIRE(port > 0);
-  std::string ok = Exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::string ok = HttpExchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
   CHECK_THAT(ok, StartsWith("HTTP/1.1 200 OK\r\n"));
   CHECK_THAT(ok, Contains("Content-Type: text/plain; version=0.0.4\r\n"));
   CHECK_THAT(ok, Contains("Content-Length: 4\r\n"));
   CHECK_THAT(ok, Contains("\r\n\r\na 1\n"));
-  CHECK_THAT(Exchange(port, "GET /metrics?x=1 HTTP/1.0\n\n"), Contains("\r\n\r\na 1\n"));
-  std::string head = Exchange(port, "HEAD /metrics HTTP/1.1\r\n\r\n");
+  CHECK_THAT(HttpExchange(port, "GET /metrics?x=1 HTTP/1.0\n\n"), Contains("\r\n\r\na 1\n"));
+  std::string head = HttpExchange(port, "HEAD /metrics HTTP/1.1\r\n\r\n");
   CHECK_THAT(head, StartsWith("HTTP/1.1 200 OK"));
   CHECK(head.substr(head.find("\r\n\r\n")) == "\r\n\r\n");
-  CHECK_THAT(Exchange(port, "GET / HTTP/1.1\r\n\r\n"), StartsWith("HTTP/1.1 404 Not Found"));
-  CHECK_THAT(Exchange(port, "POST /metrics HTTP/1.1\r\n\r\n"), StartsWith("HTTP/1.1 405"));
-  CHECK_THAT(Exchange(port, "garbage\r\n\r\n"), StartsWith("HTTP/1.1 400"));
-  CHECK_THAT(Exchange(port, "GET /" + std::string(10000, 'a')), StartsWith("HTTP/1.1 400"));
+  CHECK_THAT(HttpExchange(port, "GET / HTTP/1.1\r\n\r\n"), StartsWith("HTTP/1.1 404 Not Found"));
+  CHECK_THAT(HttpExchange(port, "POST /metrics HTTP/1.1\r\n\r\n"), StartsWith("HTTP/1.1 405"));
+  CHECK_THAT(HttpExchange(port, "garbage\r\n\r\n"), StartsWith("HTTP/1.1 400"));
+  CHECK_THAT(HttpExchange(port, "GET /" + std::string(10000, 'a')), StartsWith("HTTP/1.1 400"));
   CHECK(calls == 3);
 }
 
@@ -72,9 +49,9 @@ TEST_CASE("HttpEndpoint: a client that stalls holds the page back only until the
       "127.0.0.1:0", "/metrics", "text/plain", [] { return std::string("x\n"); },
       std::chrono::milliseconds(300));
   REQUIRE(e.ok());
-  const int stalled = Connect((*e)->port());  // sends nothing
+  const int stalled = HttpConnect((*e)->port());  // sends nothing
   const auto start = std::chrono::steady_clock::now();
-  CHECK_THAT(Exchange((*e)->port(), "GET /metrics HTTP/1.1\r\n\r\n"), StartsWith("HTTP/1.1 200"));
+  CHECK_THAT(HttpExchange((*e)->port(), "GET /metrics HTTP/1.1\r\n\r\n"), StartsWith("HTTP/1.1 200"));
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   CHECK(waited < 5.0);

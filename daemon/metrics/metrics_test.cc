@@ -1,10 +1,5 @@
 #include "daemon/metrics/metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -16,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 #include <prometheus/metric_family.h>
 
+#include "daemon/metrics/http_testing.h"
 #include "daemon/metrics/rpc_metrics.h"
 
 namespace rannc {
@@ -88,24 +84,6 @@ TEST_CASE("Families: per-job and per-daemon metrics in Prometheus text", "[metri
                             "TrainingService/Forward\"} 3"));
 }
 
-// GET http://127.0.0.1:port/path over a plain socket: the response, headers and body.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  REQUIRE(write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size()));
-  std::string response;
-  char buffer[4096];
-  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
-  close(fd);
-  return response;
-}
-
 TEST_CASE("MetricsServer: serves the families over HTTP at each scrape", "[metrics]") {
   int scrapes = 0;
   absl::StatusOr<std::unique_ptr<MetricsServer>> server = MetricsServer::Start(
@@ -121,12 +99,12 @@ TEST_CASE("MetricsServer: serves the families over HTTP at each scrape", "[metri
   const std::string address = (*server)->address();
   const int port = std::stoi(address.substr(address.rfind(':') + 1));
   REQUIRE(port > 0);
-  std::string first = HttpGet(port, "/metrics");
+  std::string first = HttpExchange(port, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n");
   CHECK_THAT(first, Contains("200 OK"));
   CHECK_THAT(first, Contains("rannc_job_steps_total{rannc_job=\"gpt\"} 101"));
-  std::string second = HttpGet(port, "/metrics");
+  std::string second = HttpExchange(port, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n");
   CHECK_THAT(second, Contains("rannc_job_steps_total{rannc_job=\"gpt\"} 102"));
-  CHECK_THAT(HttpGet(port, "/other"), Contains("404"));
+  CHECK_THAT(HttpExchange(port, "GET /other HTTP/1.0\r\n\r\n"), Contains("404"));
 }
 
 TEST_CASE("MetricsServer: a bad or busy address is a clear error", "[metrics]") {

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "absl/status/status.h"
+
 namespace rannc {
 namespace metrics {
 namespace {
@@ -52,15 +54,9 @@ class Factory : public grpc::experimental::ServerInterceptorFactoryInterface {
 
 }  // namespace
 
-const char* CodeName(int code) {
-  static const char* const kNames[] = {
-      "OK",        "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",   "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",      "UNAVAILABLE",      "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  if (code < 0 || code >= static_cast<int>(sizeof(kNames) / sizeof(kNames[0]))) return "UNKNOWN";
-  return kNames[code];
+std::string CodeName(int code) {
+  const std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? "UNKNOWN" : name;
 }
 
 const std::vector<double>& RpcMetrics::LatencyBuckets() {

@@ -54,8 +54,8 @@ class RpcMetrics {
   Snapshot s_;
 };
 
-// gRPC's name of a status code ("OK", "DEADLINE_EXCEEDED", ...).
-const char* CodeName(int code);
+// gRPC's name of a status code ("OK", "DEADLINE_EXCEEDED", ...): absl's, which are the same.
+std::string CodeName(int code);
 
 }  // namespace metrics
 }  // namespace rannc

@@ -83,6 +83,17 @@ def free_port() -> int:
     return _daemon._free_loopback_port()
 
 
+def stop_process(proc, timeout=15):
+    """SIGTERM, then SIGKILL when `proc` has not ended within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class DaemonProcess:
     """A ranncd started by a test with its own flags, separate from pyrannc's."""
 
@@ -108,13 +119,7 @@ class DaemonProcess:
 
     def stop(self):
         self.conn.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         os.unlink(self.log.name)
 
 

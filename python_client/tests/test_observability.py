@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from conftest import CLIENT_ROOT, DaemonProcess, built_binary, free_port
+from conftest import CLIENT_ROOT, DaemonProcess, built_binary, free_port, stop_process
 
 _PROMETHEUS = shutil.which("prometheus")
 
@@ -124,12 +124,7 @@ class _Prometheus:
                              f"{targets}")
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         os.unlink(self.log.name)
 
 
