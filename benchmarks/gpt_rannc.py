@@ -17,7 +17,8 @@ enable_apex_amp=True): the daemon's mixed precision in bf16 (the config key amp_
 default is bf16; RANNC_AMP_DTYPE overrides it) with fp32 master weights, under autocast or
 (--amp-level O2) with the whole forward in bf16, AdamW (lr 1e-4, betas
 0.9/0.95, weight decay 0.1) as gpt_peers.py uses, the workload's global batch (16 sequences)
-from one client, the same seeded model (built on the host, where pyrannc traces it). The daemon
+from one client, the same seeded model (initialized on --device as gpt_peers.py does, then moved
+to the host, where pyrannc traces it), so the same losses as the peers. The daemon
 plans the model itself (stages x replicas x micro-batches); RANNC_PARTITION_NUM and friends
 force a shape.
 
@@ -235,7 +236,13 @@ def run(args, cfg, phase):
     import pyrannc
 
     build_start = time.perf_counter()
-    model = gm.build(cfg, "cpu", attention=args.attention)
+    # Initialized on args.device, as gpt_peers.py does (the CPU and CUDA generators draw different
+    # numbers from one seed), then moved to the host, where pyrannc traces it: the same weights,
+    # so the same losses as the peers'. The GPU is empty again before the daemon starts.
+    model = gm.build(cfg, args.device, attention=args.attention)
+    if args.device != "cpu":
+        model = model.cpu()
+        torch.cuda.empty_cache()
     build_s = time.perf_counter() - build_start
     gen = torch.Generator().manual_seed(gm.SEED + 1)
 
@@ -347,6 +354,12 @@ def in_process(args, cfg, model, deployment_path, gen, client_median, gpus):
         del rmod, opt
     finally:
         del os.environ["RANNC_SAVE_JOB"]
+    # job_bench needs the devices: an embedded daemon's process keeps what its jobs had in
+    # LibTorch's CUDA cache, so it is stopped here (a daemon reached by RANNC_DAEMON is not).
+    from pyrannc import _daemon
+    conn = _daemon.current_connection()
+    if conn is not None and conn.embedded is not None:
+        _daemon.shutdown()
     try:
         cmd = [args.job_bench, job_dir, "--devices", os.environ["RANNC_DEVICES"],
                "--warmup", str(args.warmup), "--steps", str(args.steps)]

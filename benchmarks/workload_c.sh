@@ -47,17 +47,27 @@
 # MIN_OFFLOAD 60 s); otherwise its line says "skipped". BUDGET (540 s) keeps the whole script
 # within one 600 s device call, with the table and the files' return after it.
 #
+# Then ranncd (RANNC=1, the default; 0 runs the peers only): built in the background while the
+# peers run (~5 min on the 16 CPUs, all but PEER_CPUS=4 of them; or RANNCD=path of a built one),
+# then benchmarks/gpt_rannc.py --amp-level O2 with the plan the daemon picks itself ("rannc/auto":
+# the trace on the host, planning with profiling, WARMUP + STEPS steps; ~2-4 min), in the
+# RANNC_MIN (240) seconds the peers leave it. Its plan (stages, micro-batches, recomputation, the
+# planner's estimates) is in the table's notes; ranncd.log and rannc_C.deployment are in OUTDIR.
+#
+# PROFILE=1 adds gpt_rannc.py's runs 2 and 3 (the job trained in-process by job_bench, from
+# JOB_BENCH or the build, with 3 more steps profiled into OUTDIR/profiles; ~2-3 min more).
+#
 # Other knobs: PYTHON (python3), MODEL (C), DEVICE (cuda), NPROC (1: processes, one per GPU),
 # TORCHRUN_ARGS (extra torchrun flags; PyTorch 1.13 under Python 3.11 needs
 # "--redirects 1 --tee 1"), ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF for every run, default
-# expandable_segments:True as torchtitan runs; "none" leaves PyTorch's default), RANNC_MIN
-# (seconds the peers leave for the rannc run, default 0 until that run is added below).
+# expandable_segments:True as torchtitan runs; "none" leaves PyTorch's default), RANNC_FLAGS
+# (extra gpt_rannc.py flags).
 #
 # The CPU check of the script itself (PyTorch 1.13: fsdp2 ends in error lines there, selective
 # and offload in "skipped"):
 #   MODEL=tiny DEVICE=cpu RUNS="ddp/on ddp/every:2 ddp/off fsdp2/on ddp/selective \
 #     fsdp2+offload/off" PYTHON=/usr/bin/python3 TORCHRUN_ARGS="--redirects 1 --tee 1" \
-#     bash benchmarks/workload_c.sh /tmp/workload_c
+#     RANNCD=bazel-bin/daemon/ranncd bash benchmarks/workload_c.sh /tmp/workload_c
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
@@ -71,8 +81,8 @@ device=${DEVICE:-cuda}
 nproc=${NPROC:-1}
 warmup=${WARMUP:-2}
 steps=${STEPS:-5}
-rannc_min=${RANNC_MIN:-0}
-runs=${RUNS:-fsdp2/on fsdp2/selective fsdp2/every:2 fsdp2/off fsdp2/every:3 fsdp2/every:4 \
+rannc_min=${RANNC_MIN:-240}
+runs=${RUNS-fsdp2/on fsdp2/selective fsdp2/every:2 fsdp2/off fsdp2/every:3 fsdp2/every:4 \
 fsdp2+compile/on fsdp2+offload/off fsdp2+compile/selective fsdp2+compile/every:2 fsdp2/every:6}
 export NCCL_NVLS_ENABLE=0
 export PYTHONUNBUFFERED=1
@@ -152,6 +162,49 @@ print(json.dumps({"system": system, "workload": workload, "ac": ac, "run": label
                   "skipped": why}))' "$@" "$model" >>"$results"
 }
 
+# --- ranncd's build (background) -----------------------------------------------------------
+# RANNC=1 (the default) adds ranncd's run after the peers; RANNCD=path uses an existing ranncd,
+# else it is built here (tools/gpu_cmake_build.sh into build/gpu, the .debs of .gpu: carry
+# ".gpu") on all CPUs but the first PEER_CPUS (4), while the peers run pinned to those.
+rannc=${RANNC:-1}
+rannc_devices=cuda
+[ "$device" = cpu ] && rannc_devices=cpu:2
+ranncd=${RANNCD:-}
+build_pid=""
+peer_pin=()
+if [ "$rannc" = 1 ] && [ -z "$ranncd" ]; then
+  ranncd=$root/build/gpu/daemon/ranncd
+  ncpu=$(nproc)
+  peer_n=${PEER_CPUS:-4}
+  if (( ncpu > 2 * peer_n )); then
+    peer_pin=(taskset -c "0-$(( peer_n - 1 ))")
+    build_pin=(taskset -c "$peer_n-$(( ncpu - 1 ))")
+  else
+    build_pin=()
+  fi
+  say "building ranncd in the background (log: build.log)"
+  setsid bash -c "${build_pin[*]} env SYS='${SYS:-/tmp/sys}' DEVICES=cpu:2 \
+    tools/gpu_cmake_build.sh build/gpu >'$out/build.log' 2>&1; echo \$? >'$tmp/build.rc'" &
+  build_pid=$!
+fi
+[ "$rannc" = 1 ] || rannc_min=0
+wait_build() {
+  [ -n "$build_pid" ] || return 0
+  while kill -0 "$build_pid" 2>/dev/null; do
+    if (( $(left) < 60 )); then
+      say "build still running with $(left)s left: stopping it"
+      kill -TERM -- "-$build_pid" 2>/dev/null
+      sleep 2
+      kill -KILL -- "-$build_pid" 2>/dev/null
+      break
+    fi
+    sleep 2
+  done
+  wait "$build_pid" 2>/dev/null
+  say "build finished: status $(cat "$tmp/build.rc" 2>/dev/null || echo killed)"
+  build_pid=""
+}
+
 # --- FSDP2 peers -----------------------------------------------------------------------------
 oom_every=()  # "SYSTEM K": every:K of SYSTEM ran out of memory, so larger K will too
 n=0
@@ -187,7 +240,7 @@ for label in $runs; do
   say "$label: starting (timeout ${t}s)"
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout -k 10 "$t" "$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
+  timeout -k 10 "$t" "${peer_pin[@]}" "$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
     ${TORCHRUN_ARGS:-} benchmarks/gpt_peers.py --system "$system" --ac "$ac" --model "$model" \
     --device "$device" --warmup "$warmup" --steps "$steps" --out "$json" >"$plog" 2>&1
   rc=$?
@@ -201,13 +254,63 @@ for label in $runs; do
   fi
 done
 
-# --- rannc (HOOK: not run yet) ---------------------------------------------------------------
-# ranncd's run of workload C goes here, after the peers, in the RANNC_MIN seconds they leave
-# (set RANNC_MIN when adding it): take RANNCD or build it as benchmarks/h200.sh does (carry
-# .gpu), then run benchmarks/gpt_rannc.py --model C --device cuda --amp-level O2 --out FILE under
-# `timeout`, with the daemon choosing its own plan (recomputation only where memory needs it),
-# and append its line(s) to "$results" with "run" set (e.g. "rannc/auto") so that the table below
-# shows it beside the peers; planning_s is already one of the table's columns.
+# --- rannc ----------------------------------------------------------------------------------
+# ranncd's own plan of workload C (gpt_rannc.py, --amp-level O2: bf16 forward, fp32 masters and
+# AdamW state), in the RANNC_MIN seconds the peers leave; the daemon picks stages, micro-batches
+# and recomputation itself: no RANNC_* shape keys are set. Its line gets "run": "rannc/auto".
+if [ "$rannc" = 1 ]; then
+  wait_build
+  sys_libs=${SYS:-/tmp/sys}/usr/lib/x86_64-linux-gnu
+  [ -d "$sys_libs" ] && export LD_LIBRARY_PATH=$sys_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  t=$(left)
+  json=$tmp/rannc.jsonl
+  plog=$tmp/rannc.log
+  if [ ! -x "$ranncd" ]; then
+    why="the build (status $(cat "$tmp/build.rc" 2>/dev/null || echo killed)) made no $ranncd"
+    [ -n "${RANNCD:-}" ] && why="RANNCD=$RANNCD is not an executable"
+    echo "{\"system\": \"rannc O2\", \"workload\": \"$model\", \"run\": \"rannc/auto\"," \
+      "\"error\": \"no ranncd: $why\"}" >>"$results"
+  elif (( t < 60 )); then
+    skip rannc/auto "rannc O2" auto "${t}s left of the ${budget}s budget"
+  else
+    # PROFILE=1: runs 2 and 3 of gpt_rannc.py too (the saved plan, then the same job trained
+    # in-process by job_bench, whose profiled steps go to OUTDIR/profiles); else run 1 only.
+    profile_flags=(--second-steps 0)
+    job_bench=${JOB_BENCH:-$(dirname "$ranncd")/../benchmarks/job_bench}
+    if [ "${PROFILE:-0}" = 1 ] && [ -x "$job_bench" ]; then
+      profile_flags=(--second-steps 1 --job-bench "$job_bench" --profile "$out/profiles"
+                     --job-dir "$tmp/job")
+    fi
+    say "rannc/auto: starting (timeout ${t}s)"
+    t0=$(date +%s)
+    timeout -k 15 "$t" env RANNC_DAEMON_BIN="$ranncd" RANNC_DEVICES="$rannc_devices" \
+      RANNC_DAEMON_LOG="$out/ranncd.log" PYTHONPATH=python_client \
+      RANNC_DAEMON_ARGS="--profile-cache $tmp/profiles.tsv" \
+      "$python" benchmarks/gpt_rannc.py --model "$model" --device "$device" --amp-level O2 \
+      --warmup "$warmup" --steps "$steps" --out "$json" "${profile_flags[@]}" \
+      --deployment "$out/rannc_${model}.deployment" --pid-file "$tmp/ranncd.pid" \
+      ${RANNC_FLAGS:-} >"$plog" 2>&1
+    rc=$?
+    seconds=$(( $(date +%s) - t0 ))
+    if [ -s "$tmp/ranncd.pid" ] && kill -0 "$(cat "$tmp/ranncd.pid")" 2>/dev/null; then
+      kill "$(cat "$tmp/ranncd.pid")"
+    fi
+    { echo "=== rannc/auto (exit status $rc, ${seconds}s)"; cat "$plog"; } >>"$log"
+    line=$(pick rannc/auto "rannc O2" auto "$rc" "$t" "$seconds" "$json" "$plog")
+    echo "$line" >>"$results"
+    # Runs 2 and 3 (PROFILE=1): their own rows, "rannc/auto (saved deployment)" and so on.
+    [ -s "$json" ] && "$python" - "$json" >>"$results" <<'EOF'
+import json, sys
+for line in open(sys.argv[1], encoding="utf-8"):
+    r = json.loads(line)
+    system = r.get("system", "")
+    if system.startswith("rannc O2 ("):
+        r["run"] = "rannc/auto" + system[len("rannc O2"):]
+        print(json.dumps(r))
+EOF
+    say "rannc/auto: exit status $rc after ${seconds}s: $(echo "$line" | cut -c1-160)"
+  fi
+fi
 
 # --- table -----------------------------------------------------------------------------------
 if [ -f "$log" ] && [ "$(stat -c %s "$log")" -gt 12000000 ]; then  # the device tool's 16 MiB
@@ -231,6 +334,13 @@ def note(r):
     if "error" in r:
         return "error: " + r["error"].replace("|", "/").replace("\n", " ")[:200]
     bits = []
+    plan = r.get("plan")
+    if plan:
+        bits.append(f"plan: {plan['stages']} stage(s) x {plan['replicas']} replicas, "
+                    f"{plan['micro_batches']} micro-batches, {plan['schedule']}, "
+                    f"recompute {plan['recompute']}, est. "
+                    f"{plan['estimated_step_ms'] / 1000:.2f} s / "
+                    + ", ".join(f"{g:.0f}" for g in plan["estimated_memory_gib"]) + " GiB")
     if r.get("optimizer"):
         bits.append(r["optimizer"])
     if r.get("peak_rss_gib") and r.get("offload"):
