@@ -77,6 +77,11 @@ rannc_import_library(rannc::grpc PACKAGE libgrpc++-dev
 rannc_import_library(rannc::spdlog PACKAGE "libspdlog-dev and libfmt-dev"
   HEADER spdlog/spdlog.h LIBS spdlog fmt
   DEFINES SPDLOG_SHARED_LIB SPDLOG_COMPILED_LIB SPDLOG_FMT_EXTERNAL DEPS Threads::Threads)
+# OpenSSL's libcrypto (libssl-dev), as third_party/system.BUILD takes it; CMake's own FindOpenSSL
+# looks in RANNC_SYS_PREFIX/usr first too (CMAKE_PREFIX_PATH).
+find_package(OpenSSL REQUIRED COMPONENTS Crypto)
+add_library(rannc::openssl INTERFACE IMPORTED GLOBAL)
+target_link_libraries(rannc::openssl INTERFACE OpenSSL::Crypto)
 rannc_import_library(rannc::prometheus PACKAGE prometheus-cpp-dev
   HEADER prometheus/text_serializer.h LIBS prometheus-cpp-core)
 rannc_import_library(rannc::ucx PACKAGE libucx-dev HEADER ucp/api/ucp.h LIBS ucp uct ucs)

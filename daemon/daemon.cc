@@ -32,6 +32,7 @@
 #include "daemon/planner/link_probe.h"
 #include "daemon/security/auth.h"
 #include "daemon/security/tls.h"
+#include "daemon/security/tls_mirror.h"
 #include "daemon/server/grpc_part_channel.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_part_service.h"
@@ -98,6 +99,11 @@ absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Devic
   probe.repeats = 2;
   probe.time_budget_s = 0.5;
   return planner::MeasureCpuLinks(probe);
+}
+
+// How often the TLS files are read again: --tls-refresh, a second at least (as gRPC had it).
+std::chrono::milliseconds TlsRefresh(const DaemonOptions& options) {
+  return std::max<std::chrono::milliseconds>(options.tls_refresh, std::chrono::seconds(1));
 }
 
 // Whether `listen` can be reached from this host only: loopback, or a Unix socket.
@@ -197,7 +203,11 @@ absl::StatusOr<DaemonFacts> ResolveFacts(const DaemonOptions& options) {
 
 Daemon::Daemon() = default;
 
-Daemon::~Daemon() { Shutdown(std::chrono::milliseconds(0)); }
+Daemon::~Daemon() {
+  Shutdown(std::chrono::milliseconds(0));
+  // Their copies of the TLS files go with tls_mirror_.
+  if (tls_mirror_) security::SetPeerCredentials(nullptr);
+}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   absl::StatusOr<DaemonFacts> resolved = ResolveFacts(options);
@@ -230,7 +240,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   if (absl::Status checked = security::CheckTlsFiles(tls, "--tls", true); !checked.ok()) {
     return checked;
   }
-  const auto tls_refresh = std::chrono::duration_cast<std::chrono::seconds>(options.tls_refresh);
   absl::StatusOr<std::unique_ptr<security::Authorizer>> auth =
       security::Authorizer::FromFile(options.auth_token_file);
   if (!auth.ok()) return auth.status();
@@ -241,10 +250,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->auth_ = std::move(*auth);
   // The other daemons of the cluster share the admin token; this daemon's calls to them carry it.
   if (daemon->auth_->enabled()) security::SetPeerToken(daemon->auth_->admin_token());
-  std::shared_ptr<grpc::ServerCredentials> server_credentials =
-      tls.enabled() ? security::ServerCredentials(tls, tls_refresh)
-                    : grpc::InsecureServerCredentials();
-  if (tls.enabled()) security::SetPeerCredentials(security::ChannelCredentials(tls, tls_refresh));
+  // gRPC reads checked copies of the files (security/tls_mirror.h): a rotation to a file that
+  // does not parse is logged and the last good certificate stays in use. The mirror reads the
+  // user's files every --tls-refresh; gRPC its copies every second, which costs nothing.
+  std::shared_ptr<grpc::ServerCredentials> server_credentials = grpc::InsecureServerCredentials();
+  if (tls.enabled()) {
+    absl::StatusOr<std::unique_ptr<security::TlsFileMirror>> mirror =
+        security::TlsFileMirror::Start(tls, "--tls", {TlsRefresh(options)});
+    if (!mirror.ok()) return mirror.status();
+    daemon->tls_mirror_ = std::move(*mirror);
+    const security::TlsFiles& copies = daemon->tls_mirror_->files();
+    server_credentials = security::ServerCredentials(copies, std::chrono::seconds(1));
+    security::SetPeerCredentials(security::ChannelCredentials(copies, std::chrono::seconds(1)));
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -409,10 +427,18 @@ absl::Status Daemon::UseClusterStore(const DaemonOptions& options, const std::st
   if (absl::Status files = security::CheckTlsFiles(tls, "--cluster-store", false); !files.ok()) {
     return files;
   }
-  const auto refresh = std::chrono::duration_cast<std::chrono::seconds>(options.tls_refresh);
-  absl::StatusOr<std::unique_ptr<cluster::EtcdClient>> etcd = cluster::EtcdClient::Connect(
-      *endpoints, std::chrono::seconds(5),
-      tls.enabled() ? security::ChannelCredentials(tls, refresh) : nullptr);
+  // Checked copies, as for the server's files (Start).
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (tls.enabled()) {
+    absl::StatusOr<std::unique_ptr<security::TlsFileMirror>> mirror =
+        security::TlsFileMirror::Start(tls, "--cluster-store", {TlsRefresh(options)});
+    if (!mirror.ok()) return mirror.status();
+    cluster_store_tls_mirror_ = std::move(*mirror);
+    credentials = security::ChannelCredentials(cluster_store_tls_mirror_->files(),
+                                               std::chrono::seconds(1));
+  }
+  absl::StatusOr<std::unique_ptr<cluster::EtcdClient>> etcd =
+      cluster::EtcdClient::Connect(*endpoints, std::chrono::seconds(5), credentials);
   if (!etcd.ok()) return Annotate(etcd.status(), "--cluster-store");
   etcd_ = std::move(*etcd);
   // This daemon's lease: its member key (cluster/etcd_transport.h), and the store keys of the

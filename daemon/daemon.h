@@ -39,6 +39,7 @@ class TrainingServiceImpl;
 struct DaemonFacts;  // daemon/server/job_settings.h
 namespace security {
 class Authorizer;
+class TlsFileMirror;
 }  // namespace security
 namespace metrics {
 class MetricsServer;
@@ -94,6 +95,10 @@ class Daemon {
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<JobRecords> records_;  // durable jobs (--state-dir)
   std::unique_ptr<security::Authorizer> auth_;  // tokens (--auth-token-file); the services use it
+  // Checked copies of the TLS files, which the server's and the peers' credentials read
+  // (--tls-*; --cluster-store-*): declared first, so that they outlive their readers.
+  std::unique_ptr<security::TlsFileMirror> tls_mirror_;
+  std::unique_ptr<security::TlsFileMirror> cluster_store_tls_mirror_;
   // --cluster-store: etcd, this daemon's lease there (its member key, store keys and job
   // leaderships go with it), the rendezvous store on it that replaces store_service_'s, and
   // the job registry. Before the cluster and the services, which use them, so they outlive them.

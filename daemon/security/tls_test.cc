@@ -3,12 +3,15 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
 
 #include <catch2/catch.hpp>
 
+#include "daemon/security/tls_mirror.h"
 #include "daemon/security/tls_testing.h"
 #include "rannc/v1/cluster.grpc.pb.h"
 
@@ -65,6 +68,43 @@ bool Connects(const Server& server, std::shared_ptr<grpc::ChannelCredentials> cr
   return channel->WaitForConnected(std::chrono::system_clock::now() + seconds(3));
 }
 
+// The common name of the certificate the server presents to a new channel with `credentials`;
+// "" when the channel does not connect.
+std::string Served(const Server& server, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  static int salt = 0;
+  grpc::ChannelArguments args;
+  args.SetInt("rannc.test.served", ++salt);
+  auto stub = v1::ClusterService::NewStub(
+      grpc::CreateCustomChannel(server.address(), std::move(credentials), args));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + seconds(3));
+  v1::HeartbeatRequest request;
+  v1::HeartbeatResponse response;
+  if (!stub->Heartbeat(&context, request, &response).ok()) return "";
+  for (const grpc::string_ref& name :
+       context.auth_context()->FindPropertyValues("x509_common_name")) {
+    return std::string(name.data(), name.size());
+  }
+  return "(no common name)";
+}
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Replaces `path` with `text` by rename, as Kubernetes' atomic writer does.
+void Replace(const std::string& path, const std::string& text) {
+  std::ofstream(path + ".new", std::ios::binary | std::ios::trunc) << text;
+  std::filesystem::rename(path + ".new", path);
+}
+
+// Files that must not pass: garbage, a PEM cut in the middle, nothing.
+std::string Garbage() { return "this is not a certificate\n"; }
+std::string Truncated(const std::string& pem) { return pem.substr(0, pem.size() / 2); }
+
 TEST_CASE("TLS: the files are checked at start, with the flag and file named", "[tls]") {
   testing::TestCa ca;
   ca.Issue("server");
@@ -84,6 +124,62 @@ TEST_CASE("TLS: the files are checked at start, with the flag and file named", "
              Catch::Contains("--tls-cert " + ca.dir() + "/missing.crt: cannot be read"));
   s = CheckTlsFiles({ca.cert("server"), ca.key("server"), "/etc/hostname"}, "--tls", true);
   CHECK_THAT(std::string(s.message()), Catch::Contains("--tls-ca /etc/hostname: not PEM"));
+}
+
+TEST_CASE("TLS: CheckTlsFiles parses the files as gRPC will: garbage, a truncated PEM, a key "
+          "of another certificate, an empty file or a CA that is not PEM are named", "[tls]") {
+  testing::TestCa ca;
+  ca.Issue("one");
+  ca.Issue("two");
+  const std::string dir = ca.dir();
+  const TlsFiles good{ca.cert("one"), ca.key("one"), ca.ca()};
+  CHECK(CheckTlsFiles(good, "--tls", true).ok());
+  CHECK(CheckTlsPem({Read(ca.cert("one")), Read(ca.key("one")), Read(ca.ca())}, good, "--tls")
+            .ok());
+  CHECK(DescribeCertificate(Read(ca.cert("one"))).rfind("CN=one, valid until ", 0) == 0);
+
+  auto message = [&](const TlsFiles& files) {
+    absl::Status s = CheckTlsFiles(files, "--tls", true);
+    CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    return std::string(s.message());
+  };
+  Replace(dir + "/garbage.crt", Garbage());
+  CHECK_THAT(message({dir + "/garbage.crt", ca.key("one"), ""}),
+             Catch::StartsWith("--tls-cert " + dir + "/garbage.crt: not PEM"));
+  Replace(dir + "/truncated.crt", Truncated(Read(ca.cert("one"))));
+  CHECK_THAT(message({dir + "/truncated.crt", ca.key("one"), ""}),
+             Catch::StartsWith("--tls-cert " + dir + "/truncated.crt: a PEM block is cut short"));
+  Replace(dir + "/truncated.key", Truncated(Read(ca.key("one"))));
+  CHECK_THAT(message({ca.cert("one"), dir + "/truncated.key", ""}),
+             Catch::StartsWith("--tls-key " + dir + "/truncated.key: a PEM block is cut short"));
+  CHECK_THAT(message({ca.cert("one"), ca.key("two"), ""}),
+             Catch::StartsWith("--tls-key " + ca.key("two") +
+                               ": not the key of the certificate in --tls-cert " +
+                               ca.cert("one") + " (CN=one"));
+  Replace(dir + "/empty.crt", "");
+  CHECK_THAT(message({dir + "/empty.crt", ca.key("one"), ""}),
+             Catch::StartsWith("--tls-cert " + dir + "/empty.crt: empty"));
+  CHECK_THAT(message({ca.cert("one"), dir + "/empty.crt", ""}),
+             Catch::StartsWith("--tls-key " + dir + "/empty.crt: empty"));
+  CHECK_THAT(message({ca.cert("one"), ca.key("one"), dir + "/garbage.crt"}),
+             Catch::StartsWith("--tls-ca " + dir + "/garbage.crt: not PEM"));
+  // A key where a certificate belongs, and the other way round.
+  CHECK_THAT(message({ca.key("one"), ca.key("one"), ""}),
+             Catch::StartsWith("--tls-cert " + ca.key("one") + ": holds no certificate"));
+  CHECK_THAT(message({ca.cert("one"), ca.cert("one"), ""}),
+             Catch::StartsWith("--tls-key " + ca.cert("one") + ": holds no private key"));
+  // A certificate block whose contents are not a certificate.
+  Replace(dir + "/bad-der.crt",
+          "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
+  CHECK_THAT(message({dir + "/bad-der.crt", ca.key("one"), ""}),
+             Catch::StartsWith("--tls-cert " + dir + "/bad-der.crt: certificate 1 of 1 does "
+                               "not parse"));
+  // One file holding the key and the certificate serves as both, as with gRPC alone.
+  Replace(dir + "/both.pem", Read(ca.key("one")) + Read(ca.cert("one")));
+  CHECK(CheckTlsFiles({dir + "/both.pem", dir + "/both.pem", ca.ca()}, "--tls", true).ok());
+  const std::string both =
+      KeyAndChainPem({Read(ca.cert("one")), Read(ca.key("one")), ""});
+  CHECK(CheckTlsPem({both, both, ""}, {"both", "both", ""}, "--tls").ok());
 }
 
 TEST_CASE("TLS: a client trusting the CA connects; another CA, or plain text, does not",
@@ -111,6 +207,11 @@ TEST_CASE("TLS: mutual TLS checks a client certificate that is given; clients ma
   CHECK(Caller(server, ChannelCredentials(daemon_b, seconds(1))) == "daemon-b");
   CHECK(Connects(server, ChannelCredentials({"", "", ca.ca()}, seconds(1))));
   CHECK(Caller(server, ChannelCredentials({"", "", ca.ca()}, seconds(1))).empty());
+  // Through checked copies, as the daemon calls its peers (tls_mirror.h).
+  absl::StatusOr<std::unique_ptr<TlsFileMirror>> copies =
+      TlsFileMirror::Start(daemon_b, "--tls", {seconds(0), ca.dir()});
+  REQUIRE(copies.ok());
+  CHECK(Caller(server, ChannelCredentials((*copies)->files(), seconds(1))) == "daemon-b");
   // A certificate of another CA is refused, though the client trusts the server.
   std::filesystem::copy_file(ca.ca(), other.dir() + "/trusted.crt");
   CHECK_FALSE(Connects(server, ChannelCredentials({other.cert("stranger"),
@@ -152,6 +253,68 @@ TEST_CASE("TLS: a rotated certificate is used without a restart; an unreadable o
   std::filesystem::remove(key);
   std::this_thread::sleep_for(seconds(2));
   CHECK(Connects(server, ChannelCredentials({"", "", second.ca()}, seconds(1))));
+}
+
+TEST_CASE("TLS: through checked copies, a rotated certificate is used, and a bad one (garbage, "
+          "truncated, a key of another certificate) keeps the last good one", "[tls]") {
+  testing::TestCa first, second;
+  first.Issue("one");
+  second.Issue("two");
+  second.Issue("three");
+  testing::TestCa live;
+  const std::string cert = live.dir() + "/tls.crt", key = live.dir() + "/tls.key";
+  // The client trusts both CAs: the name served says which certificate is in use.
+  const std::string both_cas = live.dir() + "/both-cas.crt";
+  Replace(both_cas, Read(first.ca()) + Read(second.ca()));
+  auto client = [&] { return ChannelCredentials({"", "", both_cas}, seconds(1)); };
+  auto install = [&](const std::string& cert_text, const std::string& key_text) {
+    Replace(key, key_text);
+    Replace(cert, cert_text);
+  };
+  install(Read(first.cert("one")), Read(first.key("one")));
+  absl::StatusOr<std::unique_ptr<TlsFileMirror>> mirror =
+      TlsFileMirror::Start({cert, key, ""}, "--tls", {seconds(1), live.dir()});
+  REQUIRE(mirror.ok());
+  TlsFileMirror& copies = **mirror;
+  Server server(ServerCredentials(copies.files(), seconds(1)));
+  CHECK(Served(server, client()) == "one");
+
+  // Until `name` is served to new connections (the mirror's and gRPC's refresh: 2 s at most).
+  auto served_within = [&](const std::string& name) {
+    for (int i = 0; i < 20; ++i) {
+      if (Served(server, client()) == name) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    return false;
+  };
+  install(Read(second.cert("two")), Read(second.key("two")));
+  CHECK(served_within("two"));
+
+  // Each bad rotation: after both refreshes (2 s) and more, new connections still get "two".
+  auto stays = [&](const std::string& text, const std::string& says) {
+    Replace(cert, text);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    CHECK(Served(server, client()) == "two");
+    CHECK_THAT(std::string(copies.last_error().message()), Catch::StartsWith(says));
+    CHECK(copies.serving().rfind("CN=two,", 0) == 0);
+  };
+  stays(Garbage(), "--tls-cert " + cert + ": not PEM");
+  stays(Truncated(Read(second.cert("three"))), "--tls-cert " + cert + ": a PEM block is cut");
+  stays(Read(second.cert("three")),  // with the key of "two"
+        "--tls-key " + key + ": not the key of the certificate in --tls-cert " + cert);
+
+  // A good pair again is picked up.
+  install(Read(second.cert("three")), Read(second.key("three")));
+  CHECK(served_within("three"));
+  CHECK(copies.last_error().ok());
+
+  // The files go (a rotation half done): the server goes on with the certificate it has.
+  std::filesystem::remove(cert);
+  std::filesystem::remove(key);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  CHECK(Served(server, client()) == "three");
+  CHECK_THAT(std::string(copies.last_error().message()),
+             Catch::StartsWith("--tls-cert " + cert + ": cannot be read"));
 }
 
 }  // namespace

@@ -234,7 +234,8 @@ def test_a_daemon_whose_certificate_another_ca_signed_never_joins(tmp_path, ca, 
 def test_a_rotated_certificate_is_used_without_a_restart(tmp_path, ca, other_ca,
                                                          pyrannc_daemon):
     """The files are read again every --tls-refresh: a new pair is used by new connections, and
-    a certificate file that is gone leaves the last good pair in use."""
+    a certificate file that is gone, or holds garbage, leaves the last good pair in use (the
+    daemon says which file and why)."""
     live = tmp_path / "live"
     live.mkdir()
     cert, key = str(live / "tls.crt"), str(live / "tls.key")
@@ -262,13 +263,20 @@ def test_a_rotated_certificate_is_used_without_a_restart(tmp_path, ca, other_ca,
             time.sleep(0.5)
         assert _cli("info", "--daemon", address, "--tls-ca", ca.ca).returncode != 0
         assert proc.poll() is None
-        # A rotation that goes wrong (the certificate gone): the daemon keeps the last good
-        # pair, logs why, and serves on. (A file of garbage is not caught yet: docs/security.md.)
+        # Rotations that go wrong (the certificate gone, then garbage in its place): the daemon
+        # keeps the last good pair, logs why, and serves on.
         os.remove(cert)
         time.sleep(2.5)  # two refreshes
         assert _cli("info", "--daemon", address, "--tls-ca", other_ca.ca).returncode == 0, \
             log.read_text()
-        assert "Failed to get the file's modification time of " + cert in log.read_text()
+        assert f"--tls-cert {cert}: cannot be read" in log.read_text()
+        with open(cert + ".new", "w") as f:
+            f.write("not a certificate\n")
+        os.replace(cert + ".new", cert)
+        time.sleep(2.5)
+        assert _cli("info", "--daemon", address, "--tls-ca", other_ca.ca).returncode == 0, \
+            log.read_text()
+        assert f"--tls-cert {cert}: not PEM" in log.read_text()
         assert proc.poll() is None
     finally:
         proc.terminate()
