@@ -497,6 +497,9 @@ void Daemon::Shutdown(std::chrono::milliseconds grace) {
   // Not ready, then not live, for the probes, before anything stops.
   if (readiness_) readiness_->Stop();
   if (health_) health_->Shutdown();
+  // Detached jobs stop after their step, each saved as a checkpoint there, while the cluster a
+  // job spans still answers (Kubernetes' termination grace period is meant to cover this).
+  if (training_) training_->StopDetachedJobs();
   // Jobs led here go to other daemons once the lease is revoked below; take over none now,
   // before the others' stopping (their leases revoked) orphans theirs.
   if (registry_) registry_->StopWatching();

@@ -123,11 +123,13 @@ void DetachedJobs::ResubmitRecorded() {
   }
 }
 
-DetachedJobs::~DetachedJobs() {
-  stopping_ = true;
+DetachedJobs::~DetachedJobs() { Stop(); }
+
+void DetachedJobs::Stop() {
   std::vector<Entry*> entries;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;  // under mu_: SubmitAs starts no job after this
     for (auto& [id, entry] : jobs_) {
       entry->cancel = true;
       entries.push_back(entry.get());
@@ -234,8 +236,14 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
     }
   }
   Entry* entry = e.get();
+  Log(entry, absl::StrFormat("submitted: %s, %d steps of batch %d from %s", spec.model_path(),
+                             spec.steps(), spec.batch(), entry->train->Describe()));
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {  // Stop() has listed the jobs it waits for: this one would not be
+      if (!records_dir_.empty() && !resume) (void)RemoveTree(RecordPath(id));
+      return absl::UnavailableError("the daemon is stopping; submit the job to another one");
+    }
     entry->status.set_job_id(id);
     entry->status.set_name(js.name());
     entry->status.set_state(v1::DETACHED_QUEUED);
@@ -247,10 +255,8 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
       return jobs_.at(q)->spec.priority() < spec.priority();
     });
     queue_.insert(behind, id);
+    entry->thread = std::thread([this, entry] { Run(entry); });
   }
-  Log(entry, absl::StrFormat("submitted: %s, %d steps of batch %d from %s", spec.model_path(),
-                             spec.steps(), spec.batch(), entry->train->Describe()));
-  entry->thread = std::thread([this, entry] { Run(entry); });
   return id;
 }
 
@@ -446,8 +452,36 @@ void DetachedJobs::Run(Entry* entry) {
     }
   }
   if (!failed.ok()) return Finish(entry, v1::DETACHED_FAILED, std::string(failed.message()));
-  if (entry->cancel) return Finish(entry, v1::DETACHED_CANCELLED, "");
+  // A cancel that came after the last step is too late to stop anything: the job is done.
+  const bool stopped = entry->cancel && step < spec.steps();
+  if (stopped && stopping_) CheckpointBeforeStop(entry, job.get(), step);
+  if (stopped) return Finish(entry, v1::DETACHED_CANCELLED, "");
   Finish(entry, v1::DETACHED_DONE, "");
+}
+
+void DetachedJobs::CheckpointBeforeStop(Entry* entry, Job* job, int64_t step) {
+  if (job->checkpoint_dir().empty()) {
+    Log(entry, absl::StrCat("stopping at step ", step,
+                            " without a checkpoint (no checkpoint_dir): it resumes from the "
+                            "start or its last checkpoint"));
+    return;
+  }
+  std::vector<CheckpointInfo> saved = job->Checkpoints();
+  if (!saved.empty() && saved.back().step == step) {
+    // checkpoint_every's own of this step (the job's writer finishes it before the job goes).
+    Log(entry, absl::StrCat("stopping at step ", step, ", which checkpoint_every saved"));
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<CheckpointInfo> info = job->Checkpoint(/*wait=*/true);
+  if (info.ok()) {
+    Log(entry, absl::StrFormat("stopping: checkpoint of step %d written in %.2f s (%s)",
+                               info->step, SecondsSince(start), info->path));
+  } else {
+    Log(entry, absl::StrCat("stopping: the checkpoint of step ", step,
+                            " failed, so the job resumes from its last one: ",
+                            info.status().message()));
+  }
 }
 
 void DetachedJobs::DequeueLocked(const std::string& id) {

@@ -73,7 +73,7 @@ class DetachedJobs {
 
   // `records_dir`: where unfinished jobs' specs are kept ("" keeps none).
   DetachedJobs(Hooks hooks, std::string records_dir);
-  // Stops every job after its current step; their records stay, for the next start.
+  // Stop().
   ~DetachedJobs();
   DetachedJobs(const DetachedJobs&) = delete;
   DetachedJobs& operator=(const DetachedJobs&) = delete;
@@ -94,6 +94,10 @@ class DetachedJobs {
   // for one. `ended`: the job has ended and every line is in `out`.
   absl::Status Lines(const std::string& id, int64_t after_seq, std::chrono::milliseconds wait,
                      std::vector<v1::DetachedLogLine>* out, bool* ended);
+  // The daemon is stopping: every job stops after its current step, a running one saved there
+  // as a checkpoint first (CheckpointBeforeStop), and their records stay, for the next start.
+  // Returns when every job's thread has ended. Idempotent.
+  void Stop();
   // The ids of the jobs that are queued or running.
   std::vector<std::string> Active();
   // How many jobs wait in the queue.
@@ -114,6 +118,11 @@ class DetachedJobs {
   // Ends `entry` in `state` on its own thread: deletes its job, drops its record (unless the
   // daemon is stopping) and releases its model and data.
   void Finish(Entry* entry, v1::DetachedState state, const std::string& error);
+  // The daemon is stopping (SIGTERM) and `entry` stopped after `step`: its state is saved as a
+  // checkpoint (waiting for the write) unless it has no checkpoint_dir or one of this step
+  // exists, so that the restarted daemon resumes it there. A failure is logged; the job then
+  // resumes from its last checkpoint.
+  void CheckpointBeforeStop(Entry* entry, Job* job, int64_t step);
   std::string RecordPath(const std::string& id) const;
   // With mu_ held: takes `id` out of queue_ (if there); the entry of `id`, or NOT_FOUND.
   void DequeueLocked(const std::string& id);

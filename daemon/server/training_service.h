@@ -70,6 +70,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // Resubmits the detached jobs a previous run of the daemon left unfinished (DetachedJobs);
   // once the server runs.
   void ResumeDetachedJobs() { detached_->ResubmitRecorded(); }
+  // The daemon is stopping: DetachedJobs::Stop (running jobs checkpointed at their step).
+  void StopDetachedJobs() { detached_->Stop(); }
   // `rannc submit`'s jobs waiting in the queue (the metrics endpoint's).
   size_t detached_queued() const { return detached_->Queued(); }
   // Likewise the cluster, which needs that address. GetInfo lists its members once set; the

@@ -253,6 +253,52 @@ def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path)
         assert torch.equal(resumed[name], value), f"{name} differs after the SIGKILL"
 
 
+@pytest.mark.parametrize("stop_after", [60, 150, 300])
+def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there_bitwise(
+        job_dir, tmp_path, stop_after):
+    """A daemon stopped as Kubernetes stops a pod (SIGTERM) checkpoints each detached job at the
+    step it reached, then exits; restarted, it resumes the job there, not at checkpoint_every's
+    last one, and the result equals an uninterrupted run's bitwise (evaluations every 10 steps
+    in both)."""
+    steps = 400
+    ckpt = tmp_path / "ckpt"
+    config = f'checkpoint_dir = "{ckpt}"\ncheckpoint_every = 50\n'
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", str(tmp_path / "state1"))
+    try:
+        whole = _cli(daemon, "submit", _job_file(job_dir, "whole", steps, config)).stdout.strip()
+        _wait(daemon, whole, {"done"})
+        expected = _final_params(daemon, ckpt, "whole", tmp_path / "whole.pt")
+    finally:
+        daemon.stop()
+
+    state = str(tmp_path / "state2")
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state)
+    job = _cli(daemon, "submit", _job_file(job_dir, "stopped", steps, config)).stdout.strip()
+    deadline = time.monotonic() + 60
+    while _status(daemon, job)[0].get("step", 0) < stop_after:
+        assert time.monotonic() < deadline, daemon.output()
+        time.sleep(0.005)
+    daemon.proc.terminate()
+    assert daemon.proc.wait(timeout=30) == 0, daemon.output()
+    daemon.conn.close()
+    first_log = daemon.output()
+    stopped = re.search(r"stopping: checkpoint of step (\d+) written|stopping at step (\d+), "
+                        r"which checkpoint_every saved", first_log)
+    assert stopped, first_log
+    stopped_at = int(stopped.group(1) or stopped.group(2))
+    assert stop_after <= stopped_at < steps, first_log
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state)
+    try:
+        _until_done(daemon, job)
+        logs = _cli(daemon, "logs", job).stdout
+        assert f"resumed at step {stopped_at}" in logs, logs + first_log
+        resumed = _final_params(daemon, ckpt, "stopped", tmp_path / "stopped.pt")
+    finally:
+        daemon.stop()
+    for name, value in expected.items():
+        assert torch.equal(resumed[name], value), f"{name} differs after the SIGTERM"
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model": '"missing.pt"'}, "model: cannot read"),
     ({"token_dtype": '"float16"'}, "unknown token dtype 'float16'"),
