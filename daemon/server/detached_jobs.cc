@@ -312,8 +312,9 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
 void DetachedJobs::Run(Entry* entry) {
   const v1::DetachedJobSpec& spec = entry->spec;
   // Wait for the turn (by priority, then FIFO), then for the memory: the job starts once its
-  // plan fits what the other jobs leave free; it looks again whenever a job ends, and at least
-  // every second. A job of a higher priority submitted meanwhile goes first.
+  // plan fits what the other jobs leave free, and every daemon of the cluster answers; it looks
+  // again whenever a job ends, and at least every second. A job of a higher priority submitted
+  // meanwhile goes first.
   std::shared_ptr<Job> job;
   std::string waiting_for;
   while (true) {
@@ -333,12 +334,16 @@ void DetachedJobs::Run(Entry* entry) {
       job = std::move(*made);
       break;
     }
-    if (made.status().code() != absl::StatusCode::kResourceExhausted) {
+    // Short of memory, or the cluster not whole yet (a daemon restarted before its peers
+    // answer it: UNAVAILABLE): the job waits; anything else fails it.
+    const absl::StatusCode code = made.status().code();
+    if (code != absl::StatusCode::kResourceExhausted && code != absl::StatusCode::kUnavailable) {
       return Finish(entry, v1::DETACHED_FAILED, std::string(made.status().message()));
     }
     if (waiting_for != made.status().message()) {
       waiting_for = std::string(made.status().message());
-      Log(entry, "waiting for device memory: " + waiting_for);
+      const char* what = code == absl::StatusCode::kUnavailable ? "the cluster" : "device memory";
+      Log(entry, absl::StrCat("waiting for ", what, ": ", waiting_for));
       std::lock_guard<std::mutex> lock(mu_);
       entry->status.set_waiting_for(waiting_for);
     }
@@ -454,32 +459,36 @@ void DetachedJobs::Run(Entry* entry) {
   if (!failed.ok()) return Finish(entry, v1::DETACHED_FAILED, std::string(failed.message()));
   // A cancel that came after the last step is too late to stop anything: the job is done.
   const bool stopped = entry->cancel && step < spec.steps();
-  if (stopped && stopping_) CheckpointBeforeStop(entry, job.get(), step);
+  if (stopped && stopping_) CheckpointAtEnd(entry, job.get(), step, /*stopping=*/true);
   if (stopped) return Finish(entry, v1::DETACHED_CANCELLED, "");
+  CheckpointAtEnd(entry, job.get(), step, /*stopping=*/false);
   Finish(entry, v1::DETACHED_DONE, "");
 }
 
-void DetachedJobs::CheckpointBeforeStop(Entry* entry, Job* job, int64_t step) {
+void DetachedJobs::CheckpointAtEnd(Entry* entry, Job* job, int64_t step, bool stopping) {
+  const char* what = stopping ? "stopping" : "done";
   if (job->checkpoint_dir().empty()) {
-    Log(entry, absl::StrCat("stopping at step ", step,
-                            " without a checkpoint (no checkpoint_dir): it resumes from the "
-                            "start or its last checkpoint"));
+    if (stopping) {
+      Log(entry, absl::StrCat("stopping at step ", step,
+                              " without a checkpoint (no checkpoint_dir): it resumes from the "
+                              "start"));
+    }
     return;
   }
   std::vector<CheckpointInfo> saved = job->Checkpoints();
   if (!saved.empty() && saved.back().step == step) {
     // checkpoint_every's own of this step (the job's writer finishes it before the job goes).
-    Log(entry, absl::StrCat("stopping at step ", step, ", which checkpoint_every saved"));
+    Log(entry, absl::StrCat(what, " at step ", step, ", which checkpoint_every saved"));
     return;
   }
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<CheckpointInfo> info = job->Checkpoint(/*wait=*/true);
   if (info.ok()) {
-    Log(entry, absl::StrFormat("stopping: checkpoint of step %d written in %.2f s (%s)",
+    Log(entry, absl::StrFormat("%s: checkpoint of step %d written in %.2f s (%s)", what,
                                info->step, SecondsSince(start), info->path));
   } else {
-    Log(entry, absl::StrCat("stopping: the checkpoint of step ", step,
-                            " failed, so the job resumes from its last one: ",
+    Log(entry, absl::StrCat(what, ": the checkpoint of step ", step, " failed",
+                            stopping ? ", so the job resumes from its last one: " : ": ",
                             info.status().message()));
   }
 }

@@ -118,11 +118,11 @@ class DetachedJobs {
   // Ends `entry` in `state` on its own thread: deletes its job, drops its record (unless the
   // daemon is stopping) and releases its model and data.
   void Finish(Entry* entry, v1::DetachedState state, const std::string& error);
-  // The daemon is stopping (SIGTERM) and `entry` stopped after `step`: its state is saved as a
-  // checkpoint (waiting for the write) unless it has no checkpoint_dir or one of this step
-  // exists, so that the restarted daemon resumes it there. A failure is logged; the job then
-  // resumes from its last checkpoint.
-  void CheckpointBeforeStop(Entry* entry, Job* job, int64_t step);
+  // `entry` ended after `step`: done, or `stopping` with the daemon (SIGTERM). Its state is
+  // saved as a checkpoint (waiting for the write) unless it has no checkpoint_dir or one of this
+  // step exists: the trained model, or where the restarted daemon resumes it. A failure is
+  // logged; a stopped job then resumes from its last checkpoint.
+  void CheckpointAtEnd(Entry* entry, Job* job, int64_t step, bool stopping);
   std::string RecordPath(const std::string& id) const;
   // With mu_ held: takes `id` out of queue_ (if there); the entry of `id`, or NOT_FOUND.
   void DequeueLocked(const std::string& id);

@@ -69,7 +69,8 @@ image_env=(
   "RANNC_CONF_DIR=$conf_dir"
 )
 # pyrannc's imports beyond the standard library (torch, grpc, google.protobuf, numpy).
-python_packages=(python3 python3-torch python3-grpcio python3-protobuf python3-numpy)
+# python3-tqdm: examples/train_gpt.py's progress bar (the example Job's init container).
+python_packages=(python3 python3-torch python3-grpcio python3-protobuf python3-numpy python3-tqdm)
 # Files of those packages' dependencies that no process of the image loads, left out by dpkg.
 # Debian's LibTorch links OpenCV, whose GUI part brings Qt and Mesa: Mesa's GL drivers are opened
 # only when a GL context is made, and LLVM and Z3 are theirs alone. PyTorch's C++ test programs
@@ -151,6 +152,10 @@ while IFS= read -r f; do
   files+=("$f"$'\t'"$py_dir/${f#"$root/python_client/"}"$'\t'0644)
 done < <(find "$root/python_client/pyrannc" -name __pycache__ -prune -o -type f ! -name '*.pyc' \
   -print | LC_ALL=C sort)
+# The examples, where deploy/k8s/jobs/submit-example runs them from.
+for f in detached_gpt.py train_gpt.py; do
+  files+=("$root/examples/$f"$'\t'/usr/local/share/rannc/examples/$f$'\t'0644)
+done
 
 # --- The commands.
 quoted() { printf '%q ' "$@" | sed 's/ $//'; }
