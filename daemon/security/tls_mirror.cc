@@ -9,12 +9,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <filesystem>
 #include <utility>
 
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/files.h"
 #include "daemon/common/periodic.h"
 
 namespace rannc {
@@ -139,8 +139,8 @@ TlsFileMirror::TlsFileMirror(TlsFiles files, std::string flag, std::string dir)
 
 TlsFileMirror::~TlsFileMirror() {
   periodic_.reset();
-  std::error_code ignored;
-  std::filesystem::remove_all(dir_, ignored);
+  // Not std::filesystem, whose copy in PyTorch's wheels crashed the daemon (common/files.h).
+  (void)RemoveTree(dir_);
 }
 
 absl::Status TlsFileMirror::Write(const TlsPem& pem) {

@@ -22,19 +22,10 @@ namespace rannc {
 namespace security {
 namespace {
 
+using testing::Read;
+using testing::Replace;
+
 using Outcome = TlsFileMirror::Outcome;
-
-std::string Read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void Replace(const std::string& path, const std::string& text) {
-  std::ofstream(path + ".new", std::ios::binary | std::ios::trunc) << text;
-  std::filesystem::rename(path + ".new", path);
-}
 
 struct stat Stat(const std::string& path) {
   struct stat st;

@@ -19,6 +19,9 @@ namespace rannc {
 namespace security {
 namespace {
 
+using testing::Read;
+using testing::Replace;
+
 using std::chrono::seconds;
 
 // A service whose Heartbeat answers with the caller's certificate (PeerCertificate) as its
@@ -86,19 +89,6 @@ std::string Served(const Server& server, std::shared_ptr<grpc::ChannelCredential
     return std::string(name.data(), name.size());
   }
   return "(no common name)";
-}
-
-std::string Read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// Replaces `path` with `text` by rename, as Kubernetes' atomic writer does.
-void Replace(const std::string& path, const std::string& text) {
-  std::ofstream(path + ".new", std::ios::binary | std::ios::trunc) << text;
-  std::filesystem::rename(path + ".new", path);
 }
 
 // Files that must not pass: garbage, a PEM cut in the middle, nothing.

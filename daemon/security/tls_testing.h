@@ -4,11 +4,28 @@
 #define RANNC_DAEMON_SECURITY_TLS_TESTING_H_
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include <catch2/catch.hpp>
 
 namespace rannc::testing {
+
+// The bytes of the file at `path` ("" when it cannot be read).
+inline std::string Read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Replaces `path` with `text` by rename, as Kubernetes' atomic writer does.
+inline void Replace(const std::string& path, const std::string& text) {
+  std::ofstream(path + ".new", std::ios::binary | std::ios::trunc) << text;
+  std::filesystem::rename(path + ".new", path);
+}
 
 // DIR/ca.crt, and DIR/NAME.crt and DIR/NAME.key for each call of Issue.
 class TestCa {

@@ -301,10 +301,19 @@ class SimCluster:
         self.probe = (probe["port"], probe.get("service", ""))
         self.net = Network().create()
         self.mountpoints = Mountpoints()
+        # The image's files, copied (not linked: a link into the host's /tmp, where Bazel's
+        # runfiles or a clone may be, would point under the pods' own /tmp).
         self.bin_dir = os.path.join(tmp, "bin")
         os.makedirs(self.bin_dir)
-        os.symlink(RANNCD, os.path.join(self.bin_dir, "ranncd"))
-        os.symlink(RANNC, os.path.join(self.bin_dir, "rannc"))
+        shutil.copy(RANNCD, os.path.join(self.bin_dir, "ranncd"))
+        shutil.copy(RANNC, os.path.join(self.bin_dir, "rannc"))
+        skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+        examples, python = os.path.join(tmp, "image-examples"), os.path.join(tmp, "image-python")
+        shutil.copytree(os.path.join(ROOT, "examples"), examples, ignore=skip)
+        shutil.copytree(os.path.join(ROOT, "python_client", "pyrannc"),
+                        os.path.join(python, "pyrannc"), ignore=skip)
+        self.image = {"/usr/local/share/rannc/examples": examples,
+                      "/usr/local/lib/rannc/python": python}
         self.shared = {}     # the StatefulSet's secret, configMap and claim volumes -> host dir
         self.secrets = {}    # secretName -> host directory
         self.pods = {}       # pod name -> {"ns", "ip", "container", "dirs"}
@@ -437,9 +446,7 @@ class SimCluster:
         env.update(extra_env or {})
         all_mounts = {m["mountPath"]: volumes[m["name"]]
                       for m in container.get("volumeMounts", [])}
-        # The image's layout (deploy/image/build.sh): the examples and pyrannc.
-        all_mounts["/usr/local/share/rannc/examples"] = os.path.join(ROOT, "examples")
-        all_mounts["/usr/local/lib/rannc/python"] = os.path.join(ROOT, "python_client")
+        all_mounts.update(self.image)  # deploy/image/build.sh's examples and pyrannc
         return Container(self.client_ns, container, env, all_mounts, self.mountpoints,
                          self.bin_dir, os.path.join(self.tmp, f"{name}.log"))
 
