@@ -388,11 +388,26 @@ def _rss_mib(pid):
     raise AssertionError(f"no VmRSS for {pid}")
 
 
+def _slope(values):
+    """The least-squares slope of `values` against their index."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    return (sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
+            / sum((i - mean_x) ** 2 for i in range(n)))
+
+
 def test_deleting_jobs_gives_their_memory_back():
     """A daemon's footprint follows its live jobs: creating, training and deleting a 64 MiB
-    model's job six times grows it by far less than a job's parameters. Measured on the 2-core
-    VM: +12 MiB; +118 MiB before DeleteJob trimmed the allocator's arenas (and +790 MiB on two
-    CPU devices, whose worker threads have arenas of their own)."""
+    model's job ten times does not grow it by anything like a job a round (+118 MiB a round
+    before DeleteJob trimmed the allocator's arenas, +790 MiB on two CPU devices).
+
+    The footprint is a trend, not two samples: after a job is deleted the RSS wanders by tens of
+    MiB from round to round with nothing growing (four runs of 12 rounds on the 2-core VM: ranges
+    210-281, 214-258, 217-231, 204-275 MiB, none rising steadily), and comparing the last round
+    with the first failed now and then (+61 MiB against a 64 MiB bound in one of those runs). So
+    the bound is on the least-squares slope over the rounds after the first (which warms up
+    LibTorch and the thread pools): under 16 MiB a round, where a leaked job would add 64 or
+    more."""
     daemon = DaemonProcess()
     try:
         stub = daemon.conn.stub
@@ -401,7 +416,7 @@ def test_deleting_jobs_gives_their_memory_back():
         x = torch.randn(32, 1024)
         model_bytes = _traced(model, x)
         rss = []
-        for _ in range(6):
+        for _ in range(10):
             job_id = _create(stub, model_bytes, [x]).job_id
             for _ in range(2):
                 _forward(stub, job_id, x)
@@ -409,9 +424,9 @@ def test_deleting_jobs_gives_their_memory_back():
                     output_index=0, grad=_codec.encode(torch.ones(32, 1024)))]))
             stub.DeleteJob(pb.JobRef(job_id=job_id))
             rss.append(_rss_mib(daemon.proc.pid))
-        # The first round warms up what stays (LibTorch, thread pools); after it, no growth
-        # worth a job (the model's parameters alone are 64 MiB, a job holds several times that).
-        assert rss[-1] - rss[0] < 64, f"daemon RSS after each deleted job (MiB): {rss}"
+        slope = _slope(rss[1:])
+        assert slope < 16, (f"daemon RSS grows {slope:.1f} MiB a deleted job; after each "
+                            f"(MiB): {[round(r) for r in rss]}")
         assert_serves(stub)
     finally:
         daemon.stop()
