@@ -1,6 +1,5 @@
 #include "client/detached_cli.h"
 
-#include <toml++/toml.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -15,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/files.h"
+#include "daemon/config/toml_file.h"
 
 namespace rannc {
 namespace {
@@ -215,14 +215,9 @@ absl::StatusOr<v1::DetachedState> FollowLog(const Client& client, const std::str
 
 absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
   if (!IsRegularFile(path)) return absl::NotFoundError(absl::StrCat("no job file ", path));
-  toml::table table;
-  try {
-    table = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    const auto& begin = e.source().begin;
-    return absl::InvalidArgumentError(absl::StrCat(path, ":", begin.line, ":", begin.column,
-                                                   ": ", std::string(e.description())));
-  }
+  absl::StatusOr<toml::table> parsed = ReadTomlFile(path);
+  if (!parsed.ok()) return parsed.status();
+  const toml::table& table = *parsed;
   v1::DetachedJobSpec spec;
   for (auto&& [k, node] : table) {
     const std::string key(k.str());

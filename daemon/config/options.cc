@@ -1,7 +1,5 @@
 #include "daemon/config/options.h"
 
-#include <toml++/toml.h>
-
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
@@ -23,6 +21,7 @@
 #include "daemon/cluster/peers.h"
 #include "daemon/common/files.h"
 #include "daemon/config/keys.h"
+#include "daemon/config/toml_file.h"
 
 extern char** environ;
 
@@ -336,14 +335,12 @@ absl::StatusOr<std::string> FindConfigFile(const std::optional<std::string>& fla
 }
 
 absl::Status ApplyTomlFile(const std::string& path, DaemonOptions& options) {
-  toml::table table;
-  try {
-    table = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    const auto& begin = e.source().begin;
-    return absl::InvalidArgumentError(absl::StrCat("config file ", path, ":", begin.line, ":",
-                                                   begin.column, ": ", ToAbsl(e.description())));
+  absl::StatusOr<toml::table> parsed = ReadTomlFile(path);
+  if (!parsed.ok()) {
+    return absl::Status(parsed.status().code(),
+                        absl::StrCat("config file ", parsed.status().message()));
   }
+  const toml::table& table = *parsed;
   for (auto&& [toml_key, node] : table) {
     const std::string name(toml_key.str());
     const std::string source =
