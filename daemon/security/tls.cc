@@ -3,10 +3,8 @@
 #include <sys/stat.h>
 
 #include <cstdio>
-#include <fstream>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -24,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/files.h"
 
 namespace rannc {
 namespace security {
@@ -199,15 +198,6 @@ std::optional<FileStamp> Stamp(const std::string& path) {
                    static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
 }
 
-std::optional<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return std::nullopt;
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return std::nullopt;
-  return text.str();
-}
-
 std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Provider(
     const TlsFiles& files, std::chrono::seconds refresh) {
   const unsigned int seconds = static_cast<unsigned int>(std::max<int64_t>(1, refresh.count()));
@@ -259,8 +249,8 @@ absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files, const std::string& fl
     }
     for (const Part& part : parts) {
       if (part.path.empty()) continue;
-      std::optional<std::string> text = ReadFile(part.path);
-      if (!text.has_value()) {
+      absl::StatusOr<std::string> text = ReadFile(part.path);
+      if (!text.ok()) {
         return absl::InvalidArgumentError(absl::StrCat(flag, part.suffix, " ", part.path,
                                                        ": cannot be read (", part.what,
                                                        "; a PEM file this process can read)"));

@@ -31,54 +31,28 @@ std::string Fingerprint(const absl::StatusOr<TlsPem>& read) {
                       read->ca.size(), ":", read->ca);
 }
 
-absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
-}
-
-// Replaces `path` with `text` (mode 0600): written to a temporary file, its modification time
-// set to a second after `*mtime` at least (gRPC compares whole seconds before and after it reads,
-// so every version must have a time of its own), synced, renamed over `path`.
+// Replaces `path` with `text` (mode 0600): written to a temporary file (WriteFileDurably), its
+// modification time set to a second after `*mtime` at least (gRPC compares whole seconds before
+// and after it reads, so every version must have a time of its own), renamed over `path`.
 absl::Status ReplaceFile(const std::string& dir, const std::string& path, const std::string& text,
                          int64_t* mtime) {
   const std::string temporary = path + ".new";
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
-                        0600);
-  if (fd < 0) return Errno("cannot create", temporary);
-  size_t written = 0;
-  while (written < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      absl::Status failed = Errno("cannot write", temporary);
-      ::close(fd);
-      ::unlink(temporary.c_str());
-      return failed;
-    }
-    written += static_cast<size_t>(n);
+  if (absl::Status written = WriteFileDurably(temporary, text.data(), text.size());
+      !written.ok()) {
+    ::unlink(temporary.c_str());
+    return written;
   }
   const int64_t when = std::max<int64_t>(std::time(nullptr), *mtime + 1);
   const struct timespec times[2] = {{static_cast<time_t>(when), 0},
                                     {static_cast<time_t>(when), 0}};
-  if (::futimens(fd, times) != 0 || ::fsync(fd) != 0) {
-    absl::Status failed = Errno("cannot set the time of, or sync,", temporary);
-    ::close(fd);
+  if (::chmod(temporary.c_str(), 0600) != 0 ||
+      ::utimensat(AT_FDCWD, temporary.c_str(), times, 0) != 0 ||
+      ::rename(temporary.c_str(), path.c_str()) != 0) {
+    const absl::Status failed = ErrnoStatus(errno, absl::StrCat("replacing ", path));
     ::unlink(temporary.c_str());
     return failed;
   }
-  if (::close(fd) != 0) {
-    ::unlink(temporary.c_str());
-    return Errno("cannot write", temporary);
-  }
-  if (::rename(temporary.c_str(), path.c_str()) != 0) {
-    absl::Status failed = Errno("cannot rename to", path);
-    ::unlink(temporary.c_str());
-    return failed;
-  }
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
+  (void)SyncDirectory(dir);
   *mtime = when;
   return absl::OkStatus();
 }
