@@ -173,31 +173,12 @@ EOF
 
 # --- build (background) -----------------------------------------------------------------------
 ranncd=${RANNCD:-}
-build_pid=""
+. "$root/benchmarks/ranncd_build.sh"
 if [ -z "$ranncd" ]; then
   ranncd=$root/build/gpu/daemon/ranncd
   say "building ranncd on CPUs $build_cpus (log: build.log)"
-  # Its own session, so that it can be stopped as a group if it outlasts the budget.
-  setsid bash -c "taskset -c $build_cpus env SYS='${SYS:-/tmp/sys}' DEVICES=cpu:2 \
-    tools/gpu_cmake_build.sh build/gpu >'$out/build.log' 2>&1; echo \$? >'$tmp/build.rc'" &
-  build_pid=$!
+  start_build taskset -c "$build_cpus"
 fi
-wait_build() {
-  [ -n "$build_pid" ] || return 0
-  while kill -0 "$build_pid" 2>/dev/null; do
-    if (( $(left) < 60 )); then
-      say "build still running with $(left)s left: stopping it"
-      kill -TERM -- "-$build_pid" 2>/dev/null
-      sleep 2
-      kill -KILL -- "-$build_pid" 2>/dev/null
-      break
-    fi
-    sleep 2
-  done
-  wait "$build_pid" 2>/dev/null
-  say "build finished: status $(cat "$tmp/build.rc" 2>/dev/null || echo killed)"
-  build_pid=""
-}
 [ "${SERIAL:-0}" = 1 ] && wait_build
 concurrent=no
 [ -n "$build_pid" ] && concurrent="yes (CPUs $peer_cpus; the build on $build_cpus)"

@@ -170,40 +170,21 @@ rannc=${RANNC:-1}
 rannc_devices=cuda
 [ "$device" = cpu ] && rannc_devices=cpu:2
 ranncd=${RANNCD:-}
-build_pid=""
+. "$root/benchmarks/ranncd_build.sh"
 peer_pin=()
 if [ "$rannc" = 1 ] && [ -z "$ranncd" ]; then
   ranncd=$root/build/gpu/daemon/ranncd
   ncpu=$(nproc)
   peer_n=${PEER_CPUS:-4}
+  build_pin=()
   if (( ncpu > 2 * peer_n )); then
     peer_pin=(taskset -c "0-$(( peer_n - 1 ))")
     build_pin=(taskset -c "$peer_n-$(( ncpu - 1 ))")
-  else
-    build_pin=()
   fi
   say "building ranncd in the background (log: build.log)"
-  setsid bash -c "${build_pin[*]} env SYS='${SYS:-/tmp/sys}' DEVICES=cpu:2 \
-    tools/gpu_cmake_build.sh build/gpu >'$out/build.log' 2>&1; echo \$? >'$tmp/build.rc'" &
-  build_pid=$!
+  start_build "${build_pin[@]}"
 fi
 [ "$rannc" = 1 ] || rannc_min=0
-wait_build() {
-  [ -n "$build_pid" ] || return 0
-  while kill -0 "$build_pid" 2>/dev/null; do
-    if (( $(left) < 60 )); then
-      say "build still running with $(left)s left: stopping it"
-      kill -TERM -- "-$build_pid" 2>/dev/null
-      sleep 2
-      kill -KILL -- "-$build_pid" 2>/dev/null
-      break
-    fi
-    sleep 2
-  done
-  wait "$build_pid" 2>/dev/null
-  say "build finished: status $(cat "$tmp/build.rc" 2>/dev/null || echo killed)"
-  build_pid=""
-}
 
 # --- FSDP2 peers -----------------------------------------------------------------------------
 oom_every=()  # "SYSTEM K": every:K of SYSTEM ran out of memory, so larger K will too
