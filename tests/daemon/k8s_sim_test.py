@@ -237,6 +237,16 @@ def _binds(mounts, mountpoints):
     return binds
 
 
+def _in_pod(ns, env, mounts, mountpoints, argv):
+    """The command line that runs `argv` as a container of the pod in network namespace `ns`
+    runs: in a mount namespace of its own with `mounts` bound, and `env` alone as its
+    environment."""
+    script = " && ".join(_binds(mounts, mountpoints) + ['exec "$@"'])
+    return ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
+            "env", "-i", *[f"{k}={v}" for k, v in env.items()], "/bin/sh", "-c", script,
+            "sh", *argv]
+
+
 class Container:
     """One container of a pod: its process in the pod's network namespace and a mount namespace
     of its own, where each of `mounts` (mountPath -> host path) is bound."""
@@ -247,10 +257,7 @@ class Container:
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")  # the image's PATH
         argv = [_expand(a, env) for a in container.get("command", []) + container.get("args", [])]
         mounts = {**mounts, "/usr/local/bin": bin_dir}  # the image's ranncd and rannc
-        script = " && ".join(_binds(mounts, mountpoints) + ['exec "$@"'])
-        cmd = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
-               "env", "-i", *[f"{k}={v}" for k, v in env.items()], "/bin/sh", "-c", script,
-               "sh", *argv]
+        cmd = _in_pod(ns, env, mounts, mountpoints, argv)
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -358,11 +365,6 @@ class SimCluster:
                 os.makedirs(d)
                 self.shared[name] = d
 
-    def token(self):
-        d = next(v for k, v in self.shared.items() if k == "token")
-        with open(os.path.join(d, "admin.token"), encoding="ascii") as f:
-            return f.read().strip()
-
     def _hosts(self):
         entries = {}
         for name, pod in sorted(self.pods.items()):
@@ -425,14 +427,14 @@ class SimCluster:
                     + "\n".join(self.pods[n]["container"].output()[-3000:] for n in pending))
                 time.sleep(0.5)
 
-    def job_volumes(self):
-        """A new pod of the Job's volumes: its Secrets, fresh emptyDirs (shared by its
-        containers)."""
+    def job_volumes(self, empty_dirs=True):
+        """A new pod of the Job's volumes: its Secrets, and fresh emptyDirs (shared by its
+        containers) unless `empty_dirs` is false."""
         volumes = {}
         for volume in self.job["spec"]["template"]["spec"]["volumes"]:
             if "secret" in volume:
                 volumes[volume["name"]] = self.secrets[volume["secret"]["secretName"]]
-            else:
+            elif empty_dirs:
                 assert "emptyDir" in volume, volume
                 volumes[volume["name"]] = tempfile.mkdtemp(prefix=f"job-{volume['name']}-",
                                                            dir=self.tmp)
@@ -455,16 +457,12 @@ class SimCluster:
         container = self.job["spec"]["template"]["spec"]["containers"][0]
         env = _container_env(container, {"name": "cli", "ns": self.k8s_ns,
                                          "ip": self.client_ip})
-        volumes = {v["name"]: self.secrets[v["secret"]["secretName"]]
-                   for v in self.job["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+        volumes = self.job_volumes(empty_dirs=False)
         mounts = {m["mountPath"]: volumes[m["name"]]
                   for m in container.get("volumeMounts", []) if m["name"] in volumes}
-        binds = " && ".join(_binds(mounts, self.mountpoints) + ['exec "$@"'])
-        return _run("ip", "netns", "exec", self.client_ns, "unshare", "--mount",
-                    "--propagation", "private", "env", "-i",
-                    *[f"{k}={v}" for k, v in env.items()], "/bin/sh", "-c", binds, "sh",
-                    RANNC, f"--daemon={self.client_service}:7411", *args, check=False,
-                    timeout=timeout)
+        return _run(*_in_pod(self.client_ns, env, mounts, self.mountpoints,
+                             [RANNC, f"--daemon={self.client_service}:7411", *args]),
+                    check=False, timeout=timeout)
 
     def destroy(self):
         for pod in self.pods.values():
