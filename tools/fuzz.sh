@@ -16,7 +16,10 @@ seconds=${1:-60}
 shift || true
 out=${OUT:-/tmp/rannc-fuzz}
 for tool in clang-14 clang++-14; do
-  command -v "$tool" >/dev/null || { echo "fuzz.sh: no $tool (apt-get install clang-14 libclang-rt-14-dev)"; exit 2; }
+  if ! command -v "$tool" >/dev/null; then
+    echo "fuzz.sh: no $tool (apt-get install clang-14 libclang-rt-14-dev)"
+    exit 2
+  fi
 done
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then  # each rannc_fuzz_target's name in fuzz/BUILD
