@@ -28,7 +28,29 @@ class ShmDirectory {
   bool enabled() const { return !dir_.empty(); }
   const std::string& dir() const { return dir_; }
 
-  // Copies `ref`'s region (whose length must be `size`) to `dst`.
+  // A checked region to read from: `ref` names a regular rannc-* file in the directory that
+  // holds [offset, offset + size). Opening it first lets a caller refuse a bad reference before
+  // it allocates the destination; a FIFO or device is refused, never waited on.
+  class Reader {
+   public:
+    ~Reader();
+    Reader(Reader&&) noexcept;
+    Reader& operator=(Reader&&) = delete;
+    // Copies the region's bytes to `dst` (room for the region's size).
+    absl::Status Read(void* dst);
+
+   private:
+    friend class ShmDirectory;
+    Reader(int fd, std::string path, uint64_t offset, size_t size);
+    int fd_;
+    std::string path_;
+    uint64_t offset_;
+    size_t size_;
+  };
+  // `ref`'s region, whose length must be `size`.
+  absl::StatusOr<Reader> OpenRegion(const v1::ShmRef& ref, size_t size) const;
+
+  // OpenRegion(ref, size), then its bytes to `dst`.
   absl::Status Read(const v1::ShmRef& ref, void* dst, size_t size) const;
 
   // An open reply region; writes land one after another, each 64-byte aligned.
@@ -53,6 +75,10 @@ class ShmDirectory {
 
  private:
   absl::StatusOr<std::string> Resolve(const std::string& path) const;
+  // `path` opened with `flags` (never blocking), which must be a regular file holding
+  // [offset, offset + length); the descriptor, or why not.
+  static absl::StatusOr<int> OpenRegular(const std::string& path, int flags, uint64_t offset,
+                                         uint64_t length, const char* what);
   std::string dir_;
 };
 

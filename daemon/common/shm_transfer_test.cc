@@ -1,9 +1,11 @@
 #include "daemon/common/shm_transfer.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -70,6 +72,31 @@ TEST_CASE("ShmDirectory refuses paths outside its directory and bad regions", "[
   CHECK_FALSE(shm.OpenReply(Ref(file.path, 0, 4096)).ok());
   CHECK(ShmDirectory("").Read(Ref(file.path, 0, 16), buf, 16).code() ==
         absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("ShmDirectory refuses regions that overflow and files that are not regular", "[shm]") {
+  TempShmFile file(128);
+  ShmDirectory shm(file.dir);
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  char buf[16];
+  // offset + length wraps around to within the file.
+  CHECK(shm.Read(Ref(file.path, max - 7, 16), buf, 16).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(shm.OpenReply(Ref(file.path, max - 7, 16)).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  // The region is checked before anything is read: a shape that lies is refused while opening.
+  CHECK(shm.OpenRegion(Ref(file.path, 0, uint64_t{1} << 40), uint64_t{1} << 40).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  // A FIFO named rannc-*: opening it for reading or writing must not wait for its other end.
+  const std::string fifo = file.dir + "/rannc-fifo";
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  absl::Status read = shm.Read(Ref(fifo, 0, 16), buf, 16);
+  CHECK(read.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(read.message().find("not a regular file") != absl::string_view::npos);
+  // For writing, a FIFO without a reader fails to open (ENXIO); either way, at once.
+  CHECK(shm.OpenReply(Ref(fifo, 0, 16)).status().code() == absl::StatusCode::kInvalidArgument);
+  std::remove(fifo.c_str());
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include <ATen/ATen.h>
 
@@ -86,14 +87,22 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto, absl::string_vi
         what, ": ", proto.data().size(), " bytes of data for ", DescribeTensor(*type, shape),
         ", which needs ", expected));
   }
+  // A shared-memory reference is checked (the file, the region's size and bounds) before the
+  // tensor is allocated: a shape that lies costs nothing.
+  std::optional<ShmDirectory::Reader> region;
+  if (proto.has_shm()) {
+    absl::StatusOr<ShmDirectory::Reader> opened = shm->OpenRegion(proto.shm(), expected);
+    if (!opened.ok()) return Annotate(opened.status(), what);
+    region.emplace(std::move(*opened));
+  }
   at::Tensor tensor;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument, what, [&] {
     tensor = HostBufferPool::Default().Allocate(shape, *type);
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
-  if (proto.has_shm()) {
-    absl::Status read = shm->Read(proto.shm(), tensor.data_ptr(), expected);
+  if (region.has_value()) {
+    absl::Status read = region->Read(tensor.data_ptr());
     if (!read.ok()) return Annotate(read, what);
   } else if (expected > 0) {
     std::memcpy(tensor.data_ptr(), proto.data().data(), expected);

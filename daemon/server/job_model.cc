@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/checkpoint/checkpoint.h"
 #include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
 #include "daemon/graph/low_precision.h"
@@ -52,11 +53,50 @@ planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bo
   }
   return m;
 }
-// The plan for `ir`: planned for config.plan_target, or the deployment the client loaded,
-// checked against this model and these devices.
+// The plan of the checkpoint a job resumes from (the manifest's), if it fits this model and
+// these devices; NOT_FOUND when there is no checkpoint or it holds no plan, else why not.
+absl::StatusOr<v1::Deployment> CheckpointPlan(const JobSettings& config, const IrGraph& ir) {
+  absl::StatusOr<std::string> job_dir = checkpoint::JobDir(config.checkpoints.dir, config.name);
+  if (!job_dir.ok()) return job_dir.status();
+  absl::StatusOr<v1::CheckpointManifest> m =
+      checkpoint::FindCheckpoint(*job_dir, config.checkpoints.resume);
+  if (!m.ok()) return m.status();
+  if (!m->has_deployment() || m->deployment().stages_size() == 0) {
+    return absl::NotFoundError("the checkpoint records no plan");
+  }
+  v1::Deployment plan = m->deployment();
+  plan.clear_saved_trace();
+  plan.set_loaded(false);
+  planner::PlanTarget target = config.plan_target;
+  if (target.batch_size <= 0) target.batch_size = ir.example_batch;
+  absl::Status fits = planner::CheckDeployment(plan, ir, target);
+  if (!fits.ok()) return fits;
+  spdlog::info("job '{}' resumes with the plan of its checkpoint of step {}", config.name,
+               m->step());
+  return plan;
+}
+
+// The plan for `ir`: the deployment the client loaded, or a resumed job's checkpoint's, checked
+// against this model and these devices; else planned for config.plan_target.
 absl::StatusOr<v1::Deployment> PlanIr(const JobSettings& config, const IrGraph& ir,
                                       const std::vector<at::Tensor>& tensors,
                                       const std::vector<at::Tensor>& example_inputs) {
+  // A resumed job keeps its plan where it can: another plan sums gradients in another order,
+  // so training would go on equally well but not bit for bit as the interrupted run would have
+  // (and the planner's choice between plans of about equal cost follows the measured link
+  // speeds, which vary from one daemon start to the next). Not when the job asks for a shape
+  // (partition_num, pipeline_num, replica_num): then it gets what it asks for.
+  const planner::PlannerConfig& shape = config.planner;
+  if (config.load_deployment.empty() && config.checkpoints.resume >= 0 &&
+      !config.checkpoints.dir.empty() && shape.partition_num == 0 && shape.pipeline_num == 0 &&
+      shape.replica_num == 0) {
+    absl::StatusOr<v1::Deployment> kept = CheckpointPlan(config, ir);
+    if (kept.ok()) return kept;
+    if (kept.status().code() != absl::StatusCode::kNotFound) {
+      spdlog::info("job '{}' is planned afresh: its checkpoint's plan does not fit: {}",
+                   config.name, std::string(kept.status().message()));
+    }
+  }
   if (!config.load_deployment.empty()) {
     v1::Deployment loaded;
     if (!loaded.ParseFromString(config.load_deployment)) {

@@ -1,5 +1,7 @@
 #include "daemon/server/job.h"
 
+#include <stdlib.h>
+
 #include <chrono>
 #include <map>
 #include <memory>
@@ -10,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
+#include "daemon/common/files.h"
 #include "daemon/server/job_manager.h"
 #include "daemon/server/job_model.h"
 #include "tests/fixtures/fixture.h"
@@ -388,6 +391,50 @@ TEST_CASE("Job plans its model at creation and adopts a saved deployment", "[job
   fewer.load_deployment = d.SerializeAsString();
   CHECK(Job::Create("job-5", fewer, f.model_bytes, f.inputs).status().code() ==
         absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("Job resumed from a checkpoint keeps the checkpoint's plan", "[job]") {
+  testing::Fixture f = testing::LoadFixture("tiny_gpt");
+  char tmpl[] = "/tmp/rannc-job-test-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  // Saved with a plan of two stages and two micro-batches, which the planner need not pick.
+  JobSettings config = PlannedConfig(2);
+  config.planner.partition_num = 2;
+  config.planner.pipeline_num = 2;
+  config.checkpoints.dir = dir;
+  absl::StatusOr<std::unique_ptr<Job>> first =
+      Job::Create("job-1", config, f.model_bytes, f.inputs);
+  REQUIRE(first.ok());
+  TrainTwoSteps(**first, f);
+  REQUIRE((*first)->Checkpoint(/*wait=*/true).ok());
+  const v1::Deployment saved = (*first)->info().plan;
+  first->reset();
+
+  // Resumed with no shape asked for: the checkpoint's plan, and the training goes on from it.
+  JobSettings resume = PlannedConfig(2);
+  resume.checkpoints.dir = dir;
+  resume.checkpoints.resume = 0;  // the latest
+  absl::StatusOr<std::unique_ptr<Job>> resumed =
+      Job::Create("job-2", resume, f.model_bytes, f.inputs);
+  REQUIRE(resumed.ok());
+  CHECK((*resumed)->resumed_step() == 2);
+  const v1::Deployment& kept = (*resumed)->info().plan;
+  CHECK(kept.stages_size() == 2);
+  CHECK(kept.micro_batches() == saved.micro_batches());
+  CHECK(kept.stages(1).first_node() == saved.stages(1).first_node());
+  CHECK_FALSE(kept.loaded());
+  resumed->reset();
+
+  // A shape asked for wins over the checkpoint's.
+  resume.planner.partition_num = 1;
+  absl::StatusOr<std::unique_ptr<Job>> reshaped =
+      Job::Create("job-3", resume, f.model_bytes, f.inputs);
+  REQUIRE(reshaped.ok());
+  CHECK((*reshaped)->info().plan.stages_size() == 1);
+  CHECK((*reshaped)->resumed_step() == 2);
+  reshaped->reset();
+  CHECK(RemoveTree(dir).ok());
 }
 
 TEST_CASE("PlanJob plans for devices that are not there, and refuses what cannot fit",

@@ -209,7 +209,9 @@ def test_cancel_frees_the_devices_within_a_second(job_dir):
         fields, out = _wait(daemon, job, {"cancelled", "done", "failed"})
         assert fields["state"] == "cancelled", out
         assert job not in _cli(daemon, "jobs").stdout
-        assert time.monotonic() - start < 1.0
+        # Two CLI calls and the cancel; a sanitizer build (tools/sanitize.sh) runs several
+        # times slower.
+        assert time.monotonic() - start < (3.0 if os.environ.get("RANNC_SANITIZER") else 1.0)
     finally:
         daemon.stop()
 
@@ -219,13 +221,28 @@ def _final_params(daemon, ckpt, name, out):
     return torch.load(out)["model"]
 
 
+# The runs compared bit for bit are planned by different daemons, whose measured link speeds
+# differ from one start to the next, and the planner's choice between plans of about equal cost
+# with them: one summing gradients in another order would differ at round-off. So these jobs ask
+# for one plan (1 stage x 2 replicas, 1 micro-batch). (A resumed job keeps its checkpoint's plan
+# by itself, but the two runs' first plans are each their daemon's.)
+SAME_PLAN = "partition_num = 1\nreplica_num = 2\npipeline_num = 1\n"
+
+
+def _plans(log):
+    """The "running on DEVICES: PLAN" lines of a detached job's log."""
+    return "\n".join(line for line in log.splitlines() if "running on" in line)
+
+
 def _uninterrupted(job_dir, tmp_path, steps, config, ckpt):
-    """The final parameters of job "whole" run to its end on a daemon of its own."""
+    """The final parameters of job "whole" run to its end on a daemon of its own, and the
+    job's log."""
     daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", str(tmp_path / "state1"))
     try:
         whole = _cli(daemon, "submit", _job_file(job_dir, "whole", steps, config)).stdout.strip()
         _wait(daemon, whole, {"done"})
-        return _final_params(daemon, ckpt, "whole", tmp_path / "whole.pt")
+        return (_final_params(daemon, ckpt, "whole", tmp_path / "whole.pt"),
+                _cli(daemon, "logs", whole).stdout)
     finally:
         daemon.stop()
 
@@ -233,8 +250,8 @@ def _uninterrupted(job_dir, tmp_path, steps, config, ckpt):
 def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path):
     steps = 60
     ckpt = tmp_path / "ckpt"
-    config = f'checkpoint_dir = "{ckpt}"\ncheckpoint_every = 10\n'
-    expected = _uninterrupted(job_dir, tmp_path, steps, config, ckpt)
+    config = f'checkpoint_dir = "{ckpt}"\ncheckpoint_every = 10\n{SAME_PLAN}'
+    expected, whole_log = _uninterrupted(job_dir, tmp_path, steps, config, ckpt)
 
     state = str(tmp_path / "state2")
     daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state, "--log-level", "info")
@@ -255,7 +272,10 @@ def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path)
     finally:
         daemon.stop()
     for name, value in expected.items():
-        assert torch.equal(resumed[name], value), f"{name} differs after the SIGKILL"
+        assert torch.equal(resumed[name], value), (
+            f"{name} differs after the SIGKILL by up to "
+            f"{(resumed[name] - value).abs().max().item():.3g}; the runs' plans:\n"
+            + _plans(whole_log) + "\n" + _plans(logs))
 
 
 @pytest.mark.parametrize("stop_after", [60, 150, 300])
@@ -271,8 +291,8 @@ def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there(
     two uninterrupted runs under load were bitwise equal."""
     steps = 400
     ckpt = tmp_path / "ckpt"
-    config = f'checkpoint_dir = "{ckpt}"\ncheckpoint_every = 50\n'
-    expected = _uninterrupted(job_dir, tmp_path, steps, config, ckpt)
+    config = f'checkpoint_dir = "{ckpt}"\ncheckpoint_every = 50\n{SAME_PLAN}'
+    expected, whole_log = _uninterrupted(job_dir, tmp_path, steps, config, ckpt)
 
     state = str(tmp_path / "state2")
     daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state)
@@ -299,7 +319,8 @@ def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there(
     finally:
         daemon.stop()
     for name, value in expected.items():
-        assert_close(resumed[name], value, f"{name} after the SIGTERM")
+        assert_close(resumed[name], value, f"{name} after the SIGTERM; the runs' plans:\n"
+                     + _plans(whole_log) + "\n" + _plans(logs))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -1,0 +1,81 @@
+#!/bin/bash
+# Runs test suites under a sanitizer build (.bazelrc's --config=asan: ASan + UBSan, or
+# --config=tsan) and fails on any report, from the test processes or from the ranncd and rannc
+# processes they start (which write theirs to files: a daemon's stderr is not the test's).
+#
+#   tools/sanitize.sh asan|tsan [--ci|--torch-free] [TARGET ...]
+#
+# Without targets, ASan runs the whole list below; --torch-free only the C++ tests that do not
+# link LibTorch (what .ci/run runs by default: minutes to build cold), --ci a middle list (CI's
+# with RANNC_CI_SANITIZE=full). TSan runs the C++ tests that use neither LibTorch nor gRPC (see
+# grpc_free below) whatever the scope. Reports are left in
+# /tmp/rannc-sanitizer/<sanitizer>.<binary>.<pid> (emptied first) and the first lines of each are
+# printed. Suppressions: tools/sanitizers/*.supp, each entry with its reason.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+config=${1:-}
+shift || true
+case "$config" in
+  asan|tsan) ;;
+  *) echo "usage: tools/sanitize.sh asan|tsan [--ci|--torch-free] [TARGET ...]"; exit 2 ;;
+esac
+scope=all
+case "${1:-}" in
+  --ci) scope=ci; shift ;;
+  --torch-free) scope=torch-free; shift ;;
+esac
+targets=("$@")
+
+# What runs under each config. The C++ tests all run under both (the torch-free layers in
+# seconds, the runtime's in minutes); of the daemon-process suites, those that exercise the
+# daemon's threads (jobs, pipelines, streams, clusters, signals) run, not those that re-check
+# numerics that the plain build already holds to PyTorch.
+cpp_tests=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)' 2>/dev/null)
+torch_free=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)
+                          except rdeps(//..., //third_party:torch)' 2>/dev/null)
+# TSan sees a race wherever threads hand memory over through code it does not instrument with
+# synchronization it cannot see: Debian's gRPC (completion queues, atomics), whose every test
+# reports hundreds (docs/hardening.md). So TSan runs the tests that use no gRPC, nor LibTorch.
+grpc_free=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)
+                         except rdeps(//..., //third_party:torch)
+                         except rdeps(//..., //third_party:grpc)' 2>/dev/null)
+daemon_tests=(//tests/daemon:daemon_lifecycle_test //tests/daemon:cluster_test
+              //python_client:bad_input_test //python_client:api_test
+              //python_client:detached_jobs_test //python_client:exactly_once_test
+              //python_client:pipeline_conformance_test //python_client:checkpoints_test
+              //tests/daemon:load_test //fuzz:config_corpus_test //fuzz:tensor_codec_corpus_test)
+# The middle list: near 15 minutes on 2 cores once the sanitizer build is cached.
+ci_tests=($cpp_tests //tests/daemon:daemon_lifecycle_test //python_client:bad_input_test
+          //python_client:api_test //fuzz:config_corpus_test //fuzz:tensor_codec_corpus_test)
+if [ ${#targets[@]} -eq 0 ] && [ "$config" = tsan ]; then
+  targets=($grpc_free)
+elif [ ${#targets[@]} -eq 0 ]; then
+  case "$scope" in
+    ci) targets=("${ci_tests[@]}") ;;
+    torch-free) targets=($torch_free //fuzz:config_corpus_test) ;;
+    *) targets=($cpp_tests "${daemon_tests[@]}") ;;
+  esac
+fi
+
+reports=/tmp/rannc-sanitizer
+mkdir -p "$reports"
+find "$reports" -maxdepth 1 -type f -name '*san.*' ! -name '*.supp' -delete
+cp tools/sanitizers/*.supp "$reports"/
+start=$(date +%s)
+bazel test --config="$config" "${targets[@]}" 2>&1 | tee "/tmp/rannc-$config-test.log" |
+  grep -vE "linux-sandbox|^INFO: From Testing|^\(cached\)"
+rc=${PIPESTATUS[0]}
+found=$(find "$reports" -maxdepth 1 -type f -name '*san.*' ! -name '*.supp' | sort)
+count=$(printf '%s' "$found" | grep -c . || true)
+for f in $found; do
+  echo "=== $f"
+  head -n 40 "$f"
+done
+passed=$(grep -cE "^//[^ ]+ +PASSED" "/tmp/rannc-$config-test.log" || true)
+failed=$(grep -cE "^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|FLAKY)" "/tmp/rannc-$config-test.log" || true)
+echo "$config: ${passed} passed, ${failed} failed, ${count} sanitizer reports" \
+     "in $(( $(date +%s) - start )) s"
+[ "$rc" -ne 0 ] && exit "$rc"
+[ "$count" -ne 0 ] && exit 1
+exit 0
