@@ -27,10 +27,10 @@ case "${1:-}" in
 esac
 targets=("$@")
 
-# What runs under each config. The C++ tests all run under both (the torch-free layers in
-# seconds, the runtime's in minutes); of the daemon-process suites, those that exercise the
-# daemon's threads (jobs, pipelines, streams, clusters, signals) run, not those that re-check
-# numerics that the plain build already holds to PyTorch.
+# What runs. Under ASan every C++ test (the torch-free layers in seconds, the runtime's in
+# minutes) and, of the daemon-process suites, those that exercise the daemon's threads (jobs,
+# pipelines, streams, clusters, signals), not those that re-check numerics that the plain build
+# already holds to PyTorch.
 cpp_tests=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)' 2>/dev/null)
 torch_free=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)
                           except rdeps(//..., //third_party:torch)' 2>/dev/null)
