@@ -9,9 +9,8 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
-
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
