@@ -31,30 +31,29 @@ targets=("$@")
 # minutes) and, of the daemon-process suites, those that exercise the daemon's threads (jobs,
 # pipelines, streams, clusters, signals), not those that re-check numerics that the plain build
 # already holds to PyTorch.
-cpp_tests=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)' 2>/dev/null)
-torch_free=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)
-                          except rdeps(//..., //third_party:torch)' 2>/dev/null)
-# TSan sees a race wherever threads hand memory over through code it does not instrument with
-# synchronization it cannot see: Debian's gRPC (completion queues, atomics), whose every test
-# reports hundreds (docs/hardening.md). So TSan runs the tests that use no gRPC, nor LibTorch.
-grpc_free=$(bazel query 'kind(cc_test, //...) except attr(tags, gpu, //...)
-                         except rdeps(//..., //third_party:torch)
-                         except rdeps(//..., //third_party:grpc)' 2>/dev/null)
+query() { bazel query "kind(cc_test, //...) except attr(tags, gpu, //...) $1" 2>/dev/null; }
 daemon_tests=(//tests/daemon:daemon_lifecycle_test //tests/daemon:cluster_test
               //python_client:bad_input_test //python_client:api_test
               //python_client:detached_jobs_test //python_client:exactly_once_test
               //python_client:pipeline_conformance_test //python_client:checkpoints_test
               //tests/daemon:load_test //fuzz:config_corpus_test //fuzz:tensor_codec_corpus_test)
-# The middle list: near 15 minutes on 2 cores once the sanitizer build is cached.
-ci_tests=($cpp_tests //tests/daemon:daemon_lifecycle_test //python_client:bad_input_test
+# The middle list (--ci) is every C++ test and these: near 15 minutes on 2 cores once the
+# sanitizer build is cached.
+ci_extra=(//tests/daemon:daemon_lifecycle_test //python_client:bad_input_test
           //python_client:api_test //fuzz:config_corpus_test //fuzz:tensor_codec_corpus_test)
+# TSan sees a race wherever threads hand memory over through code it does not instrument with
+# synchronization it cannot see: Debian's gRPC (completion queues, atomics), whose every test
+# reports hundreds (docs/hardening.md). So TSan runs the tests that use no gRPC, nor LibTorch.
+# The lists are queried only when no targets are given.
 if [ ${#targets[@]} -eq 0 ] && [ "$config" = tsan ]; then
-  targets=($grpc_free)
+  targets=($(query "except rdeps(//..., //third_party:torch)
+                    except rdeps(//..., //third_party:grpc)"))
 elif [ ${#targets[@]} -eq 0 ]; then
   case "$scope" in
-    ci) targets=("${ci_tests[@]}") ;;
-    torch-free) targets=($torch_free //fuzz:config_corpus_test) ;;
-    *) targets=($cpp_tests "${daemon_tests[@]}") ;;
+    ci) targets=($(query "") "${ci_extra[@]}") ;;
+    torch-free) targets=($(query "except rdeps(//..., //third_party:torch)")
+                         //fuzz:config_corpus_test) ;;
+    *) targets=($(query "") "${daemon_tests[@]}") ;;
   esac
 fi
 
