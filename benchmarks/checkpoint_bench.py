@@ -50,8 +50,10 @@ RANNC_CHECKPOINT_KEEP, default 3), DIR a new directory under /tmp unless --dir n
    checkpoint(wait=False)'s return to that plus its write_s, which the daemon logs
    ("checkpoint of ... committed: N bytes in T s").
 3. Synchronous: --checkpoints times, a plain step and then checkpoint(wait=True): bytes
-   (CheckpointInfo.bytes), write_s (serialization, CRC, write, fsync, rename, pruning) and
-   bytes / write_s.
+   (CheckpointInfo.bytes), write_s (the wait for the copies from the devices, serialization,
+   CRC, write, fsync, the manifest and the rename that commits; not the pruning of older
+   checkpoints after it, which the daemon logs apart, as the disk's test below leaves out its
+   file's removal) and bytes / write_s.
 4. The disk: --disk-reps times, a file of the checkpoint's size written into DIR/ckpt with
    os.write in 8 MiB blocks, fsync'ed and closed (timed from open to close), then removed.
    Ratio = checkpoint throughput (3) / disk MB/s.

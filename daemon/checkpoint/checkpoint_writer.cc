@@ -111,15 +111,21 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
     Result r;
     r.manifest = std::move(*written);
     r.bytes = FileBytes(r.manifest.files());
-    absl::Status pruned = PruneCheckpoints(job_dir, keep);
-    if (!pruned.ok()) {
-      spdlog::warn("checkpoint of step {} committed, but pruning older ones failed: {}",
-                   r.manifest.step(), pruned.ToString());
-    }
     r.write_s = SecondsSince(start);
     spdlog::info("checkpoint of '{}' step {} committed: {} bytes in {:.2f} s ({:.0f} MB/s)",
                  r.manifest.job_name(), r.manifest.step(), r.bytes, r.write_s,
                  r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
+    // Then the older ones beyond `keep` go (a caller that waits for the write waits for this
+    // too, but write_s ends at the commit).
+    const auto prune_start = std::chrono::steady_clock::now();
+    absl::Status pruned = PruneCheckpoints(job_dir, keep);
+    if (!pruned.ok()) {
+      spdlog::warn("checkpoint of step {} committed, but pruning older ones failed: {}",
+                   r.manifest.step(), pruned.ToString());
+    } else {
+      spdlog::info("checkpoints of '{}' older than the newest {} removed in {:.2f} s",
+                   r.manifest.job_name(), keep, SecondsSince(prune_start));
+    }
     return r;
   });
 }

@@ -32,7 +32,7 @@ class CheckpointWriter {
     // The committed manifest (Start), or the share's step, files and entries (StartShare).
     v1::CheckpointManifest manifest;
     uint64_t bytes = 0;   // of the tensor files
-    double write_s = 0;   // writing, committing and pruning
+    double write_s = 0;   // until committed (the copies awaited, written, committed)
   };
   // Waits for the other daemons' shares of the checkpoint being written.
   using Others = std::function<absl::StatusOr<std::vector<v1::CheckpointShare>>()>;

@@ -56,27 +56,60 @@ absl::Status AppendToFile(const std::string& path, const std::string& data) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFileDurably(const std::string& path, const char* data, size_t size) {
+absl::StatusOr<DurableFile> DurableFile::Create(const std::string& path) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating ", path));
+  return DurableFile(path, fd);
+}
+
+DurableFile::DurableFile(DurableFile&& other) noexcept
+    : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)) {}
+
+DurableFile& DurableFile::operator=(DurableFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(other.path_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+DurableFile::~DurableFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status DurableFile::Write(const char* data, size_t size) {
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is closed"));
   size_t done = 0;
   while (done < size) {
-    const ssize_t n = ::write(fd, data + done, std::min<size_t>(size - done, size_t{1} << 30));
+    const ssize_t n = ::write(fd_, data + done, std::min<size_t>(size - done, size_t{1} << 30));
     if (n < 0) {
       if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      return ErrnoStatus(err, absl::StrCat("writing ", path));
+      return ErrnoStatus(errno, absl::StrCat("writing ", path_));
     }
     done += static_cast<size_t>(n);
   }
+  return absl::OkStatus();
+}
+
+absl::Status DurableFile::Finish() {
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, " is closed"));
+  const int fd = std::exchange(fd_, -1);
   if (::fsync(fd) != 0) {
     const int err = errno;
     ::close(fd);
-    return ErrnoStatus(err, absl::StrCat("syncing ", path));
+    return ErrnoStatus(err, absl::StrCat("syncing ", path_));
   }
-  if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat("closing ", path));
+  if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat("closing ", path_));
   return absl::OkStatus();
+}
+
+absl::Status WriteFileDurably(const std::string& path, const char* data, size_t size) {
+  absl::StatusOr<DurableFile> file = DurableFile::Create(path);
+  if (!file.ok()) return file.status();
+  absl::Status written = file->Write(data, size);
+  if (!written.ok()) return written;
+  return file->Finish();
 }
 
 absl::Status SyncDirectory(const std::string& path) {

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -28,6 +29,32 @@ absl::StatusOr<std::string> ReadFile(const std::string& path);
 // names the path, its code from errno: RESOURCE_EXHAUSTED for a full disk, PERMISSION_DENIED,
 // NOT_FOUND, else INTERNAL.
 absl::Status WriteFileDurably(const std::string& path, const char* data, size_t size);
+// A new file written in pieces, then made durable: what WriteFileDurably does for bytes that
+// are not in memory all at once (a checkpoint's tensor file, serialized as it is written).
+//
+//   absl::StatusOr<DurableFile> f = DurableFile::Create(path);
+//   absl::Status s = f->Write(data, size);  // ... as often as needed
+//   if (s.ok()) s = f->Finish();            // fsync, close
+//
+// Errors as WriteFileDurably's. Movable; a file not finished is closed (not synced) when it goes.
+class DurableFile {
+ public:
+  static absl::StatusOr<DurableFile> Create(const std::string& path);
+  DurableFile(DurableFile&& other) noexcept;
+  DurableFile& operator=(DurableFile&& other) noexcept;
+  DurableFile(const DurableFile&) = delete;
+  DurableFile& operator=(const DurableFile&) = delete;
+  ~DurableFile();
+
+  absl::Status Write(const char* data, size_t size);
+  absl::Status Finish();
+
+ private:
+  DurableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  std::string path_;
+  int fd_ = -1;
+};
+
 // Appends `data` to `path` (created if missing) in one write(2) with O_APPEND, so that what
 // several processes append does not interleave; not fsync'ed.
 absl::Status AppendToFile(const std::string& path, const std::string& data);

@@ -46,6 +46,37 @@ TEST_CASE("AppendToFile creates a file and appends to it; a missing directory is
   CHECK_THAT(std::string(failed.message()), Catch::Contains(nowhere));
 }
 
+TEST_CASE("DurableFile writes a file in pieces; errors name the path", "[common]") {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(dir != nullptr ? dir : "/tmp") + "/files_test.durable";
+  {
+    absl::StatusOr<DurableFile> file = DurableFile::Create(path);
+    REQUIRE(file.ok());
+    DurableFile moved = std::move(*file);  // the descriptor moves with it
+    REQUIRE(moved.Write("abc", 3).ok());
+    REQUIRE(moved.Write("", 0).ok());
+    REQUIRE(moved.Write("de", 2).ok());
+    REQUIRE(moved.Finish().ok());
+    absl::Status again = moved.Write("f", 1);
+    CHECK(again.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK_THAT(std::string(again.message()), Catch::Contains(path));
+  }
+  absl::StatusOr<std::string> read = ReadFile(path);
+  REQUIRE(read.ok());
+  CHECK(*read == "abcde");
+  {
+    // Not finished: closed when it goes, what was written stays.
+    absl::StatusOr<DurableFile> file = DurableFile::Create(path);
+    REQUIRE(file.ok());
+    REQUIRE(file->Write("xy", 2).ok());
+  }
+  CHECK(*ReadFile(path) == "xy");
+  std::remove(path.c_str());
+  absl::StatusOr<DurableFile> missing = DurableFile::Create(path + ".d/x");
+  CHECK(missing.status().code() == absl::StatusCode::kNotFound);
+  CHECK_THAT(std::string(missing.status().message()), Catch::Contains(path + ".d/x"));
+}
+
 TEST_CASE("directories are made, listed and removed without std::filesystem", "[common]") {
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string root = JoinPath(tmp != nullptr ? tmp : "/tmp", "files_test_tree");
