@@ -38,11 +38,12 @@ fi
 bin=$(CC=clang-14 CXX=clang++-14 "${bazel_fuzz[@]}" info "${build_flags[@]}" bazel-bin 2>/dev/null)
 mkdir -p "$out"
 status=0
-printf '%-10s %8s %12s %10s %6s %8s  %s\n' target seconds executions exec/s cov features crashes
+printf '%-20s %8s %12s %10s %6s %8s  %s\n' target seconds executions exec/s cov features crashes
 for t in "${targets[@]}"; do
   work=$out/$t
   mkdir -p "$work/corpus"
   cp -n fuzz/corpus/"$t"/* "$work/corpus/" 2>/dev/null
+  touch "$work/.started"  # crash files of earlier runs are not this run's
   (cd "$work" && "$bin/fuzz/${t}_fuzzer" -max_total_time="$seconds" -print_final_stats=1 \
      -timeout=10 -rss_limit_mb=4096 corpus >"$out/$t.log" 2>&1)
   rc=$?
@@ -50,9 +51,9 @@ for t in "${targets[@]}"; do
   rate=$(grep -oP 'stat::average_exec_per_sec:\s*\K[0-9]+' "$out/$t.log" | tail -1)
   cov=$(grep -oP '#[0-9]+\s+(DONE|pulse|NEW|REDUCE)\s+cov: \K[0-9]+' "$out/$t.log" | tail -1)
   ft=$(grep -oP '#[0-9]+\s+(DONE|pulse|NEW|REDUCE)\s+cov: [0-9]+ ft: \K[0-9]+' "$out/$t.log" | tail -1)
-  crashes=$(find "$work" -maxdepth 1 -name 'crash-*' -o -maxdepth 1 -name 'leak-*' \
-            -o -maxdepth 1 -name 'timeout-*' -o -maxdepth 1 -name 'oom-*' | wc -l)
-  printf '%-10s %8s %12s %10s %6s %8s  %s\n' "$t" "$seconds" "${runs:-?}" "${rate:-?}" \
+  crashes=$(find "$work" -maxdepth 1 -newer "$work/.started" \( -name 'crash-*' \
+            -o -name 'leak-*' -o -name 'timeout-*' -o -name 'oom-*' \) | wc -l)
+  printf '%-20s %8s %12s %10s %6s %8s  %s\n' "$t" "$seconds" "${runs:-?}" "${rate:-?}" \
     "${cov:-?}" "${ft:-?}" "$crashes"
   if [ "$rc" -ne 0 ] || [ "$crashes" -ne 0 ]; then
     status=1

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <thread>
@@ -62,6 +63,32 @@ int64_t Numel(const google::protobuf::RepeatedField<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+// A manifest comes from storage others may write: its shapes and slices are checked before the
+// reader allocates or copies by them. The elements of `shape`, or an error when a dimension is
+// negative or the product does not fit in int64.
+absl::StatusOr<int64_t> CheckedNumel(const google::protobuf::RepeatedField<int64_t>& shape,
+                                     const std::string& what) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && n > std::numeric_limits<int64_t>::max() / d)) {
+      return absl::DataLossError(absl::StrCat(what, " has the impossible shape [",
+                                              absl::StrJoin(shape, ", "), "]"));
+    }
+    n *= d;
+  }
+  return n;
+}
+
+// A tensor file's name in a manifest: a plain name in the checkpoint's directory.
+absl::Status CheckFileName(const std::string& name, const std::string& dir) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+      name.find('\0') != std::string::npos) {
+    return absl::DataLossError(absl::StrCat("the manifest in ", dir, " names the file '", name,
+                                            "', which is not a file name in that directory"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::CheckpointManifest> ParseManifest(const std::string& path) {
@@ -455,13 +482,18 @@ class MappedFile : public caffe2::serialize::ReadAdapterInterface {
 
 absl::Status ReadTensorFile(const std::string& path, const v1::CheckpointFile& record,
                             std::map<std::string, at::Tensor>* tensors) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO put there would otherwise hold the reader until someone writes to it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return absl::DataLossError(ErrnoStatus(errno, "reading " + path).message());
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
     return absl::DataLossError(ErrnoStatus(err, "reading " + path).message());
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::DataLossError(absl::StrCat(path, " is not a regular file"));
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size != record.bytes() || size == 0) {
@@ -506,7 +538,13 @@ absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
   // host, and a copy from the page cache gains little from more threads than memory has
   // bandwidth for.
   std::map<std::string, std::map<std::string, at::Tensor>> files;
-  for (const v1::CheckpointFile& f : manifest.files()) files[f.path()];
+  for (const v1::CheckpointFile& f : manifest.files()) {
+    if (absl::Status named = CheckFileName(f.path(), dir); !named.ok()) return named;
+    if (!files.emplace(f.path(), std::map<std::string, at::Tensor>()).second) {
+      return absl::DataLossError(absl::StrCat("the manifest in ", dir, " lists the file '",
+                                              f.path(), "' twice"));
+    }
+  }
   std::vector<absl::Status> statuses(manifest.files_size());
   ForEachInParallel(
       statuses.size(),
@@ -519,12 +557,26 @@ absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
     if (!status.ok()) return status;
   }
 
-  Contents out;
-  std::map<std::pair<std::string, std::string>, size_t> state_index;
-  std::map<std::string, int64_t> filled;  // elements read, per whole tensor
-  auto tensor_id = [](const v1::CheckpointEntry& e) {
-    return absl::StrCat(e.kind(), "\n", e.name(), "\n", e.state_key());
+  // First every entry is checked against its file, and the pieces of each tensor against each
+  // other: one shape and dtype, slices that tile it exactly. Only then is anything allocated by
+  // the manifest's shapes (they are as large as the files' tensors together).
+  struct Whole {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    std::vector<std::pair<uint64_t, uint64_t>> slices;  // [offset, offset + numel)
   };
+  std::map<std::string, Whole> wholes;  // by tensor_id
+  // Parameters and buffers are one namespace (Contents::tensors): a name may not be both.
+  auto tensor_id = [](const v1::CheckpointEntry& e) {
+    return e.kind() == v1::CheckpointEntry::OPTIMIZER_STATE
+               ? absl::StrCat("state\n", e.name(), "\n", e.state_key())
+               : absl::StrCat("tensor\n", e.name());
+  };
+  auto describe = [&](const v1::CheckpointEntry& e) {
+    return absl::StrCat(dir, ": the pieces of '", e.name(), "'",
+                        e.state_key().empty() ? "" : absl::StrCat(" state '", e.state_key(), "'"));
+  };
+  std::vector<const at::Tensor*> pieces;
   for (const v1::CheckpointEntry& e : manifest.entries()) {
     const std::string what = absl::StrCat(dir, "/", e.file(), " entry '", e.file_key(), "'");
     auto file = files.find(e.file());
@@ -532,39 +584,70 @@ absl::StatusOr<Contents> ReadCheckpoint(const std::string& job_dir,
       return absl::DataLossError(absl::StrCat(what, " is missing"));
     }
     const at::Tensor& piece = file->second.at(e.file_key());
-    const int64_t whole_numel = Numel(e.shape());
+    absl::StatusOr<int64_t> whole_numel = CheckedNumel(e.shape(), what);
+    if (!whole_numel.ok()) return whole_numel.status();
+    const uint64_t whole = static_cast<uint64_t>(*whole_numel);
+    // offset + numel <= whole, written so that it cannot wrap.
     if (static_cast<uint64_t>(piece.numel()) != e.numel() || DTypeName(piece.scalar_type()) !=
-        e.dtype() || e.offset() + e.numel() > static_cast<uint64_t>(whole_numel)) {
+        e.dtype() || e.numel() > whole || e.offset() > whole - e.numel()) {
       return absl::DataLossError(absl::StrCat(what, " does not match its manifest entry"));
     }
     const std::vector<int64_t> shape(e.shape().begin(), e.shape().end());
-    at::Tensor* whole = nullptr;
-    if (e.kind() == v1::CheckpointEntry::OPTIMIZER_STATE) {
-      auto [it, added] = state_index.emplace(std::make_pair(e.name(), e.state_key()),
-                                             out.optimizer.size());
-      if (added) out.optimizer.push_back({e.name(), e.state_key(), at::Tensor()});
-      whole = &out.optimizer[it->second].value;
-    } else {
-      whole = &out.tensors[e.name()];
+    auto [w, added] = wholes.emplace(tensor_id(e), Whole{shape, piece.scalar_type(), {}});
+    if (!added && (w->second.shape != shape || w->second.dtype != piece.scalar_type())) {
+      return absl::DataLossError(absl::StrCat(describe(e), " differ in shape or dtype"));
     }
-    if (e.offset() == 0 && static_cast<int64_t>(e.numel()) == whole_numel) {
-      *whole = piece.reshape(shape);
-    } else {
-      if (!whole->defined()) *whole = at::zeros(shape, piece.options());
-      whole->view(-1).narrow(0, static_cast<int64_t>(e.offset()), piece.numel())
-          .copy_(piece.reshape(-1));
-    }
-    if ((filled[tensor_id(e)] += piece.numel()) > whole_numel) {
-      return absl::DataLossError(absl::StrCat(what, " overlaps another piece of the tensor"));
-    }
+    w->second.slices.emplace_back(e.offset(), e.offset() + e.numel());
+    pieces.push_back(&piece);
   }
   for (const v1::CheckpointEntry& e : manifest.entries()) {
-    const int64_t n = filled[tensor_id(e)];
-    if (n != Numel(e.shape())) {
-      return absl::DataLossError(absl::StrCat(
-          dir, ": the pieces of '", e.name(), e.state_key().empty() ? "" : "' state '",
-          e.state_key(), "' cover ", n, " of its ", Numel(e.shape()), " elements"));
+    Whole& w = wholes.at(tensor_id(e));
+    if (w.slices.empty()) continue;  // checked already
+    std::sort(w.slices.begin(), w.slices.end());
+    uint64_t covered = 0;
+    for (const auto& [from, to] : w.slices) {
+      if (from != covered) {
+        return absl::DataLossError(absl::StrCat(describe(e),
+                                                from < covered ? " overlap" : " leave a gap",
+                                                " at element ", std::min(from, covered)));
+      }
+      covered = to;
     }
+    const int64_t numel = Numel(e.shape());
+    if (covered != static_cast<uint64_t>(numel)) {
+      return absl::DataLossError(absl::StrCat(describe(e), " cover ", covered, " of its ",
+                                              numel, " elements"));
+    }
+    w.slices.clear();
+  }
+
+  Contents out;
+  std::map<std::pair<std::string, std::string>, size_t> state_index;
+  try {
+    for (int i = 0; i < manifest.entries_size(); ++i) {
+      const v1::CheckpointEntry& e = manifest.entries(i);
+      const at::Tensor& piece = *pieces[i];
+      const std::vector<int64_t> shape(e.shape().begin(), e.shape().end());
+      at::Tensor* target = nullptr;
+      if (e.kind() == v1::CheckpointEntry::OPTIMIZER_STATE) {
+        auto [it, added] = state_index.emplace(std::make_pair(e.name(), e.state_key()),
+                                               out.optimizer.size());
+        if (added) out.optimizer.push_back({e.name(), e.state_key(), at::Tensor()});
+        target = &out.optimizer[it->second].value;
+      } else {
+        target = &out.tensors[e.name()];
+      }
+      if (e.offset() == 0 && static_cast<int64_t>(e.numel()) == Numel(e.shape())) {
+        *target = piece.reshape(shape);
+      } else {
+        if (!target->defined()) *target = at::zeros(shape, piece.options());
+        target->view(-1).narrow(0, static_cast<int64_t>(e.offset()), piece.numel())
+            .copy_(piece.reshape(-1));
+      }
+    }
+  } catch (const std::exception& e) {  // host memory, say: the checks above leave nothing else
+    return absl::ResourceExhaustedError(absl::StrCat("assembling the tensors of ", dir, ": ",
+                                                     e.what()));
   }
   return out;
 }

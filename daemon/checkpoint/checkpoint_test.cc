@@ -1,5 +1,6 @@
 #include "daemon/checkpoint/checkpoint.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -160,6 +161,66 @@ TEST_CASE("a corrupted or truncated tensor file is DATA_LOSS naming it") {
   read = ReadCheckpoint(job, manifest);
   CHECK(read.status().code() == absl::StatusCode::kDataLoss);
   CHECK(std::string(read.status().message()).find("truncated") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+// Found by //fuzz:checkpoint_manifest: a manifest is read from storage others may write, and
+// its shapes, slices and file names were trusted (a negative dimension threw out of the reader;
+// a slice's offset could wrap; two overlapping slices that summed to the whole passed).
+TEST_CASE("a manifest whose shapes, slices or file names are impossible is DATA_LOSS") {
+  const std::string dir = TempDir();
+  const std::string job = *JobDir(dir, "tiny");
+  REQUIRE(WriteCheckpoint(job, MakeSnapshot(5, at::randn({2, 3}), at::randn({3}))).ok());
+  const v1::CheckpointManifest good = *FindCheckpoint(job, 5);
+  REQUIRE(ReadCheckpoint(job, good).ok());
+  auto entry = [&](v1::CheckpointManifest* m, const std::string& key) {
+    for (v1::CheckpointEntry& e : *m->mutable_entries()) {
+      if (e.file_key() == key) return &e;
+    }
+    FAIL("no entry " << key);
+    return static_cast<v1::CheckpointEntry*>(nullptr);
+  };
+  auto fails = [&](const v1::CheckpointManifest& m, const std::string& says) {
+    absl::StatusOr<Contents> read = ReadCheckpoint(job, m);
+    INFO(read.status().ToString());
+    CHECK(read.status().code() == absl::StatusCode::kDataLoss);
+    CHECK(std::string(read.status().message()).find(says) != std::string::npos);
+  };
+
+  v1::CheckpointManifest m = good;
+  entry(&m, "param/w")->set_shape(0, -2);
+  entry(&m, "param/w")->set_shape(1, -3);
+  fails(m, "impossible shape [-2, -3]");
+
+  m = good;
+  entry(&m, "param/w")->set_shape(0, int64_t{1} << 62);
+  fails(m, "impossible shape");
+
+  m = good;  // offset + numel wraps around to 0
+  entry(&m, "optim/w/exp_avg@4")->set_offset(~uint64_t{0} - 1);
+  fails(m, "does not match its manifest entry");
+
+  m = good;  // [0, 4) and [2, 4): 6 elements in all, as many as the whole, but not a tiling
+  entry(&m, "optim/w/exp_avg@4")->set_offset(2);
+  fails(m, "overlap at element 2");
+
+  m = good;
+  entry(&m, "optim/w/exp_avg@4")->set_shape(0, 3);  // [3, 3] here, [2, 3] in the other
+  fails(m, "differ in shape or dtype");
+
+  m = good;  // a file outside the checkpoint's directory
+  const std::string outside = "../" + m.files(0).path();
+  m.mutable_files(0)->set_path(outside);
+  for (v1::CheckpointEntry& e : *m.mutable_entries()) {
+    if (e.file() == good.files(0).path()) e.set_file(outside);
+  }
+  fails(m, "not a file name in that directory");
+
+  // A FIFO in the file's place fails at once instead of waiting for a writer.
+  const std::string file = StepDir(job, 5) + "/" + good.files(1).path();
+  REQUIRE(::unlink(file.c_str()) == 0);
+  REQUIRE(::mkfifo(file.c_str(), 0600) == 0);
+  fails(good, "not a regular file");
   fs::remove_all(dir);
 }
 
