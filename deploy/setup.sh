@@ -3,7 +3,7 @@
 # and PyTorch 1.13 (CPU), gRPC 1.51, protobuf 3.21, spdlog, Catch2, UCX, Bazel 4.2.3, CMake and
 # ccache (the build without Bazel, docs/building.md), the Python test tools (torchvision: the
 # real models of the tests), prometheus-cpp (the metrics endpoint) and the Prometheus server (its
-# test scrapes ranncd), and etcd (its .proto files make the cluster store's client,
+# test scrapes ranncd), and etcd and etcdctl (its .proto files make the cluster store's client,
 # third_party/etcd; its tests run real etcd), and what tools/check_k8s.py validates the
 # Kubernetes manifests with (python3-jsonschema, python3-yaml; kubectl renders them), and what
 # deploy/image/build.sh makes the CPU container image with (mmdebstrap, umoci; 7 MB). Idempotent:
@@ -19,7 +19,7 @@ packages=(
   bazel-bootstrap bazel-platforms bazel-rules-java
   cmake ccache
   python3-grpcio python3-protobuf python3-pytest python3-numpy python3-tqdm python3-torchvision
-  etcd-server golang-etcd-server-dev golang-github-gogo-protobuf-dev
+  etcd-server etcd-client golang-etcd-server-dev golang-github-gogo-protobuf-dev
   golang-github-grpc-ecosystem-grpc-gateway-dev
   openssl prometheus
   python3-jsonschema python3-yaml

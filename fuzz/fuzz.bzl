@@ -1,8 +1,9 @@
 """rannc_fuzz_target: a libFuzzer target and the CI test that replays its seed corpus."""
 
-def rannc_fuzz_target(name, srcs, deps, corpus = None):
+def rannc_fuzz_target(name, srcs, deps, corpus = None, testonly = False):
     """`name`_fuzzer: the target (libFuzzer under --config=fuzz, else the standalone driver);
-    `name`_corpus_test: the driver over corpus/`name` (every file must run without a crash)."""
+    `name`_corpus_test: the driver over corpus/`name` (every file must run without a crash).
+    `testonly`: the target links test helpers (a fixture model)."""
     corpus = corpus or "corpus/" + name
     native.cc_binary(
         name = name + "_fuzzer",
@@ -13,6 +14,7 @@ def rannc_fuzz_target(name, srcs, deps, corpus = None):
             "//conditions:default": [],
         }),
         deps = deps + ["//fuzz:standalone_main"],
+        testonly = testonly,
     )
     native.sh_test(
         name = name + "_corpus_test",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,9 +43,14 @@ absl::Status CheckDeployment(const v1::Deployment& d, const IrGraph& ir, const P
   if (d.stages().empty() || d.micro_batches() == 0) {
     return absl::InvalidArgumentError("the deployment has no stages or no micro-batches");
   }
+  if (!(d.mem_margin() >= 0 && d.mem_margin() < 1)) {  // NaN too
+    return absl::InvalidArgumentError(absl::StrCat("the deployment's memory margin ",
+                                                   d.mem_margin(), " is not in [0, 1)"));
+  }
   uint32_t next = 0;
   uint32_t max_device = 0;
   size_t max_replicas = 1;
+  std::set<uint32_t> used;
   for (const v1::DeploymentStage& s : d.stages()) {
     if (s.first_node() != next || s.end_node() <= s.first_node() || s.devices().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -52,7 +58,14 @@ absl::Status CheckDeployment(const v1::Deployment& d, const IrGraph& ir, const P
           s.first_node(), ", ", s.end_node(), ") after node ", next, ") or has no devices"));
     }
     next = s.end_node();
-    for (uint32_t dev : s.devices()) max_device = std::max(max_device, dev);
+    for (uint32_t dev : s.devices()) {
+      if (!used.insert(dev).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the deployment places device ", dev, " twice (stage ", s.index(),
+            "); each device runs one replica of one stage"));
+      }
+      max_device = std::max(max_device, dev);
+    }
     max_replicas = std::max<size_t>(max_replicas, s.devices().size());
   }
   if (next != ir.nodes.size()) {
@@ -74,8 +87,9 @@ absl::Status CheckDeployment(const v1::Deployment& d, const IrGraph& ir, const P
   const double usable = target.device_memory_bytes * (1 - d.mem_margin());
   for (const v1::DeploymentStage& s : d.stages()) {
     // Activations scale with the samples each device sees per micro-batch.
-    const int64_t per_device = (batch + d.micro_batches() * s.devices_size() - 1) /
-                               (d.micro_batches() * s.devices_size());
+    // In 64 bits: at most `batch` (checked above), and at least 1.
+    const int64_t split = static_cast<int64_t>(d.micro_batches()) * s.devices_size();
+    const int64_t per_device = (batch + split - 1) / split;
     const double scale = s.micro_batch() > 0 ? static_cast<double>(per_device) / s.micro_batch()
                                              : 1.0;
     const double need = s.fixed_bytes() + (s.memory_bytes() - s.fixed_bytes()) * scale;

@@ -1,5 +1,6 @@
 #include "daemon/planner/planner.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -224,6 +225,42 @@ TEST_CASE("Deployments round-trip and stay valid while they fit", "[planner]") {
   v1::Deployment future = loaded;
   future.set_format_version(2);
   CHECK(CheckDeployment(future, *f.ir, target).code() == absl::StatusCode::kInvalidArgument);
+}
+
+// Found by //fuzz:deployment: a client's deployment file could crash the daemon (the
+// micro-batches times a stage's replicas wrapped around 32 bits to 0, a division by zero), and
+// passed with a device twice or a NaN memory margin.
+TEST_CASE("Deployments a client could craft are refused, not divided by", "[planner]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  PlanTarget target = Target(4, 1ull << 30);
+  absl::StatusOr<v1::Deployment> d = PlanModel(*f.ir, f.tensors, f.fixture.inputs, target, {},
+                                               Config({{"partition_num", "2"}}), nullptr, "t");
+  REQUIRE(d.ok());
+  REQUIRE(d->stages_size() == 2);
+  REQUIRE(CheckDeployment(*d, *f.ir, target).ok());
+
+  v1::Deployment wraps = *d;
+  wraps.set_micro_batches(1u << 31);
+  wraps.set_batch_size(int64_t{1} << 62);
+  wraps.mutable_stages(0)->clear_devices();
+  wraps.mutable_stages(0)->add_devices(0);
+  wraps.mutable_stages(0)->add_devices(1);  // 2^31 x 2 replicas: 0 in 32 bits
+  wraps.mutable_stages(1)->clear_devices();
+  wraps.mutable_stages(1)->add_devices(2);
+  absl::Status huge = CheckDeployment(wraps, *f.ir, target);
+  CHECK(huge.code() == absl::StatusCode::kResourceExhausted);  // 2^30 samples a device: no fit
+
+  v1::Deployment twice = *d;
+  twice.mutable_stages(1)->clear_devices();
+  twice.mutable_stages(1)->add_devices(d->stages(0).devices(0));
+  absl::Status dup = CheckDeployment(twice, *f.ir, target);
+  CHECK(dup.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(dup.message()), Catch::Contains("twice"));
+
+  v1::Deployment nan = *d;
+  nan.set_mem_margin(std::nan(""));
+  CHECK(CheckDeployment(nan, *f.ir, target).code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("A second plan of the same model reads its profiles from the cache", "[planner]") {

@@ -290,13 +290,14 @@ class Etcd:
 
 
 class Ranncd:
-    """One daemon, in namespace k, on the cluster store; its log goes to a file."""
+    """One daemon, in namespace k, on the cluster store; its log goes to a file (appended to:
+    a daemon started again in namespace k writes after its predecessor)."""
 
     def __init__(self, net, k, store, env, logdir):
         self.name = "ABC"[k]
         self.address = f"{net.ip[k]}:{PORT}"
         self.log_path = os.path.join(logdir, f"ranncd-{self.name}.log")
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "a")
         # UCX would move the tensors between two daemons of one host through shared memory or
         # CMA (process_vm_readv), which ignore network namespaces: TCP over the veth only.
         env = dict(env, UCX_TLS="self,tcp", UCX_NET_DEVICES=net.dev[k], RANNC_STATE_DIR="none")
@@ -355,29 +356,36 @@ class Cluster:
     def logs(self):
         return "\n".join(f"--- {d.name} {d.address}:\n{d.output()}" for d in self.daemons)
 
-    def client_env(self, job):
-        return dict(self.env, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(self.addresses),
-                    RANNC_JOB=job, RANNC_CHECKPOINT_DIR=str(self.tmp_path / "ckpt"),
-                    RANNC_CHECKPOINT_EVERY=str(CHECKPOINT_EVERY), RANNC_CALL_RETRY_TIMEOUT="90",
-                    # A plan uses the leading daemon's devices first: A's two, A alone.
-                    RANNC_PARTITION_NUM="1", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="1")
+    def client_env(self, job, **overrides):
+        """The client's environment for job `job`; `overrides` replace its RANNC_* keys."""
+        env = dict(self.env, PYTHONPATH=CLIENT_ROOT, RANNC_DAEMON=",".join(self.addresses),
+                   RANNC_JOB=job, RANNC_CHECKPOINT_DIR=str(self.tmp_path / "ckpt"),
+                   RANNC_CHECKPOINT_EVERY=str(CHECKPOINT_EVERY), RANNC_CALL_RETRY_TIMEOUT="90",
+                   # A plan uses the leading daemon's devices first: A's two, A alone.
+                   RANNC_PARTITION_NUM="1", RANNC_REPLICA_NUM="2", RANNC_PIPELINE_NUM="1")
+        env.update(overrides)
+        return env
 
 
-@pytest.fixture
-def cluster(tmp_path):
+def skip_or_fail_without_netns(what):
+    """Skips (loudly) with RANNC_SKIP_NETNS=1 or without etcd; fails without root or ranncd."""
     if os.environ.get("RANNC_SKIP_NETNS") == "1":
-        pytest.skip("SKIPPED LOUDLY: RANNC_SKIP_NETNS=1: the etcd partition test over network "
-                    "namespaces did not run")
+        pytest.skip(f"SKIPPED LOUDLY: RANNC_SKIP_NETNS=1: {what} over network namespaces did "
+                    f"not run")
     if not os.access(ETCD, os.X_OK) or not os.access(ETCDCTL, os.X_OK):
         pytest.skip(f"SKIPPED LOUDLY: {ETCD} or {ETCDCTL} is missing (Debian's etcd-server and "
-                    f"etcd-client; deploy/setup.sh installs them): the etcd partition test did "
-                    f"not run")
+                    f"etcd-client; deploy/setup.sh installs them): {what} did not run")
     if os.geteuid() != 0:
-        pytest.fail("this test needs root (CAP_NET_ADMIN, a writable /run/netns) to make network "
+        pytest.fail(f"{what} needs root (CAP_NET_ADMIN, a writable /run/netns) to make network "
                     "namespaces, a bridge and tc rules, outside Bazel's sandbox; set "
                     "RANNC_SKIP_NETNS=1 to skip it")
     assert RANNCD and os.access(RANNCD, os.X_OK), \
         f"no ranncd binary ({RANNCD}): build //daemon:ranncd or set RANNC_DAEMON_BIN"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    skip_or_fail_without_netns("the etcd partition test")
     conf_dir = tmp_path / "conf"  # no user config leaks into the daemons and clients
     conf_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANNC_")}
