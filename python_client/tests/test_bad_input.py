@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import DaemonProcess, assert_close
+from process_stats import footprint, slope
 from pyrannc import _codec
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 
@@ -380,22 +381,6 @@ def test_absurd_sizes_are_refused_not_allocated(stub, job):
     assert_serves(stub)
 
 
-def _rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def _slope(values):
-    """The least-squares slope of `values` against their index."""
-    n = len(values)
-    mean_x, mean_y = (n - 1) / 2, sum(values) / n
-    return (sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
-            / sum((i - mean_x) ** 2 for i in range(n)))
-
-
 def test_deleting_jobs_gives_their_memory_back():
     """A daemon's footprint follows its live jobs: creating, training and deleting a 64 MiB
     model's job ten times does not grow it by anything like a job a round (+118 MiB a round
@@ -423,9 +408,9 @@ def test_deleting_jobs_gives_their_memory_back():
                 stub.Backward(pb.BackwardRequest(job_id=job_id, grads=[pb.OutputGrad(
                     output_index=0, grad=_codec.encode(torch.ones(32, 1024)))]))
             stub.DeleteJob(pb.JobRef(job_id=job_id))
-            rss.append(_rss_mib(daemon.proc.pid))
-        slope = _slope(rss[1:])
-        assert slope < 16, (f"daemon RSS grows {slope:.1f} MiB a deleted job; after each "
+            rss.append(footprint(daemon.proc.pid)[0])
+        trend = slope(list(enumerate(rss[1:])))
+        assert trend < 16, (f"daemon RSS grows {trend:.1f} MiB a deleted job; after each "
                             f"(MiB): {[round(r) for r in rss]}")
         assert_serves(stub)
     finally:

@@ -39,6 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python_client"))
+sys.path.insert(0, os.path.join(ROOT, "python_client", "tests"))
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
@@ -46,20 +47,12 @@ import torch  # noqa: E402
 from pyrannc import _codec  # noqa: E402
 from pyrannc.proto.rannc.v1 import training_pb2 as pb  # noqa: E402
 from pyrannc.proto.rannc.v1 import training_pb2_grpc as rpc  # noqa: E402
+from conftest import built_binary  # noqa: E402
+from process_stats import footprint, slope  # noqa: E402
 
 C = grpc.StatusCode
 BATCH, WIDTH = 8, 32
 HYPER = pb.HyperParams(lr=0.01)
-
-
-def ranncd_binary() -> str:
-    for candidate in (os.environ.get("RANNC_DAEMON_BIN"),
-                      os.path.join(os.environ.get("TEST_SRCDIR", "/nonexistent"), "rannc",
-                                   "daemon", "ranncd"),
-                      os.path.join(ROOT, "bazel-bin", "daemon", "ranncd")):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    raise SystemExit("load.py: no ranncd (set RANNC_DAEMON_BIN or bazel build //daemon:ranncd)")
 
 
 class _Mlp(torch.nn.Module):
@@ -214,23 +207,10 @@ def _stalled_reader(address, model, stop, stats, timeout):
 # ---------------------------------------------------------------------------------------------
 # The daemon and its footprint.
 
-def _proc_sample(pid):
-    with open(f"/proc/{pid}/status") as f:
-        status = f.read()
-    rss_kib = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
-    threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))
-    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd")), threads
-
-
-def _slope_per_minute(points):
-    """Least-squares slope of (t, v) points, per minute; None with fewer than 3."""
-    if len(points) < 3:
-        return None
-    n = len(points)
-    mt = sum(t for t, _ in points) / n
-    mv = sum(v for _, v in points) / n
-    den = sum((t - mt) ** 2 for t, _ in points)
-    return 60 * sum((t - mt) * (v - mv) for t, v in points) / den if den else None
+def _per_minute(points):
+    """The least-squares slope of (seconds, value) points, per minute; None with fewer than 3."""
+    per_second = slope(points)
+    return None if per_second is None else 60 * per_second
 
 
 def _percentile(values, q):
@@ -242,7 +222,7 @@ def _percentile(values, q):
 
 def start_daemon(devices, extra):
     log = tempfile.NamedTemporaryFile(prefix="ranncd-load-", suffix=".log", delete=False)
-    proc = subprocess.Popen([ranncd_binary(), "--listen", "127.0.0.1:0", "--devices", devices,
+    proc = subprocess.Popen([built_binary("ranncd", "RANNC_DAEMON_BIN"), "--listen", "127.0.0.1:0", "--devices", devices,
                              "--state-dir", "none", *extra], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -267,7 +247,7 @@ def run(clients=64, seconds=600, warmup=60, steps=10, workers=4, devices="cpu:2"
     # with the same once every client and adversary is gone.
     _warm_up(address, timeout)
     time.sleep(2.0)
-    idle_before = _proc_sample(proc.pid)
+    idle_before = footprint(proc.pid)
     start = time.time()
     deadline = start + seconds
     adversaries_at = start + warmup + (seconds - warmup) / 2 if adversaries else None
@@ -307,7 +287,7 @@ def run(clients=64, seconds=600, warmup=60, steps=10, workers=4, devices="cpu:2"
         if proc.poll() is not None:
             daemon_died = proc.returncode
             break
-        samples.append((time.time() - start, *_proc_sample(proc.pid)))
+        samples.append((time.time() - start, *footprint(proc.pid)))
         try:
             results.extend(queue.get(timeout=1.0))
             reported += 1
@@ -323,7 +303,7 @@ def run(clients=64, seconds=600, warmup=60, steps=10, workers=4, devices="cpu:2"
     idle_after = None
     if daemon_died is None and proc.poll() is None:
         time.sleep(2.0)
-        idle_after = _proc_sample(proc.pid)
+        idle_after = footprint(proc.pid)
     exit_code = daemon_died
     if exit_code is None:
         proc.send_signal(signal.SIGTERM)
@@ -377,11 +357,11 @@ def summarize(results, samples, start, warmup, adversaries_at, adv_stats, adv_er
                                "max": max(lat) if lat else None},
             "rss_mib": [round(min(p[1] for p in pts), 1), round(max(p[1] for p in pts), 1)]
             if pts else None,
-            "rss_mib_per_min": _slope_per_minute([(p[0], p[1]) for p in pts]),
+            "rss_mib_per_min": _per_minute([(p[0], p[1]) for p in pts]),
             "fds": [min(p[2] for p in pts), max(p[2] for p in pts)] if pts else None,
-            "fds_per_min": _slope_per_minute([(p[0], p[2]) for p in pts]),
+            "fds_per_min": _per_minute([(p[0], p[2]) for p in pts]),
             "threads": [min(p[3] for p in pts), max(p[3] for p in pts)] if pts else None,
-            "threads_per_min": _slope_per_minute([(p[0], p[3]) for p in pts]),
+            "threads_per_min": _per_minute([(p[0], p[3]) for p in pts]),
         }
     out["daemon_log_tail"] = log_tail if exit_code != 0 or errors else ""
     return out

@@ -11,6 +11,8 @@
 #include <tuple>
 #include <vector>
 
+#include "daemon/common/catch_threads.h"
+
 namespace rannc {
 namespace comm {
 namespace {
@@ -70,21 +72,6 @@ class PendingRecv : public P2pRequest {
   uint64_t tag_;
 };
 
-// Catch2 v2's assertions are not thread-safe (TSan reports its counters racing): the rank
-// threads assert through this, under one lock, taken once the condition is evaluated (which
-// may wait for the other ranks).
-std::mutex& CatchMutex() {
-  static std::mutex mu;
-  return mu;
-}
-#define RANK_CHECK(...)                                   \
-  do {                                                    \
-    const bool rank_ok = static_cast<bool>(__VA_ARGS__);  \
-    std::lock_guard<std::mutex> catch_lock(CatchMutex()); \
-    INFO(#__VA_ARGS__);                                   \
-    CHECK(rank_ok);                                       \
-  } while (0)
-
 class MemP2p : public P2p {
  public:
   MemP2p(Mailboxes* boxes, int rank, int size) : boxes_(boxes), rank_(rank), size_(size) {}
@@ -92,7 +79,7 @@ class MemP2p : public P2p {
   int size() const override { return size_; }
   std::unique_ptr<P2pRequest> StartSend(const void* data, size_t bytes, int dst,
                                         uint64_t tag) override {
-    RANK_CHECK(tag < (uint64_t{1} << kRingTagBits));
+    THREAD_CHECK(tag < (uint64_t{1} << kRingTagBits));
     const char* p = static_cast<const char*>(data);
     boxes_->Put(rank_, dst, tag, std::vector<char>(p, p + bytes));
     return std::make_unique<Done>();
@@ -134,7 +121,7 @@ void CheckAllReduce(DataType dtype, int n, size_t count, ReduceOp op, size_t chu
     RingScratch scratch;
     absl::Status s = RingAllReduce(p2p, 3, {data.data(), count, dtype}, op, &scratch,
                                    {chunk_bytes});
-    std::lock_guard<std::mutex> lock(CatchMutex());
+    std::lock_guard<std::mutex> lock(::rannc::testing::CatchMutex());
     REQUIRE(s.ok());
     for (size_t i = 0; i < count; ++i) {
       double expect = Value<T>(0, i);
@@ -193,7 +180,7 @@ TEST_CASE("16-bit floats reduce through float") {
         for (int k = 0; k < int(f[i]); ++k) ReduceInto(dtype, ReduceOp::kSum, &data[i], &data[i], &one[i], 1);
       }
       RingScratch scratch;
-      RANK_CHECK(RingAllReduce(p2p, 1, {data.data(), count, dtype}, ReduceOp::kSum, &scratch,
+      THREAD_CHECK(RingAllReduce(p2p, 1, {data.data(), count, dtype}, ReduceOp::kSum, &scratch,
                                {128}).ok());
       // Compare with the same sum built by repeated +1 from zero.
       for (size_t i = 0; i < count; i += 37) {
@@ -201,7 +188,7 @@ TEST_CASE("16-bit floats reduce through float") {
         for (int r = 0; r < n; ++r) expect += int((r + i) % 50);
         uint16_t want = 0;
         for (int k = 0; k < expect; ++k) ReduceInto(dtype, ReduceOp::kSum, &want, &want, &one[0], 1);
-        RANK_CHECK(data[i] == want);
+        THREAD_CHECK(data[i] == want);
       }
     });
   }
@@ -238,7 +225,7 @@ TEST_CASE("ring reduce-scatter and all-gather") {
         absl::Status g = RingAllGather(p2p, 10, {out.data(), per, DataType::kInt32},
                                        {gathered.data(), gathered.size(), DataType::kInt32},
                                        {8});
-        std::lock_guard<std::mutex> lock(CatchMutex());
+        std::lock_guard<std::mutex> lock(::rannc::testing::CatchMutex());
         REQUIRE(s.ok());
         REQUIRE(g.ok());
         CHECK(in == before);
@@ -259,7 +246,7 @@ TEST_CASE("ring reduce-scatter rejects mismatched sizes") {
     RingScratch scratch;
     absl::Status s = RingReduceScatter(p2p, 0, Buffer::Of(in.data(), 5), Buffer::Of(out.data(), 2),
                                        ReduceOp::kSum, &scratch);
-    RANK_CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    THREAD_CHECK(s.code() == absl::StatusCode::kInvalidArgument);
   });
 }
 
@@ -271,11 +258,11 @@ TEST_CASE("chain broadcast from every root") {
         if (p2p.rank() == root) {
           for (size_t i = 0; i < data.size(); ++i) data[i] = int64_t(i) * 11 + root;
         }
-        RANK_CHECK(ChainBroadcast(p2p, 5, {data.data(), data.size(), DataType::kInt64}, root,
+        THREAD_CHECK(ChainBroadcast(p2p, 5, {data.data(), data.size(), DataType::kInt64}, root,
                                   {64}).ok());
         bool all = true;
         for (size_t i = 0; i < data.size(); ++i) all = all && data[i] == int64_t(i) * 11 + root;
-        RANK_CHECK(all);
+        THREAD_CHECK(all);
       });
     }
   }
@@ -287,8 +274,8 @@ TEST_CASE("dissemination barrier holds every rank until all arrive") {
     OnRanks(n, [&](P2p& p2p) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5 * p2p.rank()));
       arrived++;
-      RANK_CHECK(DisseminationBarrier(p2p, 2).ok());
-      RANK_CHECK(arrived.load() == n);
+      THREAD_CHECK(DisseminationBarrier(p2p, 2).ok());
+      THREAD_CHECK(arrived.load() == n);
     });
   }
 }

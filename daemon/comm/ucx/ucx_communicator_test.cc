@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "daemon/comm/conformance.h"
+#include "daemon/common/catch_threads.h"
 
 namespace rannc {
 namespace comm {
@@ -41,20 +42,6 @@ void OnRanks(std::vector<std::unique_ptr<Communicator>>& comms,
   for (auto& t : threads) t.join();
 }
 
-std::mutex check_mu;  // Catch2 assertions are not thread-safe
-#define TCHECK(x)                                  \
-  do {                                             \
-    std::lock_guard<std::mutex> _l(check_mu);      \
-    CHECK(x);                                      \
-  } while (0)
-#define TREQUIRE_OK(s)                                   \
-  do {                                                   \
-    absl::Status _s = (s);                               \
-    std::lock_guard<std::mutex> _l(check_mu);            \
-    INFO(_s.ToString());                                 \
-    REQUIRE(_s.ok());                                    \
-  } while (0)
-
 TEST_CASE("ucx passes the backend conformance suite", "[comm]") {
   std::unique_ptr<Store> store = MakeInMemoryStore();
   RunConformanceSuite([&](int n, const std::string& group) {
@@ -71,12 +58,12 @@ TEST_CASE("send/recv of 0, small, 4 MiB and 64 MiB, in order") {
       std::vector<float> data(count);
       if (c.rank() == 0) {
         for (size_t i = 0; i < count; ++i) data[i] = float(i % 1000);
-        TREQUIRE_OK(c.Send(Buffer::Of(data.data(), count), 1)->Wait(seconds(30)));
+        THREAD_REQUIRE_OK(c.Send(Buffer::Of(data.data(), count), 1)->Wait(seconds(30)));
       } else {
-        TREQUIRE_OK(c.Recv(Buffer::Of(data.data(), count), 0)->Wait(seconds(30)));
+        THREAD_REQUIRE_OK(c.Recv(Buffer::Of(data.data(), count), 0)->Wait(seconds(30)));
         bool same = true;
         for (size_t i = 0; i < count; ++i) same = same && data[i] == float(i % 1000);
-        TCHECK(same);
+        THREAD_CHECK(same);
       }
     });
   }
@@ -106,10 +93,10 @@ TEST_CASE("several messages keep their order per tag; tags match apart") {
       out[i] = i;
       works.push_back(c.Send({&out[i], 1, DataType::kInt64}, peer, {7}));
     }
-    for (auto& w : works) TREQUIRE_OK(w->Wait(seconds(30)));
+    for (auto& w : works) THREAD_REQUIRE_OK(w->Wait(seconds(30)));
     for (int i = 0; i < kMessages; ++i) {
-      TCHECK(values[i] == i);
-      TCHECK(values[kMessages + i] == 1000 + i);
+      THREAD_CHECK(values[i] == i);
+      THREAD_CHECK(values[kMessages + i] == 1000 + i);
     }
   });
 }
@@ -123,7 +110,7 @@ TEST_CASE("a receive of the wrong size fails with an actionable error") {
       c.Send(Buffer::Of(data.data(), 8), 1)->Wait(seconds(5)).IgnoreError();
     } else {
       absl::Status s = c.Recv(Buffer::Of(data.data(), 4), 0)->Wait(seconds(30));
-      TCHECK(!s.ok());
+      THREAD_CHECK(!s.ok());
     }
   });
 }
@@ -140,7 +127,7 @@ void CheckAllReduce(std::vector<std::unique_ptr<Communicator>>& comms, DataType 
   OnRanks(comms, [&](Communicator& c) {
     std::vector<T> data(count);
     for (size_t i = 0; i < count; ++i) data[i] = Value<T>(c.rank(), i);
-    TREQUIRE_OK(c.AllReduce({data.data(), count, dtype}, {op})->Wait(seconds(60)));
+    THREAD_REQUIRE_OK(c.AllReduce({data.data(), count, dtype}, {op})->Wait(seconds(60)));
     size_t wrong = 0;
     for (size_t i = 0; i < count; ++i) {
       double expect = Value<T>(0, i);
@@ -153,7 +140,7 @@ void CheckAllReduce(std::vector<std::unique_ptr<Communicator>>& comms, DataType 
       if (op == ReduceOp::kAvg) expect = double(T(T(expect) / T(n)));
       if (double(data[i]) != expect) ++wrong;
     }
-    TCHECK(wrong == 0);
+    THREAD_CHECK(wrong == 0);
   });
 }
 
@@ -185,10 +172,10 @@ TEST_CASE("all_reduce: every dtype") {
                                    std::tuple{DataType::kBFloat16, 0x3f80, 0x4040}}) {
     OnRanks(comms, [&](Communicator& c) {
       std::vector<uint16_t> data(999, uint16_t(one));
-      TREQUIRE_OK(c.AllReduce({data.data(), data.size(), dtype})->Wait(seconds(30)));
+      THREAD_REQUIRE_OK(c.AllReduce({data.data(), data.size(), dtype})->Wait(seconds(30)));
       bool all = true;
       for (uint16_t v : data) all = all && v == uint16_t(three);
-      TCHECK(all);
+      THREAD_CHECK(all);
     });
   }
 }
@@ -201,11 +188,11 @@ TEST_CASE("reduce_scatter, all_gather, broadcast from each root, barrier") {
     OnRanks(comms, [&](Communicator& c) {
       std::vector<int32_t> in(per * n), out(per);
       for (size_t i = 0; i < in.size(); ++i) in[i] = Value<int32_t>(c.rank(), i);
-      TREQUIRE_OK(c.ReduceScatter({in.data(), in.size(), DataType::kInt32},
+      THREAD_REQUIRE_OK(c.ReduceScatter({in.data(), in.size(), DataType::kInt32},
                                   {out.data(), per, DataType::kInt32})
                       ->Wait(seconds(30)));
       std::vector<int32_t> all(per * n);
-      TREQUIRE_OK(c.AllGather({out.data(), per, DataType::kInt32},
+      THREAD_REQUIRE_OK(c.AllGather({out.data(), per, DataType::kInt32},
                               {all.data(), all.size(), DataType::kInt32})
                       ->Wait(seconds(30)));
       size_t wrong = 0;
@@ -215,18 +202,18 @@ TEST_CASE("reduce_scatter, all_gather, broadcast from each root, barrier") {
         if (all[i] != expect) ++wrong;
         if (i / per == size_t(c.rank()) && out[i % per] != expect) ++wrong;
       }
-      TCHECK(wrong == 0);
+      THREAD_CHECK(wrong == 0);
       for (int root = 0; root < n; ++root) {
         std::vector<float> b(100003, -1.0f);
         if (c.rank() == root) {
           for (size_t i = 0; i < b.size(); ++i) b[i] = float(i % 777 + root);
         }
-        TREQUIRE_OK(c.Broadcast(Buffer::Of(b.data(), b.size()), {root})->Wait(seconds(30)));
+        THREAD_REQUIRE_OK(c.Broadcast(Buffer::Of(b.data(), b.size()), {root})->Wait(seconds(30)));
         bool same = true;
         for (size_t i = 0; i < b.size(); ++i) same = same && b[i] == float(i % 777 + root);
-        TCHECK(same);
+        THREAD_CHECK(same);
       }
-      TREQUIRE_OK(c.Barrier()->Wait(seconds(30)));
+      THREAD_REQUIRE_OK(c.Barrier()->Wait(seconds(30)));
     });
   }
 }
@@ -246,9 +233,9 @@ TEST_CASE("back-to-back collectives and p2p issued before waiting") {
     }
     works.push_back(c.Send(Buffer::Of(&token, 1), (c.rank() + 1) % 4, {42}));
     works.push_back(c.Barrier());
-    for (auto& w : works) TREQUIRE_OK(w->Wait(seconds(60)));
-    for (int k = 0; k < kOps; ++k) TCHECK(bufs[k][12345] == float(4 * k + 6));
-    TCHECK(got == float((c.rank() + 3) % 4));
+    for (auto& w : works) THREAD_REQUIRE_OK(w->Wait(seconds(60)));
+    for (int k = 0; k < kOps; ++k) THREAD_CHECK(bufs[k][12345] == float(4 * k + 6));
+    THREAD_CHECK(got == float((c.rank() + 3) % 4));
   });
 }
 
@@ -258,8 +245,8 @@ TEST_CASE("create and destroy 20 times") {
     auto comms = MakeGroup(store.get(), "loop", 3);
     OnRanks(comms, [&](Communicator& c) {
       float x = 1;
-      TREQUIRE_OK(c.AllReduce(Buffer::Of(&x, 1))->Wait(seconds(30)));
-      TCHECK(x == 3);
+      THREAD_REQUIRE_OK(c.AllReduce(Buffer::Of(&x, 1))->Wait(seconds(30)));
+      THREAD_CHECK(x == 3);
     });
   }
 }
