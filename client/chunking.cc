@@ -39,11 +39,11 @@ std::vector<v1::StateDictChunk> ToStateDictChunks(const std::string& name,
   return chunks;
 }
 
-StateDictAssembler::StateDictAssembler()
+HostStateDictAssembler::HostStateDictAssembler()
     : chunks_(absl::StatusCode::kDataLoss,
               [this](const ChunkAssembler::Entry& entry) { return Allocate(entry); }) {}
 
-absl::StatusOr<char*> StateDictAssembler::Allocate(const ChunkAssembler::Entry& entry) {
+absl::StatusOr<char*> HostStateDictAssembler::Allocate(const ChunkAssembler::Entry& entry) {
   HostTensor& t = tensors_[entry.name];
   t.dtype = entry.dtype;
   t.shape = entry.shape;
@@ -57,7 +57,7 @@ absl::StatusOr<char*> StateDictAssembler::Allocate(const ChunkAssembler::Entry& 
   return t.data.data();
 }
 
-absl::StatusOr<NamedTensors> StateDictAssembler::Finish() && {
+absl::StatusOr<NamedTensors> HostStateDictAssembler::Finish() && {
   absl::Status complete = chunks_.Finish();
   if (!complete.ok()) return complete;
   return std::move(tensors_);

@@ -3,12 +3,12 @@
 // Owns nothing beyond what it returns; the string_views from SplitBytes point into the caller's
 // buffer and live as long as it does.
 //
-// Thread-safety: the free functions are pure. A StateDictAssembler is used by one thread.
+// Thread-safety: the free functions are pure. A HostStateDictAssembler is used by one thread.
 //
 // Example:
 //   for (std::string_view piece : rannc::SplitBytes(model, 1 << 20)) Send(piece);
 //
-//   rannc::StateDictAssembler assembler;
+//   rannc::HostStateDictAssembler assembler;
 //   while (reader->Read(&chunk)) RETURN_IF_ERROR(assembler.Add(chunk));
 //   absl::StatusOr<rannc::NamedTensors> state = std::move(assembler).Finish();
 #ifndef RANNC_CLIENT_CHUNKING_H_
@@ -41,16 +41,17 @@ std::vector<v1::StateDictChunk> ToStateDictChunks(const std::string& name,
                                                   const HostTensor& tensor, bool is_buffer,
                                                   size_t max_chunk);
 
-// Rebuilds named tensors from StateDictChunks, with ChunkAssembler's checks
+// Rebuilds named host tensors (the daemon's StateDictAssembler makes at::Tensors) from
+// StateDictChunks, with ChunkAssembler's checks
 // (daemon/common/chunk_assembler.h): chunks of different tensors may interleave; the chunks of
 // one tensor arrive in offset order with no gap or overlap and agree on dtype, shape and
 // total_bytes. A malformed stream is DATA_LOSS. Each tensor's bytes are allocated at its first
 // chunk and the chunks copied into them.
-class StateDictAssembler {
+class HostStateDictAssembler {
  public:
-  StateDictAssembler();
-  StateDictAssembler(const StateDictAssembler&) = delete;
-  StateDictAssembler& operator=(const StateDictAssembler&) = delete;
+  HostStateDictAssembler();
+  HostStateDictAssembler(const HostStateDictAssembler&) = delete;
+  HostStateDictAssembler& operator=(const HostStateDictAssembler&) = delete;
 
   absl::Status Add(const v1::StateDictChunk& chunk) { return chunks_.Add(chunk); }
 

@@ -52,14 +52,14 @@ TEST_CASE("ToStateDictChunks splits a tensor by offset", "[chunking]") {
   CHECK(none[0].shape_size() == 2);
 }
 
-TEST_CASE("StateDictAssembler rebuilds interleaved tensors", "[chunking]") {
+TEST_CASE("HostStateDictAssembler rebuilds interleaved tensors", "[chunking]") {
   HostTensor a{v1::FLOAT32, {7}, Pattern(28)};
   HostTensor b{v1::INT64, {2, 3}, Pattern(48).substr(0, 48)};
   HostTensor c{v1::FLOAT32, {0}, ""};
   std::vector<v1::StateDictChunk> ca = ToStateDictChunks("a", a, false, 8);
   std::vector<v1::StateDictChunk> cb = ToStateDictChunks("b", b, true, 10);
   std::vector<v1::StateDictChunk> cc = ToStateDictChunks("c", c, false, 10);
-  StateDictAssembler assembler;
+  HostStateDictAssembler assembler;
   for (size_t i = 0; i < std::max(ca.size(), cb.size()); ++i) {
     if (i < ca.size()) REQUIRE(assembler.Add(ca[i]).ok());
     if (i < cb.size()) REQUIRE(assembler.Add(cb[i]).ok());
@@ -76,24 +76,24 @@ TEST_CASE("StateDictAssembler rebuilds interleaved tensors", "[chunking]") {
   CHECK(out->at("c").data.empty());
 }
 
-TEST_CASE("StateDictAssembler rejects broken streams", "[chunking]") {
+TEST_CASE("HostStateDictAssembler rejects broken streams", "[chunking]") {
   HostTensor a{v1::FLOAT32, {4}, Pattern(16)};
   std::vector<v1::StateDictChunk> chunks = ToStateDictChunks("a", a, false, 4);
   REQUIRE(chunks.size() == 4);
 
   SECTION("a gap") {
-    StateDictAssembler s;
+    HostStateDictAssembler s;
     REQUIRE(s.Add(chunks[0]).ok());
     CHECK(s.Add(chunks[2]).code() == absl::StatusCode::kDataLoss);
   }
   SECTION("a truncated stream") {
-    StateDictAssembler s;
+    HostStateDictAssembler s;
     REQUIRE(s.Add(chunks[0]).ok());
     REQUIRE(s.Add(chunks[1]).ok());
     CHECK(std::move(s).Finish().status().code() == absl::StatusCode::kDataLoss);
   }
   SECTION("chunks that disagree on the shape") {
-    StateDictAssembler s;
+    HostStateDictAssembler s;
     REQUIRE(s.Add(chunks[0]).ok());
     v1::StateDictChunk other = chunks[1];
     other.set_shape(0, 2);
@@ -101,13 +101,13 @@ TEST_CASE("StateDictAssembler rejects broken streams", "[chunking]") {
     CHECK(!s.Add(other).ok());
   }
   SECTION("a size that does not match dtype and shape") {
-    StateDictAssembler s;
+    HostStateDictAssembler s;
     v1::StateDictChunk wrong = chunks[0];
     wrong.set_total_bytes(12);
     CHECK(!s.Add(wrong).ok());
   }
   SECTION("more bytes than announced") {
-    StateDictAssembler s;
+    HostStateDictAssembler s;
     v1::StateDictChunk big = chunks[0];
     big.set_data(Pattern(20));
     CHECK(!s.Add(big).ok());

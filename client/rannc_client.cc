@@ -517,7 +517,7 @@ absl::StatusOr<std::optional<HostTensor>> Client::GetParamGrad(const std::string
 absl::StatusOr<NamedTensors> Client::ReadStateStream(
     absl::string_view rpc, grpc::ClientContext* context,
     grpc::ClientReader<v1::StateDictChunk>* reader, bool keyed) const {
-  StateDictAssembler assembler;
+  HostStateDictAssembler assembler;
   v1::StateDictChunk chunk;
   absl::Status assembled;
   while (reader->Read(&chunk)) {

@@ -374,7 +374,7 @@ TEST_CASE("Client::LoadStateDict streams a header, then chunks within the limit"
   CHECK(result->missing_keys == std::vector<std::string>{"bias"});
   CHECK(fake.service.loaded_job == "job-1");
 
-  StateDictAssembler assembler;
+  HostStateDictAssembler assembler;
   size_t big_chunks = 0;
   for (const v1::StateDictChunk& c : fake.service.loaded_chunks) {
     CHECK(c.data().size() <= options.state_dict_chunk_bytes);
@@ -583,7 +583,7 @@ TEST_CASE("Client::LoadStateDict sends the whole stream again on a retry", "[cli
   CHECK(!fake.service.load_calls[0].client_id().empty());
   CHECK(SameCall(fake.service.load_calls[0], fake.service.load_calls[1]));
   CHECK(fake.service.load_chunk_counts == std::vector<size_t>{4, 4});
-  StateDictAssembler assembler;
+  HostStateDictAssembler assembler;
   for (const v1::StateDictChunk& c : fake.service.loaded_chunks) REQUIRE(assembler.Add(c).ok());
   absl::StatusOr<NamedTensors> received = std::move(assembler).Finish();
   REQUIRE(received.ok());

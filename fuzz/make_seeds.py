@@ -1,6 +1,11 @@
-"""Writes the hand-made seeds of fuzz/corpus/tensor_codec (run from the repository root with
-/usr/bin/python3; the checked-in files are its output). Each seed is frames of a little-endian
-uint32 length and a serialized message: a rannc.v1.Tensor, then rannc.v1.StateDictChunks."""
+"""Writes the hand-made seeds of fuzz/corpus/tensor_codec and fuzz/corpus/rpc (run from the
+repository root with /usr/bin/python3; the checked-in files are its output).
+
+tensor_codec: frames of a little-endian uint32 length and a serialized message: a
+rannc.v1.Tensor, then rannc.v1.StateDictChunks.
+rpc: a byte picking the method (rpc_fuzzer.cc's switch), then the request; requests that name
+no job reach the target's live job (the mlp fixture: x float32 [5, 6], y int64 [5] -> a loss;
+parameters fc1.weight, fc1.bias, fc2.weight, fc2.bias)."""
 
 import os
 import struct
@@ -48,8 +53,52 @@ seeds = {
     "state-bf16-f16": frames(b"", chunk("h", pb.FLOAT16, [3], bytes(6)),
                              chunk("g", pb.BFLOAT16, [1, 1], bytes(2))),
 }
-os.makedirs(OUT, exist_ok=True)
-for name, data in seeds.items():
-    with open(os.path.join(OUT, name), "wb") as f:
-        f.write(data)
-print(f"{len(seeds)} seeds in {OUT}")
+
+
+def rpc(method, request=None):
+    return bytes([method]) + (request.SerializeToString() if request is not None else b"")
+
+
+def f32(shape, value=0.5):
+    n = 1
+    for d in shape:
+        n *= d
+    return pb.Tensor(dtype=F32, shape=shape, data=struct.pack(f"<{n}f", *([value] * n)))
+
+
+X, Y = f32([5, 6]), pb.Tensor(dtype=pb.INT64, shape=[5], data=struct.pack("<5q", 0, 1, 2, 0, 1))
+rpc_seeds = {
+    "get-info": rpc(0, pb.GetInfoRequest()),
+    "join": rpc(1, pb.JoinJobRequest(name="fuzz", client_world=1, timeout_ms=100)),
+    "barrier": rpc(2, pb.ClientBarrierRequest(name="fuzz", client_rank=0, client_world=2,
+                                              timeout_ms=100)),
+    "list-jobs": rpc(3, pb.Empty()),
+    "renew": rpc(4, pb.RenewLeasesRequest(job_ids=["nope", ""])),
+    "forward": rpc(5, pb.ForwardRequest(inputs=[X, Y], requires_grad=True)),
+    "forward-wrong-shape": rpc(5, pb.ForwardRequest(inputs=[f32([5, 7]), Y])),
+    "forward-no-grad": rpc(5, pb.ForwardRequest(inputs=[X, Y], requires_grad=False)),
+    "backward": rpc(6, pb.BackwardRequest(grads=[pb.OutputGrad(output_index=0,
+                                                                grad=f32([], 1.0))])),
+    "step": rpc(7, pb.StepRequest(groups=[pb.HyperParams(lr=0.1, momentum=0.9)])),
+    "zero-grad": rpc(8, pb.ZeroGradRequest(set_to_none=True)),
+    "clip": rpc(9, pb.ClipGradNormRequest(max_norm=1.0, norm_type=2.0)),
+    "allreduce": rpc(10, pb.AllReduceGradsRequest()),
+    "flush": rpc(11, pb.FlushRequest()),
+    "get-param": rpc(12, pb.GetParamRequest(name="fc1.weight")),
+    "get-grad": rpc(12, pb.GetParamRequest(name="fc2.bias", grad=True)),
+    "set-mode": rpc(13, pb.SetModeRequest(mode=pb.Mode(training=False))),
+    "recreate": rpc(14, pb.JobRef()),
+    "locate": rpc(15, pb.LocateJobRequest(name="fuzz")),
+    "checkpoint": rpc(16, pb.CheckpointRequest(wait=True)),
+    "list-checkpoints": rpc(17, pb.CheckpointsRef()),
+    "detached-status": rpc(18, pb.JobRef()),
+    "delete-other": rpc(19, pb.JobRef(job_id="job-0000")),
+    "undeploy-other": rpc(20, pb.JobRef(job_id="job-0000")),
+}
+
+for out, written in ((OUT, seeds), (os.path.join(os.path.dirname(OUT), "rpc"), rpc_seeds)):
+    os.makedirs(out, exist_ok=True)
+    for name, data in written.items():
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
+    print(f"{len(written)} seeds in {out}")

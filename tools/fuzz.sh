@@ -44,7 +44,9 @@ for t in "${targets[@]}"; do
   mkdir -p "$work/corpus"
   cp -n fuzz/corpus/"$t"/* "$work/corpus/" 2>/dev/null
   touch "$work/.started"  # crash files of earlier runs are not this run's
-  (cd "$work" && "$bin/fuzz/${t}_fuzzer" -max_total_time="$seconds" -print_final_stats=1 \
+  # LibTorch's own leaks are suppressed, each with its reason (tools/sanitizers/lsan.supp).
+  (cd "$work" && LSAN_OPTIONS="suppressions=$root/tools/sanitizers/lsan.supp" \
+     "$bin/fuzz/${t}_fuzzer" -max_total_time="$seconds" -print_final_stats=1 \
      -timeout=10 -rss_limit_mb=4096 corpus >"$out/$t.log" 2>&1)
   rc=$?
   runs=$(grep -oP 'stat::number_of_executed_units:\s*\K[0-9]+' "$out/$t.log" | tail -1)
