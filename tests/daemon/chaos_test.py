@@ -56,8 +56,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_etcd_netns_test import (  # noqa: E402
-    _CLIENT, BridgedNetns, Cluster, Etcd, Ranncd, TAKEOVER_BOUND_S, TESTS_DIR,
-    _reader, _tc, grpc, pb, skip_or_fail_without_netns)
+    _CLIENT, Ranncd, TAKEOVER_BOUND_S, TESTS_DIR, _reader, _tc, etcd_cluster, grpc, pb,
+    skip_or_fail_without_netns)
 
 ROUNDS = int(os.environ.get("RANNC_CHAOS_ROUNDS", "6"))
 SEED = int(os.environ.get("RANNC_CHAOS_SEED") or random.randrange(1 << 30))
@@ -317,33 +317,11 @@ def chaos_cluster(tmp_path):
     # The checkpoints' own filesystem, which disk_full fills: 64 MiB (a checkpoint is ~100 KB).
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "rannc-chaos", str(ckpt)],
                    check=True)
-    conf_dir = tmp_path / "conf"
-    conf_dir.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANNC_")}
-    env["RANNC_CONF_DIR"] = str(conf_dir)
-    net = BridgedNetns()
-    etcd, daemons = None, []
     try:
-        net.create()
-        etcd = Etcd(net, tmp_path)
-        daemons = [Ranncd(net, k, etcd.url, env, str(tmp_path)) for k in range(3)]
-        c = Cluster(net, etcd, daemons, env, tmp_path)
-        deadline = time.monotonic() + 60
-        while not all(d.all_up(3) for d in daemons):
-            assert time.monotonic() < deadline, "not all UP within 60 s\n" + c.logs()
-            time.sleep(0.1)
-        yield c
+        with etcd_cluster(tmp_path) as c:
+            yield c
     finally:
-        for d in daemons:
-            d.terminate()
-        for d in daemons:
-            d.stop()
-        if etcd is not None:
-            etcd.stop()
-        net.destroy()
         subprocess.run(["umount", "-l", str(ckpt)], check=False)
-        left = net.leftovers()
-        assert not left, f"left behind: {left}"
 
 
 def test_a_job_survives_rounds_of_kills_network_faults_and_a_full_disk(tmp_path, chaos_cluster):

@@ -46,6 +46,7 @@ tagged to run outside the Bazel sandbox. Without root it fails saying so; RANNC_
 missing etcd skips it, loudly.
 """
 
+import contextlib
 import datetime
 import os
 import queue
@@ -383,9 +384,10 @@ def skip_or_fail_without_netns(what):
         f"no ranncd binary ({RANNCD}): build //daemon:ranncd or set RANNC_DAEMON_BIN"
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    skip_or_fail_without_netns("the etcd partition test")
+@contextlib.contextmanager
+def etcd_cluster(tmp_path):
+    """The namespaces, etcd and the three daemons, once all three list each other UP; all
+    stopped and removed after (the chaos test's cluster too)."""
     conf_dir = tmp_path / "conf"  # no user config leaks into the daemons and clients
     conf_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANNC_")}
@@ -409,6 +411,7 @@ def cluster(tmp_path):
         yield c
     finally:
         # All at once: with --cluster-store, a daemon stopped alone hands its jobs to the others.
+        # (A restarted daemon is in c.daemons, in its predecessor's place.)
         for d in daemons:
             d.terminate()
         for d in daemons:
@@ -418,6 +421,13 @@ def cluster(tmp_path):
         net.destroy()
         left = net.leftovers()
         assert not left, f"left behind: {left}"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    skip_or_fail_without_netns("the etcd partition test")
+    with etcd_cluster(tmp_path) as c:
+        yield c
 
 
 _CLIENT = textwrap.dedent("""
