@@ -295,9 +295,11 @@ std::vector<PipelineEngine::StatePiece> PipelineEngine::Impl::OptimizerStatePiec
               if (r == &d) out.push_back({part.params[i], key, ReadCopy(value.detach()), 0, false});
               continue;
             }
+            // A structured binding is not captured by lambdas before C++20 (clang refuses it).
+            const at::Tensor& state = value;
             ForShardSlice(part, i, [&](int64_t shard_from, int64_t param_from, int64_t count) {
               out.push_back({part.params[i], key,
-                             ReadCopy(value.detach().narrow(0, shard_from, count)), param_from,
+                             ReadCopy(state.detach().narrow(0, shard_from, count)), param_from,
                              true});
             });
           }

@@ -202,6 +202,12 @@ v1::HyperParams ToProto(const HyperParams& h) {
   return p;
 }
 
+absl::Status CheckClientWorld(uint32_t world, const std::string& what) {
+  if (world <= kMaxClientWorld) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ", world, " client ranks; a job may "
+                                                 "have at most ", kMaxClientWorld));
+}
+
 absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
                                                 const DaemonFacts& facts) {
   for (const auto& [key, value] : spec.options().config()) {
@@ -257,6 +263,10 @@ absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
   settings.created_by = absl::StrCat("ranncd ", facts.version, " (LibTorch ",
                                      facts.torch_version, ")");
   settings.load_deployment = spec.options().load_deployment();
+  if (absl::Status bounded = CheckClientWorld(spec.options().client_world(), "client_world");
+      !bounded.ok()) {
+    return bounded;
+  }
   settings.client_world = std::max<int>(1, static_cast<int>(spec.options().client_world()));
   settings.gather_inputs = spec.options().gather_inputs();
   if (spec.options().client_timeout_ms() > 0) {

@@ -12,6 +12,7 @@
 #define RANNC_DAEMON_SERVER_JOB_SETTINGS_H_
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <functional>
 #include <string>
@@ -38,6 +39,14 @@
 namespace rannc {
 
 // What GetInfo reports and what jobs are made for; fixed for the daemon's lifetime.
+// The most client ranks a job may have (JobOptions.client_world, JoinJob's and ClientBarrier's
+// client_world): RaNNC's client processes are one per GPU, and a rendezvous of client ranks
+// keeps a slot per rank (a request naming 2^30 of them asked for gigabytes).
+inline constexpr uint32_t kMaxClientWorld = 4096;
+
+// INVALID_ARGUMENT naming `what` when `world` exceeds kMaxClientWorld.
+absl::Status CheckClientWorld(uint32_t world, const std::string& what);
+
 struct DaemonFacts {
   std::string version;
   std::string torch_version;

@@ -735,6 +735,10 @@ grpc::Status TrainingServiceImpl::JoinJob(grpc::ServerContext* context,
                                           v1::CreateJobResponse* response) {
   grpc::Status denied = Authorize(*context, "JoinJob", "", request->name());
   if (!denied.ok()) return denied;
+  if (absl::Status bounded = CheckClientWorld(request->client_world(), "JoinJob");
+      !bounded.ok()) {
+    return Fail("JoinJob", bounded);
+  }
   // Rank 0 may still be creating the job (planning takes a while), and on another daemon of the
   // cluster: wait for it, asking the others too.
   auto leader_elsewhere = [&]() -> std::optional<std::string> {
@@ -766,6 +770,10 @@ grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext* context,
                                                 v1::Empty*) {
   grpc::Status denied = Authorize(*context, "ClientBarrier", "", request->name());
   if (!denied.ok()) return denied;
+  if (absl::Status bounded = CheckClientWorld(request->client_world(), "ClientBarrier");
+      !bounded.ok()) {
+    return Fail("ClientBarrier", bounded);
+  }
   const int world = static_cast<int>(request->client_world());
   if (world <= 1) return grpc::Status::OK;
   // Over a cluster, client ranks may talk to different daemons: they meet at the coordinator.

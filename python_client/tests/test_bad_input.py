@@ -381,6 +381,23 @@ def test_absurd_sizes_are_refused_not_allocated(stub, job):
     assert_serves(stub)
 
 
+def test_a_huge_client_world_is_refused_not_allocated(stub):
+    # Found by //fuzz:rpc: ClientBarrier with client_world 1.3e9 made the daemon allocate a
+    # slot per rank (10.5 GB) for the barrier. JoinJob, ClientBarrier and a job's spec are
+    # bounded (4096 client ranks).
+    huge = 1 << 30
+    _expect(C.INVALID_ARGUMENT, lambda: stub.ClientBarrier(pb.ClientBarrierRequest(
+        name="b", client_rank=0, client_world=huge, timeout_ms=100), timeout=30),
+        "1073741824 client ranks", "at most 4096")
+    _expect(C.INVALID_ARGUMENT, lambda: stub.JoinJob(pb.JoinJobRequest(
+        name="b", client_world=huge, timeout_ms=100), timeout=30), "at most 4096")
+    _expect(C.INVALID_ARGUMENT, lambda: _create(stub, _traced(_linear(), torch.randn(4, 3)),
+                                                [torch.randn(4, 3)],
+                                                options=pb.JobOptions(client_world=huge)),
+            "client_world", "at most 4096")
+    assert_serves(stub)
+
+
 def test_deleting_jobs_gives_their_memory_back():
     """A daemon's footprint follows its live jobs: creating, training and deleting a 64 MiB
     model's job ten times does not grow it by anything like a job a round (+118 MiB a round
