@@ -158,9 +158,9 @@ namespace {
 // Tensor files of about this size are written in parallel.
 constexpr int64_t kFileBytes = int64_t{64} << 20;
 
-// fn(0), ..., fn(n - 1) on up to `cores` threads (0: one per core); returns when all have.
 size_t Cores() { return std::max<unsigned>(1, std::thread::hardware_concurrency()); }
 
+// fn(0), ..., fn(n - 1) on up to `cores` threads (0: one per core); returns when all have.
 void ForEachInParallel(size_t n, const std::function<void(size_t)>& fn, size_t cores = 0) {
   if (cores == 0) cores = Cores();
   const size_t threads = std::max<size_t>(1, std::min<size_t>(n, cores));

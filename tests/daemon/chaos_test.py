@@ -112,7 +112,7 @@ class Chaos:
                 self.done = True
             else:
                 self.seen.append((t, line))
-                words = line.split()
+                words = line.split() or [""]
                 if words[0] == "step":
                     self.step = int(words[1])
                 elif words[0] == "moved":
