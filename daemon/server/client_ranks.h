@@ -34,6 +34,11 @@ class ClientRendezvous {
       : world_(world), timeout_(timeout) {}
 
   int world() const { return world_; }
+  // Rounds some rank still waits in or has not taken its answer from (tests).
+  size_t rounds_held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return rounds_.size();
+  }
 
   template <typename In, typename Out>
   absl::StatusOr<Out> Meet(const std::string& op, int rank, In payload,
@@ -80,7 +85,10 @@ class ClientRendezvous {
     absl::Status status = round.status;
     Out out{};
     if (status.ok()) out = std::any_cast<Out>(round.result);
-    if (++round.taken == world_) rounds_.erase(key);
+    // Gone once every rank that came has its answer: all of them, or, for a round that timed
+    // out, those that arrived (a rank arriving later starts a round of its own, and times out
+    // there: the job's ranks are out of step either way).
+    if (++round.taken == (round.count == world_ ? world_ : round.count)) rounds_.erase(key);
     if (!status.ok()) return status;
     return out;
   }

@@ -802,7 +802,14 @@ grpc::Status TrainingServiceImpl::ClientBarrier(grpc::ServerContext* context,
   absl::Status met = ranks->Meet<bool, bool>(absl::StrCat("barrier '", request->name(), "'"),
                                              static_cast<int>(request->client_rank()), true, meet)
                          .status();
-  if (!met.ok()) return Fail("ClientBarrier", met);
+  if (!met.ok()) {
+    // Its ranks are out of step: the next call starts afresh (and nothing stays behind for
+    // barriers that never complete).
+    std::lock_guard<std::mutex> lock(barriers_mu_);
+    auto it = barriers_.find({request->name(), world});
+    if (it != barriers_.end() && it->second == ranks) barriers_.erase(it);
+    return Fail("ClientBarrier", met);
+  }
   return grpc::Status::OK;
 }
 
