@@ -12,8 +12,9 @@
 #                apart, default 80: more than a 16 GB write takes; restart; CKPT_ARGS adds
 #                options, e.g. --restart-deployment)
 #   metrics      tools/metrics_check.py on cuda: the metrics endpoint against ListJobs
-#   stress       test_plan_stress.py on cuda:0/4, reference on the GPU: STRESS_ROUNDS (10)
-#                rounds of torchvision's models, profile cache cold then warm (issue 25)
+#   stress       test_plan_stress.py on cuda:0/4, reference on the GPU: STRESS_ROUNDS (5) rounds
+#                of test_gpu_models' models, profile cache cold then warm (issue 25; ~80 s a
+#                round on an H200)
 #
 #   STEPS="models amp" OUT=/tmp/out tools/gpu_suites.sh      (with the device tool: carry .gpu)
 export NCCL_NVLS_ENABLE=0
@@ -62,8 +63,8 @@ for step in $steps; do
       --checkpoints 2 --every "${EVERY:-80}" --warmup 2 --disk-reps 1 --dir /tmp/rb ${CKPT_ARGS:-}
       cp /tmp/rb/ranncd-*.log "$OUT/" 2>/dev/null ;;
     metrics) run metrics 120 python3 tools/metrics_check.py --devices cuda ;;
-    stress) RANNC_DEVICES=cuda:0/4 RANNC_TEST_REF_DEVICE=cuda RANNC_STRESS_ROUNDS=${STRESS_ROUNDS:-10} \
-      run stress 400 python3 -m pytest -q -s --tb=short $tests/test_plan_stress.py ;;
+    stress) RANNC_DEVICES=cuda:0/4 RANNC_TEST_REF_DEVICE=cuda RANNC_STRESS_ROUNDS=${STRESS_ROUNDS:-5} \
+      run stress 540 python3 -m pytest -q -s --tb=short $tests/test_plan_stress.py ;;
     *) echo "unknown suite $step"; exit 2 ;;
   esac
 done

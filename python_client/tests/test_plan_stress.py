@@ -21,8 +21,8 @@ one, two steps each, and compares losses, every gradient and every parameter wit
     plans; the ViT last, after the others, as when it failed.
 
 RANNC_STRESS_ROUNDS rounds (default 1: what CI runs, on cpu:4; the GPU machine's
-tools/gpu_suites.sh step `stress` runs 10). The plans each round got are printed, and a failure
-lists them.
+tools/gpu_suites.sh step `stress` runs 5, ~80 s a round on an H200). The plans each round got
+are printed, and a failure lists them.
 """
 
 import os
