@@ -10,8 +10,6 @@
 // The fixture is read from the target's runfiles (tests/fixtures/tiny_gpt.pt), whatever
 // directory the fuzzer runs in. RANNC_FUZZ_WRITE_SEED=FILE writes the planner's own deployment of
 // the model to FILE (the seed in fuzz/corpus/deployment).
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -23,6 +21,7 @@
 #include "daemon/planner/deployment.h"
 #include "daemon/planner/links.h"
 #include "daemon/planner/planner.h"
+#include "fuzz/runfiles.h"
 
 namespace {
 
@@ -31,21 +30,11 @@ struct Model {
   rannc::planner::PlanTarget target;
 };
 
-// Where the fixture's relative path holds: the target's runfiles ("" when run from them).
-std::string& Runfiles() {
-  static std::string dir;
-  return dir;
-}
-
 const Model& TheModel() {
   static const Model* model = [] {
     auto* m = new Model;  // the fuzzer's lifetime
-    // The fixture is read from the runfiles; the corpus paths stay the caller's.
-    char cwd[4096];
-    if (::getcwd(cwd, sizeof(cwd)) == nullptr) std::abort();
-    if (!Runfiles().empty() && ::chdir(Runfiles().c_str()) != 0) std::abort();
-    m->fixture = rannc::testing::BuildFixtureIr("tiny_gpt");
-    if (::chdir(cwd) != 0 || !m->fixture.ir.ok()) std::abort();
+    rannc::fuzz::InRunfiles([&] { m->fixture = rannc::testing::BuildFixtureIr("tiny_gpt"); });
+    if (!m->fixture.ir.ok()) std::abort();
     m->target.num_devices = 4;
     m->target.device_memory_bytes = uint64_t{1} << 30;
     m->target.links = *rannc::planner::LinksFromString("p2p=10GB/s,allreduce=2:5GB/s;4:3GB/s");
@@ -59,9 +48,7 @@ const Model& TheModel() {
 extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   // Protobuf logs each string field that is not UTF-8: most mutated inputs, at a cost per run.
   google::protobuf::SetLogHandler(nullptr);
-  // The fixture's path is relative to the runfiles' workspace directory.
-  const std::string runfiles = std::string((*argv)[0]) + ".runfiles/rannc";
-  if (::access(runfiles.c_str(), F_OK) == 0) Runfiles() = runfiles;
+  rannc::fuzz::FindRunfiles((*argv)[0]);
   if (const char* seed = std::getenv("RANNC_FUZZ_WRITE_SEED")) {
     const Model& m = TheModel();
     absl::StatusOr<rannc::planner::PlannerConfig> config =

@@ -15,11 +15,9 @@
 // and checkpoint_manifest targets cover what they carry) and SubmitJob (it starts detached jobs
 // that read files).
 //
-// The fixture is read from the target's runfiles (as deployment_fuzzer.cc does). Seeds:
+// The fixture is read from the target's runfiles (fuzz/runfiles.h). Seeds:
 // fuzz/make_seeds.py (one or more requests per method); RANNC_FUZZ_VERBOSE=1 prints each call's
 // status, to see what an input reaches.
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -35,6 +33,7 @@
 #include "client/rannc_client.h"
 #include "daemon/config/options.h"
 #include "daemon/daemon.h"
+#include "fuzz/runfiles.h"
 #include "rannc/v1/training.grpc.pb.h"
 #include "tests/fixtures/fixture.h"
 
@@ -47,11 +46,6 @@ struct Harness {
   std::unique_ptr<v1::TrainingService::Stub> stub;
   std::string job_id;  // the live job
 };
-
-std::string& Runfiles() {
-  static std::string dir;
-  return dir;
-}
 
 Harness& TheDaemon() {
   static Harness* h = [] {
@@ -72,11 +66,8 @@ Harness& TheDaemon() {
         grpc::CreateChannel(h->daemon->address(), grpc::InsecureChannelCredentials());
     h->stub = v1::TrainingService::NewStub(channel);
 
-    char cwd[4096];
-    if (::getcwd(cwd, sizeof(cwd)) == nullptr) std::abort();
-    if (!Runfiles().empty() && ::chdir(Runfiles().c_str()) != 0) std::abort();
-    const rannc::testing::Fixture mlp = rannc::testing::LoadFixture("mlp");
-    if (::chdir(cwd) != 0) std::abort();
+    rannc::testing::Fixture mlp;
+    rannc::fuzz::InRunfiles([&] { mlp = rannc::testing::LoadFixture("mlp"); });
     rannc::Client client(channel, h->daemon->address());
     rannc::JobConfig config;
     config.name = "fuzz";
@@ -137,8 +128,7 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   // Protobuf logs each string field that is not UTF-8: most mutated inputs, at a cost per run.
   google::protobuf::SetLogHandler(nullptr);
   spdlog::set_level(spdlog::level::off);  // every refused call is logged
-  const std::string runfiles = std::string((*argv)[0]) + ".runfiles/rannc";
-  if (::access(runfiles.c_str(), F_OK) == 0) Runfiles() = runfiles;
+  rannc::fuzz::FindRunfiles((*argv)[0]);
   return 0;
 }
 
