@@ -40,6 +40,7 @@
 #include "daemon/common/elapsed.h"
 #include "daemon/common/files.h"
 #include "daemon/common/tensor_codec.h"
+#include "daemon/common/torch_archive.h"
 
 namespace rannc {
 namespace checkpoint {
@@ -430,27 +431,44 @@ absl::StatusOr<v1::CheckpointManifest> FindCheckpoint(const std::string& job_dir
                     : absl::StrCat(" (it holds steps ", absl::StrJoin(steps, ", "), ")")));
 }
 
-absl::Status PruneCheckpoints(const std::string& job_dir, int keep) {
+absl::StatusOr<std::vector<std::string>> RetireCheckpoints(const std::string& job_dir,
+                                                           int keep) {
   std::vector<std::string> committed;
-  std::vector<std::string> leftovers;
+  std::vector<std::string> out;
   absl::StatusOr<std::vector<std::string>> names = ListDirectory(job_dir);
   for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
     if (StepOf(name) >= 0 && PathExists(JoinPath(JoinPath(job_dir, name), kManifest))) {
       committed.push_back(name);
     } else if (absl::StartsWith(name, absl::StrCat(".", kStepPrefix))) {
-      leftovers.push_back(name);
+      out.push_back(JoinPath(job_dir, name));  // a leftover, or one retired before
     }
   }
   std::sort(committed.begin(), committed.end());  // zero-padded: by step
-  std::vector<std::string> doomed = leftovers;
-  if (keep > 0 && committed.size() > static_cast<size_t>(keep)) {
-    doomed.insert(doomed.end(), committed.begin(), committed.end() - keep);
+  if (keep <= 0 || committed.size() <= static_cast<size_t>(keep)) return out;
+  const std::string unique = absl::StrCat(
+      ::getpid(), "-", std::chrono::steady_clock::now().time_since_epoch().count());
+  for (auto name = committed.begin(); name != committed.end() - keep; ++name) {
+    const std::string retired = JoinPath(job_dir, absl::StrCat(".", *name, ".retired-", unique));
+    if (::rename(JoinPath(job_dir, *name).c_str(), retired.c_str()) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("retiring ", JoinPath(job_dir, *name)));
+    }
+    out.push_back(retired);
   }
-  for (const std::string& name : doomed) {
-    absl::Status removed = RemoveTree(JoinPath(job_dir, name));
+  return out;
+}
+
+absl::Status RemoveRetired(const std::vector<std::string>& paths) {
+  for (const std::string& path : paths) {
+    absl::Status removed = RemoveTree(path);
     if (!removed.ok()) return removed;
   }
   return absl::OkStatus();
+}
+
+absl::Status PruneCheckpoints(const std::string& job_dir, int keep) {
+  absl::StatusOr<std::vector<std::string>> retired = RetireCheckpoints(job_dir, keep);
+  if (!retired.ok()) return retired.status();
+  return RemoveRetired(*retired);
 }
 
 namespace {
@@ -511,6 +529,12 @@ absl::Status ReadTensorFile(const std::string& path, const v1::CheckpointFile& r
   if (Crc32(file->data(), size) != record.crc32()) {
     return absl::DataLossError(absl::StrCat(path, " is corrupted: its CRC-32 differs from "
                                             "the manifest's"));
+  }
+  // Sizes the file states, checked before LibTorch allocates them (its CRC may have been made
+  // for what it holds).
+  if (absl::Status checked = CheckTorchArchive(absl::string_view(file->data(), size), path);
+      !checked.ok()) {
+    return absl::DataLossError(checked.message());
   }
   try {
     // What torch::jit::pickle_load does with a whole file's bytes, reading from the mapping.

@@ -88,6 +88,13 @@ absl::StatusOr<v1::CheckpointManifest> FindCheckpoint(const std::string& job_dir
 // Deletes the committed checkpoints but the newest `keep` (0: keeps all) and the leftovers of
 // writes that never committed.
 absl::Status PruneCheckpoints(const std::string& job_dir, int keep);
+// PruneCheckpoints in two halves, so that a writer can answer between them. Retire takes the
+// committed checkpoints but the newest `keep` out of the listing at once (each is renamed to a
+// hidden name) and returns their new paths with those of the leftovers; RemoveRetired deletes
+// them, which takes long for large checkpoints. A directory begun after Retire returned is not
+// among them.
+absl::StatusOr<std::vector<std::string>> RetireCheckpoints(const std::string& job_dir, int keep);
+absl::Status RemoveRetired(const std::vector<std::string>& paths);
 
 // A checkpoint's tensors, whole (slices assembled), after checking each file's size and CRC
 // (DATA_LOSS naming the file) and each entry against its file.

@@ -242,16 +242,55 @@ TEST_CASE("a write that fails leaves the committed checkpoints whole") {
   CHECK(!failed.ok());
   CHECK(std::string(failed.status().message()).find(blocked) != std::string::npos);
 
-  CheckpointWriter writer;
-  writer.Start(blocked + "/tiny", MakeSnapshot(10, w, at::randn({3})), 2);
-  CHECK(!writer.Wait().ok());
-  CHECK(!writer.last_error().empty());
-  writer.Start(job, MakeSnapshot(10, w, at::randn({3})), 1);
-  absl::StatusOr<CheckpointWriter::Result> done = writer.Wait();
-  REQUIRE(done.ok());
-  CHECK(done->bytes > 0);
-  CHECK(writer.last_error().empty());
-  CHECK(ListCheckpoints(job).size() == 1);  // keep = 1
+  {
+    CheckpointWriter writer;
+    writer.Start(blocked + "/tiny", MakeSnapshot(10, w, at::randn({3})), 2);
+    CHECK(!writer.Wait().ok());
+    CHECK(!writer.last_error().empty());
+    writer.Start(job, MakeSnapshot(10, w, at::randn({3})), 1);
+    absl::StatusOr<CheckpointWriter::Result> done = writer.Wait();
+    REQUIRE(done.ok());
+    CHECK(done->bytes > 0);
+    CHECK(writer.last_error().empty());
+    CHECK(ListCheckpoints(job).size() == 1);  // keep = 1
+  }  // the writer's deletion of step 5 ends
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the writer answers before deleting what it pruned; the next write is not taken for "
+          "a leftover") {
+  const std::string dir = TempDir();
+  const std::string job = *JobDir(dir, "tiny");
+  fs::create_directories(job + "/.step-0000000003.tmp-1-2");  // a crash's leftover
+  {
+    CheckpointWriter writer;
+    for (int64_t step = 5; step <= 100; step += 5) {
+      // As Job::CheckpointLocked does: the directory is begun as soon as the last write answered,
+      // while that write may still be deleting the checkpoints it pruned.
+      absl::StatusOr<std::string> begun = BeginCheckpoint(job, step);
+      REQUIRE(begun.ok());
+      writer.Start(job, MakeSnapshot(step, at::randn({64, 64}), at::randn({64})), 2, *begun);
+      absl::StatusOr<CheckpointWriter::Result> done = writer.Wait();
+      REQUIRE(done.ok());
+      CHECK(done->manifest.step() == step);
+      // The pruned ones are out of the listing by the answer.
+      std::vector<v1::CheckpointManifest> all = ListCheckpoints(job);
+      REQUIRE(all.size() == (step == 5 ? 1u : 2u));
+      CHECK(all.back().step() == step);
+    }
+    writer.Start(job, MakeSnapshot(105, at::randn({64, 64}), at::randn({64})), 2);
+    REQUIRE(writer.Wait().ok());
+  }  // the writer's deletion of step 95 ends
+
+  // Retire and RemoveRetired, PruneCheckpoints's halves.
+  absl::StatusOr<std::vector<std::string>> retired = RetireCheckpoints(job, 1);
+  REQUIRE(retired.ok());
+  REQUIRE(retired->size() == 1);  // step 100's (the leftover went with the first prune)
+  CHECK(ListCheckpoints(job).size() == 1);
+  CHECK(fs::exists((*retired)[0]));
+  REQUIRE(RemoveRetired(*retired).ok());
+  CHECK(!fs::exists((*retired)[0]));
+  CHECK(!fs::exists(job + "/.step-0000000003.tmp-1-2"));
   fs::remove_all(dir);
 }
 

@@ -45,121 +45,136 @@ CheckpointWriter::Totals CheckpointWriter::totals() const {
   return totals_;
 }
 
-void CheckpointWriter::Run(int64_t step, std::function<absl::StatusOr<Result>()> write) {
-  Join();
-  std::lock_guard<std::mutex> lock(mu_);
+void CheckpointWriter::Run(int64_t step, std::function<void(const Publish&)> write) {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_.wait(lock, [&] { return running_step_ < 0; });  // one write at a time
   running_step_ = step;
   result_.reset();
-  thread_ = std::thread([this, write = std::move(write)]() mutable {
-    absl::StatusOr<Result> result = write();
+  std::thread previous = std::move(thread_);
+  thread_ = std::thread([this, previous = std::move(previous), write = std::move(write)]() mutable {
+    if (previous.joinable()) previous.join();  // its removal of older checkpoints
+    write([this](absl::StatusOr<Result> result) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (result.ok()) {
+        ++totals_.written;
+        totals_.bytes += result->bytes;
+      } else {
+        ++totals_.failed;
+      }
+      result_ = std::move(result);
+      running_step_ = -1;
+      done_.notify_all();
+    });
     write = nullptr;  // the host copies go now, not when the next write starts
-    std::lock_guard<std::mutex> lock(mu_);
-    if (result.ok()) {
-      ++totals_.written;
-      totals_.bytes += result->bytes;
-    } else {
-      ++totals_.failed;
-    }
-    result_ = std::move(result);
-    running_step_ = -1;
-    done_.notify_all();
   });
 }
 
 void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, std::string dir,
                              Others others, std::function<void()> ready) {
   const int64_t step = snapshot.manifest.step();
-  Run(step, [job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
+  Run(step, [step, job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
              dir = std::move(dir), others = std::move(others),
-             ready = std::move(ready)]() mutable -> absl::StatusOr<Result> {
+             ready = std::move(ready)](const Publish& publish) mutable {
     const auto start = std::chrono::steady_clock::now();
-    AwaitCopies(ready, snapshot.manifest.step());
-    auto failed = [&](const absl::Status& status) {
-      spdlog::error("checkpoint of step {} under {} failed (the previous ones are intact): {}",
-                    snapshot.manifest.step(), job_dir, status.ToString());
-      return status;
-    };
-    if (dir.empty()) {
-      absl::StatusOr<std::string> begun = BeginCheckpoint(job_dir, snapshot.manifest.step());
-      if (!begun.ok()) return failed(begun.status());
-      dir = std::move(*begun);
-    }
-    // This daemon's shares (daemon-<f>), then the others' (waited for even when one of these
-    // failed: their writes end before the directory goes).
-    std::vector<v1::CheckpointShare> shares;
-    absl::Status mine;
-    for (size_t f = 0; f < snapshot.files.size() && mine.ok(); ++f) {
-      absl::StatusOr<v1::CheckpointShare> share =
-          WriteShare(dir, absl::StrCat("daemon-", f), snapshot.files[f]);
-      if (share.ok()) {
-        shares.push_back(std::move(*share));
-      } else {
-        mine = share.status();
+    auto write = [&]() -> absl::StatusOr<Result> {
+      AwaitCopies(ready, snapshot.manifest.step());
+      auto failed = [&](const absl::Status& status) {
+        spdlog::error("checkpoint of step {} under {} failed (the previous ones are intact): {}",
+                      snapshot.manifest.step(), job_dir, status.ToString());
+        return status;
+      };
+      if (dir.empty()) {
+        absl::StatusOr<std::string> begun = BeginCheckpoint(job_dir, snapshot.manifest.step());
+        if (!begun.ok()) return failed(begun.status());
+        dir = std::move(*begun);
       }
+      // This daemon's shares (daemon-<f>), then the others' (waited for even when one of these
+      // failed: their writes end before the directory goes).
+      std::vector<v1::CheckpointShare> shares;
+      absl::Status mine;
+      for (size_t f = 0; f < snapshot.files.size() && mine.ok(); ++f) {
+        absl::StatusOr<v1::CheckpointShare> share =
+            WriteShare(dir, absl::StrCat("daemon-", f), snapshot.files[f]);
+        if (share.ok()) {
+          shares.push_back(std::move(*share));
+        } else {
+          mine = share.status();
+        }
+      }
+      snapshot.files.clear();
+      absl::StatusOr<std::vector<v1::CheckpointShare>> theirs =
+          others ? others() : std::vector<v1::CheckpointShare>();
+      if (!mine.ok() || !theirs.ok()) {
+        AbandonCheckpoint(dir);
+        return failed(!mine.ok() ? mine : theirs.status());
+      }
+      for (v1::CheckpointShare& share : *theirs) shares.push_back(std::move(share));
+      absl::StatusOr<v1::CheckpointManifest> written =
+          CommitCheckpoint(job_dir, dir, snapshot.manifest, shares);
+      if (!written.ok()) return failed(written.status());
+      Result r;
+      r.manifest = std::move(*written);
+      r.bytes = FileBytes(r.manifest.files());
+      r.write_s = SecondsSince(start);
+      spdlog::info("checkpoint of '{}' step {} committed: {} bytes in {:.2f} s ({:.0f} MB/s)",
+                   r.manifest.job_name(), r.manifest.step(), r.bytes, r.write_s,
+                   r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
+      return r;
+    };
+    absl::StatusOr<Result> result = write();
+    if (!result.ok()) {
+      publish(std::move(result));
+      return;
     }
-    snapshot.files.clear();
-    absl::StatusOr<std::vector<v1::CheckpointShare>> theirs =
-        others ? others() : std::vector<v1::CheckpointShare>();
-    if (!mine.ok() || !theirs.ok()) {
-      AbandonCheckpoint(dir);
-      return failed(!mine.ok() ? mine : theirs.status());
-    }
-    for (v1::CheckpointShare& share : *theirs) shares.push_back(std::move(share));
-    absl::StatusOr<v1::CheckpointManifest> written =
-        CommitCheckpoint(job_dir, dir, snapshot.manifest, shares);
-    if (!written.ok()) return failed(written.status());
-    Result r;
-    r.manifest = std::move(*written);
-    r.bytes = FileBytes(r.manifest.files());
-    r.write_s = SecondsSince(start);
-    spdlog::info("checkpoint of '{}' step {} committed: {} bytes in {:.2f} s ({:.0f} MB/s)",
-                 r.manifest.job_name(), r.manifest.step(), r.bytes, r.write_s,
-                 r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
-    // Then the older ones beyond `keep` go (a caller that waits for the write waits for this
-    // too, but write_s ends at the commit).
+    // The older ones beyond `keep` leave the listing before the answer, and their files go
+    // after it: a caller waiting for the write does not wait for the deletion (seconds for
+    // large checkpoints). The next write starts once they are gone.
+    const std::string name = result->manifest.job_name();
     const auto prune_start = std::chrono::steady_clock::now();
-    absl::Status pruned = PruneCheckpoints(job_dir, keep);
+    absl::StatusOr<std::vector<std::string>> retired = RetireCheckpoints(job_dir, keep);
+    publish(std::move(result));
+    absl::Status pruned = retired.ok() ? RemoveRetired(*retired) : retired.status();
     if (!pruned.ok()) {
-      spdlog::warn("checkpoint of step {} committed, but pruning older ones failed: {}",
-                   r.manifest.step(), pruned.ToString());
-    } else {
-      spdlog::info("checkpoints of '{}' older than the newest {} removed in {:.2f} s",
-                   r.manifest.job_name(), keep, SecondsSince(prune_start));
+      spdlog::warn("checkpoint of step {} committed, but pruning older ones failed: {}", step,
+                   pruned.ToString());
+    } else if (!retired->empty()) {
+      spdlog::info("checkpoints of '{}' older than the newest {} removed in {:.2f} s", name,
+                   keep, SecondsSince(prune_start));
     }
-    return r;
   });
 }
 
 void CheckpointWriter::StartShare(std::string dir, std::string prefix, int64_t step,
                                   std::vector<Piece> pieces, std::function<void()> ready) {
   Run(step, [dir = std::move(dir), prefix = std::move(prefix), step, pieces = std::move(pieces),
-             ready = std::move(ready)]() mutable -> absl::StatusOr<Result> {
-    const auto start = std::chrono::steady_clock::now();
-    AwaitCopies(ready, step);
-    absl::StatusOr<v1::CheckpointShare> share = WriteShare(dir, prefix, pieces);
-    pieces.clear();
-    if (!share.ok()) {
-      spdlog::error("writing this daemon's share of checkpoint step {} into {} failed: {}",
-                    step, dir, share.status().ToString());
-      return share.status();
-    }
-    Result r;
-    r.manifest.set_step(step);
-    *r.manifest.mutable_files() = std::move(*share->mutable_files());
-    *r.manifest.mutable_entries() = std::move(*share->mutable_entries());
-    r.bytes = FileBytes(r.manifest.files());
-    r.write_s = SecondsSince(start);
-    spdlog::info("share of checkpoint step {} written: {} bytes in {:.2f} s ({:.0f} MB/s)", step,
-                 r.bytes, r.write_s,
-                 r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
-    return r;
+             ready = std::move(ready)](const Publish& publish) mutable {
+    auto write = [&]() -> absl::StatusOr<Result> {
+      const auto start = std::chrono::steady_clock::now();
+      AwaitCopies(ready, step);
+      absl::StatusOr<v1::CheckpointShare> share = WriteShare(dir, prefix, pieces);
+      pieces.clear();
+      if (!share.ok()) {
+        spdlog::error("writing this daemon's share of checkpoint step {} into {} failed: {}",
+                      step, dir, share.status().ToString());
+        return share.status();
+      }
+      Result r;
+      r.manifest.set_step(step);
+      *r.manifest.mutable_files() = std::move(*share->mutable_files());
+      *r.manifest.mutable_entries() = std::move(*share->mutable_entries());
+      r.bytes = FileBytes(r.manifest.files());
+      r.write_s = SecondsSince(start);
+      spdlog::info("share of checkpoint step {} written: {} bytes in {:.2f} s ({:.0f} MB/s)",
+                   step, r.bytes, r.write_s,
+                   r.write_s > 0 ? static_cast<double>(r.bytes) / r.write_s / 1e6 : 0.0);
+      return r;
+    };
+    publish(write());
   });
 }
 
 absl::StatusOr<CheckpointWriter::Result> CheckpointWriter::Wait() {
-  Join();
   std::unique_lock<std::mutex> lock(mu_);
-  // Another thread may be joining the writer: its result is in once running_step_ is -1.
   done_.wait(lock, [&] { return running_step_ < 0; });
   if (!result_) return absl::FailedPreconditionError("no checkpoint was started");
   return *result_;

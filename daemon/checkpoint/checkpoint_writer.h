@@ -1,7 +1,9 @@
 // Writes a job's checkpoints on a thread of its own, so that training goes on meanwhile: the
 // job copies its state to host memory at a step boundary (a Snapshot), hands it over, and
 // returns. One write at a time: a new one waits for the one in flight. After each commit the
-// job directory is pruned to the newest `keep`. Over several daemons the leader's writer also
+// job directory is pruned to the newest `keep`: the older ones leave the listing before Wait
+// answers, and their files are deleted after it (the next write starts once they are gone).
+// Over several daemons the leader's writer also
 // waits for the others' shares before it commits, and each other daemon's writes its share
 // (StartShare).
 //
@@ -9,7 +11,7 @@
 //   writer.Start(job_dir, std::move(snapshot), /*keep=*/3);
 //   absl::StatusOr<CheckpointWriter::Result> done = writer.Wait();  // or later, or never
 //
-// Thread-safe. The destructor waits for the write in flight.
+// Thread-safe. The destructor waits for the write in flight and the deletion after it.
 #ifndef RANNC_DAEMON_CHECKPOINT_CHECKPOINT_WRITER_H_
 #define RANNC_DAEMON_CHECKPOINT_CHECKPOINT_WRITER_H_
 
@@ -54,8 +56,8 @@ class CheckpointWriter {
   // `<prefix>*.pt` (WriteShare), `ready` as Start's.
   void StartShare(std::string dir, std::string prefix, int64_t step, std::vector<Piece> pieces,
                   std::function<void()> ready = nullptr);
-  // Waits for the write in flight; the result of the last write started (FAILED_PRECONDITION
-  // when none was).
+  // Waits for the write in flight to commit (or fail); the result of the last write started
+  // (FAILED_PRECONDITION when none was).
   absl::StatusOr<Result> Wait();
   // The last finished write's failure ("" when it succeeded, or none finished).
   std::string last_error() const;
@@ -71,12 +73,16 @@ class CheckpointWriter {
   Totals totals() const;
 
  private:
+  // Answers Wait: called once by each write, when its result is known.
+  using Publish = std::function<void(absl::StatusOr<Result>)>;
   void Join();
-  void Run(int64_t step, std::function<absl::StatusOr<Result>()> write);
+  // Waits for the write in flight to publish, then runs `write` on a thread of its own, which
+  // first joins the previous write's thread (still deleting what that write pruned).
+  void Run(int64_t step, std::function<void(const Publish&)> write);
 
   mutable std::mutex mu_;
   std::condition_variable done_;  // running_step_ went to -1
-  std::thread thread_;
+  std::thread thread_;  // the last write's; it joins the one before
   int64_t running_step_ = -1;
   std::optional<absl::StatusOr<Result>> result_;  // of the last write started, once done
   Totals totals_;  // guarded by mu_

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
+#include "daemon/common/torch_archive.h"
 
 namespace rannc {
 namespace {
@@ -214,6 +215,11 @@ absl::StatusOr<std::string> SerializeModule(const ImportedModel& model) {
 
 absl::StatusOr<ImportedModel> ImportTorchScript(const std::string& bytes,
                                                 const SentTensors& sent) {
+  // Sizes the archive states, checked before LibTorch allocates them.
+  if (absl::Status checked = CheckTorchArchive(bytes, "the model archive"); !checked.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the model is not a loadable TorchScript module: ", checked.message()));
+  }
   ImportedModel model;
   absl::Status status = TorchCall(absl::StatusCode::kInvalidArgument,
                                   "the model is not a loadable TorchScript module", [&] {

@@ -1,6 +1,7 @@
 #include "daemon/graph/torchscript_import.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include <ATen/ATen.h>
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
@@ -9,6 +10,7 @@
 #include <torch/csrc/jit/runtime/interpreter.h>
 #include <catch2/catch.hpp>
 
+#include "daemon/common/torch_archive.h"
 #include "tests/fixtures/fixture.h"
 
 namespace rannc {
@@ -183,6 +185,38 @@ TEST_CASE("ImportTorchScript rejects bytes that are not TorchScript", "[graph]")
 
   absl::StatusOr<ImportedModel> empty = ImportTorchScript("");
   CHECK(empty.status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("ImportTorchScript refuses an archive whose pickle states a huge length, at once",
+          "[graph]") {
+  // Found by fuzz/torchscript_import_fuzzer.cc: a 4.7 KB archive whose debug_pkl states a
+  // BINBYTES length of gigabytes made LibTorch allocate 2.6 GB and spend ~10 s (its input is in
+  // fuzz/corpus/torchscript_import). The same hole in data.pkl, made here from a real archive.
+  std::string bytes = testing::LoadFixture("mlp").model_bytes;
+  absl::StatusOr<std::vector<ZipRecord>> records = ReadZipDirectory(bytes, "mlp.pt");
+  REQUIRE(records.ok());
+  auto data = std::find_if(records->begin(), records->end(), [](const ZipRecord& r) {
+    return r.name.size() > 9 && r.name.substr(r.name.size() - 9) == "/data.pkl";
+  });
+  REQUIRE(data != records->end());
+  auto u16 = [&](size_t at) {
+    return static_cast<size_t>(static_cast<uint8_t>(bytes[at])) |
+           static_cast<size_t>(static_cast<uint8_t>(bytes[at + 1])) << 8;
+  };
+  const size_t at = data->offset + 30 + u16(data->offset + 26) + u16(data->offset + 28);
+  REQUIRE(bytes.compare(at, 2, "\x80\x02") == 0);  // PROTO 2
+  bytes.replace(at + 2, 5, "X\xff\xff\xff\x7f", 5);  // BINUNICODE of 2^31-1 bytes
+
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<ImportedModel> model = ImportTorchScript(bytes);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  CHECK(model.status().code() == absl::StatusCode::kInvalidArgument);
+  const std::string message(model.status().message());
+  CHECK(message.find("the model archive's pickle '") != std::string::npos);
+  CHECK(message.find("data.pkl") != std::string::npos);
+  CHECK(message.find("a length of 2147483647 bytes") != std::string::npos);
+  CHECK(seconds < 1.0);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
+#include "daemon/common/torch_archive.h"
 
 namespace rannc {
 namespace {
@@ -19,6 +20,9 @@ namespace {
 // its forward checked against the contract.
 absl::StatusOr<torch::jit::Module> LoadUpdate(const ScriptedUpdate& update) {
   const std::string what = absl::StrCat("optimizer ", update.name, ": ");
+  // Sizes the archive states, checked before LibTorch allocates them.
+  absl::Status checked = CheckTorchArchive(update.module, absl::StrCat(what, "its update"));
+  if (!checked.ok()) return checked;
   torch::jit::Module module;
   absl::Status loaded = TorchCall(
       absl::StatusCode::kInvalidArgument,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -114,6 +115,25 @@ bool PinnedArena::prepared() const {
   return region_ != nullptr;
 }
 
+size_t PinnedArena::Place(size_t offset, size_t bytes, size_t* end) {
+  const size_t need = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+  // Within one registration: a copy whose host range spans two is refused by CUDA ("invalid
+  // argument"). Larger tensors go to the caller's allocator.
+  if (need > kChunk) return SIZE_MAX;
+  if (offset / kChunk != (offset + need - 1) / kChunk) offset = (offset / kChunk + 1) * kChunk;
+  *end = offset + need;
+  return offset;
+}
+
+size_t PinnedArena::SpanOf(const std::vector<int64_t>& sizes) {
+  size_t offset = 0;
+  for (int64_t bytes : sizes) {
+    size_t end = 0;
+    if (bytes >= 0 && Place(offset, static_cast<size_t>(bytes), &end) != SIZE_MAX) offset = end;
+  }
+  return offset;
+}
+
 bool PinnedArena::Begin() {
   std::lock_guard<std::mutex> guard(mu_);
   open_ = region_ && region_->ready.load() > 0 && region_->live.load() == 0;
@@ -129,17 +149,11 @@ at::Tensor PinnedArena::Allocate(at::IntArrayRef shape, at::ScalarType dtype) {
     if (!open_ || !region_) return at::Tensor();
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;
-    const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-    const size_t need = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
-    // Within one registration: a copy whose host range spans two is refused by CUDA
-    // ("invalid argument"). Larger tensors go to the caller's allocator.
-    if (need > kChunk) return at::Tensor();
-    if (offset_ / kChunk != (offset_ + need - 1) / kChunk) {
-      offset_ = (offset_ / kChunk + 1) * kChunk;
-    }
-    if (offset_ + need > region_->ready.load()) return at::Tensor();
-    ptr = static_cast<char*>(region_->base) + offset_;
-    offset_ += need;
+    size_t end = 0;
+    const size_t at = Place(offset_, static_cast<size_t>(numel) * c10::elementSize(dtype), &end);
+    if (at == SIZE_MAX || end > region_->ready.load()) return at::Tensor();
+    ptr = static_cast<char*>(region_->base) + at;
+    offset_ = end;
     region = region_;
     region->live.fetch_add(1);
   }

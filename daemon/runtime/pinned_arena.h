@@ -21,9 +21,11 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -51,7 +53,14 @@ class PinnedArena {
   // no room left, or for a tensor over a GiB.
   at::Tensor Allocate(at::IntArrayRef shape, at::ScalarType dtype);
 
+  // The bytes an arena needs to hold tensors of these sizes, allocated in this order (each
+  // starts on a page; none spans two registrations; those over a GiB go elsewhere).
+  static size_t SpanOf(const std::vector<int64_t>& sizes);
+
  private:
+  // Where a tensor of `bytes` goes when the next free byte is `offset`; its end is the new
+  // next free byte. SIZE_MAX: over a GiB.
+  static size_t Place(size_t offset, size_t bytes, size_t* end);
   struct Region;
   void Run(size_t bytes, bool lock);
 

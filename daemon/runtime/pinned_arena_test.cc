@@ -65,6 +65,25 @@ TEST_CASE("PinnedArena hands out its memory, then starts over once its tensors a
   REQUIRE(again.defined());
   CHECK(reinterpret_cast<uintptr_t>(again.data_ptr()) == pa);
 
+  // SpanOf: the room these allocations took, and what a checkpoint's sizes need.
+  again = at::Tensor();
+  REQUIRE(arena.Begin());
+  at::Tensor x = arena.Allocate({256, 1024}, at::kFloat);
+  at::Tensor y = arena.Allocate({3}, at::kDouble);
+  at::Tensor z = arena.Allocate({25, 1024, 1024}, at::kFloat);
+  REQUIRE(z.defined());
+  const size_t used = reinterpret_cast<uintptr_t>(z.data_ptr()) + z.nbytes() -
+                      reinterpret_cast<uintptr_t>(x.data_ptr());
+  CHECK(PinnedArena::SpanOf({1 << 20, 24, 100 << 20}) == used);
+  CHECK(used == (1 << 20) + 4096 + (100 << 20));
+  // A tensor that would span two GiB registrations starts the next; one over a GiB is left to
+  // another allocator.
+  const int64_t mib = 1 << 20;
+  CHECK(PinnedArena::SpanOf({768 * mib, 512 * mib}) == size_t{1536} * mib);
+  CHECK(PinnedArena::SpanOf({512 * mib, 512 * mib}) == size_t{1024} * mib);
+  CHECK(PinnedArena::SpanOf({2048 * mib, 1}) == 4096);
+  CHECK(PinnedArena::SpanOf({}) == 0);
+
   // Tensors outlive their arena.
   auto short_lived = std::make_unique<PinnedArena>();
   short_lived->Prepare(1, /*lock=*/false);

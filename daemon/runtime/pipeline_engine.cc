@@ -580,7 +580,9 @@ std::vector<PipelineEngine::StatePiece> PipelineEngine::OptimizerStatePieces() c
 }
 void PipelineEngine::BeginAsyncReads() { impl_->BeginAsyncReads(); }
 
-int64_t PipelineEngine::CudaBytes() const { return impl_->CudaBytes(); }
+std::vector<int64_t> PipelineEngine::CheckpointCudaReads(const std::vector<int>& lifted) const {
+  return impl_->CheckpointCudaReads(lifted);
+}
 
 std::function<void()> PipelineEngine::EndAsyncReads() { return impl_->EndAsyncReads(); }
 

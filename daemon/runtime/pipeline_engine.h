@@ -306,9 +306,11 @@ class PipelineEngine {
 
   // Bytes the engine holds on `device`: parameters, gradients, buffers, optimizer state.
   int64_t DeviceBytes(int device) const;
-  // The same, summed over this process's CUDA devices: a bound on what a checkpoint copies
-  // from them.
-  int64_t CudaBytes() const;
+  // The bytes of each copy from this process's CUDA devices a checkpoint makes, in order: the
+  // value of each parameter of `lifted` (ParamAt: its master), then the optimizer's state
+  // (OptimizerStatePieces). Not gradients, reduction buffers or low-precision copies. What the
+  // host memory made ready for checkpoints is sized by (PinnedArena::SpanOf).
+  std::vector<int64_t> CheckpointCudaReads(const std::vector<int>& lifted) const;
   // The most device `device` held at once during any step since the engine was made (or
   // ResetPeakDeviceBytes): what it held when the step began plus the high-water mark of its
   // worker's LibTorch allocations during the step (activations, workspaces, transfers), and at

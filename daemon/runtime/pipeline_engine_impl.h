@@ -283,7 +283,7 @@ class PipelineEngine::Impl {
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);
   int64_t DeviceBytes(int device) const;
-  int64_t CudaBytes() const;
+  std::vector<int64_t> CheckpointCudaReads(const std::vector<int>& lifted) const;
   int64_t PeakDeviceBytes(int device) const;
   void ResetPeakDeviceBytes();
   std::pair<int, int> OverlappedBuckets(int device) const;
@@ -519,6 +519,10 @@ class PipelineEngine::Impl {
   std::shared_ptr<PinnedArena> checkpoint_memory_;  // EngineOptions::checkpoint_memory
   std::shared_ptr<EngineCounters> counters_;        // EngineOptions::counters (may be null)
   mutable bool arena_open_ = false;  // this batch of asynchronous reads allocates from it
+  mutable int64_t arena_missed_ = 0;  // bytes of this batch's reads the arena had no room for
+  // CheckpointCudaReads: ReadCopy copies nothing and lists the CUDA tensors' bytes.
+  mutable bool counting_reads_ = false;
+  mutable std::vector<int64_t> counted_reads_;
   bool Cancelled() const { return cancel_ && cancel_->load(); }
   bool broken_ = false;
   std::mutex error_mu_;

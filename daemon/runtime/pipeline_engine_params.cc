@@ -15,6 +15,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
@@ -418,12 +419,21 @@ void PipelineEngine::Impl::ApplySgd(double lr) {
   }
 }
 
-int64_t PipelineEngine::Impl::CudaBytes() const {
-  int64_t bytes = 0;
-  for (const Device& d : devices_) {
-    if (d.local && d.place.is_cuda()) bytes += HeldBytes(d);
+std::vector<int64_t> PipelineEngine::Impl::CheckpointCudaReads(
+    const std::vector<int>& lifted) const {
+  // The reads a checkpoint makes (Job::CopyShareLocked: ParamValue of each parameter, then
+  // OptimizerStatePieces), with ReadCopy listing instead of copying.
+  counting_reads_ = true;
+  counted_reads_.clear();
+  for (int li : lifted) {
+    if (li < 0 || li >= static_cast<int>(owner_.size()) || owner_[li] < 0) continue;
+    const Device& d = devices_[owner_[li]];
+    if (!d.lifted[li].defined() || (offload_ && sharded(li))) continue;  // none, or host memory
+    ReadCopy(d.Master(li).detach());
   }
-  return bytes;
+  OptimizerStatePieces();
+  counting_reads_ = false;
+  return std::move(counted_reads_);
 }
 
 int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
@@ -481,6 +491,10 @@ int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
 }
 
 at::Tensor PipelineEngine::Impl::ReadCopy(const at::Tensor& t) const {
+  if (counting_reads_) {
+    if (t.is_cuda()) counted_reads_.push_back(static_cast<int64_t>(t.nbytes()));
+    return t;
+  }
   if (!async_reads_ || !t.is_cuda()) return HostCopy(t);
   const c10::impl::VirtualGuardImpl impl(t.device().type());
   auto found = std::find_if(read_streams_.begin(), read_streams_.end(),
@@ -496,6 +510,7 @@ at::Tensor PipelineEngine::Impl::ReadCopy(const at::Tensor& t) const {
   }
   at::Tensor host = arena_open_ ? checkpoint_memory_->Allocate(t.sizes(), t.scalar_type())
                                 : at::Tensor();
+  if (arena_open_ && !host.defined()) arena_missed_ += static_cast<int64_t>(t.nbytes());
   if (!host.defined()) host = PinnedLike(t);
   if (!host.defined()) return t.to(at::kCPU);  // no page-locked memory: a synchronous copy
   const c10::StreamGuard on_read_stream(found->second);
@@ -514,9 +529,18 @@ void PipelineEngine::Impl::WaitForAsyncReads() {
 void PipelineEngine::Impl::BeginAsyncReads() {
   async_reads_ = true;
   arena_open_ = checkpoint_memory_ != nullptr && checkpoint_memory_->Begin();
+  arena_missed_ = 0;
 }
 
 std::function<void()> PipelineEngine::Impl::EndAsyncReads() {
+  if (arena_missed_ > 0) {
+    // CheckpointCudaReads under-counted, or a tensor is over a GiB: the rest was allocated and
+    // page-locked while training waited.
+    spdlog::warn("{:.3f} GB of a checkpoint's copies from the devices did not fit the host "
+                 "memory made ready for them ({:.3f} GB)",
+                 static_cast<double>(arena_missed_) / 1e9,
+                 static_cast<double>(checkpoint_memory_->ready_bytes()) / 1e9);
+  }
   async_reads_ = false;
   arena_open_ = false;
   std::vector<std::shared_ptr<c10::Event>> events;

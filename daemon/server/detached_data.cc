@@ -14,6 +14,7 @@
 #include "daemon/common/files.h"
 #include "daemon/common/status.h"
 #include "daemon/common/token_file.h"
+#include "daemon/common/torch_archive.h"
 
 namespace rannc {
 namespace {
@@ -183,6 +184,11 @@ absl::StatusOr<std::unique_ptr<TensorDataset>> OpenDataset(const std::string& fi
         field, ": ", path, " ", why, "; a dataset is what torch.save wrote of a tuple, list or "
         "dict of tensors with one sample per row"));
   };
+  // Sizes the file states, checked before LibTorch allocates them.
+  if (absl::Status checked = CheckTorchArchive(*bytes, absl::StrCat(field, ": ", path));
+      !checked.ok()) {
+    return checked;
+  }
   try {
     const c10::IValue value =
         torch::jit::pickle_load(std::vector<char>(bytes->begin(), bytes->end()));

@@ -73,8 +73,9 @@ absl::StatusOr<CheckpointInfo> Job::CheckpointLocked(bool wait) {
   if (absl::Status lost = coordinator_.Lost(); !lost.ok()) return lost;
   const auto start = std::chrono::steady_clock::now();
   const int64_t step = steps_;
-  // The write in flight ends first (training is held for it too): the new checkpoint's
-  // directory would otherwise be pruned as its leftover.
+  // The write in flight commits first (training is held for it too): its pruning lists the
+  // directories it deletes before it answers, so the new checkpoint's is not taken for a
+  // leftover. Their deletion goes on behind training.
   writer_.Wait().status().IgnoreError();
   absl::StatusOr<std::string> dir = checkpoint::BeginCheckpoint(*job_dir, step);
   if (!dir.ok()) return dir.status();

@@ -527,9 +527,14 @@ std::vector<LocalJob::OptimizerPiece> LocalJob::OptimizerStatePieces() {
 
 void LocalJob::PrepareCheckpointMemory() {
   if (!engine_ || checkpoint_memory_->prepared()) return;
-  const int64_t bytes = engine_->CudaBytes();
-  // Slack for what a checkpoint reads beyond a step's state (an optimizer's step counters).
-  if (bytes > 0) checkpoint_memory_->Prepare(static_cast<size_t>(bytes) + (size_t{64} << 20));
+  // The parameters Job::CopyShareLocked reads from the devices, in its order (the buffers are
+  // read before the arena opens), then the optimizer's state.
+  std::vector<int> lifted;
+  for (const ParamStore::Entry& e : store_.entries()) {
+    if (e.is_parameter && Saves(e.name)) lifted.push_back(LiftedOf(e));
+  }
+  const size_t bytes = PinnedArena::SpanOf(engine_->CheckpointCudaReads(lifted));
+  if (bytes > 0) checkpoint_memory_->Prepare(bytes);
 }
 
 void LocalJob::BeginAsyncReads() {

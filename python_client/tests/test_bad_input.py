@@ -122,6 +122,40 @@ def test_pickled_state_dict_is_not_a_model(stub):
     assert_serves(stub)
 
 
+def _rewritten(model_bytes, rewrite):
+    """The archive with each record's bytes passed through rewrite(name, data)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(model_bytes)) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, rewrite(info.filename, zin.read(info.filename)),
+                          compress_type=info.compress_type)
+    return out.getvalue()
+
+
+def test_archive_crafted_against_libtorch_is_refused_and_the_daemon_lives(stub):
+    """Two 5 KB archives LibTorch's own loader does not survive: code nested 8,000 levels deep
+    (TorchScript's parser recurses until the stack overflows: SIGSEGV) and a pickle stating a
+    2 GB string (allocated as stated). The daemon checks both before LibTorch reads them."""
+    x = torch.randn(4, 3)
+    model_bytes = _traced(_linear(), x)
+
+    def deep(name, data):
+        if name.endswith(".py") and b"return " in data:  # the forward of the traced Linear
+            data = data.replace(b"return ", b"return " + b"-" * 8000, 1)
+        return data
+    _expect(C.INVALID_ARGUMENT, lambda: _create(stub, _rewritten(model_bytes, deep), [x]),
+            r"code '.*\.py' nests deeper")
+
+    def huge(name, data):
+        if name.endswith("/data.pkl"):
+            assert data[:2] == b"\x80\x02"
+            data = data[:2] + b"X\xff\xff\xff\x7f" + data[7:]  # BINUNICODE of 2^31-1 bytes
+        return data
+    _expect(C.INVALID_ARGUMENT, lambda: _create(stub, _rewritten(model_bytes, huge), [x]),
+            r"pickle '.*data\.pkl'.*a length of 2147483647 bytes")
+    assert_serves(stub)
+
+
 def test_model_failing_on_its_example_input(stub):
     model_bytes = _traced(_linear(), torch.randn(4, 3))
     _expect(C.INVALID_ARGUMENT, lambda: _create(stub, model_bytes, [torch.randn(4, 5)]),

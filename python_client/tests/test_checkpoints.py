@@ -271,7 +271,7 @@ def _run_until(daemon, env, script, kill_after_step, stall_kill):
                 job_dir = os.path.join(env["RANNC_CHECKPOINT_DIR"], env["RANNC_JOB"])
                 deadline = time.monotonic() + 60
                 while not (os.path.isdir(job_dir) and any(
-                        n.startswith(".step-") and os.path.isfile(os.path.join(
+                        n.startswith(".step-") and ".tmp-" in n and os.path.isfile(os.path.join(
                             job_dir, n, "daemon-0.pt")) for n in os.listdir(job_dir))):
                     assert time.monotonic() < deadline, "no checkpoint write began"
                     time.sleep(0.01)

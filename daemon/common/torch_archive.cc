@@ -1,0 +1,418 @@
+#include "daemon/common/torch_archive.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <exception>
+#include <memory>
+
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace rannc {
+
+namespace {
+
+// Little-endian reads; callers check the bounds first.
+uint64_t Le(absl::string_view b, size_t at, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(b[at + i]);
+  return v;
+}
+
+constexpr uint32_t kEndOfDirectory = 0x06054b50;
+constexpr uint32_t kZip64Locator = 0x07064b50;
+constexpr uint32_t kZip64EndOfDirectory = 0x06064b50;
+constexpr uint32_t kDirectoryEntry = 0x02014b50;
+constexpr uint32_t kLocalHeader = 0x04034b50;
+constexpr size_t kEndSize = 22;
+constexpr size_t kEntrySize = 46;
+constexpr size_t kLocalSize = 30;
+constexpr uint64_t kMax32 = 0xFFFFFFFF;
+// Deflate produces at most ~1032 bytes per compressed byte.
+constexpr uint64_t kMaxDeflateRatio = 1032;
+
+absl::Status NotZip(absl::string_view what, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat(what, " is not a valid zip: ", why));
+}
+
+// The zip64 extended sizes of a directory entry, where its 32-bit fields say so.
+absl::Status ReadZip64Extra(absl::string_view extra, absl::string_view what,
+                            const std::string& name, uint64_t* size, uint64_t* compressed,
+                            uint64_t* offset) {
+  size_t p = 0;
+  while (extra.size() - p >= 4) {
+    const uint64_t id = Le(extra, p, 2);
+    const uint64_t len = Le(extra, p + 2, 2);
+    p += 4;
+    if (len > extra.size() - p) break;
+    if (id == 1) {
+      size_t q = p;
+      for (uint64_t* field : {size, compressed, offset}) {
+        if (*field != kMax32) continue;
+        if (q + 8 > p + len) {
+          return NotZip(what, absl::StrCat("record '", name, "': short zip64 field"));
+        }
+        *field = Le(extra, q, 8);
+        q += 8;
+      }
+      return absl::OkStatus();
+    }
+    p += len;
+  }
+  return NotZip(what, absl::StrCat("record '", name,
+                                   "' has 32-bit sizes of 0xFFFFFFFF and no zip64 field"));
+}
+
+// A deflated pickle's or code file's stated size: far above any real one (kilobytes to
+// megabytes), and what LibTorch's reader allocates before inflating it.
+constexpr uint64_t kMaxInflated = uint64_t{256} << 20;
+// CheckTorchScriptCode's bound: TorchScript's parser recurses once per level (~1.6 KB of stack
+// each: 5,000 unary minuses overflow an 8 MiB stack and end the process), and the code
+// torch.jit.save writes nests a few levels.
+constexpr int64_t kMaxCodeNesting = 500;
+
+// LibTorch's zip reader over bytes it does not own.
+class ViewReader : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit ViewReader(absl::string_view bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<size_t>(n, bytes_.size() - pos);
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  absl::string_view bytes_;
+};
+
+std::string FirstLine(const char* text) {
+  const std::string s(text);
+  return s.substr(0, s.find('\n'));
+}
+
+// Whether `word` stands at code[i] as a word of its own.
+bool IsWordAt(absl::string_view code, size_t i, absl::string_view word) {
+  auto ident = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  if (code.compare(i, word.size(), word) != 0) return false;
+  if (i > 0 && ident(code[i - 1])) return false;
+  return i + word.size() >= code.size() || !ident(code[i + word.size()]);
+}
+
+bool IsCode(const std::string& name) {
+  return absl::EndsWith(name, ".py");
+}
+
+bool IsPickle(const std::string& name) {
+  return absl::EndsWith(name, ".pkl") || absl::EndsWith(name, "debug_pkl");
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ZipRecord>> ReadZipDirectory(absl::string_view b,
+                                                        absl::string_view what) {
+  if (b.size() < kEndSize) return NotZip(what, absl::StrCat("it has ", b.size(), " bytes"));
+  // The end-of-directory record: the last 22 bytes, or earlier by a comment of up to 64 KiB.
+  size_t end = absl::string_view::npos;
+  for (size_t i = b.size() - kEndSize;; --i) {
+    if (Le(b, i, 4) == kEndOfDirectory) {
+      end = i;
+      break;
+    }
+    if (i == 0 || b.size() - i >= kEndSize + 0xFFFF) break;
+  }
+  if (end == absl::string_view::npos) return NotZip(what, "no end-of-directory record");
+  uint64_t count = Le(b, end + 10, 2);
+  uint64_t dir_size = Le(b, end + 12, 4);
+  uint64_t dir_offset = Le(b, end + 16, 4);
+  if (count == 0xFFFF || dir_size == kMax32 || dir_offset == kMax32) {
+    if (end < 20 || Le(b, end - 20, 4) != kZip64Locator) return NotZip(what, "no zip64 locator");
+    const uint64_t at = Le(b, end - 20 + 8, 8);
+    if (at > b.size() || b.size() - at < 56 || Le(b, at, 4) != kZip64EndOfDirectory) {
+      return NotZip(what, "the zip64 end-of-directory record is not where its locator says");
+    }
+    count = Le(b, at + 32, 8);
+    dir_size = Le(b, at + 40, 8);
+    dir_offset = Le(b, at + 48, 8);
+  }
+  if (dir_offset > b.size() || dir_size > b.size() - dir_offset) {
+    return NotZip(what, "the central directory lies outside the archive");
+  }
+  if (count > dir_size / kEntrySize) {
+    return NotZip(what, absl::StrCat(count, " records cannot fit a directory of ", dir_size,
+                                     " bytes"));
+  }
+  std::vector<ZipRecord> out;
+  out.reserve(count);
+  const size_t dir_end = dir_offset + dir_size;
+  size_t p = dir_offset;
+  for (uint64_t i = 0; i < count; ++i) {
+    if (dir_end - p < kEntrySize || Le(b, p, 4) != kDirectoryEntry) {
+      return NotZip(what, absl::StrCat("directory entry ", i, " is malformed"));
+    }
+    const size_t name_len = Le(b, p + 28, 2);
+    const size_t extra_len = Le(b, p + 30, 2);
+    const size_t comment_len = Le(b, p + 32, 2);
+    if (dir_end - p - kEntrySize < name_len + extra_len + comment_len) {
+      return NotZip(what, absl::StrCat("directory entry ", i, " runs past the directory"));
+    }
+    ZipRecord r;
+    r.name = std::string(b.substr(p + kEntrySize, name_len));
+    r.method = static_cast<uint16_t>(Le(b, p + 10, 2));
+    r.compressed = Le(b, p + 20, 4);
+    r.size = Le(b, p + 24, 4);
+    r.offset = Le(b, p + 42, 4);
+    if (r.size == kMax32 || r.compressed == kMax32 || r.offset == kMax32) {
+      absl::Status wide = ReadZip64Extra(b.substr(p + kEntrySize + name_len, extra_len), what,
+                                         r.name, &r.size, &r.compressed, &r.offset);
+      if (!wide.ok()) return wide;
+    }
+    const std::string record = absl::StrCat("record '", r.name, "'");
+    if (r.method != 0 && r.method != 8) {
+      return NotZip(what, absl::StrCat(record, " uses compression method ", r.method,
+                                       " (torch.jit.save stores its records)"));
+    }
+    if (r.method == 0 && r.size != r.compressed) {
+      return NotZip(what, absl::StrCat(record, " is stored but states ", r.size,
+                                       " bytes uncompressed and ", r.compressed, " compressed"));
+    }
+    if (r.method == 8 && r.size / kMaxDeflateRatio > r.compressed) {
+      return NotZip(what, absl::StrCat(record, " states ", r.size,
+                                       " bytes uncompressed, more than ", r.compressed,
+                                       " deflated bytes can hold"));
+    }
+    if (r.offset > b.size() || r.compressed > b.size() - r.offset) {
+      return NotZip(what, absl::StrCat(record, " lies outside the archive"));
+    }
+    out.push_back(std::move(r));
+    p += kEntrySize + name_len + extra_len + comment_len;
+  }
+  return out;
+}
+
+absl::Status CheckPickle(absl::string_view data, absl::string_view what) {
+  size_t pos = 0;
+  uint64_t puts = 0;  // memo entries so far (a pickler numbers them 0, 1, ...)
+  auto fail = [&](size_t at, const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not a valid pickle: ", why, " at byte ", at));
+  };
+  auto remaining = [&] { return data.size() - pos; };
+  while (pos < data.size()) {
+    const size_t at = pos;
+    const char op = data[pos++];
+    // Fixed-size arguments, lengths before their bytes, and newline-ended arguments.
+    int fixed = 0;
+    int length_bytes = 0;
+    bool signed_length = false;
+    int lines = 0;
+    enum { kNone, kPut, kGet } memo = kNone;
+    switch (op) {
+      case '.':  // STOP
+        return absl::OkStatus();
+      case '(': case '0': case '1': case '2': case 'N': case ']': case 'a': case 'e':
+      case 'l': case ')': case 't': case '}': case 'd': case 's': case 'u': case 'b':
+      case 'R': case 'o': case 'Q':
+      case '\x81': case '\x85': case '\x86': case '\x87': case '\x88': case '\x89':
+      case '\x8f': case '\x90': case '\x91': case '\x92': case '\x93': case '\x97':
+      case '\x98':
+        break;
+      case '\x94':  // MEMOIZE
+        ++puts;
+        break;
+      case '\x80': case 'K': case '\x82': fixed = 1; break;  // PROTO BININT1 EXT1
+      case 'M': case '\x83': fixed = 2; break;               // BININT2 EXT2
+      case 'J': case '\x84': fixed = 4; break;               // BININT EXT4
+      case 'G': case '\x95': fixed = 8; break;               // BINFLOAT FRAME
+      case 'h': fixed = 1; memo = kGet; break;               // BINGET
+      case 'j': fixed = 4; memo = kGet; break;               // LONG_BINGET
+      case 'q': fixed = 1; memo = kPut; break;               // BINPUT
+      case 'r': fixed = 4; memo = kPut; break;               // LONG_BINPUT
+      case 'U': case 'C': case '\x8c': case '\x8a':          // SHORT_BINSTRING SHORT_BINBYTES
+        length_bytes = 1;                                    // SHORT_BINUNICODE LONG1
+        break;
+      case 'T': case '\x8b':  // BINSTRING LONG4
+        length_bytes = 4;
+        signed_length = true;
+        break;
+      case 'X': case 'B': length_bytes = 4; break;                   // BINUNICODE BINBYTES
+      case '\x8d': case '\x8e': case '\x96': length_bytes = 8; break;  // the 8-byte ones
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': lines = 1; break;
+      case 'g': lines = 1; memo = kGet; break;  // GET
+      case 'p': lines = 1; memo = kPut; break;  // PUT
+      case 'c': case 'i': lines = 2; break;     // GLOBAL INST
+      default:
+        return fail(at, absl::StrFormat("unknown opcode 0x%02x",
+                                        static_cast<unsigned>(static_cast<uint8_t>(op))));
+    }
+    uint64_t index = 0;
+    if (fixed > 0) {
+      if (remaining() < static_cast<size_t>(fixed)) return fail(at, "a truncated argument");
+      if (op == '\x95' && Le(data, pos, 8) > remaining() - 8) {
+        return fail(at, absl::StrCat("a frame of ", Le(data, pos, 8), " bytes where ",
+                                     remaining() - 8, " remain"));
+      }
+      index = Le(data, pos, fixed);
+      pos += fixed;
+    }
+    if (length_bytes > 0) {
+      if (remaining() < static_cast<size_t>(length_bytes)) return fail(at, "a truncated length");
+      uint64_t length = Le(data, pos, length_bytes);
+      if (signed_length && (length & 0x80000000u)) return fail(at, "a negative length");
+      pos += length_bytes;
+      if (length > remaining()) {
+        return fail(at, absl::StrCat("a length of ", length, " bytes where ", remaining(),
+                                     " remain"));
+      }
+      pos += length;
+    }
+    for (int line = 0; line < lines; ++line) {
+      const size_t newline = data.find('\n', pos);
+      if (newline == absl::string_view::npos) return fail(at, "an unterminated argument");
+      if (memo != kNone && !absl::SimpleAtoi(data.substr(pos, newline - pos), &index)) {
+        return fail(at, "a memo index that is not a number");
+      }
+      pos = newline + 1;
+    }
+    if (memo == kPut) {
+      if (index > puts) {
+        return fail(at, absl::StrCat("memo index ", index, " after ", puts, " entries"));
+      }
+      if (index == puts) ++puts;
+    } else if (memo == kGet && index >= puts) {
+      return fail(at, absl::StrCat("memo index ", index, " of ", puts, " entries"));
+    }
+  }
+  return fail(pos, "no STOP opcode");
+}
+
+absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what) {
+  // A statement's nesting, over-estimated: its bracket depth plus every operator character and
+  // `if`/`not`/`lambda` in it (each can be one more level of the parser's recursion: unary
+  // operators, `**`, chained conditionals), plus its line's indentation.
+  int depth = 0;         // brackets open
+  int64_t budget = 0;    // of the statement so far
+  int64_t indent = 0;    // of the statement's first line
+  bool line_start = true;
+  size_t statement = 0;  // where it began
+  auto over = [&](size_t at) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " nests deeper than TorchScript's compiler can parse safely (over ",
+        kMaxCodeNesting, " levels in the statement at byte ", statement, ", ending at byte ", at,
+        ")"));
+  };
+  for (size_t i = 0; i < code.size(); ++i) {
+    const char c = code[i];
+    if (line_start) {
+      if (c == ' ' || c == '\t') {
+        if (depth == 0) ++indent;
+        if (indent > kMaxCodeNesting) return over(i);
+        continue;
+      }
+      line_start = false;
+    }
+    switch (c) {
+      case '\n':
+        if (depth == 0) {
+          budget = 0;
+          indent = 0;
+          statement = i + 1;
+        }
+        line_start = true;
+        continue;
+      case '#':  // a comment, to the line's end
+        while (i + 1 < code.size() && code[i + 1] != '\n') ++i;
+        continue;
+      case '"':
+      case '\'': {  // a string literal, escapes skipped
+        const char quote = c;
+        while (++i < code.size() && code[i] != quote && code[i] != '\n') {
+          if (code[i] == '\\') ++i;
+        }
+        continue;
+      }
+      case '(': case '[': case '{':
+        ++depth;
+        ++budget;
+        break;
+      case ')': case ']': case '}':
+        depth = std::max(0, depth - 1);
+        break;
+      case '-': case '+': case '~': case '*': case '/': case '%': case '@': case '&': case '|':
+      case '^': case '<': case '>': case '!':
+        ++budget;
+        break;
+      default:
+        if (IsWordAt(code, i, "if") || IsWordAt(code, i, "not") || IsWordAt(code, i, "lambda")) {
+          ++budget;
+        }
+        break;
+    }
+    if (budget + indent > kMaxCodeNesting) return over(i);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTorchArchive(absl::string_view bytes, absl::string_view what) {
+  absl::StatusOr<std::vector<ZipRecord>> records = ReadZipDirectory(bytes, what);
+  if (!records.ok()) return records.status();
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;  // for deflated records
+  for (const ZipRecord& r : *records) {
+    const bool pickle = IsPickle(r.name);
+    const bool code = IsCode(r.name);
+    if (!pickle && !code) continue;
+    const std::string record = absl::StrCat(what, "'s ", pickle ? "pickle" : "code", " '",
+                                            r.name, "'");
+    absl::string_view contents;
+    std::string inflated;
+    if (r.method == 0) {
+      // Stored: the bytes follow the record's local header.
+      const uint64_t at = r.offset;
+      if (bytes.size() - at < kLocalSize || Le(bytes, at, 4) != kLocalHeader) {
+        return NotZip(what, absl::StrCat("record '", r.name, "' has no local header where the "
+                                         "directory says"));
+      }
+      const uint64_t data = at + kLocalSize + Le(bytes, at + 26, 2) + Le(bytes, at + 28, 2);
+      if (data > bytes.size() || r.size > bytes.size() - data) {
+        return NotZip(what, absl::StrCat("record '", r.name, "' runs past the archive"));
+      }
+      contents = bytes.substr(data, r.size);
+    } else {
+      // Deflated (torch.jit.save compresses its code and the code's debug_pkl files): inflated
+      // by LibTorch's own reader, which allocates the stated size first.
+      if (r.size > kMaxInflated) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            record, " states ", r.size, " bytes uncompressed; at most ", kMaxInflated,
+            " are accepted"));
+      }
+      try {
+        if (!reader) {
+          reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
+              std::make_shared<ViewReader>(bytes));
+        }
+        // The reader names records without the archive's top directory.
+        const size_t slash = r.name.find('/');
+        auto [data, size] =
+            reader->getRecord(slash == std::string::npos ? r.name : r.name.substr(slash + 1));
+        inflated.assign(static_cast<const char*>(data.get()), size);
+      } catch (const std::exception& e) {
+        return NotZip(what, absl::StrCat("record '", r.name, "' does not inflate: ",
+                                         FirstLine(e.what())));
+      }
+      contents = inflated;
+    }
+    absl::Status ok = pickle ? CheckPickle(contents, record) : CheckTorchScriptCode(contents,
+                                                                                     record);
+    if (!ok.ok()) return ok;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace rannc

@@ -1,0 +1,144 @@
+// The checks on an archive before LibTorch reads it: real archives pass; stated sizes
+// beyond the bytes sent (which LibTorch would allocate) are refused, naming the record.
+#include "daemon/common/torch_archive.h"
+
+// LibTorch's headers (through fixture.h) before Catch's: LibTorch's logging defines a CHECK too.
+#include <ATen/core/Tensor.h>
+#include <catch2/catch.hpp>
+
+#include "tests/fixtures/fixture.h"
+
+namespace rannc {
+namespace {
+
+using Catch::Matchers::Contains;
+
+std::string Message(const absl::Status& s) { return std::string(s.message()); }
+
+const ZipRecord* Find(const std::vector<ZipRecord>& records, const std::string& suffix) {
+  for (const ZipRecord& r : records) {
+    if (r.name.size() >= suffix.size() &&
+        r.name.compare(r.name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      return &r;
+    }
+  }
+  return nullptr;
+}
+
+TEST_CASE("the test fixtures' archives pass, and their records are found", "[graph]") {
+  for (const char* name : {"mlp", "tied_lm", "bn_net", "multi_io"}) {
+    const std::string bytes = testing::LoadFixture(name).model_bytes;
+    absl::StatusOr<std::vector<ZipRecord>> records = ReadZipDirectory(bytes, "the model archive");
+    REQUIRE(records.ok());
+    CHECK(Find(*records, "/data.pkl") != nullptr);
+    CHECK(Find(*records, "/constants.pkl") != nullptr);
+    CHECK(Find(*records, "debug_pkl") != nullptr);
+    CHECK(CheckTorchArchive(bytes, "the model archive").ok());
+  }
+}
+
+TEST_CASE("a pickle's stated lengths and memo indices are bounded by its bytes", "[graph]") {
+  // Protocol 2: a list of a short unicode string, memoized and fetched again.
+  const std::string good = std::string("\x80\x02]q\x00(X\x02\x00\x00\x00hih\x00" "e.", 17);
+  CHECK(CheckPickle(good, "test").ok());
+
+  // Every strict prefix is truncated somewhere: an error, never a read past the end.
+  for (size_t n = 0; n < good.size(); ++n) CHECK(!CheckPickle(good.substr(0, n), "test").ok());
+
+  std::string huge = good;
+  huge.replace(7, 4, "\xff\xff\xff\x7f", 4);  // BINUNICODE of 2^31-1 bytes
+  absl::Status s = CheckPickle(huge, "'data.pkl'");
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(Message(s), Contains("'data.pkl'") && Contains("a length of 2147483647 bytes"));
+
+  std::string bytes8 = std::string("\x80\x04\x8e", 3) + std::string(8, '\xff') + ".";
+  CHECK_THAT(Message(CheckPickle(bytes8, "p")), Contains("a length of"));
+  std::string negative = std::string("\x80\x02T\x00\x00\x00\x80.", 8);  // BINSTRING, < 0
+  CHECK_THAT(Message(CheckPickle(negative, "p")), Contains("negative"));
+  std::string frame = std::string("\x80\x04\x95", 3) + std::string("\xff\xff\xff\x00", 4) +
+                      std::string(4, '\0') + "N.";
+  CHECK_THAT(Message(CheckPickle(frame, "p")), Contains("a frame of"));
+
+  // A memo index no PUT made (LibTorch reserves room for it).
+  std::string far_put = good;
+  far_put[4] = '\x05';  // BINPUT 5 as the first put
+  CHECK_THAT(Message(CheckPickle(far_put, "p")), Contains("memo index 5 after 0 entries"));
+  std::string far_get = std::string("\x80\x02]q\x00j\x00\x00\x00\x10.", 11);  // LONG_BINGET
+  CHECK_THAT(Message(CheckPickle(far_get, "p")), Contains("memo index 268435456 of 1"));
+
+  CHECK_THAT(Message(CheckPickle(std::string("\x80\x02\xff.", 4), "p")),
+             Contains("unknown opcode 0xff"));
+  CHECK_THAT(Message(CheckPickle(std::string("\x80\x02N", 3), "p")), Contains("no STOP"));
+}
+
+TEST_CASE("a zip's stated sizes are bounded by the archive", "[graph]") {
+  const std::string bytes = testing::LoadFixture("mlp").model_bytes;
+  absl::StatusOr<std::vector<ZipRecord>> records = ReadZipDirectory(bytes, "the model archive");
+  REQUIRE(records.ok());
+
+  CHECK_THAT(Message(ReadZipDirectory("not a zip at all, just some text", "x").status()),
+             Contains("no end-of-directory record"));
+  CHECK(!ReadZipDirectory("", "x").ok());
+  // Every strict suffix cut off: an error or fewer records, never a read out of bounds.
+  for (size_t cut = 1; cut < 64; ++cut) {
+    absl::StatusOr<std::vector<ZipRecord>> r =
+        ReadZipDirectory(bytes.substr(0, bytes.size() - cut), "x");
+    CHECK((!r.ok() || r->size() < records->size()));
+  }
+
+  // The data.pkl record's directory entry, rewritten: deflated, claiming 4 GB.
+  const ZipRecord* data = Find(*records, "/data.pkl");
+  REQUIRE(data != nullptr);
+  const std::string entry_name = data->name;
+  size_t at = 0;  // its directory entry
+  for (size_t p = bytes.find(std::string("PK\x01\x02", 4)); p != std::string::npos;
+       p = bytes.find(std::string("PK\x01\x02", 4), p + 1)) {
+    if (bytes.compare(p + 46, entry_name.size(), entry_name) == 0) {
+      at = p;
+      break;
+    }
+  }
+  REQUIRE(at > 0);
+  std::string deflated = bytes;
+  deflated[at + 10] = 8;
+  deflated.replace(at + 24, 4, "\x00\x00\x00\xf0", 4);  // uncompressed: 4026531840 bytes
+  CHECK_THAT(Message(ReadZipDirectory(deflated, "x").status()),
+             Contains("data.pkl") && Contains("more than"));
+  std::string other_method = bytes;
+  other_method[at + 10] = 12;  // bzip2
+  CHECK_THAT(Message(ReadZipDirectory(other_method, "x").status()),
+             Contains("compression method 12"));
+  std::string outside = bytes;
+  outside.replace(at + 42, 4, "\x00\x00\x00\x7f", 4);  // local header offset
+  CHECK_THAT(Message(ReadZipDirectory(outside, "x").status()), Contains("outside the archive"));
+}
+
+TEST_CASE("TorchScript code that nests too deeply for the parser is refused", "[graph]") {
+  // 8,000 unary minuses overflow TorchScript's parser's stack (a SIGSEGV in torch.jit.load);
+  // fuzz/corpus/torchscript_import/deep-unary-code is such an archive.
+  const std::string head = "def forward(self, x: Tensor) -> Tensor:\n    return ";
+  absl::Status s = CheckTorchScriptCode(head + std::string(8000, '-') + "x\n", "'f.py'");
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(Message(s), Contains("'f.py' nests deeper") && Contains("statement at byte 40"));
+  CHECK(!CheckTorchScriptCode(head + std::string(600, '(') + "x" + std::string(600, ')'), "f")
+             .ok());
+  // Trailing blanks are no indentation.
+  CHECK(CheckTorchScriptCode(head + "x" + std::string(600, ' ') + "\n", "f").ok());
+  CHECK(!CheckTorchScriptCode("if x:\n" + std::string(600, ' ') + "pass\n", "f").ok());
+  // A statement spanning lines inside brackets is one statement.
+  std::string spread = head + "f(";
+  for (int i = 0; i < 600; ++i) spread += "-x,\n  ";
+  CHECK(!CheckTorchScriptCode(spread + ")\n", "f").ok());
+
+  // What real code has: many statements, operators in strings and comments, a few levels each.
+  std::string fine = head + "x\n";
+  for (int i = 0; i < 2000; ++i) {
+    fine += "    _0 = torch.add(torch.neg(-x), (y - 1) * 2, alpha=-1)\n";
+  }
+  fine += "    s = \"" + std::string(2000, '-') + "\"  # " + std::string(2000, '-') + "\n";
+  fine += "    t = 'a\\'" + std::string(2000, '(') + "'\n";
+  CHECK(CheckTorchScriptCode(fine, "f").ok());
+}
+
+}  // namespace
+}  // namespace rannc
