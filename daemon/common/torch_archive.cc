@@ -294,7 +294,10 @@ absl::Status CheckPickle(absl::string_view data, absl::string_view what) {
   return fail(pos, "no STOP opcode");
 }
 
-absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what) {
+namespace {
+
+// CheckTorchScriptCode's first half: how deeply the code nests.
+absl::Status CheckNesting(absl::string_view code, absl::string_view what) {
   // A statement's nesting, over-estimated: its bracket depth plus every operator character and
   // `if`/`not`/`lambda` in it (each can be one more level of the parser's recursion: unary
   // operators, `**`, chained conditionals), plus its line's indentation.
@@ -359,6 +362,131 @@ absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what
     if (budget + indent > kMaxCodeNesting) return over(i);
   }
   return absl::OkStatus();
+}
+
+// Passes over a string literal or a comment starting at code[*i], leaving *i on its last byte;
+// false when code[*i] starts neither.
+bool SkipStringOrComment(absl::string_view code, size_t* i) {
+  const char c = code[*i];
+  if (c == '#') {
+    while (*i + 1 < code.size() && code[*i + 1] != '\n') ++*i;
+    return true;
+  }
+  if (c != '"' && c != '\'') return false;
+  while (++*i < code.size() && code[*i] != c && code[*i] != '\n') {
+    if (code[*i] == '\\') ++*i;
+  }
+  if (*i >= code.size()) *i = code.size() - 1;
+  return true;
+}
+
+// The identifier at code[*i] (moving past it), or "".
+absl::string_view Identifier(absl::string_view code, size_t* i) {
+  const size_t begin = *i;
+  while (*i < code.size() && (std::isalnum(static_cast<unsigned char>(code[*i])) ||
+                              code[*i] == '_')) {
+    ++*i;
+  }
+  if (begin < code.size() && std::isdigit(static_cast<unsigned char>(code[begin]))) {
+    *i = begin;
+  }
+  return code.substr(begin, *i - begin);
+}
+
+void SkipBlanks(absl::string_view code, size_t* i) {
+  while (*i < code.size() && (code[*i] == ' ' || code[*i] == '\t')) ++*i;
+}
+
+// CheckTorchScriptCode's second half. LibTorch 1.13 reads the type annotation of a class's
+// constant without checking that it has one: `  foo = []` in a class body (any name but the
+// four its importer knows) makes it read an absent annotation: garbage, an exception or a
+// SIGSEGV (found by fuzz/torchscript_import_fuzzer.cc: `__buffers__` with one bit flipped).
+// Enum classes, whose members are such assignments, are read by other code.
+absl::Status CheckClassConstants(absl::string_view code, absl::string_view what) {
+  int64_t class_indent = -1;  // of the class statement whose body this is; -1: none
+  int64_t body_indent = -1;   // of that body's statements; -1: not seen yet
+  // A statement beginning at code[at] in a class body: an assignment without annotation?
+  auto check = [&](size_t at) -> absl::Status {
+    SkipBlanks(code, &at);
+    const absl::string_view name = Identifier(code, &at);
+    SkipBlanks(code, &at);
+    if (name.empty() || at + 1 >= code.size() || code[at] != '=' || code[at + 1] == '=') {
+      return absl::OkStatus();
+    }
+    for (const char* known :
+         {"__parameters__", "__buffers__", "__forward_pre_hooks__", "__forward_hooks__"}) {
+      if (name == known) return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the class constant '", name, "' at byte ", at,
+        " has no type annotation (TorchScript's importer reads one regardless; torch.jit.save "
+        "writes `", name, " : Final[T] = ...`)"));
+  };
+  size_t i = 0;
+  while (i < code.size()) {
+    // A logical line: a newline outside brackets, not after a backslash, ends it.
+    int64_t indent = 0;
+    while (i < code.size() && (code[i] == ' ' || code[i] == '\t')) {
+      ++indent;
+      ++i;
+    }
+    const size_t text = i;
+    std::vector<size_t> statements{text};  // where each of its statements begins
+    size_t colon = std::string::npos;       // its first ':' outside brackets
+    int depth = 0;
+    for (; i < code.size(); ++i) {
+      const char c = code[i];
+      if (c == '\\' && i + 1 < code.size() && code[i + 1] == '\n') {
+        ++i;
+      } else if (c == '\n') {
+        if (depth == 0) break;
+      } else if (SkipStringOrComment(code, &i)) {
+      } else if (c == '(' || c == '[' || c == '{') {
+        ++depth;
+      } else if (c == ')' || c == ']' || c == '}') {
+        depth = std::max(0, depth - 1);
+      } else if (depth == 0 && c == ';') {
+        statements.push_back(i + 1);
+      } else if (depth == 0 && c == ':' && colon == std::string::npos) {
+        colon = i;
+      }
+    }
+    const size_t end = i++;
+    if (text == end || code[text] == '#') continue;  // blank, or a comment
+    if (class_indent >= 0 && indent <= class_indent) class_indent = -1;
+    if (class_indent >= 0) {
+      if (body_indent < 0) body_indent = indent;
+      if (indent == body_indent) {
+        for (size_t at : statements) {
+          if (absl::Status ok = check(at); !ok.ok()) return ok;
+        }
+      }
+    }
+    // `class NAME(BASE):` or `class NAME:`, and what follows its colon on the line.
+    size_t at = text;
+    if (Identifier(code, &at) != "class") continue;
+    SkipBlanks(code, &at);
+    if (Identifier(code, &at).empty()) continue;
+    SkipBlanks(code, &at);
+    if (at < end && code[at] == '(') {
+      ++at;
+      SkipBlanks(code, &at);
+      if (Identifier(code, &at) == "Enum") continue;
+    }
+    class_indent = indent;
+    body_indent = -1;
+    if (colon != std::string::npos) {
+      if (absl::Status ok = check(colon + 1); !ok.ok()) return ok;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what) {
+  if (absl::Status ok = CheckNesting(code, what); !ok.ok()) return ok;
+  return CheckClassConstants(code, what);
 }
 
 namespace {

@@ -39,10 +39,11 @@ absl::StatusOr<std::vector<ZipRecord>> ReadZipDirectory(absl::string_view bytes,
 // INVALID_ARGUMENT beginning with `what` and naming the offset otherwise.
 absl::Status CheckPickle(absl::string_view data, absl::string_view what);
 
-// Bounds how deeply TorchScript source (an archive's code/ files) nests, which TorchScript's
-// parser follows by recursion: deep enough, it overflows the thread's stack and ends the
-// process. Over-estimated per statement from its indentation, brackets, operators and
-// conditionals; 500 levels. INVALID_ARGUMENT beginning with `what` otherwise.
+// Checks TorchScript source (an archive's code/ files) for what crashes LibTorch 1.13's
+// importer: nesting deeper than 500 levels (its parser recurses per level and overflows the
+// thread's stack; over-estimated per statement from indentation, brackets, operators and
+// conditionals), and a class constant without a type annotation (`foo = []` in a class body:
+// the importer reads the absent annotation). INVALID_ARGUMENT beginning with `what` otherwise.
 absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what);
 
 // ReadZipDirectory, then CheckPickle on each pickle of the archive (data.pkl, constants.pkl,

@@ -176,5 +176,30 @@ TEST_CASE("an archive LibTorch's reader would fail to open is refused first", "[
              Contains("'mlp/version' holds no version number"));
 }
 
+TEST_CASE("a class constant without a type annotation is refused", "[graph]") {
+  // LibTorch 1.13 reads the absent annotation (fuzz/corpus/torchscript_import/
+  // class-constant-without-type: `__buffers__` with one bit flipped crashed torch.jit.load).
+  const std::string head = "class M(Module):\n  __parameters__ = []\n";
+  absl::Status s = CheckTorchScriptCode(head + "  __muffers__ = []\n", "'m.py'");
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(Message(s), Contains("'m.py': the class constant '__muffers__'"));
+  CHECK(!CheckTorchScriptCode(head + "  training : bool; foo = 3\n", "f").ok());
+  CHECK(!CheckTorchScriptCode("class M(Module): foo = 3\n", "f").ok());
+  CHECK(!CheckTorchScriptCode("class M:\n  # a comment\n\n  foo=(1,\n    2)\n", "f").ok());
+
+  // What torch.jit.save writes, and assignments that are not a class's constants.
+  CHECK(CheckTorchScriptCode(head + "  __buffers__ = [\"running_mean\", ]\n"
+                                    "  training : bool\n"
+                                    "  __annotations__[\"0\"] = __torch__.Linear\n"
+                                    "  k : Final[int] = 3\n"
+                                    "  def forward(self: __torch__.M,\n    x: Tensor) -> Tensor:\n"
+                                    "    y = torch.relu(x)\n"
+                                    "    return y\n"
+                                    "x = 3\n"
+                                    "class C(Enum):\n  RED = 1\n  GREEN = 2\n",
+                             "f")
+            .ok());
+}
+
 }  // namespace
 }  // namespace rannc
