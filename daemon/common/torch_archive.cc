@@ -8,6 +8,7 @@
 
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -484,6 +485,105 @@ absl::Status CheckClassConstants(absl::string_view code, absl::string_view what)
 
 }  // namespace
 
+absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what) {
+  c10::IValue root;
+  try {
+    root = torch::jit::unpickle(pickle.data(), pickle.size());
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " does not unpickle: ", FirstLine(e.what())));
+  }
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not TorchScript's debug information: ", why));
+  };
+  auto ints = [](const c10::IValue& v, std::vector<int64_t>* out) {
+    if (v.isIntList()) {
+      *out = v.toIntVector();
+      return true;
+    }
+    if (!v.isList()) return false;
+    for (const c10::IValue& i : v.toListRef()) {
+      if (!i.isInt()) return false;
+      out->push_back(i.toInt());
+    }
+    return true;
+  };
+  // A tuple's or a list's elements.
+  auto elements = [](const c10::IValue& v, std::vector<c10::IValue>* out) {
+    if (v.isTuple()) {
+      *out = v.toTupleRef().elements().vec();
+    } else if (v.isList()) {
+      *out = v.toListRef().vec();
+    } else {
+      return false;
+    }
+    return true;
+  };
+  // ("FORMAT_WITH_STRING_TABLE", texts, ranges), or the ranges alone.
+  std::vector<c10::IValue> records;
+  if (!elements(root, &records)) return bad("not a tuple");
+  std::vector<int64_t> table;  // each text's length
+  bool with_table = false;
+  if (records.size() == 3 && records[0].isString() &&
+      records[0].toStringRef() == "FORMAT_WITH_STRING_TABLE") {
+    std::vector<c10::IValue> texts;
+    if (!elements(records[1], &texts)) return bad("its string table is not a tuple");
+    for (const c10::IValue& s : texts) {
+      if (!s.isString()) return bad("its string table holds a non-string");
+      table.push_back(static_cast<int64_t>(s.toStringRef().size()));
+    }
+    with_table = true;
+    std::vector<c10::IValue> ranges;
+    if (!elements(records[2], &ranges)) return bad("its ranges are not a tuple");
+    records = std::move(ranges);
+  }
+  // (byte offset in the code, (source, start, end)[, tag]) per range, each source (text
+  // indices, file name index, first line) with the table, else (text, file name, line).
+  for (size_t r = 0; r < records.size(); ++r) {
+    const std::string which = absl::StrCat("range ", r);
+    if (!records[r].isTuple()) return bad(which + " is not a tuple");
+    const auto& record = records[r].toTupleRef().elements();
+    if ((record.size() != 2 && record.size() != 3) || !record[0].isInt() || !record[1].isTuple() ||
+        (record.size() == 3 && !record[2].isInt())) {
+      return bad(which + " is malformed");
+    }
+    const auto& range = record[1].toTupleRef().elements();
+    if (range.size() != 3 || !range[0].isTuple() || !range[1].isInt() || !range[2].isInt()) {
+      return bad(which + " is malformed");
+    }
+    const auto& source = range[0].toTupleRef().elements();
+    if (source.size() != 3 || !source[2].isInt()) return bad(which + "'s source is malformed");
+    int64_t length = 0;
+    if (with_table) {
+      std::vector<int64_t> texts;
+      if (!ints(source[0], &texts) || !source[1].isInt()) {
+        return bad(which + "'s source is malformed");
+      }
+      texts.push_back(source[1].toInt());  // the file name's index too
+      for (size_t t = 0; t < texts.size(); ++t) {
+        if (texts[t] < 0 || texts[t] >= static_cast<int64_t>(table.size())) {
+          return bad(absl::StrCat(which, "'s source names text ", texts[t], " of ",
+                                  table.size()));
+        }
+        if (t + 1 < texts.size()) length += table[texts[t]];
+      }
+    } else {
+      if (!source[0].isString() || !(source[1].isNone() || source[1].isString())) {
+        return bad(which + "'s source is malformed");
+      }
+      length = static_cast<int64_t>(source[0].toStringRef().size());
+    }
+    const int64_t start = range[1].toInt();
+    const int64_t end = range[2].toInt();
+    if (start < 0 || start > end || end > length) {
+      return bad(absl::StrCat(which, " [", start, ", ", end, ") lies outside its source's ",
+                              length, " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what) {
   if (absl::Status ok = CheckNesting(code, what); !ok.ok()) return ok;
   return CheckClassConstants(code, what);
@@ -586,6 +686,7 @@ absl::Status CheckTorchArchive(absl::string_view bytes, absl::string_view what) 
     }
     absl::Status ok = pickle ? CheckPickle(contents, record) : CheckTorchScriptCode(contents,
                                                                                      record);
+    if (ok.ok() && absl::EndsWith(r.name, ".debug_pkl")) ok = CheckDebugInfo(contents, record);
     if (!ok.ok()) return ok;
   }
   return absl::OkStatus();

@@ -46,8 +46,15 @@ absl::Status CheckPickle(absl::string_view data, absl::string_view what);
 // the importer reads the absent annotation). INVALID_ARGUMENT beginning with `what` otherwise.
 absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what);
 
+// Checks a code file's debug information (its .debug_pkl, after CheckPickle): TorchScript maps
+// the code's source ranges to the client's Python source through it without checking its text
+// indices or offsets, and an error message's traceback reads past the texts (a SIGSEGV). Each
+// range's texts must be in its string table and its [start, end) within them.
+absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what);
+
 // ReadZipDirectory, then CheckPickle on each pickle of the archive (data.pkl, constants.pkl,
-// the code's debug_pkl files) and CheckTorchScriptCode on its code. torch.jit.save deflates the
+// the code's debug_pkl files, then CheckDebugInfo on those) and CheckTorchScriptCode on its
+// code. torch.jit.save deflates the
 // code and its debug_pkl files: those are inflated first, up to 256 MiB each.
 absl::Status CheckTorchArchive(absl::string_view bytes, absl::string_view what);
 

@@ -4,6 +4,8 @@
 
 // LibTorch's headers (through fixture.h) before Catch's: LibTorch's logging defines a CHECK too.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <catch2/catch.hpp>
 
 #include "tests/fixtures/fixture.h"
@@ -199,6 +201,40 @@ TEST_CASE("a class constant without a type annotation is refused", "[graph]") {
                                     "class C(Enum):\n  RED = 1\n  GREEN = 2\n",
                              "f")
             .ok());
+}
+
+TEST_CASE("debug information whose ranges leave their texts is refused", "[graph]") {
+  // TorchScript maps source ranges through it unchecked; fuzz/corpus/torchscript_import/
+  // debug-pkl-text-index crashed an error message's formatting (SourceRange::highlight).
+  auto debug = [](std::vector<int64_t> texts, int64_t file, int64_t start, int64_t end) {
+    c10::IValue source = c10::ivalue::Tuple::create(
+        {c10::IValue(c10::List<int64_t>(texts)), c10::IValue(file), c10::IValue(int64_t{1})});
+    c10::IValue range = c10::ivalue::Tuple::create({source, c10::IValue(start), c10::IValue(end)});
+    // As torch.jit.save writes it: ("FORMAT_WITH_STRING_TABLE", texts, ranges).
+    c10::IValue table = c10::ivalue::Tuple::create(
+        {c10::IValue(std::string("def f(x):")), c10::IValue(std::string("  return x")),
+         c10::IValue(std::string("m.py"))});
+    c10::IValue record =
+        c10::ivalue::Tuple::create({c10::IValue(int64_t{0}), range, c10::IValue(int64_t{0})});
+    const std::vector<char> bytes = torch::jit::pickle(
+        c10::ivalue::Tuple::create({c10::IValue(std::string("FORMAT_WITH_STRING_TABLE")), table,
+                                    c10::ivalue::Tuple::create({record})}),
+        nullptr);
+    return std::string(bytes.begin(), bytes.end());
+  };
+  const std::string good = debug({0, 1}, 2, 4, 19);  // 19: both texts' length
+  REQUIRE(CheckPickle(good, "d").ok());
+  CHECK(CheckDebugInfo(good, "d").ok());
+  CHECK_THAT(Message(CheckDebugInfo(debug({0, 7}, 2, 0, 1), "'d'")),
+             Contains("'d' is not TorchScript's debug information") &&
+                 Contains("names text 7 of 3"));
+  CHECK_THAT(Message(CheckDebugInfo(debug({0}, 3, 0, 1), "d")), Contains("names text 3 of 3"));
+  CHECK_THAT(Message(CheckDebugInfo(debug({0, 1}, 2, 4, 20), "d")),
+             Contains("[4, 20) lies outside its source's 19 bytes"));
+  CHECK(!CheckDebugInfo(debug({0}, 2, 5, 4), "d").ok());
+  CHECK(!CheckDebugInfo(debug({-1}, 2, 0, 0), "d").ok());
+  CHECK_THAT(Message(CheckDebugInfo(std::string("\x80\x02K\x01.", 5), "d")),
+             Contains("not a tuple"));
 }
 
 }  // namespace
