@@ -5,7 +5,9 @@ tensor_codec: frames of a little-endian uint32 length and a serialized message: 
 rannc.v1.Tensor, then rannc.v1.StateDictChunks.
 rpc: a byte picking the method (rpc_fuzzer.cc's switch), then the request; requests that name
 no job reach the target's live job (the mlp fixture: x float32 [5, 6], y int64 [5] -> a loss;
-parameters fc1.weight, fc1.bias, fc2.weight, fc2.bias)."""
+parameters fc1.weight, fc1.bias, fc2.weight, fc2.bias). A call that streams requests takes them
+as frames of a little-endian uint16 length and a serialized request; its CreateJob seeds send
+fuzz/corpus/torchscript_import/mlp.pt (the fixture's archive) as the model."""
 
 import os
 import struct
@@ -59,6 +61,14 @@ def rpc(method, request=None):
     return bytes([method]) + (request.SerializeToString() if request is not None else b"")
 
 
+def stream(method, *requests):
+    out = bytes([method])
+    for r in requests:
+        data = r.SerializeToString()
+        out += struct.pack("<H", len(data)) + data
+    return out
+
+
 def f32(shape, value=0.5):
     n = 1
     for d in shape:
@@ -95,6 +105,40 @@ rpc_seeds = {
     "delete-other": rpc(19, pb.JobRef(job_id="job-0000")),
     "undeploy-other": rpc(20, pb.JobRef(job_id="job-0000")),
 }
+
+MLP = open(os.path.join(os.path.dirname(OUT), "torchscript_import", "mlp.pt"), "rb").read()
+SPEC = pb.JobSpec(name="fuzz-made", mode=pb.Mode(training=True), example_inputs=[X, Y],
+                  optimizer=pb.OptimizerSpec(type=pb.SGD), model_bytes=len(MLP))
+half = len(MLP) // 2
+W1 = "fc1.weight"
+rpc_seeds.update({
+    "create-job": stream(21, pb.CreateJobRequest(spec=SPEC),
+                         pb.CreateJobRequest(model_chunk=MLP[:half]),
+                         pb.CreateJobRequest(model_chunk=MLP[half:])),
+    "create-job-short": stream(21, pb.CreateJobRequest(spec=SPEC),
+                               pb.CreateJobRequest(model_chunk=MLP[:half])),
+    "create-job-chunk-first": stream(21, pb.CreateJobRequest(model_chunk=MLP[:half]),
+                                     pb.CreateJobRequest(spec=SPEC)),
+    "add-mode": stream(22, pb.AddModeRequest(header=pb.AddModeRequest.Header(
+        mode=pb.Mode(training=False), model_bytes=len(MLP))),
+        pb.AddModeRequest(model_chunk=MLP)),
+    "state-dict": rpc(23, pb.StateDictRequest()),
+    "load-state-dict": stream(24, pb.LoadStateDictRequest(
+        header=pb.LoadStateDictRequest.Header(strict=False)),
+        pb.LoadStateDictRequest(chunk=chunk(W1, F32, [8, 6], bytes(96), total=192)),
+        pb.LoadStateDictRequest(chunk=chunk(W1, F32, [8, 6], bytes(96), offset=96, total=192))),
+    "load-state-dict-gap": stream(24, pb.LoadStateDictRequest(
+        header=pb.LoadStateDictRequest.Header(strict=True)),
+        pb.LoadStateDictRequest(chunk=chunk(W1, F32, [8, 6], bytes(96), offset=96, total=192))),
+    "optimizer-state": rpc(25, pb.JobRef()),
+    "load-optimizer-state": stream(26, pb.LoadStateDictRequest(
+        header=pb.LoadStateDictRequest.Header()),
+        pb.LoadStateDictRequest(chunk=pb.StateDictChunk(
+            name=W1, state_key="momentum_buffer", dtype=F32, shape=[8, 6], data=bytes(192),
+            total_bytes=192))),
+    "export-checkpoint": rpc(27, pb.CheckpointsRef(step=3)),
+    "detached-logs": rpc(28, pb.DetachedLogsRequest(follow=True)),
+})
 
 for out, written in ((OUT, seeds), (os.path.join(os.path.dirname(OUT), "rpc"), rpc_seeds)):
     os.makedirs(out, exist_ok=True)

@@ -1,5 +1,4 @@
-// Fuzz target: the request validation of each unary RPC of the training service, against a real
-// daemon. At start-up the target starts a Daemon in this process (--devices cpu:1, loopback, no
+// Fuzz target: the request validation of the training service's RPCs, against a real daemon. At start-up the target starts a Daemon in this process (--devices cpu:1, loopback, no
 // state directory, no profile cache) and creates one training job on it through the C++ SDK
 // (the mlp fixture, SGD): the live job. Each input is one call: its first byte picks the method,
 // the rest is the method's request (protobuf bytes, as a client would send). A request that
@@ -10,10 +9,15 @@
 // 2 s deadline. Every path must end in a status: no crash, hang or undefined behaviour, and the
 // daemon serves on.
 //
-// Left out: the streaming calls (CreateJob, AddMode, StateDict, LoadStateDict, the optimizer
-// state's, ExportCheckpoint, DetachedJobLogs, UploadFile: the tensor_codec, torchscript_import
-// and checkpoint_manifest targets cover what they carry) and SubmitJob (it starts detached jobs
-// that read files).
+// The streaming calls too: for one that streams requests (CreateJob, AddMode, LoadStateDict,
+// LoadOptimizerState) the rest of the input is up to 16 requests, each a 2-byte little-endian
+// length and its bytes, sent in order (the handlers' order checks: a header first, chunks of
+// one tensor in order, sizes against what the header said); a job a CreateJob made is deleted
+// after it, and AddMode goes to a job that does not exist (a successful one would grow the live
+// job each time; importing is the torchscript_import target's). For one that streams answers
+// (StateDict, OptimizerState, ExportCheckpoint, DetachedJobLogs) the rest is its request, and
+// every answer is read. Left out: UploadFile (it leaves files) and SubmitJob (it starts
+// detached jobs that read files).
 //
 // The fixture is read from the target's runfiles (fuzz/runfiles.h). Seeds:
 // fuzz/make_seeds.py (one or more requests per method); RANNC_FUZZ_VERBOSE=1 prints each call's
@@ -122,6 +126,82 @@ void JobRefNotLive(v1::JobRef* r) {
   if (r->job_id() == TheDaemon().job_id) r->set_job_id("not-the-live-job");
 }
 
+void Verbose(const char* name, const grpc::Status& status) {
+  if (std::getenv("RANNC_FUZZ_VERBOSE") != nullptr) {
+    std::fprintf(stderr, "%s: %d %s\n", name, static_cast<int>(status.error_code()),
+                 status.error_message().c_str());
+  }
+}
+
+// The requests of a client-streaming call: up to 16, each a 2-byte little-endian length and
+// that many bytes of `body` (a request that does not parse ends the list).
+template <typename Request>
+std::vector<Request> Requests(const std::string& body) {
+  std::vector<Request> out;
+  size_t at = 0;
+  while (out.size() < 16 && body.size() - at >= 2) {
+    const size_t n = static_cast<uint8_t>(body[at]) | static_cast<uint8_t>(body[at + 1]) << 8;
+    at += 2;
+    Request r;
+    if (n > body.size() - at || !r.ParseFromString(body.substr(at, n))) break;
+    out.push_back(std::move(r));
+    at += n;
+  }
+  return out;
+}
+
+template <typename Request, typename Response, typename Method>
+grpc::Status ClientStream(const std::string& body, Method method, void (*fill)(Request*),
+                          Response* response) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  auto writer = (TheDaemon().stub.get()->*method)(&context, response);
+  for (Request& r : Requests<Request>(body)) {
+    fill(&r);
+    if (!writer->Write(r)) break;  // the daemon answered already
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  Verbose(Request::descriptor()->name().c_str(), status);
+  return status;
+}
+
+template <typename Request, typename Answer, typename Method>
+void ServerStream(const std::string& body, Method method, void (*fill)(Request*)) {
+  Request request;
+  if (!request.ParseFromString(body)) return;
+  fill(&request);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  auto reader = (TheDaemon().stub.get()->*method)(&context, request);
+  Answer answer;
+  while (reader->Read(&answer)) {
+  }
+  Verbose(Request::descriptor()->name().c_str(), reader->Finish());
+}
+
+void NoFill(v1::CreateJobRequest*) {}
+
+void AddModeNotLive(v1::AddModeRequest* r) {
+  if (r->has_header()) r->mutable_header()->set_job_id("not-the-live-job");
+}
+
+void LoadWithJob(v1::LoadStateDictRequest* r) {
+  if (r->has_header()) Live(r->mutable_header()->mutable_job_id());
+}
+
+void CreateJob(const std::string& body) {
+  v1::CreateJobResponse made;
+  const grpc::Status status = ClientStream<v1::CreateJobRequest>(
+      body, &v1::TrainingService::Stub::CreateJob, NoFill, &made);
+  if (!status.ok() || made.job_id().empty()) return;
+  grpc::ClientContext context;  // a job made is deleted: each input starts from the live one
+  v1::JobRef ref;
+  ref.set_job_id(made.job_id());
+  v1::Empty empty;
+  (void)TheDaemon().stub->DeleteJob(&context, ref, &empty);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
@@ -136,7 +216,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   using S = v1::TrainingService::Stub;
   const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 21) {
+  switch (data[0] % 29) {
     case 0: Call<v1::GetInfoRequest, v1::DaemonInfo>(body, &S::GetInfo); break;
     case 1:
       Call<v1::JoinJobRequest, v1::CreateJobResponse>(body, &S::JoinJob,
@@ -193,6 +273,40 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 19: Call<v1::JobRef, v1::Empty>(body, &S::DeleteJob, JobRefNotLive); break;
     case 20: Call<v1::JobRef, v1::Empty>(body, &S::Undeploy, JobRefNotLive); break;
+    // The streaming calls.
+    case 21: CreateJob(body); break;
+    case 22: {
+      v1::AddModeResponse r;
+      (void)ClientStream<v1::AddModeRequest>(body, &S::AddMode, AddModeNotLive, &r);
+      break;
+    }
+    case 23:
+      ServerStream<v1::StateDictRequest, v1::StateDictChunk>(body, &S::StateDict,
+                                                             WithJob<v1::StateDictRequest>);
+      break;
+    case 24: {
+      v1::LoadStateDictResponse r;
+      (void)ClientStream<v1::LoadStateDictRequest>(body, &S::LoadStateDict, LoadWithJob, &r);
+      break;
+    }
+    case 25:
+      ServerStream<v1::JobRef, v1::StateDictChunk>(body, &S::OptimizerState,
+                                                   WithJob<v1::JobRef>);
+      break;
+    case 26: {
+      v1::LoadStateDictResponse r;
+      (void)ClientStream<v1::LoadStateDictRequest>(body, &S::LoadOptimizerState, LoadWithJob,
+                                                   &r);
+      break;
+    }
+    case 27:
+      ServerStream<v1::CheckpointsRef, v1::ExportChunk>(body, &S::ExportCheckpoint,
+                                                        WithJob<v1::CheckpointsRef>);
+      break;
+    case 28:
+      ServerStream<v1::DetachedLogsRequest, v1::DetachedLogLine>(
+          body, &S::DetachedJobLogs, WithJob<v1::DetachedLogsRequest>);
+      break;
   }
   return 0;
 }
