@@ -199,9 +199,63 @@ absl::StatusOr<std::vector<ZipRecord>> ReadZipDirectory(absl::string_view b,
   return out;
 }
 
+namespace {
+
+// What a pickle opcode does to the pickle machine's stack: it needs `need` items above the last
+// mark, takes `pop` and puts `push`; or it sets a mark (kSet), or takes everything above the last
+// mark and the mark (kTake), needing `need` items below the mark (APPENDS: the list) or above it
+// (OBJ: the class, `above`).
+struct StackEffect {
+  enum Mark { kNone, kSet, kTake } mark = kNone;
+  int need = 0;
+  int pop = 0;
+  int push = 0;
+  bool above = false;
+};
+
+StackEffect EffectOf(char op) {
+  StackEffect e;
+  auto fixed = [&](int need, int pop, int push) {
+    e.need = need;
+    e.pop = pop;
+    e.push = push;
+  };
+  auto take = [&](int need, int push, bool above = false) {
+    e.mark = StackEffect::kTake;
+    e.need = need;
+    e.push = push;
+    e.above = above;
+  };
+  switch (op) {
+    case '(': e.mark = StackEffect::kSet; break;                  // MARK
+    case '1': take(0, 0); break;                                   // POP_MARK
+    case 'e': case 'u': case '\x90': take(1, 0); break;           // APPENDS SETITEMS ADDITEMS
+    case 'l': case 't': case 'd': case '\x91': case 'i': take(0, 1); break;  // LIST TUPLE ...
+    case 'o': take(1, 1, /*above=*/true); break;                   // OBJ
+    case '.': fixed(1, 0, 0); break;                               // STOP
+    case '\x80': case '\x95': break;                               // PROTO FRAME
+    case 'p': case 'q': case 'r': case '\x94': case '\x98': fixed(1, 0, 0); break;  // PUTs
+    case 'Q': case '\x85': fixed(1, 1, 1); break;                  // BINPERSID TUPLE1
+    case '2': fixed(1, 0, 1); break;                               // DUP
+    case '0': fixed(1, 1, 0); break;                               // POP
+    case 'a': fixed(2, 1, 0); break;                               // APPEND
+    case '\x86': case 'R': case 'b': case '\x81': case '\x93': fixed(2, 2, 1); break;
+    case '\x87': case '\x92': fixed(3, 3, 1); break;                // TUPLE3 NEWOBJ_EX
+    case 's': fixed(3, 2, 0); break;                               // SETITEM
+    default: fixed(0, 0, 1); break;                                // the rest push one
+  }
+  return e;
+}
+
+}  // namespace
+
 absl::Status CheckPickle(absl::string_view data, absl::string_view what) {
   size_t pos = 0;
   uint64_t puts = 0;  // memo entries so far (a pickler numbers them 0, 1, ...)
+  // The stack as a count and the marks' depths: LibTorch 1.13's unpickler does not check that
+  // an opcode has the items it takes (a bad free in it, found by the fuzzer).
+  uint64_t depth = 0;
+  std::vector<uint64_t> marks;
   auto fail = [&](size_t at, const std::string& why) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " is not a valid pickle: ", why, " at byte ", at));
@@ -216,6 +270,27 @@ absl::Status CheckPickle(absl::string_view data, absl::string_view what) {
     bool signed_length = false;
     int lines = 0;
     enum { kNone, kPut, kGet } memo = kNone;
+    // The stack first (every opcode the switch below lets through is known to EffectOf).
+    const StackEffect effect = EffectOf(op);
+    const uint64_t base = marks.empty() ? 0 : marks.back();
+    if (effect.mark == StackEffect::kSet) {
+      marks.push_back(depth);
+    } else if (effect.mark == StackEffect::kTake) {
+      if (marks.empty()) return fail(at, "an opcode that takes a mark where none is set");
+      const uint64_t mark = marks.back();
+      marks.pop_back();
+      const uint64_t below = mark - (marks.empty() ? 0 : marks.back());
+      if ((effect.above ? depth - mark : below) < static_cast<uint64_t>(effect.need)) {
+        return fail(at, "an opcode that takes more of the stack than there is");
+      }
+      depth = mark + effect.push;
+    } else {
+      if (depth - base < static_cast<uint64_t>(effect.need)) {
+        return fail(at, absl::StrCat("an opcode that takes ", effect.need, " of the stack's ",
+                                     depth - base, " items (above its last mark)"));
+      }
+      depth = depth - effect.pop + effect.push;
+    }
     switch (op) {
       case '.':  // STOP
         return absl::OkStatus();

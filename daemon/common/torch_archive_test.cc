@@ -70,6 +70,21 @@ TEST_CASE("a pickle's stated lengths and memo indices are bounded by its bytes",
 
   CHECK_THAT(Message(CheckPickle(std::string("\x80\x02\xff.", 4), "p")),
              Contains("unknown opcode 0xff"));
+
+  // The stack: LibTorch's unpickler takes what an opcode says without checking it is there
+  // (fuzz/corpus/torchscript_import/debug-pkl-stack-underflow: a MARK flipped to NEWOBJ made
+  // it free what it had not allocated).
+  CHECK_THAT(Message(CheckPickle(std::string("\x80\x02t.", 4), "p")),
+             Contains("takes a mark where none is set"));
+  CHECK_THAT(Message(CheckPickle(std::string("\x80\x02N\x87.", 5), "p")),
+             Contains("takes 3 of the stack's 1 items"));
+  CHECK_THAT(Message(CheckPickle(std::string("\x80\x02N(0.", 6), "p")),
+             Contains("takes 1 of the stack's 0 items (above its last mark)"));
+  CHECK(!CheckPickle(std::string("\x80\x02(Ne.", 6), "p").ok());  // APPENDS: no list below
+  CHECK(!CheckPickle(std::string("\x80\x02(o.", 5), "p").ok());   // OBJ: no class
+  CHECK(!CheckPickle(std::string("\x80\x02.", 3), "p").ok());     // STOP: nothing to return
+  CHECK(!CheckPickle(std::string("\x80\x02N(N0\x85.", 8), "p").ok());  // TUPLE1 below a mark
+  CHECK(CheckPickle(std::string("\x80\x02(N1N\x85.", 8), "p").ok());
   CHECK_THAT(Message(CheckPickle(std::string("\x80\x02N", 3), "p")), Contains("no STOP"));
 }
 
