@@ -49,7 +49,8 @@ absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what
 // Checks a code file's debug information (its .debug_pkl, after CheckPickle): TorchScript maps
 // the code's source ranges to the client's Python source through it without checking its text
 // indices or offsets, and an error message's traceback reads past the texts (a SIGSEGV). Each
-// range's texts must be in its string table and its [start, end) within them.
+// range's texts must be in its string table and its [start, end) within them (its end may be
+// one past them, as torch.jit.save writes ranges of no source).
 absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what);
 
 // ReadZipDirectory, then CheckPickle on each pickle of the archive (data.pkl, constants.pkl,

@@ -244,8 +244,10 @@ TEST_CASE("debug information whose ranges leave their texts is refused", "[graph
              Contains("'d' is not TorchScript's debug information") &&
                  Contains("names text 7 of 3"));
   CHECK_THAT(Message(CheckDebugInfo(debug({0}, 3, 0, 1), "d")), Contains("names text 3 of 3"));
-  CHECK_THAT(Message(CheckDebugInfo(debug({0, 1}, 2, 4, 20), "d")),
-             Contains("[4, 20) lies outside its source's 19 bytes"));
+  CHECK_THAT(Message(CheckDebugInfo(debug({0, 1}, 2, 4, 21), "d")),
+             Contains("[4, 21) lies outside its source's 19 bytes"));
+  CHECK(CheckDebugInfo(debug({0, 1}, 2, 19, 20), "d").ok());  // one past: as torch writes
+  CHECK(!CheckDebugInfo(debug({0, 1}, 2, 20, 20), "d").ok());
   CHECK(!CheckDebugInfo(debug({0}, 2, 5, 4), "d").ok());
   CHECK(!CheckDebugInfo(debug({-1}, 2, 0, 0), "d").ok());
   CHECK_THAT(Message(CheckDebugInfo(std::string("\x80\x02K\x01.", 5), "d")),
