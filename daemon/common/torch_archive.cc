@@ -558,9 +558,8 @@ absl::Status CheckClassConstants(absl::string_view code, absl::string_view what)
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what) {
+// CheckDebugInfo, but for exceptions.
+absl::Status CheckDebugValue(absl::string_view pickle, absl::string_view what) {
   c10::IValue root;
   try {
     root = torch::jit::unpickle(pickle.data(), pickle.size());
@@ -572,11 +571,9 @@ absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " is not TorchScript's debug information: ", why));
   };
+  // Element by element: a list typed as ints may hold anything (build_intlist of a mutated
+  // pickle), and toIntVector would throw.
   auto ints = [](const c10::IValue& v, std::vector<int64_t>* out) {
-    if (v.isIntList()) {
-      *out = v.toIntVector();
-      return true;
-    }
     if (!v.isList()) return false;
     for (const c10::IValue& i : v.toListRef()) {
       if (!i.isInt()) return false;
@@ -659,6 +656,17 @@ absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what) {
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what) {
+  try {
+    return CheckDebugValue(pickle, what);
+  } catch (const std::exception& e) {  // an accessor's check: no path should reach one
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " is not TorchScript's debug information: ", FirstLine(e.what())));
+  }
 }
 
 absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what) {
