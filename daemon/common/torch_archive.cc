@@ -473,12 +473,93 @@ void SkipBlanks(absl::string_view code, size_t* i) {
   while (*i < code.size() && (code[*i] == ' ' || code[*i] == '\t')) ++*i;
 }
 
-// CheckTorchScriptCode's second half. LibTorch 1.13 reads the type annotation of a class's
-// constant without checking that it has one: `  foo = []` in a class body (any name but the
-// four its importer knows) makes it read an absent annotation: garbage, an exception or a
-// SIGSEGV (found by fuzz/torchscript_import_fuzzer.cc: `__buffers__` with one bit flipped).
-// Enum classes, whose members are such assignments, are read by other code.
-absl::Status CheckClassConstants(absl::string_view code, absl::string_view what) {
+// Whether code[from, to) can be a type as TorchScript writes one: names, dots, brackets,
+// parentheses, commas and blanks (`Optional[Tuple[int, Tensor]]`, `Tuple[()]`,
+// `__torch__.torch.nn.modules.linear.Linear`).
+bool IsTypeText(absl::string_view code, size_t from, size_t to) {
+  for (size_t i = from; i < to && i < code.size(); ++i) {
+    const char c = code[i];
+    const bool other = c == '\0' || std::strchr("_.[](), \t\n\\", c) == nullptr;
+    if (!std::isalnum(static_cast<unsigned char>(c)) && other) return false;
+  }
+  return true;
+}
+
+bool IsKeyword(absl::string_view word) {
+  for (const char* k : {"if", "elif", "else", "for", "while", "with", "try", "except", "finally",
+                        "def", "class", "return", "pass", "break", "continue", "raise", "assert",
+                        "del", "import", "from", "global", "nonlocal", "lambda", "yield", "not",
+                        "and", "or", "in", "is", "async", "await"}) {
+    if (word == k) return true;
+  }
+  return false;
+}
+
+// The first byte of code[from, to) outside brackets and strings that is one of `stops`, or `to`.
+size_t FindOutside(absl::string_view code, size_t from, size_t to, absl::string_view stops) {
+  int depth = 0;
+  for (size_t i = from; i < to; ++i) {
+    const char c = code[i];
+    if (SkipStringOrComment(code, &i)) continue;
+    if (depth == 0 && stops.find(c) != absl::string_view::npos) return i;
+    if (c == '(' || c == '[' || c == '{') ++depth;
+    if (c == ')' || c == ']' || c == '}') depth = std::max(0, depth - 1);
+  }
+  return to;
+}
+
+// The type annotations of the statement code[at, to): `NAME : TYPE [= ...]`, and a def's
+// parameters' and result's. TorchScript's type parser crashes on some expressions that are no
+// type (`__parameters__ :n["weight", "bias", ]`: a SIGSEGV in parseTypeFromExpr, the fuzzer's
+// fifth input), so an annotation must read as one (IsTypeText).
+absl::Status CheckAnnotations(absl::string_view code, size_t at, size_t to,
+                              absl::string_view what) {
+  auto refuse = [&](size_t from, size_t until) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the type annotation '", code.substr(from, std::min(until - from, size_t{80})),
+        "' at byte ", from, " is not a type"));
+  };
+  SkipBlanks(code, &at);
+  const absl::string_view name = Identifier(code, &at);
+  if (name.empty()) return absl::OkStatus();
+  if (name == "def") {
+    SkipBlanks(code, &at);
+    if (Identifier(code, &at).empty()) return absl::OkStatus();
+    SkipBlanks(code, &at);
+    if (at >= to || code[at] != '(') return absl::OkStatus();
+    const size_t close = FindOutside(code, at + 1, to, ")");
+    for (size_t param = at + 1; param < close;) {
+      const size_t next = FindOutside(code, param, close, ",");
+      const size_t colon = FindOutside(code, param, next, ":");
+      if (colon < next) {
+        const size_t type_end = FindOutside(code, colon + 1, next, "=");
+        if (!IsTypeText(code, colon + 1, type_end)) return refuse(colon + 1, type_end);
+      }
+      param = next + 1;
+    }
+    size_t after = close + 1;
+    while (after < to && std::isspace(static_cast<unsigned char>(code[after]))) ++after;
+    if (after + 1 < to && code[after] == '-' && code[after + 1] == '>') {
+      const size_t type_end = FindOutside(code, after + 2, to, ":");
+      if (!IsTypeText(code, after + 2, type_end)) return refuse(after + 2, type_end);
+    }
+    return absl::OkStatus();
+  }
+  if (IsKeyword(name)) return absl::OkStatus();
+  SkipBlanks(code, &at);
+  if (at >= to || code[at] != ':') return absl::OkStatus();
+  const size_t type_end = FindOutside(code, at + 1, to, "=");
+  if (!IsTypeText(code, at + 1, type_end)) return refuse(at + 1, type_end);
+  return absl::OkStatus();
+}
+
+// CheckTorchScriptCode's second half: the type annotations (CheckAnnotations), and the
+// constants of classes. LibTorch 1.13 reads the type annotation of a class's constant without
+// checking that it has one: `  foo = []` in a class body (any name but the four its importer
+// knows) makes it read an absent annotation: garbage, an exception or a SIGSEGV (found by
+// fuzz/torchscript_import_fuzzer.cc: `__buffers__` with one bit flipped). Enum classes, whose
+// members are such assignments, are read by other code.
+absl::Status CheckStatements(absl::string_view code, absl::string_view what) {
   int64_t class_indent = -1;  // of the class statement whose body this is; -1: none
   int64_t body_indent = -1;   // of that body's statements; -1: not seen yet
   // A statement beginning at code[at] in a class body: an assignment without annotation?
@@ -529,6 +610,10 @@ absl::Status CheckClassConstants(absl::string_view code, absl::string_view what)
     }
     const size_t end = i++;
     if (text == end || code[text] == '#') continue;  // blank, or a comment
+    for (size_t k = 0; k < statements.size(); ++k) {
+      const size_t to = k + 1 < statements.size() ? statements[k + 1] - 1 : end;
+      if (absl::Status ok = CheckAnnotations(code, statements[k], to, what); !ok.ok()) return ok;
+    }
     if (class_indent >= 0 && indent <= class_indent) class_indent = -1;
     if (class_indent >= 0) {
       if (body_indent < 0) body_indent = indent;
@@ -671,7 +756,7 @@ absl::Status CheckDebugInfo(absl::string_view pickle, absl::string_view what) {
 
 absl::Status CheckTorchScriptCode(absl::string_view code, absl::string_view what) {
   if (absl::Status ok = CheckNesting(code, what); !ok.ok()) return ok;
-  return CheckClassConstants(code, what);
+  return CheckStatements(code, what);
 }
 
 namespace {

@@ -254,5 +254,35 @@ TEST_CASE("debug information whose ranges leave their texts is refused", "[graph
              Contains("not a tuple"));
 }
 
+TEST_CASE("a type annotation that is no type is refused", "[graph]") {
+  // TorchScript's type parser crashes on some (fuzz/corpus/torchscript_import/
+  // annotation-string-subscript: `__parameters__ :n["weight", "bias", ]`, a SIGSEGV).
+  absl::Status s = CheckTorchScriptCode(
+      "class M(Module):\n  __parameters__ :n[\"weight\", \"bias\", ]\n", "'m.py'");
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(Message(s), Contains("'m.py': the type annotation 'n[\"weight\", \"bias\", ]'") &&
+                             Contains("is not a type"));
+  CHECK(!CheckTorchScriptCode("def f(x: List[\"a\"]) -> Tensor:\n  return x\n", "f").ok());
+  CHECK(!CheckTorchScriptCode("def f(x: Tensor) -> f(1 + 2):\n  return x\n", "f").ok());
+  CHECK(!CheckTorchScriptCode("def f(x):\n  y : Optional[3 - 1] = None\n", "f").ok());
+
+  // What torch.jit.save writes.
+  CHECK(CheckTorchScriptCode(
+            "class M(Module):\n"
+            "  __parameters__ = [\"w\", ]\n"
+            "  _is_full_backward_hook : Optional[bool]\n"
+            "  fc : __torch__.torch.nn.modules.linear.___torch_mangle_0.Linear\n"
+            "  k : Final[int] = 3\n"
+            "  def forward(self: __torch__.M,\n    a: Tensor,\n    b: Tuple[()]) -> "
+            "Tuple[Tensor, Tuple[Tensor, Tensor]]:\n"
+            "    _0 : List[Tensor] = []\n"
+            "    if torch.eq(a, b):\n      pass\n    else:\n      pass\n"
+            "    d = {\"a\": a}\n"
+            "    return (a, (b, a))\n"
+            "  def g(self: __torch__.M, x: int=3) -> None:\n    return None\n",
+            "f")
+            .ok());
+}
+
 }  // namespace
 }  // namespace rannc
