@@ -34,6 +34,14 @@ double ProbeSeconds(const LinkProbeOptions& options, Links* links) {
   return seconds;
 }
 
+// Sanitizer builds run the probes several times slower (TSan's took 2.1-2.7 s for N = 3 and 4
+// while a fuzzer shared the two cores).
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+constexpr double kSlowdown = 4.0;
+#else
+constexpr double kSlowdown = 1.0;
+#endif
+
 TEST_CASE("small probes measure k = 2 and k = N, and more when time allows, within 2 s") {
   for (int n : {2, 3, 4}) {
     LinkProbeOptions options;
@@ -53,7 +61,7 @@ TEST_CASE("small probes measure k = 2 and k = N, and more when time allows, with
       CHECK(k >= 2);
       CHECK(k <= n);
     }
-    CHECK(seconds < 2.0);
+    CHECK(seconds < 2.0 * kSlowdown);
   }
 }
 
