@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "daemon/common/status.h"
 
 namespace rannc {
 
@@ -89,11 +90,6 @@ class ViewReader : public caffe2::serialize::ReadAdapterInterface {
  private:
   absl::string_view bytes_;
 };
-
-std::string FirstLine(const char* text) {
-  const std::string s(text);
-  return s.substr(0, s.find('\n'));
-}
 
 bool IsCode(const std::string& name) {
   return absl::EndsWith(name, ".py");

@@ -26,6 +26,22 @@ bool IsWordAt(absl::string_view code, size_t i, absl::string_view word) {
   return i + word.size() >= code.size() || !ident(code[i + word.size()]);
 }
 
+// Passes over a string literal or a comment starting at code[*i], leaving *i on its last byte;
+// false when code[*i] starts neither.
+bool SkipStringOrComment(absl::string_view code, size_t* i) {
+  const char c = code[*i];
+  if (c == '#') {
+    while (*i + 1 < code.size() && code[*i + 1] != '\n') ++*i;
+    return true;
+  }
+  if (c != '"' && c != '\'') return false;
+  while (++*i < code.size() && code[*i] != c && code[*i] != '\n') {
+    if (code[*i] == '\\') ++*i;
+  }
+  if (*i >= code.size()) *i = code.size() - 1;
+  return true;
+}
+
 // CheckTorchScriptCode's first half: how deeply the code nests.
 absl::Status CheckNesting(absl::string_view code, absl::string_view what) {
   // A statement's nesting, over-estimated: its bracket depth plus every operator character and
@@ -61,17 +77,11 @@ absl::Status CheckNesting(absl::string_view code, absl::string_view what) {
         }
         line_start = true;
         continue;
-      case '#':  // a comment, to the line's end
-        while (i + 1 < code.size() && code[i + 1] != '\n') ++i;
-        continue;
+      case '#':
       case '"':
-      case '\'': {  // a string literal, escapes skipped
-        const char quote = c;
-        while (++i < code.size() && code[i] != quote && code[i] != '\n') {
-          if (code[i] == '\\') ++i;
-        }
+      case '\'':  // a comment, or a string literal
+        SkipStringOrComment(code, &i);
         continue;
-      }
       case '(': case '[': case '{':
         ++depth;
         ++budget;
@@ -92,22 +102,6 @@ absl::Status CheckNesting(absl::string_view code, absl::string_view what) {
     if (budget + indent > kMaxCodeNesting) return over(i);
   }
   return absl::OkStatus();
-}
-
-// Passes over a string literal or a comment starting at code[*i], leaving *i on its last byte;
-// false when code[*i] starts neither.
-bool SkipStringOrComment(absl::string_view code, size_t* i) {
-  const char c = code[*i];
-  if (c == '#') {
-    while (*i + 1 < code.size() && code[*i + 1] != '\n') ++*i;
-    return true;
-  }
-  if (c != '"' && c != '\'') return false;
-  while (++*i < code.size() && code[*i] != c && code[*i] != '\n') {
-    if (code[*i] == '\\') ++*i;
-  }
-  if (*i >= code.size()) *i = code.size() - 1;
-  return true;
 }
 
 // The identifier at code[*i] (moving past it), or "".

@@ -426,10 +426,9 @@ std::vector<int64_t> PipelineEngine::Impl::CheckpointCudaReads(
   counting_reads_ = true;
   counted_reads_.clear();
   for (int li : lifted) {
-    if (li < 0 || li >= static_cast<int>(owner_.size()) || owner_[li] < 0) continue;
-    const Device& d = devices_[owner_[li]];
-    if (!d.lifted[li].defined() || (offload_ && sharded(li))) continue;  // none, or host memory
-    ReadCopy(d.Master(li).detach());
+    if (li < 0 || li >= static_cast<int>(owner_.size())) continue;
+    if (offload_ && sharded(li)) continue;  // assembled from host memory, nothing to count
+    ParamValue(li);
   }
   OptimizerStatePieces();
   counting_reads_ = false;
