@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -287,6 +289,16 @@ absl::StatusOr<std::string> BeginCheckpoint(const std::string& job_dir, int64_t 
 }
 
 void AbandonCheckpoint(const std::string& dir) { (void)RemoveTree(dir); }
+
+bool HasRoomFor(const std::string& job_dir, uint64_t bytes) {
+  std::error_code ec;
+  std::filesystem::path path = job_dir;
+  while (!path.empty() && !std::filesystem::exists(path, ec)) path = path.parent_path();
+  struct statvfs fs;
+  if (path.empty() || ::statvfs(path.c_str(), &fs) != 0) return false;
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  return free_bytes >= bytes + bytes / 10 + (1ull << 30);
+}
 
 absl::StatusOr<v1::CheckpointShare> WriteShare(const std::string& dir, const std::string& prefix,
                                                const std::vector<Piece>& pieces) {

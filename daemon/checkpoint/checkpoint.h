@@ -95,6 +95,10 @@ absl::Status PruneCheckpoints(const std::string& job_dir, int keep);
 // among them.
 absl::StatusOr<std::vector<std::string>> RetireCheckpoints(const std::string& job_dir, int keep);
 absl::Status RemoveRetired(const std::vector<std::string>& paths);
+// Whether the filesystem of `job_dir` (or of the nearest directory above it that exists) has
+// room for `bytes` more, with a margin (10% and 1 GiB): then a write need not wait for an older
+// checkpoint's deletion.
+bool HasRoomFor(const std::string& job_dir, uint64_t bytes);
 
 // A checkpoint's tensors, whole (slices assembled), after checking each file's size and CRC
 // (DATA_LOSS naming the file) and each entry against its file.

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -281,6 +282,13 @@ TEST_CASE("the writer answers before deleting what it pruned; the next write is 
     writer.Start(job, MakeSnapshot(105, at::randn({64, 64}), at::randn({64})), 2);
     REQUIRE(writer.Wait().ok());
   }  // the writer's deletion of step 95 ends
+  // Every deletion, overlapping the next write or not, ended with the writer: nothing hidden left.
+  std::vector<std::string> names;
+  for (const fs::directory_entry& e : fs::directory_iterator(job)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"step-0000000100", "step-0000000105"});
 
   // Retire and RemoveRetired, PruneCheckpoints's halves.
   absl::StatusOr<std::vector<std::string>> retired = RetireCheckpoints(job, 1);
@@ -291,6 +299,16 @@ TEST_CASE("the writer answers before deleting what it pruned; the next write is 
   REQUIRE(RemoveRetired(*retired).ok());
   CHECK(!fs::exists((*retired)[0]));
   CHECK(!fs::exists(job + "/.step-0000000003.tmp-1-2"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("HasRoomFor asks the filesystem of the nearest directory that exists") {
+  const std::string dir = TempDir();
+  CHECK(HasRoomFor(dir, 1));
+  CHECK(HasRoomFor(dir + "/job/not/made/yet", 1));
+  const fs::space_info space = fs::space(dir);
+  CHECK_FALSE(HasRoomFor(dir, space.available));  // the margin is 10% and 1 GiB
+  CHECK_FALSE(HasRoomFor(dir + "/job", uint64_t{1} << 62));
   fs::remove_all(dir);
 }
 

@@ -45,15 +45,18 @@ CheckpointWriter::Totals CheckpointWriter::totals() const {
   return totals_;
 }
 
-void CheckpointWriter::Run(int64_t step, std::function<void(const Publish&)> write) {
+void CheckpointWriter::Run(int64_t step, Write write) {
   std::unique_lock<std::mutex> lock(mu_);
   done_.wait(lock, [&] { return running_step_ < 0; });  // one write at a time
   running_step_ = step;
   result_.reset();
   std::thread previous = std::move(thread_);
   thread_ = std::thread([this, previous = std::move(previous), write = std::move(write)]() mutable {
-    if (previous.joinable()) previous.join();  // its removal of older checkpoints
-    write([this](absl::StatusOr<Result> result) {
+    // The previous write's thread may still be deleting what it pruned.
+    const std::function<void()> await_previous = [&previous] {
+      if (previous.joinable()) previous.join();
+    };
+    write(await_previous, [this](absl::StatusOr<Result> result) {
       std::lock_guard<std::mutex> lock(mu_);
       if (result.ok()) {
         ++totals_.written;
@@ -66,16 +69,34 @@ void CheckpointWriter::Run(int64_t step, std::function<void(const Publish&)> wri
       done_.notify_all();
     });
     write = nullptr;  // the host copies go now, not when the next write starts
+    await_previous();  // this thread ends after the one before it: Join waits for all
   });
 }
 
 void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, std::string dir,
                              Others others, std::function<void()> ready) {
   const int64_t step = snapshot.manifest.step();
+  uint64_t expected_bytes = 0;  // the last committed checkpoint's, all daemons' shares
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (result_ && result_->ok()) expected_bytes = (*result_)->bytes;
+  }
   Run(step, [step, job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
-             dir = std::move(dir), others = std::move(others),
-             ready = std::move(ready)](const Publish& publish) mutable {
+             dir = std::move(dir), others = std::move(others), ready = std::move(ready),
+             expected_bytes](const std::function<void()>& await_previous,
+                             const Publish& publish) mutable {
     const auto start = std::chrono::steady_clock::now();
+    // The previous write's deletion goes on beside this write where the disk has room for both
+    // (else first: the files it frees may be the room this one needs).
+    if (!HasRoomFor(job_dir, expected_bytes)) {
+      const auto waited = std::chrono::steady_clock::now();
+      await_previous();
+      const double waited_s = SecondsSince(waited);
+      if (waited_s > 0.1) {
+        spdlog::info("checkpoint of step {}: waited {:.2f} s for the older checkpoints' "
+                     "deletion to free room on the disk", step, waited_s);
+      }
+    }
     auto write = [&]() -> absl::StatusOr<Result> {
       AwaitCopies(ready, snapshot.manifest.step());
       auto failed = [&](const absl::Status& status) {
@@ -128,7 +149,9 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
     }
     // The older ones beyond `keep` leave the listing before the answer, and their files go
     // after it: a caller waiting for the write does not wait for the deletion (seconds for
-    // large checkpoints). The next write starts once they are gone.
+    // large checkpoints). One deletion at a time: the previous write's ends first (this one's
+    // listing would name what that one is deleting).
+    await_previous();
     const std::string name = result->manifest.job_name();
     const auto prune_start = std::chrono::steady_clock::now();
     absl::StatusOr<std::vector<std::string>> retired = RetireCheckpoints(job_dir, keep);
@@ -147,7 +170,8 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
 void CheckpointWriter::StartShare(std::string dir, std::string prefix, int64_t step,
                                   std::vector<Piece> pieces, std::function<void()> ready) {
   Run(step, [dir = std::move(dir), prefix = std::move(prefix), step, pieces = std::move(pieces),
-             ready = std::move(ready)](const Publish& publish) mutable {
+             ready = std::move(ready)](const std::function<void()>&,
+                                       const Publish& publish) mutable {
     auto write = [&]() -> absl::StatusOr<Result> {
       const auto start = std::chrono::steady_clock::now();
       AwaitCopies(ready, step);

@@ -2,7 +2,8 @@
 // job copies its state to host memory at a step boundary (a Snapshot), hands it over, and
 // returns. One write at a time: a new one waits for the one in flight. After each commit the
 // job directory is pruned to the newest `keep`: the older ones leave the listing before Wait
-// answers, and their files are deleted after it (the next write starts once they are gone).
+// answers, and their files are deleted after it. The next write goes on beside that deletion
+// when the disk has room for it (the last checkpoint's size, +10% and 1 GiB), else after it.
 // Over several daemons the leader's writer also
 // waits for the others' shares before it commits, and each other daemon's writes its share
 // (StartShare).
@@ -75,10 +76,12 @@ class CheckpointWriter {
  private:
   // Answers Wait: called once by each write, when its result is known.
   using Publish = std::function<void(absl::StatusOr<Result>)>;
+  // A write: its first argument joins the previous write's thread (which may still be deleting
+  // what that write pruned), at most once; the thread joins it anyway before it ends.
+  using Write = std::function<void(const std::function<void()>&, const Publish&)>;
   void Join();
-  // Waits for the write in flight to publish, then runs `write` on a thread of its own, which
-  // first joins the previous write's thread (still deleting what that write pruned).
-  void Run(int64_t step, std::function<void(const Publish&)> write);
+  // Waits for the write in flight to publish, then runs `write` on a thread of its own.
+  void Run(int64_t step, Write write);
 
   mutable std::mutex mu_;
   std::condition_variable done_;  // running_step_ went to -1

@@ -65,6 +65,10 @@ absl::Status Coordinator::CreateParts(const v1::Deployment& plan,
       if (used.count(d)) part.add_local_devices(d);
     }
     if (part.local_devices().empty()) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      part_members_.insert(member.address);
+    }
     part.set_store_address(settings_.self_address);
     part.set_num_devices(settings_.plan_target.num_devices);
     part.set_group(settings_.engine_group);
@@ -257,11 +261,10 @@ absl::StatusOr<double> Coordinator::Clip(
 }
 
 bool Coordinator::MemberLost(const std::string& address, const std::string& reason) {
+  // A member whose devices the plan leaves unused holds no part: its loss is not this job's.
   const bool leader = settings_.is_part && settings_.engine_store_address == address;
-  bool mine = leader;
-  for (const JobSettings::Member& m : settings_.members) mine = mine || m.address == address;
-  if (!mine) return false;
   std::lock_guard<std::mutex> lock(mu_);
+  if (!leader && part_members_.count(address) == 0) return false;
   if (lost_.ok()) {
     lost_ = absl::UnavailableError(absl::StrCat(
         "daemon ", address, ", which ", leader ? "leads" : "runs part of",

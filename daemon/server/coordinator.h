@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -117,7 +118,8 @@ class Coordinator {
   std::vector<std::unique_ptr<PartChannel>> parts_;
   std::function<void()> on_failure_;
   std::atomic<bool> aborting_{false};
-  mutable std::mutex mu_;  // guards lost_ and cancel_
+  mutable std::mutex mu_;  // guards part_members_, lost_ and cancel_
+  std::set<std::string> part_members_;  // the members given a part (asked to create one)
   absl::Status lost_;
   std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
 };

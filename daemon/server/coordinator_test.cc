@@ -56,7 +56,8 @@ class Cluster {
     channels.AddDaemon("c", Facts({"cpu:0"}));
   }
 
-  std::unique_ptr<Job> MakeJob() {
+  // `spare`: the cluster has a fourth daemon, "d" (device 4), which the plan leaves unused.
+  std::unique_ptr<Job> MakeJob(bool spare = false) {
     v1::JobSpec spec;
     spec.set_name("spanning");
     spec.mutable_mode()->set_training(true);
@@ -71,13 +72,12 @@ class Cluster {
     REQUIRE(settings.ok());
     settings->planner.profiling.repeats = 1;
     std::vector<std::string> left_out;
-    REQUIRE(SpanCluster("job-a", spec,
-                        {Member("a", 0, 2, true), Member("b", 1, 1, false),
-                         Member("c", 2, 1, false)},
-                        facts, store.get(), &*settings, &left_out)
-                .ok());
+    std::vector<cluster::MemberInfo> members = {Member("a", 0, 2, true), Member("b", 1, 1, false),
+                                                Member("c", 2, 1, false)};
+    if (spare) members.push_back(Member("d", 3, 1, false));
+    REQUIRE(SpanCluster("job-a", spec, members, facts, store.get(), &*settings, &left_out).ok());
     CHECK(left_out.empty());
-    REQUIRE(settings->members.size() == 2);
+    REQUIRE(settings->members.size() == members.size() - 1);
     settings->backend = JobBackend(settings->placement, facts.devices);
     absl::StatusOr<std::unique_ptr<Job>> job =
         Job::Create("job-a", std::move(*settings), f.model_bytes, f.inputs, {}, &channels);
@@ -250,11 +250,32 @@ TEST_CASE("Coordinator fails every call of a job that lost a member, naming it",
   // The cluster's word that a daemon is gone (heartbeats): a daemon the job does not use is
   // ignored; on a part, the loss of its leader makes it useless (the caller deletes it).
   CHECK_FALSE(job->coordinator().MemberLost("z", "not heard from"));
+  CHECK(job->coordinator().Lost().message().find("daemon c") != std::string::npos);
   std::vector<JobManager::Listed> parts = cluster.channels.jobs("b")->List();
   REQUIRE(parts.size() == 1);
   CHECK(parts[0].job->coordinator().MemberLost("a", "not heard from for 3 s"));
   CHECK(parts[0].job->Forward(0, f.inputs, false).status().code() ==
         absl::StatusCode::kUnavailable);
+}
+
+TEST_CASE("Coordinator ignores the loss of a member whose devices the plan leaves unused",
+          "[cluster]") {
+  // The chaos test's kill_spare: a daemon that is UP when the job is created, but holds no part
+  // of its plan, restarts; the job goes on.
+  Cluster cluster("tiny_gpt");
+  cluster.channels.AddDaemon("d", Facts({"cpu:0"}));
+  const testing::Fixture& f = cluster.f;
+  std::unique_ptr<Job> job = cluster.MakeJob(/*spare=*/true);
+  CHECK(cluster.Parts("d") == 0);
+  REQUIRE(job->Forward(0, f.inputs, true).ok());
+  CHECK_FALSE(job->coordinator().MemberLost("d", "restarted (incarnation 1 -> 2)"));
+  CHECK(job->coordinator().Lost().ok());
+  absl::StatusOr<std::vector<at::Tensor>> out = job->Forward(0, f.inputs, true);
+  INFO(out.status().ToString());
+  CHECK(out.ok());
+  // A member with a part is the job's.
+  CHECK_FALSE(job->coordinator().MemberLost("b", "restarted (incarnation 1 -> 2)"));
+  CHECK(job->coordinator().Lost().code() == absl::StatusCode::kUnavailable);
 }
 
 TEST_CASE("Coordinator delays reduction on every daemon; reads, steps and rebuilds over them",
