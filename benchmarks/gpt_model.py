@@ -10,7 +10,14 @@ Workloads (WORKLOADS):
         recomputation: 36 layers, d_model 2560, 20 heads (head dim 128), MLP 4x, sequence 2048,
         vocab 32000: 3,001,441,280 parameters; global batch 20 sequences (40,960 tokens). The
         arithmetic behind the sizes is below ("Memory of FSDP2 on workload C").
+  D     the same family with offload on one GPU and its host (issue 27's workload D): d_model
+        4096, 32 heads (head dim 128), sequence 2048, vocab 32000, global batch 8 sequences;
+        16 layers (3.49B parameters) by default, --layers for the larger sizes (each layer
+        201M parameters).
   tiny  2 layers, d_model 64, sequence 32, vocab 256: for checking the harnesses on a CPU.
+
+The harnesses take --layers, --seq and --batch to override a workload's (add_workload_args,
+workload_of).
 
 The model: learned token and position embeddings, pre-LayerNorm blocks (causal self-attention
 through F.scaled_dot_product_attention(is_causal=True), GELU MLP), a final LayerNorm and an
@@ -133,8 +140,29 @@ WORKLOADS = {
                    recompute=True),
     "C": GPTConfig("C", layers=36, d_model=2560, heads=20, seq=2048, vocab=32000, batch=20,
                    recompute=True),
+    "D": GPTConfig("D", layers=16, d_model=4096, heads=32, seq=2048, vocab=32000, batch=8),
     "tiny": GPTConfig("tiny", layers=2, d_model=64, heads=4, seq=32, vocab=256, batch=16),
 }
+
+
+def add_workload_args(p) -> None:
+    """--model and the overrides of its sizes, for an argparse parser."""
+    p.add_argument("--model", default="A", choices=sorted(WORKLOADS))
+    p.add_argument("--layers", type=int, help="override the workload's layer count")
+    p.add_argument("--seq", type=int, help="override the workload's sequence length")
+    p.add_argument("--batch", type=int, help="override the workload's global batch")
+
+
+def workload_of(args) -> GPTConfig:
+    """The workload add_workload_args's arguments name, with their overrides (its name gets
+    them too, e.g. "D-layers24", so that results say what ran)."""
+    cfg = WORKLOADS[args.model]
+    overrides = {k: getattr(args, k) for k in ("layers", "seq", "batch")
+                 if getattr(args, k, None) is not None}
+    if not overrides:
+        return cfg
+    name = "-".join([cfg.name] + [f"{k}{v}" for k, v in overrides.items()])
+    return dataclasses.replace(cfg, name=name, **overrides)
 
 
 def block_params(cfg: GPTConfig) -> int:

@@ -92,7 +92,7 @@ GIB = 1 << 30
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--system", required=True, choices=SYSTEMS)
-    p.add_argument("--model", default="A", choices=sorted(gm.WORKLOADS))
+    gm.add_workload_args(p)  # --model, --layers, --seq, --batch
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -447,7 +447,7 @@ def failure_record(args, cfg, world, rank, e):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = gm.WORKLOADS[args.model]
+    cfg = gm.workload_of(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
 

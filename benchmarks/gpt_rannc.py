@@ -60,7 +60,6 @@ and prints {"skipped": why} when MemAvailable is smaller (--force tries anyway).
 """
 
 import argparse
-import dataclasses
 import logging
 import os
 import resource
@@ -85,7 +84,7 @@ PROFILE_STEPS = 3  # steps of run 3 profiled with --profile
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="A", choices=sorted(gm.WORKLOADS))
+    gm.add_workload_args(p)  # --model, --layers, --seq, --batch
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="the daemon's devices: RANNC_DEVICES defaults to cuda, or cpu:2")
     p.add_argument("--warmup", type=int, default=3)
@@ -116,19 +115,10 @@ def parse_args(argv=None):
                    "run 3 into DIR (module doc)")
     p.add_argument("--job-dir", help="where run 3 saves the job for --job-bench (default: a "
                    "folder under /dev/shm, removed afterwards)")
-    # A model with the workload's parameters but less compute, for timing a start (time to
-    # first step) on a CPU machine: e.g. --model A --seq 32 --batch 2.
-    p.add_argument("--layers", type=int, help="override the workload's layer count")
-    p.add_argument("--seq", type=int, help="override the workload's sequence length")
-    p.add_argument("--batch", type=int, help="override the workload's global batch")
+    p.add_argument("--offload", action="store_true",
+                   help="offload_params=True: parameters, gradients and optimizer state in "
+                   "host memory between steps (workload D)")
     return p.parse_args(argv)
-
-
-def workload(args):
-    cfg = gm.WORKLOADS[args.model]
-    overrides = {k: getattr(args, k) for k in ("layers", "seq", "batch")
-                 if getattr(args, k) is not None}
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 def host_bytes_needed(cfg, trace_batch: int) -> int:
@@ -256,7 +246,8 @@ def run(args, cfg, phase):
 
     opt = make_optimizer(model, args)
     started = time.perf_counter()
-    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero)
+    rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero,
+                               offload_params=args.offload)
     times, losses, first = train(rmod, opt, cfg, gen, args.warmup + args.steps, started)
     deployment = rmod.deployment
     summary = job_summary(rmod)
@@ -275,6 +266,7 @@ def run(args, cfg, phase):
         "seq": cfg.seq,
         "tokens_per_step": cfg.tokens_per_step,
         "enable_zero": args.zero,
+        "offload": args.offload,
         "attention": gm.effective_attention(args.attention),
         "warmup": args.warmup,
         "steps": args.steps,
@@ -309,7 +301,7 @@ def run(args, cfg, phase):
     opt = make_optimizer(model, args)
     started = time.perf_counter()
     rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero,
-                               load_deployment=path)
+                               offload_params=args.offload, load_deployment=path)
     times, losses, first = train(rmod, opt, cfg, gen, args.second_steps, started)
     deployment = rmod.deployment
     summary = job_summary(rmod)
@@ -401,7 +393,7 @@ def in_process(args, cfg, model, deployment_path, gen, client_median, gpus):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = workload(args)
+    cfg = gm.workload_of(args)
     # pyrannc's phases (trace, serialize, tensors to shared memory, CreateJob) on stderr: where
     # the time to first step goes.
     logging.basicConfig(format="%(asctime)s %(name)s %(message)s")

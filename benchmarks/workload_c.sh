@@ -57,6 +57,12 @@
 # PROFILE=1 adds gpt_rannc.py's runs 2 and 3 (the job trained in-process by job_bench, from
 # JOB_BENCH or the build, with 3 more steps profiled into OUTDIR/profiles; ~2-3 min more).
 #
+# Workload D (issue 27: offload on one GPU and its host) runs through the same script:
+#   MODEL=D MODEL_ARGS="--layers 16" RUNS="fsdp2+offload/off" RANNC_FLAGS=--offload \
+#     BASELINE=fsdp2+offload/off bash benchmarks/workload_c.sh
+# (MODEL_ARGS goes to both harnesses: gpt_model.add_workload_args's size overrides; BASELINE,
+# default fsdp2/on, is the run the table's speeds are relative to.)
+#
 # Other knobs: PYTHON (python3), MODEL (C), DEVICE (cuda), NPROC (1: processes, one per GPU),
 # TORCHRUN_ARGS (extra torchrun flags; PyTorch 1.13 under Python 3.11 needs
 # "--redirects 1 --tee 1"), ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF for every run, default
@@ -223,7 +229,7 @@ for label in $runs; do
   # shellcheck disable=SC2086
   timeout -k 10 "$t" "${peer_pin[@]}" "$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
     ${TORCHRUN_ARGS:-} benchmarks/gpt_peers.py --system "$system" --ac "$ac" --model "$model" \
-    --device "$device" --warmup "$warmup" --steps "$steps" --out "$json" >"$plog" 2>&1
+    ${MODEL_ARGS:-} --device "$device" --warmup "$warmup" --steps "$steps" --out "$json" >"$plog" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
   { echo "=== $label (exit status $rc, ${seconds}s)"; cat "$plog"; } >>"$log"
@@ -267,7 +273,8 @@ if [ "$rannc" = 1 ]; then
     timeout -k 15 "$t" env RANNC_DAEMON_BIN="$ranncd" RANNC_DEVICES="$rannc_devices" \
       RANNC_DAEMON_LOG="$out/ranncd.log" PYTHONPATH=python_client \
       RANNC_DAEMON_ARGS="--profile-cache $tmp/profiles.tsv" \
-      "$python" benchmarks/gpt_rannc.py --model "$model" --device "$device" --amp-level O2 \
+      "$python" benchmarks/gpt_rannc.py --model "$model" ${MODEL_ARGS:-} --device "$device" \
+      --amp-level O2 \
       --warmup "$warmup" --steps "$steps" --out "$json" "${profile_flags[@]}" \
       --deployment "$out/rannc_${model}.deployment" --pid-file "$tmp/ranncd.pid" \
       ${RANNC_FLAGS:-} >"$plog" 2>&1
@@ -298,9 +305,9 @@ if [ -f "$log" ] && [ "$(stat -c %s "$log")" -gt 12000000 ]; then  # the device 
   tail -c 12000000 "$log" >"$tmp/trunc" && mv "$tmp/trunc" "$log"
 fi
 "$python" - "$results" "$model" "$warmup" "$steps" "${PYTORCH_CUDA_ALLOC_CONF:-default}" \
-  >"$out/table.md" <<'EOF'
+  "${BASELINE:-fsdp2/on}" >"$out/table.md" <<'EOF'
 import json, sys
-path, workload, warmup, steps, alloc = sys.argv[1:]
+path, workload, warmup, steps, alloc, baseline = sys.argv[1:]
 rows = [json.loads(l) for l in open(path, encoding="utf-8") if l.strip()]
 
 def num(v, fmt):
@@ -331,7 +338,7 @@ def note(r):
     return "; ".join(bits)
 
 done = [r for r in rows if r.get("tokens_per_s")]
-full = next((r for r in done if r.get("run") == "fsdp2/on"), None)
+full = next((r for r in done if r.get("run") == baseline), None)
 dev = next((r.get("device_name") for r in rows if r.get("device_name")), "GPU")
 torch_v = next((r.get("torch") for r in rows if r.get("torch")), "?")
 params = next((r.get("params") for r in rows if r.get("params")), None)
@@ -340,7 +347,7 @@ print(f"Workload {workload} ({num(params and params / 1e9, '.2f')}B parameters, 
       f"{dev} (torch {torch_v}); median of {steps} steps after {warmup} warm-up; MFU against "
       f"989 TFLOP/s (model FLOPs, recomputation not counted); PYTORCH_CUDA_ALLOC_CONF={alloc}.")
 print()
-print("| run | blocks recomputed | tokens/s | vs fsdp2/on | MFU | step s | peak GiB (est.) | "
+print(f"| run | blocks recomputed | tokens/s | vs {baseline} | MFU | step s | peak GiB (est.) | "
       "reserved GiB | planning s | first step s | run s | notes |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
@@ -365,7 +372,7 @@ if peers:
     best = max(peers, key=lambda r: r["tokens_per_s"])
     print()
     print(f"Best peer: {best.get('run')} at {best['tokens_per_s']:,.0f} tokens/s"
-          + (f", {best['tokens_per_s'] / full['tokens_per_s']:.3f}x fsdp2/on" if full else "")
+          + (f", {best['tokens_per_s'] / full['tokens_per_s']:.3f}x {baseline}" if full else "")
           + ".")
 EOF
 cat "$out/table.md"
