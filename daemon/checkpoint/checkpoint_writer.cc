@@ -1,5 +1,6 @@
 #include "daemon/checkpoint/checkpoint_writer.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include <spdlog/spdlog.h>
@@ -81,7 +82,7 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
     std::lock_guard<std::mutex> lock(mu_);
     if (result_ && result_->ok()) expected_bytes = (*result_)->bytes;
   }
-  Run(step, [step, job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
+  Run(step, [this, step, job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
              dir = std::move(dir), others = std::move(others), ready = std::move(ready),
              expected_bytes](const std::function<void()>& await_previous,
                              const Publish& publish) mutable {
@@ -149,14 +150,15 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
     }
     // The older ones beyond `keep` leave the listing before the answer, and their files go
     // after it: a caller waiting for the write does not wait for the deletion (seconds for
-    // large checkpoints). One deletion at a time: the previous write's ends first (this one's
-    // listing would name what that one is deleting).
-    await_previous();
+    // large checkpoints). The previous write's deletion may still go on: what it deletes, which
+    // this listing names too, is left to it.
     const std::string name = result->manifest.job_name();
     const auto prune_start = std::chrono::steady_clock::now();
     absl::StatusOr<std::vector<std::string>> retired = RetireCheckpoints(job_dir, keep);
+    if (retired.ok()) *retired = Claim(std::move(*retired));
     publish(std::move(result));
     absl::Status pruned = retired.ok() ? RemoveRetired(*retired) : retired.status();
+    if (retired.ok()) Release(*retired);
     if (!pruned.ok()) {
       spdlog::warn("checkpoint of step {} committed, but pruning older ones failed: {}", step,
                    pruned.ToString());
@@ -165,6 +167,19 @@ void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, s
                    keep, SecondsSince(prune_start));
     }
   });
+}
+
+std::vector<std::string> CheckpointWriter::Claim(std::vector<std::string> paths) {
+  std::lock_guard<std::mutex> lock(mu_);
+  paths.erase(std::remove_if(paths.begin(), paths.end(),
+                             [&](const std::string& p) { return !deleting_.insert(p).second; }),
+              paths.end());
+  return paths;
+}
+
+void CheckpointWriter::Release(const std::vector<std::string>& paths) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::string& p : paths) deleting_.erase(p);
 }
 
 void CheckpointWriter::StartShare(std::string dir, std::string prefix, int64_t step,

@@ -2,8 +2,9 @@
 // job copies its state to host memory at a step boundary (a Snapshot), hands it over, and
 // returns. One write at a time: a new one waits for the one in flight. After each commit the
 // job directory is pruned to the newest `keep`: the older ones leave the listing before Wait
-// answers, and their files are deleted after it. The next write goes on beside that deletion
-// when the disk has room for it (the last checkpoint's size, +10% and 1 GiB), else after it.
+// answers, and their files are deleted after it. The next write, its answer and its own
+// deletion go on beside that deletion when the disk has room for it (the last checkpoint's size,
+// +10% and 1 GiB), else the write starts after it.
 // Over several daemons the leader's writer also
 // waits for the others' shares before it commits, and each other daemon's writes its share
 // (StartShare).
@@ -20,8 +21,10 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "daemon/checkpoint/checkpoint.h"
@@ -82,6 +85,10 @@ class CheckpointWriter {
   void Join();
   // Waits for the write in flight to publish, then runs `write` on a thread of its own.
   void Run(int64_t step, Write write);
+  // The paths of `paths` no other write is deleting, now marked as this one's to delete;
+  // Release unmarks them once deleted.
+  std::vector<std::string> Claim(std::vector<std::string> paths);
+  void Release(const std::vector<std::string>& paths);
 
   mutable std::mutex mu_;
   std::condition_variable done_;  // running_step_ went to -1
@@ -89,6 +96,7 @@ class CheckpointWriter {
   int64_t running_step_ = -1;
   std::optional<absl::StatusOr<Result>> result_;  // of the last write started, once done
   Totals totals_;  // guarded by mu_
+  std::set<std::string> deleting_;  // retired directories a write is deleting; guarded by mu_
 };
 
 }  // namespace checkpoint
