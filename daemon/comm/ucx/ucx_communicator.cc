@@ -4,6 +4,7 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -174,6 +175,8 @@ class Engine {
   void Release(Op* op);  // a P2pRequest lets go
 
  private:
+  // Makes context_ and worker_, again while the host's interfaces change under UCX.
+  absl::Status OpenWorker();
   struct Task {
     std::function<void()> post;
     std::function<absl::Status()> collective;
@@ -232,25 +235,47 @@ absl::Status UcxError(const char* what, ucs_status_t status) {
   return absl::InternalError(absl::StrCat("ucx: ", what, " failed: ", ucs_status_string(status)));
 }
 
+absl::Status Engine::OpenWorker() {
+  // UCX lists the host's network interfaces when the context is made and opens them when the
+  // worker is: an interface that goes away in between (a container's veth on a Kubernetes node,
+  // another test's namespace link) fails the worker with UCS_ERR_NO_DEVICE. A new context lists
+  // them again.
+  constexpr int kAttempts = 5;
+  for (int attempt = 1;; ++attempt) {
+    ucp_config_t* config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    if (st != UCS_OK) return UcxError("ucp_config_read", st);
+    ucp_params_t params = {};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+      context_ = nullptr;
+      return UcxError("ucp_init", st);
+    }
+    ucp_worker_params_t wparams = {};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the engine thread touches it
+    st = ucp_worker_create(context_, &wparams, &worker_);
+    if (st == UCS_OK) return absl::OkStatus();
+    worker_ = nullptr;
+    ucp_cleanup(context_);
+    context_ = nullptr;
+    if (st != UCS_ERR_NO_DEVICE || attempt == kAttempts) {
+      return UcxError(attempt == 1 ? "ucp_worker_create"
+                                   : "ucp_worker_create (the host's interfaces kept changing)",
+                      st);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 * attempt));
+  }
+}
+
 absl::Status Engine::Init(Store* store, std::chrono::milliseconds timeout) {
   gone_.assign(size_, "");
-  ucp_config_t* config = nullptr;
-  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
-  if (st != UCS_OK) return UcxError("ucp_config_read", st);
-  ucp_params_t params = {};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-  params.mt_workers_shared = 0;
-  st = ucp_init(&params, config, &context_);
-  ucp_config_release(config);
-  if (st != UCS_OK) return UcxError("ucp_init", st);
-
-  ucp_worker_params_t wparams = {};
-  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the engine thread touches it
-  st = ucp_worker_create(context_, &wparams, &worker_);
-  if (st != UCS_OK) return UcxError("ucp_worker_create", st);
-  st = ucp_worker_get_efd(worker_, &efd_);
+  if (absl::Status opened = OpenWorker(); !opened.ok()) return opened;
+  ucs_status_t st = ucp_worker_get_efd(worker_, &efd_);
   if (st != UCS_OK) return UcxError("ucp_worker_get_efd", st);
 
   ucp_address_t* address = nullptr;
