@@ -1,7 +1,9 @@
 // UCX groups made while the host's network interfaces come and go, as a node's do when
 // containers start and stop (each a veth pair) or other tests make and delete their network
 // namespaces' links: every group comes up. A worker made just after an interface went away fails
-// with UCS_ERR_NO_DEVICE unless the engine lists the interfaces again (Engine::OpenWorker).
+// with UCS_ERR_NO_DEVICE (or UCS_ERR_IO_ERROR) unless the engine lists the interfaces again
+// (Engine::OpenWorker). Exclusive (see the BUILD file): the churn reaches every UCX user on the
+// host, other tests' too.
 //
 // Needs root (it adds and deletes veth pairs in this namespace) and runs outside Bazel's sandbox;
 // RANNC_SKIP_NETNS=1 skips it, loudly, as the namespace tests.
@@ -15,6 +17,9 @@
 #include <vector>
 
 #include <catch2/catch.hpp>
+#ifdef __SANITIZE_ADDRESS__
+#include <sanitizer/lsan_interface.h>
+#endif
 
 #include "daemon/comm/store.h"
 #include "daemon/comm/ucx/ucx_communicator.h"
@@ -26,6 +31,24 @@ namespace {
 using std::chrono::seconds;
 
 int Sh(const std::string& command) { return std::system((command + " 2>/dev/null").c_str()); }
+
+// UCX 1.13 leaks the ucp_worker_iface (600 bytes) of an interface that went away when
+// ucp_worker_create fails on it (its error path, from ucp_worker_iface_open), which this test
+// provokes on purpose: under ASan, what a rank allocates while its group is made is not counted
+// as a leak (LSan's stacks stop in libucs, which has no frame pointers, so a suppression could
+// not name that path without hiding every UCX allocation).
+absl::StatusOr<std::unique_ptr<Communicator>> MakeGroupRank(Store* store, const std::string& group,
+                                                           int rank) {
+#ifdef __SANITIZE_ADDRESS__
+  __lsan_disable();
+#endif
+  absl::StatusOr<std::unique_ptr<Communicator>> c =
+      MakeUcxCommunicator(GroupOptions{store, group, rank, 2, seconds(10)});
+#ifdef __SANITIZE_ADDRESS__
+  __lsan_enable();
+#endif
+  return c;
+}
 
 TEST_CASE("UCX groups come up while the host's interfaces come and go", "[comm][netns]") {
   const char* skip = std::getenv("RANNC_SKIP_NETNS");
@@ -62,7 +85,7 @@ TEST_CASE("UCX groups come up while the host's interfaces come and go", "[comm][
     std::vector<std::thread> ranks;
     for (int r = 0; r < 2; ++r) {
       ranks.emplace_back([&, r] {
-        comms[r] = MakeUcxCommunicator(GroupOptions{store.get(), group, r, 2, seconds(10)});
+        comms[r] = MakeGroupRank(store.get(), group, r);
       });
     }
     for (std::thread& t : ranks) t.join();
