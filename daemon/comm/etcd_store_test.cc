@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include "daemon/cluster/etcd_testing.h"
+#include "daemon/common/catch_threads.h"
 
 namespace rannc {
 namespace comm {
@@ -31,18 +32,19 @@ TEST_CASE("The etcd store sets, waits for, adds and scopes keys", "[etcd]") {
   CHECK(missing.status().code() == absl::StatusCode::kDeadlineExceeded);
   CHECK_THAT(std::string(missing.status().message()), Catch::Contains("'a'"));
 
-  // A Get waits for a later Set, from another thread (another rank).
+  // A Get waits for a later Set, from another thread (another rank). While threads run, every
+  // assertion goes through catch_threads.h (Catch2's are not thread-safe).
   std::thread setter([&] {
     std::this_thread::sleep_for(milliseconds(300));
-    REQUIRE(store->Set("late", "here").ok());
+    THREAD_REQUIRE_OK(store->Set("late", "here"));
   });
-  CHECK(store->Get("late", seconds(10)).value() == "here");
+  THREAD_CHECK(store->Get("late", seconds(10)).value() == "here");
   setter.join();
   std::thread setter2([&] {
     std::this_thread::sleep_for(milliseconds(200));
-    REQUIRE(store->Set("w1", "x").ok());
+    THREAD_REQUIRE_OK(store->Set("w1", "x"));
   });
-  CHECK(store->Wait({"a", "late", "w1"}, seconds(10)).ok());
+  THREAD_CHECK(store->Wait({"a", "late", "w1"}, seconds(10)).ok());
   setter2.join();
   CHECK(store->Wait({"a", "never"}, milliseconds(200)).code() ==
         absl::StatusCode::kDeadlineExceeded);
@@ -51,7 +53,7 @@ TEST_CASE("The etcd store sets, waits for, adds and scopes keys", "[etcd]") {
   std::vector<std::thread> adders;
   for (int t = 0; t < 4; ++t) {
     adders.emplace_back([&] {
-      for (int i = 0; i < 25; ++i) REQUIRE(store->Add("count", 1).ok());
+      for (int i = 0; i < 25; ++i) THREAD_REQUIRE_OK(store->Add("count", 1).status());
     });
   }
   for (std::thread& t : adders) t.join();
