@@ -12,7 +12,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -291,9 +290,8 @@ absl::StatusOr<std::string> BeginCheckpoint(const std::string& job_dir, int64_t 
 void AbandonCheckpoint(const std::string& dir) { (void)RemoveTree(dir); }
 
 bool HasRoomFor(const std::string& job_dir, uint64_t bytes) {
-  std::error_code ec;
-  std::filesystem::path path = job_dir;
-  while (!path.empty() && !std::filesystem::exists(path, ec)) path = path.parent_path();
+  std::string path = job_dir;
+  while (!path.empty() && !PathExists(path) && path != "/") path = ParentPath(path);
   struct statvfs fs;
   if (path.empty() || ::statvfs(path.c_str(), &fs) != 0) return false;
   const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;

@@ -62,6 +62,7 @@ void CheckpointWriter::Run(int64_t step, Write write) {
       if (result.ok()) {
         ++totals_.written;
         totals_.bytes += result->bytes;
+        last_bytes_ = result->bytes;
       } else {
         ++totals_.failed;
       }
@@ -77,18 +78,19 @@ void CheckpointWriter::Run(int64_t step, Write write) {
 void CheckpointWriter::Start(std::string job_dir, Snapshot snapshot, int keep, std::string dir,
                              Others others, std::function<void()> ready) {
   const int64_t step = snapshot.manifest.step();
-  uint64_t expected_bytes = 0;  // the last committed checkpoint's, all daemons' shares
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (result_ && result_->ok()) expected_bytes = (*result_)->bytes;
-  }
   Run(step, [this, step, job_dir = std::move(job_dir), snapshot = std::move(snapshot), keep,
-             dir = std::move(dir), others = std::move(others), ready = std::move(ready),
-             expected_bytes](const std::function<void()>& await_previous,
-                             const Publish& publish) mutable {
+             dir = std::move(dir), others = std::move(others),
+             ready = std::move(ready)](const std::function<void()>& await_previous,
+                                       const Publish& publish) mutable {
     const auto start = std::chrono::steady_clock::now();
     // The previous write's deletion goes on beside this write where the disk has room for both
-    // (else first: the files it frees may be the room this one needs).
+    // (else first: the files it frees may be the room this one needs). The previous write has
+    // published by now (Run), so last_bytes_ is its size.
+    uint64_t expected_bytes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      expected_bytes = last_bytes_;
+    }
     if (!HasRoomFor(job_dir, expected_bytes)) {
       const auto waited = std::chrono::steady_clock::now();
       await_previous();

@@ -96,6 +96,7 @@ class CheckpointWriter {
   int64_t running_step_ = -1;
   std::optional<absl::StatusOr<Result>> result_;  // of the last write started, once done
   Totals totals_;  // guarded by mu_
+  uint64_t last_bytes_ = 0;  // of the last write that succeeded (all daemons'); guarded by mu_
   std::set<std::string> deleting_;  // retired directories a write is deleting; guarded by mu_
 };
 
