@@ -1,5 +1,6 @@
 #include "daemon/optim/adam.h"
 
+#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/maximum.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -63,7 +64,16 @@ bool Adam::Fused(const at::Tensor& param) {
 #if TORCH_VERSION_MAJOR >= 2
   // The kernels walk flat memory: every tensor of a call dense, of one dtype and device.
   const at::Tensor& grad = param.grad();
-  return param.is_cuda() && at::isFloatingType(param.scalar_type()) && param.is_contiguous() &&
+  bool kernel = param.is_cuda();
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4
+  // PyTorch 2.4+ has the fused kernel on the CPU too (torch.optim.AdamW(fused=True) on CPU
+  // tensors: one vectorized pass over parameter, gradient and both moments instead of about ten
+  // elementwise passes with temporaries). Used for the pinned host masters of an offloaded CUDA
+  // job (offload_params), whose optimizer steps on the host; a CPU job keeps the single-tensor
+  // loop, op for op PyTorch's default on CPU.
+  kernel = kernel || (param.is_cpu() && at::hasCUDA() && param.is_pinned());
+#endif
+  return kernel && at::isFloatingType(param.scalar_type()) && param.is_contiguous() &&
          grad.defined() && grad.is_contiguous() && grad.scalar_type() == param.scalar_type() &&
          grad.device() == param.device();
 #else

@@ -1,10 +1,16 @@
-// Adam and AdamW on CUDA parameters (the fused kernels, adam.h) against the same optimizer on
-// CPU copies (the single-tensor algorithm, itself held to torch.optim by optimizer_test): same
-// grads, several steps, params that skip steps, amsgrad, maximize, weight decay, and a state
-// reload half-way. Needs a CUDA LibTorch 2.x and a GPU (tag gpu; fails, not skips, without).
+// Adam and AdamW through the fused kernels (adam.h): on CUDA parameters, and on pinned host
+// parameters (an offloaded job's masters; PyTorch's CPU kernel, LibTorch 2.4+), each against the
+// same optimizer on plain CPU copies (the single-tensor algorithm, itself held to torch.optim by
+// optimizer_test): same grads, several steps, params that skip steps, amsgrad, maximize, weight
+// decay, and a state reload half-way. Needs a CUDA LibTorch 2.4+ and a GPU (tag gpu; fails, not
+// skips, without).
 // Tolerance: every element within 1e-5 relative + 1e-6 absolute of the CPU result; the fused
 // kernel computes the same formulas in another order, so they differ by fp32 round-off only.
 #include "daemon/optim/optimizer.h"
+
+#include <torch/version.h>
+
+#include "daemon/optim/adam.h"
 
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>
@@ -24,9 +30,15 @@ constexpr int kReloadAt = 3;  // after this step, both optimizers reload their o
 
 bool HasGradAt(size_t i, int step) { return i != 1 || step % 2 == 0; }  // param 1 skips steps
 
-std::vector<at::Tensor> Leaves(const std::vector<at::Tensor>& values, at::Device device) {
+// `pinned`: in page-locked host memory (device must be the CPU).
+std::vector<at::Tensor> Leaves(const std::vector<at::Tensor>& values, at::Device device,
+                               bool pinned = false) {
   std::vector<at::Tensor> out;
-  for (const at::Tensor& v : values) out.push_back(v.to(device).detach().requires_grad_(true));
+  for (const at::Tensor& v : values) {
+    at::Tensor t = v.to(device).detach().clone();
+    if (pinned) t = t.pin_memory();
+    out.push_back(t.requires_grad_(true));
+  }
   return out;
 }
 
@@ -44,10 +56,11 @@ void Reload(Optimizer& opt) {
   REQUIRE(opt.LoadNamedState(state).ok());
 }
 
-TEST_CASE("Adam and AdamW on CUDA (fused) equal the CPU's single-tensor steps", "[gpu]") {
+// The fused side's parameters: on the GPU, or pinned on the host.
+void CompareFused(bool pinned_host) {
   INFO("this test needs a CUDA build of LibTorch and a GPU");
   REQUIRE(at::hasCUDA());
-  const at::Device cuda(at::kCUDA, 0);
+  const at::Device fused_on = pinned_host ? at::Device(at::kCPU) : at::Device(at::kCUDA, 0);
   for (OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
     for (bool amsgrad : {false, true}) {
       for (bool maximize : {false, true}) {
@@ -63,44 +76,59 @@ TEST_CASE("Adam and AdamW on CUDA (fused) equal the CPU's single-tensor steps", 
         hyper.weight_decay = 0.1;
         hyper.amsgrad = amsgrad;
         hyper.maximize = maximize;
-        std::vector<at::Tensor> on_gpu = Leaves(init, cuda);
+        std::vector<at::Tensor> on_fused = Leaves(init, fused_on, pinned_host);
         std::vector<at::Tensor> on_cpu = Leaves(init, at::kCPU);
-        std::unique_ptr<Optimizer> gpu = Make(kind, on_gpu, hyper);
+        std::unique_ptr<Optimizer> fused = Make(kind, on_fused, hyper);
         std::unique_ptr<Optimizer> cpu = Make(kind, on_cpu, hyper);
         for (int step = 0; step < kSteps; ++step) {
           for (size_t i = 0; i < init.size(); ++i) {
             if (!HasGradAt(i, step)) {
-              on_gpu[i].mutable_grad() = at::Tensor();
+              on_fused[i].mutable_grad() = at::Tensor();
               on_cpu[i].mutable_grad() = at::Tensor();
               continue;
             }
             at::Tensor grad = at::randn(kShapes[i]);
-            on_gpu[i].mutable_grad() = grad.to(cuda);
+            on_fused[i].mutable_grad() = grad.to(fused_on, /*non_blocking=*/false, /*copy=*/true);
             on_cpu[i].mutable_grad() = grad.clone();
           }
-          REQUIRE(gpu->Step({hyper}).ok());
+          for (size_t i = 0; i < init.size(); ++i) {
+            if (on_fused[i].grad().defined()) REQUIRE(Adam::Fused(on_fused[i]));
+            if (on_cpu[i].grad().defined()) REQUIRE_FALSE(Adam::Fused(on_cpu[i]));
+          }
+          REQUIRE(fused->Step({hyper}).ok());
           REQUIRE(cpu->Step({hyper}).ok());
           if (step == kReloadAt) {
-            Reload(*gpu);
+            Reload(*fused);
             Reload(*cpu);
           }
           for (size_t i = 0; i < init.size(); ++i) {
             INFO("step " << step << " param " << i);
-            CHECK(at::allclose(on_gpu[i].detach().cpu(), on_cpu[i].detach(), 1e-5, 1e-6));
+            CHECK(at::allclose(on_fused[i].detach().cpu(), on_cpu[i].detach(), 1e-5, 1e-6));
           }
         }
-        const auto gpu_state = gpu->NamedState();
+        const auto fused_state = fused->NamedState();
         const auto cpu_state = cpu->NamedState();
-        REQUIRE(gpu_state.size() == cpu_state.size());
-        for (size_t k = 0; k < gpu_state.size(); ++k) {
-          INFO(gpu_state[k].first);
-          CHECK(gpu_state[k].first == cpu_state[k].first);
-          CHECK(at::allclose(gpu_state[k].second.cpu(), cpu_state[k].second, 1e-5, 1e-6));
+        REQUIRE(fused_state.size() == cpu_state.size());
+        for (size_t k = 0; k < fused_state.size(); ++k) {
+          INFO(fused_state[k].first);
+          CHECK(fused_state[k].first == cpu_state[k].first);
+          CHECK(at::allclose(fused_state[k].second.cpu(), cpu_state[k].second, 1e-5, 1e-6));
         }
-        CHECK(gpu->StateBytes() == cpu->StateBytes());
+        CHECK(fused->StateBytes() == cpu->StateBytes());
       }
     }
   }
+}
+
+TEST_CASE("Adam and AdamW on CUDA (fused) equal the CPU's single-tensor steps", "[gpu]") {
+  CompareFused(/*pinned_host=*/false);
+}
+
+TEST_CASE("Adam and AdamW on pinned host masters (fused CPU kernel) equal the single-tensor steps",
+          "[gpu]") {
+  INFO("PyTorch's fused CPU Adam kernels are in LibTorch 2.4 and later");
+  REQUIRE((TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)));
+  CompareFused(/*pinned_host=*/true);
 }
 
 }  // namespace

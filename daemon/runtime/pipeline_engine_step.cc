@@ -405,9 +405,14 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
     if (scaler_.enabled() && step_grad.defined()) Unscale(step_grad);
     const int li = st.params[i];
     if (!d.host.empty() && d.host[li].defined()) {
-      // Offloaded: the step's gradient goes to the host master (the device had none before).
+      // Offloaded: the step's gradient goes to the host master (the device had none before),
+      // into page-locked memory from a CUDA device (HostCopy: a DMA at the link's speed, and
+      // the caching host allocator hands the same pages out again at the next step once the
+      // client's zero_grad has freed them; pageable memory is faulted in anew every step).
       params[i].mutable_grad().reset();
-      if (step_grad.defined()) step_grad = ToHost(step_grad);
+      if (step_grad.defined()) {
+        step_grad = step_grad.device().is_cpu() ? step_grad : HostCopy(step_grad.detach());
+      }
       at::Tensor& master = d.host[li];
       if (step.phase == Phase::kFused) {
         d.fused_grads.push_back(step_grad);
