@@ -139,7 +139,10 @@ RankResult RunRank(comm::Communicator* c, size_t bucket_bytes, const Model& m,
     std::vector<at::Tensor> params = m.params();
     for (size_t i = 0; i < params.size(); ++i) params[i].set_(values[i]);
     // set_ made autograd drop the leaves' accumulators: without this no bucket starts early.
-    REQUIRE((*reducer)->Rebind().ok());
+    // (No assertion here: this runs on the rank's thread, and Catch2 is not thread-safe; the
+    // main thread checks `created`.)
+    result.created = (*reducer)->Rebind();
+    if (!result.created.ok()) return result;
   }
   Backward(m, x0, 0);
   (*reducer)->BeginFinalBackward();
@@ -243,7 +246,9 @@ TEST_CASE("GradReducer sums gradients as Options::wire_dtype when asked", "[runt
     const std::vector<at::Tensor> want = ExpectedGrads(2);
     int inexact_in_bf16 = 0;  // of the exact sums: some are not bf16 values, or this proves nothing
     for (int r = 0; r < 2; ++r) {
+      REQUIRE(results[r].created.ok());
       REQUIRE(results[r].finished.ok());
+      REQUIRE(results[r].grads.size() == want.size());
       for (size_t i = 0; i < want.size(); ++i) {
         INFO("rank " << r << " param " << i << " bucket_bytes " << bucket_bytes);
         const at::Tensor& got = results[r].grads[i];

@@ -4,6 +4,7 @@
 #include "daemon/runtime/pinned_arena.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -12,8 +13,11 @@
 namespace rannc {
 namespace {
 
+// Faulting a GiB in takes a second or two; under TSan (RANNC_SANITIZER, set by .bazelrc's
+// sanitizer configs) a minute, its shadow memory faulted in with it.
 bool WaitReady(const PinnedArena& arena, size_t bytes) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  const auto limit = std::chrono::seconds(std::getenv("RANNC_SANITIZER") ? 300 : 30);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
   while (arena.ready_bytes() < bytes) {
     if (std::chrono::steady_clock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

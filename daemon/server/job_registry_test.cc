@@ -95,18 +95,28 @@ TEST_CASE("JobRegistry: a job whose leader's lease ends is orphaned, taken over 
   entry.set_resumed_step(-1);
   REQUIRE(a->registry.Publish(entry).ok());
 
-  // b and c both watch for orphans and race for them; a leads, so none yet.
+  // b and c both watch for orphans and race for them; a leads, so none yet. The callbacks run
+  // on the registries' watch threads and assert nothing (Catch2 is not thread-safe while the
+  // main thread asserts): they record what failed, which the main thread checks.
   std::mutex mu;
-  std::vector<std::string> won;  // "b:gpt"
+  std::vector<std::string> won;     // "b:gpt"
+  std::vector<std::string> failed;  // "b: <status>"
   auto watcher = [&](FakeDaemon& d, const std::string& who) {
     d.registry.WatchOrphans([&, who](const std::string& name) {
-      std::optional<v1::RegisteredJob> e = d.registry.TakeOver(name).value();
-      if (!e) return;
-      e->set_job_id(who + "-2");
-      e->set_generation(e->generation() + 1);
-      REQUIRE(d.registry.Publish(*e).ok());
+      absl::StatusOr<std::optional<v1::RegisteredJob>> taken = d.registry.TakeOver(name);
+      absl::Status published = taken.status();
+      if (taken.ok() && *taken) {
+        v1::RegisteredJob& e = **taken;
+        e.set_job_id(who + "-2");
+        e.set_generation(e.generation() + 1);
+        published = d.registry.Publish(e);
+      }
       std::lock_guard<std::mutex> lock(mu);
-      won.push_back(who + ":" + name);
+      if (!published.ok()) {
+        failed.push_back(who + ": " + published.ToString());
+      } else if (taken.ok() && *taken) {
+        won.push_back(who + ":" + name);
+      }
     }, milliseconds(200));
   };
   watcher(b, "b");
@@ -128,6 +138,8 @@ TEST_CASE("JobRegistry: a job whose leader's lease ends is orphaned, taken over 
   std::string winner;
   {
     std::lock_guard<std::mutex> lock(mu);
+    INFO((failed.empty() ? std::string() : failed[0]));
+    CHECK(failed.empty());
     REQUIRE(won.size() == 1);
     winner = won[0].substr(0, 1);
   }
