@@ -56,7 +56,8 @@ fetch() {
   [ -d "$dir" ] && return 0
   [ -f "$dsc" ] || curl -sfO "$pool/$dsc"
   local f
-  for f in $(sed -n '/^Files:/,/^[A-Z]/p' "$dsc" | awk 'NF == 3 {print $3}'); do
+  # The Files section's lines (" md5 size name"), up to the next field or the signature.
+  for f in $(awk '/^Files:/ {on = 1; next} on && /^ / {print $3; next} {on = 0}' "$dsc"); do
     [ -f "$f" ] || curl -sfO "$pool/$f"
   done
   dpkg-source -x "$dsc" >/dev/null
