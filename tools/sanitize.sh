@@ -11,7 +11,8 @@
 # that do not link LibTorch, and those that use gRPC only with tools/tsan_deps.sh's
 # instrumented gRPC (see below).
 # Reports are left in /tmp/rannc-sanitizer/<sanitizer>.<binary>.<pid> (emptied first) and the
-# first lines of each are printed. Suppressions: tools/sanitizers/*.supp, each entry with its reason.
+# first lines of each are printed. Suppressions: tools/sanitizers/*.supp, each entry with its
+# reason.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
@@ -94,7 +95,8 @@ mkdir -p "$reports"
 find "$reports" -maxdepth 1 -type f -name '*san.*' ! -name '*.supp' -delete
 cp tools/sanitizers/*.supp "$reports"/
 start=$(date +%s)
-bazel test --config="$config" "${tsan_env[@]}" "${targets[@]}" 2>&1 | tee "/tmp/rannc-$config-test.log" |
+bazel test --config="$config" "${tsan_env[@]}" "${targets[@]}" 2>&1 |
+  tee "/tmp/rannc-$config-test.log" |
   grep -vE "linux-sandbox|^INFO: From Testing|^\(cached\)"
 rc=${PIPESTATUS[0]}
 found=$(find "$reports" -maxdepth 1 -type f -name '*san.*' ! -name '*.supp' | sort)

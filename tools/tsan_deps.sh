@@ -9,10 +9,11 @@
 # under the installed libraries' file names (libgrpc.so.29, libabsl_synchronization.so.20220623,
 # ...). tools/sanitize.sh tsan then runs the tests with LD_LIBRARY_PATH pointing there, so that
 # the binaries Bazel links against Debian's libraries load these instead, and TSan sees the
-# synchronization inside them (docs/hardening.md, "TSan over gRPC's users").
+# synchronization inside them (docs/hardening.md, "TSan and gRPC").
 #
-#   tools/tsan_deps.sh            builds what is missing (~60-80 min on 2 cores; nothing when
-#                                 built), prints the lib directory on its last line
+#   tools/tsan_deps.sh            builds what is missing (~17 min on 2 cores: abseil and
+#                                 protobuf ~1.5 each, gRPC ~13; nothing when built), prints the
+#                                 lib directory on its last line
 #   tools/tsan_deps.sh --check    prints the lib directory if it is complete, else exits 1
 #
 # Needs: dpkg-source, cmake, ninja, curl, and the -dev packages gRPC builds against (installed
