@@ -35,7 +35,7 @@ std::vector<at::Tensor> Leaves(const std::vector<at::Tensor>& values, at::Device
                                bool pinned = false) {
   std::vector<at::Tensor> out;
   for (const at::Tensor& v : values) {
-    at::Tensor t = v.to(device).detach().clone();
+    at::Tensor t = v.detach().to(device, v.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     if (pinned) t = t.pin_memory();
     out.push_back(t.requires_grad_(true));
   }
