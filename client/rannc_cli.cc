@@ -30,6 +30,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -64,9 +65,13 @@
 namespace rannc {
 namespace {
 
-volatile std::sig_atomic_t g_interrupted = 0;
+// Set by the handler, read by the main thread and by the threads that follow a job's log (a
+// volatile sig_atomic_t is only for the thread the signal interrupts): a lock-free atomic, which
+// a signal handler may write.
+std::atomic<bool> g_interrupted{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
 
-void OnSigint(int) { g_interrupted = 1; }
+void OnSigint(int) { g_interrupted.store(true, std::memory_order_relaxed); }
 
 // The first Ctrl-C asks the loop to stop after the RPC in flight and delete the job; a second
 // one (SA_RESETHAND restored the default) kills the process at once.
@@ -905,7 +910,7 @@ int Main(int argc, char** argv) {
   if (*checkpoints) return RunCheckpoints(client, checkpoints_job, checkpoints_dir);
   if (*export_checkpoint) return RunExport(client, export_job, export_out, export_dir);
   if (*train) return RunTrain(client, flags);
-  const auto interrupted = [] { return g_interrupted != 0; };
+  const auto interrupted = [] { return g_interrupted.load(std::memory_order_relaxed); };
   if (*submit) {
     if (submit_follow) InstallSigintHandler();
     const UploadFiles upload = submit_upload      ? UploadFiles::kYes

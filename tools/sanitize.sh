@@ -7,9 +7,9 @@
 #
 # Without targets, ASan runs the whole list below; --torch-free only the C++ tests that do not
 # link LibTorch (what .ci/run runs by default: minutes to build cold), --ci a middle list (CI's
-# with RANNC_CI_SANITIZE=full). TSan runs the C++ tests, with --torch-free (or --ci) those
-# that do not link LibTorch, and those that use gRPC only with tools/tsan_deps.sh's
-# instrumented gRPC (see below).
+# with RANNC_CI_SANITIZE=full). TSan runs the C++ tests and ASan's daemon-process suites,
+# with --torch-free (or --ci) the C++ tests that do not link LibTorch, and those that use gRPC
+# only with tools/tsan_deps.sh's instrumented gRPC (see below).
 # Reports are left in /tmp/rannc-sanitizer/<sanitizer>.<binary>.<pid> (emptied first) and the
 # first lines of each are printed. Suppressions: tools/sanitizers/*.supp, each entry with its
 # reason.
@@ -47,16 +47,16 @@ ci_extra=(//tests/daemon:daemon_lifecycle_test //python_client:bad_input_test
 # synchronization it cannot see: Debian's gRPC (completion queues, atomics, absl::Mutex), whose
 # every test reports hundreds (docs/hardening.md). So TSan runs gRPC's users only against the
 # instrumented abseil, gRPC and protobuf that tools/tsan_deps.sh builds from Debian's sources
-# (loaded in place of the installed ones through LD_LIBRARY_PATH, which the processes a test
-# starts inherit); without them (RANNC_TSAN_DEPS_BUILD=1 builds them first, ~20 minutes on 2
-# cores) it runs only the tests that use no gRPC. With them, --torch-free (CI's) is every C++
-# test that does not link LibTorch; the whole list adds those that do (LibTorch's own reports
-# suppressed in tools/sanitizers/tsan.supp), less the client's integration tests, which trace
-# their models with /usr/bin/python3: its LibTorch would load the instrumented protobuf
-# without TSan's runtime. No daemon-process suite runs under TSan yet (their pytest process
-# must not load the instrumented libraries, the ranncd it starts must). The lists are queried
-# only when no targets are given.
-tsan_env=()
+# (RANNC_TSAN_DEPS_BUILD=1 builds them first, ~20 minutes on 2 cores); without them it runs
+# only the tests that use no gRPC. The TSan binaries (tests, ranncd, the rannc CLI) are linked
+# with an rpath to them (DT_RPATH, which also covers the libraries they load), so exactly the
+# instrumented processes load them: not Bazel's linux-sandbox nor the /usr/bin/python3 of the
+# daemon-process suites and of the client's integration tests (Debian's LibTorch and the sandbox
+# link libprotobuf, and an instrumented library crashes a process without TSan's runtime).
+# With them, --torch-free (CI's) is every C++ test that does not link LibTorch; the whole list
+# adds those that do (LibTorch's own reports suppressed in tools/sanitizers/tsan.supp) and the
+# daemon-process suites of ASan's list. The lists are queried only when no targets are given.
+tsan_flags=()
 if [ "$config" = tsan ]; then
   if [ "${RANNC_TSAN_DEPS_BUILD:-0}" = 1 ] && ! tools/tsan_deps.sh --check >/dev/null; then
     tools/tsan_deps.sh >/tmp/rannc-tsan-deps.log 2>&1 ||
@@ -64,18 +64,15 @@ if [ "$config" = tsan ]; then
   fi
   if deps=$(tools/tsan_deps.sh --check); then
     echo "tsan: gRPC, abseil and protobuf instrumented, from $deps"
-    # In the test's own command (--run_under), not the spawn's environment (--test_env): Debian's
-    # linux-sandbox links libprotobuf too, and an instrumented library in a process without
-    # TSan's runtime crashes it.
-    tsan_env=("--run_under=env LD_LIBRARY_PATH=$deps")
+    tsan_flags=("--linkopt=-Wl,--disable-new-dtags,-rpath,$deps")
   else
     echo "tsan: no instrumented gRPC (tools/tsan_deps.sh): the tests that use gRPC are left out"
   fi
 fi
 if [ ${#targets[@]} -eq 0 ] && [ "$config" = tsan ]; then
-  if [ ${#tsan_env[@]} -gt 0 ] && [ "$scope" = all ]; then
-    targets=($(query "except attr(name, 'client_.*integration_test', //...)"))
-  elif [ ${#tsan_env[@]} -gt 0 ]; then
+  if [ ${#tsan_flags[@]} -gt 0 ] && [ "$scope" = all ]; then
+    targets=($(query "") "${daemon_tests[@]}")
+  elif [ ${#tsan_flags[@]} -gt 0 ]; then
     targets=($(query "except rdeps(//..., //third_party:torch)"))
   else
     targets=($(query "except rdeps(//..., //third_party:torch)
@@ -95,7 +92,7 @@ mkdir -p "$reports"
 find "$reports" -maxdepth 1 -type f -name '*san.*' ! -name '*.supp' -delete
 cp tools/sanitizers/*.supp "$reports"/
 start=$(date +%s)
-bazel test --config="$config" "${tsan_env[@]}" "${targets[@]}" 2>&1 |
+bazel test --config="$config" "${tsan_flags[@]}" "${targets[@]}" 2>&1 |
   tee "/tmp/rannc-$config-test.log" |
   grep -vE "linux-sandbox|^INFO: From Testing|^\(cached\)"
 rc=${PIPESTATUS[0]}

@@ -299,8 +299,10 @@ def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there(
     state = str(tmp_path / "state2")
     daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state)
     job = _cli(daemon, "submit", _job_file(job_dir, "stopped", steps, config)).stdout.strip()
+    # Polled over the connection, not with `rannc status`: the job runs ~100 steps a second, and
+    # a CLI process each poll (slow to start under a sanitizer build) may see it only once done.
     deadline = time.monotonic() + 60
-    while _status(daemon, job)[0].get("step", 0) < stop_after:
+    while daemon.conn.stub.DetachedJobStatus(pb.JobRef(job_id=job), timeout=10).step < stop_after:
         assert time.monotonic() < deadline, daemon.output()
         time.sleep(0.005)
     daemon.proc.terminate()
