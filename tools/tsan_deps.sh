@@ -7,9 +7,9 @@
 #   ~/.cache/rannc-tsan-deps/<key>/lib      (RANNC_TSAN_DEPS overrides the root)
 #
 # under the installed libraries' file names (libgrpc.so.29, libabsl_synchronization.so.20220623,
-# ...). tools/sanitize.sh tsan then runs the tests with LD_LIBRARY_PATH pointing there, so that
-# the binaries Bazel links against Debian's libraries load these instead, and TSan sees the
-# synchronization inside them (docs/hardening.md, "TSan and gRPC").
+# ...). tools/sanitize.sh tsan then links the TSan binaries with an rpath to that directory, so
+# that they load these instead of the installed libraries they were linked against, and TSan
+# sees the synchronization inside them (docs/hardening.md, "TSan and gRPC").
 #
 #   tools/tsan_deps.sh            builds what is missing (~17 min on 2 cores: abseil and
 #                                 protobuf ~1.5 each, gRPC ~13; nothing when built), prints the
