@@ -72,6 +72,7 @@ std::atomic<bool> g_interrupted{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
 
 void OnSigint(int) { g_interrupted.store(true, std::memory_order_relaxed); }
+bool Interrupted() { return g_interrupted.load(std::memory_order_relaxed); }
 
 // The first Ctrl-C asks the loop to stop after the RPC in flight and delete the job; a second
 // one (SA_RESETHAND restored the default) kills the process at once.
@@ -514,7 +515,7 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
     return seconds > 0 ? static_cast<double>(steps * tokens_per_step) / seconds : 0.0;
   };
 
-  for (int64_t step = 1; step <= flags.steps && !g_interrupted; ++step) {
+  for (int64_t step = 1; step <= flags.steps && !Interrupted(); ++step) {
     if (step > 1) batch = SampleTokenBatch(*tokens, rng, flags.batch, flags.seq);
     if (absl::Status s = client.ZeroGrad(job_id); !s.ok()) return finish(1, s);
     absl::StatusOr<ForwardResult> out = client.Forward(job_id, {batch.input_ids, batch.targets});
@@ -551,11 +552,11 @@ int RunTrain(const Client& client, const TrainFlags& flags) {
                 << std::flush;
     }
   }
-  if (tty && g_interrupted) std::cout << "\n";
+  if (tty && Interrupted()) std::cout << "\n";
   std::cout << absl::StrFormat("summary: steps=%d first_loss=%.6f last_loss=%.6f tokens/s=%.1f\n",
                                done, first_loss, last_loss, rate(done))
             << std::flush;
-  if (g_interrupted) {
+  if (Interrupted()) {
     std::cerr << "rannc: interrupted after " << done << " steps; deleting job " << job_id << "\n";
     return finish(130, absl::OkStatus());
   }
@@ -910,21 +911,20 @@ int Main(int argc, char** argv) {
   if (*checkpoints) return RunCheckpoints(client, checkpoints_job, checkpoints_dir);
   if (*export_checkpoint) return RunExport(client, export_job, export_out, export_dir);
   if (*train) return RunTrain(client, flags);
-  const auto interrupted = [] { return g_interrupted.load(std::memory_order_relaxed); };
   if (*submit) {
     if (submit_follow) InstallSigintHandler();
     const UploadFiles upload = submit_upload      ? UploadFiles::kYes
                                : submit_no_upload ? UploadFiles::kNo
                                                   : UploadFiles::kIfRemote;
     absl::StatusOr<int> code =
-        RunSubmit(client, submit_file, submit_follow, upload, interrupted);
+        RunSubmit(client, submit_file, submit_follow, upload, Interrupted);
     return code.ok() ? *code : Fail(code.status());
   }
   auto done = [](const absl::Status& s) { return s.ok() ? 0 : Fail(s); };
   if (*status) return done(RunStatus(client, status_job));
   if (*logs) {
     if (logs_follow) InstallSigintHandler();
-    return done(RunLogs(client, logs_job, logs_follow, interrupted));
+    return done(RunLogs(client, logs_job, logs_follow, Interrupted));
   }
   if (*cancel) return done(RunCancel(client, cancel_job));
   if (*plan) return RunPlan(client, plan_flags);

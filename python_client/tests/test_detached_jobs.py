@@ -302,7 +302,7 @@ def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there(
     # Polled over the connection, not with `rannc status`: the job runs ~100 steps a second, and
     # a CLI process each poll (slow to start under a sanitizer build) may see it only once done.
     deadline = time.monotonic() + 60
-    while daemon.conn.stub.DetachedJobStatus(pb.JobRef(job_id=job), timeout=10).step < stop_after:
+    while daemon.conn.call("DetachedJobStatus", pb.JobRef(job_id=job)).step < stop_after:
         assert time.monotonic() < deadline, daemon.output()
         time.sleep(0.005)
     daemon.proc.terminate()
