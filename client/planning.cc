@@ -256,6 +256,10 @@ absl::StatusOr<std::string> FormatDeployment(const v1::Deployment& d, int64_t ba
         devices.empty() ? "(none)" : absl::StrJoin(devices, ", "), s.devices_size(),
         s.devices_size() == 1 ? "" : "s", micro_batch(s), s.recompute() ? "yes" : "no",
         HumanBytes(s.memory_bytes()), s.fwd_ms(), s.bwd_ms());
+    if (s.offload_blocks() > 1) {
+      absl::StrAppendFormat(&out, "  offload: parameters streamed in %d blocks\n",
+                            s.offload_blocks());
+    }
     // The split of that memory, as a loaded deployment is checked by it: what does not grow
     // with the batch (parameters among it), and what does. Files without it show no line.
     if (s.fixed_bytes() != 0 || s.param_bytes() != 0 || s.activation_bytes() != 0) {

@@ -104,6 +104,10 @@ std::vector<ConfigKey>* MakeRegistry() {
        "the global batch to plan for (pyrannc sets it with trace_batch)"},
       {"auto_memory", T::kBool, S::kJob, "true",
        "when nothing fits, plan again with ZeRO, then offload, then both"},
+      {"offload_block_bytes", T::kBytes, S::kJob, "1GiB",
+       "with offload_params, a stage without replicas streams its parameters to the device in "
+       "blocks of at most this many bytes, each there only while it computes (0: the stage's "
+       "at once)"},
       {"amp_dtype", T::kString, S::kJob, "bf16",
        "mixed precision's dtype with enable_apex_amp: bf16, or fp16 (CUDA devices)"},
       {"amp_level", T::kString, S::kJob, "O1",

@@ -146,6 +146,32 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end) {
   return BuildSubgraph(ir, std::move(nodes));
 }
 
+std::vector<int> ParamBlockStarts(const IrGraph& ir, int begin, int end, int64_t max_param_bytes) {
+  std::vector<int> starts = {begin};
+  if (max_param_bytes <= 0) return starts;
+  std::set<int> block;  // parameters the current block reads
+  int64_t bytes = 0;
+  for (int n = begin; n < end; ++n) {
+    std::vector<int> fresh;
+    int64_t more = 0;
+    for (int v : ir.nodes[n].inputs) {
+      if (ir.values[v].role != ValueRole::kParam || block.count(v)) continue;
+      if (std::find(fresh.begin(), fresh.end(), v) != fresh.end()) continue;
+      fresh.push_back(v);
+      more += ir.values[v].bytes;
+    }
+    if (more == 0) continue;
+    if (bytes > 0 && bytes + more > max_param_bytes) {
+      starts.push_back(n);
+      block.clear();
+      bytes = 0;
+    }
+    block.insert(fresh.begin(), fresh.end());
+    bytes += more;
+  }
+  return starts;
+}
+
 absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes) {
   const int n = static_cast<int>(ir.nodes.size());
   std::sort(nodes.begin(), nodes.end());

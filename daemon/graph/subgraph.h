@@ -39,6 +39,14 @@ absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, std::vector<int> nodes
 // The nodes [begin, end).
 absl::StatusOr<Subgraph> BuildSubgraph(const IrGraph& ir, int begin, int end);
 
+// Splits the atomic nodes [begin, end) into consecutive blocks for parameter offload's streaming
+// (runtime/pipeline_engine_offload.cc): the first node of each block, `begin` first. A block
+// takes nodes while the parameters they read (counted once per block, where the block first
+// reads them) stay within `max_param_bytes`; a node that reads more alone makes a block of its
+// own, and nodes that read no parameter join the block before them (the first block, before
+// any). One block when `max_param_bytes` <= 0 or the range reads no more than that.
+std::vector<int> ParamBlockStarts(const IrGraph& ir, int begin, int end, int64_t max_param_bytes);
+
 // For running `graph` on `device` (a CUDA device; nothing for the CPU): the host the model was
 // traced on becomes the device. Its device constants naming the CPU (factory ops such as
 // torch.ones(..., device="cpu") recorded by torch.jit.trace) name `device`, and its tensor

@@ -95,7 +95,11 @@ double CutBytes(const CostTable& table, int boundary) {
 
 DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& t,
                                int replicas, int inflight, int micro_batches, bool recompute) {
-  const double G = t.trainable;
+  // Streamed (offload's blocks): a few blocks' parameters and one block's gradients at a time.
+  const bool streamed = t.streamed_block > 0;
+  const double G = streamed ? std::min(t.trainable, t.streamed_block) : t.trainable;
+  const double params =
+      streamed ? t.params - t.trainable + std::min(t.trainable, 3 * t.streamed_block) : t.params;
   // The runtime shards only stages with several replicas.
   const bool zero = options.zero && replicas > 1;
   const double state =
@@ -108,7 +112,7 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
   // A micro-batch's forward and backward, working memory included; its input is apart.
   const double U = t.act_peak;
   // The first backward: gradients allocated as the activations of later blocks are freed.
-  const double T = std::max(G, t.grad_act_peak);
+  const double T = std::max(G, streamed ? t.act_peak + G : t.grad_act_peak);
   double dynamic;
   if (zero) {
     // The flat gradient is allocated before the first backward.
@@ -129,7 +133,7 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
     }
   }
   DeviceMemory m;
-  m.total = t.params + state + buckets + dynamic;
+  m.total = params + state + buckets + dynamic;
   m.scaled = (k - 1) * (recompute ? I : t.act + I) + I + t.act_peak_scaled;
   return m;
 }
@@ -170,6 +174,11 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   terms.grad_act_peak = sums.grad_act_peak;
   terms.act_peak = sums.act_peak;
   terms.act_peak_scaled = sums.act_peak_scaled;
+  if (options.offload && replicas == 1 && options.offload_block_bytes > 0) {
+    // A stage within one block's bytes is uploaded at once (one runtime block).
+    const double block = std::max(options.offload_block_bytes, sums.max_block_trainable);
+    if (block < terms.trainable) terms.streamed_block = block;
+  }
   auto memory_of = [&](bool recompute) {
     return StageDeviceMemory(options, terms, replicas, inflight, micro_batches, recompute);
   };

@@ -51,6 +51,10 @@ struct SearchOptions {
   // parameters (all-gathered whole with zero), the step's gradients and activations, and no
   // optimizer state.
   bool offload = false;
+  // Offload's streaming (runtime EngineOptions::offload_block_bytes): a stage of one replica
+  // holds its trainable parameters, and their gradients, a block of at most about this many
+  // bytes at a time. 0: the whole stage's during a step.
+  double offload_block_bytes = 0;
   // Mixed precision: bytes of the low-precision weight copies autocast makes in a forward, per
   // trainable parameter byte (0 without AMP; 0.5 for bf16/fp16 copies of fp32 weights). Each
   // micro-batch's forward is its own autocast region, so every micro-batch in flight keeps its
@@ -120,6 +124,13 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 // block i's working memory; G the stage's trainable bytes (a step's gradients), P its params
 // and buffers; k micro-batches in flight (1F1B: min(m, stages after + 1); GPipe: m) of m.
 //   P + state + buckets + dynamic
+// Streamed (offload, one replica, offload_block_bytes > 0): with B the larger of
+// offload_block_bytes and the stage's largest block's trainable bytes (a node reading more is a
+// runtime block alone) and less than G (else the stage is one block), the device holds at most 3B of the trainable parameters (the block
+// computing, the next one prefetched, and the last one, kept from its forward to its backward)
+// and B of gradients (a block's, until its backward ends): P and G below become
+// P - G + min(G, 3B) and min(G, B), and the first backward's T becomes max_i X_<=i + W_i +
+// min(G, B).
 //   state    G * optimizer_state_factor, divided by the replicas with zero; 0 with offload
 //   buckets  G with more than one replica and no zero: the gradient reducer's flat buffers
 //            (runtime/grad_reducer.h), allocated once and kept; offloaded, allocated for the

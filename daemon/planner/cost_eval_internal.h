@@ -38,6 +38,7 @@ struct StageSums {
   // by then, W_i block i's working memory and G_>=i the gradients of parameters that block i
   // or a later one reads,
   double casts = 0;            // the AMP weight copies of all the blocks (X - A)
+  double max_block_trainable = 0;  // the most trainable bytes one block reads
   double grad_act_peak = 0;    // max_i G_>=i + X_<=i + W_i: the first backward's peak
   double act_peak = 0;         // max_i X_<=i + W_i: one micro-batch's peak, gradients apart
   double act_peak_scaled = 0;  // max_i A_<=i + W_i: the part of act_peak the batch scales
@@ -55,6 +56,7 @@ inline void AddBlock(const BlockProfile& p, double new_trainable, double reread_
   sums->act_bytes += p.act_bytes;
   if (p.peak_bytes > sums->peak_bytes) sums->peak_bytes = p.peak_bytes;
   sums->casts += cast_factor * new_trainable;
+  sums->max_block_trainable = std::max(sums->max_block_trainable, new_trainable + reread_trainable);
   const double act = static_cast<double>(sums->act_bytes);
   const double work = static_cast<double>(p.peak_bytes);
   const double here = act + sums->casts + work;
@@ -84,6 +86,8 @@ struct MemoryTerms {
   double grad_act_peak = 0;
   double act_peak = 0;
   double act_peak_scaled = 0;
+  // Offload's streaming: the trainable bytes on the device at once (B above); 0: not streamed.
+  double streamed_block = 0;
 };
 
 // One device's memory (EvaluateStage's model): `total` at its peak, and `scaled`, the most it

@@ -355,6 +355,35 @@ TEST_CASE("Offload keeps no optimizer state on the device", "[cost_eval]") {
         1100 + 2000 + 1000 + 8000 + (8000 + 250 + 50));
 }
 
+TEST_CASE("Streamed offload holds a few blocks' parameters and one block's gradients",
+          "[cost_eval]") {
+  const CostTable t = Stack(250, 100);
+  SearchOptions o = Batch(1, 1);
+  o.offload = true;
+  o.offload_block_bytes = 250;
+  // The buffer, three blocks' parameters (computing, prefetched, the last one), then one
+  // block's gradients beside the micro-batch's activations and working memory: 250 + 400 + 50.
+  StageEval e = EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1);
+  CHECK(e.memory_bytes == 100 + 750 + (250 + 400 + 50));
+  // A limit under one block's parameters: the planner's blocks bound the runtime's.
+  o.offload_block_bytes = 1;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1).memory_bytes == e.memory_bytes);
+  // Two blocks' worth: B = 500, all four blocks' parameters but half the gradients.
+  o.offload_block_bytes = 500;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1).memory_bytes ==
+        1100 + (500 + 400 + 50));
+  // A limit over the stage's parameters: uploaded at once, as without streaming.
+  o.offload_block_bytes = 4000;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1).memory_bytes ==
+        1100 + (1000 + 100 + 50));
+  // Replicas: not streamed.
+  o = Batch(1, 2);
+  o.offload = true;
+  o.offload_block_bytes = 250;
+  CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 2, 0, 1).memory_bytes ==
+        1100 + 1000 + (1000 + 100 + 50));
+}
+
 TEST_CASE("AMP's weight copies count once per micro-batch in flight", "[cost_eval]") {
   const CostTable t = Stack(250, 100);
   SearchOptions o = Batch(4, 1);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/elapsed.h"
+#include "daemon/config/options.h"
 #include "daemon/graph/subgraph.h"
 #include "daemon/planner/coarsen.h"
 #include "daemon/planner/links.h"
@@ -93,6 +94,13 @@ absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
   if (!s.ok()) return s;
   s = ReadInt(keys, "batch_size", 0, &c.batch_size);
   if (!s.ok()) return s;
+  if (auto it = keys.find("offload_block_bytes"); it != keys.end()) {
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(it->second);
+    if (!bytes.ok() || *bytes > (uint64_t{1} << 62)) {
+      return BadKey("offload_block_bytes", it->second, "a size such as 512MiB, or 0");
+    }
+    c.offload_block_bytes = static_cast<int64_t>(*bytes);
+  }
   if (auto it = keys.find("mem_margin"); it != keys.end()) {
     if (!absl::SimpleAtod(it->second, &c.mem_margin) || c.mem_margin < 0 || c.mem_margin >= 1) {
       return BadKey("mem_margin", it->second, "a fraction in [0, 1)");
@@ -156,6 +164,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.optimizer_state_factor = memory.optimizer_state_factor;
   options.zero = memory.zero;
   options.offload = memory.offload;
+  options.offload_block_bytes = static_cast<double>(config.offload_block_bytes);
   options.amp_cast_factor = memory.amp_cast_factor;
   options.partition_num = config.partition_num;
   options.pipeline_num = config.pipeline_num;
@@ -313,6 +322,15 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     stage->set_end_node(block_end(st.end - 1));
     for (int r = 0; r < st.replicas; ++r) stage->add_devices(device++);
     stage->set_recompute(e.recompute);
+    if (memory.offload) {
+      // The runtime streams a stage of one replica (EngineOptions::offload_block_bytes).
+      stage->set_offload_blocks(
+          st.replicas > 1 ? 1
+                          : static_cast<uint32_t>(ParamBlockStarts(ir, stage->first_node(),
+                                                                   stage->end_node(),
+                                                                   config.offload_block_bytes)
+                                                      .size()));
+    }
     stage->set_memory_bytes(e.memory_bytes);
     // What does not grow with the batch (CheckDeployment scales the rest).
     stage->set_fixed_bytes(e.fixed_bytes);

@@ -62,6 +62,9 @@ struct PlannerConfig {
   // then with parameter offload, then with both (what a user would turn on by hand), and run
   // the job in the first mode that fits. False: fail with the planner's RESOURCE_EXHAUSTED.
   bool auto_memory = true;
+  // "offload_block_bytes": with offload, a stage of one replica streams its parameters in
+  // blocks of at most this many bytes (EngineOptions::offload_block_bytes); 0: at once.
+  int64_t offload_block_bytes = int64_t{1} << 30;
 };
 
 // Reads the keys above from `keys` (other keys are other readers': config/keys.h lists them

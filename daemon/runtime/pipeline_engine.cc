@@ -59,6 +59,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   ir_ = &ir;
   zero_ = options.zero;
   offload_ = options.offload;
+  offload_block_bytes_ = options.offload_block_bytes;
   bucket_bytes_ = options.bucket_bytes;
   grad_wire_dtype_ = options.grad_wire_dtype;
   scaler_ = options.loss_scaler;
@@ -343,10 +344,18 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       options.recompute = plan.stages(s).recompute();
       options.amp = amp;
       options.device = d.place;
+      // Offload streams a stage without replicas block by block (SetUpStreaming).
+      std::vector<int> blocks;
+      if (offload_ && offload_block_bytes_ > 0 && stages_[s].devices.size() == 1) {
+        blocks = ParamBlockStarts(ir, stages_[s].first, stages_[s].end, offload_block_bytes_);
+      }
       absl::StatusOr<std::unique_ptr<StageExecutor>> exec =
-          StageExecutor::Create(ir, std::move(*sub), d.lifted, options);
+          blocks.size() > 1 ? StageExecutor::CreateBlocked(ir, std::move(*sub), blocks, d.lifted,
+                                                           options, StreamingHooks(d))
+                            : StageExecutor::Create(ir, std::move(*sub), d.lifted, options);
       if (!exec.ok()) return Annotate(exec.status(), absl::StrCat("stage ", s));
       d.exec = std::move(*exec);
+      if (d.exec->num_blocks() > 1) SetUpStreaming(d);
       if (d.exec->data_inputs() != stages_[s].data_inputs) {
         return absl::InternalError("stage executor's data inputs differ from the subgraph's");
       }
@@ -596,6 +605,10 @@ int64_t PipelineEngine::PeakDeviceBytes(int device) const {
   return impl_->PeakDeviceBytes(device);
 }
 void PipelineEngine::ResetPeakDeviceBytes() { impl_->ResetPeakDeviceBytes(); }
+int PipelineEngine::StreamedBlocks(int device) const { return impl_->StreamedBlocks(device); }
+int64_t PipelineEngine::StreamedPeakBytes(int device) const {
+  return impl_->StreamedPeakBytes(device);
+}
 std::pair<int, int> PipelineEngine::OverlappedBuckets(int device) const {
   return impl_->OverlappedBuckets(device);
 }

@@ -134,6 +134,11 @@ struct EngineOptions {
   bool zero = false;
   // Parameter offload: see "Offload" in the header comment.
   bool offload = false;
+  // Offload's streaming: a stage with one replica runs as blocks of at most this many bytes of
+  // parameters (graph/subgraph.h ParamBlockStarts), whose parameters are on the device only
+  // while the block computes, and whose gradients go to the host as its backward ends
+  // (docs/runtime.md, "Parameter offload"). 0: the stage's parameters are uploaded at once.
+  int64_t offload_block_bytes = 0;
   // Upper bound, in bytes, of a gradient bucket: of the replica all-reduce's buckets
   // (GradReducer::Options::bucket_bytes) and of ZeRO's partitions, each of which is
   // reduce-scattered as soon as the last backward of a step has produced its gradients, while
@@ -316,6 +321,10 @@ class PipelineEngine {
   // worker's LibTorch allocations during the step (activations, workspaces, transfers), and at
   // least DeviceBytes. 0 for a device this process does not run.
   int64_t PeakDeviceBytes(int device) const;
+  // Offload's streaming on `device` (a plan device index of this process): its blocks (1 when it
+  // does not stream), and the most bytes of streamed parameters it has held at once.
+  int StreamedBlocks(int device) const;
+  int64_t StreamedPeakBytes(int device) const;
   void ResetPeakDeviceBytes();
   // Of `device`'s gradient buckets over its stage's replicas (the all-reduce's and ZeRO's
   // reduce-scatter's), {how many the last reduction found started during the backward, i.e.

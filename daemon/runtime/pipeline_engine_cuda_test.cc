@@ -52,6 +52,7 @@ struct Mode {
   const char* name;
   bool zero, offload;
   AmpDtype amp;
+  int64_t offload_block_bytes = 0;  // EngineOptions::offload_block_bytes
 };
 
 std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deployment& plan,
@@ -64,6 +65,7 @@ std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deploym
   options.num_devices = plan.num_devices();
   options.zero = mode.zero;
   options.offload = mode.offload;
+  options.offload_block_bytes = mode.offload_block_bytes;
   options.amp = mode.amp;
   options.placement = std::move(placement);
   absl::StatusOr<std::unique_ptr<PipelineEngine>> engine =
@@ -216,6 +218,36 @@ TEST_CASE("On CUDA devices the engine trains as on the CPU: plain, ZeRO, offload
       const int first = c.devices[0][0];
       CHECK(cuda->DeviceBytes(first) == cpu->DeviceBytes(first));
       CHECK(cuda->PeakDeviceBytes(first) > cuda->DeviceBytes(first));
+    }
+  }
+}
+
+TEST_CASE("Streamed offload on CUDA devices trains as on the CPU, prefetching on a side stream",
+          "[gpu]") {
+  const int gpus = GpuCount();
+  INFO("this test needs a CUDA build of LibTorch and a GPU");
+  REQUIRE(gpus > 0);
+  // One byte: every atomic node that reads a parameter starts a block. One stage over two
+  // micro-batches; two stages of one replica each.
+  const Mode streamed{"offload, streamed", false, true, {}, 1};
+  const std::vector<Case> cases = {{"tiny_gpt", {{0}}, 2}, {"multi_io", {{0}, {1}}, 1}};
+  for (const Case& c : cases) {
+    INFO(c.model << ", " << c.devices.size() << " stage(s) on " << gpus << " GPU(s)");
+    FixtureIr f = BuildFixtureIr(c.model);
+    REQUIRE(f.ir.ok());
+    int n = 0;
+    for (const auto& stage : c.devices) n += static_cast<int>(stage.size());
+    const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B, n);
+    std::unique_ptr<PipelineEngine> cuda =
+        MakeEngine(f, plan, comm::Backend::kFake, streamed, RoundRobin(n, gpus));
+    std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, streamed, {});
+    TrainAlike(f, *cpu, *cuda, false);
+    for (int dev = 0; dev < n; ++dev) {
+      INFO("device " << dev);
+      CHECK(cuda->StreamedBlocks(dev) == cpu->StreamedBlocks(dev));
+      CHECK(cuda->StreamedBlocks(dev) > 1);
+      CHECK(cuda->StreamedPeakBytes(dev) == cpu->StreamedPeakBytes(dev));
+      CHECK(cuda->DeviceBytes(dev) == cpu->DeviceBytes(dev));
     }
   }
 }

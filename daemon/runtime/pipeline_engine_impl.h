@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -153,6 +154,24 @@ struct Device {
   // for a ZeRO parameter, whose master is its partition's host shard.
   std::vector<at::Tensor> host;
   bool resident = true;
+  // Offload's streaming (EngineOptions::offload_block_bytes; pipeline_engine_offload.cc): per
+  // block of the stage executor, the offloaded parameters that only it reads (lifted indices).
+  // Their handles keep their shape and lose their memory between uses: a block's are on the
+  // device from just before its forward or backward to just after it, and its gradients go to
+  // the host (`streamed_grads`) as its backward ends. Parameters read by several blocks are
+  // uploaded for the whole step, as without streaming. Empty without streaming.
+  std::vector<std::vector<int>> streamed;
+  // Per block: 0 off the device, 1 on it, 2 being prefetched (its copies may still run on
+  // `upload_stream`, which `block_ready` marks the end of).
+  std::vector<char> block_resident;
+  std::optional<c10::Stream> upload_stream;  // a CUDA device's: where prefetches copy
+  std::vector<std::unique_ptr<c10::Event>> block_ready;
+  std::vector<char> is_streamed;     // per lifted index
+  bool Streamed(int li) const { return !is_streamed.empty() && is_streamed[li]; }
+  // This step's gradients of streamed parameters so far, on the host, by lifted index.
+  std::map<int, at::Tensor> streamed_grads;
+  // Bytes of streamed parameters on the device now, and the most at once since the engine began.
+  int64_t streamed_bytes = 0, streamed_peak = 0;
   // ZeroGrad(false): the parameters (lifted indices) whose gradient is zeros without being
   // held: freed, and made again only where read (GradCopy) or stepped (Step), so that a step's
   // backward does not hold the zeros beside the gradients it computes. A parameter whose
@@ -286,6 +305,8 @@ class PipelineEngine::Impl {
   std::vector<int64_t> CheckpointCudaReads(const std::vector<int>& lifted) const;
   int64_t PeakDeviceBytes(int device) const;
   void ResetPeakDeviceBytes();
+  int StreamedBlocks(int device) const;
+  int64_t StreamedPeakBytes(int device) const;
   std::pair<int, int> OverlappedBuckets(int device) const;
   // What `d` holds between steps: parameters, buffers, gradients, optimizer state.
   int64_t HeldBytes(const Device& d) const;
@@ -448,6 +469,17 @@ class PipelineEngine::Impl {
   absl::Status Upload(Device& d);
   // Frees the device copies of the parameters (and ZeRO's flat buffers) and their gradients.
   void Release(Device& d);
+  // Streaming (Device::streamed). At Init, once the blocked executor exists: which parameters
+  // stream, their handles shaped and emptied. The executor's hooks: a block's parameters onto
+  // the device (Fetch), off it (Evict), its gradients to the host (BlockGradsToHost).
+  void SetUpStreaming(Device& d);
+  StageBlockHooks StreamingHooks(Device& d);
+  void Fetch(Device& d, int block);
+  // Fetch issued ahead, for the block that computes next: on a CUDA device on its upload stream,
+  // so that the copies overlap the block computing now (Fetch then waits for them there).
+  void Prefetch(Device& d, int block);
+  void Evict(Device& d, int block);
+  void BlockGradsToHost(Device& d, int block);
   // AllReduceGrads on an offloaded device: its host gradients onto the device, reduced, back.
   absl::Status ReduceOffloaded(Device& d, bool keep_resident);
   // `t` in host memory: a copy for an accelerator's tensor, `t` itself for a CPU one.
@@ -483,6 +515,7 @@ class PipelineEngine::Impl {
   bool fused_ = false;
   bool zero_ = false;  // EngineOptions::zero
   bool offload_ = false;  // EngineOptions::offload
+  int64_t offload_block_bytes_ = 0;  // EngineOptions::offload_block_bytes
   size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
   AmpDtype grad_wire_dtype_;         // EngineOptions::grad_wire_dtype
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step

@@ -11,8 +11,26 @@
 //  - The optimizer steps the host masters, off the devices' workers.
 // A forward whose graphs a later backward needs keeps the copies until that backward.
 // Buffers and frozen parameters stay on the device.
+//
+// Streaming (EngineOptions::offload_block_bytes, a stage with one replica): the stage executor
+// runs the stage as blocks (StageExecutor::CreateBlocked), and a parameter that only one block
+// reads is on the device only while that block computes: Fetch copies it in just before the
+// block's forward and again before its backward, Evict frees it after each (the last block
+// keeps its parameters from its forward to its backward), and as the block's backward ends its
+// gradients go to the host (BlockGradsToHost), summed there over the step's backwards. The
+// device then holds about one block's parameters and gradients at a time, besides the
+// activations. A fetched parameter is the same tensor each time (what autograd saved in the
+// forward is what the backward reads): Evict frees its storage's memory and Fetch allocates it
+// again, neither of them a write autograd would see.
+#include <algorithm>
+#include <map>
+#include <set>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/StreamGuard.h>
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
@@ -32,7 +50,166 @@ void SwapStorage(at::Tensor& t, const at::Tensor& source) {
   t.set_(source);
 }
 
+// Frees the memory of `t`'s storage, keeping the tensor: its shape, its autograd identity and
+// version (the graphs that saved it still name it).
+void FreeData(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+// Memory for a tensor FreeData emptied (contiguous at offset 0, as SetUpStreaming makes them),
+// from its device's allocator on the calling thread (the device's worker, whose allocations
+// its MemoryTracker counts).
+void AllocateData(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
 }  // namespace
+
+void PipelineEngine::Impl::SetUpStreaming(Device& d) {
+  const int blocks = d.exec->num_blocks();
+  std::map<int, int> readers;  // lifted index -> blocks reading it
+  for (int k = 0; k < blocks; ++k) {
+    for (int li : d.exec->block_lifted(k)) ++readers[li];
+  }
+  const std::set<int> params(stages_[d.stage].params.begin(), stages_[d.stage].params.end());
+  const std::set<int> tied(tied_.begin(), tied_.end());
+  d.streamed.assign(blocks, {});
+  d.block_resident.assign(blocks, 0);
+  d.block_ready.resize(blocks);
+  if (d.place.is_cuda()) {
+    d.upload_stream = c10::impl::VirtualGuardImpl(d.place.type()).getStreamFromGlobalPool(d.place);
+  }
+  d.is_streamed.assign(d.lifted.size(), 0);
+  at::NoGradGuard no_grad;
+  for (int k = 0; k < blocks; ++k) {
+    for (int li : d.exec->block_lifted(k)) {
+      if (readers[li] != 1 || !params.count(li) || tied.count(li) || d.host.empty() ||
+          !d.host[li].defined()) {
+        continue;
+      }
+      d.streamed[k].push_back(li);
+      d.is_streamed[li] = 1;
+      // The handle the executor holds takes the parameter's shape, without memory.
+      SwapStorage(d.lifted[li], at::empty(d.host[li].sizes(), d.On(d.host[li].scalar_type())));
+      FreeData(d.lifted[li]);
+    }
+  }
+  int64_t bytes = 0, most = 0;
+  for (const std::vector<int>& block : d.streamed) {
+    int64_t b = 0;
+    for (int li : block) b += d.host[li].nbytes();
+    bytes += b;
+    most = std::max(most, b);
+  }
+  spdlog::info("engine {}: device {} streams its offloaded parameters in {} blocks ({:.3f} GB, "
+               "at most {:.3f} GB a block)", id_, d.index, blocks, bytes / 1e9, most / 1e9);
+}
+
+StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {
+  StageBlockHooks hooks;
+  hooks.before_forward = [this, &d](int k) {
+    Fetch(d, k);
+    if (k + 1 < static_cast<int>(d.streamed.size())) Prefetch(d, k + 1);
+    return absl::OkStatus();
+  };
+  hooks.after_forward = [this, &d](int k) {
+    // The last block's backward comes next (1F1B), or the step's end releases it.
+    if (k + 1 < static_cast<int>(d.streamed.size())) Evict(d, k);
+    return absl::OkStatus();
+  };
+  hooks.before_backward = [this, &d](int k) {
+    Fetch(d, k);
+    if (k > 0) Prefetch(d, k - 1);
+    return absl::OkStatus();
+  };
+  hooks.after_backward = [this, &d](int k) {
+    BlockGradsToHost(d, k);
+    Evict(d, k);
+    return absl::OkStatus();
+  };
+  return hooks;
+}
+
+void PipelineEngine::Impl::Fetch(Device& d, int block) {
+  if (d.streamed.empty() || d.block_resident[block] == 1) return;
+  if (d.block_resident[block] == 2) {
+    // Prefetched: the device's stream waits for the upload stream's copies.
+    const c10::impl::VirtualGuardImpl impl(d.place.type());
+    d.block_ready[block]->block(impl.getStream(d.place));
+    d.block_resident[block] = 1;
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (int li : d.streamed[block]) {
+    const at::Tensor& t = d.lifted[li];
+    AllocateData(t);
+    // Through an alias with a version counter of its own: the parameter's does not move, so
+    // the graphs that saved it before Evict read it again.
+    t.variable_data().copy_(d.host[li].detach(), /*non_blocking=*/d.host[li].is_pinned());
+    d.streamed_bytes += static_cast<int64_t>(t.nbytes());
+  }
+  d.streamed_peak = std::max(d.streamed_peak, d.streamed_bytes);
+  d.block_resident[block] = 1;
+}
+
+void PipelineEngine::Impl::Prefetch(Device& d, int block) {
+  if (d.streamed.empty() || d.block_resident[block] != 0) return;
+  if (!d.upload_stream) {
+    Fetch(d, block);  // a CPU device: nothing to overlap
+    return;
+  }
+  const c10::impl::VirtualGuardImpl impl(d.place.type());
+  const c10::Stream compute = impl.getStream(d.place);
+  at::NoGradGuard no_grad;
+  // The memory comes from the device's stream (the caching allocator orders its reuse there):
+  // the upload stream writes it only after what that stream has queued so far.
+  for (int li : d.streamed[block]) {
+    AllocateData(d.lifted[li]);
+    d.streamed_bytes += static_cast<int64_t>(d.lifted[li].nbytes());
+  }
+  d.streamed_peak = std::max(d.streamed_peak, d.streamed_bytes);
+  c10::Event allocated(d.place.type());
+  allocated.record(compute);
+  allocated.block(*d.upload_stream);
+  {
+    const c10::StreamGuard on_upload(*d.upload_stream);
+    for (int li : d.streamed[block]) {
+      d.lifted[li].variable_data().copy_(d.host[li].detach(), /*non_blocking=*/true);
+    }
+  }
+  d.block_ready[block] = std::make_unique<c10::Event>(d.place.type());
+  d.block_ready[block]->record(*d.upload_stream);
+  d.block_resident[block] = 2;
+}
+
+void PipelineEngine::Impl::Evict(Device& d, int block) {
+  if (d.streamed.empty() || !d.block_resident[block]) return;
+  // A prefetch never waited for (a failed step): its copies end before the memory is reused.
+  if (d.block_resident[block] == 2) Fetch(d, block);
+  for (int li : d.streamed[block]) {
+    FreeData(d.lifted[li]);
+    d.streamed_bytes -= static_cast<int64_t>(d.lifted[li].nbytes());
+  }
+  d.block_resident[block] = 0;
+}
+
+void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {
+  at::NoGradGuard no_grad;
+  for (int li : d.streamed[block]) {
+    at::Tensor g = d.lifted[li].grad();
+    if (!g.defined()) continue;
+    d.lifted[li].mutable_grad().reset();
+    // From a CUDA device into page-locked memory (HostCopy); a CPU device's is already there.
+    if (!g.device().is_cpu()) g = HostCopy(g.detach());
+    at::Tensor& sum = d.streamed_grads[li];
+    sum = sum.defined() ? sum.add_(g) : g;
+  }
+}
 
 void PipelineEngine::Impl::SetUpOffload(Device& d) {
   // Init left the stage's parameters in host memory; on a CUDA device they are pinned, so that
@@ -52,7 +229,8 @@ absl::Status PipelineEngine::Impl::Upload(Device& d) {
   if (d.resident) return absl::OkStatus();
   at::NoGradGuard no_grad;
   for (int li : stages_[d.stage].params) {
-    if (!d.host[li].defined()) continue;
+    // A streamed parameter comes with its block (Fetch).
+    if (!d.host[li].defined() || d.Streamed(li)) continue;
     const at::Tensor& master = d.host[li];
     SwapStorage(d.lifted[li], master.detach().to(d.place, master.scalar_type(),
                                                  /*non_blocking=*/false, /*copy=*/true));
@@ -90,8 +268,9 @@ void PipelineEngine::Impl::Release(Device& d) {
   for (int li : stages_[d.stage].params) {
     at::Tensor& t = d.lifted[li];
     t.mutable_grad().reset();
-    SwapStorage(t, at::empty({0}, t.options()));
+    if (!d.Streamed(li)) SwapStorage(t, at::empty({0}, t.options()));
   }
+  for (size_t k = 0; k < d.streamed.size(); ++k) Evict(d, static_cast<int>(k));
   for (ZeroPartition& part : d.zero) part.flat.reset();
   d.resident = false;
 }
@@ -102,7 +281,8 @@ absl::Status PipelineEngine::Impl::ReduceOffloaded(Device& d, bool keep_resident
     at::NoGradGuard no_grad;
     const std::vector<int>& params = stages_[d.stage].params;
     for (int li : params) {
-      if (d.host[li].defined() && d.host[li].grad().defined()) {
+      // A streamed parameter's stage has one replica: its gradient stays on the host.
+      if (d.host[li].defined() && d.host[li].grad().defined() && !d.Streamed(li)) {
         const at::Tensor& g = d.host[li].grad();
         d.lifted[li].mutable_grad() =
             g.detach().to(d.place, g.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
@@ -115,9 +295,12 @@ absl::Status PipelineEngine::Impl::ReduceOffloaded(Device& d, bool keep_resident
       if (!d.host[li].defined()) continue;
       if (s.ok() && d.lifted[li].grad().defined()) {
         d.host[li].mutable_grad() = ToHost(d.lifted[li].grad());
+      } else if (s.ok() && d.Streamed(li) && !d.host[li].grad().defined()) {
+        d.host[li].mutable_grad() = d.streamed_grads[li];  // ReduceGrads' zeros
       }
       d.lifted[li].mutable_grad().reset();
     }
+    d.streamed_grads.clear();
   }
   if (!keep_resident || !s.ok()) Release(d);
   return s;

@@ -63,7 +63,11 @@ void PipelineEngine::Impl::SetParam(int lifted, const at::Tensor& value) {
       continue;
     }
     d.Master(lifted).copy_(value);
-    if (!d.host.empty() && d.host[lifted].defined() && d.resident) d.lifted[lifted].copy_(value);
+    // A streamed parameter's block not on the device now fetches the new value when it runs.
+    if (!d.host.empty() && d.host[lifted].defined() && d.resident &&
+        d.lifted[lifted].storage().nbytes() > 0) {
+      d.lifted[lifted].copy_(value);
+    }
   }
 }
 
@@ -450,6 +454,21 @@ int64_t PipelineEngine::Impl::PeakDeviceBytes(int device) const {
   return std::max(d.peak_bytes, HeldBytes(d));
 }
 
+int PipelineEngine::Impl::StreamedBlocks(int device) const {
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return 0;
+  }
+  const Device& d = devices_[world_rank_[device]];
+  return d.streamed.empty() ? 1 : static_cast<int>(d.streamed.size());
+}
+
+int64_t PipelineEngine::Impl::StreamedPeakBytes(int device) const {
+  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
+    return 0;
+  }
+  return devices_[world_rank_[device]].streamed_peak;
+}
+
 void PipelineEngine::Impl::ResetPeakDeviceBytes() {
   for (Device& d : devices_) d.peak_bytes = 0;
 }
@@ -472,7 +491,8 @@ int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
   int64_t bytes = 0;
   for (const at::Tensor& t : d.lifted) {
     if (!t.defined()) continue;
-    bytes += t.nbytes();
+    // A streamed parameter's handle keeps its shape while its memory is freed.
+    if (t.storage().nbytes() > 0) bytes += t.nbytes();
     if (t.grad().defined()) bytes += t.grad().nbytes();
   }
   if (d.reducer) bytes += d.reducer->buffer_bytes();

@@ -334,6 +334,7 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
   const bool keep_resident = (step.phase == Phase::kForward && step.requires_grad) ||
                              (step.phase == Phase::kBackward && step.retain_graph);
   auto end = [&](absl::Status s) {
+    d.streamed_grads.clear();  // taken below, or dropped with a failed step
     if (offload_ && (!keep_resident || !s.ok())) Release(d);
     return s;
   };
@@ -401,9 +402,14 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
   }
   AddZeroShards(d, std::move(*shards), step.phase == Phase::kFused);
   for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor step_grad = params[i].grad();
-    if (scaler_.enabled() && step_grad.defined()) Unscale(step_grad);
     const int li = st.params[i];
+    // A streamed parameter's gradient went to the host block by block (BlockGradsToHost).
+    at::Tensor step_grad = params[i].grad();
+    if (d.Streamed(li)) {
+      auto streamed = d.streamed_grads.find(li);
+      step_grad = streamed == d.streamed_grads.end() ? at::Tensor() : streamed->second;
+    }
+    if (scaler_.enabled() && step_grad.defined()) Unscale(step_grad);
     if (!d.host.empty() && d.host[li].defined()) {
       // Offloaded: the step's gradient goes to the host master (the device had none before),
       // into page-locked memory from a CUDA device (HostCopy: a DMA at the link's speed, and
@@ -469,7 +475,15 @@ absl::Status PipelineEngine::Impl::ReduceGrads(Device& d) {
   }
   for (auto& [li, sum] : tied_sums) d.lifted[li].mutable_grad() = sum;
   for (int li : st.params) {
-    if (!tied.count(li) && !sharded(li)) grad_of(li);
+    if (tied.count(li) || sharded(li)) continue;
+    if (d.Streamed(li)) {
+      // Its gradient is on the host (a stage with one replica: nothing to reduce); zeros where
+      // the step gave it none, as grad_of makes them.
+      at::Tensor& g = d.streamed_grads[li];
+      if (!g.defined()) g = at::zeros_like(d.host[li].detach());
+      continue;
+    }
+    grad_of(li);
   }
   return absl::OkStatus();
 }

@@ -85,6 +85,7 @@ absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::Create(
     const int v = subgraph.inputs[i];
     const int lifted_index = v - static_cast<int>(ir.num_user_inputs);
     const bool is_lifted = v < static_cast<int>(ir.inputs.size()) && lifted_index >= 0;
+    stage->lifted_index_.push_back(is_lifted ? lifted_index : -1);
     if (is_lifted) {
       stage->input_slot_.push_back(-1);
       stage->lifted_.push_back(lifted[lifted_index]);
@@ -113,6 +114,57 @@ absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::Create(
   if (!compiled.ok()) return compiled;
   stage->subgraph_ = std::move(subgraph);
   return stage;
+}
+
+absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::CreateBlocked(
+    const IrGraph& ir, Subgraph subgraph, const std::vector<int>& block_starts,
+    const std::vector<at::Tensor>& lifted, StageOptions options, StageBlockHooks hooks) {
+  if (subgraph.nodes.empty() || block_starts.empty() ||
+      block_starts.front() != subgraph.nodes.front()) {
+    return absl::InternalError("StageExecutor: blocks must start at the stage's first node");
+  }
+  const int end = subgraph.nodes.back() + 1;
+  std::unique_ptr<StageExecutor> stage(new StageExecutor());
+  stage->module_ = ir.module;
+  stage->options_ = options;
+  stage->hooks_ = std::move(hooks);
+  for (size_t k = 0; k < block_starts.size(); ++k) {
+    const int first = block_starts[k];
+    const int last = k + 1 < block_starts.size() ? block_starts[k + 1] : end;
+    if (last <= first) {
+      return absl::InternalError(absl::StrCat("StageExecutor: block ", k, " [", first, ", ",
+                                              last, ") of a stage ending at ", end));
+    }
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, first, last);
+    if (!sub.ok()) return sub.status();
+    absl::StatusOr<std::unique_ptr<StageExecutor>> block =
+        Create(ir, std::move(*sub), lifted, options);
+    if (!block.ok()) return block.status();
+    stage->random_ = stage->random_ || (*block)->random_;
+    stage->blocks_.push_back(std::move(*block));
+  }
+  // The stage's own inputs, in the subgraph's order, as Create orders them.
+  for (int v : subgraph.inputs) {
+    const int lifted_index = v - static_cast<int>(ir.num_user_inputs);
+    const bool is_lifted = v < static_cast<int>(ir.inputs.size()) && lifted_index >= 0;
+    if (!is_lifted) stage->data_inputs_.push_back(v);
+  }
+  stage->subgraph_ = std::move(subgraph);
+  return stage;
+}
+
+std::vector<int> StageExecutor::block_lifted(int block) const {
+  if (!blocks_.empty()) return blocks_[block]->block_lifted(0);
+  std::vector<int> out;
+  for (int li : lifted_index_) {
+    if (li >= 0) out.push_back(li);
+  }
+  return out;
+}
+
+void StageExecutor::Release(int micro_batch) {
+  pending_.erase(micro_batch);
+  for (auto& block : blocks_) block->Release(micro_batch);
 }
 
 std::vector<at::Tensor> StageExecutor::Run(const std::vector<at::Tensor>& inputs,
@@ -163,6 +215,7 @@ std::vector<at::Generator> StageExecutor::Generators(const std::vector<at::Tenso
 
 int64_t StageExecutor::PendingBytes() const {
   int64_t total = 0;
+  for (const auto& block : blocks_) total += block->PendingBytes();
   for (const auto& [micro_batch, pending] : pending_) {
     for (const at::Tensor& t : pending.inputs) total += Bytes(t);
     for (const at::Tensor& t : pending.outputs) total += Bytes(t);
@@ -174,6 +227,7 @@ int64_t StageExecutor::PendingBytes() const {
 
 absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Forward(
     int micro_batch, const std::vector<at::Tensor>& inputs, bool requires_grad) {
+  if (!blocks_.empty()) return ForwardBlocks(micro_batch, inputs, requires_grad);
   if (inputs.size() != data_inputs_.size()) {
     return absl::InternalError(absl::StrCat("stage forward: ", inputs.size(), " inputs for ",
                                             data_inputs_.size()));
@@ -238,6 +292,7 @@ absl::Status StageExecutor::Recompute(Pending* pending) const {
 
 absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Backward(
     int micro_batch, const std::vector<at::Tensor>& output_grads, bool retain_graph) {
+  if (!blocks_.empty()) return BackwardBlocks(micro_batch, output_grads, retain_graph);
   auto it = pending_.find(micro_batch);
   if (it == pending_.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -286,6 +341,93 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::Backward(
   if (!status.ok()) return status;
   for (size_t i = 0; i < pending.inputs.size(); ++i) {
     if (pending.inputs[i].requires_grad()) input_grads[i] = pending.inputs[i].grad();
+  }
+  return input_grads;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> StageExecutor::ForwardBlocks(
+    int micro_batch, const std::vector<at::Tensor>& inputs, bool requires_grad) {
+  if (inputs.size() != data_inputs_.size()) {
+    return absl::InternalError(absl::StrCat("stage forward: ", inputs.size(), " inputs for ",
+                                            data_inputs_.size()));
+  }
+  if (blocks_[0]->pending_.count(micro_batch)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "stage forward: micro-batch ", micro_batch, " already has a forward pending"));
+  }
+  std::map<int, at::Tensor> values;  // IR value -> tensor
+  for (size_t i = 0; i < inputs.size(); ++i) values[data_inputs_[i]] = inputs[i];
+  auto hook = [&](const std::function<absl::Status(int)>& f, int k) {
+    return f ? f(k) : absl::OkStatus();
+  };
+  for (size_t k = 0; k < blocks_.size(); ++k) {
+    StageExecutor& block = *blocks_[k];
+    absl::Status s = hook(hooks_.before_forward, static_cast<int>(k));
+    if (s.ok()) {
+      std::vector<at::Tensor> in;
+      for (int v : block.data_inputs()) in.push_back(values.at(v));
+      absl::StatusOr<std::vector<at::Tensor>> out = block.Forward(micro_batch, in, requires_grad);
+      if (out.ok()) {
+        for (size_t i = 0; i < out->size(); ++i) values[block.outputs()[i]] = (*out)[i];
+        s = hook(hooks_.after_forward, static_cast<int>(k));
+      } else {
+        s = out.status();
+      }
+    }
+    if (!s.ok()) {
+      Release(micro_batch);
+      return s;
+    }
+  }
+  std::vector<at::Tensor> outputs;
+  for (int v : subgraph_.outputs) outputs.push_back(values.at(v));
+  return outputs;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> StageExecutor::BackwardBlocks(
+    int micro_batch, const std::vector<at::Tensor>& output_grads, bool retain_graph) {
+  if (!blocks_[0]->pending_.count(micro_batch)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "stage backward: micro-batch ", micro_batch, " has no forward with gradients pending"));
+  }
+  if (output_grads.size() != subgraph_.outputs.size()) {
+    return absl::InternalError(absl::StrCat("stage backward: ", output_grads.size(),
+                                            " gradients for ", subgraph_.outputs.size(),
+                                            " outputs"));
+  }
+  // Per IR value, its gradient so far: a value read by several blocks (or also a stage output)
+  // gets the sum of theirs.
+  std::map<int, at::Tensor> grads;
+  auto add = [&](int v, const at::Tensor& g) {
+    if (!g.defined()) return;
+    at::Tensor& sum = grads[v];
+    sum = sum.defined() ? sum + g : g;
+  };
+  for (size_t i = 0; i < output_grads.size(); ++i) add(subgraph_.outputs[i], output_grads[i]);
+  for (int k = static_cast<int>(blocks_.size()) - 1; k >= 0; --k) {
+    StageExecutor& block = *blocks_[k];
+    if (hooks_.before_backward) {
+      absl::Status s = hooks_.before_backward(k);
+      if (!s.ok()) return s;
+    }
+    std::vector<at::Tensor> out_grads;
+    for (int v : block.outputs()) {
+      auto it = grads.find(v);
+      out_grads.push_back(it == grads.end() ? at::Tensor() : it->second);
+    }
+    absl::StatusOr<std::vector<at::Tensor>> in_grads =
+        block.Backward(micro_batch, out_grads, retain_graph);
+    if (!in_grads.ok()) return in_grads.status();
+    for (size_t i = 0; i < in_grads->size(); ++i) add(block.data_inputs()[i], (*in_grads)[i]);
+    if (hooks_.after_backward) {
+      absl::Status s = hooks_.after_backward(k);
+      if (!s.ok()) return s;
+    }
+  }
+  std::vector<at::Tensor> input_grads;
+  for (int v : data_inputs_) {
+    auto it = grads.find(v);
+    input_grads.push_back(it == grads.end() ? at::Tensor() : it->second);
   }
   return input_grads;
 }

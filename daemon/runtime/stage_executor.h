@@ -26,11 +26,20 @@
 //   auto out = (*stage)->Forward(/*micro_batch=*/0, inputs, /*requires_grad=*/true);
 //   auto input_grads = (*stage)->Backward(0, output_grads);
 //
+// Blocks (CreateBlocked; offload's streaming, runtime/pipeline_engine_offload.cc): the stage's
+// nodes split into consecutive ranges, each run by an executor of its own in turn, the values
+// that cross a block boundary detached there as between stages. Hooks run before and after
+// each block's forward and backward (the engine uploads a block's parameters just before it
+// runs and frees them after), and a block's parameter gradients are complete when its backward
+// returns. Outputs and gradients are those of the whole stage, up to the order in which the
+// gradients of a value read by several blocks are summed.
+//
 // Not thread-safe: the stage's device worker owns it (executors on different threads may run at
 // once). The tensors it is given (parameters and buffers of the device) must outlive it.
 #ifndef RANNC_DAEMON_RUNTIME_STAGE_EXECUTOR_H_
 #define RANNC_DAEMON_RUNTIME_STAGE_EXECUTOR_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -64,6 +73,14 @@ struct StageOptions {
   c10::Device device{c10::kCPU};
 };
 
+// CreateBlocked's hooks, called on the executor's thread with the block's index; any of them
+// may be empty. A non-OK status fails the Forward or Backward that called it (the micro-batch's
+// forward is then dropped from every block; a failed backward leaves it to Release).
+struct StageBlockHooks {
+  std::function<absl::Status(int block)> before_forward, after_forward;
+  std::function<absl::Status(int block)> before_backward, after_backward;
+};
+
 class StageExecutor {
  public:
   // `lifted`: the device's tensor for each of the IR's lifted inputs (IrGraph::tensor_names
@@ -71,7 +88,17 @@ class StageExecutor {
   static absl::StatusOr<std::unique_ptr<StageExecutor>> Create(
       const IrGraph& ir, Subgraph subgraph, const std::vector<at::Tensor>& lifted,
       StageOptions options = {});
+  // The stage `subgraph` (the atomic nodes [first, end), BuildSubgraph) run as blocks starting
+  // at `block_starts` (ascending, the first one `first`, each block at least one node), each
+  // with `options`. The same interface as Create's; see "Blocks" above.
+  static absl::StatusOr<std::unique_ptr<StageExecutor>> CreateBlocked(
+      const IrGraph& ir, Subgraph subgraph, const std::vector<int>& block_starts,
+      const std::vector<at::Tensor>& lifted, StageOptions options, StageBlockHooks hooks);
   ~StageExecutor();
+
+  // Blocks: their number (1 for Create's), and the lifted indices each one reads.
+  int num_blocks() const { return blocks_.empty() ? 1 : static_cast<int>(blocks_.size()); }
+  std::vector<int> block_lifted(int block) const;
 
   // The IR values the stage reads that are not parameters or buffers (client inputs and other
   // stages' activations), in the order Forward takes them; and the values it produces.
@@ -94,13 +121,14 @@ class StageExecutor {
                                                    const std::vector<at::Tensor>& output_grads,
                                                    bool retain_graph = false);
   // Drops a pending micro-batch (a forward without gradients, or an abandoned step).
-  void Release(int micro_batch) { pending_.erase(micro_batch); }
-  size_t pending() const { return pending_.size(); }
+  void Release(int micro_batch);
+  size_t pending() const { return blocks_.empty() ? pending_.size() : blocks_[0]->pending(); }
   // Bytes (elements x element size; a view counts its own elements, not its storage) of the
   // tensors this executor holds for pending micro-batches: their data inputs and, with
   // recompute, the copies of buffers the stage writes and the saved generator states; without
   // recompute also their outputs. Not counted: the tensors autograd saves inside the outputs'
-  // graph (LibTorch does not expose them), which are what recompute avoids keeping.
+  // graph (LibTorch does not expose them), which are what recompute avoids keeping. Blocks: the
+  // sum of theirs (a value crossing a boundary counts in both blocks).
   int64_t PendingBytes() const;
 
  private:
@@ -133,7 +161,17 @@ class StageExecutor {
   // that holds one of its tensors.
   std::vector<at::Generator> Generators(const std::vector<at::Tensor>& inputs) const;
 
+  // Blocked: one run after another (see CreateBlocked).
+  absl::StatusOr<std::vector<at::Tensor>> ForwardBlocks(int micro_batch,
+                                                        const std::vector<at::Tensor>& inputs,
+                                                        bool requires_grad);
+  absl::StatusOr<std::vector<at::Tensor>> BackwardBlocks(
+      int micro_batch, const std::vector<at::Tensor>& output_grads, bool retain_graph);
+
   Subgraph subgraph_;
+  std::vector<std::unique_ptr<StageExecutor>> blocks_;  // CreateBlocked's; else empty
+  StageBlockHooks hooks_;
+  std::vector<int> lifted_index_;  // per subgraph input: its lifted index, or -1
   std::shared_ptr<torch::jit::Module> module_;  // keeps call stacks alive (see ImportedModel)
   std::shared_ptr<torch::jit::Code> code_;
   std::vector<int> data_inputs_;

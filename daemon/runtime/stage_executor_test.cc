@@ -1,7 +1,9 @@
 #include "daemon/runtime/stage_executor.h"
 
+#include <algorithm>
 #include <atomic>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -10,6 +12,7 @@
 #include <ATen/core/grad_mode.h>
 #include <catch2/catch.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/graph/ir_testing.h"
 #include "daemon/runtime/micro_batch.h"
 
@@ -24,16 +27,24 @@ using testing::FixtureIr;
 // the loss is the batch-weighted mean over micro-batches, and gradients flow back stage by
 // stage (summed where a value feeds several stages). Returns the combined loss; gradients land
 // in `leaves`.
+// With `block_bytes` > 0 each stage runs as blocks (CreateBlocked, ParamBlockStarts) with
+// `options` and `hooks`.
 at::Tensor PipelineStep(const FixtureIr& f, int num_stages, int m,
-                        const std::vector<at::Tensor>& leaves) {
+                        const std::vector<at::Tensor>& leaves, int64_t block_bytes = 0,
+                        StageOptions options = {}, const StageBlockHooks& hooks = {}) {
   const IrGraph& ir = *f.ir;
   const int n = static_cast<int>(ir.nodes.size());
   std::vector<std::unique_ptr<StageExecutor>> stages;
   for (int s = 0; s < num_stages; ++s) {
-    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, s * n / num_stages, (s + 1) * n / num_stages);
+    const int first = s * n / num_stages, end = (s + 1) * n / num_stages;
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, first, end);
     REQUIRE(sub.ok());
     absl::StatusOr<std::unique_ptr<StageExecutor>> stage =
-        StageExecutor::Create(ir, std::move(*sub), leaves);
+        block_bytes > 0
+            ? StageExecutor::CreateBlocked(ir, std::move(*sub),
+                                           ParamBlockStarts(ir, first, end, block_bytes), leaves,
+                                           options, hooks)
+            : StageExecutor::Create(ir, std::move(*sub), leaves, options);
     REQUIRE(stage.ok());
     stages.push_back(std::move(*stage));
   }
@@ -107,6 +118,147 @@ TEST_CASE("Stages over micro-batches give PyTorch's loss and gradients", "[runti
           CHECK(at::allclose(leaves[i].grad(), f.fixture.Ref("grad", param), 1e-5, 1e-6));
         }
       }
+    }
+  }
+}
+
+TEST_CASE("A stage run as blocks gives PyTorch's loss and gradients, its hooks in order",
+          "[runtime]") {
+  for (const char* name : {"mlp", "tiny_gpt", "multi_io"}) {
+    FixtureIr f = BuildFixtureIr(name);
+    REQUIRE(f.ir.ok());
+    const IrGraph& ir = *f.ir;
+    const int n = static_cast<int>(ir.nodes.size());
+    for (int num_stages : {1, 2}) {
+      for (int m : {1, 2}) {
+        for (bool recompute : {false, true}) {
+          INFO(name << ": " << num_stages << " stages, " << m << " micro-batches"
+                    << (recompute ? ", recompute" : ""));
+          // One byte: every node that reads a parameter starts a block.
+          const std::vector<int> starts = ParamBlockStarts(ir, 0, n / num_stages, 1);
+          if (num_stages == 1) REQUIRE(starts.size() > 1);
+          std::vector<std::string> calls;
+          StageBlockHooks hooks;
+          auto logger = [&calls](const char* what) {
+            return [&calls, what](int k) {
+              calls.push_back(absl::StrCat(what, k));
+              return absl::OkStatus();
+            };
+          };
+          hooks.before_forward = logger("f");
+          hooks.after_forward = logger("F");
+          hooks.before_backward = logger("b");
+          hooks.after_backward = logger("B");
+          std::vector<at::Tensor> leaves = Leaves(f);
+          StageOptions options;
+          options.recompute = recompute;
+          at::Tensor loss = PipelineStep(f, num_stages, m, leaves, 1, options, hooks);
+          CHECK(at::allclose(loss, f.fixture.ref.at("out_0"), 1e-5, 1e-6));
+          for (size_t i = 0; i < leaves.size(); ++i) {
+            if (!leaves[i].requires_grad()) continue;
+            const std::string& param = ir.tensor_names[i];
+            INFO(param);
+            REQUIRE(leaves[i].grad().defined());
+            CHECK(at::allclose(leaves[i].grad(), f.fixture.Ref("grad", param), 1e-5, 1e-6));
+          }
+          // The first stage's blocks: each forward f0 F0 f1 F1 ..., each backward in reverse.
+          const int K = static_cast<int>(starts.size());
+          std::string forward, backward;
+          for (int k = 0; k < K; ++k) forward += absl::StrCat("f", k, "F", k);
+          for (int k = K - 1; k >= 0; --k) backward += absl::StrCat("b", k, "B", k);
+          auto joined = [&calls](size_t from, size_t count) {
+            std::string out;
+            for (size_t i = from; i < from + count && i < calls.size(); ++i) out += calls[i];
+            return out;
+          };
+          CHECK(joined(0, 2 * K) == forward);
+          if (num_stages == 1) CHECK(joined(2 * K, 2 * K) == backward);
+          CHECK(static_cast<int>(calls.size()) >= 4 * K * m);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("A failing block hook fails the stage's call and leaves nothing pending", "[runtime]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  const int n = static_cast<int>(ir.nodes.size());
+  std::vector<at::Tensor> leaves = Leaves(f);
+  const std::vector<int> starts = ParamBlockStarts(ir, 0, n, 1);
+  REQUIRE(starts.size() > 2);
+  absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, 0, n);
+  REQUIRE(sub.ok());
+  bool fail = true;
+  StageBlockHooks hooks;
+  hooks.before_forward = [&fail](int k) {
+    return fail && k == 1 ? absl::ResourceExhaustedError("no room for block 1")
+                          : absl::OkStatus();
+  };
+  absl::StatusOr<std::unique_ptr<StageExecutor>> stage =
+      StageExecutor::CreateBlocked(ir, std::move(*sub), starts, leaves, {}, hooks);
+  REQUIRE(stage.ok());
+  CHECK((*stage)->num_blocks() == static_cast<int>(starts.size()));
+  std::vector<at::Tensor> in;
+  for (int v : (*stage)->data_inputs()) {
+    const auto it = std::find(ir.inputs.begin(), ir.inputs.end(), v);
+    REQUIRE(it != ir.inputs.end());
+    in.push_back(f.user_inputs[it - ir.inputs.begin()]);
+  }
+  absl::StatusOr<std::vector<at::Tensor>> out = (*stage)->Forward(0, in, true);
+  CHECK(out.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK((*stage)->pending() == 0);
+  fail = false;
+  out = (*stage)->Forward(0, in, true);
+  REQUIRE(out.ok());
+  CHECK(at::allclose((*out)[0], f.fixture.ref.at("out_0"), 1e-5, 1e-6));
+  // Every parameter the stage reads is some block's.
+  std::set<int> read;
+  for (int k = 0; k < (*stage)->num_blocks(); ++k) {
+    for (int li : (*stage)->block_lifted(k)) read.insert(li);
+  }
+  for (size_t li = 0; li < leaves.size(); ++li) {
+    if (leaves[li].requires_grad()) CHECK(read.count(static_cast<int>(li)));
+  }
+}
+
+TEST_CASE("ParamBlockStarts cuts where a block's parameters would pass the limit", "[runtime]") {
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  const IrGraph& ir = *f.ir;
+  const int n = static_cast<int>(ir.nodes.size());
+  int64_t total = 0, largest_node = 0;
+  for (int node = 0; node < n; ++node) {
+    int64_t bytes = 0;
+    for (int v : ir.nodes[node].inputs) {
+      if (ir.values[v].role == ValueRole::kParam) bytes += ir.values[v].bytes;
+    }
+    largest_node = std::max(largest_node, bytes);
+  }
+  for (const IrValue& v : ir.values) {
+    if (v.role == ValueRole::kParam) total += v.bytes;
+  }
+  CHECK(ParamBlockStarts(ir, 0, n, 0) == std::vector<int>{0});
+  CHECK(ParamBlockStarts(ir, 0, n, total) == std::vector<int>{0});
+  for (int64_t limit : {largest_node, 2 * largest_node, std::max(largest_node, total / 2)}) {
+    INFO("limit " << limit);
+    const std::vector<int> starts = ParamBlockStarts(ir, 0, n, limit);
+    REQUIRE(starts.front() == 0);
+    if (limit < total) CHECK(starts.size() > 1);
+    for (size_t k = 0; k < starts.size(); ++k) {
+      const int end = k + 1 < starts.size() ? starts[k + 1] : n;
+      REQUIRE(starts[k] < end);
+      std::set<int> params;
+      int64_t bytes = 0;
+      for (int node = starts[k]; node < end; ++node) {
+        for (int v : ir.nodes[node].inputs) {
+          if (ir.values[v].role == ValueRole::kParam && params.insert(v).second) {
+            bytes += ir.values[v].bytes;
+          }
+        }
+      }
+      CHECK(bytes <= limit);
     }
   }
 }

@@ -134,6 +134,7 @@ absl::Status LocalJob::Deploy() {
   options.group = settings_.engine_group;
   options.zero = zero_;
   options.offload = offload_;
+  options.offload_block_bytes = settings_.planner.offload_block_bytes;
   options.loss_scaler = parked_loss_scaler_;
   options.amp = settings_.autocast();
   options.grad_wire_dtype = settings_.grad_wire_dtype();

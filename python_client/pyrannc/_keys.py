@@ -85,6 +85,8 @@ KEYS = {
         "the global batch to plan for (pyrannc sets it with trace_batch)"),
     "auto_memory": ("job", "bool", "true",
         "when nothing fits, plan again with ZeRO, then offload, then both"),
+    "offload_block_bytes": ("job", "bytes", "1GiB",
+        "with offload_params, a stage without replicas streams its parameters to the device in blocks of at most this many bytes, each there only while it computes (0: the stage's at once)"),
     "amp_dtype": ("job", "string", "bf16",
         "mixed precision's dtype with enable_apex_amp: bf16, or fp16 (CUDA devices)"),
     "amp_level": ("job", "string", "O1",

@@ -8,7 +8,7 @@ optimizer(s) and batches there, its values compared on the CPU.
 
 enable_zero=True: gradients and optimizer state sharded over each stage's replicas;
 offload_params=True: parameters, gradients between steps and optimizer state in host memory;
-and both. The runtime issue's four conformance models (test_pipeline_conformance.MODELS: SGD
+and both; and offload streamed block by block on stages without replicas. The runtime issue's four conformance models (test_pipeline_conformance.MODELS: SGD
 with momentum or Adam) must train exactly as PyTorch does (conftest.assert_close: rtol 1e-5,
 atol 1e-6): losses and every gradient after each backward, clip_grad_norm, an undeploy with the
 (sharded) optimizer state parked on the host in between, and the state after the last step. The
@@ -46,13 +46,38 @@ MODES = {"zero": {"enable_zero": True}, "offload": {"offload_params": True},
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("model_name", list(tpc.MODELS))
 def test_memory_modes_train_like_pytorch(model_name, plan_name, mode, monkeypatch):
+    _train_like_pytorch(model_name, PLANS[plan_name], MODES[mode], monkeypatch)
+
+
+# Offload's streaming: a stage of one replica runs as blocks whose parameters are on the device
+# only while the block computes, and whose gradients go to the host as its backward ends (config
+# key offload_block_bytes; 1 byte: every atomic node that reads a parameter starts a block).
+# One stage over two micro-batches, and two stages (the first holding two micro-batches in
+# flight under 1F1B).
+STREAMED_PLANS = {"1x2x1": (1, 2, 1), "2x2x1": (2, 2, 1)}
+
+
+@pytest.mark.parametrize("plan_name", list(STREAMED_PLANS))
+@pytest.mark.parametrize("model_name", list(tpc.MODELS))
+def test_streamed_offload_trains_like_pytorch(model_name, plan_name, monkeypatch):
+    monkeypatch.setenv("RANNC_OFFLOAD_BLOCK_BYTES", "1")
+    rmod_stages = _train_like_pytorch(model_name, STREAMED_PLANS[plan_name],
+                                      MODES["offload"], monkeypatch)
+    blocks = [s.offload_blocks for s in rmod_stages]
+    assert max(blocks) > 1, blocks
+
+
+def _train_like_pytorch(model_name, plan, switches, monkeypatch):
+    """Trains tpc.MODELS[model_name] with `plan` (partition_num, pipeline_num, replica_num) and
+    RaNNCModule's `switches` beside PyTorch, comparing as the module doc says; returns the
+    deployment's stages."""
     case = tpc.MODELS[model_name]
-    tpc._set_plan_config(monkeypatch, PLANS[plan_name], "1f1b")
+    tpc._set_plan_config(monkeypatch, plan, "1f1b")
     torch.manual_seed(0)
     model = case.make()
     ref = ref_copy(model)
     opt, ref_opt = case.optimizer(model), case.optimizer(ref)
-    rmod = pyrannc.RaNNCModule(model, opt, **MODES[mode])
+    rmod = pyrannc.RaNNCModule(model, opt, **switches)
     try:
         for step in range(tpc.STEPS):
             batch = case.batch(step)
@@ -61,10 +86,11 @@ def test_memory_modes_train_like_pytorch(model_name, plan_name, mode, monkeypatc
             ref_loss = case.loss(ref, to_ref(batch))
             ref_loss.backward()
             if step == 0:
-                assert rmod.deployment.zero == MODES[mode].get("enable_zero", False)
-                assert rmod.deployment.offload == MODES[mode].get("offload_params", False)
+                assert rmod.deployment.zero == switches.get("enable_zero", False)
+                assert rmod.deployment.offload == switches.get("offload_params", False)
                 replicas = [len(s.devices) for s in rmod.deployment.stages]
-                assert replicas == [PLANS[plan_name][2]] * PLANS[plan_name][0], replicas
+                assert replicas == [plan[2]] * plan[0], replicas
+                stages = list(rmod.deployment.stages)
             assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
             if step == 1:
                 norm = rmod.clip_grad_norm(0.5)
@@ -81,6 +107,7 @@ def test_memory_modes_train_like_pytorch(model_name, plan_name, mode, monkeypatc
             assert_close(rmod.state_dict()[name], value, f"{name} after {tpc.STEPS} steps")
     finally:
         pyrannc.clear()
+    return stages
 
 
 def _job_summary(job_id):
