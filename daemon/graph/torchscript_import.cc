@@ -3,6 +3,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <ATen/ATen.h>
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
@@ -201,6 +202,24 @@ absl::Status CheckNoStandIns(const ImportedModel& model) {
     }
   }
   return absl::OkStatus();
+}
+
+void ReleaseModuleTensors(ImportedModel* model) {
+  model->tensors.clear();
+  if (!model->module) return;
+  for (const torch::jit::NameModule& sub : model->module->named_modules()) {
+    torch::jit::Module owner = sub.value;
+    std::vector<std::pair<std::string, at::Tensor>> slots;
+    for (const auto& p : owner.named_parameters(/*recurse=*/false)) {
+      slots.emplace_back(p.name, p.value);
+    }
+    for (const auto& b : owner.named_buffers(/*recurse=*/false)) {
+      slots.emplace_back(b.name, b.value);
+    }
+    for (const auto& [name, tensor] : slots) {
+      owner.setattr(name, at::empty({0}, tensor.options()).set_requires_grad(false));
+    }
+  }
 }
 
 absl::StatusOr<std::string> SerializeModule(const ImportedModel& model) {

@@ -74,6 +74,14 @@ absl::Status CheckNoStandIns(const ImportedModel& model);
 // archive: a cluster job's parts).
 absl::StatusOr<std::string> SerializeModule(const ImportedModel& model);
 
+// Replaces every parameter and buffer of `module` (and its submodules) with an empty tensor of
+// its dtype, and empties model.tensors: once a job holds the model's tensors (ParamStore, which
+// shares their memory), the lifted graph reads them as inputs and the module is kept only for
+// its functions (call stacks), so its own references would only keep memory alive that the job
+// has let go of (offload's host masters, which the store then shares). SerializeModule
+// afterwards writes empty tensors.
+void ReleaseModuleTensors(ImportedModel* model);
+
 }  // namespace rannc
 
 #endif  // RANNC_DAEMON_GRAPH_TORCHSCRIPT_IMPORT_H_

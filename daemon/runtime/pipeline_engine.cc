@@ -320,9 +320,17 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
         const std::set<int> params(stages_[s].params.begin(), stages_[s].params.end());
         for (int li : stages_[s].lifted) {
           // Offloaded parameters stay in host memory (SetUpOffload).
-          const c10::Device place = offload_ && params.count(li) ? c10::Device(c10::kCPU) : d.place;
-          at::Tensor t = lifted[li].detach().to(place, lifted[li].scalar_type(),
-                                                /*non_blocking=*/false, /*copy=*/true);
+          const bool host_master = offload_ && params.count(li);
+          const c10::Device place = host_master ? c10::Device(c10::kCPU) : d.place;
+          // A CUDA device's host masters go straight into page-locked memory (SetUpOffload),
+          // not through a pageable copy that would be pinned again.
+          at::Tensor t = host_master && d.place.is_cuda() ? PinnedLike(lifted[li]) : at::Tensor();
+          if (t.defined()) {
+            t.copy_(lifted[li].detach());
+          } else {
+            t = lifted[li].detach().to(place, lifted[li].scalar_type(), /*non_blocking=*/false,
+                                       /*copy=*/true);
+          }
           timings.copied_bytes += t.numel() * t.element_size();
           if (ir.values[ir.inputs[ir.num_user_inputs + li]].role == ValueRole::kParam &&
               lifted[li].requires_grad()) {
@@ -541,6 +549,7 @@ at::Tensor PipelineEngine::GradAt(int lifted) const {
 at::Tensor PipelineEngine::ParamAt(int lifted) const { return impl_->ParamValue(lifted); }
 
 bool PipelineEngine::Holds(int lifted) const { return impl_->Holds(lifted); }
+at::Tensor PipelineEngine::HostMaster(int lifted) const { return impl_->HostMaster(lifted); }
 bool PipelineEngine::Saves(int lifted) const { return impl_->Saves(lifted); }
 
 void PipelineEngine::SetParam(int lifted, const at::Tensor& value) {

@@ -231,6 +231,11 @@ class PipelineEngine {
   // Whether a stage of this process holds lifted tensor `lifted` (ParamAt would return a
   // value), without copying it.
   bool Holds(int lifted) const;
+  // With offload: the host master of parameter `lifted` on its owner (the tensor itself, not a
+  // copy: the optimizer steps it in place, and a step's upload reads it); undefined where it has
+  // none (not offloaded, a ZeRO shard, or held by another process). A caller may keep it, and
+  // write it only between steps.
+  at::Tensor HostMaster(int lifted) const;
   // Whether this process saves lifted tensor `lifted` (and its optimizer state) when every
   // process writes its share of a checkpoint: the plan's first device holding it (first stage,
   // replica 0) is one of its own (for a tensor no stage holds, the first stage's). Exactly one

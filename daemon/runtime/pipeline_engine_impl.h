@@ -273,6 +273,7 @@ class PipelineEngine::Impl {
     return owner_[lifted] >= 0 && devices_[owner_[lifted]].lifted[lifted].defined();
   }
   bool Saves(int lifted) const { return devices_[saver_[lifted]].local; }
+  at::Tensor HostMaster(int lifted) const;  // PipelineEngine::HostMaster
   // A copy of lifted tensor `lifted`'s value on `device` (-1: its owner); undefined when not
   // held there.
   at::Tensor ParamValue(int lifted, int device = -1) const;

@@ -211,13 +211,19 @@ void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {
   }
 }
 
+at::Tensor PipelineEngine::Impl::HostMaster(int lifted) const {
+  if (!offload_ || owner_[lifted] < 0) return at::Tensor();
+  const Device& d = devices_[owner_[lifted]];
+  return d.host.empty() ? at::Tensor() : d.host[lifted];
+}
+
 void PipelineEngine::Impl::SetUpOffload(Device& d) {
-  // Init left the stage's parameters in host memory; on a CUDA device they are pinned, so that
-  // uploads are DMA copies.
+  // Init left the stage's parameters in host memory; on a CUDA device they are pinned (Init
+  // copied them into page-locked memory), so that uploads are DMA copies.
   d.host.assign(d.lifted.size(), at::Tensor());
   for (int li : stages_[d.stage].params) {
     d.host[li] = d.lifted[li];
-    if (d.place.is_cuda()) {
+    if (d.place.is_cuda() && !d.host[li].is_pinned()) {
       d.host[li] = d.host[li].detach().pin_memory().requires_grad_(d.lifted[li].requires_grad());
     }
     d.lifted[li] = at::empty({0}, d.On(d.host[li].scalar_type())).requires_grad_(true);

@@ -126,6 +126,9 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
       [local_job] { return local_job->EnsureDeployed(); });
   if (!deployed.ok()) return Annotate(deployed, "deploying the model on its devices");
   info.place_s = SecondsSince(phase);
+  // The job holds the model's tensors now; the module's references to them would only keep
+  // memory the job lets go of (ReleaseModuleTensors).
+  ReleaseModuleTensors(&*model);
   if (s.client_world > 1) {
     job->client_ranks_ = std::make_unique<ClientRendezvous>(s.client_world, s.client_timeout);
   }

@@ -158,6 +158,9 @@ class LocalJob {
            std::function<std::shared_ptr<std::atomic<bool>>()> new_cancel);
 
   absl::Status Deploy();
+  // With offload, after Deploy: the store's parameters share the engine's host masters' memory
+  // instead of keeping a copy of their own.
+  void ShareHostMasters();
   // Copies the engine's parameters and buffers (and gradients, with `grads`) into the store.
   void SyncStore(bool grads, const RemoteRead& remote);
   // Whether this daemon's devices hold lifted tensor `lifted` (always, for a job on one daemon).
