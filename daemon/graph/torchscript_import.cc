@@ -21,6 +21,18 @@ using torch::jit::Graph;
 using torch::jit::Node;
 using torch::jit::Value;
 
+// `module`'s own parameters and buffers (not its children's), by attribute name.
+std::vector<std::pair<std::string, at::Tensor>> OwnTensors(const torch::jit::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> slots;
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    slots.emplace_back(p.name, p.value);
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    slots.emplace_back(b.name, b.value);
+  }
+  return slots;
+}
+
 void CollectTensors(const torch::jit::Module& module, const std::string& prefix,
                     std::vector<ModuleTensor>* out) {
   for (const auto& p : module.named_parameters(/*recurse=*/false)) {
@@ -122,14 +134,7 @@ absl::Status BindSentTensors(torch::jit::Module& module, const SentTensors& sent
   }
   for (const torch::jit::NameModule& sub : module.named_modules()) {
     torch::jit::Module owner = sub.value;
-    std::vector<std::pair<std::string, at::Tensor>> slots;
-    for (const auto& p : owner.named_parameters(/*recurse=*/false)) {
-      slots.emplace_back(p.name, p.value);
-    }
-    for (const auto& b : owner.named_buffers(/*recurse=*/false)) {
-      slots.emplace_back(b.name, b.value);
-    }
-    for (const auto& [name, tensor] : slots) {
+    for (const auto& [name, tensor] : OwnTensors(owner)) {
       auto found = by_storage.find(tensor.storage().unsafeGetStorageImpl());
       if (found != by_storage.end()) owner.setattr(name, found->second);
     }
@@ -209,14 +214,7 @@ void ReleaseModuleTensors(ImportedModel* model) {
   if (!model->module) return;
   for (const torch::jit::NameModule& sub : model->module->named_modules()) {
     torch::jit::Module owner = sub.value;
-    std::vector<std::pair<std::string, at::Tensor>> slots;
-    for (const auto& p : owner.named_parameters(/*recurse=*/false)) {
-      slots.emplace_back(p.name, p.value);
-    }
-    for (const auto& b : owner.named_buffers(/*recurse=*/false)) {
-      slots.emplace_back(b.name, b.value);
-    }
-    for (const auto& [name, tensor] : slots) {
+    for (const auto& [name, tensor] : OwnTensors(owner)) {
       owner.setattr(name, at::empty({0}, tensor.options()).set_requires_grad(false));
     }
   }

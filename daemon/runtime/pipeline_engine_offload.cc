@@ -15,11 +15,12 @@
 // Streaming (EngineOptions::offload_block_bytes, a stage with one replica): the stage executor
 // runs the stage as blocks (StageExecutor::CreateBlocked), and a parameter that only one block
 // reads is on the device only while that block computes: Fetch copies it in just before the
-// block's forward and again before its backward, Evict frees it after each (the last block
-// keeps its parameters from its forward to its backward), and as the block's backward ends its
-// gradients go to the host (BlockGradsToHost), summed there over the step's backwards. The
-// device then holds about one block's parameters and gradients at a time, besides the
-// activations. A fetched parameter is the same tensor each time (what autograd saved in the
+// block's forward and again before its backward (Prefetch has usually started the copies while
+// the block before it computed: on a CUDA device, on a side stream), Evict frees it after each
+// (the last block keeps its parameters from its forward to its backward), and as the block's
+// backward ends its gradients go to the host (BlockGradsToHost), summed there over the step's
+// backwards. The device then holds about three blocks' parameters (the one computing, the next,
+// the last) and one block's gradients at a time, besides the activations. A fetched parameter is the same tensor each time (what autograd saved in the
 // forward is what the backward reads): Evict frees its storage's memory and Fetch allocates it
 // again, neither of them a write autograd would see.
 #include <algorithm>
