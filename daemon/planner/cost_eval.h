@@ -126,11 +126,11 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 //   P + state + buckets + dynamic
 // Streamed (offload, one replica, offload_block_bytes > 0): with B the larger of
 // offload_block_bytes and the stage's largest block's trainable bytes (a node reading more is a
-// runtime block alone) and less than G (else the stage is one block), the device holds at most 3B of the trainable parameters (the block
-// computing, the next one prefetched, and the last one, kept from its forward to its backward)
-// and B of gradients (a block's, until its backward ends): P and G below become
-// P - G + min(G, 3B) and min(G, B), and the first backward's T becomes max_i X_<=i + W_i +
-// min(G, B).
+// runtime block alone) and less than G (else the stage is one block), the device holds at most
+// 3B of the trainable parameters (the block computing, the next one prefetched, and the last
+// one, kept from its forward to its backward) and B of gradients (a block's, until its backward
+// ends): P and G below become P - G + min(G, 3B) and min(G, B), and the first backward's T
+// becomes max_i X_<=i + W_i + min(G, B).
 //   state    G * optimizer_state_factor, divided by the replicas with zero; 0 with offload
 //   buckets  G with more than one replica and no zero: the gradient reducer's flat buffers
 //            (runtime/grad_reducer.h), allocated once and kept; offloaded, allocated for the

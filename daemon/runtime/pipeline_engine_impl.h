@@ -161,9 +161,10 @@ struct Device {
   // the host (`streamed_grads`) as its backward ends. Parameters read by several blocks are
   // uploaded for the whole step, as without streaming. Empty without streaming.
   std::vector<std::vector<int>> streamed;
-  // Per block: 0 off the device, 1 on it, 2 being prefetched (its copies may still run on
+  // Per block: off the device, on it, or being prefetched (its copies may still run on
   // `upload_stream`, which `block_ready` marks the end of).
-  std::vector<char> block_resident;
+  enum class BlockState { kOff, kOn, kPrefetching };
+  std::vector<BlockState> block_state;
   std::optional<c10::Stream> upload_stream;  // a CUDA device's: where prefetches copy
   std::vector<std::unique_ptr<c10::Event>> block_ready;
   std::vector<char> is_streamed;     // per lifted index
@@ -302,6 +303,8 @@ class PipelineEngine::Impl {
   absl::Status LoadOptimizerState(
       const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state);
   void ApplySgd(double lr);
+  // The device of plan index `device` when this process runs it; else null.
+  const Device* DeviceAt(int device) const;
   int64_t DeviceBytes(int device) const;
   std::vector<int64_t> CheckpointCudaReads(const std::vector<int>& lifted) const;
   int64_t PeakDeviceBytes(int device) const;

@@ -20,9 +20,10 @@
 // (the last block keeps its parameters from its forward to its backward), and as the block's
 // backward ends its gradients go to the host (BlockGradsToHost), summed there over the step's
 // backwards. The device then holds about three blocks' parameters (the one computing, the next,
-// the last) and one block's gradients at a time, besides the activations. A fetched parameter is the same tensor each time (what autograd saved in the
-// forward is what the backward reads): Evict frees its storage's memory and Fetch allocates it
-// again, neither of them a write autograd would see.
+// the last) and one block's gradients at a time, besides the activations. A fetched parameter
+// is the same tensor each time (what autograd saved in the forward is what the backward reads):
+// Evict frees its storage's memory and Fetch allocates it again, neither of them a write
+// autograd would see.
 #include <algorithm>
 #include <map>
 #include <set>
@@ -80,7 +81,7 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
   const std::set<int> params(stages_[d.stage].params.begin(), stages_[d.stage].params.end());
   const std::set<int> tied(tied_.begin(), tied_.end());
   d.streamed.assign(blocks, {});
-  d.block_resident.assign(blocks, 0);
+  d.block_state.assign(blocks, Device::BlockState::kOff);
   d.block_ready.resize(blocks);
   if (d.place.is_cuda()) {
     d.upload_stream = c10::impl::VirtualGuardImpl(d.place.type()).getStreamFromGlobalPool(d.place);
@@ -137,12 +138,12 @@ StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {
 }
 
 void PipelineEngine::Impl::Fetch(Device& d, int block) {
-  if (d.streamed.empty() || d.block_resident[block] == 1) return;
-  if (d.block_resident[block] == 2) {
+  if (d.streamed.empty() || d.block_state[block] == Device::BlockState::kOn) return;
+  if (d.block_state[block] == Device::BlockState::kPrefetching) {
     // Prefetched: the device's stream waits for the upload stream's copies.
     const c10::impl::VirtualGuardImpl impl(d.place.type());
     d.block_ready[block]->block(impl.getStream(d.place));
-    d.block_resident[block] = 1;
+    d.block_state[block] = Device::BlockState::kOn;
     return;
   }
   at::NoGradGuard no_grad;
@@ -155,11 +156,11 @@ void PipelineEngine::Impl::Fetch(Device& d, int block) {
     d.streamed_bytes += static_cast<int64_t>(t.nbytes());
   }
   d.streamed_peak = std::max(d.streamed_peak, d.streamed_bytes);
-  d.block_resident[block] = 1;
+  d.block_state[block] = Device::BlockState::kOn;
 }
 
 void PipelineEngine::Impl::Prefetch(Device& d, int block) {
-  if (d.streamed.empty() || d.block_resident[block] != 0) return;
+  if (d.streamed.empty() || d.block_state[block] != Device::BlockState::kOff) return;
   if (!d.upload_stream) {
     Fetch(d, block);  // a CPU device: nothing to overlap
     return;
@@ -185,18 +186,18 @@ void PipelineEngine::Impl::Prefetch(Device& d, int block) {
   }
   d.block_ready[block] = std::make_unique<c10::Event>(d.place.type());
   d.block_ready[block]->record(*d.upload_stream);
-  d.block_resident[block] = 2;
+  d.block_state[block] = Device::BlockState::kPrefetching;
 }
 
 void PipelineEngine::Impl::Evict(Device& d, int block) {
-  if (d.streamed.empty() || !d.block_resident[block]) return;
+  if (d.streamed.empty() || d.block_state[block] == Device::BlockState::kOff) return;
   // A prefetch never waited for (a failed step): its copies end before the memory is reused.
-  if (d.block_resident[block] == 2) Fetch(d, block);
+  if (d.block_state[block] == Device::BlockState::kPrefetching) Fetch(d, block);
   for (int li : d.streamed[block]) {
     FreeData(d.lifted[li]);
     d.streamed_bytes -= static_cast<int64_t>(d.lifted[li].nbytes());
   }
-  d.block_resident[block] = 0;
+  d.block_state[block] = Device::BlockState::kOff;
 }
 
 void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {

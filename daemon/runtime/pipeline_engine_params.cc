@@ -34,10 +34,8 @@ absl::StatusOr<const at::Tensor*> PipelineEngine::Impl::Find(const std::string& 
   for (size_t li = 0; li < ir_->tensor_names.size(); ++li) {
     if (ir_->tensor_names[li] != name) continue;
     if (device >= 0) {
-      if (device < static_cast<int>(world_rank_.size()) && world_rank_[device] >= 0 &&
-          devices_[world_rank_[device]].lifted[li].defined()) {
-        return &devices_[world_rank_[device]].Master(li);
-      }
+      const Device* d = DeviceAt(device);
+      if (d != nullptr && d->lifted[li].defined()) return &d->Master(li);
       break;
     }
     if (owner_[li] >= 0) return &devices_[owner_[li]].Master(li);
@@ -75,8 +73,8 @@ at::Tensor PipelineEngine::Impl::ParamValue(int lifted, int device) const {
   const Device* d = nullptr;
   if (device < 0) {
     if (owner_[lifted] >= 0) d = &devices_[owner_[lifted]];
-  } else if (device < static_cast<int>(world_rank_.size()) && world_rank_[device] >= 0) {
-    d = &devices_[world_rank_[device]];
+  } else {
+    d = DeviceAt(device);
   }
   if (d == nullptr || !d->lifted[lifted].defined()) return at::Tensor();
   if (offload_ && sharded(lifted)) return ShardedValue(lifted);
@@ -439,34 +437,32 @@ std::vector<int64_t> PipelineEngine::Impl::CheckpointCudaReads(
   return std::move(counted_reads_);
 }
 
-int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
+const pipeline_internal::Device* PipelineEngine::Impl::DeviceAt(int device) const {
   if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
-    return 0;
+    return nullptr;
   }
-  return HeldBytes(devices_[world_rank_[device]]);
+  return &devices_[world_rank_[device]];
+}
+
+int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
+  const Device* d = DeviceAt(device);
+  return d == nullptr ? 0 : HeldBytes(*d);
 }
 
 int64_t PipelineEngine::Impl::PeakDeviceBytes(int device) const {
-  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
-    return 0;
-  }
-  const Device& d = devices_[world_rank_[device]];
-  return std::max(d.peak_bytes, HeldBytes(d));
+  const Device* d = DeviceAt(device);
+  return d == nullptr ? 0 : std::max(d->peak_bytes, HeldBytes(*d));
 }
 
 int PipelineEngine::Impl::StreamedBlocks(int device) const {
-  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
-    return 0;
-  }
-  const Device& d = devices_[world_rank_[device]];
-  return d.streamed.empty() ? 1 : static_cast<int>(d.streamed.size());
+  const Device* d = DeviceAt(device);
+  if (d == nullptr) return 0;
+  return d->streamed.empty() ? 1 : static_cast<int>(d->streamed.size());
 }
 
 int64_t PipelineEngine::Impl::StreamedPeakBytes(int device) const {
-  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
-    return 0;
-  }
-  return devices_[world_rank_[device]].streamed_peak;
+  const Device* d = DeviceAt(device);
+  return d == nullptr ? 0 : d->streamed_peak;
 }
 
 void PipelineEngine::Impl::ResetPeakDeviceBytes() {
@@ -475,11 +471,9 @@ void PipelineEngine::Impl::ResetPeakDeviceBytes() {
 
 std::pair<int, int> PipelineEngine::Impl::OverlappedBuckets(int device) const {
   std::pair<int, int> out{0, 0};
-  if (device < 0 || device >= static_cast<int>(world_rank_.size()) || world_rank_[device] < 0) {
-    return out;
-  }
-  const Device& d = devices_[world_rank_[device]];
-  for (const GradReducer* r : {d.reducer.get(), d.zero_reducer.get()}) {
+  const Device* d = DeviceAt(device);
+  if (d == nullptr) return out;
+  for (const GradReducer* r : {d->reducer.get(), d->zero_reducer.get()}) {
     if (r == nullptr) continue;
     out.first += r->buckets_started_early();
     out.second += r->buckets();

@@ -61,6 +61,17 @@ void SetState(at::Generator generator, const at::Tensor& state) {
   generator.set_state(state);
 }
 
+// Subgraph input `v`'s index among the IR's lifted inputs, or -1 for a data input.
+int LiftedIndexOf(const IrGraph& ir, int v) {
+  const int lifted_index = v - static_cast<int>(ir.num_user_inputs);
+  return v < static_cast<int>(ir.inputs.size()) && lifted_index >= 0 ? lifted_index : -1;
+}
+
+// A block hook's status; OK where none is set.
+absl::Status CallHook(const std::function<absl::Status(int)>& hook, int block) {
+  return hook ? hook(block) : absl::OkStatus();
+}
+
 int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
@@ -83,10 +94,9 @@ absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::Create(
   CollectWrittenValues(subgraph.graph->block(), &written);
   for (size_t i = 0; i < subgraph.inputs.size(); ++i) {
     const int v = subgraph.inputs[i];
-    const int lifted_index = v - static_cast<int>(ir.num_user_inputs);
-    const bool is_lifted = v < static_cast<int>(ir.inputs.size()) && lifted_index >= 0;
-    stage->lifted_index_.push_back(is_lifted ? lifted_index : -1);
-    if (is_lifted) {
+    const int lifted_index = LiftedIndexOf(ir, v);
+    stage->lifted_index_.push_back(lifted_index);
+    if (lifted_index >= 0) {
       stage->input_slot_.push_back(-1);
       stage->lifted_.push_back(lifted[lifted_index]);
       if (ir.values[v].role == ValueRole::kBuffer && written.count(subgraph.graph->inputs()[i])) {
@@ -145,9 +155,7 @@ absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::CreateBlocked(
   }
   // The stage's own inputs, in the subgraph's order, as Create orders them.
   for (int v : subgraph.inputs) {
-    const int lifted_index = v - static_cast<int>(ir.num_user_inputs);
-    const bool is_lifted = v < static_cast<int>(ir.inputs.size()) && lifted_index >= 0;
-    if (!is_lifted) stage->data_inputs_.push_back(v);
+    if (LiftedIndexOf(ir, v) < 0) stage->data_inputs_.push_back(v);
   }
   stage->subgraph_ = std::move(subgraph);
   return stage;
@@ -357,19 +365,16 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::ForwardBlocks(
   }
   std::map<int, at::Tensor> values;  // IR value -> tensor
   for (size_t i = 0; i < inputs.size(); ++i) values[data_inputs_[i]] = inputs[i];
-  auto hook = [&](const std::function<absl::Status(int)>& f, int k) {
-    return f ? f(k) : absl::OkStatus();
-  };
   for (size_t k = 0; k < blocks_.size(); ++k) {
     StageExecutor& block = *blocks_[k];
-    absl::Status s = hook(hooks_.before_forward, static_cast<int>(k));
+    absl::Status s = CallHook(hooks_.before_forward, static_cast<int>(k));
     if (s.ok()) {
       std::vector<at::Tensor> in;
       for (int v : block.data_inputs()) in.push_back(values.at(v));
       absl::StatusOr<std::vector<at::Tensor>> out = block.Forward(micro_batch, in, requires_grad);
       if (out.ok()) {
         for (size_t i = 0; i < out->size(); ++i) values[block.outputs()[i]] = (*out)[i];
-        s = hook(hooks_.after_forward, static_cast<int>(k));
+        s = CallHook(hooks_.after_forward, static_cast<int>(k));
       } else {
         s = out.status();
       }
@@ -406,10 +411,8 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::BackwardBlocks(
   for (size_t i = 0; i < output_grads.size(); ++i) add(subgraph_.outputs[i], output_grads[i]);
   for (int k = static_cast<int>(blocks_.size()) - 1; k >= 0; --k) {
     StageExecutor& block = *blocks_[k];
-    if (hooks_.before_backward) {
-      absl::Status s = hooks_.before_backward(k);
-      if (!s.ok()) return s;
-    }
+    absl::Status before = CallHook(hooks_.before_backward, k);
+    if (!before.ok()) return before;
     std::vector<at::Tensor> out_grads;
     for (int v : block.outputs()) {
       auto it = grads.find(v);
@@ -419,10 +422,8 @@ absl::StatusOr<std::vector<at::Tensor>> StageExecutor::BackwardBlocks(
         block.Backward(micro_batch, out_grads, retain_graph);
     if (!in_grads.ok()) return in_grads.status();
     for (size_t i = 0; i < in_grads->size(); ++i) add(block.data_inputs()[i], (*in_grads)[i]);
-    if (hooks_.after_backward) {
-      absl::Status s = hooks_.after_backward(k);
-      if (!s.ok()) return s;
-    }
+    absl::Status after = CallHook(hooks_.after_backward, k);
+    if (!after.ok()) return after;
   }
   std::vector<at::Tensor> input_grads;
   for (int v : data_inputs_) {
