@@ -40,6 +40,8 @@ Run 2 (JSON line with "system": "rannc (saved deployment)"): the plan of run 1 i
 (save_deployment, to --deployment), the first job is deleted, and a new RaNNCModule with
 load_deployment= trains --second-steps steps (default 1) from the same host model: its
 time_to_first_step_s is the cost of a start that skips planning. --second-steps 0 skips it.
+With --offload, run 2 makes pyrannc keep its copy of the model (keep_local_model), which it
+frees otherwise: run 2 needs it, at 4 bytes a parameter of host memory more.
 
 Run 3 (with --job-bench; JSON line "rannc (in-process)"): what the client/daemon split costs.
 A third RaNNCModule from the saved deployment saves its job (RANNC_SAVE_JOB: the JobSpec, the
@@ -121,16 +123,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def host_bytes_needed(cfg, trace_batch: int) -> int:
-    """A rough upper estimate of the host memory a run needs: the client's fp32 model, the
-    serialized trace (two copies while pyrannc sends it), the daemon's loaded module and host
-    masters (20 bytes a parameter together), plus the trace's forward with autograd on the
-    traced samples on the host (~16 saved d_model-wide fp32 tensors a token and layer, three
-    copies of the logits)."""
+def host_bytes_needed(cfg, trace_batch: int, offload: bool) -> int:
+    """A rough upper estimate of the host memory a run needs. Without offload: the client's
+    fp32 model, the serialized trace (two copies while pyrannc sends it), the daemon's loaded
+    module and host masters (20 bytes a parameter together), plus the trace's forward with
+    autograd on the traced samples on the host (~16 saved d_model-wide fp32 tensors a token and
+    layer, three copies of the logits). With offload the larger of the trace (the client's model
+    and that forward) and 16 bytes a parameter: while the job is created, the client's model,
+    its copy in shared memory, the daemon's copy of that and its page-locked masters; then the
+    daemon's masters, gradients and AdamW moments (pyrannc frees its own copy,
+    keep_local_model)."""
     samples = trace_batch if 0 < trace_batch < cfg.batch else cfg.batch
     tokens = samples * cfg.seq
     activations = tokens * cfg.d_model * 4 * 16 * cfg.layers + tokens * cfg.vocab * 4 * 3
-    return 20 * gm.param_count(cfg) + activations
+    n = gm.param_count(cfg)
+    if offload:
+        return max(4 * n + activations, 16 * n)
+    return 20 * n + activations
 
 
 def mem_available() -> int:
@@ -403,7 +412,10 @@ def main(argv=None):
     os.environ["RANNC_AMP_LEVEL"] = args.amp_level
     if args.trace_batch > 0:
         os.environ.setdefault("RANNC_TRACE_BATCH", str(args.trace_batch))
-    need, have = host_bytes_needed(cfg, args.trace_batch), mem_available()
+    if args.offload and args.second_steps > 0:
+        # Run 2 starts from the host model as built, which offload frees once run 1's job has it.
+        os.environ.setdefault("RANNC_KEEP_LOCAL_MODEL", "1")
+    need, have = host_bytes_needed(cfg, args.trace_batch, args.offload), mem_available()
     if need > have and not args.force:
         gm.emit({**base_record(system_name(args), args, cfg), "skipped":
               f"pyrannc traces the model on the host: about "

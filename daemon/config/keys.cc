@@ -169,6 +169,10 @@ std::vector<ConfigKey>* MakeRegistry() {
        "trace the model on this many samples of the first batch"},
       {"reuse_trace", T::kBool, S::kClient, "true",
        "reuse a saved deployment's trace when the model is the same"},
+      {"keep_local_model", T::kBool, S::kClient, "false",
+       "with offload_params, keep the local model's copy of the tensors sent to the daemon "
+       "(false: their memory is freed until a read such as named_parameters() or state_dict() "
+       "fetches them back)"},
       {"save_job", T::kString, S::kClient, "",
        "folder to write each created job to, for benchmarks/job_bench"},
       {"shm", T::kBool, S::kClient, "true when the daemon is on this host",

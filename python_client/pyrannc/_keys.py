@@ -147,6 +147,8 @@ KEYS = {
         "trace the model on this many samples of the first batch"),
     "reuse_trace": ("client", "bool", "true",
         "reuse a saved deployment's trace when the model is the same"),
+    "keep_local_model": ("client", "bool", "false",
+        "with offload_params, keep the local model's copy of the tensors sent to the daemon (false: their memory is freed until a read such as named_parameters() or state_dict() fetches them back)"),
     "save_job": ("client", "string", "",
         "folder to write each created job to, for benchmarks/job_bench"),
     "shm": ("client", "bool", "true when the daemon is on this host",

@@ -13,10 +13,11 @@ those tensors'. `slots` is the one walk they all take.
 
 Works on torch.nn.Module and on traced ScriptModules alike (both keep their slots in
 _parameters/_buffers). Functions read the model only, except leave_out, which rebinds the traced
-module's slots; callers own the thread safety of the module they pass.
+module's slots, and release/Released, which free and reallocate tensors' memory; callers own the
+thread safety of the module they pass.
 """
 
-from typing import Dict, Iterator, List, NamedTuple, Tuple
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Set, Tuple
 
 import torch
 
@@ -86,3 +87,53 @@ def leave_out(traced: torch.jit.ScriptModule,
             apart.append((s.name, t.detach()))
         s.module._c.setattr(s.attr, stand_in)
     return apart
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the tensor's storage (PyTorch 2's untyped_storage; 1.13's storage())."""
+    if hasattr(t, "untyped_storage"):
+        return t.untyped_storage().nbytes()
+    return t.storage().nbytes()
+
+
+class Released:
+    """Tensors whose memory release() freed: each holds an empty tensor of its dtype (shape [0])
+    until restore() gives it memory of its shape again, values undefined until the caller fills
+    them; free() frees it once more."""
+
+    def __init__(self, tensors: List[Tuple[torch.Tensor, torch.Size]]):
+        self._tensors = tensors
+        self._shapes = {id(t): shape for t, shape in tensors}
+
+    def nbytes(self) -> int:
+        return sum(shape.numel() * t.element_size() for t, shape in self._tensors)
+
+    def shape_of(self, t: torch.Tensor) -> torch.Size:
+        """The shape `t` has when it holds its memory."""
+        return self._shapes.get(id(t), t.shape)
+
+    def restore(self) -> Set[int]:
+        """Gives each tensor memory of its shape again; returns their ids."""
+        for t, shape in self._tensors:
+            t.data = torch.empty(shape, dtype=t.dtype)
+        return set(self._shapes)
+
+    def free(self) -> None:
+        for t, _ in self._tensors:
+            t.data = torch.empty(0, dtype=t.dtype)
+
+
+def release(tensors: Iterable[torch.Tensor]) -> Released:
+    """Frees the memory of CPU tensors that each own their storage whole (no view into another's)
+    while the tensor objects stay: the module slots that hold them, tied ones included, and the
+    references others keep (an optimizer's) still reach them. Until Released.restore() each is an
+    empty tensor of its dtype, so a computation with it fails on its shape instead of reading
+    freed memory (FSDP's storage resize would leave kernels a null pointer to read)."""
+    kept: Dict[int, Tuple[torch.Tensor, torch.Size]] = {}
+    for t in tensors:
+        owns = t.storage_offset() == 0 and t.is_contiguous() and _storage_nbytes(t) == nbytes(t)
+        if t.device.type == "cpu" and t.numel() > 0 and owns:
+            kept.setdefault(id(t), (t, t.shape))
+    released = Released(list(kept.values()))
+    released.free()
+    return released

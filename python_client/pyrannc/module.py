@@ -17,6 +17,7 @@ in a training loop.
 """
 
 import collections
+import gc
 import json
 import logging
 import os
@@ -93,7 +94,9 @@ class RaNNCModule(torch.nn.Module):
     gradients), at O1 in fp32 anyway. offload_params=True keeps the parameters,
     their gradients between steps and the optimizer state in host memory, each device holding
     its stage's parameters only during a step (with enable_zero, the host keeps each replica's
-    shard). Results equal the job's without these switches.
+    shard); the local model's large tensors are then freed once the daemon has them, until a
+    read of the local model fetches them back (the client key keep_local_model keeps them).
+    Results equal the job's without these switches.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer=None, gather_inputs=True,
@@ -144,6 +147,9 @@ class RaNNCModule(torch.nn.Module):
         self._job_token: Optional[str] = None
         self._dropout: Optional[bool] = None  # enable_dropout(); None: follows training
         self._state_dirty = False
+        # With offload_params: the local model's tensors sent to the daemon, their memory freed
+        # (_release_local_model) until a read of the local model allocates and fills it again.
+        self._released: Optional[_tensors.Released] = None
         self._resumed_step: Optional[int] = None  # of the job's checkpoint (config key resume)
         # A leaf that makes forward's outputs require grad; never receives a gradient.
         self._grad_anchor = torch.zeros((), requires_grad=True)
@@ -306,11 +312,35 @@ class RaNNCModule(torch.nn.Module):
                         "plan again)", code=err.code, details=err.details) from None
                 raise
         self._adopt_job(conn, resp, mode, spec, lease, owner=True)
+        self._release_local_model([t for _, t in apart])
         # Optimizer state loaded before the first forward (optimizer.load_state_dict) goes to
         # the daemon with the job.
         if self._optimizer is not None and self._optimizer.state:
             self._load_optimizer_state(_optim.local_state_by_name(self._optimizer, names_by_id))
             self._optimizer.state.clear()
+
+    def _release_local_model(self, sent: List[torch.Tensor]) -> None:
+        """With offload_params, frees the memory of the local model's tensors that went to the
+        daemon beside the archive (the large ones): from now on the daemon's copy is the one that
+        trains, and the local one would only double the host memory an offloaded job needs. The
+        tensor objects stay (in their module slots, and the optimizer's references), empty; the
+        first read of the local model (_sync_from_daemon) gives them memory again and fills it
+        from the daemon. The client config key keep_local_model turns this off."""
+        if not self._offload_params or not sent or _config.client_bool("keep_local_model", False):
+            return
+        # `sent` are the traced module's tensors, which share their memory with the model's.
+        sent_ptrs = {t.data_ptr() for t in sent}
+        self._released = _tensors.release(
+            s.tensor for s in _tensors.distinct(self.model) if s.tensor.data_ptr() in sent_ptrs)
+        # The trace's objects hold the old memory in reference cycles (measured: a GPT's whole
+        # model stays resident until the collector runs), so collect them now.
+        gc.collect()
+        logger.debug("pyrannc: freed %d bytes of the local model, which the daemon holds now",
+                     self._released.nbytes())
+
+    def _local_shape(self, t: torch.Tensor) -> torch.Size:
+        """A local model tensor's shape, also while _release_local_model has emptied it."""
+        return self._released.shape_of(t) if self._released is not None else t.shape
 
     def _reuse_trace(self, conn, rank: int, fingerprint, why_not: str
                      ) -> Optional[Tuple[bytes, object, List[Tuple[str, torch.Tensor]]]]:
@@ -434,6 +464,8 @@ class RaNNCModule(torch.nn.Module):
         if not resp.has_graph or key not in job.specs:
             # The daemon reads only the graph of another mode (the job has the tensors), so
             # every tensor stays out of the archive.
+            if self._released is not None:
+                self._sync_from_daemon()  # tracing runs the local model's forward
             model_bytes, spec, _, _ = _tracing.trace(
                 self.model, _tracing.trace_inputs(inputs)[0], mode, apart_bytes=0)
             job.specs[key] = spec
@@ -662,21 +694,38 @@ class RaNNCModule(torch.nn.Module):
 
     def _sync_from_daemon(self, force: bool = False, grads: bool = False) -> None:
         """Copies the daemon's parameters and buffers into the local model's tensors in place,
-        so references the caller holds (and the optimizer's) see the new values."""
-        if self._job is None or not (self._state_dirty or force or grads):
+        so references the caller holds (and the optimizer's) see the new values. Tensors that
+        _release_local_model freed are allocated again first and always filled."""
+        released = self._released
+        if self._job is None or not (self._state_dirty or force or grads or released):
             return
-        remote = self._fetch_state()
-        local = self.model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, tensor in local.items():
-                if not isinstance(tensor, torch.Tensor) or name not in remote:
-                    # Parameters the traced graph does not use never change in the daemon.
-                    continue
-                value, _ = remote[name]
-                if value.shape != tensor.shape:
-                    raise RuntimeError(f"ranncd holds '{name}' with shape {list(value.shape)} but "
-                                       f"the local model has {list(tensor.shape)}")
-                tensor.copy_(value)
+        refilled = released.restore() if released is not None else set()
+        try:
+            remote = self._fetch_state()
+            local = self.model.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, tensor in local.items():
+                    if not isinstance(tensor, torch.Tensor):
+                        continue
+                    if name not in remote:
+                        # Parameters the traced graph does not use never change in the daemon;
+                        # a freed one, though, has no value here until the daemon's fills it.
+                        if id(tensor) in refilled:
+                            raise RuntimeError(
+                                f"ranncd's state lacks '{name}', which it took from the local "
+                                "model (offload_params); the local model cannot be restored")
+                        continue
+                    value, _ = remote[name]
+                    if value.shape != tensor.shape:
+                        raise RuntimeError(f"ranncd holds '{name}' with shape "
+                                           f"{list(value.shape)} but the local model has "
+                                           f"{list(tensor.shape)}")
+                    tensor.copy_(value)
+        except BaseException:
+            if released is not None:
+                released.free()  # no undefined values pass for the model's
+            raise
+        self._released = None
         if grads:
             for name, p in self.model.named_parameters():
                 g = self.get_param_grad(name)
@@ -753,10 +802,11 @@ class RaNNCModule(torch.nn.Module):
         unexpected = [k for k in state_dict if k not in local]
         errors = []
         for k, v in state_dict.items():
-            if k in local and isinstance(v, torch.Tensor) and v.shape != local[k].shape:
+            if k in local and isinstance(v, torch.Tensor) and \
+                    v.shape != self._local_shape(local[k]):
                 errors.append(f"size mismatch for {k}: copying a param with shape "
                               f"{v.shape} from checkpoint, the shape in current model is "
-                              f"{local[k].shape}.")
+                              f"{self._local_shape(local[k])}.")
         if strict:
             if unexpected:
                 errors.insert(0, "Unexpected key(s) in state_dict: "

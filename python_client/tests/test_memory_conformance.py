@@ -146,6 +146,76 @@ def test_devices_hold_a_replicas_share(mode, monkeypatch):
         pyrannc.clear()
 
 
+class _WideMLP(torch.nn.Module):
+    """Two layers: the first's weight (2 MiB) goes to the daemon beside the archive, through
+    shared memory; the second's tensors (under pyrannc._shm.MIN_BYTES) inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = torch.nn.Linear(512, 1024)
+        self.out = torch.nn.Linear(1024, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.out(torch.relu(self.wide(x))), y)
+
+
+def _holds_memory(t):
+    return t.numel() > 0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_offload_frees_the_local_model_until_it_is_read(keep, monkeypatch):
+    # With offload_params the client's copy of the tensors it sent apart is freed once the job
+    # holds them (one host copy of the model); a read of the local model (a trace in another
+    # mode, named_parameters) fetches it back, into the same tensor objects (the optimizer's
+    # and the caller's references), with the daemon's values. keep_local_model=true keeps the
+    # copy.
+    tpc._set_plan_config(monkeypatch, (1, 1, 4), "1f1b")
+    monkeypatch.setenv("RANNC_KEEP_LOCAL_MODEL", "1" if keep else "0")
+    torch.manual_seed(0)
+    model = _WideMLP()
+    ref = ref_copy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    wide = model.wide.weight
+    rmod = pyrannc.RaNNCModule(model, opt, offload_params=True)
+    try:
+        for step in range(3):
+            x, y = tpc._classification_batch(step, 512, 4)
+            loss = rmod(x, y)
+            ref_loss = ref(*to_ref((x, y)))
+            assert_close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
+            loss.backward()
+            ref_loss.backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            if step == 0:
+                assert _holds_memory(wide) == keep
+                assert _holds_memory(model.out.weight)  # sent inside the archive: kept
+                if not keep:
+                    with pytest.raises(RuntimeError):
+                        model.wide(x)  # fails on the freed weight's shape
+                # Another mode traces the model again, which needs its values back first.
+                rmod.eval()
+                ref.eval()
+                with torch.no_grad():
+                    assert_close(rmod(x, y), ref(*to_ref((x, y))), "eval loss after step 0")
+                rmod.train()
+                ref.train()
+            if step == 1:
+                params = dict(rmod.named_parameters())
+                assert params["wide.weight"] is wide
+                assert wide.shape == (1024, 512)
+                assert_close(wide.detach(), ref.wide.weight, f"wide.weight after step {step}")
+        state = rmod.state_dict()
+        for name, value in ref.state_dict().items():
+            assert_close(state[name], value, f"{name} after 3 steps")
+    finally:
+        pyrannc.clear()
+
+
 # Mixed precision. The reference is PyTorch's torch.autocast(<its device type>, dtype) ("cpu", or
 # "cuda" with RANNC_TEST_REF_DEVICE=cuda) around the model's forward, run on the same shards of
 # the batch as the plan's devices run (each micro-batch split over the replicas, as DDP with
