@@ -19,6 +19,7 @@
 // every device and backs the scale off, as torch.cuda.amp.GradScaler does.
 #include "daemon/runtime/pipeline_engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -228,9 +229,10 @@ TEST_CASE("Streamed offload on CUDA devices trains as on the CPU, prefetching on
   INFO("this test needs a CUDA build of LibTorch and a GPU");
   REQUIRE(gpus > 0);
   // One byte: every atomic node that reads a parameter starts a block. One stage over two
-  // micro-batches; two stages of one replica each.
+  // micro-batches; two stages of one replica each (the first holds two micro-batches in flight
+  // under 1F1B, and the tied embedding whole).
   const Mode streamed{"offload, streamed", false, true, {}, 1};
-  const std::vector<Case> cases = {{"tiny_gpt", {{0}}, 2}, {"multi_io", {{0}, {1}}, 1}};
+  const std::vector<Case> cases = {{"tiny_gpt", {{0}}, 2}, {"tiny_gpt", {{0}, {1}}, 2}};
   for (const Case& c : cases) {
     INFO(c.model << ", " << c.devices.size() << " stage(s) on " << gpus << " GPU(s)");
     FixtureIr f = BuildFixtureIr(c.model);
@@ -242,13 +244,15 @@ TEST_CASE("Streamed offload on CUDA devices trains as on the CPU, prefetching on
         MakeEngine(f, plan, comm::Backend::kFake, streamed, RoundRobin(n, gpus));
     std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, streamed, {});
     TrainAlike(f, *cpu, *cuda, false);
+    int most_blocks = 0;
     for (int dev = 0; dev < n; ++dev) {
       INFO("device " << dev);
       CHECK(cuda->StreamedBlocks(dev) == cpu->StreamedBlocks(dev));
-      CHECK(cuda->StreamedBlocks(dev) > 1);
       CHECK(cuda->StreamedPeakBytes(dev) == cpu->StreamedPeakBytes(dev));
       CHECK(cuda->DeviceBytes(dev) == cpu->DeviceBytes(dev));
+      most_blocks = std::max(most_blocks, cuda->StreamedBlocks(dev));
     }
+    CHECK(most_blocks > 1);  // a stage streamed: the side stream's prefetches ran
   }
 }
 
