@@ -697,7 +697,7 @@ class RaNNCModule(torch.nn.Module):
         so references the caller holds (and the optimizer's) see the new values. Tensors that
         _release_local_model freed are allocated again first and always filled."""
         released = self._released
-        if self._job is None or not (self._state_dirty or force or grads or released):
+        if self._job is None or not (self._state_dirty or force or grads or released is not None):
             return
         refilled = released.restore() if released is not None else set()
         try:
