@@ -80,7 +80,8 @@ absl::StatusOr<std::vector<DaemonFacts::Device>> ResolveDevices(const DaemonOpti
 // communicator their jobs will use (NCCL; CPU copies say nothing about NVLink), else between
 // CPU devices. Small transfers keep the start fast; they still run long enough to leave the
 // caches.
-absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Device>& devices) {
+absl::StatusOr<planner::Links> MeasureDeviceLinks(
+    const std::vector<DaemonFacts::Device>& devices) {
   if (devices.size() >= 2 && devices[0].cuda_index >= 0) {
     CommLinkProbeOptions probe;
     probe.backend = JobBackend(/*cuda=*/true, devices);
@@ -99,6 +100,22 @@ absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Devic
   probe.repeats = 2;
   probe.time_budget_s = 0.5;
   return planner::MeasureCpuLinks(probe);
+}
+
+// The links between the devices, and from the host to the first GPU.
+absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Device>& devices) {
+  absl::StatusOr<planner::Links> links = MeasureDeviceLinks(devices);
+  if (!links.ok() || devices.empty() || devices[0].cuda_index < 0) return links;
+  // What offload's parameters and gradients cross (the planner prices streaming with it).
+  absl::StatusOr<double> host = MeasureHostLink(
+      c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(devices[0].cuda_index)));
+  if (host.ok()) {
+    links->host_bytes_per_s = *host;
+  } else {
+    spdlog::warn("measuring the host's link to the GPU failed ({}); the planner prices "
+                 "offload's copies at the p2p speed", host.status().ToString());
+  }
+  return links;
 }
 
 // How often the TLS files are read again: --tls-refresh, a second at least (as gRPC had it).

@@ -180,6 +180,13 @@ std::string StableHash(const std::string& bytes);
 // must keep its graph until the client's output gradients arrive (GPipe's order and memory).
 bool FusesForwardBackward(const IrGraph& ir);
 
+// The dtype lifted parameter `lifted` is read in when the graph reads it only through one cast
+// to a narrower floating dtype (amp_level=O2's casts, graph/low_precision.h) whose result
+// nothing writes in place: a copy of the parameter in that dtype computes exactly what the
+// parameter does, and its gradient is the parameter's, before the cast widens it. nullopt for
+// any other parameter, and for buffers and inputs.
+std::optional<at::ScalarType> LowPrecisionRead(const IrGraph& ir, int lifted);
+
 // The graph's user inputs for one batch: `client_inputs` (the whole batch), then the step inputs
 // computed from them. `lifted(i)`: the module tensor of lifted input i (loss class weights).
 absl::StatusOr<std::vector<at::Tensor>> WithStepInputs(const IrGraph& ir,

@@ -107,6 +107,32 @@ bool FusesForwardBackward(const IrGraph& ir) {
   return true;
 }
 
+std::optional<at::ScalarType> LowPrecisionRead(const IrGraph& ir, int lifted) {
+  const size_t input = ir.num_user_inputs + static_cast<size_t>(lifted);
+  if (lifted < 0 || input >= ir.inputs.size()) return std::nullopt;
+  const IrValue& param = ir.values[ir.inputs[input]];
+  if (param.role != ValueRole::kParam || !at::isFloatingType(param.dtype)) return std::nullopt;
+  const auto& uses = param.jit->uses();
+  if (uses.size() != 1 || uses[0].offset != 0) return std::nullopt;
+  const Node* cast = uses[0].user;
+  if (cast->kind() != c10::aten::to || cast->outputs().size() != 1) return std::nullopt;
+  auto out = ir.value_index.find(cast->output());
+  if (out == ir.value_index.end()) return std::nullopt;
+  const at::ScalarType dtype = ir.values[out->second].dtype;
+  if (!at::isFloatingType(dtype) || at::elementSize(dtype) >= at::elementSize(param.dtype)) {
+    return std::nullopt;
+  }
+  // The cast of a parameter already in its dtype returns the parameter itself: nothing may
+  // write what it returns.
+  for (const torch::jit::Use& use : cast->output()->uses()) {
+    const std::string kind = use.user->kind().toQualString();
+    if (kind.size() > 1 && kind.back() == '_' && kind[kind.size() - 2] != '_') {
+      return std::nullopt;
+    }
+  }
+  return dtype;
+}
+
 bool HasRandomOps(const torch::jit::Block* block) {
   for (const torch::jit::Node* n : block->nodes()) {
     if (IsRandomKind(n) || n->isNondeterministic()) return true;

@@ -129,6 +129,21 @@ TEST_CASE("CastForwardTo keeps batch norm's parameters and buffers fp32", "[grap
     INFO(name);
     CHECK_FALSE(ReadAs(model, name, at::kBFloat16));
   }
+  // So a bf16 copy of batch norm's parameters would not compute what they do.
+  std::vector<at::Tensor> tensors;
+  for (const at::Tensor& t : Leaves(model)) tensors.push_back(t.detach());
+  absl::StatusOr<IrGraph> ir = BuildIr(model, tensors, f.inputs);
+  REQUIRE(ir.ok());
+  int low = 0;
+  for (size_t li = 0; li < tensors.size(); ++li) {
+    const std::string& name = ir->tensor_names[li];
+    INFO(name);
+    const bool conv = name.rfind("conv.", 0) == 0;
+    const bool param = ir->values[ir->inputs[ir->num_user_inputs + li]].role == ValueRole::kParam;
+    CHECK(LowPrecisionRead(*ir, static_cast<int>(li)).has_value() == (conv && param));
+    low += conv && param;
+  }
+  CHECK(low == 2);
 }
 
 TEST_CASE("The IR makes parameter casts helpers, so no stage sends a bf16 weight", "[graph]") {
@@ -152,6 +167,20 @@ TEST_CASE("The IR makes parameter casts helpers, so no stage sends a bf16 weight
     CHECK(v.dtype == at::kBFloat16);
   }
   CHECK(casts > 0);
+  // Every parameter is read through its cast alone (the tied embedding's one cast too): a bf16
+  // copy computes what it does. Not so in fp32.
+  int params = 0;
+  for (size_t li = 0; li < tensors.size(); ++li) {
+    INFO(ir->tensor_names[li]);
+    const bool param = ir->values[ir->inputs[ir->num_user_inputs + li]].role == ValueRole::kParam;
+    params += param;
+    CHECK(LowPrecisionRead(*ir, static_cast<int>(li)) ==
+          (param ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt));
+    CHECK(LowPrecisionRead(*ir32, static_cast<int>(li)) == std::nullopt);
+  }
+  CHECK(params > 0);
+  CHECK(LowPrecisionRead(*ir, -1) == std::nullopt);
+  CHECK(LowPrecisionRead(*ir, static_cast<int>(tensors.size())) == std::nullopt);
   for (const IrNode& node : ir->nodes) {
     for (int v : node.outputs) {
       const IrValue& value = ir->values[v];

@@ -188,6 +188,17 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
     e.recompute = true;
     e.bwd_ms += e.fwd_ms;
   }
+  if (terms.streamed_block > 0) {
+    // Streamed: every micro-batch fetches each block's parameters before its forward and again
+    // before its backward, on a side stream while the block before computes (the slower of the
+    // two paces a pass), and copies each block's gradients to the host as its backward ends,
+    // on the compute stream.
+    const double host = links.host_bytes_per_s > 0 ? links.host_bytes_per_s
+                                                   : links.p2p_bytes_per_s;
+    const double pass_ms = terms.trainable * options.offload_wire_factor / host * 1000.0;
+    e.fwd_ms = std::max(e.fwd_ms, pass_ms);
+    e.bwd_ms = std::max(e.bwd_ms, pass_ms) + pass_ms;
+  }
   e.memory_bytes = static_cast<uint64_t>(std::ceil(memory.total));
   const double fixed = std::max(0.0, memory.total - memory.scaled);
   e.fixed_bytes = std::min(e.memory_bytes, static_cast<uint64_t>(std::floor(fixed)));

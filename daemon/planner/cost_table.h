@@ -56,6 +56,10 @@ struct Links {
   // above when none is below).
   std::map<int, double> allreduce_bytes_per_s;
   double allreduce_latency_s = 20e-6;
+  // Host memory to a device and back (page-locked, the slower direction): what offload's
+  // uploads of parameters and downloads of gradients run at. 0: not measured, p2p's (CPU
+  // devices, whose host copies are memcpys).
+  double host_bytes_per_s = 0;
 };
 
 }  // namespace planner

@@ -50,6 +50,14 @@ struct CommLinkProbeOptions {
 
 absl::StatusOr<planner::Links> MeasureCommLinks(const CommLinkProbeOptions& options);
 
+// Bytes per second between page-locked host memory and `device` (an accelerator), the slower of
+// the two directions, each the fastest of `repeats` copies of `bytes` after a warm-up:
+// planner::Links::host_bytes_per_s, which offload's uploads and gradient copies run at.
+// INVALID_ARGUMENT for a CPU device or a zero size; INTERNAL when LibTorch fails (no such
+// device, no page-locked memory).
+absl::StatusOr<double> MeasureHostLink(c10::Device device, uint64_t bytes = 128 << 20,
+                                       int repeats = 3);
+
 }  // namespace rannc
 
 #endif  // RANNC_DAEMON_PLANNER_LINK_PROBE_H_

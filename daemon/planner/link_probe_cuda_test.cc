@@ -27,6 +27,12 @@ TEST_CASE("The link probe measures GPUs over the jobs' communicator", "[gpu]") {
   WARN("GPU 0 shared, UCX through host memory: " << planner::DescribeLinks(*staged));
   CHECK(staged->p2p_bytes_per_s > 1e8);
   CHECK(staged->allreduce_bytes_per_s.count(2) == 1);
+  // Page-locked host memory to GPU 0 and back: PCIe or NVLink-C2C, over 1 GB/s either way.
+  absl::StatusOr<double> host = MeasureHostLink(c10::Device(c10::kCUDA, 0));
+  INFO(host.status().ToString());
+  REQUIRE(host.ok());
+  WARN("host to GPU 0: " << *host / 1e9 << " GB/s");
+  CHECK(*host > 1e9);
   if (gpus < 2 || !comm::BackendBuiltIn(comm::Backend::kNccl)) return;
 
   CommLinkProbeOptions nccl;

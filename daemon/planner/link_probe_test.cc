@@ -67,6 +67,11 @@ TEST_CASE("The link probe refuses what it cannot measure", "[probe]") {
   CommLinkProbeOptions none = CpuProbe(comm::Backend::kFake, 2);
   none.repeats = 0;
   CHECK(MeasureCommLinks(none).status().code() == absl::StatusCode::kInvalidArgument);
+  // The host link is an accelerator's (a CPU device's copies are p2p's memcpys).
+  CHECK(MeasureHostLink(c10::Device(c10::kCPU)).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(MeasureHostLink(c10::Device(c10::kCUDA, 0), 0).status().code() ==
+        absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -480,6 +480,9 @@ std::string DescribeLinks(const Links& links) {
     absl::StrAppendFormat(&out, " %d:%.3g GB/s", k, bw / 1e9);
   }
   absl::StrAppendFormat(&out, " (%.3g us)", links.allreduce_latency_s * 1e6);
+  if (links.host_bytes_per_s > 0) {
+    absl::StrAppendFormat(&out, ", host %.3g GB/s", links.host_bytes_per_s / 1e9);
+  }
   return out;
 }
 
@@ -494,6 +497,9 @@ std::string LinksToString(const Links& links) {
                                   }));
   }
   absl::StrAppend(&out, ",allreduce_latency=", FormatLatency(links.allreduce_latency_s));
+  if (links.host_bytes_per_s > 0) {
+    absl::StrAppend(&out, ",host=", FormatBandwidth(links.host_bytes_per_s));
+  }
   return out;
 }
 
@@ -506,7 +512,7 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
     const size_t eq = field.find('=');
     if (eq == absl::string_view::npos) {
       return BadToken(field, "expected key=value (keys p2p, p2p_latency, allreduce, "
-                             "allreduce_latency)");
+                             "allreduce_latency, host)");
     }
     const std::string key(absl::StripAsciiWhitespace(field.substr(0, eq)));
     const absl::string_view value = absl::StripAsciiWhitespace(field.substr(eq + 1));
@@ -522,6 +528,10 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
       absl::StatusOr<double> v = ParseLatency(field, value);
       if (!v.ok()) return v.status();
       links.p2p_latency_s = *v;
+    } else if (key == "host") {
+      absl::StatusOr<double> v = ParseBandwidth(field, value);
+      if (!v.ok()) return v.status();
+      links.host_bytes_per_s = *v;
     } else if (key == "allreduce_latency") {
       absl::StatusOr<double> v = ParseLatency(field, value);
       if (!v.ok()) return v.status();
@@ -545,8 +555,8 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
         links.allreduce_bytes_per_s[k] = *v;
       }
     } else {
-      return BadToken(field, "unknown key; expected p2p, p2p_latency, allreduce or "
-                             "allreduce_latency");
+      return BadToken(field, "unknown key; expected p2p, p2p_latency, allreduce, "
+                             "allreduce_latency or host");
     }
   }
   return links;

@@ -154,6 +154,12 @@ TEST_CASE("LinksFromString parses every field exactly") {
   CHECK(links->allreduce_bytes_per_s ==
         std::map<int, double>{{2, 8e9}, {3, 100.0 * 1024 * 1024}, {4, 6.5e9}});
   CHECK(links->allreduce_latency_s == 2e-5);
+  CHECK(links->host_bytes_per_s == 0);  // not given: p2p's
+  absl::StatusOr<Links> host = LinksFromString("host=25GB/s");
+  REQUIRE(host.ok());
+  CHECK(host->host_bytes_per_s == 25e9);
+  CHECK(LinksToString(*host) == "p2p=10GB/s,p2p_latency=10us,allreduce_latency=20us,host=25GB/s");
+  CHECK(DescribeLinks(*host) == "p2p 10 GB/s (10 us), all-reduce none (20 us), host 25 GB/s");
 }
 
 TEST_CASE("LinksFromString keeps defaults for missing fields") {

@@ -75,6 +75,23 @@ bool CostsProportional(int64_t small_mb, const std::vector<ProfileRecord>& small
   return total > 0 && proportional >= 0.95 * total;
 }
 
+// Bytes a streamed parameter moves over the host link per byte of its master, over the model's
+// parameters: those read only through a narrower cast (amp_level O2) stream in that dtype
+// (runtime: Device::low_dtype).
+double OffloadWireFactor(const IrGraph& ir) {
+  double master = 0, wire = 0;
+  for (size_t li = 0; li + ir.num_user_inputs < ir.inputs.size(); ++li) {
+    const IrValue& v = ir.values[ir.inputs[ir.num_user_inputs + li]];
+    if (v.role != ValueRole::kParam || !at::isFloatingType(v.dtype)) continue;
+    double numel = 1;
+    for (int64_t n : v.shape) numel *= static_cast<double>(n);
+    const std::optional<at::ScalarType> read_as = LowPrecisionRead(ir, static_cast<int>(li));
+    master += numel * static_cast<double>(at::elementSize(v.dtype));
+    wire += numel * static_cast<double>(at::elementSize(read_as.value_or(v.dtype)));
+  }
+  return master > 0 ? wire / master : 1.0;
+}
+
 }  // namespace
 
 absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
@@ -165,6 +182,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.zero = memory.zero;
   options.offload = memory.offload;
   options.offload_block_bytes = static_cast<double>(config.offload_block_bytes);
+  if (memory.offload) options.offload_wire_factor = OffloadWireFactor(ir);
   options.amp_cast_factor = memory.amp_cast_factor;
   options.partition_num = config.partition_num;
   options.pipeline_num = config.pipeline_num;

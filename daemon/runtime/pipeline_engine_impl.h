@@ -171,6 +171,17 @@ struct Device {
   bool Streamed(int li) const { return !is_streamed.empty() && is_streamed[li]; }
   // This step's gradients of streamed parameters so far, on the host, by lifted index.
   std::map<int, at::Tensor> streamed_grads;
+  // Per lifted index: the narrower dtype a streamed parameter is read in when the forward reads
+  // it only through a cast (graph/ir.h LowPrecisionRead: amp_level O2), else Undefined. Such a
+  // parameter's handle takes that dtype: its uploads are `host_low`, a page-locked copy of its
+  // master in that dtype cast once while the device is resident (`low_fresh`), and its
+  // gradients come back in it, widened on the host. Half the bytes over the host link for bf16,
+  // with the same values: the cast computes on the device what it computes on the host, and
+  // its backward only widens the gradient.
+  std::vector<at::ScalarType> low_dtype;
+  std::vector<at::Tensor> host_low;
+  std::vector<char> low_fresh;
+  bool Low(int li) const { return !low_dtype.empty() && low_dtype[li] != at::ScalarType::Undefined; }
   // Bytes of streamed parameters on the device now, and the most at once since the engine began.
   int64_t streamed_bytes = 0, streamed_peak = 0;
   // ZeroGrad(false): the parameters (lifted indices) whose gradient is zeros without being
@@ -479,6 +490,9 @@ class PipelineEngine::Impl {
   void SetUpStreaming(Device& d);
   StageBlockHooks StreamingHooks(Device& d);
   void Fetch(Device& d, int block);
+  // What streamed parameter `li`'s upload copies: its master, or (Device::low_dtype) the master
+  // cast to the narrower dtype, cast now if not yet since the device became resident.
+  const at::Tensor& UploadSource(Device& d, int li);
   // Fetch issued ahead, for the block that computes next: on a CUDA device on its upload stream,
   // so that the copies overlap the block computing now (Fetch then waits for them there).
   void Prefetch(Device& d, int block);

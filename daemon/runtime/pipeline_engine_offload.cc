@@ -23,7 +23,8 @@
 // the last) and one block's gradients at a time, besides the activations. A fetched parameter
 // is the same tensor each time (what autograd saved in the forward is what the backward reads):
 // Evict frees its storage's memory and Fetch allocates it again, neither of them a write
-// autograd would see.
+// autograd would see. A streamed parameter the forward reads only through a cast to bf16 or
+// fp16 (amp_level O2) streams in that dtype (Device::low_dtype): half the bytes each way.
 #include <algorithm>
 #include <map>
 #include <set>
@@ -60,6 +61,18 @@ void FreeData(const at::Tensor& t) {
   storage->set_nbytes(0);
 }
 
+// `t` (a leaf no graph has used yet, empty) reshaped to `shape` in `dtype`, without memory: the
+// same tensor, so the executor's handle follows. set_ keeps a tensor's dtype, so the TensorImpl
+// takes the new storage and dtype directly.
+void Retype(const at::Tensor& t, at::IntArrayRef shape, const at::TensorOptions& options) {
+  const at::Tensor shaped = at::empty(shape, options);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_storage_and_dtype(shaped.storage(), shaped.dtype());
+  impl->set_sizes_contiguous(shaped.sizes());
+  impl->set_storage_offset(0);
+  FreeData(t);
+}
+
 // Memory for a tensor FreeData emptied (contiguous at offset 0, as SetUpStreaming makes them),
 // from its device's allocator on the calling thread (the device's worker, whose allocations
 // its MemoryTracker counts).
@@ -87,7 +100,11 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
     d.upload_stream = c10::impl::VirtualGuardImpl(d.place.type()).getStreamFromGlobalPool(d.place);
   }
   d.is_streamed.assign(d.lifted.size(), 0);
+  d.low_dtype.assign(d.lifted.size(), at::ScalarType::Undefined);
+  d.host_low.assign(d.lifted.size(), at::Tensor());
+  d.low_fresh.assign(d.lifted.size(), 0);
   at::NoGradGuard no_grad;
+  int64_t low = 0;
   for (int k = 0; k < blocks; ++k) {
     for (int li : d.exec->block_lifted(k)) {
       if (readers[li] != 1 || !params.count(li) || tied.count(li) || d.host.empty() ||
@@ -96,20 +113,24 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
       }
       d.streamed[k].push_back(li);
       d.is_streamed[li] = 1;
-      // The handle the executor holds takes the parameter's shape, without memory.
-      SwapStorage(d.lifted[li], at::empty(d.host[li].sizes(), d.On(d.host[li].scalar_type())));
-      FreeData(d.lifted[li]);
+      // The handle the executor holds takes the parameter's shape (and the dtype it is read
+      // in), without memory.
+      const std::optional<at::ScalarType> read_as = LowPrecisionRead(*ir_, li);
+      d.low_dtype[li] = read_as.value_or(at::ScalarType::Undefined);
+      if (read_as) low += d.host[li].numel();
+      Retype(d.lifted[li], d.host[li].sizes(), d.On(read_as.value_or(d.host[li].scalar_type())));
     }
   }
   int64_t bytes = 0, most = 0;
   for (const std::vector<int>& block : d.streamed) {
     int64_t b = 0;
-    for (int li : block) b += d.host[li].nbytes();
+    for (int li : block) b += d.lifted[li].numel() * d.lifted[li].element_size();
     bytes += b;
     most = std::max(most, b);
   }
-  spdlog::info("engine {}: device {} streams its offloaded parameters in {} blocks ({:.3f} GB, "
-               "at most {:.3f} GB a block)", id_, d.index, blocks, bytes / 1e9, most / 1e9);
+  spdlog::info("engine {}: device {} streams its offloaded parameters in {} blocks ({:.3f} GB "
+               "uploaded a pass, at most {:.3f} GB a block; {} parameters in a narrower dtype "
+               "than their masters')", id_, d.index, blocks, bytes / 1e9, most / 1e9, low);
 }
 
 StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {
@@ -152,7 +173,8 @@ void PipelineEngine::Impl::Fetch(Device& d, int block) {
     AllocateData(t);
     // Through an alias with a version counter of its own: the parameter's does not move, so
     // the graphs that saved it before Evict read it again.
-    t.variable_data().copy_(d.host[li].detach(), /*non_blocking=*/d.host[li].is_pinned());
+    const at::Tensor& source = UploadSource(d, li);
+    t.variable_data().copy_(source, /*non_blocking=*/source.is_pinned());
     d.streamed_bytes += static_cast<int64_t>(t.nbytes());
   }
   d.streamed_peak = std::max(d.streamed_peak, d.streamed_bytes);
@@ -171,6 +193,7 @@ void PipelineEngine::Impl::Prefetch(Device& d, int block) {
   // The memory comes from the device's stream (the caching allocator orders its reuse there):
   // the upload stream writes it only after what that stream has queued so far.
   for (int li : d.streamed[block]) {
+    UploadSource(d, li);  // cast on the host first, where the parameter streams narrower
     AllocateData(d.lifted[li]);
     d.streamed_bytes += static_cast<int64_t>(d.lifted[li].nbytes());
   }
@@ -181,12 +204,27 @@ void PipelineEngine::Impl::Prefetch(Device& d, int block) {
   {
     const c10::StreamGuard on_upload(*d.upload_stream);
     for (int li : d.streamed[block]) {
-      d.lifted[li].variable_data().copy_(d.host[li].detach(), /*non_blocking=*/true);
+      d.lifted[li].variable_data().copy_(UploadSource(d, li), /*non_blocking=*/true);
     }
   }
   d.block_ready[block] = std::make_unique<c10::Event>(d.place.type());
   d.block_ready[block]->record(*d.upload_stream);
   d.block_state[block] = Device::BlockState::kPrefetching;
+}
+
+const at::Tensor& PipelineEngine::Impl::UploadSource(Device& d, int li) {
+  if (!d.Low(li)) return d.host[li];
+  at::Tensor& low = d.host_low[li];
+  if (!d.low_fresh[li]) {
+    at::NoGradGuard no_grad;
+    if (!low.defined()) {
+      low = at::empty(d.host[li].sizes(), d.host[li].options().dtype(d.low_dtype[li]));
+      if (d.place.is_cuda()) low = low.pin_memory();
+    }
+    low.copy_(d.host[li].detach());
+    d.low_fresh[li] = 1;
+  }
+  return low;
 }
 
 void PipelineEngine::Impl::Evict(Device& d, int block) {
@@ -208,8 +246,14 @@ void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {
     d.lifted[li].mutable_grad().reset();
     // From a CUDA device into page-locked memory (HostCopy); a CPU device's is already there.
     if (!g.device().is_cpu()) g = HostCopy(g.detach());
+    // In the master's dtype (a narrower parameter's gradient widened, as the cast's backward
+    // would have on the device), summed over the step's backwards.
     at::Tensor& sum = d.streamed_grads[li];
-    sum = sum.defined() ? sum.add_(g) : g;
+    if (sum.defined()) {
+      sum.add_(g);
+    } else {
+      sum = g.scalar_type() == d.host[li].scalar_type() ? g : g.to(d.host[li].scalar_type());
+    }
   }
 }
 
@@ -280,6 +324,8 @@ void PipelineEngine::Impl::Release(Device& d) {
   }
   for (size_t k = 0; k < d.streamed.size(); ++k) Evict(d, static_cast<int>(k));
   for (ZeroPartition& part : d.zero) part.flat.reset();
+  // The masters may change before the device is resident again (an optimizer step).
+  std::fill(d.low_fresh.begin(), d.low_fresh.end(), 0);
   d.resident = false;
 }
 

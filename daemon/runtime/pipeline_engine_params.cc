@@ -61,6 +61,7 @@ void PipelineEngine::Impl::SetParam(int lifted, const at::Tensor& value) {
       continue;
     }
     d.Master(lifted).copy_(value);
+    if (d.Low(lifted)) d.low_fresh[lifted] = 0;  // its narrower copy is cast again
     // A streamed parameter's block not on the device now fetches the new value when it runs.
     if (!d.host.empty() && d.host[lifted].defined() && d.resident &&
         d.lifted[lifted].storage().nbytes() > 0) {
