@@ -190,14 +190,20 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   }
   if (terms.streamed_block > 0) {
     // Streamed: every micro-batch fetches each block's parameters before its forward and again
-    // before its backward, on a side stream while the block before computes (the slower of the
-    // two paces a pass), and copies each block's gradients to the host as its backward ends,
-    // on the compute stream.
+    // before its backward, and copies each block's gradients to the host as its backward ends.
     const double host = links.host_bytes_per_s > 0 ? links.host_bytes_per_s
                                                    : links.p2p_bytes_per_s;
     const double pass_ms = terms.trainable * options.offload_wire_factor / host * 1000.0;
-    e.fwd_ms = std::max(e.fwd_ms, pass_ms);
-    e.bwd_ms = std::max(e.bwd_ms, pass_ms) + pass_ms;
+    if (options.overlap_host_copies) {
+      // Uploads on one side stream, gradients' copies on another, both beside the compute:
+      // the slowest of the three paces a pass.
+      e.fwd_ms = std::max(e.fwd_ms, pass_ms);
+      e.bwd_ms = std::max(e.bwd_ms, pass_ms);
+    } else {
+      // Copies on the device's own thread; a CPU device's gradients are on the host already.
+      e.fwd_ms += pass_ms;
+      e.bwd_ms += pass_ms;
+    }
   }
   e.memory_bytes = static_cast<uint64_t>(std::ceil(memory.total));
   const double fixed = std::max(0.0, memory.total - memory.scaled);

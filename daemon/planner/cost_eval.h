@@ -58,6 +58,9 @@ struct SearchOptions {
   // Bytes a streamed stage moves over the host link per trainable byte, each way: 1 for fp32
   // masters uploaded as they are (Links::host_bytes_per_s prices them).
   double offload_wire_factor = 1.0;
+  // Streamed copies run beside the compute (GPUs: uploads and gradient copies on side
+  // streams); otherwise (CPU devices) they add to it.
+  bool overlap_host_copies = false;
   // Mixed precision: bytes of the low-precision weight copies autocast makes in a forward, per
   // trainable parameter byte (0 without AMP; 0.5 for bf16/fp16 copies of fp32 weights). Each
   // micro-batch's forward is its own autocast region, so every micro-batch in flight keeps its
@@ -156,12 +159,12 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 //            when the reduce-scatter's shard is allocated next to it.
 // Recompute is used only when allowed and the stage does not fit otherwise; then
 // bwd_ms += fwd_ms. Streamed, each micro-batch also moves the stage's trainable bytes (times
-// offload_wire_factor) over the host link three times, at Links::host_bytes_per_s (p2p's when
-// 0): up before its forward and again before its backward, each overlapped with the compute
-// (fwd_ms = max(fwd, up), bwd_ms = max(bwd, up)), and its gradients down, not overlapped
-// (bwd_ms += down). So more micro-batches cost link time, and recomputation is free while the
-// link is the slower. Unstreamed offload's copies, once a step whatever the plan, are not
-// counted. An infeasible result reports the smallest memory of its options (recompute
+// offload_wire_factor) over the host link, at Links::host_bytes_per_s (p2p's when 0): up before
+// its forward and again before its backward, and its gradients down. With
+// overlap_host_copies, beside the compute (fwd_ms = max(fwd, up), bwd_ms = max(bwd, up, down));
+// otherwise after it (fwd_ms += up, bwd_ms += up; a CPU device's gradients stay). So more
+// micro-batches cost link time, and on a GPU recomputation is free while the link is the
+// slower. Unstreamed offload's copies, once a step whatever the plan, are not counted. An infeasible result reports the smallest memory of its options (recompute
 // if allowed). fixed_bytes is memory_bytes less its growth per unit of micro-batch:
 // (k - 1) K + I + max_i A_<=i + W_i with the activations, inputs and working memory that grow.
 StageEval EvaluateStage(const CostTable& table, const Links& links,

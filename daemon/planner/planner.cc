@@ -189,6 +189,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.replica_num = config.replica_num;
   options.max_pipeline = config.max_pipeline;
   options.overlap_allreduce = target.device_type == "cuda";
+  options.overlap_host_copies = target.device_type == "cuda";
   if (!ir.batch_separable) {
     // Splitting the batch would change the model's results: stages only, one micro-batch.
     if (config.pipeline_num > 1 || config.replica_num > 1) {

@@ -167,6 +167,16 @@ struct Device {
   std::vector<BlockState> block_state;
   std::optional<c10::Stream> upload_stream;  // a CUDA device's: where prefetches copy
   std::vector<std::unique_ptr<c10::Event>> block_ready;
+  // A CUDA device's: where blocks' gradients copy to the host while later blocks compute.
+  std::optional<c10::Stream> download_stream;
+  // Gradients of blocks whose backward has ended, copying on `download_stream` into page-locked
+  // memory (`host`) until `done`; `device` is kept until then. Oldest first; added to
+  // `streamed_grads` in that order.
+  struct Download {
+    std::vector<std::pair<int, at::Tensor>> device, host;  // (lifted index, gradient)
+    std::unique_ptr<c10::Event> done;
+  };
+  std::deque<Download> downloads;
   std::vector<char> is_streamed;     // per lifted index
   bool Streamed(int li) const { return !is_streamed.empty() && is_streamed[li]; }
   // This step's gradients of streamed parameters so far, on the host, by lifted index.
@@ -498,6 +508,11 @@ class PipelineEngine::Impl {
   void Prefetch(Device& d, int block);
   void Evict(Device& d, int block);
   void BlockGradsToHost(Device& d, int block);
+  // Adds gradient `g` (on the host) of streamed parameter `li` to this step's, in its master's
+  // dtype.
+  static void AddStreamedGrad(Device& d, int li, const at::Tensor& g);
+  // Adds the downloads that have ended (all of them, waiting, with `wait`) to streamed_grads.
+  void TakeDownloads(Device& d, bool wait);
   // AllReduceGrads on an offloaded device: its host gradients onto the device, reduced, back.
   absl::Status ReduceOffloaded(Device& d, bool keep_resident);
   // `t` in host memory: a copy for an accelerator's tensor, `t` itself for a CPU one.

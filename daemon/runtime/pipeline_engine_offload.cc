@@ -18,13 +18,15 @@
 // block's forward and again before its backward (Prefetch has usually started the copies while
 // the block before it computed: on a CUDA device, on a side stream), Evict frees it after each
 // (the last block keeps its parameters from its forward to its backward), and as the block's
-// backward ends its gradients go to the host (BlockGradsToHost), summed there over the step's
-// backwards. The device then holds about three blocks' parameters (the one computing, the next,
-// the last) and one block's gradients at a time, besides the activations. A fetched parameter
-// is the same tensor each time (what autograd saved in the forward is what the backward reads):
-// Evict frees its storage's memory and Fetch allocates it again, neither of them a write
-// autograd would see. A streamed parameter the forward reads only through a cast to bf16 or
-// fp16 (amp_level O2) streams in that dtype (Device::low_dtype): half the bytes each way.
+// backward ends its gradients go to the host (BlockGradsToHost: on a CUDA device on a second
+// side stream, while the blocks before it compute), summed there over the step's backwards.
+// The device then holds about three blocks' parameters (the one computing, the next, the last)
+// and one to three blocks' gradients at a time (two may still be copying), besides the
+// activations. A fetched parameter is the same tensor each time (what autograd saved in the
+// forward is what the backward reads): Evict frees its storage's memory and Fetch allocates it
+// again, neither of them a write autograd would see. A streamed parameter the forward reads
+// only through a cast to bf16 or fp16 (amp_level O2) streams in that dtype (Device::low_dtype):
+// half the bytes each way.
 #include <algorithm>
 #include <map>
 #include <set>
@@ -97,7 +99,9 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
   d.block_state.assign(blocks, Device::BlockState::kOff);
   d.block_ready.resize(blocks);
   if (d.place.is_cuda()) {
-    d.upload_stream = c10::impl::VirtualGuardImpl(d.place.type()).getStreamFromGlobalPool(d.place);
+    const c10::impl::VirtualGuardImpl impl(d.place.type());
+    d.upload_stream = impl.getStreamFromGlobalPool(d.place);
+    d.download_stream = impl.getStreamFromGlobalPool(d.place);
   }
   d.is_streamed.assign(d.lifted.size(), 0);
   d.low_dtype.assign(d.lifted.size(), at::ScalarType::Undefined);
@@ -240,20 +244,65 @@ void PipelineEngine::Impl::Evict(Device& d, int block) {
 
 void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {
   at::NoGradGuard no_grad;
+  TakeDownloads(d, /*wait=*/false);
+  Device::Download download;
   for (int li : d.streamed[block]) {
     at::Tensor g = d.lifted[li].grad();
     if (!g.defined()) continue;
     d.lifted[li].mutable_grad().reset();
-    // From a CUDA device into page-locked memory (HostCopy); a CPU device's is already there.
-    if (!g.device().is_cpu()) g = HostCopy(g.detach());
-    // In the master's dtype (a narrower parameter's gradient widened, as the cast's backward
-    // would have on the device), summed over the step's backwards.
-    at::Tensor& sum = d.streamed_grads[li];
-    if (sum.defined()) {
-      sum.add_(g);
+    g = g.detach();
+    // From a CUDA device into page-locked memory on the download stream, while the blocks
+    // before this one compute their backwards; a CPU device's is on the host already.
+    at::Tensor host = d.download_stream && !g.device().is_cpu() ? PinnedLike(g) : at::Tensor();
+    if (host.defined()) {
+      download.device.emplace_back(li, g);
+      download.host.emplace_back(li, host);
     } else {
-      sum = g.scalar_type() == d.host[li].scalar_type() ? g : g.to(d.host[li].scalar_type());
+      AddStreamedGrad(d, li, g.device().is_cpu() ? g : HostCopy(g));
     }
+  }
+  if (download.device.empty()) return;
+  const c10::impl::VirtualGuardImpl impl(d.place.type());
+  c10::Event computed(d.place.type());
+  computed.record(impl.getStream(d.place));
+  computed.block(*d.download_stream);
+  {
+    const c10::StreamGuard on_download(*d.download_stream);
+    for (size_t i = 0; i < download.device.size(); ++i) {
+      download.host[i].second.copy_(download.device[i].second, /*non_blocking=*/true);
+    }
+  }
+  download.done = std::make_unique<c10::Event>(d.place.type());
+  download.done->record(*d.download_stream);
+  d.downloads.push_back(std::move(download));
+  // At most two blocks' gradients held on the device for their copies (the planner counts one).
+  while (d.downloads.size() > 2) {
+    AwaitOnHost(*d.downloads.front().done);
+    TakeDownloads(d, /*wait=*/false);
+  }
+}
+
+void PipelineEngine::Impl::TakeDownloads(Device& d, bool wait) {
+  while (!d.downloads.empty()) {
+    Device::Download& oldest = d.downloads.front();
+    if (wait) {
+      AwaitOnHost(*oldest.done);
+    } else if (!oldest.done->query()) {
+      return;
+    }
+    for (const auto& [li, g] : oldest.host) AddStreamedGrad(d, li, g);
+    d.downloads.pop_front();
+  }
+}
+
+void PipelineEngine::Impl::AddStreamedGrad(Device& d, int li, const at::Tensor& g) {
+  // In the master's dtype (a narrower parameter's gradient widened, as the cast's backward
+  // would have on the device), summed over the step's backwards.
+  at::Tensor& sum = d.streamed_grads[li];
+  if (sum.defined()) {
+    sum.add_(g);
+  } else {
+    sum = g.scalar_type() == d.host[li].scalar_type() ? g : g.to(d.host[li].scalar_type());
   }
 }
 
@@ -315,6 +364,7 @@ absl::Status PipelineEngine::Impl::Upload(Device& d) {
 }
 
 void PipelineEngine::Impl::Release(Device& d) {
+  TakeDownloads(d, /*wait=*/true);
   if (!d.resident) return;
   at::NoGradGuard no_grad;
   for (int li : stages_[d.stage].params) {

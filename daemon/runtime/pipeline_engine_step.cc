@@ -334,6 +334,7 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
   const bool keep_resident = (step.phase == Phase::kForward && step.requires_grad) ||
                              (step.phase == Phase::kBackward && step.retain_graph);
   auto end = [&](absl::Status s) {
+    TakeDownloads(d, /*wait=*/true);  // the copies end before their memory goes
     d.streamed_grads.clear();  // taken below, or dropped with a failed step
     if (offload_ && (!keep_resident || !s.ok())) Release(d);
     return s;
@@ -389,6 +390,7 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
   absl::Status sent = WaitAll(d, pending);
   if (!sent.ok()) return fail(sent);
   if (!backward) return end(absl::OkStatus());
+  TakeDownloads(d, /*wait=*/true);  // the last blocks' gradients of streamed parameters
   // ZeRO's shards are reduce-scattered after every backward, delayed or not: sums are linear,
   // so accumulating shards is exact, and the full local gradient is not kept. First, so that
   // its remaining buckets are issued before the all-reduce's on the same group; added to the
