@@ -144,6 +144,11 @@ absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
       return BadKey("profile_all_sizes", it->second, "true or false");
     }
   }
+  if (auto it = keys.find("offload_low_precision"); it != keys.end()) {
+    if (!absl::SimpleAtob(it->second, &c.offload_low_precision)) {
+      return BadKey("offload_low_precision", it->second, "true or false");
+    }
+  }
   if (auto it = keys.find("auto_memory"); it != keys.end()) {
     if (!absl::SimpleAtob(it->second, &c.auto_memory)) {
       return BadKey("auto_memory", it->second, "true or false");
@@ -182,7 +187,9 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.zero = memory.zero;
   options.offload = memory.offload;
   options.offload_block_bytes = static_cast<double>(config.offload_block_bytes);
-  if (memory.offload) options.offload_wire_factor = OffloadWireFactor(ir);
+  if (memory.offload && config.offload_low_precision) {
+    options.offload_wire_factor = OffloadWireFactor(ir);
+  }
   options.amp_cast_factor = memory.amp_cast_factor;
   options.partition_num = config.partition_num;
   options.pipeline_num = config.pipeline_num;

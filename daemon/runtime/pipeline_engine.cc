@@ -60,6 +60,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   zero_ = options.zero;
   offload_ = options.offload;
   offload_block_bytes_ = options.offload_block_bytes;
+  offload_low_precision_ = options.offload_low_precision;
   bucket_bytes_ = options.bucket_bytes;
   grad_wire_dtype_ = options.grad_wire_dtype;
   scaler_ = options.loss_scaler;

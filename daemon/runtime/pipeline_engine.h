@@ -139,6 +139,11 @@ struct EngineOptions {
   // while the block computes, and whose gradients go to the host as its backward ends
   // (docs/runtime.md, "Parameter offload"). 0: the stage's parameters are uploaded at once.
   int64_t offload_block_bytes = 0;
+  // Streaming: a parameter the forward reads only through a cast to a narrower dtype
+  // (amp_level O2) is uploaded in that dtype, from a copy of its master the host casts once a
+  // step, and its gradient comes back in it: half the bytes over the host link for bf16, the
+  // same values. False: in the master's dtype.
+  bool offload_low_precision = true;
   // Upper bound, in bytes, of a gradient bucket: of the replica all-reduce's buckets
   // (GradReducer::Options::bucket_bytes) and of ZeRO's partitions, each of which is
   // reduce-scattered as soon as the last backward of a step has produced its gradients, while

@@ -519,8 +519,10 @@ class PipelineEngine::Impl {
   static at::Tensor ToHost(const at::Tensor& t);
   // A host copy of `t`, wherever `t` is (the engine's reads return host tensors of their own).
   static at::Tensor HostCopy(const at::Tensor& t);
-  // An empty page-locked host tensor shaped as `t`; undefined when none can be had.
-  static at::Tensor PinnedLike(const at::Tensor& t);
+  // An empty page-locked host tensor shaped as `t`, in its dtype or `dtype`; undefined when
+  // none can be had.
+  static at::Tensor PinnedLike(const at::Tensor& t,
+                               std::optional<at::ScalarType> dtype = std::nullopt);
   // PipelineEngine::BeginAsyncReads..EndAsyncReads (pipeline_engine_params.cc): HostCopy, or,
   // while async_reads_, a copy on the device's read stream that returns before it ends.
   at::Tensor ReadCopy(const at::Tensor& t) const;
@@ -549,6 +551,7 @@ class PipelineEngine::Impl {
   bool zero_ = false;  // EngineOptions::zero
   bool offload_ = false;  // EngineOptions::offload
   int64_t offload_block_bytes_ = 0;  // EngineOptions::offload_block_bytes
+  bool offload_low_precision_ = true;  // EngineOptions::offload_low_precision
   size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
   AmpDtype grad_wire_dtype_;         // EngineOptions::grad_wire_dtype
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step

@@ -119,7 +119,8 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
       d.is_streamed[li] = 1;
       // The handle the executor holds takes the parameter's shape (and the dtype it is read
       // in), without memory.
-      const std::optional<at::ScalarType> read_as = LowPrecisionRead(*ir_, li);
+      const std::optional<at::ScalarType> read_as =
+          offload_low_precision_ ? LowPrecisionRead(*ir_, li) : std::nullopt;
       d.low_dtype[li] = read_as.value_or(at::ScalarType::Undefined);
       if (read_as) low += d.host[li].numel();
       Retype(d.lifted[li], d.host[li].sizes(), d.On(read_as.value_or(d.host[li].scalar_type())));
@@ -301,8 +302,21 @@ void PipelineEngine::Impl::AddStreamedGrad(Device& d, int li, const at::Tensor& 
   at::Tensor& sum = d.streamed_grads[li];
   if (sum.defined()) {
     sum.add_(g);
+    return;
+  }
+  const at::ScalarType dtype = d.host[li].scalar_type();
+  if (g.scalar_type() == dtype) {
+    sum = g;
+    return;
+  }
+  // Widened into page-locked memory for a CUDA device, as its gradients' copies are: the
+  // caching host allocator hands the same pages out again each step (fresh pageable memory
+  // is faulted in page by page, seconds for a large model).
+  sum = d.place.is_cuda() ? PinnedLike(g, dtype) : at::Tensor();
+  if (sum.defined()) {
+    sum.copy_(g);
   } else {
-    sum = g.scalar_type() == d.host[li].scalar_type() ? g : g.to(d.host[li].scalar_type());
+    sum = g.to(dtype);
   }
 }
 
@@ -426,9 +440,13 @@ at::Tensor PipelineEngine::Impl::HostCopy(const at::Tensor& t) {
   return host;
 }
 
-at::Tensor PipelineEngine::Impl::PinnedLike(const at::Tensor& t) {
+at::Tensor PipelineEngine::Impl::PinnedLike(const at::Tensor& t,
+                                            std::optional<at::ScalarType> dtype) {
   try {
-    return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    return at::empty(t.sizes(), t.options()
+                                    .device(at::kCPU)
+                                    .dtype(dtype.value_or(t.scalar_type()))
+                                    .pinned_memory(true));
   } catch (const c10::Error&) {
     return at::Tensor();
   }

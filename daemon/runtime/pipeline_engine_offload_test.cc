@@ -31,8 +31,9 @@ using testing::kRtol;
 
 std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deployment& plan,
                                            const std::vector<at::Tensor>& lifted, bool offload,
-                                           int64_t block_bytes) {
+                                           int64_t block_bytes, bool low_precision = true) {
   EngineOptions options;
+  options.offload_low_precision = low_precision;
   options.backend = comm::Backend::kFake;
   options.num_devices = 4;
   options.offload = offload;
@@ -234,6 +235,8 @@ TEST_CASE("At O2, streamed parameters travel in bf16 and train exactly as the pl
     const v1::Deployment plan = MakePlan(ir, c.devices, c.m, v1::SCHEDULE_1F1B);
     std::unique_ptr<PipelineEngine> plain = MakeEngine(f, plan, f.tensors, false, 0);
     std::unique_ptr<PipelineEngine> streamed = MakeEngine(f, plan, f.tensors, true, 1);
+    // offload_low_precision=false: the masters' dtype over the link, as in fp32.
+    std::unique_ptr<PipelineEngine> wide = MakeEngine(f, plan, f.tensors, true, 1, false);
     // The same model in fp32, streamed: its parameters travel in their masters' dtype.
     std::unique_ptr<PipelineEngine> fp32 = MakeEngine(
         f32, MakePlan(*f32.ir, c.devices, c.m, v1::SCHEDULE_1F1B), f32.tensors, true, 1);
@@ -293,6 +296,9 @@ TEST_CASE("At O2, streamed parameters travel in bf16 and train exactly as the pl
     }
     REQUIRE(fp32->Forward(f32.fixture.inputs, true).ok());
     REQUIRE(fp32->Backward({{0, at::ones({})}}, false).ok());
+    absl::StatusOr<std::vector<at::Tensor>> out = wide->Forward(f.fixture.inputs, true);
+    REQUIRE(out.ok());
+    REQUIRE(wide->Backward({{0, at::ones({}, (*out)[0].options())}}, false).ok());
     for (const std::vector<int>& stage : c.devices) {
       const int dev = stage[0];
       INFO("device " << dev);
@@ -301,6 +307,7 @@ TEST_CASE("At O2, streamed parameters travel in bf16 and train exactly as the pl
       // Every streamed parameter is read through its cast: half the bytes on the device.
       CHECK(streamed->StreamedPeakBytes(dev) > 0);
       CHECK(2 * streamed->StreamedPeakBytes(dev) == fp32->StreamedPeakBytes(dev));
+      CHECK(wide->StreamedPeakBytes(dev) == fp32->StreamedPeakBytes(dev));
     }
   }
 }

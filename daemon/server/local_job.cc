@@ -135,6 +135,7 @@ absl::Status LocalJob::Deploy() {
   options.zero = zero_;
   options.offload = offload_;
   options.offload_block_bytes = settings_.planner.offload_block_bytes;
+  options.offload_low_precision = settings_.planner.offload_low_precision;
   options.loss_scaler = parked_loss_scaler_;
   options.amp = settings_.autocast();
   options.grad_wire_dtype = settings_.grad_wire_dtype();
