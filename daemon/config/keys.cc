@@ -108,10 +108,11 @@ std::vector<ConfigKey>* MakeRegistry() {
        "with offload_params, a stage without replicas streams its parameters to the device in "
        "blocks of at most this many bytes, each there only while it computes (0: the stage's "
        "at once)"},
-      {"offload_low_precision", T::kBool, S::kJob, "true",
+      {"offload_low_precision", T::kBool, S::kJob, "false",
        "with offload_params streaming at amp_level O2, parameters cross the host link in "
-       "amp_dtype (a copy of the masters in host memory, 2 more bytes a parameter): half the "
-       "bytes, the same results"},
+       "amp_dtype, from a copy of the masters the host casts each step (2 more bytes a "
+       "parameter of host memory): half the bytes and device memory, the same results; slower "
+       "where the link is fast (docs/benchmarks.md, workload D)"},
       {"amp_dtype", T::kString, S::kJob, "bf16",
        "mixed precision's dtype with enable_apex_amp: bf16, or fp16 (CUDA devices)"},
       {"amp_level", T::kString, S::kJob, "O1",

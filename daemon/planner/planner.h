@@ -68,7 +68,7 @@ struct PlannerConfig {
   // "offload_low_precision": streamed parameters the forward reads only through a cast to a
   // narrower dtype (amp_level O2) cross the host link in that dtype
   // (EngineOptions::offload_low_precision).
-  bool offload_low_precision = true;
+  bool offload_low_precision = false;
 };
 
 // Reads the keys above from `keys` (other keys are other readers': config/keys.h lists them

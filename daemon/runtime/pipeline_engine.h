@@ -141,9 +141,10 @@ struct EngineOptions {
   int64_t offload_block_bytes = 0;
   // Streaming: a parameter the forward reads only through a cast to a narrower dtype
   // (amp_level O2) is uploaded in that dtype, from a copy of its master the host casts once a
-  // step, and its gradient comes back in it: half the bytes over the host link for bf16, the
-  // same values. False: in the master's dtype.
-  bool offload_low_precision = true;
+  // step, and its gradient comes back in it: half the bytes over the host link for bf16 and
+  // half the device memory for streamed parameters, the same values. False: in the master's
+  // dtype (faster where the link outruns the host's cast: docs/runtime.md).
+  bool offload_low_precision = false;
   // Upper bound, in bytes, of a gradient bucket: of the replica all-reduce's buckets
   // (GradReducer::Options::bucket_bytes) and of ZeRO's partitions, each of which is
   // reduce-scattered as soon as the last backward of a step has produced its gradients, while

@@ -191,7 +191,9 @@ struct Device {
   std::vector<at::ScalarType> low_dtype;
   std::vector<at::Tensor> host_low;
   std::vector<char> low_fresh;
-  bool Low(int li) const { return !low_dtype.empty() && low_dtype[li] != at::ScalarType::Undefined; }
+  bool Low(int li) const {
+    return !low_dtype.empty() && low_dtype[li] != at::ScalarType::Undefined;
+  }
   // Bytes of streamed parameters on the device now, and the most at once since the engine began.
   int64_t streamed_bytes = 0, streamed_peak = 0;
   // ZeroGrad(false): the parameters (lifted indices) whose gradient is zeros without being
@@ -551,7 +553,7 @@ class PipelineEngine::Impl {
   bool zero_ = false;  // EngineOptions::zero
   bool offload_ = false;  // EngineOptions::offload
   int64_t offload_block_bytes_ = 0;  // EngineOptions::offload_block_bytes
-  bool offload_low_precision_ = true;  // EngineOptions::offload_low_precision
+  bool offload_low_precision_ = false;  // EngineOptions::offload_low_precision
   size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
   AmpDtype grad_wire_dtype_;         // EngineOptions::grad_wire_dtype
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step

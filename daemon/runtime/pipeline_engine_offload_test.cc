@@ -31,7 +31,7 @@ using testing::kRtol;
 
 std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deployment& plan,
                                            const std::vector<at::Tensor>& lifted, bool offload,
-                                           int64_t block_bytes, bool low_precision = true) {
+                                           int64_t block_bytes, bool low_precision = false) {
   EngineOptions options;
   options.offload_low_precision = low_precision;
   options.backend = comm::Backend::kFake;
@@ -213,7 +213,7 @@ bool WithinBf16(const at::Tensor& got, const at::Tensor& want) {
   return (got - want).norm().item<double>() <= 1e-2 * want.norm().item<double>();
 }
 
-TEST_CASE("At O2, streamed parameters travel in bf16 and train exactly as the plain engine",
+TEST_CASE("offload_low_precision streams O2's parameters in bf16, training exactly alike",
           "[runtime]") {
   struct Case {
     const char* model;
@@ -234,9 +234,9 @@ TEST_CASE("At O2, streamed parameters travel in bf16 and train exactly as the pl
     const std::vector<int> params = ParamIndices(ir);
     const v1::Deployment plan = MakePlan(ir, c.devices, c.m, v1::SCHEDULE_1F1B);
     std::unique_ptr<PipelineEngine> plain = MakeEngine(f, plan, f.tensors, false, 0);
-    std::unique_ptr<PipelineEngine> streamed = MakeEngine(f, plan, f.tensors, true, 1);
-    // offload_low_precision=false: the masters' dtype over the link, as in fp32.
-    std::unique_ptr<PipelineEngine> wide = MakeEngine(f, plan, f.tensors, true, 1, false);
+    std::unique_ptr<PipelineEngine> streamed = MakeEngine(f, plan, f.tensors, true, 1, true);
+    // offload_low_precision=false (the default): the masters' dtype over the link, as in fp32.
+    std::unique_ptr<PipelineEngine> wide = MakeEngine(f, plan, f.tensors, true, 1);
     // The same model in fp32, streamed: its parameters travel in their masters' dtype.
     std::unique_ptr<PipelineEngine> fp32 = MakeEngine(
         f32, MakePlan(*f32.ir, c.devices, c.m, v1::SCHEDULE_1F1B), f32.tensors, true, 1);
