@@ -164,8 +164,9 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 // overlap_host_copies, beside the compute (fwd_ms = max(fwd, up), bwd_ms = max(bwd, up, down));
 // otherwise after it (fwd_ms += up, bwd_ms += up; a CPU device's gradients stay). So more
 // micro-batches cost link time, and on a GPU recomputation is free while the link is the
-// slower. Unstreamed offload's copies, once a step whatever the plan, are not counted. An infeasible result reports the smallest memory of its options (recompute
-// if allowed). fixed_bytes is memory_bytes less its growth per unit of micro-batch:
+// slower. Unstreamed offload's copies, once a step whatever the plan, are not counted. An
+// infeasible result reports the smallest memory of its options (recompute if allowed).
+// fixed_bytes is memory_bytes less its growth per unit of micro-batch:
 // (k - 1) K + I + max_i A_<=i + W_i with the activations, inputs and working memory that grow.
 StageEval EvaluateStage(const CostTable& table, const Links& links,
                         const SearchOptions& options, int begin, int end, int replicas,

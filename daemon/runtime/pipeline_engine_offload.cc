@@ -259,6 +259,9 @@ void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {
       download.device.emplace_back(li, g);
       download.host.emplace_back(li, host);
     } else {
+      // No page-locked memory to be had: a synchronous copy, after the earlier ones are
+      // summed, so that every gradient adds up in the order of the backwards.
+      if (!g.device().is_cpu()) TakeDownloads(d, /*wait=*/true);
       AddStreamedGrad(d, li, g.device().is_cpu() ? g : HostCopy(g));
     }
   }

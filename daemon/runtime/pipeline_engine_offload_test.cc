@@ -45,13 +45,15 @@ std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deploym
   return std::move(*engine);
 }
 
+// A model's plan: its stages' plan devices, and micro-batches.
+struct Case {
+  const char* model;
+  std::vector<std::vector<int>> devices;
+  int m;
+};
+
 TEST_CASE("Streamed offload trains exactly like the plain engine, holding a block at a time",
           "[runtime]") {
-  struct Case {
-    const char* model;
-    std::vector<std::vector<int>> devices;
-    int m;
-  };
   // One stage over micro-batches; two stages (tiny_gpt's tied embedding is read by both, so it
   // is uploaded whole; 1F1B keeps two micro-batches in the first stage); a stage with replicas
   // beside one without (only the latter streams).
@@ -215,11 +217,6 @@ bool WithinBf16(const at::Tensor& got, const at::Tensor& want) {
 
 TEST_CASE("offload_low_precision streams O2's parameters in bf16, training exactly alike",
           "[runtime]") {
-  struct Case {
-    const char* model;
-    std::vector<std::vector<int>> devices;
-    int m;
-  };
   // One micro-batch: tiny_gpt's bf16 loss is not the mean of its samples' (rounded apart), so
   // its batch is not split. Two backwards a step accumulate all the same.
   const std::vector<Case> cases = {{"mlp", {{0}}, 1},

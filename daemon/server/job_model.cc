@@ -31,7 +31,8 @@ absl::Status CheckExampleCount(const ImportedModel& model,
       " example inputs were given"));
 }
 // What the planner counts per trainable parameter byte: optimizer state (and whether it is sharded
-// or offloaded) and AMP weight copies.
+// or offloaded) and autocast's weight copies (`amp`: the autocast dtype, none at amp_level O2,
+// whose casts are ops of the graph, so the profiler measures the copies they save).
 planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bool offload,
                                     const AmpDtype& amp) {
   planner::MemoryModel m;
@@ -118,7 +119,7 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobSettings& config, const IrGraph& 
     absl::StatusOr<v1::Deployment> plan = absl::InternalError("no plan");
     absl::Status ran = TorchCall(absl::StatusCode::kInternal, "profiling", [&] {
       plan = planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                                MemoryModelFor(config.optimizer, zero, offload, config.amp),
+                                MemoryModelFor(config.optimizer, zero, offload, config.autocast()),
                                 config.planner, config.profile_cache, config.created_by);
       return absl::OkStatus();
     });
