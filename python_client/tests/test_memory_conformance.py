@@ -427,6 +427,52 @@ def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, mo
         pyrannc.clear()
 
 
+@pytest.mark.parametrize("model_name", ["mlp", "client_loss"])
+def test_o2_offload_streams_bf16_with_the_same_results(model_name, monkeypatch):
+    # offload_low_precision: at O2, streamed parameters cross to the device as bf16 copies the
+    # host casts, and their gradients come back in bf16, widened on the host. The device casts
+    # what the host casts and the cast's backward only widens, so the job trains as without
+    # offload, to the bit on CPU devices (one device: the same kernels; a GPU steps the masters
+    # on the host, the plain job on the device: fp32 round-off), holding less on the device at
+    # its peak than streaming the fp32 masters.
+    case = tpc.MODELS[model_name]
+    tpc._set_plan_config(monkeypatch, (1, 1, 1), "1f1b")
+    monkeypatch.setenv("RANNC_AMP_LEVEL", "O2")
+    monkeypatch.setenv("RANNC_OFFLOAD_BLOCK_BYTES", "1")
+    runs = {}
+    for run, offload, low in (("plain", False, False), ("fp32 streamed", True, False),
+                              ("bf16 streamed", True, True)):
+        monkeypatch.setenv("RANNC_OFFLOAD_LOW_PRECISION", str(low).lower())
+        torch.manual_seed(0)
+        model = case.make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, offload_params=offload)
+        try:
+            losses = []
+            for step in range(tpc.STEPS):
+                loss = case.loss(rmod, case.batch(step))
+                loss.backward()
+                losses.append(loss.detach().clone())
+                opt.step()
+                opt.zero_grad()
+            if offload:
+                assert max(s.offload_blocks for s in rmod.deployment.stages) > 1
+            peak = max(_job_summary(rmod._job.id).peak_device_bytes)
+            runs[run] = (losses, {k: v.clone() for k, v in rmod.state_dict().items()}, peak)
+        finally:
+            pyrannc.clear()
+    tol = {"rtol": 1e-5, "atol": 1e-6} if _cuda_daemon() else {"rtol": 0, "atol": 0}
+    want_losses, want_state, _ = runs["plain"]
+    for run in ("fp32 streamed", "bf16 streamed"):
+        losses, state, _ = runs[run]
+        for step, (got, want) in enumerate(zip(losses, want_losses)):
+            assert_close(got, want, f"{run}: loss at step {step}", **tol)
+        for name, want in want_state.items():
+            assert_close(state[name], want, f"{run}: {name} after {tpc.STEPS} steps", **tol)
+    assert runs["bf16 streamed"][2] < runs["fp32 streamed"][2], \
+        {run: peak for run, (_, _, peak) in runs.items()}
+
+
 @pytest.mark.parametrize("master", [True, False])
 def test_allreduce_amp_master_params(master, monkeypatch):
     # O2 over four replicas: with allreduce_amp_master_params=False (RaNNC's default) the
