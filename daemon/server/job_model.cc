@@ -30,30 +30,6 @@ absl::Status CheckExampleCount(const ImportedModel& model,
       absl::StrJoin(model.input_names, ", "), "), but ", example_inputs.size(),
       " example inputs were given"));
 }
-// What the planner counts per trainable parameter byte: optimizer state (and whether it is sharded
-// or offloaded) and autocast's weight copies (`amp`: the autocast dtype, none at amp_level O2,
-// whose casts are ops of the graph, so the profiler measures the copies they save).
-planner::MemoryModel MemoryModelFor(const OptimizerConfig& config, bool zero, bool offload,
-                                    const AmpDtype& amp) {
-  planner::MemoryModel m;
-  m.zero = zero;
-  m.offload = offload;
-  // Autocast's low-precision copies of the fp32 weights, kept by each micro-batch in flight.
-  if (amp.has_value()) m.amp_cast_factor = c10::elementSize(*amp) / 4.0;
-  if (!config.enabled) return m;
-  m.optimizer = config.Name();
-  m.optimizer_state_factor = 0;
-  for (const HyperParams& h : config.group_hyper) {
-    m.optimizer_state_factor =
-        std::max<double>(m.optimizer_state_factor, StateTensorsPerElement(config.kind, h));
-  }
-  if (config.scripted != nullptr) {  // every key but "step" is a tensor like the param
-    for (const std::string& key : config.scripted->state_keys) {
-      if (!IsScalarOptimizerState(key)) m.optimizer_state_factor += 1;
-    }
-  }
-  return m;
-}
 // The plan of the checkpoint a job resumes from (the manifest's), if it fits this model and
 // these devices; NOT_FOUND when there is no checkpoint or it holds no plan, else why not.
 absl::StatusOr<v1::Deployment> CheckpointPlan(const JobSettings& config, const IrGraph& ir) {
@@ -119,7 +95,7 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobSettings& config, const IrGraph& 
     absl::StatusOr<v1::Deployment> plan = absl::InternalError("no plan");
     absl::Status ran = TorchCall(absl::StatusCode::kInternal, "profiling", [&] {
       plan = planner::PlanModel(ir, tensors, example_inputs, config.plan_target,
-                                MemoryModelFor(config.optimizer, zero, offload, config.autocast()),
+                                MemoryModelFor(config, zero, offload),
                                 config.planner, config.profile_cache, config.created_by);
       return absl::OkStatus();
     });
@@ -159,6 +135,29 @@ absl::StatusOr<v1::Deployment> PlanIr(const JobSettings& config, const IrGraph& 
 
 
 }  // namespace
+
+planner::MemoryModel MemoryModelFor(const JobSettings& settings, bool zero, bool offload) {
+  const OptimizerConfig& config = settings.optimizer;
+  planner::MemoryModel m;
+  m.zero = zero;
+  m.offload = offload;
+  // Autocast's low-precision copies of the fp32 weights, kept by each micro-batch in flight.
+  const AmpDtype autocast = settings.autocast();
+  if (autocast.has_value()) m.amp_cast_factor = c10::elementSize(*autocast) / 4.0;
+  if (!config.enabled) return m;
+  m.optimizer = config.Name();
+  m.optimizer_state_factor = 0;
+  for (const HyperParams& h : config.group_hyper) {
+    m.optimizer_state_factor =
+        std::max<double>(m.optimizer_state_factor, StateTensorsPerElement(config.kind, h));
+  }
+  if (config.scripted != nullptr) {  // every key but "step" is a tensor like the param
+    for (const std::string& key : config.scripted->state_keys) {
+      if (!IsScalarOptimizerState(key)) m.optimizer_state_factor += 1;
+    }
+  }
+  return m;
+}
 
 absl::Status CheckUnusedValues(const ImportedModel& model, const ParamStore& store) {
   for (size_t i = 0; i < model.input_names.size(); ++i) {

@@ -21,6 +21,7 @@
 #include "daemon/graph/index_bounds.h"
 #include "daemon/graph/ir.h"
 #include "daemon/graph/torchscript_import.h"
+#include "daemon/planner/planner.h"
 #include "daemon/runtime/param_store.h"
 #include "daemon/server/job_settings.h"
 #include "rannc/v1/deployment.pb.h"
@@ -40,6 +41,12 @@ absl::StatusOr<ImportedModel> ImportJobModel(const JobSettings& settings,
 // entry. A no-op otherwise.
 absl::Status LowerPrecision(const JobSettings& settings, ImportedModel* model,
                             const std::vector<c10::ScalarType>& inputs);
+
+// What the planner counts per trainable parameter byte of a job with these memory switches:
+// its optimizer's state (sharded with `zero`, in host memory with `offload`) and autocast's
+// low-precision copies of the weights, which the profiler does not see (planner::MemoryModel).
+// None at amp_level=O2: its casts are ops of the graph, whose copies the profiler measures.
+planner::MemoryModel MemoryModelFor(const JobSettings& settings, bool zero, bool offload);
 
 // RaNNC's check_unused_values: every forward input and parameter is used.
 absl::Status CheckUnusedValues(const ImportedModel& model, const ParamStore& store);

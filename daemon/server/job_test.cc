@@ -437,6 +437,22 @@ TEST_CASE("Job resumed from a checkpoint keeps the checkpoint's plan", "[job]") 
   CHECK(RemoveTree(dir).ok());
 }
 
+TEST_CASE("The memory model counts autocast's weight copies, not amp_level O2's casts",
+          "[job]") {
+  JobSettings config = SgdConfig();  // momentum: one state tensor a parameter
+  planner::MemoryModel m = MemoryModelFor(config, /*zero=*/true, /*offload=*/false);
+  CHECK(m.zero);
+  CHECK_FALSE(m.offload);
+  CHECK(m.optimizer_state_factor == 1);
+  CHECK(m.amp_cast_factor == 0);
+  config.amp = at::kBFloat16;  // O1: autocast's bf16 copies, which the profiler does not see
+  CHECK(MemoryModelFor(config, false, true).amp_cast_factor == 0.5);
+  CHECK(MemoryModelFor(config, false, true).offload);
+  // O2: the casts are ops of the graph, and the profiler measures their copies.
+  config.amp_o2 = true;
+  CHECK(MemoryModelFor(config, false, false).amp_cast_factor == 0);
+}
+
 TEST_CASE("PlanJob plans for devices that are not there, and refuses what cannot fit",
           "[job]") {
   testing::Fixture f = testing::LoadFixture("tiny_gpt");
