@@ -525,6 +525,9 @@ class PipelineEngine::Impl {
   // none can be had.
   static at::Tensor PinnedLike(const at::Tensor& t,
                                std::optional<at::ScalarType> dtype = std::nullopt);
+  // An empty host tensor shaped as `t` in `dtype`, for `d`: page-locked for a CUDA device
+  // (pageable when none can be had, as for a CPU device).
+  static at::Tensor HostBuffer(const Device& d, const at::Tensor& t, at::ScalarType dtype);
   // PipelineEngine::BeginAsyncReads..EndAsyncReads (pipeline_engine_params.cc): HostCopy, or,
   // while async_reads_, a copy on the device's read stream that returns before it ends.
   at::Tensor ReadCopy(const at::Tensor& t) const;

@@ -222,10 +222,7 @@ const at::Tensor& PipelineEngine::Impl::UploadSource(Device& d, int li) {
   at::Tensor& low = d.host_low[li];
   if (!d.low_fresh[li]) {
     at::NoGradGuard no_grad;
-    if (!low.defined()) {
-      low = at::empty(d.host[li].sizes(), d.host[li].options().dtype(d.low_dtype[li]));
-      if (d.place.is_cuda()) low = low.pin_memory();
-    }
+    if (!low.defined()) low = HostBuffer(d, d.host[li], d.low_dtype[li]);
     low.copy_(d.host[li].detach());
     d.low_fresh[li] = 1;
   }
@@ -315,12 +312,8 @@ void PipelineEngine::Impl::AddStreamedGrad(Device& d, int li, const at::Tensor& 
   // Widened into page-locked memory for a CUDA device, as its gradients' copies are: the
   // caching host allocator hands the same pages out again each step (fresh pageable memory
   // is faulted in page by page, seconds for a large model).
-  sum = d.place.is_cuda() ? PinnedLike(g, dtype) : at::Tensor();
-  if (sum.defined()) {
-    sum.copy_(g);
-  } else {
-    sum = g.to(dtype);
-  }
+  sum = HostBuffer(d, g, dtype);
+  sum.copy_(g);
 }
 
 at::Tensor PipelineEngine::Impl::HostMaster(int lifted) const {
@@ -441,6 +434,13 @@ at::Tensor PipelineEngine::Impl::HostCopy(const at::Tensor& t) {
   if (!host.defined()) return t.to(at::kCPU);  // no page-locked memory to be had: pageable
   host.copy_(t);
   return host;
+}
+
+at::Tensor PipelineEngine::Impl::HostBuffer(const Device& d, const at::Tensor& t,
+                                            at::ScalarType dtype) {
+  at::Tensor buffer = d.place.is_cuda() ? PinnedLike(t, dtype) : at::Tensor();
+  return buffer.defined() ? buffer
+                          : at::empty(t.sizes(), t.options().device(at::kCPU).dtype(dtype));
 }
 
 at::Tensor PipelineEngine::Impl::PinnedLike(const at::Tensor& t,
