@@ -285,6 +285,13 @@ def run(args, cfg, phase):
         "peak_mem_gib": [b / GIB for b in summary.peak_device_bytes],
         "peak_mem_gib_max": max(summary.peak_device_bytes) / GIB
         if summary.peak_device_bytes else None,
+        # The last step's time in the daemon by kind of call (ListJobs; the forward holds the
+        # backward the engine fuses into it, the step is the optimizer's).
+        "busy_s": summary.busy_seconds,
+        "busy_by_call_s": {"forward": summary.forward_busy_seconds,
+                           "backward": summary.backward_busy_seconds,
+                           "step": summary.step_busy_seconds,
+                           "other": summary.other_busy_seconds},
         "planning_s": deployment.planning_seconds if deployment is not None else None,
         "profiling_s": deployment.profiling_seconds if deployment is not None else None,
         "plan": plan_of(deployment),

@@ -150,6 +150,19 @@ std::vector<MetricFamily> Families(const DaemonSample& sample, const RpcMetrics*
     }
     out.push_back(std::move(f));
   }
+  MetricFamily by_call = Family("rannc_job_call_busy_seconds",
+                                "rannc_job_step_busy_seconds by kind of call (forward, backward, "
+                                "step: the optimizer's, other).",
+                                MetricType::Gauge);
+  for (size_t i = 0; i < sample.jobs.size(); ++i) {
+    for (int c = 0; c < JobMetrics::kCalls; ++c) {
+      AddValue(&by_call,
+               {{"rannc_job", labels[i]},
+                {"call", JobMetrics::CallName(static_cast<JobMetrics::Call>(c))}},
+               sample.jobs[i].m.busy_by_call_s[c]);
+    }
+  }
+  out.push_back(std::move(by_call));
   MetricFamily steps = Family("rannc_job_step_seconds",
                               "Wall time of the job's iterations (from one optimizer step's end "
                               "to the next's, the client's time included).",

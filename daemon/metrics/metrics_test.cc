@@ -37,6 +37,7 @@ DaemonSample OneJob() {
   j.m.planned_step_s = 0.25;
   j.m.bubble = 0.125;
   j.m.data_plane_bytes = 1 << 20;
+  j.m.busy_by_call_s[static_cast<int>(JobMetrics::Call::kStep)] = 0.5;
   s.jobs.push_back(j);
   j.m = JobMetrics::Snapshot();
   s.jobs.push_back(j);  // a second job of the same name
@@ -64,6 +65,8 @@ TEST_CASE("Families: per-job and per-daemon metrics in Prometheus text", "[metri
   CHECK_THAT(text, Contains("rannc_job_planned_step_seconds{rannc_job=\"gpt\"} 0.25"));
   CHECK_THAT(text, Contains("rannc_job_pipeline_bubble_ratio{rannc_job=\"gpt\"} 0.125"));
   CHECK_THAT(text, Contains("rannc_job_data_plane_bytes_total{rannc_job=\"gpt\"} 1048576"));
+  CHECK_THAT(text, Contains("rannc_job_call_busy_seconds{rannc_job=\"gpt\",call=\"step\"} 0.5"));
+  CHECK_THAT(text, Contains("rannc_job_call_busy_seconds{rannc_job=\"gpt\",call=\"forward\"} 0"));
   CHECK_THAT(text, Contains("# TYPE rannc_job_step_seconds histogram"));
   CHECK_THAT(text, Contains("rannc_job_step_seconds_bucket{rannc_job=\"gpt\",le=\"300\"} 3"));
   CHECK_THAT(text, Contains("rannc_job_step_seconds_bucket{rannc_job=\"gpt\",le=\"+Inf\"} 4"));

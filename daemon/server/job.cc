@@ -148,8 +148,8 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(std::string id, JobSettings set
 // ---------------------------------------------------------------------------------------------
 // Metrics (job_metrics.h).
 
-void Job::Measured(std::chrono::steady_clock::time_point start) {
-  metrics_.AddBusy(SecondsSince(start));
+void Job::Measured(std::chrono::steady_clock::time_point start, JobMetrics::Call call) {
+  metrics_.AddBusy(SecondsSince(start), call);
   metrics_.SetState(JobStateName(state_));
   // A lost job's engine may still be waiting on the daemon that went: it is not read.
   if (coordinator_.Lost().ok()) MeasuredMemory();
@@ -220,7 +220,7 @@ absl::StatusOr<std::vector<at::Tensor>> Job::ForwardLocked(const std::vector<at:
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::vector<at::Tensor>> out =
       ForwardUnmeasured(inputs, requires_grad, delay_grad_allreduce);
-  Measured(start);
+  Measured(start, JobMetrics::Call::kForward);
   if (out.ok() && requires_grad) MeasuredForward(inputs);
   return out;
 }
@@ -277,7 +277,7 @@ absl::Status Job::BackwardLocked(const OutputGrads& output_grads, bool retain_gr
                                  bool delay_grad_allreduce) {
   const auto start = std::chrono::steady_clock::now();
   absl::Status s = BackwardUnmeasured(output_grads, retain_graph, delay_grad_allreduce);
-  Measured(start);
+  Measured(start, JobMetrics::Call::kBackward);
   return s;
 }
 
@@ -304,7 +304,8 @@ absl::Status Job::BackwardUnmeasured(const OutputGrads& output_grads, bool retai
 absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<NamedTensors> out = RunUnmeasured(op);
-  Measured(start);  // the step's memory too
+  // The step's memory too.
+  Measured(start, op.kind == JobOp::Kind::kStep ? JobMetrics::Call::kStep : JobMetrics::Call::kOther);
   if (out.ok() && op.kind == JobOp::Kind::kStep) MeasuredStep();
   return out;
 }
@@ -373,7 +374,7 @@ absl::StatusOr<NamedTensors> Job::RunUnmeasured(const JobOp& op) {
 absl::StatusOr<double> Job::ClipLocked(double max_norm, double norm_type) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<double> norm = ClipUnmeasured(max_norm, norm_type);
-  Measured(start);
+  Measured(start, JobMetrics::Call::kOther);
   return norm;
 }
 

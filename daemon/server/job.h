@@ -284,7 +284,7 @@ class Job {
   std::shared_ptr<const EngineCounters> counters_;  // local_'s, set at creation
   // A call's end for metrics_: its time since `start`, the job's state and memory; and, after
   // a step's Measured, the iteration's end (MeasuredStep).
-  void Measured(std::chrono::steady_clock::time_point start);
+  void Measured(std::chrono::steady_clock::time_point start, JobMetrics::Call call);
   void MeasuredForward(const std::vector<at::Tensor>& inputs);
   void MeasuredStep();
   void MeasuredMemory();

@@ -32,9 +32,24 @@ void JobMetrics::SetSteps(int64_t steps) {
   s_.steps = steps;
 }
 
-void JobMetrics::AddBusy(double seconds) {
+const char* JobMetrics::CallName(Call call) {
+  switch (call) {
+    case Call::kForward:
+      return "forward";
+    case Call::kBackward:
+      return "backward";
+    case Call::kStep:
+      return "step";
+    case Call::kOther:
+      break;
+  }
+  return "other";
+}
+
+void JobMetrics::AddBusy(double seconds, Call call) {
   std::lock_guard<std::mutex> lock(mu_);
   busy_s_ += seconds;
+  busy_by_call_s_[static_cast<int>(call)] += seconds;
 }
 
 void JobMetrics::AddForward(int64_t samples, int64_t tokens) {
@@ -56,6 +71,7 @@ void JobMetrics::EndStep(int64_t steps, int64_t compute_ns, int64_t schedule_ns)
     const double wall = std::chrono::duration<double>(now - *last_step_end_).count();
     s_.step_s = wall;
     s_.busy_s = busy_s_;
+    std::copy(std::begin(busy_by_call_s_), std::end(busy_by_call_s_), s_.busy_by_call_s);
     s_.tokens_per_s = wall > 0 ? tokens_ / wall : 0;
     s_.bubble = schedule > 0 ? std::max(0.0, 1.0 - static_cast<double>(compute) / schedule) : 0;
     const std::vector<double>& bounds = StepBuckets();
@@ -67,6 +83,7 @@ void JobMetrics::EndStep(int64_t steps, int64_t compute_ns, int64_t schedule_ns)
   }
   last_step_end_ = now;
   busy_s_ = 0;
+  std::fill(std::begin(busy_by_call_s_), std::end(busy_by_call_s_), 0.0);
   tokens_ = 0;
 }
 

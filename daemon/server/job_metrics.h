@@ -12,7 +12,8 @@
 //
 //   JobMetrics m;
 //   m.SetPlan(/*planned_step_s=*/0.12, /*planned_bubble=*/0.2);
-//   m.AddForward(/*samples=*/8, /*tokens=*/8 * 512);  m.AddBusy(0.05);   // each call
+//   m.AddForward(/*samples=*/8, /*tokens=*/8 * 512);
+//   m.AddBusy(0.05, JobMetrics::Call::kForward);                            // each call
 //   m.SetMemory(device_bytes, peak);  m.EndStep(steps, compute_ns, schedule_ns);  // each step
 //   JobMetrics::Snapshot s = m.Read();
 //
@@ -44,8 +45,14 @@ class JobMetrics {
   // from a checkpoint starts at the checkpoint's step).
   void SetState(const char* state);
   void SetSteps(int64_t steps);
-  // A call of the job (forward, backward, all-reduce, clip, step) took `seconds` here.
-  void AddBusy(double seconds);
+  // The kinds of calls whose busy time is told apart: where an iteration's time goes (the
+  // devices' forwards and backwards, the optimizer's step, which runs on the host with
+  // offload_params); the rest (all-reduce, clip, zero_grad, state reads) is kOther.
+  enum class Call { kForward, kBackward, kStep, kOther };
+  static constexpr int kCalls = 4;
+  static const char* CallName(Call call);  // "forward", "backward", "step", "other"
+  // A call of the job took `seconds` here.
+  void AddBusy(double seconds, Call call);
   // A training forward (one with gradients) over `samples` samples holding `tokens` tokens.
   void AddForward(int64_t samples, int64_t tokens);
   // Optimizer step `steps` ended: closes the iteration. `compute_ns` and `schedule_ns` are the
@@ -71,6 +78,7 @@ class JobMetrics {
     // The last iteration (0 before the second step: the first has no start).
     double step_s = 0;          // wall time
     double busy_s = 0;          // in the job's calls here
+    double busy_by_call_s[kCalls] = {};  // busy_s by Call
     double tokens_per_s = 0;    // its tokens over its wall time
     double bubble = 0;          // 1 - compute / schedule over its engine time
     double planned_step_s = 0;
@@ -94,6 +102,7 @@ class JobMetrics {
   // The iteration in progress.
   std::optional<Clock::time_point> last_step_end_;
   double busy_s_ = 0;
+  double busy_by_call_s_[kCalls] = {};
   int64_t tokens_ = 0;
   int64_t compute_ns_ = 0, schedule_ns_ = 0;  // the engine's counters at the last step
 };

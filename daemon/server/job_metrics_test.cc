@@ -16,7 +16,7 @@ TEST_CASE("JobMetrics: an iteration's wall time, busy time, tokens and bubble", 
 
   // The first step only starts the first iteration.
   m.AddForward(8, 8 * 16);
-  m.AddBusy(0.1);
+  m.AddBusy(0.1, JobMetrics::Call::kForward);
   m.SetMemory({100}, {150});
   m.EndStep(11, /*compute_ns=*/1000, /*schedule_ns=*/2000);
   JobMetrics::Snapshot s = m.Read();
@@ -33,8 +33,10 @@ TEST_CASE("JobMetrics: an iteration's wall time, busy time, tokens and bubble", 
   now += std::chrono::milliseconds(500);
   m.AddForward(8, 100);
   m.AddForward(8, 100);
-  m.AddBusy(0.2);
-  m.AddBusy(0.1);
+  m.AddBusy(0.2, JobMetrics::Call::kForward);
+  m.AddBusy(0.05, JobMetrics::Call::kBackward);
+  m.AddBusy(0.04, JobMetrics::Call::kStep);
+  m.AddBusy(0.01, JobMetrics::Call::kOther);
   m.SetMemory({100}, {160});
   m.EndStep(12, 1600, 2800);
   s = m.Read();
@@ -45,6 +47,13 @@ TEST_CASE("JobMetrics: an iteration's wall time, busy time, tokens and bubble", 
   CHECK_THAT(s.step_s, WithinAbs(0.5, 1e-9));
   CHECK_THAT(s.step_sum_s, WithinAbs(0.5, 1e-9));
   CHECK_THAT(s.busy_s, WithinAbs(0.3, 1e-9));
+  // By kind of call: the first iteration's forward (before this one began) is not among them.
+  CHECK_THAT(s.busy_by_call_s[static_cast<int>(JobMetrics::Call::kForward)], WithinAbs(0.2, 1e-9));
+  CHECK_THAT(s.busy_by_call_s[static_cast<int>(JobMetrics::Call::kBackward)],
+             WithinAbs(0.05, 1e-9));
+  CHECK_THAT(s.busy_by_call_s[static_cast<int>(JobMetrics::Call::kStep)], WithinAbs(0.04, 1e-9));
+  CHECK_THAT(s.busy_by_call_s[static_cast<int>(JobMetrics::Call::kOther)], WithinAbs(0.01, 1e-9));
+  CHECK(std::string(JobMetrics::CallName(JobMetrics::Call::kStep)) == "step");
   CHECK_THAT(s.tokens_per_s, WithinAbs(400, 1e-6));
   CHECK_THAT(s.bubble, WithinAbs(0.25, 1e-9));
   CHECK(s.planned_step_s == 0.2);

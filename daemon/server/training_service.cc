@@ -912,6 +912,11 @@ grpc::Status TrainingServiceImpl::ListJobs(grpc::ServerContext* context, const v
     const JobMetrics::Snapshot m = listed.job->Measure();
     out->set_step_seconds(m.step_s);
     out->set_busy_seconds(m.busy_s);
+    using Call = JobMetrics::Call;
+    out->set_forward_busy_seconds(m.busy_by_call_s[static_cast<int>(Call::kForward)]);
+    out->set_backward_busy_seconds(m.busy_by_call_s[static_cast<int>(Call::kBackward)]);
+    out->set_step_busy_seconds(m.busy_by_call_s[static_cast<int>(Call::kStep)]);
+    out->set_other_busy_seconds(m.busy_by_call_s[static_cast<int>(Call::kOther)]);
     out->set_planned_step_seconds(m.planned_step_s);
     out->set_tokens_per_second(m.tokens_per_s);
     out->set_bubble(m.bubble);

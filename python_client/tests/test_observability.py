@@ -202,6 +202,10 @@ def test_prometheus_scrapes_a_training_job_and_rannc_jobs_shows_the_same(tmp_pat
         assert summary.step_seconds > 0 and summary.busy_seconds > 0
         assert summary.checkpoint_bytes > 0 and summary.data_plane_bytes > 0
         assert summary.busy_seconds <= summary.step_seconds
+        by_call = [summary.forward_busy_seconds, summary.backward_busy_seconds,
+                   summary.step_busy_seconds, summary.other_busy_seconds]
+        assert summary.forward_busy_seconds > 0 and summary.step_busy_seconds > 0, by_call
+        assert sum(by_call) == pytest.approx(summary.busy_seconds, rel=1e-9), by_call
     finally:
         open(done, "w").close()
         try:
