@@ -61,6 +61,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   offload_ = options.offload;
   offload_block_bytes_ = options.offload_block_bytes;
   offload_low_precision_ = options.offload_low_precision;
+  before_host_step_unit_ = options.before_host_step_unit;
   bucket_bytes_ = options.bucket_bytes;
   grad_wire_dtype_ = options.grad_wire_dtype;
   scaler_ = options.loss_scaler;
@@ -504,23 +505,28 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Forward(
 
 absl::Status PipelineEngine::Backward(
     const std::vector<std::pair<size_t, at::Tensor>>& output_grads, bool retain_graph) {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   return impl_->Backward(output_grads, retain_graph);
 }
 
 void PipelineEngine::SetDelayGradReduction(bool delay) { impl_->SetDelayGradReduction(delay); }
 bool PipelineEngine::grads_pending() const { return impl_->grads_pending(); }
-absl::Status PipelineEngine::AllReduceGrads() { return impl_->AllReduceGrads(); }
+absl::Status PipelineEngine::AllReduceGrads() {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
+  return impl_->AllReduceGrads();
+}
 
 absl::StatusOr<StepResult> PipelineEngine::TrainStep(const std::vector<at::Tensor>& inputs) {
   absl::StatusOr<std::vector<at::Tensor>> out = impl_->Forward(inputs, true);
   if (!out.ok()) return out.status();
-  absl::Status back = impl_->Backward({{0, at::ones_like((*out)[0])}}, false);
+  absl::Status back = Backward({{0, at::ones_like((*out)[0])}}, false);
   if (!back.ok()) return back;
   return StepResult{(*out)[0]};
 }
 
 absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name,
                                                 int device) const {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name, device);
   if (!t.ok()) return t.status();
   if (!(*t)->requires_grad()) {
@@ -534,6 +540,7 @@ absl::StatusOr<at::Tensor> PipelineEngine::Grad(const std::string& tensor_name,
 
 absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
                                                  int device) const {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   absl::StatusOr<const at::Tensor*> t = impl_->Find(tensor_name, device);
   if (!t.ok()) return t.status();
   const auto& names = impl_->tensor_names();
@@ -543,26 +550,39 @@ absl::StatusOr<at::Tensor> PipelineEngine::Param(const std::string& tensor_name,
 }
 
 at::Tensor PipelineEngine::GradAt(int lifted) const {
+  impl_->SettleHostStepsKeepingFailure();
   const at::Tensor t = impl_->OwnerTensor(lifted);
   return t.defined() ? impl_->GradCopy(lifted, t) : at::Tensor();
 }
 
-at::Tensor PipelineEngine::ParamAt(int lifted) const { return impl_->ParamValue(lifted); }
+at::Tensor PipelineEngine::ParamAt(int lifted) const {
+  impl_->SettleHostStepsKeepingFailure();
+  return impl_->ParamValue(lifted);
+}
 
 bool PipelineEngine::Holds(int lifted) const { return impl_->Holds(lifted); }
-at::Tensor PipelineEngine::HostMaster(int lifted) const { return impl_->HostMaster(lifted); }
+at::Tensor PipelineEngine::HostMaster(int lifted) const {
+  impl_->SettleHostStepsKeepingFailure();
+  return impl_->HostMaster(lifted);
+}
 bool PipelineEngine::Saves(int lifted) const { return impl_->Saves(lifted); }
 
 void PipelineEngine::SetParam(int lifted, const at::Tensor& value) {
+  impl_->SettleHostStepsKeepingFailure();
   impl_->SetParam(lifted, value);
 }
-void PipelineEngine::AddGrad(int lifted, const at::Tensor& grad) { impl_->AddGrad(lifted, grad); }
+void PipelineEngine::AddGrad(int lifted, const at::Tensor& grad) {
+  impl_->SettleHostStepsKeepingFailure();
+  impl_->AddGrad(lifted, grad);
+}
 void PipelineEngine::AddGradShare(int lifted, const at::Tensor& grad) {
+  impl_->SettleHostStepsKeepingFailure();
   impl_->AddGradShare(lifted, grad);
 }
 void PipelineEngine::ZeroGrad(bool set_to_none) { impl_->ZeroGrad(set_to_none); }
 absl::StatusOr<double> PipelineEngine::ClipGradNorm(const std::vector<int>& params,
                                                     double max_norm, double norm_type) {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> named =
       impl_->GradNorms(params, norm_type);
   if (!named.ok()) return named.status();
@@ -575,31 +595,41 @@ absl::StatusOr<double> PipelineEngine::ClipGradNorm(const std::vector<int>& para
 }
 absl::StatusOr<std::vector<std::pair<int, at::Tensor>>> PipelineEngine::GradNorms(
     const std::vector<int>& params, double norm_type) const {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   return impl_->GradNorms(params, norm_type);
 }
 void PipelineEngine::ScaleGrads(const std::vector<int>& params, const at::Tensor& coefficient) {
+  impl_->SettleHostStepsKeepingFailure();
   impl_->ScaleGrads(params, coefficient);
 }
 absl::Status PipelineEngine::SetOptimizer(OptimizerKind kind,
                                           const std::vector<std::vector<int>>& groups,
                                           const std::vector<HyperParams>& hypers,
                                           std::shared_ptr<const ScriptedUpdate> scripted) {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   return impl_->SetOptimizer(kind, groups, hypers, std::move(scripted));
 }
 absl::Status PipelineEngine::Step(const std::vector<HyperParams>& hypers) {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   return impl_->Step(hypers);
 }
 const LossScaler& PipelineEngine::loss_scaler() const { return impl_->loss_scaler(); }
 std::map<int, std::vector<std::pair<std::string, at::Tensor>>> PipelineEngine::OptimizerState()
     const {
+  impl_->SettleHostStepsKeepingFailure();
   return impl_->OptimizerState();
 }
 std::vector<PipelineEngine::StatePiece> PipelineEngine::OptimizerStatePieces() const {
+  impl_->SettleHostStepsKeepingFailure();
   return impl_->OptimizerStatePieces();
 }
-void PipelineEngine::BeginAsyncReads() { impl_->BeginAsyncReads(); }
+void PipelineEngine::BeginAsyncReads() {
+  impl_->SettleHostStepsKeepingFailure();
+  impl_->BeginAsyncReads();
+}
 
 std::vector<int64_t> PipelineEngine::CheckpointCudaReads(const std::vector<int>& lifted) const {
+  impl_->SettleHostStepsKeepingFailure();
   return impl_->CheckpointCudaReads(lifted);
 }
 
@@ -607,9 +637,13 @@ std::function<void()> PipelineEngine::EndAsyncReads() { return impl_->EndAsyncRe
 
 absl::Status PipelineEngine::LoadOptimizerState(
     const std::map<int, std::vector<std::pair<std::string, at::Tensor>>>& state) {
+  if (absl::Status s = impl_->SettleHostSteps(); !s.ok()) return s;
   return impl_->LoadOptimizerState(state);
 }
-void PipelineEngine::ApplySgd(double lr) { impl_->ApplySgd(lr); }
+void PipelineEngine::ApplySgd(double lr) {
+  impl_->SettleHostStepsKeepingFailure();
+  impl_->ApplySgd(lr);
+}
 int64_t PipelineEngine::DeviceBytes(int device) const { return impl_->DeviceBytes(device); }
 int64_t PipelineEngine::PeakDeviceBytes(int device) const {
   return impl_->PeakDeviceBytes(device);

@@ -145,6 +145,9 @@ struct EngineOptions {
   // half the device memory for streamed parameters, the same values. False: in the master's
   // dtype (faster where the link outruns the host's cast: docs/runtime.md).
   bool offload_low_precision = false;
+  // Tests: called on a streamed device's optimizer step thread before it steps each unit
+  // after the first (the device's plan index, the unit: 1 + the block), to hold it there.
+  std::function<void(int device, int unit)> before_host_step_unit;
   // Upper bound, in bytes, of a gradient bucket: of the replica all-reduce's buckets
   // (GradReducer::Options::bucket_bytes) and of ZeRO's partitions, each of which is
   // reduce-scattered as soon as the last backward of a step has produced its gradients, while
@@ -286,7 +289,11 @@ class PipelineEngine {
   // One optimizer step on every device (replicas update identically: their gradients are
   // all-reduced). FAILED_PRECONDITION without SetOptimizer, or while reductions are pending.
   // With loss scaling, an overflowed step is skipped (OK; loss_scaler().skipped_steps() counts
-  // it) and the scale updated; collective over every process's engine then.
+  // it) and the scale updated; collective over every process's engine then. An offloaded,
+  // streamed device's step returns once its parameters uploaded whole are stepped and goes on
+  // beside the next Forward, block by block ahead of it; every other call that reads or writes
+  // parameters, gradients or optimizer state waits for it first (a failure of that part is
+  // returned by the next call with a status).
   absl::Status Step(const std::vector<HyperParams>& hypers);
   const LossScaler& loss_scaler() const;
   // Per lifted parameter, its optimizer state (keys as Optimizer::NamedState's after the

@@ -196,6 +196,26 @@ struct Device {
   }
   // Bytes of streamed parameters on the device now, and the most at once since the engine began.
   int64_t streamed_bytes = 0, streamed_peak = 0;
+  // Streaming: the optimizer's step of the host masters, running on a thread of its own
+  // beside the next forward (pipeline_engine_host_step.cc). It steps `units` in the order that
+  // forward reads them: the parameters uploaded whole (before the step returns), then each
+  // block's streamed ones, and a block is fetched once its unit is done. Until `finished` the
+  // thread alone touches the masters, their gradients and the optimizer: it took the
+  // gradients (`grads`, by lifted index) and gives them back at its end, or drops them where
+  // ZeroGrad came meanwhile (`zero_grad`: set_to_none).
+  struct HostStep {
+    std::vector<std::vector<int>> units;  // lifted indices
+    std::vector<at::Tensor> grads;
+    std::vector<HyperParams> hypers;
+    std::mutex mu;
+    std::condition_variable cv;
+    int done = 0;  // units stepped
+    bool finished = false;
+    absl::Status status;  // the first failure
+    std::optional<bool> zero_grad;
+    std::thread thread;
+  };
+  std::unique_ptr<HostStep> host_step;
   // ZeroGrad(false): the parameters (lifted indices) whose gradient is zeros without being
   // held: freed, and made again only where read (GradCopy) or stepped (Step), so that a step's
   // backward does not hold the zeros beside the gradients it computes. A parameter whose
@@ -252,6 +272,7 @@ class PipelineEngine::Impl {
 
  public:
   ~Impl() {
+    SettleHostSteps().IgnoreError();
     for (Device& d : devices_) d.worker.reset();  // joins
     for (Device& d : devices_) {
       d.optimizer.reset();
@@ -281,6 +302,12 @@ class PipelineEngine::Impl {
   void SetDelayGradReduction(bool delay) { delay_ = delay; }
   bool grads_pending() const { return pending_; }
   absl::Status AllReduceGrads();
+  // Every device's optimizer step thread joined (Device::host_step): the first failure among
+  // them, or one a call without a status kept. Every call of the engine that reads or writes
+  // the masters, their gradients or the optimizer's state starts with it; a call that returns
+  // no status keeps the failure for the next that does (SettleHostStepsKeepingFailure).
+  absl::Status SettleHostSteps();
+  void SettleHostStepsKeepingFailure();
   absl::StatusOr<const at::Tensor*> Find(const std::string& name, int device) const;
   // A copy of parameter `lifted`'s gradient as Grad defines it (undefined: none): `t`'s, or
   // while reductions are pending the sum over this process's holders, or for a ZeRO parameter
@@ -501,7 +528,7 @@ class PipelineEngine::Impl {
   // the device (Fetch), off it (Evict), its gradients to the host (BlockGradsToHost).
   void SetUpStreaming(Device& d);
   StageBlockHooks StreamingHooks(Device& d);
-  void Fetch(Device& d, int block);
+  absl::Status Fetch(Device& d, int block);
   // What streamed parameter `li`'s upload copies: its master, or (Device::low_dtype) the master
   // cast to the narrower dtype, cast now if not yet since the device became resident.
   const at::Tensor& UploadSource(Device& d, int li);
@@ -510,6 +537,23 @@ class PipelineEngine::Impl {
   void Prefetch(Device& d, int block);
   void Evict(Device& d, int block);
   void BlockGradsToHost(Device& d, int block);
+  // The optimizer's step beside the next forward (Device::host_step;
+  // pipeline_engine_host_step.cc). Whether `d` steps so (a streamed device with an optimizer).
+  bool StepsBesideForward(const Device& d) const;
+  // Steps the parameters uploaded whole, then starts the thread that steps each block's; the
+  // first unit's failure (bad hyper-parameters) is returned with nothing stepped.
+  absl::Status StartHostStep(Device& d, const std::vector<HyperParams>& hypers);
+  // Steps unit `u` of d.host_step (on its thread, or the caller's for unit 0).
+  absl::Status StepUnit(Device& d, int u);
+  // On the device's worker: whether block `block`'s parameters are stepped; waiting for it
+  // (the step's failure, if it failed).
+  bool Stepped(Device& d, int block);
+  absl::Status AwaitStepped(Device& d, int block);
+  // Waits until the thread is done with the masters (Release, on the worker).
+  void AwaitHostStepEnd(Device& d);
+  // ZeroGrad on a device whose step runs: remembered for the thread's end. False when none runs.
+  bool DeferZeroGrad(Device& d, bool set_to_none);
+
   // Adds gradient `g` (on the host) of streamed parameter `li` to this step's, in its master's
   // dtype.
   static void AddStreamedGrad(Device& d, int li, const at::Tensor& g);
@@ -557,6 +601,8 @@ class PipelineEngine::Impl {
   bool offload_ = false;  // EngineOptions::offload
   int64_t offload_block_bytes_ = 0;  // EngineOptions::offload_block_bytes
   bool offload_low_precision_ = false;  // EngineOptions::offload_low_precision
+  absl::Status host_step_failure_;  // SettleHostStepsKeepingFailure's
+  std::function<void(int, int)> before_host_step_unit_;  // EngineOptions'
   size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
   AmpDtype grad_wire_dtype_;         // EngineOptions::grad_wire_dtype
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step

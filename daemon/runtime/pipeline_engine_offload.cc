@@ -141,9 +141,9 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
 StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {
   StageBlockHooks hooks;
   hooks.before_forward = [this, &d](int k) {
-    Fetch(d, k);
-    if (k + 1 < static_cast<int>(d.streamed.size())) Prefetch(d, k + 1);
-    return absl::OkStatus();
+    absl::Status fetched = Fetch(d, k);
+    if (fetched.ok() && k + 1 < static_cast<int>(d.streamed.size())) Prefetch(d, k + 1);
+    return fetched;
   };
   hooks.after_forward = [this, &d](int k) {
     // The last block's backward comes next (1F1B), or the step's end releases it.
@@ -151,9 +151,9 @@ StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {
     return absl::OkStatus();
   };
   hooks.before_backward = [this, &d](int k) {
-    Fetch(d, k);
-    if (k > 0) Prefetch(d, k - 1);
-    return absl::OkStatus();
+    absl::Status fetched = Fetch(d, k);
+    if (fetched.ok() && k > 0) Prefetch(d, k - 1);
+    return fetched;
   };
   hooks.after_backward = [this, &d](int k) {
     BlockGradsToHost(d, k);
@@ -163,15 +163,20 @@ StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {
   return hooks;
 }
 
-void PipelineEngine::Impl::Fetch(Device& d, int block) {
-  if (d.streamed.empty() || d.block_state[block] == Device::BlockState::kOn) return;
+absl::Status PipelineEngine::Impl::Fetch(Device& d, int block) {
+  if (d.streamed.empty() || d.block_state[block] == Device::BlockState::kOn) {
+    return absl::OkStatus();
+  }
   if (d.block_state[block] == Device::BlockState::kPrefetching) {
     // Prefetched: the device's stream waits for the upload stream's copies.
     const c10::impl::VirtualGuardImpl impl(d.place.type());
     d.block_ready[block]->block(impl.getStream(d.place));
     d.block_state[block] = Device::BlockState::kOn;
-    return;
+    return absl::OkStatus();
   }
+  // The optimizer step before this forward may still be stepping the block's masters.
+  absl::Status stepped = AwaitStepped(d, block);
+  if (!stepped.ok()) return stepped;
   at::NoGradGuard no_grad;
   for (int li : d.streamed[block]) {
     const at::Tensor& t = d.lifted[li];
@@ -184,12 +189,16 @@ void PipelineEngine::Impl::Fetch(Device& d, int block) {
   }
   d.streamed_peak = std::max(d.streamed_peak, d.streamed_bytes);
   d.block_state[block] = Device::BlockState::kOn;
+  return absl::OkStatus();
 }
 
 void PipelineEngine::Impl::Prefetch(Device& d, int block) {
   if (d.streamed.empty() || d.block_state[block] != Device::BlockState::kOff) return;
+  // Not while the optimizer still steps the block: the block before it computes first, and
+  // Fetch waits.
+  if (!Stepped(d, block)) return;
   if (!d.upload_stream) {
-    Fetch(d, block);  // a CPU device: nothing to overlap
+    Fetch(d, block).IgnoreError();  // a CPU device: nothing to overlap; stepped, so no failure
     return;
   }
   const c10::impl::VirtualGuardImpl impl(d.place.type());
@@ -232,7 +241,7 @@ const at::Tensor& PipelineEngine::Impl::UploadSource(Device& d, int li) {
 void PipelineEngine::Impl::Evict(Device& d, int block) {
   if (d.streamed.empty() || d.block_state[block] == Device::BlockState::kOff) return;
   // A prefetch never waited for (a failed step): its copies end before the memory is reused.
-  if (d.block_state[block] == Device::BlockState::kPrefetching) Fetch(d, block);
+  if (d.block_state[block] == Device::BlockState::kPrefetching) Fetch(d, block).IgnoreError();
   for (int li : d.streamed[block]) {
     FreeData(d.lifted[li]);
     d.streamed_bytes -= static_cast<int64_t>(d.lifted[li].nbytes());
@@ -375,6 +384,7 @@ absl::Status PipelineEngine::Impl::Upload(Device& d) {
 
 void PipelineEngine::Impl::Release(Device& d) {
   TakeDownloads(d, /*wait=*/true);
+  AwaitHostStepEnd(d);  // a failed forward may not have waited for every block's step
   if (!d.resident) return;
   at::NoGradGuard no_grad;
   for (int li : stages_[d.stage].params) {

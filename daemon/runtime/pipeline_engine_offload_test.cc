@@ -4,8 +4,12 @@
 // offload that uploads a stage's parameters at once.
 #include "daemon/runtime/pipeline_engine.h"
 
+#include <atomic>
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
@@ -29,10 +33,12 @@ using testing::ParamIndices;
 using testing::kAtol;
 using testing::kRtol;
 
-std::unique_ptr<PipelineEngine> MakeEngine(const FixtureIr& f, const v1::Deployment& plan,
-                                           const std::vector<at::Tensor>& lifted, bool offload,
-                                           int64_t block_bytes, bool low_precision = false) {
+std::unique_ptr<PipelineEngine> MakeEngine(
+    const FixtureIr& f, const v1::Deployment& plan, const std::vector<at::Tensor>& lifted,
+    bool offload, int64_t block_bytes, bool low_precision = false,
+    std::function<void(int, int)> before_host_step_unit = nullptr) {
   EngineOptions options;
+  options.before_host_step_unit = std::move(before_host_step_unit);
   options.offload_low_precision = low_precision;
   options.backend = comm::Backend::kFake;
   options.num_devices = 4;
@@ -305,6 +311,120 @@ TEST_CASE("offload_low_precision streams O2's parameters in bf16, training exact
       CHECK(streamed->StreamedPeakBytes(dev) > 0);
       CHECK(2 * streamed->StreamedPeakBytes(dev) == fp32->StreamedPeakBytes(dev));
       CHECK(wide->StreamedPeakBytes(dev) == fp32->StreamedPeakBytes(dev));
+    }
+  }
+}
+
+TEST_CASE("A streamed device's optimizer step runs beside the next forward, to the same bits",
+          "[runtime]") {
+  struct StepCase {
+    Case c;
+    bool o2;  // amp_level O2 with offload_low_precision: the bf16 casts are made by the step
+  };
+  const std::vector<StepCase> cases = {{{"mlp", {{0}}, 1}, false},
+                                       {{"tiny_gpt", {{0}}, 2}, false},
+                                       {{"tiny_gpt", {{0}, {1}}, 2}, false},
+                                       {{"tiny_gpt", {{0}}, 1}, true}};
+  for (const StepCase& sc : cases) {
+    const Case& c = sc.c;
+    INFO(c.model << ", " << c.devices.size() << " stages, " << c.m << " micro-batches"
+                 << (sc.o2 ? ", O2 in bf16" : ""));
+    FixtureIr f = sc.o2 ? O2FixtureIr(c.model) : BuildFixtureIr(c.model);
+    REQUIRE(f.ir.ok());
+    const IrGraph& ir = *f.ir;
+    const std::vector<int> params = ParamIndices(ir);
+    const v1::Deployment plan = MakePlan(ir, c.devices, c.m, v1::SCHEDULE_1F1B);
+    // The step's thread holds each block's unit until the next forward has begun (at most
+    // 5 s): that forward has to wait for the blocks it reads, and a unit stepped after the
+    // forward began shows that the step did overlap it.
+    std::atomic<bool> forward_began{false};
+    std::atomic<int> overlapped{0};
+    auto hold = [&](int, int) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (!forward_began && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (forward_began) ++overlapped;
+    };
+    std::unique_ptr<PipelineEngine> beside = MakeEngine(f, plan, f.tensors, true, 1, sc.o2, hold);
+    // The same engine with each step finished before the next forward: a read waits for it.
+    std::unique_ptr<PipelineEngine> before = MakeEngine(f, plan, f.tensors, true, 1, sc.o2);
+    HyperParams adam;
+    adam.lr = 0.01;
+    adam.weight_decay = 0.1;
+    for (PipelineEngine* e : {beside.get(), before.get()}) {
+      REQUIRE(e->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
+    }
+    for (int step = 0; step < 4; ++step) {
+      INFO("step " << step);
+      std::vector<at::Tensor> losses;
+      for (PipelineEngine* e : {beside.get(), before.get()}) {
+        // A training loop's zero_grad comes while the step still runs; both kinds.
+        e->ZeroGrad(/*set_to_none=*/step % 2 == 0);
+        if (e == beside.get()) forward_began = true;
+        absl::StatusOr<std::vector<at::Tensor>> out = e->Forward(f.fixture.inputs, true);
+        REQUIRE(out.ok());
+        losses.push_back((*out)[0]);
+        REQUIRE(e->Backward({{0, at::ones({}, (*out)[0].options())}}, false).ok());
+        if (e == beside.get()) forward_began = false;
+        REQUIRE(e->Step({adam}).ok());
+        if (e == before.get()) before->ParamAt(params[0]);
+      }
+      // The loss of a forward that ran beside the step equals the one after it.
+      CHECK(at::equal(losses[0], losses[1]));
+    }
+    forward_began = true;  // the last step's thread has no forward to wait for
+    CHECK(overlapped > 0);
+    for (int li : params) {
+      INFO(ir.tensor_names[li]);
+      CHECK(at::equal(beside->ParamAt(li), before->ParamAt(li)));
+      // The step gives the gradients back.
+      const at::Tensor want = before->GradAt(li);
+      const at::Tensor got = beside->GradAt(li);
+      REQUIRE(got.defined() == want.defined());
+      if (want.defined()) CHECK(at::equal(got, want));
+    }
+    const auto want_state = before->OptimizerState();
+    const auto got_state = beside->OptimizerState();
+    REQUIRE(got_state.size() == want_state.size());
+    for (const auto& [li, entries] : want_state) {
+      INFO("optimizer state of " << ir.tensor_names[li]);
+      for (size_t k = 0; k < entries.size(); ++k) {
+        CHECK(at::equal(got_state.at(li)[k].second, entries[k].second));
+      }
+    }
+    // zero_grad(False) while the step runs leaves zeros, which a read makes.
+    auto train = [&] {
+      absl::StatusOr<std::vector<at::Tensor>> out = beside->Forward(f.fixture.inputs, true);
+      REQUIRE(out.ok());
+      REQUIRE(beside->Backward({{0, at::ones({}, (*out)[0].options())}}, false).ok());
+    };
+    train();
+    REQUIRE(beside->Step({adam}).ok());
+    beside->ZeroGrad(false);
+    for (int li : params) {
+      INFO("zeroed while stepping: " << ir.tensor_names[li]);
+      const at::Tensor g = beside->GradAt(li);
+      REQUIRE(g.defined());
+      CHECK(g.abs().max().item<double>() == 0);
+    }
+    // Hyper-parameters the optimizer refuses: the error at once, nothing stepped, the
+    // gradients kept.
+    train();
+    std::vector<at::Tensor> values, grads;
+    for (int li : params) {
+      values.push_back(beside->ParamAt(li));
+      grads.push_back(beside->GradAt(li));
+    }
+    HyperParams refused = adam;
+    refused.lr = -1;
+    const absl::Status stepped = beside->Step({refused});
+    INFO(stepped.ToString());
+    CHECK(stepped.code() == absl::StatusCode::kInvalidArgument);
+    for (size_t i = 0; i < params.size(); ++i) {
+      INFO("after the refused step: " << ir.tensor_names[params[i]]);
+      CHECK(at::equal(beside->ParamAt(params[i]), values[i]));
+      CHECK(at::equal(beside->GradAt(params[i]), grads[i]));
     }
   }
 }

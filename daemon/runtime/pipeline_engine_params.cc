@@ -162,8 +162,11 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
         part.shard.mutable_grad().zero_();
       }
     }
-    if (set_to_none) d.zeroed.clear();
+    // The masters' gradients belong to an optimizer step still running: it drops them at its end.
+    const bool deferred = DeferZeroGrad(d, set_to_none);
+    if (set_to_none && !deferred) d.zeroed.clear();
     for (std::vector<at::Tensor>* tensors : {&d.lifted, &d.host}) {
+      if (deferred && tensors == &d.host) continue;
       for (size_t li = 0; li < tensors->size(); ++li) {
         at::Tensor& t = (*tensors)[li];
         if (!t.defined() || !t.grad().defined()) continue;
@@ -294,11 +297,13 @@ absl::Status PipelineEngine::Impl::OptimizerStep(const std::vector<HyperParams>&
   if (offload_) {
     // The masters and the optimizer state are in host memory: the step runs on the host, off
     // the devices' workers (whose allocations count as device memory), every device at once.
-    // The next step's Upload brings the new values (and all-gathers ZeRO's shards).
+    // The next step's Upload brings the new values (and all-gathers ZeRO's shards). A streamed
+    // device's step goes on beside the next forward (pipeline_engine_host_step.cc).
     std::vector<std::future<absl::Status>> done;
     for (Device& d : devices_) {
       if (!d.local) continue;
-      done.push_back(std::async(std::launch::async, [&d, &hypers] {
+      done.push_back(std::async(std::launch::async, [this, &d, &hypers] {
+        if (StepsBesideForward(d)) return StartHostStep(d, hypers);
         return TorchCall(absl::StatusCode::kInternal, "optimizer step",
                          [&] { return d.optimizer->Step(hypers); });
       }));

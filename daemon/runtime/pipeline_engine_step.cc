@@ -529,13 +529,17 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
   // The step inputs (loss denominators) come from the whole batch; every shard reads them.
   // A loss's class weights come from a device of this process that holds them (the loss's
   // stage, the only one that reads its denominator).
+  absl::Status settled = absl::OkStatus();
   absl::StatusOr<std::vector<at::Tensor>> batch = WithStepInputs(ir, inputs, [&](int lifted) {
+    // Class weights that are a parameter the last optimizer step may still be stepping.
+    if (settled.ok()) settled = SettleHostSteps();
     for (const Device& d : devices_) {
       if (d.local && d.lifted[lifted].defined()) return ParamValue(lifted, d.index);
     }
     return at::Tensor();
   });
   if (!batch.ok()) return batch.status();
+  if (!settled.ok()) return settled;
   StepPlan step;
   step.inputs = &*batch;
   step.requires_grad = requires_grad;
@@ -582,7 +586,10 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
   held_ = Held::kNothing;
   absl::Status ran = OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
   last_micro_batches_ = m;
+  // The forward waited for each block's optimizer step; the steps' threads end with it.
+  settled = SettleHostSteps();
   if (!ran.ok()) return ran;
+  if (!settled.ok()) return settled;
 
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < ir.outputs.size(); ++i) {
