@@ -102,7 +102,7 @@ absl::StatusOr<planner::Links> MeasureDeviceLinks(
   return planner::MeasureCpuLinks(probe);
 }
 
-// The links between the devices, and from the host to the first GPU.
+// The links between the devices, from the host to the first GPU, and the host's memory.
 absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Device>& devices) {
   absl::StatusOr<planner::Links> links = MeasureDeviceLinks(devices);
   if (!links.ok() || devices.empty() || devices[0].cuda_index < 0) return links;
@@ -114,6 +114,14 @@ absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Devic
   } else {
     spdlog::warn("measuring the host's link to the GPU failed ({}); the planner prices "
                  "offload's copies at the p2p speed", host.status().ToString());
+  }
+  // What offload's sums of streamed gradients over micro-batches run at.
+  absl::StatusOr<double> memory = MeasureHostMemory();
+  if (memory.ok()) {
+    links->host_memory_bytes_per_s = *memory;
+  } else {
+    spdlog::warn("measuring the host's memory failed ({}); the planner does not price "
+                 "offload's sums of gradients on the host", memory.status().ToString());
   }
   return links;
 }

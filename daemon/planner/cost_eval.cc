@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 #include <iterator>
 
 #include "daemon/planner/cost_eval_internal.h"
@@ -109,6 +110,14 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
   const double I = t.input;
   const double K = recompute ? I : X + I;  // kept per micro-batch in flight
   const double k = inflight;
+  if (recompute && streamed && t.streamed_act_peak > 0) {
+    // Recomputed block by block: every micro-batch in flight keeps its blocks' inputs, and one
+    // block's forward reruns at a time, with its gradients.
+    DeviceMemory m;
+    m.total = params + state + buckets + k * (I + t.streamed_kept) + t.streamed_act_peak + G;
+    m.scaled = k * (I + t.streamed_kept) + t.streamed_act_peak;
+    return m;
+  }
   // A micro-batch's forward and backward, working memory included; its input is apart.
   const double U = t.act_peak;
   // The first backward: gradients allocated as the activations of later blocks are freed.
@@ -136,6 +145,45 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
   m.total = params + state + buckets + dynamic;
   m.scaled = (k - 1) * (recompute ? I : t.act + I) + I + t.act_peak_scaled;
   return m;
+}
+
+StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_factor, int begin,
+                                         int end, int64_t mb, double trainable,
+                                         double block_bytes) {
+  StreamedRecomputeTerms out;
+  if (end - begin < 2 || block_bytes <= 0) return out;
+  std::vector<double> bytes, act, work;  // per planning block of the stage
+  for (int b = begin; b < end; ++b) {
+    double read = 0;
+    for (int p : table.blocks[b].params) {
+      if (p >= 0 && p < static_cast<int>(table.param_trainable.size()) &&
+          table.param_trainable[p]) {
+        read += static_cast<double>(table.param_bytes[p]);
+      }
+    }
+    const BlockProfile profile = ProfileAt(table.blocks[b], mb);
+    bytes.push_back(read);
+    act.push_back(static_cast<double>(profile.act_bytes) + cast_factor * read);
+    work.push_back(static_cast<double>(profile.peak_bytes));
+  }
+  const int n = end - begin;
+  for (int i = 0; i < n; ++i) {
+    // Window [i, j]: blocks i + 1 .. j - 1 whole within block_bytes, i and j possibly in part.
+    double inner = 0, window_act = act[i], window_work = work[i];
+    for (int j = i + 1; j < n; ++j) {
+      window_act += act[j];
+      window_work = std::max(window_work, work[j]);
+      if (j > i + 1) inner += bytes[j - 1];
+      if (inner > block_bytes) break;
+      out.act_peak = std::max(out.act_peak, window_act + window_work);
+    }
+    out.act_peak = std::max(out.act_peak, act[i] + work[i]);
+  }
+  double cut = 0;
+  for (int b = begin + 1; b < end; ++b) cut = std::max(cut, CutBytes(table, b));
+  const double blocks = std::ceil(trainable / block_bytes) + 1;
+  out.kept = (blocks - 1) * cut * static_cast<double>(mb);
+  return out;
 }
 
 StageEval FinishStage(const CostTable& table, const Links& links, const SearchOptions& options,
@@ -184,6 +232,12 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   };
   DeviceMemory memory = memory_of(false);
   if (memory.total > limit && options.allow_recompute) {
+    if (terms.streamed_block > 0) {
+      const StreamedRecomputeTerms blocked = StreamedRecompute(
+          table, options.amp_cast_factor, begin, end, mb, terms.trainable, terms.streamed_block);
+      terms.streamed_kept = blocked.kept;
+      terms.streamed_act_peak = blocked.act_peak;
+    }
     memory = memory_of(true);
     e.recompute = true;
     e.bwd_ms += e.fwd_ms;
@@ -203,6 +257,13 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
       // Copies on the device's own thread; a CPU device's gradients are on the host already.
       e.fwd_ms += pass_ms;
       e.bwd_ms += pass_ms;
+    }
+    if (micro_batches > 1 && links.host_memory_bytes_per_s > 0) {
+      // The gradients of every micro-batch after the first are added on the host to the sum
+      // so far, on the device's thread (two read, one written): (m - 1) / m of such a pass a
+      // micro-batch.
+      e.bwd_ms += (micro_batches - 1.0) / micro_batches * 3.0 * terms.trainable /
+                  links.host_memory_bytes_per_s * 1000.0;
     }
   }
   e.memory_bytes = static_cast<uint64_t>(std::ceil(memory.total));

@@ -88,7 +88,28 @@ struct MemoryTerms {
   double act_peak_scaled = 0;
   // Offload's streaming: the trainable bytes on the device at once (B above); 0: not streamed.
   double streamed_block = 0;
+  // Streamed with recomputation, which the runtime does block by block (each block keeps its
+  // input, and one block's forward is rerun at a time): the block inputs a micro-batch keeps
+  // besides the stage's, and one block's activations and working memory at their most
+  // (StreamedRecompute).
+  double streamed_kept = 0;
+  double streamed_act_peak = 0;
 };
+
+// StreamedRecompute's estimate, per micro-batch of `mb` samples, for stage [begin, end)
+// streamed in blocks of at most `block_bytes` trainable bytes: a runtime block spans whole
+// planning blocks whose bytes are within block_bytes, and parts of at most one more on each
+// side, so its activations are at most those of such a window of planning blocks; the runtime
+// blocks number about trainable / block_bytes + 1, each keeping an input taken as large as the
+// largest cut inside the stage. `kept` 0 and `act_peak` 0 when the stage is one planning block
+// (no cut inside it is known).
+struct StreamedRecomputeTerms {
+  double kept = 0;
+  double act_peak = 0;
+};
+StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_factor, int begin,
+                                         int end, int64_t mb, double trainable,
+                                         double block_bytes);
 
 // One device's memory (EvaluateStage's model): `total` at its peak, and `scaled`, the most it
 // grows per unit of micro-batch size (activations, inputs and working memory). Non-decreasing

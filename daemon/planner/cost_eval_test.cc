@@ -426,6 +426,17 @@ TEST_CASE("Streamed offload pays the host link per micro-batch, beside the compu
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 2);
   CHECK_THAT(e.time_ms, WithinRel(20.0, 1e-12));
   CHECK_THAT(Objective({e}, 2), WithinRel(40.0, 1e-12));
+  // With the host's memory measured, the second micro-batch's gradients are added on the host
+  // to the first's, on the device's thread: 3 x 1000 bytes at 100 kB/s, half of it charged to
+  // each micro-batch's backward. One micro-batch has nothing to add.
+  links.host_memory_bytes_per_s = 1e5;
+  e = EvaluateStage(t, links, o, 0, 4, 1, 0, 2);
+  CHECK_THAT(e.bwd_ms, WithinRel(10.0 + 15.0, 1e-12));
+  CHECK_THAT(Objective({e}, 2), WithinRel(40.0 + 30.0, 1e-12));
+  o.batch_size = 4;
+  CHECK_THAT(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).bwd_ms, WithinRel(10.0, 1e-12));
+  links.host_memory_bytes_per_s = 0;
+  o.batch_size = 4;
   // Without a measured host link, p2p's speed (1000 B/s: 1 s a pass).
   links.host_bytes_per_s = 0;
   CHECK_THAT(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).fwd_ms, WithinRel(1000.0, 1e-12));
@@ -435,6 +446,68 @@ TEST_CASE("Streamed offload pays the host link per micro-batch, beside the compu
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK_THAT(e.fwd_ms, WithinRel(4.0, 1e-12));
   CHECK_THAT(e.bwd_ms, WithinRel(8.0, 1e-12));
+}
+
+TEST_CASE("A streamed stage recomputes block by block, keeping each block's input",
+          "[cost_eval]") {
+  // Eight blocks of 250 trainable bytes, activations 1000 and working memory 50 each at 4
+  // samples, a cut of 5 bytes a sample between any two.
+  CostTable t;
+  for (int b = 0; b < 8; ++b) {
+    t.param_bytes.push_back(250);
+    t.param_trainable.push_back(true);
+    Block blk;
+    blk.params = {b};
+    blk.by_mb[4] = {1.0, 2.0, 1000, 50};
+    t.blocks.push_back(blk);
+    t.cut_bytes_per_sample.push_back(b == 0 ? 0 : 5);
+  }
+  SearchOptions o = Batch(1, 1);
+  o.offload = true;
+  o.offload_block_bytes = 250;
+  o.mem_margin = 0;
+  o.overlap_host_copies = true;
+  Links links = SimpleLinks();
+  links.host_bytes_per_s = 1e12;  // the copies hide behind the compute
+  // Kept whole: three blocks' parameters, the eight blocks' activations with the last one's
+  // working memory, and one block's gradients.
+  const uint64_t keep_all = 750 + (8000 + 50 + 250);
+  // Recomputed by blocks: the inputs of the blocks after the first (8 x 20 bytes, the runtime's
+  // block count taken as 2000 / 250 + 1), at most three planning blocks' activations rerun at
+  // once (a runtime block of 250 bytes spans one planning block whole and parts of its two
+  // neighbours), and one block's gradients.
+  const uint64_t blocked = 750 + 8 * 20 + (3000 + 50) + 250;
+  o.device_memory_bytes = keep_all;
+  StageEval e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(e.feasible);
+  CHECK(!e.recompute);
+  CHECK(e.memory_bytes == keep_all);
+  o.device_memory_bytes = blocked;
+  e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(e.feasible);
+  CHECK(e.recompute);
+  CHECK(e.memory_bytes == blocked);
+  CHECK_THAT(e.bwd_ms, WithinRel(16.0 + 8.0, 1e-12));  // each block's forward again
+  // GPipe's two micro-batches in flight keep their blocks' inputs both.
+  o.schedule = Schedule::kGPipe;
+  o.batch_size = 8;
+  o.device_memory_bytes = 1000000;
+  // (kept whole, the first micro-batch's activations stay while the second runs)
+  CHECK(EvaluateStage(t, links, o, 0, 8, 1, 0, 2).memory_bytes == keep_all + 8000);
+  o.device_memory_bytes = blocked + 8 * 20;
+  e = EvaluateStage(t, links, o, 0, 8, 1, 0, 2);
+  CHECK(e.recompute);
+  CHECK(e.memory_bytes == blocked + 8 * 20);
+  // Blocks of 500 bytes: a runtime block spans two planning blocks whole, so four at most
+  // rerun at once; about half as many inputs kept (2000 / 500 + 1 blocks).
+  o = Batch(1, 1);
+  o.offload = true;
+  o.offload_block_bytes = 500;
+  o.mem_margin = 0;
+  o.device_memory_bytes = 6000;
+  e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(e.recompute);
+  CHECK(e.memory_bytes == 1500 + 4 * 20 + (4000 + 50) + 500);
 }
 
 TEST_CASE("AMP's weight copies count once per micro-batch in flight", "[cost_eval]") {

@@ -60,6 +60,10 @@ struct Links {
   // uploads of parameters and downloads of gradients run at. 0: not measured, p2p's (CPU
   // devices, whose host copies are memcpys).
   double host_bytes_per_s = 0;
+  // The host's memory as an in-place add of large fp32 tensors moves it (two read, one
+  // written, counted): what offload's sums of streamed gradients over a step's micro-batches
+  // run at, on the device's thread. 0: not measured, such sums not priced.
+  double host_memory_bytes_per_s = 0;
 };
 
 }  // namespace planner

@@ -249,4 +249,27 @@ absl::StatusOr<double> MeasureHostLink(c10::Device device, uint64_t bytes, int r
   return static_cast<double>(bytes) / std::max(up, down);
 }
 
+absl::StatusOr<double> MeasureHostMemory(uint64_t bytes, int repeats) {
+  if (bytes < 4 || repeats < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the host's memory is measured over at least 4 bytes and 1 repeat, not ", bytes,
+        " bytes, ", repeats, " repeats"));
+  }
+  double fastest = std::numeric_limits<double>::infinity();
+  absl::Status s = TorchCall(absl::StatusCode::kInternal, "probing the host's memory", [&] {
+    const auto n = static_cast<int64_t>(bytes / 4);
+    at::Tensor a = at::zeros({n}, at::kFloat);  // touched: no page faults in the timed adds
+    const at::Tensor b = at::ones({n}, at::kFloat);
+    for (int i = 0; i <= repeats; ++i) {  // the first is a warm-up
+      const Clock::time_point start = Clock::now();
+      a.add_(b);
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      if (i > 0) fastest = std::min(fastest, seconds);
+    }
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  return 3.0 * static_cast<double>(bytes / 4 * 4) / fastest;
+}
+
 }  // namespace rannc

@@ -58,6 +58,12 @@ absl::StatusOr<planner::Links> MeasureCommLinks(const CommLinkProbeOptions& opti
 absl::StatusOr<double> MeasureHostLink(c10::Device device, uint64_t bytes = 128 << 20,
                                        int repeats = 3);
 
+// Bytes per second of the host's memory as `a.add_(b)` over two fp32 tensors of `bytes` each
+// moves it (2 x bytes read, bytes written), the fastest of `repeats` after a warm-up, with
+// LibTorch's intra-op threads: planner::Links::host_memory_bytes_per_s, which offload's sums of
+// gradients on the host run at. INVALID_ARGUMENT for a size under 4 bytes or repeats < 1.
+absl::StatusOr<double> MeasureHostMemory(uint64_t bytes = 128 << 20, int repeats = 3);
+
 }  // namespace rannc
 
 #endif  // RANNC_DAEMON_PLANNER_LINK_PROBE_H_

@@ -72,6 +72,17 @@ TEST_CASE("The link probe refuses what it cannot measure", "[probe]") {
         absl::StatusCode::kInvalidArgument);
   CHECK(MeasureHostLink(c10::Device(c10::kCUDA, 0), 0).status().code() ==
         absl::StatusCode::kInvalidArgument);
+  CHECK(MeasureHostMemory(0).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MeasureHostMemory(1 << 20, 0).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("The host's memory is measured as an add moves it", "[probe]") {
+  absl::StatusOr<double> bandwidth = MeasureHostMemory(16 << 20, 2);
+  INFO(bandwidth.status().ToString());
+  REQUIRE(bandwidth.ok());
+  // Any machine this runs on moves more than 100 MB/s and less than 100 TB/s.
+  CHECK(*bandwidth > 1e8);
+  CHECK(*bandwidth < 1e14);
 }
 
 }  // namespace

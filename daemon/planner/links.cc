@@ -483,6 +483,9 @@ std::string DescribeLinks(const Links& links) {
   if (links.host_bytes_per_s > 0) {
     absl::StrAppendFormat(&out, ", host %.3g GB/s", links.host_bytes_per_s / 1e9);
   }
+  if (links.host_memory_bytes_per_s > 0) {
+    absl::StrAppendFormat(&out, ", host memory %.3g GB/s", links.host_memory_bytes_per_s / 1e9);
+  }
   return out;
 }
 
@@ -500,6 +503,9 @@ std::string LinksToString(const Links& links) {
   if (links.host_bytes_per_s > 0) {
     absl::StrAppend(&out, ",host=", FormatBandwidth(links.host_bytes_per_s));
   }
+  if (links.host_memory_bytes_per_s > 0) {
+    absl::StrAppend(&out, ",host_memory=", FormatBandwidth(links.host_memory_bytes_per_s));
+  }
   return out;
 }
 
@@ -512,7 +518,7 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
     const size_t eq = field.find('=');
     if (eq == absl::string_view::npos) {
       return BadToken(field, "expected key=value (keys p2p, p2p_latency, allreduce, "
-                             "allreduce_latency, host)");
+                             "allreduce_latency, host, host_memory)");
     }
     const std::string key(absl::StripAsciiWhitespace(field.substr(0, eq)));
     const absl::string_view value = absl::StripAsciiWhitespace(field.substr(eq + 1));
@@ -532,6 +538,10 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
       absl::StatusOr<double> v = ParseBandwidth(field, value);
       if (!v.ok()) return v.status();
       links.host_bytes_per_s = *v;
+    } else if (key == "host_memory") {
+      absl::StatusOr<double> v = ParseBandwidth(field, value);
+      if (!v.ok()) return v.status();
+      links.host_memory_bytes_per_s = *v;
     } else if (key == "allreduce_latency") {
       absl::StatusOr<double> v = ParseLatency(field, value);
       if (!v.ok()) return v.status();
@@ -556,7 +566,7 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
       }
     } else {
       return BadToken(field, "unknown key; expected p2p, p2p_latency, allreduce, "
-                             "allreduce_latency or host");
+                             "allreduce_latency, host or host_memory");
     }
   }
   return links;

@@ -160,6 +160,14 @@ TEST_CASE("LinksFromString parses every field exactly") {
   CHECK(host->host_bytes_per_s == 25e9);
   CHECK(LinksToString(*host) == "p2p=10GB/s,p2p_latency=10us,allreduce_latency=20us,host=25GB/s");
   CHECK(DescribeLinks(*host) == "p2p 10 GB/s (10 us), all-reduce none (20 us), host 25 GB/s");
+  CHECK(host->host_memory_bytes_per_s == 0);  // not given: sums on the host not priced
+  absl::StatusOr<Links> memory = LinksFromString("host_memory=60GB/s,host=25GB/s");
+  REQUIRE(memory.ok());
+  CHECK(memory->host_memory_bytes_per_s == 60e9);
+  CHECK(LinksToString(*memory) ==
+        "p2p=10GB/s,p2p_latency=10us,allreduce_latency=20us,host=25GB/s,host_memory=60GB/s");
+  CHECK(DescribeLinks(*memory) ==
+        "p2p 10 GB/s (10 us), all-reduce none (20 us), host 25 GB/s, host memory 60 GB/s");
 }
 
 TEST_CASE("LinksFromString keeps defaults for missing fields") {
