@@ -31,7 +31,9 @@ Besides gpt_peers.py's fields: planning_s and profiling_s (the deployment's plan
 and profiling_seconds: the daemon's planning at the first forward, profiling included), the plan
 (stages, replicas per stage, micro-batches, schedule, recomputation, the planner's step-time and
 memory estimates), peak memory per device (ListJobs' peak_device_bytes: the daemon's measured
-high-water mark during a step, what a device held when the step began included), and
+high-water mark during a step, what a device held when the step began included), the
+last step's busy time in the daemon by kind of call (busy_by_call_s), host memory
+(host_peak_rss_gib, this client's peak; daemon_peak_rss_gib, the embedded daemon's VmHWM), and
 time_to_first_step_s: from RaNNCModule(...) to the end of the first step, i.e. tracing the model
 on the host, sending it, planning, placing it on the devices, and one step. The daemon is
 started (or reached) before that clock starts: daemon_start_s is apart.
@@ -186,6 +188,23 @@ def plan_of(deployment):
     }
 
 
+def daemon_peak_rss_gib():
+    """The embedded daemon's peak resident memory so far (VmHWM), in GiB; None when pyrannc
+    reached a daemon it did not start, or /proc does not say."""
+    from pyrannc import _daemon
+    conn = _daemon.current_connection()
+    if conn is None or conn.embedded is None:
+        return None
+    try:
+        with open(f"/proc/{conn.embedded.proc.pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / (1 << 20)  # kB
+    except OSError:
+        pass
+    return None
+
+
 def write_pid(path):
     from pyrannc import _daemon
     conn = _daemon.current_connection()
@@ -300,6 +319,7 @@ def run(args, cfg, phase):
         "model_build_s": build_s,
         "daemon_start_s": daemon_start_s,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
+        "daemon_peak_rss_gib": daemon_peak_rss_gib(),
         "loss_first": losses[0],
         "loss_last": losses[-1],
     })

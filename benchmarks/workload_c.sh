@@ -333,6 +333,10 @@ def note(r):
         bits.append(r["optimizer"])
     if r.get("peak_rss_gib") and r.get("offload"):
         bits.append(f"host peak {max(r['peak_rss_gib']):.0f} GiB")
+    if r.get("daemon_peak_rss_gib") is not None and r.get("offload"):
+        # ranncd's own, and the client's (which traces the model and frees it once sent)
+        bits.append(f"host peak: daemon {r['daemon_peak_rss_gib']:.0f} GiB, client "
+                    f"{r.get('host_peak_rss_gib') or 0:.0f} GiB")
     if r.get("loss_last") is not None:
         bits.append(f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
     return "; ".join(bits)
