@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <vector>
 #include <iterator>
+#include <vector>
 
 #include "daemon/planner/cost_eval_internal.h"
 
