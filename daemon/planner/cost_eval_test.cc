@@ -433,10 +433,8 @@ TEST_CASE("Streamed offload pays the host link per micro-batch, beside the compu
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 2);
   CHECK_THAT(e.bwd_ms, WithinRel(10.0 + 15.0, 1e-12));
   CHECK_THAT(Objective({e}, 2), WithinRel(40.0 + 30.0, 1e-12));
-  o.batch_size = 4;
   CHECK_THAT(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).bwd_ms, WithinRel(10.0, 1e-12));
   links.host_memory_bytes_per_s = 0;
-  o.batch_size = 4;
   // Without a measured host link, p2p's speed (1000 B/s: 1 s a pass).
   links.host_bytes_per_s = 0;
   CHECK_THAT(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).fwd_ms, WithinRel(1000.0, 1e-12));

@@ -304,9 +304,9 @@ absl::Status Job::BackwardUnmeasured(const OutputGrads& output_grads, bool retai
 absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<NamedTensors> out = RunUnmeasured(op);
-  // The step's memory too.
-  Measured(start, op.kind == JobOp::Kind::kStep ? JobMetrics::Call::kStep : JobMetrics::Call::kOther);
-  if (out.ok() && op.kind == JobOp::Kind::kStep) MeasuredStep();
+  const bool step = op.kind == JobOp::Kind::kStep;
+  Measured(start, step ? JobMetrics::Call::kStep : JobMetrics::Call::kOther);  // the step's memory too
+  if (out.ok() && step) MeasuredStep();
   return out;
 }
 
