@@ -305,7 +305,8 @@ absl::StatusOr<NamedTensors> Job::RunLocked(const JobOp& op) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<NamedTensors> out = RunUnmeasured(op);
   const bool step = op.kind == JobOp::Kind::kStep;
-  Measured(start, step ? JobMetrics::Call::kStep : JobMetrics::Call::kOther);  // the step's memory too
+  // The step's memory too.
+  Measured(start, step ? JobMetrics::Call::kStep : JobMetrics::Call::kOther);
   if (out.ok() && step) MeasuredStep();
   return out;
 }
