@@ -254,6 +254,64 @@ def memory_estimate(cfg: "GPTConfig", ac="off", gpus: int = 1, offload: bool = F
             "peak": max(backward, optimizer)}
 
 
+class HostPressure:
+    """The host's memory pressure over the timed steps, from /proc (Linux; empty elsewhere): the
+    least MemAvailable seen at `sample()`, and the major page faults and pages swapped in and out
+    since `start()`. A host short of memory drops file pages (code included) and reads them back:
+    major faults say so."""
+
+    _COUNTERS = ("pgmajfault", "pswpin", "pswpout")
+
+    def __init__(self):
+        self._start = None
+        self._min_available = None
+
+    @staticmethod
+    def _vmstat() -> dict:
+        try:
+            with open("/proc/vmstat", encoding="ascii") as f:
+                fields = dict(line.split() for line in f)
+        except OSError:
+            return {}
+        return {k: int(fields[k]) for k in HostPressure._COUNTERS if k in fields}
+
+    @staticmethod
+    def _available():
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def start(self) -> None:
+        self._start = self._vmstat()
+        self.sample()
+
+    def sample(self) -> None:
+        available = self._available()
+        if available is not None and (self._min_available is None
+                                      or available < self._min_available):
+            self._min_available = available
+
+    def record(self) -> dict:
+        """The fields a result line gets: host_min_available_gib, host_major_faults,
+        host_pages_swapped (None where /proc does not say)."""
+        end = self._vmstat()
+        start = self._start or {}
+        delta = {k: end[k] - start[k] for k in end if k in start}
+        swapped = (delta["pswpin"] + delta["pswpout"]
+                   if "pswpin" in delta and "pswpout" in delta else None)
+        return {
+            "host_min_available_gib": None if self._min_available is None
+            else self._min_available / 2**30,
+            "host_major_faults": delta.get("pgmajfault"),
+            "host_pages_swapped": swapped,
+        }
+
+
 def emit(record: dict, out=None) -> None:
     """Prints `record` as one JSON line (the harnesses' result format) and, with `out`, appends
     it to that file."""

@@ -348,7 +348,10 @@ def run(args, cfg, device):
     # Data-parallel ranks draw different sequences; both pipeline stages need the same batch.
     gen = torch.Generator().manual_seed(gm.SEED + 1 + (rank if data_parallel else 0))
     times, losses, first_step_end = [], [], None
-    for _ in range(args.warmup + args.steps):
+    pressure = gm.HostPressure()
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            pressure.start()
         x, y = gm.batch(cfg, local_batch, gen, device)
         dist.barrier()
         sync(device)
@@ -360,6 +363,8 @@ def run(args, cfg, device):
             first_step_end = t1
         times.append(t1 - t0)
         losses.append(None if loss is None else float(loss))
+        if i >= args.warmup:
+            pressure.sample()
 
     trace = profile_steps(args, cfg, device, step, local_batch, gen) if args.profile else None
     mine = {"times": times[args.warmup:], "losses": losses,
@@ -416,6 +421,7 @@ def run(args, cfg, device):
     else:
         record["peak_mem_gib"] = None
     record["peak_rss_gib"] = [r["peak_rss"] / GIB for r in everyone]
+    record.update(pressure.record())  # the host's, seen from rank 0
     if args.base == "fsdp2":
         record["peak_estimate_gib"] = peak_estimate_gib(args, cfg, world)
     return record

@@ -337,6 +337,11 @@ def note(r):
         # ranncd's own, and the client's (which traces the model and frees it once sent)
         bits.append(f"host peak: daemon {r['daemon_peak_rss_gib']:.0f} GiB, client "
                     f"{r.get('host_peak_rss_gib') or 0:.0f} GiB")
+    if r.get("host_min_available_gib") is not None and r.get("offload"):
+        # the host's memory pressure over the timed steps (gpt_model.HostPressure)
+        bits.append(f"host free >= {r['host_min_available_gib']:.0f} GiB, "
+                    f"{r.get('host_major_faults')} major faults, "
+                    f"{r.get('host_pages_swapped')} pages swapped")
     if r.get("loss_last") is not None:
         bits.append(f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
     return "; ".join(bits)

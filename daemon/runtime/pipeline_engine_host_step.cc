@@ -19,11 +19,14 @@
 // one step of all of them gives, to the bit. Where a parameter streams in a narrower dtype
 // (Device::low_dtype), its cast for the upload is made on the thread too, right after its
 // update, while the master is still in the cache.
+#include <chrono>
 #include <utility>
 
 #include <ATen/core/grad_mode.h>
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/elapsed.h"
 #include "daemon/common/status.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
 
@@ -42,10 +45,12 @@ bool PipelineEngine::Impl::StepsBesideForward(const Device& d) const {
 absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
                                                  const std::vector<HyperParams>& hypers) {
   auto step = std::make_unique<Device::HostStep>();
+  step->started = std::chrono::steady_clock::now();
   step->hypers = hypers;
   step->units.emplace_back();
   for (int li : stages_[d.stage].params) {
     if (d.host[li].defined() && !d.Streamed(li)) step->units[0].push_back(li);
+    if (d.host[li].defined()) step->bytes += d.host[li].nbytes();
   }
   for (const std::vector<int>& block : d.streamed) step->units.push_back(block);
   // The thread holds every gradient until its end; each unit's go back to their masters only
@@ -70,6 +75,7 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
   s.done = 1;
   s.thread = std::thread([this, &d] {
     Device::HostStep& s = *d.host_step;
+    const auto thread_start = std::chrono::steady_clock::now();
     absl::Status status = absl::OkStatus();
     for (int u = 1; u < static_cast<int>(s.units.size()); ++u) {
       if (before_host_step_unit_) before_host_step_unit_(d.index, u);
@@ -93,6 +99,7 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
     }
     s.grads.clear();
     s.status = status;
+    s.thread_s = SecondsSince(thread_start);
     s.finished = true;
     s.cv.notify_all();
   });
@@ -129,7 +136,11 @@ absl::Status PipelineEngine::Impl::AwaitStepped(Device& d, int block) {
   if (!d.host_step) return absl::OkStatus();
   Device::HostStep& s = *d.host_step;
   std::unique_lock<std::mutex> lock(s.mu);
-  s.cv.wait(lock, [&] { return s.done >= block + 2 || s.finished; });
+  if (s.done < block + 2 && !s.finished) {
+    const auto start = std::chrono::steady_clock::now();
+    s.cv.wait(lock, [&] { return s.done >= block + 2 || s.finished; });
+    s.waited_s += SecondsSince(start);
+  }
   if (s.done >= block + 2) return absl::OkStatus();
   return Annotate(s.status, "the optimizer step before this forward");
 }
@@ -156,6 +167,12 @@ absl::Status PipelineEngine::Impl::SettleHostSteps() {
   for (Device& d : devices_) {
     if (!d.host_step) continue;
     if (d.host_step->thread.joinable()) d.host_step->thread.join();
+    const Device::HostStep& s = *d.host_step;
+    spdlog::debug("device {}: the host optimizer step of {:.2f} GB of masters in {} units took "
+                  "{:.3f} s on its thread ({:.3f} s to Settle since Step); the forward waited "
+                  "{:.3f} s for it",
+                  d.index, s.bytes / 1e9, s.units.size(), s.thread_s, SecondsSince(s.started),
+                  s.waited_s);
     if (first.ok() && !d.host_step->status.ok()) {
       first = Annotate(d.host_step->status, "the last optimizer step");
     }

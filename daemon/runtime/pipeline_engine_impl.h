@@ -214,6 +214,11 @@ struct Device {
     absl::Status status;  // the first failure
     std::optional<bool> zero_grad;
     std::thread thread;
+    // For the debug log (SettleHostSteps): when Step began, the thread's seconds, and the
+    // seconds the forward waited for a unit.
+    std::chrono::steady_clock::time_point started;
+    double thread_s = 0, waited_s = 0;
+    int64_t bytes = 0;  // the masters stepped
   };
   std::unique_ptr<HostStep> host_step;
   // ZeroGrad(false): the parameters (lifted indices) whose gradient is zeros without being
@@ -543,6 +548,13 @@ class PipelineEngine::Impl {
   // Steps the parameters uploaded whole, then starts the thread that steps each block's; the
   // first unit's failure (bad hyper-parameters) is returned with nothing stepped.
   absl::Status StartHostStep(Device& d, const std::vector<HyperParams>& hypers);
+  // Offload: RESOURCE_EXHAUSTED, naming `what`, when `bytes` more of host memory is more than
+  // host_memory_available_ says the host has (EngineOptions::host_memory_available).
+  absl::Status CheckHostMemory(int64_t bytes, const std::string& what) const;
+  // The host memory the optimizer's next step over offloaded masters will allocate for state
+  // it does not hold yet, and the low-precision copies a forward will make.
+  int64_t HostStateToMake(const std::vector<HyperParams>& hypers) const;
+  int64_t HostCopiesToMake() const;
   // Steps unit `u` of d.host_step (on its thread, or the caller's for unit 0).
   absl::Status StepUnit(Device& d, int u);
   // On the device's worker: whether block `block`'s parameters are stepped; waiting for it
@@ -603,6 +615,7 @@ class PipelineEngine::Impl {
   bool offload_low_precision_ = false;  // EngineOptions::offload_low_precision
   absl::Status host_step_failure_;  // SettleHostStepsKeepingFailure's
   std::function<void(int, int)> before_host_step_unit_;  // EngineOptions'
+  std::function<int64_t()> host_memory_available_;        // EngineOptions'
   size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
   AmpDtype grad_wire_dtype_;         // EngineOptions::grad_wire_dtype
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step
