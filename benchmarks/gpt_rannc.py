@@ -33,7 +33,9 @@ and profiling_seconds: the daemon's planning at the first forward, profiling inc
 memory estimates), peak memory per device (ListJobs' peak_device_bytes: the daemon's measured
 high-water mark during a step, what a device held when the step began included), the
 last step's busy time in the daemon by kind of call (busy_by_call_s), host memory
-(host_peak_rss_gib, this client's peak; daemon_peak_rss_gib, the embedded daemon's VmHWM), and
+(host_peak_rss_gib, this client's peak; daemon_peak_rss_gib, the embedded daemon's VmHWM; the
+host's pressure over the timed steps, as gpt_peers.py records it: host_min_available_gib,
+host_major_faults, host_pages_swapped), and
 time_to_first_step_s: from RaNNCModule(...) to the end of the first step, i.e. tracing the model
 on the host, sending it, planning, placing it on the devices, and one step. The daemon is
 started (or reached) before that clock starts: daemon_start_s is apart.
@@ -182,6 +184,8 @@ def plan_of(deployment):
         "recompute": [bool(s.recompute) for s in deployment.stages],
         "estimated_step_ms": deployment.estimated_step_ms,
         "estimated_memory_gib": [s.memory_bytes / GIB for s in deployment.stages],
+        # offload: the host's optimizer step the first forward does not hide, per stage
+        "estimated_host_step_ms": [s.host_step_ms for s in deployment.stages],
         "device_type": deployment.device_type,
         "device_memory_gib": deployment.device_memory_bytes / GIB,
         "loaded": deployment.loaded,
@@ -213,12 +217,15 @@ def write_pid(path):
             f.write(f"{conn.embedded.proc.pid}\n")
 
 
-def train(rmod, opt, cfg, gen, steps, started):
+def train(rmod, opt, cfg, gen, steps, started, pressure=None, warmup=0):
     """`steps` training steps; returns each step's seconds, losses and the end of the first step
-    measured from `started`."""
+    measured from `started`. `pressure` (gm.HostPressure) starts after `warmup` steps and is
+    sampled after each later one."""
     flush = getattr(rmod, "_flush", None)  # pyrannc's deferred backward/step/zero_grad
     times, losses, first = [], [], None
-    for _ in range(steps):
+    for i in range(steps):
+        if pressure is not None and i == warmup:
+            pressure.start()
         x, y = gm.batch(cfg, cfg.batch, gen)
         t0 = time.perf_counter()
         loss = rmod(x, y)
@@ -232,6 +239,8 @@ def train(rmod, opt, cfg, gen, steps, started):
             first = t1 - started
         times.append(t1 - t0)
         losses.append(float(loss))
+        if pressure is not None and i >= warmup:
+            pressure.sample()
     return times, losses, first
 
 
@@ -276,7 +285,9 @@ def run(args, cfg, phase):
     started = time.perf_counter()
     rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, enable_zero=args.zero,
                                offload_params=args.offload)
-    times, losses, first = train(rmod, opt, cfg, gen, args.warmup + args.steps, started)
+    pressure = gm.HostPressure()
+    times, losses, first = train(rmod, opt, cfg, gen, args.warmup + args.steps, started,
+                                 pressure, args.warmup)
     deployment = rmod.deployment
     summary = job_summary(rmod)
     devices = list(summary.devices)
@@ -320,6 +331,7 @@ def run(args, cfg, phase):
         "daemon_start_s": daemon_start_s,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
         "daemon_peak_rss_gib": daemon_peak_rss_gib(),
+        **pressure.record(),
         "loss_first": losses[0],
         "loss_last": losses[-1],
     })

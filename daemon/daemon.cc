@@ -123,6 +123,14 @@ absl::StatusOr<planner::Links> MeasureLinks(const std::vector<DaemonFacts::Devic
     spdlog::warn("measuring the host's memory failed ({}); the planner does not price "
                  "offload's sums of gradients on the host", memory.status().ToString());
   }
+  // What offload's optimizer steps on the host run at: the masters are page-locked.
+  absl::StatusOr<double> step = MeasureHostStep(256 << 20, 2, /*pinned=*/true);
+  if (step.ok()) {
+    links->host_step_bytes_per_s = *step;
+  } else {
+    spdlog::warn("measuring the host's optimizer step failed ({}); the planner does not price "
+                 "offload's optimizer steps on the host", step.status().ToString());
+  }
   return links;
 }
 

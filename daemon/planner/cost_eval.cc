@@ -266,6 +266,13 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
                   links.host_memory_bytes_per_s * 1000.0;
     }
   }
+  if (options.offload && links.host_step_bytes_per_s > 0) {
+    const double touched = (3.0 + 2.0 * options.optimizer_state_factor) * terms.trainable /
+                           (options.zero && replicas > 1 ? replicas : 1);
+    const double step_ms = touched / links.host_step_bytes_per_s * 1000.0;
+    // Streamed, the first micro-batch's forward waits for each block's unit of the step only.
+    e.host_step_ms = terms.streamed_block > 0 ? std::max(0.0, step_ms - e.fwd_ms) : step_ms;
+  }
   e.memory_bytes = static_cast<uint64_t>(std::ceil(memory.total));
   const double fixed = std::max(0.0, memory.total - memory.scaled);
   e.fixed_bytes = std::min(e.memory_bytes, static_cast<uint64_t>(std::floor(fixed)));
@@ -328,13 +335,13 @@ StageEval EvaluateStage(const CostTable& table, const Links& links,
 }
 
 double Objective(const std::vector<StageEval>& stages, int micro_batches) {
-  double max_time = 0, sum_time = 0, max_allreduce = 0;
+  double max_time = 0, sum_time = 0, max_per_step = 0;
   for (const StageEval& s : stages) {
     max_time = std::max(max_time, s.time_ms);
     sum_time += s.time_ms;
-    max_allreduce = std::max(max_allreduce, s.allreduce_ms);
+    max_per_step = std::max(max_per_step, s.per_step_ms());
   }
-  return (micro_batches - 1) * max_time + sum_time + max_allreduce;
+  return (micro_batches - 1) * max_time + sum_time + max_per_step;
 }
 
 }  // namespace planner

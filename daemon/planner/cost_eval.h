@@ -95,6 +95,11 @@ struct StageEval {
   // The gradient all-reduce over the replicas once per step (its part that the backward does
   // not hide, with overlap_allreduce); 0 with 1 replica.
   double allreduce_ms = 0;
+  // Offload: the optimizer's step over the stage's masters on the host, once per step, less
+  // what the first forward hides (Links::host_step_bytes_per_s; 0 when not measured).
+  double host_step_ms = 0;
+  // What a step pays once on this stage's devices beside the pipeline's passes.
+  double per_step_ms() const { return allreduce_ms + host_step_ms; }
   uint64_t memory_bytes = 0;     // estimated peak per device
   // The part of memory_bytes that does not grow with the micro-batch size (parameters, optimizer
   // state, gradient buffers, weight copies); the rest grows at most linearly with it, so
@@ -164,8 +169,14 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 // overlap_host_copies, beside the compute (fwd_ms = max(fwd, up), bwd_ms = max(bwd, up, down));
 // otherwise after it (fwd_ms += up, bwd_ms += up; a CPU device's gradients stay). So more
 // micro-batches cost link time, and on a GPU recomputation is free while the link is the
-// slower. Unstreamed offload's copies, once a step whatever the plan, are not counted. An
-// infeasible result reports the smallest memory of its options (recompute if allowed).
+// slower. Unstreamed offload's copies, once a step whatever the plan, are not counted.
+// Offloaded, the optimizer steps the masters on the host once a step, touching
+// (3 + 2 x optimizer_state_factor) x G bytes (the masters and gradients read, the state read
+// and written, the masters written; G / replicas with zero) at Links::host_step_bytes_per_s:
+// host_step_ms. Streamed, the step runs beside the next forward, each block's unit ahead of the
+// block's fetch, so the first micro-batch's forward hides fwd_ms of it; otherwise it runs before
+// the forward, all of it paid. An infeasible result reports the smallest memory of its options
+// (recompute if allowed).
 // fixed_bytes is memory_bytes less its growth per unit of micro-batch:
 // (k - 1) K + I + max_i A_<=i + W_i with the activations, inputs and working memory that grow.
 StageEval EvaluateStage(const CostTable& table, const Links& links,
@@ -177,10 +188,11 @@ StageEval EvaluateStage(const CostTable& table, const Links& links,
 double AllreduceBandwidth(const Links& links, int k);
 
 // The step time in ms of a pipeline of `stages` (in order) with m = `micro_batches`:
-//   (m - 1) * max_s time_ms + sum_s time_ms + max_s allreduce_ms.
+//   (m - 1) * max_s time_ms + sum_s time_ms + max_s per_step_ms.
 // The slowest stage paces the steady state; filling and draining the pipeline costs one pass
 // through all stages; the all-reduces of different stages overlap each other (they use
-// different devices) but not the pipeline, as they start once the stage's last backward ends.
+// different devices) but not the pipeline, as they start once the stage's last backward ends;
+// so do the host's optimizer steps of offloaded stages, before their first forwards.
 double Objective(const std::vector<StageEval>& stages, int micro_batches);
 
 }  // namespace planner

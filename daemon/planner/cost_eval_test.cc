@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "daemon/planner/cost_table.h"
+#include "daemon/planner/schedule_sim.h"
 
 namespace rannc {
 namespace planner {
@@ -444,6 +445,53 @@ TEST_CASE("Streamed offload pays the host link per micro-batch, beside the compu
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK_THAT(e.fwd_ms, WithinRel(4.0, 1e-12));
   CHECK_THAT(e.bwd_ms, WithinRel(8.0, 1e-12));
+}
+
+TEST_CASE("Offload prices the optimizer's step on the host, less what the first forward hides",
+          "[cost_eval]") {
+  // Four blocks of 250 trainable bytes (G = 1000), fwd 1 and bwd 2 ms each at 4 samples; Adam
+  // (state factor 2): a step touches 7 x 1000 bytes, 7 ms at 1 MB/s.
+  const CostTable t = Stack(250, 100);
+  SearchOptions o = Batch(1, 1);
+  o.offload = true;
+  o.offload_block_bytes = 250;
+  o.overlap_host_copies = true;
+  Links links = SimpleLinks();
+  links.host_bytes_per_s = 1e6;  // 1 ms a pass: the compute paces fwd (4) and bwd (8)
+  // Not measured: not priced.
+  StageEval e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
+  CHECK(e.host_step_ms == 0);
+  links.host_step_bytes_per_s = 1e6;
+  // Streamed: beside the forward, which hides 4 of the 7 ms.
+  e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
+  CHECK_THAT(e.host_step_ms, WithinRel(3.0, 1e-12));
+  CHECK_THAT(e.time_ms, WithinRel(12.0, 1e-12));  // the passes themselves unchanged
+  CHECK_THAT(Objective({e}, 1), WithinRel(15.0, 1e-12));
+  CHECK_THAT(SimulateStep({e}, 1, o.schedule), WithinRel(15.0, 1e-12));
+  // Once a step, whatever the micro-batches: the first of two of 2 samples (fwd 2, bwd 4 ms)
+  // hides 2 ms.
+  e = EvaluateStage(t, links, o, 0, 4, 1, 0, 2);
+  CHECK_THAT(e.host_step_ms, WithinRel(5.0, 1e-12));
+  CHECK_THAT(Objective({e}, 2), WithinRel(2 * 6.0 + 5.0, 1e-12));
+  // A forward longer than the step hides all of it.
+  links.host_step_bytes_per_s = 7e6;  // 1 ms
+  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).host_step_ms == 0);
+  links.host_step_bytes_per_s = 1e6;
+  // SGD without momentum (no state) touches 3 x 1000 bytes: 3 ms, under the forward.
+  o.optimizer_state_factor = 0;
+  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).host_step_ms == 0);
+  o.optimizer_state_factor = 2;
+  // Not streamed (one block over the stage): the step runs before the forward, all paid.
+  o.offload_block_bytes = 4000;
+  CHECK_THAT(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).host_step_ms, WithinRel(7.0, 1e-12));
+  // With zero over two replicas each steps its half of the masters (4 samples each).
+  o = Batch(1, 2);
+  o.offload = true;
+  o.zero = true;
+  CHECK_THAT(EvaluateStage(t, links, o, 0, 4, 2, 0, 1).host_step_ms, WithinRel(3.5, 1e-12));
+  // Without offload the step is the device's: not priced here.
+  o.offload = false;
+  CHECK(EvaluateStage(t, links, o, 0, 4, 2, 0, 1).host_step_ms == 0);
 }
 
 TEST_CASE("A streamed stage recomputes block by block, keeping each block's input",

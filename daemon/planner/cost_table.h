@@ -64,6 +64,11 @@ struct Links {
   // written, counted): what offload's sums of streamed gradients over a step's micro-batches
   // run at, on the device's thread. 0: not measured, such sums not priced.
   double host_memory_bytes_per_s = 0;
+  // The host's memory as the daemon's AdamW moves it stepping page-locked fp32 masters (the
+  // parameters, gradients and both moments read, the parameters and moments written,
+  // counted): what an offloaded job's optimizer step on the host runs at (link_probe.h,
+  // MeasureHostStep). 0: not measured, the host's step not priced.
+  double host_step_bytes_per_s = 0;
 };
 
 }  // namespace planner

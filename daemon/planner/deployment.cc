@@ -124,8 +124,12 @@ std::string DescribeDeployment(const v1::Deployment& d) {
     std::vector<std::string> ops;
     for (int i = 0; i < s.ops_size() && i < 4; ++i) ops.push_back(s.ops(i));
     if (s.ops_size() > 4) ops.push_back("...");
-    std::snprintf(buf, sizeof(buf), "fwd %.3f ms, bwd %.3f ms, comm %.3f ms, all-reduce %.3f ms",
-                  s.fwd_ms(), s.bwd_ms(), s.comm_ms(), s.allreduce_ms());
+    int n = std::snprintf(buf, sizeof(buf),
+                          "fwd %.3f ms, bwd %.3f ms, comm %.3f ms, all-reduce %.3f ms", s.fwd_ms(),
+                          s.bwd_ms(), s.comm_ms(), s.allreduce_ms());
+    if (s.host_step_ms() > 0 && n > 0 && n < static_cast<int>(sizeof(buf))) {
+      std::snprintf(buf + n, sizeof(buf) - n, ", host step %.3f ms", s.host_step_ms());
+    }
     absl::StrAppend(&out, "  stage ", s.index(), ": nodes [", s.first_node(), ", ", s.end_node(),
                     ") on ", absl::StrJoin(devices, ", "), " (", s.devices_size(),
                     s.devices_size() == 1 ? " replica" : " replicas", "), micro-batch ",

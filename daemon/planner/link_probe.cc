@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/comm/store.h"
 #include "daemon/common/status.h"
+#include "daemon/optim/optimizer.h"
 #include "daemon/runtime/host_staged_communicator.h"
 #include "daemon/runtime/tensor_buffer.h"
 
@@ -270,6 +271,36 @@ absl::StatusOr<double> MeasureHostMemory(uint64_t bytes, int repeats) {
   });
   if (!s.ok()) return s;
   return 3.0 * static_cast<double>(bytes / 4 * 4) / fastest;
+}
+
+absl::StatusOr<double> MeasureHostStep(uint64_t bytes, int repeats, bool pinned) {
+  if (bytes < 4 || repeats < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the host's optimizer step is measured over at least 4 bytes and 1 repeat, not ", bytes,
+        " bytes, ", repeats, " repeats"));
+  }
+  const auto n = static_cast<int64_t>(bytes / 4);
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat).pinned_memory(pinned);
+  at::Tensor param;
+  absl::Status made = TorchCall(absl::StatusCode::kInternal, "making the step's tensors", [&] {
+    param = at::zeros({n}, options).requires_grad_(true);
+    param.mutable_grad() = at::full({n}, 1e-3, options);
+    return absl::OkStatus();
+  });
+  if (!made.ok()) return made;
+  const HyperParams hyper = DefaultHyperParams(OptimizerKind::kAdamW);
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt =
+      MakeOptimizer(OptimizerKind::kAdamW, {ParamGroup{{param}, hyper}});
+  if (!opt.ok()) return opt.status();
+  double fastest = std::numeric_limits<double>::infinity();
+  for (int i = 0; i <= repeats; ++i) {  // the first makes the moments
+    const Clock::time_point start = Clock::now();
+    absl::Status stepped = (*opt)->Step({hyper});
+    if (!stepped.ok()) return stepped;
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (i > 0) fastest = std::min(fastest, seconds);
+  }
+  return 7.0 * static_cast<double>(n * 4) / fastest;
 }
 
 }  // namespace rannc

@@ -64,6 +64,18 @@ absl::StatusOr<double> MeasureHostLink(c10::Device device, uint64_t bytes = 128 
 // gradients on the host run at. INVALID_ARGUMENT for a size under 4 bytes or repeats < 1.
 absl::StatusOr<double> MeasureHostMemory(uint64_t bytes = 128 << 20, int repeats = 3);
 
+// Bytes per second of the host's memory as the daemon's AdamW (optim/optimizer.h) steps one fp32
+// parameter of `bytes` on the host: each step reads the parameter, its gradient and both moments
+// and writes the parameter and the moments, 7 x bytes, over the seconds of the fastest of
+// `repeats` steps after a first one (which makes the moments). With `pinned`, the parameter and
+// its gradient are page-locked, as a CUDA device's offloaded masters and gradients are, so the
+// step runs the kernel an offloaded job's runs (fused where LibTorch has one). This is
+// planner::Links::host_step_bytes_per_s, which offload's optimizer steps on the host run at.
+// INVALID_ARGUMENT for a size under 4 bytes or repeats < 1; INTERNAL when LibTorch or the
+// optimizer fails (no page-locked memory without CUDA, say).
+absl::StatusOr<double> MeasureHostStep(uint64_t bytes = 256 << 20, int repeats = 2,
+                                       bool pinned = false);
+
 }  // namespace rannc
 
 #endif  // RANNC_DAEMON_PLANNER_LINK_PROBE_H_

@@ -74,6 +74,8 @@ TEST_CASE("The link probe refuses what it cannot measure", "[probe]") {
         absl::StatusCode::kInvalidArgument);
   CHECK(MeasureHostMemory(0).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MeasureHostMemory(1 << 20, 0).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MeasureHostStep(0).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MeasureHostStep(1 << 20, 0).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("The host's memory is measured as an add moves it", "[probe]") {
@@ -81,6 +83,14 @@ TEST_CASE("The host's memory is measured as an add moves it", "[probe]") {
   INFO(bandwidth.status().ToString());
   REQUIRE(bandwidth.ok());
   // Any machine this runs on moves more than 100 MB/s and less than 100 TB/s.
+  CHECK(*bandwidth > 1e8);
+  CHECK(*bandwidth < 1e14);
+}
+
+TEST_CASE("The host's optimizer step is measured as the daemon's AdamW moves memory", "[probe]") {
+  absl::StatusOr<double> bandwidth = MeasureHostStep(16 << 20, 2);
+  INFO(bandwidth.status().ToString());
+  REQUIRE(bandwidth.ok());
   CHECK(*bandwidth > 1e8);
   CHECK(*bandwidth < 1e14);
 }

@@ -486,6 +486,9 @@ std::string DescribeLinks(const Links& links) {
   if (links.host_memory_bytes_per_s > 0) {
     absl::StrAppendFormat(&out, ", host memory %.3g GB/s", links.host_memory_bytes_per_s / 1e9);
   }
+  if (links.host_step_bytes_per_s > 0) {
+    absl::StrAppendFormat(&out, ", host step %.3g GB/s", links.host_step_bytes_per_s / 1e9);
+  }
   return out;
 }
 
@@ -506,6 +509,9 @@ std::string LinksToString(const Links& links) {
   if (links.host_memory_bytes_per_s > 0) {
     absl::StrAppend(&out, ",host_memory=", FormatBandwidth(links.host_memory_bytes_per_s));
   }
+  if (links.host_step_bytes_per_s > 0) {
+    absl::StrAppend(&out, ",host_step=", FormatBandwidth(links.host_step_bytes_per_s));
+  }
   return out;
 }
 
@@ -518,7 +524,7 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
     const size_t eq = field.find('=');
     if (eq == absl::string_view::npos) {
       return BadToken(field, "expected key=value (keys p2p, p2p_latency, allreduce, "
-                             "allreduce_latency, host, host_memory)");
+                             "allreduce_latency, host, host_memory, host_step)");
     }
     const std::string key(absl::StripAsciiWhitespace(field.substr(0, eq)));
     const absl::string_view value = absl::StripAsciiWhitespace(field.substr(eq + 1));
@@ -542,6 +548,10 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
       absl::StatusOr<double> v = ParseBandwidth(field, value);
       if (!v.ok()) return v.status();
       links.host_memory_bytes_per_s = *v;
+    } else if (key == "host_step") {
+      absl::StatusOr<double> v = ParseBandwidth(field, value);
+      if (!v.ok()) return v.status();
+      links.host_step_bytes_per_s = *v;
     } else if (key == "allreduce_latency") {
       absl::StatusOr<double> v = ParseLatency(field, value);
       if (!v.ok()) return v.status();
@@ -566,7 +576,7 @@ absl::StatusOr<Links> LinksFromString(const std::string& text) {
       }
     } else {
       return BadToken(field, "unknown key; expected p2p, p2p_latency, allreduce, "
-                             "allreduce_latency, host or host_memory");
+                             "allreduce_latency, host, host_memory or host_step");
     }
   }
   return links;

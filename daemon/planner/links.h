@@ -63,8 +63,8 @@ absl::StatusOr<Links> MeasureCpuLinks(const LinkProbeOptions& options);
 
 // One line for logs and `rannc info`, 3 significant digits:
 //   "p2p 5.2 GB/s (8.1 us), all-reduce 2:3.1 GB/s 4:2 GB/s (45 us), host 25 GB/s, host memory
-//   60 GB/s" ("all-reduce none" when no k was measured; no host or host memory part where its
-//   bandwidth is 0).
+//   60 GB/s, host step 40 GB/s" ("all-reduce none" when no k was measured; no host, host memory
+//   or host step part where its bandwidth is 0).
 std::string DescribeLinks(const Links& links);
 
 // The inverse of LinksFromString: every field, in units a person reads ("p2p=5.2GB/s,..."), with
@@ -73,7 +73,7 @@ std::string LinksToString(const Links& links);
 
 // Parses comma-separated `key=value` fields, any subset, in any order:
 //   p2p=10GB/s,p2p_latency=10us,allreduce=2:8GB/s;4:6GB/s,allreduce_latency=20us,host=25GB/s,
-//   host_memory=60GB/s
+//   host_memory=60GB/s,host_step=40GB/s
 // Missing fields keep Links' defaults (no allreduce= means an empty all-reduce map). Bandwidths
 // take B/s, KB/s, MB/s, GB/s, TB/s (powers of 1000) or KiB/s, MiB/s, GiB/s (powers of 1024) and
 // must be positive; latencies take s, ms, us, ns and must be >= 0. All-reduce entries are

@@ -168,6 +168,16 @@ TEST_CASE("LinksFromString parses every field exactly") {
         "p2p=10GB/s,p2p_latency=10us,allreduce_latency=20us,host=25GB/s,host_memory=60GB/s");
   CHECK(DescribeLinks(*memory) ==
         "p2p 10 GB/s (10 us), all-reduce none (20 us), host 25 GB/s, host memory 60 GB/s");
+  CHECK(memory->host_step_bytes_per_s == 0);  // not given: the host's step not priced
+  absl::StatusOr<Links> step = LinksFromString("host_step=130GB/s,host_memory=60GB/s");
+  REQUIRE(step.ok());
+  CHECK(step->host_step_bytes_per_s == 130e9);
+  CHECK(LinksToString(*step) ==
+        "p2p=10GB/s,p2p_latency=10us,allreduce_latency=20us,host_memory=60GB/s,"
+        "host_step=130GB/s");
+  CHECK(DescribeLinks(*step) ==
+        "p2p 10 GB/s (10 us), all-reduce none (20 us), host memory 60 GB/s, host step 130 GB/s");
+  CHECK(!LinksFromString("host_step=0GB/s").ok());
 }
 
 TEST_CASE("LinksFromString keeps defaults for missing fields") {

@@ -366,6 +366,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     stage->set_bwd_ms(e.bwd_ms);
     stage->set_comm_ms(e.comm_ms);
     stage->set_allreduce_ms(e.allreduce_ms);
+    stage->set_host_step_ms(e.host_step_ms);
     stage->set_micro_batch(e.micro_batch);
     std::set<int> params;
     for (int n = stage->first_node(); n < static_cast<int>(stage->end_node()); ++n) {

@@ -79,7 +79,7 @@ SimResult Simulate(const std::vector<StageEval>& stages, int micro_batches, Sche
   result.finish_ms = free_at;
   double busy = 0;
   for (int s = 0; s < S; ++s) {
-    result.step_ms = std::max(result.step_ms, free_at[s] + stages[s].allreduce_ms);
+    result.step_ms = std::max(result.step_ms, free_at[s] + stages[s].per_step_ms());
     busy += result.busy_ms[s];
   }
   if (result.step_ms > 0) result.bubble_fraction = 1.0 - busy / (S * result.step_ms);

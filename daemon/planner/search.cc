@@ -596,7 +596,7 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
           // A stage's memory never shrinks as it grows, so no longer stage from b fits either.
           if (!first.feasible) break;
           const double t_min = first.time_ms;
-          if ((m - 1) * std::max(t_min, pre_max) + t_min + first.allreduce_ms + pre_sum +
+          if ((m - 1) * std::max(t_min, pre_max) + t_min + first.per_step_ms() + pre_sum +
                   lb.SuffixTime(e) >
               bound) {
             continue;
@@ -617,7 +617,7 @@ absl::StatusOr<Plan> SearchPlan(const CostTable& table, const Links& links,
                 if (key(c) + t_min + q_sum > bound) break;
                 const StageEval& ev = eval_at(internal::Inflight(o.schedule, c.stages, m));
                 if (!ev.feasible) continue;
-                const double t = ev.time_ms, ar = ev.allreduce_ms;
+                const double t = ev.time_ms, ar = ev.per_step_ms();
                 Entry x{std::max(t, c.max_t), t + c.sum_t, std::max(ar, c.max_ar), c.stages + 1,
                         e, r, static_cast<int>(ci)};
                 if ((m - 1) * std::max(x.max_t, q_max) + x.sum_t + q_sum + x.max_ar > bound) {
