@@ -62,6 +62,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   offload_block_bytes_ = options.offload_block_bytes;
   offload_low_precision_ = options.offload_low_precision;
   before_host_step_unit_ = options.before_host_step_unit;
+  host_memory_available_ = options.host_memory_available;
   bucket_bytes_ = options.bucket_bytes;
   grad_wire_dtype_ = options.grad_wire_dtype;
   scaler_ = options.loss_scaler;

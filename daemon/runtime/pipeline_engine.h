@@ -148,6 +148,13 @@ struct EngineOptions {
   // Tests: called on a streamed device's optimizer step thread before it steps each unit
   // after the first (the device's plan index, the unit: 1 + the block), to hold it there.
   std::function<void(int device, int unit)> before_host_step_unit;
+  // Offload: the bytes of host memory the engine may still allocate (its default reads
+  // /proc/meminfo's MemAvailable; a negative answer: unknown, not checked). The optimizer's
+  // first step over host masters (its state) and the first forward of low-precision streaming
+  // (the casts' copies) allocate that much at once; they fail with RESOURCE_EXHAUSTED before
+  // allocating anything when it is short, where the kernel would otherwise kill the daemon.
+  // Tests set it.
+  std::function<int64_t()> host_memory_available;
   // Upper bound, in bytes, of a gradient bucket: of the replica all-reduce's buckets
   // (GradReducer::Options::bucket_bytes) and of ZeRO's partitions, each of which is
   // reduce-scattered as soon as the last backward of a step has produced its gradients, while

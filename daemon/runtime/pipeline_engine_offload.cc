@@ -28,8 +28,10 @@
 // only through a cast to bf16 or fp16 (amp_level O2) streams in that dtype (Device::low_dtype):
 // half the bytes each way.
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <set>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -38,6 +40,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "daemon/runtime/pipeline_engine_impl.h"
 #include "daemon/runtime/tensor_buffer.h"
 
@@ -47,6 +50,20 @@ using pipeline_internal::Device;
 using pipeline_internal::ZeroPartition;
 
 namespace {
+
+// /proc/meminfo's MemAvailable in bytes; -1 where it does not say.
+int64_t MemAvailable() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return -1;
+}
+
+std::string GiB(int64_t bytes) { return absl::StrFormat("%.1f GiB", bytes / double(1 << 30)); }
 
 // t.set_(source) on a leaf between steps (no graph uses it). Autograd then drops the leaf's
 // gradient accumulator, shaped as the leaf was, so the GradReducer must Rebind.
@@ -323,6 +340,47 @@ void PipelineEngine::Impl::AddStreamedGrad(Device& d, int li, const at::Tensor& 
   // is faulted in page by page, seconds for a large model).
   sum = HostBuffer(d, g, dtype);
   sum.copy_(g);
+}
+
+absl::Status PipelineEngine::Impl::CheckHostMemory(int64_t bytes, const std::string& what) const {
+  if (bytes <= 0) return absl::OkStatus();
+  const int64_t available = host_memory_available_ ? host_memory_available_() : MemAvailable();
+  if (available < 0 || bytes <= available) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, " needs ", GiB(bytes), " more of the host's memory, which has ", GiB(available),
+      " available (MemAvailable); nothing was allocated. Free host memory (other jobs, other "
+      "processes), or offload less: a smaller model per daemon, without offload_low_precision, "
+      "or an optimizer with less state"));
+}
+
+int64_t PipelineEngine::Impl::HostStateToMake(const std::vector<HyperParams>& hypers) const {
+  int64_t bytes = 0;
+  for (const Device& d : devices_) {
+    if (!d.local || !d.optimizer || d.host.empty()) continue;
+    int per_element = 0;
+    for (const HyperParams& h : hypers) {
+      per_element = std::max(per_element, StateTensorsPerElement(d.optimizer->kind(), h));
+    }
+    int64_t stepped = 0;
+    for (int li : stages_[d.stage].params) {
+      const at::Tensor& master = d.host[li];
+      if (master.defined() && master.grad().defined()) stepped += master.nbytes();
+    }
+    bytes += std::max<int64_t>(0, per_element * stepped - d.optimizer->StateBytes());
+  }
+  return bytes;
+}
+
+int64_t PipelineEngine::Impl::HostCopiesToMake() const {
+  int64_t bytes = 0;
+  for (const Device& d : devices_) {
+    if (!d.local || d.host_low.empty()) continue;
+    for (size_t li = 0; li < d.host_low.size(); ++li) {
+      if (!d.Low(static_cast<int>(li)) || d.host_low[li].defined()) continue;
+      bytes += d.host[li].numel() * static_cast<int64_t>(c10::elementSize(d.low_dtype[li]));
+    }
+  }
+  return bytes;
 }
 
 at::Tensor PipelineEngine::Impl::HostMaster(int lifted) const {

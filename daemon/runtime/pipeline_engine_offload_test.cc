@@ -429,5 +429,66 @@ TEST_CASE("A streamed device's optimizer step runs beside the next forward, to t
   }
 }
 
+TEST_CASE("Offload refuses host memory the host does not have, before allocating it",
+          "[runtime]") {
+  // mlp in O2 on one streamed stage: every parameter is read once, through a cast to bf16.
+  FixtureIr f = O2FixtureIr("mlp");
+  const IrGraph& ir = *f.ir;
+  const std::vector<int> params = ParamIndices(ir);
+  const v1::Deployment plan = MakePlan(ir, {{0}}, 1, v1::SCHEDULE_1F1B);
+  int64_t available = 0;
+  EngineOptions options;
+  options.backend = comm::Backend::kFake;
+  options.num_devices = 4;
+  options.offload = true;
+  options.offload_block_bytes = 1;
+  options.offload_low_precision = true;
+  options.host_memory_available = [&available] { return available; };
+  absl::StatusOr<std::unique_ptr<PipelineEngine>> made =
+      PipelineEngine::Create(ir, plan, f.tensors, options);
+  REQUIRE(made.ok());
+  PipelineEngine& engine = **made;
+  REQUIRE(engine.SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
+  int64_t masters = 0, copies = 0;
+  for (int li : params) {
+    masters += engine.ParamAt(li).nbytes();
+    copies += engine.ParamAt(li).numel() * 2;  // bf16
+  }
+  HyperParams adam;
+  adam.lr = 0.01;
+
+  // The first forward makes the masters' bf16 copies for upload.
+  available = copies - 1;
+  absl::StatusOr<std::vector<at::Tensor>> out = engine.Forward(f.fixture.inputs, true);
+  REQUIRE(out.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(out.status().message()), Catch::Contains("offload_low_precision"));
+  available = copies;
+  out = engine.Forward(f.fixture.inputs, true);
+  REQUIRE(out.ok());
+  REQUIRE(engine.Backward({{0, at::ones({}, (*out)[0].options())}}, false).ok());
+
+  // The first step makes AdamW's two moments of each master: refused with nothing stepped.
+  std::vector<at::Tensor> before;
+  for (int li : params) before.push_back(engine.ParamAt(li).clone());
+  available = 2 * masters - 1;
+  absl::Status stepped = engine.Step({adam});
+  REQUIRE(stepped.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(stepped.message()), Catch::Contains("optimizer's state"));
+  CHECK(engine.OptimizerState().empty());
+  for (size_t i = 0; i < params.size(); ++i) CHECK(at::equal(engine.ParamAt(params[i]), before[i]));
+  available = 2 * masters;
+  REQUIRE(engine.Step({adam}).ok());
+  CHECK_FALSE(at::equal(engine.ParamAt(params[0]), before[0]));
+
+  // Made once, they are not asked for again; an unknown amount (-1) is not checked.
+  available = 0;
+  out = engine.Forward(f.fixture.inputs, true);
+  REQUIRE(out.ok());
+  REQUIRE(engine.Backward({{0, at::ones({}, (*out)[0].options())}}, false).ok());
+  REQUIRE(engine.Step({adam}).ok());
+  available = -1;
+  REQUIRE(engine.Forward(f.fixture.inputs, true).ok());
+}
+
 }  // namespace
 }  // namespace rannc

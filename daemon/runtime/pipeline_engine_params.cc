@@ -295,6 +295,9 @@ absl::Status PipelineEngine::Impl::OptimizerStep(const std::vector<HyperParams>&
   }
   // Every device checks the same hypers against the same groups: all fail or none does.
   if (offload_) {
+    absl::Status room = CheckHostMemory(HostStateToMake(hypers),
+                                        "the optimizer's state for the offloaded parameters");
+    if (!room.ok()) return room;
     // The masters and the optimizer state are in host memory: the step runs on the host, off
     // the devices' workers (whose allocations count as device memory), every device at once.
     // The next step's Upload brings the new values (and all-gathers ZeRO's shards). A streamed

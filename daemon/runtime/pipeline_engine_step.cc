@@ -583,6 +583,11 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
     }
   }
   step.batched = &batched;
+  if (offload_low_precision_) {
+    absl::Status room = CheckHostMemory(
+        HostCopiesToMake(), "offload_low_precision's copies of the offloaded parameters");
+    if (!room.ok()) return room;
+  }
   held_ = Held::kNothing;
   absl::Status ran = OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
   last_micro_batches_ = m;
