@@ -616,6 +616,7 @@ class PipelineEngine::Impl {
   absl::Status host_step_failure_;  // SettleHostStepsKeepingFailure's
   std::function<void(int, int)> before_host_step_unit_;  // EngineOptions'
   std::function<int64_t()> host_memory_available_;        // EngineOptions'
+  bool host_copies_checked_ = false;  // Forward's check of the low-precision copies is done
   size_t bucket_bytes_ = 25u << 20;  // EngineOptions::bucket_bytes
   AmpDtype grad_wire_dtype_;         // EngineOptions::grad_wire_dtype
   LossScaler scaler_;     // EngineOptions::loss_scaler, updated by each Step

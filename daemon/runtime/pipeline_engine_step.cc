@@ -583,10 +583,13 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
     }
   }
   step.batched = &batched;
-  if (offload_low_precision_) {
+  if (offload_low_precision_ && !host_copies_checked_) {
+    // The first forward makes the copies; a step before it may be making them on its thread.
+    SettleHostStepsKeepingFailure();
     absl::Status room = CheckHostMemory(
         HostCopiesToMake(), "offload_low_precision's copies of the offloaded parameters");
     if (!room.ok()) return room;
+    host_copies_checked_ = true;
   }
   held_ = Held::kNothing;
   absl::Status ran = OnEveryDevice([&](Device& d) { return RunDevice(d, step); }, true);
