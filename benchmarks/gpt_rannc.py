@@ -127,22 +127,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def host_bytes_needed(cfg, trace_batch: int, offload: bool) -> int:
+def host_bytes_needed(cfg, trace_batch: int, offload: bool, low_precision: bool = False) -> int:
     """A rough upper estimate of the host memory a run needs. Without offload: the client's
     fp32 model, the serialized trace (two copies while pyrannc sends it), the daemon's loaded
     module and host masters (20 bytes a parameter together), plus the trace's forward with
     autograd on the traced samples on the host (~16 saved d_model-wide fp32 tensors a token and
     layer, three copies of the logits). With offload the larger of the trace (the client's model
-    and that forward) and 16 bytes a parameter: while the job is created, the client's model,
+    and that forward) and 17 bytes a parameter: while the job is created, the client's model,
     its copy in shared memory, the daemon's copy of that and its page-locked masters; then the
     daemon's masters, gradients and AdamW moments (pyrannc frees its own copy,
-    keep_local_model)."""
+    keep_local_model), 16 bytes a parameter, and what else the daemon holds (113 GiB for
+    7.12B parameters measured, docs/benchmarks.md); with `low_precision` (the job key
+    offload_low_precision) the masters' bf16 copies for upload, 2 bytes a parameter more."""
     samples = trace_batch if 0 < trace_batch < cfg.batch else cfg.batch
     tokens = samples * cfg.seq
     activations = tokens * cfg.d_model * 4 * 16 * cfg.layers + tokens * cfg.vocab * 4 * 3
     n = gm.param_count(cfg)
     if offload:
-        return max(4 * n + activations, 16 * n)
+        return max(4 * n + activations, (19 if low_precision else 17) * n)
     return 20 * n + activations
 
 
@@ -454,7 +456,11 @@ def main(argv=None):
     if args.offload and args.second_steps > 0:
         # Run 2 starts from the host model as built, which offload frees once run 1's job has it.
         os.environ.setdefault("RANNC_KEEP_LOCAL_MODEL", "1")
-    need, have = host_bytes_needed(cfg, args.trace_batch, args.offload), mem_available()
+    from pyrannc import _config
+    low = _config.job_config().get("offload_low_precision", "").lower() in ("1", "true", "yes",
+                                                                            "on")
+    need = host_bytes_needed(cfg, args.trace_batch, args.offload, low)
+    have = mem_available()
     if need > have and not args.force:
         gm.emit({**base_record(system_name(args), args, cfg), "skipped":
               f"pyrannc traces the model on the host: about "
