@@ -385,14 +385,21 @@ TEST_CASE("Streamed offload holds a few blocks' parameters and one block's gradi
         1100 + 1000 + (1000 + 100 + 50));
 }
 
-TEST_CASE("Streamed offload pays the host link per micro-batch, beside the compute on GPUs",
-          "[cost_eval]") {
-  // Four blocks of 250 trainable bytes, fwd 1 and bwd 2 ms each at 4 samples.
-  const CostTable t = Stack(250, 100);
+// One micro-batch of 4 samples on one device, offloaded and streamed in blocks of 250 bytes
+// (Stack(250, ...)'s blocks), the copies beside the compute as on a GPU.
+SearchOptions StreamedOnGpu() {
   SearchOptions o = Batch(1, 1);
   o.offload = true;
   o.offload_block_bytes = 250;
   o.overlap_host_copies = true;
+  return o;
+}
+
+TEST_CASE("Streamed offload pays the host link per micro-batch, beside the compute on GPUs",
+          "[cost_eval]") {
+  // Four blocks of 250 trainable bytes, fwd 1 and bwd 2 ms each at 4 samples.
+  const CostTable t = Stack(250, 100);
+  SearchOptions o = StreamedOnGpu();
   Links links = SimpleLinks();
   // 1000 bytes each way at 1 MB/s: 1 ms a pass, under the compute (4 and 8 ms).
   links.host_bytes_per_s = 1e6;
@@ -452,10 +459,7 @@ TEST_CASE("Offload prices the optimizer's step on the host, less what the first 
   // Four blocks of 250 trainable bytes (G = 1000), fwd 1 and bwd 2 ms each at 4 samples; Adam
   // (state factor 2): a step touches 7 x 1000 bytes, 7 ms at 1 MB/s.
   const CostTable t = Stack(250, 100);
-  SearchOptions o = Batch(1, 1);
-  o.offload = true;
-  o.offload_block_bytes = 250;
-  o.overlap_host_copies = true;
+  SearchOptions o = StreamedOnGpu();
   Links links = SimpleLinks();
   links.host_bytes_per_s = 1e6;  // 1 ms a pass: the compute paces fwd (4) and bwd (8)
   // Not measured: not priced.
