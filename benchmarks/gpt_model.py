@@ -254,6 +254,18 @@ def memory_estimate(cfg: "GPTConfig", ac="off", gpus: int = 1, offload: bool = F
             "peak": max(backward, optimizer)}
 
 
+def mem_available():
+    """/proc/meminfo's MemAvailable in bytes; None where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class HostPressure:
     """The host's memory pressure over the timed steps, from /proc (Linux; empty elsewhere): the
     least MemAvailable seen at `sample()`, and the major page faults and pages swapped in and out
@@ -275,23 +287,12 @@ class HostPressure:
             return {}
         return {k: int(fields[k]) for k in HostPressure._COUNTERS if k in fields}
 
-    @staticmethod
-    def _available():
-        try:
-            with open("/proc/meminfo", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
     def start(self) -> None:
         self._start = self._vmstat()
         self.sample()
 
     def sample(self) -> None:
-        available = self._available()
+        available = mem_available()
         if available is not None and (self._min_available is None
                                       or available < self._min_available):
             self._min_available = available

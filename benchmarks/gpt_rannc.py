@@ -148,14 +148,6 @@ def host_bytes_needed(cfg, trace_batch: int, offload: bool, low_precision: bool 
     return 20 * n + activations
 
 
-def mem_available() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def job_summary(rmod):
     from pyrannc import _daemon
     from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -457,10 +449,9 @@ def main(argv=None):
         # Run 2 starts from the host model as built, which offload frees once run 1's job has it.
         os.environ.setdefault("RANNC_KEEP_LOCAL_MODEL", "1")
     from pyrannc import _config
-    low = _config.job_config().get("offload_low_precision", "").lower() in ("1", "true", "yes",
-                                                                            "on")
+    low = _config.job_config().get("offload_low_precision", "").lower() in _config._TRUE
     need = host_bytes_needed(cfg, args.trace_batch, args.offload, low)
-    have = mem_available()
+    have = gm.mem_available() or 0
     if need > have and not args.force:
         gm.emit({**base_record(system_name(args), args, cfg), "skipped":
               f"pyrannc traces the model on the host: about "
