@@ -180,6 +180,8 @@ def plan_of(deployment):
         "estimated_memory_gib": [s.memory_bytes / GIB for s in deployment.stages],
         # offload: the host's optimizer step the first forward does not hide, per stage
         "estimated_host_step_ms": [s.host_step_ms for s in deployment.stages],
+        # offload: the parameters each stage keeps on the device (offload_keep_on_device)
+        "kept_on_device_gib": [s.kept_on_device_bytes / GIB for s in deployment.stages],
         "device_type": deployment.device_type,
         "device_memory_gib": deployment.device_memory_bytes / GIB,
         "loaded": deployment.loaded,

@@ -329,6 +329,9 @@ def note(r):
                     f"recompute {plan['recompute']}, est. "
                     f"{plan['estimated_step_ms'] / 1000:.2f} s / "
                     + ", ".join(f"{g:.0f}" for g in plan["estimated_memory_gib"]) + " GiB")
+        if any(plan.get("kept_on_device_gib") or []):
+            bits.append("parameters kept on the device: "
+                        + ", ".join(f"{g:.1f}" for g in plan["kept_on_device_gib"]) + " GiB")
     if r.get("optimizer"):
         bits.append(r["optimizer"])
     if r.get("peak_rss_gib") and r.get("offload"):

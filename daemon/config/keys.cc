@@ -108,6 +108,10 @@ std::vector<ConfigKey>* MakeRegistry() {
        "with offload_params, a stage without replicas streams its parameters to the device in "
        "blocks of at most this many bytes, each there only while it computes (0: the stage's "
        "at once)"},
+      {"offload_keep_on_device", T::kBool, S::kJob, "true",
+       "with offload_params streaming on devices of known memory, the planner keeps as many "
+       "parameters on the device as its memory estimate leaves room for (their masters, "
+       "gradients and optimizer state there, stepped by the device); false: all in host memory"},
       {"offload_low_precision", T::kBool, S::kJob, "false",
        "with offload_params streaming at amp_level O2, parameters cross the host link in "
        "amp_dtype, from a copy of the masters the host casts each step (2 more bytes a "

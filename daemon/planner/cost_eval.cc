@@ -242,12 +242,24 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
     e.recompute = true;
     e.bwd_ms += e.fwd_ms;
   }
+  // What streams over the link and steps on the host: the trainable bytes not kept on the
+  // device, where the limit leaves room (kept whole: memory.total stays within the limit).
+  double streamed = terms.trainable;
+  if (terms.streamed_block > 0 && options.offload_keep_on_device &&
+      std::ceil(memory.total) < std::floor(limit)) {
+    const double per_byte = 2.0 + options.optimizer_state_factor;
+    const double kept = std::min(
+        terms.trainable, std::floor((std::floor(limit) - std::ceil(memory.total)) / per_byte));
+    e.kept_bytes = static_cast<uint64_t>(kept);
+    memory.total += kept * per_byte;
+    streamed -= kept;
+  }
   if (terms.streamed_block > 0) {
     // Streamed: every micro-batch fetches each block's parameters before its forward and again
     // before its backward, and copies each block's gradients to the host as its backward ends.
     const double host = links.host_bytes_per_s > 0 ? links.host_bytes_per_s
                                                    : links.p2p_bytes_per_s;
-    const double pass_ms = terms.trainable * options.offload_wire_factor / host * 1000.0;
+    const double pass_ms = streamed * options.offload_wire_factor / host * 1000.0;
     if (options.overlap_host_copies) {
       // Uploads on one side stream, gradients' copies on another, both beside the compute:
       // the slowest of the three paces a pass.
@@ -262,12 +274,12 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
       // The gradients of every micro-batch after the first are added on the host to the sum
       // so far, on the device's thread (two read, one written): (m - 1) / m of such a pass a
       // micro-batch.
-      e.bwd_ms += (micro_batches - 1.0) / micro_batches * 3.0 * terms.trainable /
+      e.bwd_ms += (micro_batches - 1.0) / micro_batches * 3.0 * streamed /
                   links.host_memory_bytes_per_s * 1000.0;
     }
   }
   if (options.offload && links.host_step_bytes_per_s > 0) {
-    const double touched = (3.0 + 2.0 * options.optimizer_state_factor) * terms.trainable /
+    const double touched = (3.0 + 2.0 * options.optimizer_state_factor) * streamed /
                            (options.zero && replicas > 1 ? replicas : 1);
     const double step_ms = touched / links.host_step_bytes_per_s * 1000.0;
     // Streamed, the first micro-batch's forward waits for each block's unit of the step only.

@@ -58,6 +58,11 @@ struct SearchOptions {
   // Bytes a streamed stage moves over the host link per trainable byte, each way: 1 for fp32
   // masters uploaded as they are (Links::host_bytes_per_s prices them).
   double offload_wire_factor = 1.0;
+  // Streaming with memory to spare: the stage keeps trainable parameters on the device (their
+  // masters, gradients and optimizer state there) in what its estimate leaves free of the
+  // limit, so that less crosses the host link and the host steps less
+  // (StageEval::kept_bytes; runtime DeploymentStage::kept_on_device_bytes).
+  bool offload_keep_on_device = false;
   // Streamed copies run beside the compute (GPUs: uploads and gradient copies on side
   // streams); otherwise (CPU devices) they add to it.
   bool overlap_host_copies = false;
@@ -98,6 +103,8 @@ struct StageEval {
   // Offload: the optimizer's step over the stage's masters on the host, once per step, less
   // what the first forward hides (Links::host_step_bytes_per_s; 0 when not measured).
   double host_step_ms = 0;
+  // Streamed with offload_keep_on_device: the trainable bytes kept on the device.
+  uint64_t kept_bytes = 0;
   // What a step pays once on this stage's devices beside the pipeline's passes.
   double per_step_ms() const { return allreduce_ms + host_step_ms; }
   uint64_t memory_bytes = 0;     // estimated peak per device
@@ -170,9 +177,16 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 // otherwise after it (fwd_ms += up, bwd_ms += up; a CPU device's gradients stay). So more
 // micro-batches cost link time, and on a GPU recomputation is free while the link is the
 // slower. Unstreamed offload's copies, once a step whatever the plan, are not counted.
+// With offload_keep_on_device, a streamed stage that fits keeps kept_bytes = what the limit
+// leaves free / (2 + optimizer_state_factor) of its trainable bytes on the device (each kept
+// byte is a master's, a gradient's and the state's there), at most all of them: memory_bytes
+// (and fixed_bytes) grow by that, to about the limit, and only the rest, G - kept_bytes,
+// crosses the link and is stepped on the host below. The device's own step of the kept
+// parameters (at its memory's speed) is not priced.
 // Offloaded, the optimizer steps the masters on the host once a step, touching
 // (3 + 2 x optimizer_state_factor) x G bytes (the masters and gradients read, the state read
-// and written, the masters written; G / replicas with zero) at Links::host_step_bytes_per_s:
+// and written, the masters written; G / replicas with zero; G - kept_bytes kept) at
+// Links::host_step_bytes_per_s:
 // host_step_ms. Streamed, the step runs beside the next forward, each block's unit ahead of the
 // block's fetch, so the first micro-batch's forward hides fwd_ms of it; otherwise it runs before
 // the forward, all of it paid. An infeasible result reports the smallest memory of its options

@@ -498,6 +498,61 @@ TEST_CASE("Offload prices the optimizer's step on the host, less what the first 
   CHECK(EvaluateStage(t, links, o, 0, 4, 2, 0, 1).host_step_ms == 0);
 }
 
+TEST_CASE("A streamed stage keeps on the device what its memory leaves room for",
+          "[cost_eval]") {
+  // Four blocks of 250 trainable bytes (G = 1000), fwd 1 and bwd 2 ms each at 4 samples;
+  // streamed, the device holds 1550 bytes (the first case above). Adam: a kept byte costs 4
+  // on the device (master, gradient, two moments). 1000 bytes cross the link in 10 ms a pass;
+  // a host step touches 7 bytes a streamed byte at 500 kB/s.
+  const CostTable t = Stack(250, 100);
+  SearchOptions o = StreamedOnGpu();
+  o.mem_margin = 0;
+  o.device_memory_bytes = 1550 + 4 * 300;
+  Links links = SimpleLinks();
+  links.host_bytes_per_s = 1e5;
+  links.host_step_bytes_per_s = 5e5;
+  // Not asked: everything streams, the link paces both passes and the step outlasts the
+  // forward by 4 ms (14 - 10).
+  StageEval e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
+  CHECK(e.kept_bytes == 0);
+  CHECK(e.memory_bytes == 1550);
+  CHECK_THAT(e.fwd_ms, WithinRel(10.0, 1e-12));
+  CHECK_THAT(e.host_step_ms, WithinRel(4.0, 1e-12));
+  // Asked: 1200 bytes free keep 300 trainable bytes, 700 stream (7 ms a pass, under the
+  // backward's 8) and the host steps 4900 bytes (9.8 ms, 2.8 past the forward).
+  o.offload_keep_on_device = true;
+  e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
+  CHECK(e.feasible);
+  CHECK(e.kept_bytes == 300);
+  CHECK(e.memory_bytes == 1550 + 1200);
+  CHECK(e.fixed_bytes - EvaluateStage(t, links, StreamedOnGpu(), 0, 4, 1, 0, 1).fixed_bytes ==
+        1200);
+  CHECK_THAT(e.fwd_ms, WithinRel(7.0, 1e-12));
+  CHECK_THAT(e.bwd_ms, WithinRel(8.0, 1e-12));
+  CHECK_THAT(e.host_step_ms, WithinRel(2.8, 1e-12));
+  // SGD without momentum keeps a master and a gradient a byte: 600.
+  o.optimizer_state_factor = 0;
+  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 600);
+  o.optimizer_state_factor = 2;
+  // Room for more than the stage: all of it kept, nothing crosses the link or steps on the
+  // host, and the compute paces the passes.
+  o.device_memory_bytes = 1000000;
+  e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
+  CHECK(e.kept_bytes == 1000);
+  CHECK(e.memory_bytes == 1550 + 4000);
+  CHECK_THAT(e.fwd_ms, WithinRel(4.0, 1e-12));
+  CHECK(e.host_step_ms == 0);
+  // No room, or not streamed (one block over the stage, or replicas): nothing kept.
+  o.device_memory_bytes = 1550;
+  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 0);
+  o.device_memory_bytes = 1000000;
+  o.offload_block_bytes = 4000;
+  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 0);
+  o.offload_block_bytes = 250;
+  o.batch_size = 8;
+  CHECK(EvaluateStage(t, links, o, 0, 4, 2, 0, 1).kept_bytes == 0);
+}
+
 TEST_CASE("A streamed stage recomputes block by block, keeping each block's input",
           "[cost_eval]") {
   // Eight blocks of 250 trainable bytes, activations 1000 and working memory 50 each at 4

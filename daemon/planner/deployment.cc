@@ -135,6 +135,10 @@ std::string DescribeDeployment(const v1::Deployment& d) {
                     s.devices_size() == 1 ? " replica" : " replicas", "), micro-batch ",
                     s.micro_batch(), " per device, ", HumanBytes(s.memory_bytes()),
                     " per device (params ", HumanBytes(s.param_bytes()), ")",
+                    s.kept_on_device_bytes() > 0
+                        ? absl::StrCat(", ", HumanBytes(s.kept_on_device_bytes()),
+                                       " of offloaded parameters kept on the device")
+                        : "",
                     s.recompute() ? ", recompute" : "", "; ", buf, "; ops: ",
                     absl::StrJoin(ops, " | "), "\n");
   }

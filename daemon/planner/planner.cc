@@ -144,6 +144,11 @@ absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
       return BadKey("profile_all_sizes", it->second, "true or false");
     }
   }
+  if (auto it = keys.find("offload_keep_on_device"); it != keys.end()) {
+    if (!absl::SimpleAtob(it->second, &c.offload_keep_on_device)) {
+      return BadKey("offload_keep_on_device", it->second, "true or false");
+    }
+  }
   if (auto it = keys.find("offload_low_precision"); it != keys.end()) {
     if (!absl::SimpleAtob(it->second, &c.offload_low_precision)) {
       return BadKey("offload_low_precision", it->second, "true or false");
@@ -187,6 +192,9 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   options.zero = memory.zero;
   options.offload = memory.offload;
   options.offload_block_bytes = static_cast<double>(config.offload_block_bytes);
+  // Without a memory size there is no room to tell: everything stays offloaded, as asked.
+  options.offload_keep_on_device =
+      config.offload_keep_on_device && target.device_memory_bytes != 0;
   if (memory.offload && config.offload_low_precision) {
     options.offload_wire_factor = OffloadWireFactor(ir);
   }
@@ -367,6 +375,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     stage->set_comm_ms(e.comm_ms);
     stage->set_allreduce_ms(e.allreduce_ms);
     stage->set_host_step_ms(e.host_step_ms);
+    stage->set_kept_on_device_bytes(e.kept_bytes);
     stage->set_micro_batch(e.micro_batch);
     std::set<int> params;
     for (int n = stage->first_node(); n < static_cast<int>(stage->end_node()); ++n) {

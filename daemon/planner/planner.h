@@ -65,6 +65,10 @@ struct PlannerConfig {
   // "offload_block_bytes": with offload, a stage of one replica streams its parameters in
   // blocks of at most this many bytes (EngineOptions::offload_block_bytes); 0: at once.
   int64_t offload_block_bytes = int64_t{1} << 30;
+  // "offload_keep_on_device": a streamed stage keeps the parameters its memory estimate has
+  // room for on the device (SearchOptions::offload_keep_on_device), where the device's memory
+  // is known.
+  bool offload_keep_on_device = true;
   // "offload_low_precision": streamed parameters the forward reads only through a cast to a
   // narrower dtype (amp_level O2) cross the host link in that dtype
   // (EngineOptions::offload_low_precision).

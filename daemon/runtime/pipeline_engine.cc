@@ -49,6 +49,33 @@ struct InitTimings {
   double communicators_s = 0;
 };
 
+// The trainable parameters an offloaded stage keeps on the device
+// (DeploymentStage::kept_on_device_bytes): whole parameters in the order the stage's nodes
+// first read them, each that still fits in `bytes`. Not the `tied` ones (read by several
+// stages): every holder steps its copy, and they must step alike, on the host all of them.
+std::set<int> KeptOnDevice(const IrGraph& ir, const StageInfo& st,
+                           const std::vector<at::Tensor>& lifted, const std::vector<int>& tied,
+                           int64_t bytes) {
+  std::set<int> params(st.params.begin(), st.params.end());
+  for (int li : tied) params.erase(li);
+  std::set<int> seen, kept;
+  const int users = static_cast<int>(ir.num_user_inputs);
+  for (int n = st.first; n < st.end && bytes > 0; ++n) {
+    for (int v : ir.nodes[n].inputs) {
+      const int li = v - users;
+      if (v >= static_cast<int>(ir.inputs.size()) || li < 0 || !params.count(li) ||
+          !seen.insert(li).second) {
+        continue;
+      }
+      const int64_t size = static_cast<int64_t>(lifted[li].nbytes());
+      if (size > bytes) continue;
+      kept.insert(li);
+      bytes -= size;
+    }
+  }
+  return kept;
+}
+
 }  // namespace
 
 absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment& plan,
@@ -319,11 +346,16 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       d.world_rank = world_rank_[d.index];
       if (!d.local) continue;  // another process runs it
       phase = Clock::now();
+      // Offload's streaming keeps what the plan says fits on the device (SetUpOffload).
+      if (offload_ && offload_block_bytes_ > 0 && stages_[s].devices.size() == 1) {
+        d.kept = KeptOnDevice(ir, stages_[s], lifted, tied_,
+                              static_cast<int64_t>(plan.stages(s).kept_on_device_bytes()));
+      }
       absl::Status copied = TorchCall(absl::StatusCode::kInternal, "copying tensors", [&] {
         const std::set<int> params(stages_[s].params.begin(), stages_[s].params.end());
         for (int li : stages_[s].lifted) {
           // Offloaded parameters stay in host memory (SetUpOffload).
-          const bool host_master = offload_ && params.count(li);
+          const bool host_master = offload_ && params.count(li) && !d.kept.count(li);
           const c10::Device place = host_master ? c10::Device(c10::kCPU) : d.place;
           // A CUDA device's host masters go straight into page-locked memory (SetUpOffload),
           // not through a pageable copy that would be pinned again.
@@ -653,6 +685,9 @@ void PipelineEngine::ResetPeakDeviceBytes() { impl_->ResetPeakDeviceBytes(); }
 int PipelineEngine::StreamedBlocks(int device) const { return impl_->StreamedBlocks(device); }
 int64_t PipelineEngine::StreamedPeakBytes(int device) const {
   return impl_->StreamedPeakBytes(device);
+}
+int64_t PipelineEngine::KeptOnDeviceBytes(int device) const {
+  return impl_->KeptOnDeviceBytes(device);
 }
 std::pair<int, int> PipelineEngine::OverlappedBuckets(int device) const {
   return impl_->OverlappedBuckets(device);

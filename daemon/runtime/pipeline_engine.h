@@ -138,6 +138,10 @@ struct EngineOptions {
   // parameters (graph/subgraph.h ParamBlockStarts), whose parameters are on the device only
   // while the block computes, and whose gradients go to the host as its backward ends
   // (docs/runtime.md, "Parameter offload"). 0: the stage's parameters are uploaded at once.
+  // A streamed stage keeps up to its plan's DeploymentStage::kept_on_device_bytes of trainable
+  // parameters on the device instead (the planner's choice where memory has room): their fp32
+  // masters, gradients and optimizer state there, stepped by the device, whole parameters in
+  // the order the stage's forward first reads them, each that still fits.
   int64_t offload_block_bytes = 0;
   // Streaming: a parameter the forward reads only through a cast to a narrower dtype
   // (amp_level O2) is uploaded in that dtype, from a copy of its master the host casts once a
@@ -350,6 +354,9 @@ class PipelineEngine {
   // does not stream), and the most bytes of streamed parameters it has held at once.
   int StreamedBlocks(int device) const;
   int64_t StreamedPeakBytes(int device) const;
+  // With offload's streaming: the bytes of trainable parameters `device` keeps on the device
+  // (EngineOptions::offload_block_bytes); 0 where none.
+  int64_t KeptOnDeviceBytes(int device) const;
   void ResetPeakDeviceBytes();
   // Of `device`'s gradient buckets over its stage's replicas (the all-reduce's and ZeRO's
   // reduce-scatter's), {how many the last reduction found started during the backward, i.e.

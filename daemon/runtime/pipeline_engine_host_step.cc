@@ -6,7 +6,8 @@
 // each block's unit before fetching it: the step overlaps the forward, and the values are the
 // ones a step before the forward gives.
 //
-//   Step       -> StartHostStep: the parameters uploaded whole (unit 0), then the thread
+//   Step       -> StartHostStep: the parameters kept on the device (Device::kept) on its
+//                 worker, the parameters uploaded whole (unit 0), then the thread
 //   Forward    -> Upload (unit 0 is done), Fetch(k) -> AwaitStepped(k), Prefetch(k) only once
 //                 Stepped(k); at the forward's end SettleHostSteps joins the thread
 //   anything else reading or writing the masters, gradients or optimizer state
@@ -20,6 +21,7 @@
 // (Device::low_dtype), its cast for the upload is made on the thread too, right after its
 // update, while the master is still in the cache.
 #include <chrono>
+#include <string>
 #include <utility>
 
 #include <ATen/core/grad_mode.h>
@@ -36,6 +38,7 @@ using pipeline_internal::Device;
 
 bool PipelineEngine::Impl::StepsBesideForward(const Device& d) const {
   if (!offload_ || !d.local || !d.optimizer || d.host.empty()) return false;
+  if (!d.kept.empty()) return true;
   for (const std::vector<int>& block : d.streamed) {
     if (!block.empty()) return true;
   }
@@ -62,8 +65,11 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
     d.host[li].mutable_grad().reset();
   }
   d.host_step = std::move(step);
-  absl::Status first = StepUnit(d, 0);
   Device::HostStep& s = *d.host_step;
+  // The parameters kept on the device step first, on its worker (whose allocations, the
+  // state's at the first step, count as the device's), the only ones with gradients now.
+  absl::Status first = d.kept.empty() ? absl::OkStatus() : StepKept(d, hypers);
+  if (first.ok()) first = StepUnit(d, 0);
   if (!first.ok()) {
     // The optimizer checks its arguments before it updates anything: nothing was stepped.
     for (size_t li = 0; li < s.grads.size(); ++li) {
@@ -104,6 +110,38 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
     s.cv.notify_all();
   });
   return absl::OkStatus();
+}
+
+absl::Status PipelineEngine::Impl::StepKept(Device& d, const std::vector<HyperParams>& hypers) {
+  return d.worker
+      ->Post([&] {
+        // The optimizer's handles of the kept parameters (Device::kept_params) take their
+        // gradients for this step only: the optimizer's later units, stepping the masters on the
+        // host step thread, neither see nor touch them.
+        for (const auto& [li, p] : d.kept_params) p.mutable_grad() = d.lifted[li].grad();
+        absl::Status stepped =
+            TorchCall(absl::StatusCode::kInternal, "optimizer step on the device",
+                      [&] { return d.optimizer->Step(hypers); });
+        for (const auto& [li, p] : d.kept_params) p.mutable_grad().reset();
+        d.kept_state_bytes = KeptStateBytes(d);
+        return stepped;
+      })
+      .get();
+}
+
+int64_t PipelineEngine::Impl::KeptStateBytes(const Device& d) {
+  if (d.kept.empty() || !d.optimizer) return 0;
+  int64_t bytes = 0;
+  // NamedState's "<index>.<key>": index into optimizer_params.
+  for (const auto& [name, t] : d.optimizer->NamedState()) {
+    const size_t dot = name.find('.');
+    const int index = std::stoi(name.substr(0, dot));
+    if (!IsScalarOptimizerState(name.substr(dot + 1)) &&
+        d.kept.count(d.optimizer_params[index])) {
+      bytes += static_cast<int64_t>(t.nbytes());
+    }
+  }
+  return bytes;
 }
 
 absl::Status PipelineEngine::Impl::StepUnit(Device& d, int u) {

@@ -150,10 +150,21 @@ struct Device {
   // master of each of the stage's parameters: its value, its accumulated gradient, the
   // optimizer's parameter. Its `lifted` tensor (the executor's handle, a leaf on the device)
   // then holds the value only while `resident`, from Upload at a step's start to Release at
-  // its end, and is empty otherwise. Undefined where not offloaded (`lifted` is the master), and
-  // for a ZeRO parameter, whose master is its partition's host shard.
+  // its end, and is empty otherwise. Undefined where not offloaded (`lifted` is the master:
+  // buffers, and the parameters `kept` on the device), and for a ZeRO parameter, whose master
+  // is its partition's host shard.
   std::vector<at::Tensor> host;
   bool resident = true;
+  // Offload's streaming: the stage's trainable parameters kept on the device all the time
+  // (DeploymentStage::kept_on_device_bytes), lifted indices. Their `host` is undefined: their
+  // masters, gradients and optimizer state are on the device, stepped there (StartHostStep),
+  // as without offload.
+  std::set<int> kept;
+  // The optimizer's parameters for them: aliases (detach()) sharing their memory, whose
+  // gradient is set only while the device steps them (StepKept), so that the host step's
+  // thread, stepping the rest with the same optimizer, leaves them and their gradients alone.
+  std::map<int, at::Tensor> kept_params;
+  int64_t kept_state_bytes = 0;  // their optimizer state's bytes (KeptStateBytes), last counted
   // Offload's streaming (EngineOptions::offload_block_bytes; pipeline_engine_offload.cc): per
   // block of the stage executor, the offloaded parameters that only it reads (lifted indices).
   // Their handles keep their shape and lose their memory between uses: a block's are on the
@@ -366,6 +377,7 @@ class PipelineEngine::Impl {
   void ResetPeakDeviceBytes();
   int StreamedBlocks(int device) const;
   int64_t StreamedPeakBytes(int device) const;
+  int64_t KeptOnDeviceBytes(int device) const;
   std::pair<int, int> OverlappedBuckets(int device) const;
   // What `d` holds between steps: parameters, buffers, gradients, optimizer state.
   int64_t HeldBytes(const Device& d) const;
@@ -555,6 +567,11 @@ class PipelineEngine::Impl {
   // it does not hold yet, and the low-precision copies a forward will make.
   int64_t HostStateToMake(const std::vector<HyperParams>& hypers) const;
   int64_t HostCopiesToMake() const;
+  // The optimizer's step of the parameters kept on the device (Device::kept), on its worker;
+  // the masters' gradients must be out of the optimizer's sight (StartHostStep).
+  absl::Status StepKept(Device& d, const std::vector<HyperParams>& hypers);
+  // The bytes of optimizer state of `d`'s kept parameters (not while its host step runs).
+  static int64_t KeptStateBytes(const Device& d);
   // Steps unit `u` of d.host_step (on its thread, or the caller's for unit 0).
   absl::Status StepUnit(Device& d, int u);
   // On the device's worker: whether block `block`'s parameters are stepped; waiting for it

@@ -10,7 +10,9 @@
 //    (ZeRO: the reduce-scattered shard) and Release frees the device copies.
 //  - The optimizer steps the host masters, off the devices' workers.
 // A forward whose graphs a later backward needs keeps the copies until that backward.
-// Buffers and frozen parameters stay on the device.
+// Buffers and frozen parameters stay on the device, and so do the trainable parameters a
+// streamed stage's plan keeps there (Device::kept): offloaded no more than the memory makes
+// necessary, they train as without offload, stepped by the device (StartHostStep).
 //
 // Streaming (EngineOptions::offload_block_bytes, a stage with one replica): the stage executor
 // runs the stage as blocks (StageExecutor::CreateBlocked), and a parameter that only one block
@@ -143,16 +145,18 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
       Retype(d.lifted[li], d.host[li].sizes(), d.On(read_as.value_or(d.host[li].scalar_type())));
     }
   }
-  int64_t bytes = 0, most = 0;
+  int64_t bytes = 0, most = 0, kept = 0;
   for (const std::vector<int>& block : d.streamed) {
     int64_t b = 0;
     for (int li : block) b += d.lifted[li].numel() * d.lifted[li].element_size();
     bytes += b;
     most = std::max(most, b);
   }
+  for (int li : d.kept) kept += d.lifted[li].nbytes();
   spdlog::info("engine {}: device {} streams its offloaded parameters in {} blocks ({:.3f} GB "
                "uploaded a pass, at most {:.3f} GB a block; {} parameters in a narrower dtype "
-               "than their masters')", id_, d.index, blocks, bytes / 1e9, most / 1e9, low);
+               "than their masters') and keeps {} parameters ({:.3f} GB) on the device",
+               id_, d.index, blocks, bytes / 1e9, most / 1e9, low, d.kept.size(), kept / 1e9);
 }
 
 StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {
@@ -366,7 +370,8 @@ int64_t PipelineEngine::Impl::HostStateToMake(const std::vector<HyperParams>& hy
       const at::Tensor& master = d.host[li];
       if (master.defined() && master.grad().defined()) stepped += master.nbytes();
     }
-    bytes += std::max<int64_t>(0, per_element * stepped - d.optimizer->StateBytes());
+    const int64_t held = d.optimizer->StateBytes() - d.kept_state_bytes;  // host state
+    bytes += std::max<int64_t>(0, per_element * stepped - held);
   }
   return bytes;
 }
@@ -394,6 +399,7 @@ void PipelineEngine::Impl::SetUpOffload(Device& d) {
   // copied them into page-locked memory), so that uploads are DMA copies.
   d.host.assign(d.lifted.size(), at::Tensor());
   for (int li : stages_[d.stage].params) {
+    if (d.kept.count(li)) continue;  // on the device already, for good
     d.host[li] = d.lifted[li];
     if (d.place.is_cuda() && !d.host[li].is_pinned()) {
       d.host[li] = d.host[li].detach().pin_memory().requires_grad_(d.lifted[li].requires_grad());
@@ -446,6 +452,7 @@ void PipelineEngine::Impl::Release(Device& d) {
   if (!d.resident) return;
   at::NoGradGuard no_grad;
   for (int li : stages_[d.stage].params) {
+    if (d.kept.count(li)) continue;  // on the device for good, with its gradient
     at::Tensor& t = d.lifted[li];
     t.mutable_grad().reset();
     if (!d.Streamed(li)) SwapStorage(t, at::empty({0}, t.options()));

@@ -51,6 +51,24 @@ std::unique_ptr<PipelineEngine> MakeEngine(
   return std::move(*engine);
 }
 
+// `plan` with each stage of one replica keeping about half of its parameters' bytes on the
+// device (DeploymentStage::kept_on_device_bytes, the planner's choice where memory has room).
+// `holder` is an engine of the plan, telling which stage holds what.
+v1::Deployment KeepingHalf(const FixtureIr& f, const PipelineEngine& holder,
+                           v1::Deployment plan) {
+  for (v1::DeploymentStage& stage : *plan.mutable_stages()) {
+    if (stage.devices_size() != 1) continue;
+    int64_t bytes = 0;
+    for (size_t li = 0; li < f.tensors.size(); ++li) {
+      if (IsParam(*f.ir, li) && holder.Param(f.ir->tensor_names[li], stage.devices(0)).ok()) {
+        bytes += f.tensors[li].nbytes();
+      }
+    }
+    stage.set_kept_on_device_bytes(bytes / 2);
+  }
+  return plan;
+}
+
 // A model's plan: its stages' plan devices, and micro-batches.
 struct Case {
   const char* model;
@@ -62,7 +80,8 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
           "[runtime]") {
   // One stage over micro-batches; two stages (tiny_gpt's tied embedding is read by both, so it
   // is uploaded whole; 1F1B keeps two micro-batches in the first stage); a stage with replicas
-  // beside one without (only the latter streams).
+  // beside one without (only the latter streams). Each streamed as a whole, and keeping half
+  // of its parameters on the device.
   const std::vector<Case> cases = {{"mlp", {{0}}, 1},
                                    {"tiny_gpt", {{0}}, 2},
                                    {"tiny_gpt", {{0}, {1}}, 2},
@@ -79,24 +98,31 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
     std::unique_ptr<PipelineEngine> whole = MakeEngine(f, plan, f.tensors, true, 0);
     // One byte: every atomic node that reads a parameter starts a block.
     std::unique_ptr<PipelineEngine> streamed = MakeEngine(f, plan, f.tensors, true, 1);
+    const v1::Deployment keeping = KeepingHalf(f, *plain, plan);
+    std::unique_ptr<PipelineEngine> kept = MakeEngine(f, keeping, f.tensors, true, 1);
+    const std::vector<PipelineEngine*> offloaded = {streamed.get(), kept.get()};
+    const std::vector<PipelineEngine*> all = {plain.get(), whole.get(), streamed.get(),
+                                              kept.get()};
     HyperParams adam;
     adam.lr = 0.01;
     adam.weight_decay = 0.1;
-    for (PipelineEngine* e : {plain.get(), whole.get(), streamed.get()}) {
+    for (PipelineEngine* e : all) {
       REQUIRE(e->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
     }
     auto same_grads = [&](const char* when) {
-      for (int li : params) {
-        INFO(when << ": grad of " << ir.tensor_names[li]);
-        const at::Tensor want = plain->GradAt(li);
-        const at::Tensor got = streamed->GradAt(li);
-        REQUIRE(got.defined() == want.defined());
-        if (want.defined()) CHECK(at::allclose(got, want, kRtol, kAtol));
+      for (PipelineEngine* e : offloaded) {
+        for (int li : params) {
+          INFO(when << ": grad of " << ir.tensor_names[li] << (e == kept.get() ? ", kept" : ""));
+          const at::Tensor want = plain->GradAt(li);
+          const at::Tensor got = e->GradAt(li);
+          REQUIRE(got.defined() == want.defined());
+          if (want.defined()) CHECK(at::allclose(got, want, kRtol, kAtol));
+        }
       }
     };
     for (int step = 0; step < 3; ++step) {
       INFO("step " << step);
-      for (PipelineEngine* e : {plain.get(), whole.get(), streamed.get()}) {
+      for (PipelineEngine* e : all) {
         e->ZeroGrad(/*set_to_none=*/step == 1);
         // Two backwards accumulate, the second with the client's loss gradient 0.5; the
         // evaluation forward between them runs the blocks without keeping anything.
@@ -115,32 +141,38 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
           const at::Tensor extra =
               at::full(ir.values[ir.inputs[ir.num_user_inputs + li]].shape, 0.01 * (li + 1));
           plain->AddGrad(li, extra);
-          streamed->AddGrad(li, extra);
+          for (PipelineEngine* e : offloaded) e->AddGrad(li, extra);
         }
         absl::StatusOr<double> want = plain->ClipGradNorm(params, 0.05, 2);
-        absl::StatusOr<double> got = streamed->ClipGradNorm(params, 0.05, 2);
         REQUIRE(want.ok());
-        REQUIRE(got.ok());
-        CHECK(*got == Approx(*want).epsilon(1e-6));
+        for (PipelineEngine* e : offloaded) {
+          absl::StatusOr<double> got = e->ClipGradNorm(params, 0.05, 2);
+          REQUIRE(got.ok());
+          CHECK(*got == Approx(*want).epsilon(1e-6));
+        }
         same_grads("after clipping");
         REQUIRE(whole->ClipGradNorm(params, 0.05, 2).ok());
       }
-      for (PipelineEngine* e : {plain.get(), whole.get(), streamed.get()}) {
+      for (PipelineEngine* e : all) {
         REQUIRE(e->Step({adam}).ok());
       }
-      for (int li : params) {
-        INFO("after the step: " << ir.tensor_names[li]);
-        CHECK(at::allclose(streamed->ParamAt(li), plain->ParamAt(li), kRtol, kAtol));
+      for (PipelineEngine* e : offloaded) {
+        for (int li : params) {
+          INFO("after the step: " << ir.tensor_names[li] << (e == kept.get() ? ", kept" : ""));
+          CHECK(at::allclose(e->ParamAt(li), plain->ParamAt(li), kRtol, kAtol));
+        }
       }
     }
     const auto want_state = plain->OptimizerState();
-    const auto got_state = streamed->OptimizerState();
-    REQUIRE(got_state.size() == want_state.size());
-    for (const auto& [li, entries] : want_state) {
-      INFO("optimizer state of " << ir.tensor_names[li]);
-      REQUIRE(got_state.count(li));
-      for (size_t k = 0; k < entries.size(); ++k) {
-        CHECK(at::allclose(got_state.at(li)[k].second, entries[k].second, kRtol, kAtol));
+    for (PipelineEngine* e : offloaded) {
+      const auto got_state = e->OptimizerState();
+      REQUIRE(got_state.size() == want_state.size());
+      for (const auto& [li, entries] : want_state) {
+        INFO("optimizer state of " << ir.tensor_names[li] << (e == kept.get() ? ", kept" : ""));
+        REQUIRE(got_state.count(li));
+        for (size_t k = 0; k < entries.size(); ++k) {
+          CHECK(at::allclose(got_state.at(li)[k].second, entries[k].second, kRtol, kAtol));
+        }
       }
     }
     // Per stage of one replica: it streamed in blocks, held less of its parameters at once
@@ -152,6 +184,7 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
       if (stage.size() > 1) {
         CHECK(streamed->StreamedBlocks(dev) == 1);
         CHECK(streamed->StreamedPeakBytes(dev) == 0);
+        CHECK(kept->KeptOnDeviceBytes(dev) == 0);
         continue;
       }
       int64_t stage_param_bytes = 0;
@@ -160,6 +193,14 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
           stage_param_bytes += f.tensors[li].nbytes();
         }
       }
+      // Kept: whole parameters within the plan's bytes (some, where the stage streams), held
+      // with their gradients and AdamW's two moments between steps; the rest streamed, never
+      // more of it at once than streaming all of them.
+      const int64_t kept_bytes = kept->KeptOnDeviceBytes(dev);
+      if (streamed->StreamedBlocks(dev) > 1) CHECK(kept_bytes > 0);
+      CHECK(kept_bytes <= stage_param_bytes / 2);
+      CHECK(kept->DeviceBytes(dev) == whole->DeviceBytes(dev) + 4 * kept_bytes);
+      CHECK(kept->StreamedPeakBytes(dev) <= streamed->StreamedPeakBytes(dev));
       if (streamed->StreamedBlocks(dev) < 3) continue;  // too small a stage to tell
       CHECK(streamed->StreamedPeakBytes(dev) > 0);
       CHECK(streamed->StreamedPeakBytes(dev) < stage_param_bytes);
@@ -172,23 +213,30 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
         CHECK(streamed->PeakDeviceBytes(dev) < whole->PeakDeviceBytes(dev));
       }
     }
-    // The state moves into a fresh streamed engine (a job's undeploy and redeploy).
+    // The state moves into fresh streamed engines (a job's undeploy and redeploy), one keeping
+    // half its parameters on the device.
     std::vector<at::Tensor> now;
     for (size_t i = 0; i < f.tensors.size(); ++i) {
       now.push_back(plain->ParamAt(i).requires_grad_(IsParam(ir, i)));
     }
+    const auto state = streamed->OptimizerState();
     std::unique_ptr<PipelineEngine> moved = MakeEngine(f, plan, now, true, 1);
-    REQUIRE(moved->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
-    REQUIRE(moved->LoadOptimizerState(got_state).ok());
-    for (PipelineEngine* e : {plain.get(), moved.get()}) {
+    std::unique_ptr<PipelineEngine> moved_kept = MakeEngine(f, keeping, now, true, 1);
+    for (PipelineEngine* e : {moved.get(), moved_kept.get()}) {
+      REQUIRE(e->SetOptimizer(OptimizerKind::kAdamW, {params}).ok());
+      REQUIRE(e->LoadOptimizerState(state).ok());
+    }
+    for (PipelineEngine* e : {plain.get(), moved.get(), moved_kept.get()}) {
       e->ZeroGrad(true);
       REQUIRE(e->Forward(f.fixture.inputs, true).ok());
       REQUIRE(e->Backward({{0, at::ones({})}}, false).ok());
       REQUIRE(e->Step({adam}).ok());
     }
-    for (int li : params) {
-      INFO("after moving: " << ir.tensor_names[li]);
-      CHECK(at::allclose(moved->ParamAt(li), plain->ParamAt(li), kRtol, kAtol));
+    for (PipelineEngine* e : {moved.get(), moved_kept.get()}) {
+      for (int li : params) {
+        INFO("after moving: " << ir.tensor_names[li] << (e == moved_kept.get() ? ", kept" : ""));
+        CHECK(at::allclose(e->ParamAt(li), plain->ParamAt(li), kRtol, kAtol));
+      }
     }
   }
 }

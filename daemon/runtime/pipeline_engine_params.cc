@@ -240,7 +240,13 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
         if (!d.lifted[li].defined()) continue;
         const at::Tensor& p = d.Master(li);
         if (!p.requires_grad() || (shard && !tied.count(li))) continue;
-        device_groups[g].params.push_back(p);
+        if (d.kept.count(li)) {
+          // An alias of the parameter, whose gradient StepKept sets for the device's step.
+          d.kept_params[li] = p.detach();
+          device_groups[g].params.push_back(d.kept_params[li]);
+        } else {
+          device_groups[g].params.push_back(p);
+        }
         ids[g].push_back(li);
       }
     }
@@ -256,6 +262,7 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
     for (const std::vector<int>& group : ids) {
       d.optimizer_params.insert(d.optimizer_params.end(), group.begin(), group.end());
     }
+    d.kept_state_bytes = KeptStateBytes(d);
   }
   return absl::OkStatus();
 }
@@ -382,6 +389,7 @@ absl::Status PipelineEngine::Impl::LoadOptimizerState(
     LoadZeroOptimizerState(d, state, &named);
     absl::Status s = d.optimizer->LoadNamedState(named);
     if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
+    d.kept_state_bytes = KeptStateBytes(d);
   }
   return absl::OkStatus();
 }
@@ -474,6 +482,14 @@ int64_t PipelineEngine::Impl::StreamedPeakBytes(int device) const {
   return d == nullptr ? 0 : d->streamed_peak;
 }
 
+int64_t PipelineEngine::Impl::KeptOnDeviceBytes(int device) const {
+  const Device* d = DeviceAt(device);
+  if (d == nullptr) return 0;
+  int64_t bytes = 0;
+  for (int li : d->kept) bytes += static_cast<int64_t>(d->lifted[li].nbytes());
+  return bytes;
+}
+
 void PipelineEngine::Impl::ResetPeakDeviceBytes() {
   for (Device& d : devices_) d.peak_bytes = 0;
 }
@@ -499,8 +515,9 @@ int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
     if (t.grad().defined()) bytes += t.grad().nbytes();
   }
   if (d.reducer) bytes += d.reducer->buffer_bytes();
-  // Offloaded: gradients between steps and optimizer state are host memory.
-  if (offload_) return bytes;
+  // Offloaded: gradients between steps and optimizer state are host memory, but for the
+  // parameters kept on the device (counted at their last step: the host's step may be running).
+  if (offload_) return bytes + d.kept_state_bytes;
   for (const at::Tensor& t : d.fused_grads) {
     if (t.defined()) bytes += t.nbytes();
   }

@@ -87,6 +87,8 @@ KEYS = {
         "when nothing fits, plan again with ZeRO, then offload, then both"),
     "offload_block_bytes": ("job", "bytes", "1GiB",
         "with offload_params, a stage without replicas streams its parameters to the device in blocks of at most this many bytes, each there only while it computes (0: the stage's at once)"),
+    "offload_keep_on_device": ("job", "bool", "true",
+        "with offload_params streaming on devices of known memory, the planner keeps as many parameters on the device as its memory estimate leaves room for (their masters, gradients and optimizer state there, stepped by the device); false: all in host memory"),
     "offload_low_precision": ("job", "bool", "false",
         "with offload_params streaming at amp_level O2, parameters cross the host link in amp_dtype, from a copy of the masters the host casts each step (2 more bytes a parameter of host memory): half the bytes and device memory, the same results; slower where the link is fast (docs/benchmarks.md, workload D)"),
     "amp_dtype": ("job", "string", "bf16",

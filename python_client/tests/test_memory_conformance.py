@@ -53,18 +53,24 @@ def test_memory_modes_train_like_pytorch(model_name, plan_name, mode, monkeypatc
 # only while the block computes, and whose gradients go to the host as its backward ends (config
 # key offload_block_bytes; 1 byte: every atomic node that reads a parameter starts a block).
 # One stage over two micro-batches, and two stages (the first holding two micro-batches in
-# flight under 1F1B).
+# flight under 1F1B). With offload_keep_on_device (the default) the planner keeps what the
+# devices have room for on them: these small models whole (a part kept and the rest streamed is
+# pipeline_engine_offload_test's); without it, every parameter streams.
 STREAMED_PLANS = {"1x2x1": (1, 2, 1), "2x2x1": (2, 2, 1)}
 
 
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("plan_name", list(STREAMED_PLANS))
 @pytest.mark.parametrize("model_name", list(tpc.MODELS))
-def test_streamed_offload_trains_like_pytorch(model_name, plan_name, monkeypatch):
+def test_streamed_offload_trains_like_pytorch(model_name, plan_name, keep, monkeypatch):
     monkeypatch.setenv("RANNC_OFFLOAD_BLOCK_BYTES", "1")
+    monkeypatch.setenv("RANNC_OFFLOAD_KEEP_ON_DEVICE", str(keep).lower())
     rmod_stages = _train_like_pytorch(model_name, STREAMED_PLANS[plan_name],
                                       MODES["offload"], monkeypatch)
     blocks = [s.offload_blocks for s in rmod_stages]
     assert max(blocks) > 1, blocks
+    kept = [s.kept_on_device_bytes for s in rmod_stages]
+    assert any(kept) == keep, kept
 
 
 def _train_like_pytorch(model_name, plan, switches, monkeypatch):
@@ -439,6 +445,7 @@ def test_o2_offload_streams_bf16_with_the_same_results(model_name, monkeypatch):
     tpc._set_plan_config(monkeypatch, (1, 1, 1), "1f1b")
     monkeypatch.setenv("RANNC_AMP_LEVEL", "O2")
     monkeypatch.setenv("RANNC_OFFLOAD_BLOCK_BYTES", "1")
+    monkeypatch.setenv("RANNC_OFFLOAD_KEEP_ON_DEVICE", "false")  # every parameter streamed
     runs = {}
     for run, offload, low in (("plain", False, False), ("fp32 streamed", True, False),
                               ("bf16 streamed", True, True)):
