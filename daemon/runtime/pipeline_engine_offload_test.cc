@@ -368,20 +368,23 @@ TEST_CASE("A streamed device's optimizer step runs beside the next forward, to t
   struct StepCase {
     Case c;
     bool o2;  // amp_level O2 with offload_low_precision: the bf16 casts are made by the step
+    bool keep = false;  // half of each stage's parameters kept on the device (KeepingHalf)
   };
   const std::vector<StepCase> cases = {{{"mlp", {{0}}, 1}, false},
                                        {{"tiny_gpt", {{0}}, 2}, false},
                                        {{"tiny_gpt", {{0}, {1}}, 2}, false},
-                                       {{"tiny_gpt", {{0}}, 1}, true}};
+                                       {{"tiny_gpt", {{0}}, 1}, true},
+                                       {{"tiny_gpt", {{0}}, 2}, false, true}};
   for (const StepCase& sc : cases) {
     const Case& c = sc.c;
     INFO(c.model << ", " << c.devices.size() << " stages, " << c.m << " micro-batches"
-                 << (sc.o2 ? ", O2 in bf16" : ""));
+                 << (sc.o2 ? ", O2 in bf16" : "") << (sc.keep ? ", half kept" : ""));
     FixtureIr f = sc.o2 ? O2FixtureIr(c.model) : BuildFixtureIr(c.model);
     REQUIRE(f.ir.ok());
     const IrGraph& ir = *f.ir;
     const std::vector<int> params = ParamIndices(ir);
-    const v1::Deployment plan = MakePlan(ir, c.devices, c.m, v1::SCHEDULE_1F1B);
+    v1::Deployment plan = MakePlan(ir, c.devices, c.m, v1::SCHEDULE_1F1B);
+    if (sc.keep) plan = KeepingHalf(f, *MakeEngine(f, plan, f.tensors, false, 0), plan);
     // The step's thread holds each block's unit until the next forward has begun (at most
     // 5 s): that forward has to wait for the blocks it reads, and a unit stepped after the
     // forward began shows that the step did overlap it.

@@ -164,6 +164,10 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
     }
     // The masters' gradients belong to an optimizer step still running: it drops them at its end.
     const bool deferred = DeferZeroGrad(d, set_to_none);
+    // Which gradients are zeros the step's thread marks too (at its end, under its lock): the
+    // parameters kept on the device have theirs here meanwhile.
+    std::unique_lock<std::mutex> marking;
+    if (d.host_step) marking = std::unique_lock<std::mutex>(d.host_step->mu);
     if (set_to_none && !deferred) d.zeroed.clear();
     for (std::vector<at::Tensor>* tensors : {&d.lifted, &d.host}) {
       if (deferred && tensors == &d.host) continue;
