@@ -346,8 +346,10 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       d.world_rank = world_rank_[d.index];
       if (!d.local) continue;  // another process runs it
       phase = Clock::now();
-      // Offload's streaming keeps what the plan says fits on the device (SetUpOffload).
-      if (offload_ && offload_block_bytes_ > 0 && stages_[s].devices.size() == 1) {
+      // Offload streams a stage without replicas block by block (SetUpStreaming), keeping what
+      // the plan says fits on the device (SetUpOffload).
+      const bool streams = offload_ && offload_block_bytes_ > 0 && stages_[s].devices.size() == 1;
+      if (streams) {
         d.kept = KeptOnDevice(ir, stages_[s], lifted, tied_,
                               static_cast<int64_t>(plan.stages(s).kept_on_device_bytes()));
       }
@@ -387,9 +389,8 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       options.recompute = plan.stages(s).recompute();
       options.amp = amp;
       options.device = d.place;
-      // Offload streams a stage without replicas block by block (SetUpStreaming).
       std::vector<int> blocks;
-      if (offload_ && offload_block_bytes_ > 0 && stages_[s].devices.size() == 1) {
+      if (streams) {
         blocks = ParamBlockStarts(ir, stages_[s].first, stages_[s].end, offload_block_bytes_);
       }
       absl::StatusOr<std::unique_ptr<StageExecutor>> exec =

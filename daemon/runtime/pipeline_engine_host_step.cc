@@ -132,14 +132,9 @@ absl::Status PipelineEngine::Impl::StepKept(Device& d, const std::vector<HyperPa
 int64_t PipelineEngine::Impl::KeptStateBytes(const Device& d) {
   if (d.kept.empty() || !d.optimizer) return 0;
   int64_t bytes = 0;
-  // NamedState's "<index>.<key>": index into optimizer_params.
   for (const auto& [name, t] : d.optimizer->NamedState()) {
-    const size_t dot = name.find('.');
-    const int index = std::stoi(name.substr(0, dot));
-    if (!IsScalarOptimizerState(name.substr(dot + 1)) &&
-        d.kept.count(d.optimizer_params[index])) {
-      bytes += static_cast<int64_t>(t.nbytes());
-    }
+    const auto [li, key] = d.StateOf(name);
+    if (!IsScalarOptimizerState(key) && d.kept.count(li)) bytes += static_cast<int64_t>(t.nbytes());
   }
   return bytes;
 }

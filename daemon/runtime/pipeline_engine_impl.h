@@ -261,6 +261,11 @@ struct Device {
   std::unique_ptr<Optimizer> optimizer;
   // Lifted index per optimizer param (across groups); -1 - k for the shard of zero[k].
   std::vector<int> optimizer_params;
+  // An entry of optimizer->NamedState(), "<index>.<key>": its optimizer_params entry and key.
+  std::pair<int, std::string> StateOf(const std::string& name) const {
+    const size_t dot = name.find('.');
+    return {optimizer_params[std::stoi(name.substr(0, dot))], name.substr(dot + 1)};
+  }
   std::unique_ptr<Worker> worker;
   // The worker thread's LibTorch allocations, and the most this device has held at once
   // during a step: what it held when the step began plus the step's high-water mark.

@@ -145,18 +145,18 @@ void PipelineEngine::Impl::SetUpStreaming(Device& d) {
       Retype(d.lifted[li], d.host[li].sizes(), d.On(read_as.value_or(d.host[li].scalar_type())));
     }
   }
-  int64_t bytes = 0, most = 0, kept = 0;
+  int64_t bytes = 0, most = 0;
   for (const std::vector<int>& block : d.streamed) {
     int64_t b = 0;
     for (int li : block) b += d.lifted[li].numel() * d.lifted[li].element_size();
     bytes += b;
     most = std::max(most, b);
   }
-  for (int li : d.kept) kept += d.lifted[li].nbytes();
   spdlog::info("engine {}: device {} streams its offloaded parameters in {} blocks ({:.3f} GB "
                "uploaded a pass, at most {:.3f} GB a block; {} parameters in a narrower dtype "
                "than their masters') and keeps {} parameters ({:.3f} GB) on the device",
-               id_, d.index, blocks, bytes / 1e9, most / 1e9, low, d.kept.size(), kept / 1e9);
+               id_, d.index, blocks, bytes / 1e9, most / 1e9, low, d.kept.size(),
+               KeptOnDeviceBytes(d.index) / 1e9);
 }
 
 StageBlockHooks PipelineEngine::Impl::StreamingHooks(Device& d) {

@@ -273,10 +273,9 @@ std::vector<PipelineEngine::StatePiece> PipelineEngine::Impl::OptimizerStatePiec
   for (const Device& d : devices_) {
     if (!d.optimizer) continue;
     for (const auto& [name, value] : d.optimizer->NamedState()) {
-      const size_t dot = name.find('.');
-      const int li = d.optimizer_params[std::stoi(name.substr(0, dot))];
+      const auto [li, key] = d.StateOf(name);
       if (li < 0 || owner_[li] != d.world_rank) continue;  // a ZeRO shard: below
-      out.push_back({li, name.substr(dot + 1), ReadCopy(value.detach()), 0, false});
+      out.push_back({li, key, ReadCopy(value.detach()), 0, false});
     }
     if (d.zero.empty() || d.replica != 0) continue;  // replica 0 reports every replica's
     for (const Device* r : Replicas(d.stage)) {
