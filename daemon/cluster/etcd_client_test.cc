@@ -94,7 +94,7 @@ TEST_CASE("etcd over TLS: a client of its CA with a certificate gets in; plain t
 }
 
 TEST_CASE("EtcdClient's connection to nothing fails at once, naming the endpoints", "[etcd]") {
-  const std::string nowhere = "127.0.0.1:" + std::to_string(testing::FreePort());
+  const std::string nowhere = "127.0.0.1:" + std::to_string(testing::FreePorts(1)[0]);
   auto client = EtcdClient::Connect({nowhere}, milliseconds(500));
   REQUIRE_FALSE(client.ok());
   CHECK(client.status().code() == absl::StatusCode::kUnavailable);

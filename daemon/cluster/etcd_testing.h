@@ -17,6 +17,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,18 +32,23 @@ extern char** environ;
 
 namespace rannc::testing {
 
-// A loopback port nothing listens on now (bound, read, released: another process may take it
-// before etcd does, which the start then reports).
-inline int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+// `n` distinct loopback ports nothing listens on now (each bound until all are chosen, then
+// released: another process may take one before etcd does, which EtcdCluster then retries).
+inline std::vector<int> FreePorts(int n) {
+  std::vector<int> fds, ports;
+  for (int i = 0; i < n; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    fds.push_back(fd);
+    ports.push_back(ntohs(addr.sin_port));
+  }
+  for (int fd : fds) ::close(fd);
+  return ports;
 }
 
 class EtcdCluster {
@@ -56,50 +63,20 @@ class EtcdCluster {
     char dir[] = "/tmp/rannc-etcd-XXXXXX";
     REQUIRE(::mkdtemp(dir) != nullptr);
     dir_ = dir;
-    std::string initial;
-    for (int i = 0; i < members; ++i) {
-      Member m;
-      m.name = "m" + std::to_string(i);
-      m.client = "127.0.0.1:" + std::to_string(FreePort());
-      m.peer = "http://127.0.0.1:" + std::to_string(FreePort());
-      initial += (i ? "," : "") + m.name + "=" + m.peer;
-      members_.push_back(m);
+    members_wanted_ = members;
+    // A member that exits before it answers most often lost its port to another process
+    // between FreePorts and its bind: start the whole cluster again on other ports.
+    constexpr int kAttempts = 4;
+    for (int attempt = 1; attempt <= kAttempts; ++attempt) {
+      std::string exited;
+      if (Start(attempt, &exited)) return;
+      WARN("etcd start " << attempt << " of " << kAttempts << ": member " << exited
+                         << " exited before it answered; starting the cluster again on other "
+                            "ports. The end of its log:\n"
+                         << LogTail(dir_ + "/" + exited + ".log"));
+      for (size_t i = 0; i < members_.size(); ++i) Kill(static_cast<int>(i));
     }
-    for (Member& m : members_) {
-      const std::string client_url = (tls_.enabled() ? "https://" : "http://") + m.client;
-      std::vector<std::string> args = {
-          binary_, "--name", m.name, "--data-dir", dir_ + "/" + m.name,
-          "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-          "--listen-peer-urls", m.peer, "--initial-advertise-peer-urls", m.peer,
-          "--initial-cluster", initial, "--initial-cluster-state", "new",
-          "--initial-cluster-token", dir_, "--heartbeat-interval", "50",
-          "--election-timeout", "500", "--logger", "zap", "--log-level", "error",
-          "--log-outputs", dir_ + "/" + m.name + ".log"};
-      if (tls_.enabled()) {
-        args.insert(args.end(), {"--cert-file", tls_.cert, "--key-file", tls_.key,
-                                 "--trusted-ca-file", tls_.ca, "--client-cert-auth"});
-      }
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      REQUIRE(::posix_spawn(&m.pid, binary_.c_str(), nullptr, nullptr, argv.data(), environ) ==
-              0);
-    }
-    // Up when a client's call through every member answers.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    for (const Member& m : members_) {
-      while (true) {
-        auto client =
-            cluster::EtcdClient::Connect({m.client}, std::chrono::seconds(1), credentials());
-        if (client.ok() && (*client)->Put("/rannc-test/ready", m.name).ok()) break;
-        INFO("etcd member " << m.name << " at " << m.client << " (log: " << dir_ << "/"
-                            << m.name << ".log)");
-        int status = 0;
-        REQUIRE(::waitpid(m.pid, &status, WNOHANG) == 0);  // it exited
-        REQUIRE(std::chrono::steady_clock::now() < deadline);
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
-    }
+    FAIL("etcd did not start in " << kAttempts << " attempts (logs under " << dir_ << ")");
   }
 
   ~EtcdCluster() {
@@ -142,8 +119,73 @@ class EtcdCluster {
     std::string name, client, peer;
     pid_t pid = -1;
   };
+
+  static std::string LogTail(const std::string& path) {
+    std::ifstream in(path);
+    const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return log.size() > 1000 ? log.substr(log.size() - 1000) : log;
+  }
+
+  // Spawns every member on fresh ports with fresh data directories and waits until a client's
+  // call through each answers; false (naming the member in *exited) if one exits first.
+  bool Start(int attempt, std::string* exited) {
+    members_.clear();
+    const std::vector<int> ports = FreePorts(2 * members_wanted_);
+    std::string initial;
+    for (int i = 0; i < members_wanted_; ++i) {
+      Member m;
+      m.name = "m" + std::to_string(i);
+      m.client = "127.0.0.1:" + std::to_string(ports[2 * i]);
+      m.peer = "http://127.0.0.1:" + std::to_string(ports[2 * i + 1]);
+      initial += (i ? "," : "") + m.name + "=" + m.peer;
+      members_.push_back(m);
+    }
+    const std::string data = dir_ + "/attempt" + std::to_string(attempt);
+    for (Member& m : members_) {
+      const std::string client_url = (tls_.enabled() ? "https://" : "http://") + m.client;
+      std::vector<std::string> args = {
+          binary_, "--name", m.name, "--data-dir", data + "/" + m.name,
+          "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+          "--listen-peer-urls", m.peer, "--initial-advertise-peer-urls", m.peer,
+          "--initial-cluster", initial, "--initial-cluster-state", "new",
+          "--initial-cluster-token", data, "--heartbeat-interval", "50",
+          "--election-timeout", "500", "--logger", "zap", "--log-level", "error",
+          "--log-outputs", dir_ + "/" + m.name + ".log"};
+      if (tls_.enabled()) {
+        args.insert(args.end(), {"--cert-file", tls_.cert, "--key-file", tls_.key,
+                                 "--trusted-ca-file", tls_.ca, "--client-cert-auth"});
+      }
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      REQUIRE(::posix_spawn(&m.pid, binary_.c_str(), nullptr, nullptr, argv.data(), environ) ==
+              0);
+    }
+    // Up when a client's call through every member answers.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (Member& m : members_) {
+      while (true) {
+        auto client =
+            cluster::EtcdClient::Connect({m.client}, std::chrono::seconds(1), credentials());
+        if (client.ok() && (*client)->Put("/rannc-test/ready", m.name).ok()) break;
+        INFO("etcd member " << m.name << " at " << m.client << " (log: " << dir_ << "/"
+                            << m.name << ".log)");
+        int status = 0;
+        if (::waitpid(m.pid, &status, WNOHANG) != 0) {  // it exited
+          m.pid = -1;
+          *exited = m.name;
+          return false;
+        }
+        REQUIRE(std::chrono::steady_clock::now() < deadline);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+    return true;
+  }
+
   security::TlsFiles tls_;
   std::string binary_, dir_, why_;
+  int members_wanted_ = 0;
   std::vector<Member> members_;
 };
 

@@ -83,6 +83,23 @@ class EtcdProcesses:
         if not os.access(ETCD, os.X_OK):
             pytest.skip(f"SKIPPED LOUDLY: {ETCD} is missing (Debian's etcd-server; "
                         "deploy/setup.sh installs it)")
+        # A member that exits before it answers most often lost its port to another process
+        # between _free_ports and its bind: start the whole cluster again on other ports.
+        for attempt in range(1, 5):
+            exited = self._start(tmp_path / f"etcd-attempt{attempt}", members, tls)
+            if exited is None:
+                break
+            print(f"etcd start {attempt}: member {exited} exited before it answered; starting "
+                  f"again on other ports. Its log:\n{open(self.logs[exited]).read()[-1000:]}")
+            self.stop()
+        else:
+            raise AssertionError(f"etcd did not start in 4 attempts (logs under {tmp_path})")
+        self.url = "etcd://" + ",".join(self.clients)
+
+    def _start(self, tmp_path, members, tls):
+        """Spawns the members on fresh ports and waits until each answers; None, or the index
+        of a member that exited first."""
+        tmp_path.mkdir()
         ports = _free_ports(2 * members)
         self.clients = [f"127.0.0.1:{p}" for p in ports[:members]]
         scheme = "https" if tls else "http"
@@ -109,10 +126,11 @@ class EtcdProcesses:
                                   "health"],
                                  env=dict(os.environ, ETCDCTL_API="3"),
                                  capture_output=True).returncode != 0:
-                assert self.procs[i].poll() is None and time.time() < deadline, \
-                    open(self.logs[i]).read()
+                if self.procs[i].poll() is not None:
+                    return i
+                assert time.time() < deadline, open(self.logs[i]).read()
                 time.sleep(0.1)
-        self.url = "etcd://" + ",".join(self.clients)
+        return None
 
     def leader(self):
         """The index of the member that leads the etcd cluster now."""
