@@ -167,22 +167,108 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
     work.push_back(static_cast<double>(profile.peak_bytes));
   }
   const int n = end - begin;
+  out.act_peak_from.assign(n, 0.0);
   for (int i = 0; i < n; ++i) {
     // Window [i, j]: blocks i + 1 .. j - 1 whole within block_bytes, i and j possibly in part.
+    double& peak = out.act_peak_from[i];
+    peak = act[i] + work[i];
     double inner = 0, window_act = act[i], window_work = work[i];
     for (int j = i + 1; j < n; ++j) {
       window_act += act[j];
       window_work = std::max(window_work, work[j]);
       if (j > i + 1) inner += bytes[j - 1];
       if (inner > block_bytes) break;
-      out.act_peak = std::max(out.act_peak, window_act + window_work);
+      peak = std::max(peak, window_act + window_work);
     }
-    out.act_peak = std::max(out.act_peak, act[i] + work[i]);
+    out.act_peak = std::max(out.act_peak, peak);
   }
   double cut = 0;
   for (int b = begin + 1; b < end; ++b) cut = std::max(cut, CutBytes(table, b));
   const double blocks = std::ceil(trainable / block_bytes) + 1;
   out.kept = (blocks - 1) * cut * static_cast<double>(mb);
+  return out;
+}
+
+std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_factor,
+                                            int begin, int end, int64_t mb,
+                                            const std::vector<double>& recomputed_act_peak_from) {
+  const int n = end - begin;
+  std::vector<int> first(table.param_bytes.size(), -1), last(table.param_bytes.size(), -1);
+  std::vector<double> first_read(n, 0.0), last_read(n, 0.0);
+  auto trainable_bytes = [&](int p) {
+    return p < static_cast<int>(table.param_trainable.size()) && table.param_trainable[p]
+               ? static_cast<double>(table.param_bytes[p])
+               : 0.0;
+  };
+  for (int b = begin; b < end; ++b) {
+    for (int p : table.blocks[b].params) {
+      if (p < 0 || p >= static_cast<int>(first.size())) continue;
+      if (first[p] < 0) {
+        first[p] = b;
+        first_read[b - begin] += trainable_bytes(p);
+      }
+      last[p] = b;
+    }
+  }
+  for (size_t p = 0; p < last.size(); ++p) {
+    if (last[p] >= 0) last_read[last[p] - begin] += trainable_bytes(static_cast<int>(p));
+  }
+  std::vector<BlockBackward> out(n);
+  double act = 0, casts = 0, first_before = 0, last_before = 0;
+  for (int i = 0; i < n; ++i) {
+    const BlockProfile profile = ProfileAt(table.blocks[begin + i], mb);
+    act += static_cast<double>(profile.act_bytes);
+    casts += cast_factor * first_read[i];
+    out[i].act = recomputed_act_peak_from.empty()
+                     ? act + casts + static_cast<double>(profile.peak_bytes)
+                     : recomputed_act_peak_from[i];
+    out[i].first_before = first_before;
+    out[i].last_before = last_before;
+    first_before += first_read[i];
+    last_before += last_read[i];
+  }
+  return out;
+}
+
+KeptTerms KeepOnDevice(const std::vector<BlockBackward>& blocks, double act, double total,
+                       double trainable, double limit, double state_factor) {
+  KeptTerms out;
+  out.memory = total;
+  const double room = std::floor(limit) - std::ceil(total);
+  if (!(room > 0) || trainable <= 0) return out;
+  const double held = 1.0 + state_factor;  // a master and its state, for good
+  if (blocks.empty()) {
+    // Every gradient throughout: total + kept (2 + state_factor).
+    out.bytes = std::min(trainable, std::floor(room / (held + 1.0)));
+    out.memory = total + out.bytes * (held + 1.0);
+    return out;
+  }
+  // While the backward runs block i, the device holds M_i = total - act + act_i besides the
+  // kept bytes' h(k) = k held + g_i(k), g_i(k) = min(k, e) for k <= f, k - l above, with f and
+  // l the bytes read first and last before i, e = f - l: each h is increasing and piecewise
+  // linear, so the most kept is the least over the blocks of the largest k with
+  // M_i + h(k) <= limit.
+  double kept = trainable;
+  for (const BlockBackward& b : blocks) {
+    const double r = std::floor(limit) - std::ceil(total - act + b.act);
+    const double e = b.first_before - b.last_before;
+    double k;
+    if (r <= e * (held + 1.0)) {
+      k = r / (held + 1.0);
+    } else if (r <= b.first_before * held + e) {
+      k = (r - e) / held;
+    } else {
+      k = (r + b.last_before) / (held + 1.0);
+    }
+    kept = std::min(kept, std::floor(std::max(0.0, k)));
+  }
+  out.bytes = kept;
+  out.memory = total + kept * held;  // the forward's: no gradients
+  for (const BlockBackward& b : blocks) {
+    const double e = b.first_before - b.last_before;
+    const double grads = kept <= b.first_before ? std::min(kept, e) : kept - b.last_before;
+    out.memory = std::max(out.memory, total - act + b.act + kept * held + grads);
+  }
   return out;
 }
 
@@ -231,10 +317,11 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
     return StageDeviceMemory(options, terms, replicas, inflight, micro_batches, recompute);
   };
   DeviceMemory memory = memory_of(false);
+  StreamedRecomputeTerms blocked;
   if (memory.total > limit && options.allow_recompute) {
     if (terms.streamed_block > 0) {
-      const StreamedRecomputeTerms blocked = StreamedRecompute(
-          table, options.amp_cast_factor, begin, end, mb, terms.trainable, terms.streamed_block);
+      blocked = StreamedRecompute(table, options.amp_cast_factor, begin, end, mb,
+                                  terms.trainable, terms.streamed_block);
       terms.streamed_kept = blocked.kept;
       terms.streamed_act_peak = blocked.act_peak;
     }
@@ -245,14 +332,20 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   // What streams over the link and steps on the host: the trainable bytes not kept on the
   // device, where the limit leaves room (kept whole: memory.total stays within the limit).
   double streamed = terms.trainable;
-  if (terms.streamed_block > 0 && options.offload_keep_on_device &&
-      std::ceil(memory.total) < std::floor(limit)) {
-    const double per_byte = 2.0 + options.optimizer_state_factor;
-    const double kept = std::min(
-        terms.trainable, std::floor((std::floor(limit) - std::ceil(memory.total)) / per_byte));
-    e.kept_bytes = static_cast<uint64_t>(kept);
-    memory.total += kept * per_byte;
-    streamed -= kept;
+  if (terms.streamed_block > 0 && options.offload_keep_on_device) {
+    // One micro-batch: the kept gradients appear as the backward reaches their blocks (block
+    // by block recomputed, or with every activation kept); otherwise they are counted whole.
+    const bool windows = e.recompute && terms.streamed_act_peak > 0;
+    const bool by_block = micro_batches == 1 && (windows || !e.recompute);
+    const KeptTerms kept = KeepOnDevice(
+        by_block ? StreamedBackward(table, options.amp_cast_factor, begin, end, mb,
+                                    windows ? blocked.act_peak_from : std::vector<double>{})
+                 : std::vector<BlockBackward>{},
+        windows ? terms.streamed_act_peak : terms.act_peak, memory.total, terms.trainable, limit,
+        options.optimizer_state_factor);
+    e.kept_bytes = static_cast<uint64_t>(kept.bytes);
+    memory.total = kept.memory;
+    streamed -= kept.bytes;
   }
   if (terms.streamed_block > 0) {
     // Streamed: every micro-batch fetches each block's parameters before its forward and again

@@ -177,11 +177,13 @@ BlockProfile ProfileAt(const Block& block, int64_t mb);
 // otherwise after it (fwd_ms += up, bwd_ms += up; a CPU device's gradients stay). So more
 // micro-batches cost link time, and on a GPU recomputation is free while the link is the
 // slower. Unstreamed offload's copies, once a step whatever the plan, are not counted.
-// With offload_keep_on_device, a streamed stage that fits keeps kept_bytes = what the limit
-// leaves free / (2 + optimizer_state_factor) of its trainable bytes on the device (each kept
-// byte is a master's, a gradient's and the state's there), at most all of them: memory_bytes
-// (and fixed_bytes) grow by that, to about the limit, and only the rest, G - kept_bytes,
-// crosses the link and is stepped on the host below. The device's own step of the kept
+// With offload_keep_on_device, a streamed stage that fits keeps kept_bytes of its trainable
+// bytes on the device, at most all of them: each a master's and the state's there for good
+// (1 + optimizer_state_factor), and a gradient's from the backward of its block to the step,
+// the stage's first-read bytes (internal::KeepOnDevice: counted per block with one
+// micro-batch, throughout with several): memory_bytes (and fixed_bytes) grow by that, to about
+// the limit, and only the rest, G - kept_bytes, crosses the link and is stepped on the host
+// below. The device's own step of the kept
 // parameters (at its memory's speed) is not priced.
 // Offloaded, the optimizer steps the masters on the host once a step, touching
 // (3 + 2 x optimizer_state_factor) x G bytes (the masters and gradients read, the state read

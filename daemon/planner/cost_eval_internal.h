@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "daemon/planner/cost_eval.h"
 #include "daemon/planner/cost_table.h"
@@ -106,10 +107,45 @@ struct MemoryTerms {
 struct StreamedRecomputeTerms {
   double kept = 0;
   double act_peak = 0;
+  // Per planning block i of the stage: the most activations and working memory of a window
+  // that starts at i (act_peak is the largest).
+  std::vector<double> act_peak_from;
 };
 StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_factor, int begin,
                                          int end, int64_t mb, double trainable,
                                          double block_bytes);
+
+// A streamed stage's backward per planning block i of [begin, end), for what the parameters
+// kept on the device add to it: `act`, the activations and working memory the device holds
+// while the backward runs block i (recomputed: the largest window that starts at i, from
+// StreamedRecompute's act_peak_from; otherwise X_<=i + W_i), and the trainable bytes of the
+// parameters the blocks before i read first (`first_before`) and last (`last_before`).
+// A parameter's gradient is allocated at its last reader's backward, and the kept parameters
+// are the ones read first (the runtime keeps whole parameters in that order): when the
+// backward reaches block i, the kept gradients allocated are at most
+// min(kept, first_before - last_before + max(0, kept - first_before)).
+struct BlockBackward {
+  double act = 0;
+  double first_before = 0;
+  double last_before = 0;
+};
+std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_factor,
+                                            int begin, int end, int64_t mb,
+                                            const std::vector<double>& recomputed_act_peak_from);
+
+// Streamed with offload_keep_on_device: the trainable bytes kept on the device, at most
+// `trainable`, and the device's memory `memory` then; `total` is its memory without them, `act`
+// the activations term of total that each of `blocks`' act replaces while the backward runs
+// that block, `limit` what memory may reach. A kept byte is its master's and state_factor of
+// optimizer state on the device for good, and its gradient's from its last reader's backward
+// to the step. `blocks` empty: the gradients counted throughout (a step of several
+// micro-batches holds the first one's in every later one).
+struct KeptTerms {
+  double bytes = 0;
+  double memory = 0;
+};
+KeptTerms KeepOnDevice(const std::vector<BlockBackward>& blocks, double act, double total,
+                       double trainable, double limit, double state_factor);
 
 // One device's memory (EvaluateStage's model): `total` at its peak, and `scaled`, the most it
 // grows per unit of micro-batch size (activations, inputs and working memory). Non-decreasing

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <vector>
 
+#include "daemon/planner/cost_eval_internal.h"
 #include "daemon/planner/cost_table.h"
 #include "daemon/planner/schedule_sim.h"
 
@@ -500,14 +501,16 @@ TEST_CASE("Offload prices the optimizer's step on the host, less what the first 
 
 TEST_CASE("A streamed stage keeps on the device what its memory leaves room for",
           "[cost_eval]") {
-  // Four blocks of 250 trainable bytes (G = 1000), fwd 1 and bwd 2 ms each at 4 samples;
-  // streamed, the device holds 1550 bytes (the first case above). Adam: a kept byte costs 4
-  // on the device (master, gradient, two moments). 1000 bytes cross the link in 10 ms a pass;
-  // a host step touches 7 bytes a streamed byte at 500 kB/s.
+  // Four blocks of 250 trainable bytes (G = 1000), fwd 1 and bwd 2 ms each, activations 100
+  // and working memory 50 each at 4 samples; streamed, the device holds 1550 bytes (the first
+  // case above), 450 of them the last block's backward's activations (X_<=3 + W_3). Adam: a
+  // kept byte's master and moments cost 3 on the device for good, its gradient one more from
+  // its block's backward to the step. 1000 bytes cross the link in 10 ms a pass; a host step
+  // touches 7 bytes a streamed byte at 500 kB/s.
   const CostTable t = Stack(250, 100);
   SearchOptions o = StreamedOnGpu();
   o.mem_margin = 0;
-  o.device_memory_bytes = 1550 + 4 * 300;
+  o.device_memory_bytes = 1550 + 1200;
   Links links = SimpleLinks();
   links.host_bytes_per_s = 1e5;
   links.host_step_bytes_per_s = 5e5;
@@ -518,28 +521,39 @@ TEST_CASE("A streamed stage keeps on the device what its memory leaves room for"
   CHECK(e.memory_bytes == 1550);
   CHECK_THAT(e.fwd_ms, WithinRel(10.0, 1e-12));
   CHECK_THAT(e.host_step_ms, WithinRel(4.0, 1e-12));
-  // Asked: 1200 bytes free keep 300 trainable bytes, 700 stream (7 ms a pass, under the
-  // backward's 8) and the host steps 4900 bytes (9.8 ms, 2.8 past the forward).
+  // Asked, with 1200 bytes free: the kept parameters are the first blocks', whose gradients
+  // appear last in the backward, when only the first blocks' activations are left. Block 0's
+  // backward (150 of activations, 300 fewer than the last's) holds every kept gradient:
+  // 1250 + 4 k <= 2750 keeps k = 375 (counting every gradient throughout, 300). 625 bytes
+  // stream (6.25 ms a pass, under the backward's 8) and the host steps 4375 bytes (8.75 ms,
+  // 2.5 past the forward).
   o.offload_keep_on_device = true;
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK(e.feasible);
-  CHECK(e.kept_bytes == 300);
+  CHECK(e.kept_bytes == 375);
   CHECK(e.memory_bytes == 1550 + 1200);
   CHECK(e.fixed_bytes - EvaluateStage(t, links, StreamedOnGpu(), 0, 4, 1, 0, 1).fixed_bytes ==
         1200);
-  CHECK_THAT(e.fwd_ms, WithinRel(7.0, 1e-12));
+  CHECK_THAT(e.fwd_ms, WithinRel(6.25, 1e-12));
   CHECK_THAT(e.bwd_ms, WithinRel(8.0, 1e-12));
-  CHECK_THAT(e.host_step_ms, WithinRel(2.8, 1e-12));
-  // SGD without momentum keeps a master and a gradient a byte: 600.
+  CHECK_THAT(e.host_step_ms, WithinRel(2.5, 1e-12));
+  // Two micro-batches (one in flight, the same 1550 without keeping): the first one's
+  // gradients are there all through the second, so each kept byte counts 4 throughout: 300.
+  o.batch_size = 8;
+  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 2).kept_bytes == 300);
+  o.batch_size = 4;
+  // SGD without momentum: a master a byte for good, and its gradient from its backward on:
+  // block 0's backward, 1250 + 2 k <= 2750, keeps 750 (counted throughout, 600).
   o.optimizer_state_factor = 0;
-  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 600);
+  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 750);
   o.optimizer_state_factor = 2;
   // Room for more than the stage: all of it kept, nothing crosses the link or steps on the
-  // host, and the compute paces the passes.
+  // host, and the compute paces the passes. The peak is block 0's backward: 1250 + 3000 of
+  // masters and moments + the 1000 of gradients.
   o.device_memory_bytes = 1000000;
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK(e.kept_bytes == 1000);
-  CHECK(e.memory_bytes == 1550 + 4000);
+  CHECK(e.memory_bytes == 1250 + 3000 + 1000);
   CHECK_THAT(e.fwd_ms, WithinRel(4.0, 1e-12));
   CHECK(e.host_step_ms == 0);
   // No room, or not streamed (one block over the stage, or replicas): nothing kept.
@@ -551,6 +565,38 @@ TEST_CASE("A streamed stage keeps on the device what its memory leaves room for"
   o.offload_block_bytes = 250;
   o.batch_size = 8;
   CHECK(EvaluateStage(t, links, o, 0, 4, 2, 0, 1).kept_bytes == 0);
+}
+
+TEST_CASE("Kept gradients count from their last reader's backward", "[cost_eval]") {
+  using internal::BlockBackward;
+  using internal::KeepOnDevice;
+  // Three blocks of 100 trainable bytes, each read by its block only; the device holds
+  // 1000 + act_i while the backward runs block i (act 100, 200 and 500), and may hold 2000.
+  // Adam (state factor 2): a kept byte's master and moments cost 3 for good.
+  std::vector<BlockBackward> blocks = {{100, 0, 0}, {200, 100, 100}, {500, 200, 200}};
+  // Block 0's backward holds every kept gradient (1100 + 4k <= 2000: 225), block 1's those
+  // above the first 100 (1200 + 3k + k - 100: 225), block 2's none up to 200 (1500 + 3k: 166).
+  internal::KeptTerms kept = KeepOnDevice(blocks, 500, 1500, 300, 2000, 2);
+  CHECK(kept.bytes == 166);
+  CHECK(kept.memory == 1500 + 3 * 166);  // block 2's backward
+  // Block 0's parameter read last by block 2 (as a one-stage GPT's embedding and output layer
+  // share one): its gradient is there from block 2's backward on, 1500 + 3k + min(k, 100):
+  // 133.
+  blocks = {{100, 0, 0}, {200, 100, 0}, {500, 200, 100}};
+  kept = KeepOnDevice(blocks, 500, 1500, 300, 2000, 2);
+  CHECK(kept.bytes == 133);
+  CHECK(kept.memory == 1500 + 3 * 133 + 100);
+  // No blocks: every gradient throughout, (2000 - 1500) / 4.
+  kept = KeepOnDevice({}, 500, 1500, 300, 2000, 2);
+  CHECK(kept.bytes == 125);
+  CHECK(kept.memory == 1500 + 4 * 125);
+  // No room: nothing.
+  kept = KeepOnDevice(blocks, 500, 2000, 300, 2000, 2);
+  CHECK(kept.bytes == 0);
+  CHECK(kept.memory == 2000);
+  // At most the trainable bytes.
+  kept = KeepOnDevice(blocks, 500, 1500, 50, 100000, 2);
+  CHECK(kept.bytes == 50);
 }
 
 TEST_CASE("A streamed stage recomputes block by block, keeping each block's input",
@@ -613,6 +659,20 @@ TEST_CASE("A streamed stage recomputes block by block, keeping each block's inpu
   e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
   CHECK(e.recompute);
   CHECK(e.memory_bytes == 1500 + 4 * 20 + (4000 + 50) + 500);
+  // Kept parameters, recomputed by blocks of 250: with the first three blocks' activations
+  // 100, a window from block 0 reruns 350, from 1 1250, from 2 2150, from 3 to 5 3050 (the
+  // 4210 of the device's peak). 1200 bytes free keep 400, not 300: the kept parameters are
+  // the first four blocks', and their gradients appear from block 3's backward on (block
+  // 3's: 4210 + 3k for k <= 750), when the later windows are done.
+  for (int b = 0; b < 3; ++b) t.blocks[b].by_mb[4].act_bytes = 100;
+  o.offload_block_bytes = 250;
+  o.overlap_host_copies = true;
+  o.offload_keep_on_device = true;
+  o.device_memory_bytes = 4210 + 1200;
+  e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(e.recompute);
+  CHECK(e.kept_bytes == 400);
+  CHECK(e.memory_bytes == 4210 + 1200);
 }
 
 TEST_CASE("AMP's weight copies count once per micro-batch in flight", "[cost_eval]") {

@@ -51,8 +51,11 @@ struct InitTimings {
 
 // The trainable parameters an offloaded stage keeps on the device
 // (DeploymentStage::kept_on_device_bytes): whole parameters in the order the stage's nodes
-// first read them, each that still fits in `bytes`. Not the `tied` ones (read by several
-// stages): every holder steps its copy, and they must step alike, on the host all of them.
+// first read them, up to the first that does not fit in `bytes` (the planner counts their
+// gradients as the backward reaches the blocks that read them first, the last blocks the
+// backward runs: planner/cost_eval_internal.h, KeepOnDevice). Not the `tied` ones (read by
+// several stages): every holder steps its copy, and they must step alike, on the host all of
+// them.
 std::set<int> KeptOnDevice(const IrGraph& ir, const StageInfo& st,
                            const std::vector<at::Tensor>& lifted, const std::vector<int>& tied,
                            int64_t bytes) {
@@ -60,7 +63,7 @@ std::set<int> KeptOnDevice(const IrGraph& ir, const StageInfo& st,
   for (int li : tied) params.erase(li);
   std::set<int> seen, kept;
   const int users = static_cast<int>(ir.num_user_inputs);
-  for (int n = st.first; n < st.end && bytes > 0; ++n) {
+  for (int n = st.first; n < st.end; ++n) {
     for (int v : ir.nodes[n].inputs) {
       const int li = v - users;
       if (v >= static_cast<int>(ir.inputs.size()) || li < 0 || !params.count(li) ||
@@ -68,7 +71,7 @@ std::set<int> KeptOnDevice(const IrGraph& ir, const StageInfo& st,
         continue;
       }
       const int64_t size = static_cast<int64_t>(lifted[li].nbytes());
-      if (size > bytes) continue;
+      if (size > bytes) return kept;
       kept.insert(li);
       bytes -= size;
     }

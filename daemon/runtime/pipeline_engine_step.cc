@@ -343,17 +343,29 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
   const bool reduce = backward && !step.delay;
   std::vector<at::Tensor> params;
   for (int li : st.params) params.push_back(d.lifted[li]);
-  // This step's gradients are kept apart until they are reduced.
+  // This step's gradients are kept apart until they are reduced. A parameter kept on a
+  // streamed device (Device::kept) waits in host memory meanwhile: the plan counts the kept
+  // gradients only from the backward of the blocks that read them on, not an earlier
+  // backward's all through this one (a client accumulating over several backwards).
   std::vector<at::Tensor> saved;
   if (backward) {
-    for (at::Tensor& p : params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& p = params[i];
       saved.push_back(p.grad());
       p.mutable_grad() = at::Tensor();
+      if (saved.back().defined() && d.kept.count(st.params[i])) {
+        saved.back() = HostCopy(saved.back().detach());
+      }
     }
   }
+  // An earlier backward's gradient of params[i], on its device again.
+  auto saved_grad = [&](size_t i) {
+    const at::Tensor& g = saved[i];
+    return !g.defined() || g.device() == params[i].device() ? g : g.to(params[i].device());
+  };
   // On failure the gradients accumulated before this step are put back.
   auto fail = [&](absl::Status s) {
-    for (size_t i = 0; i < saved.size(); ++i) params[i].mutable_grad() = saved[i];
+    for (size_t i = 0; i < saved.size(); ++i) params[i].mutable_grad() = saved_grad(i);
     return end(s);
   };
   Pending pending;
@@ -433,11 +445,12 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
     }
     if (step.phase == Phase::kFused) {
       d.fused_grads.push_back(step_grad);
-      params[i].mutable_grad() = saved[i];
+      params[i].mutable_grad() = saved_grad(i);
     } else if (step.primary_only && d.world_rank != primary_[st.params[i]]) {
-      params[i].mutable_grad() = saved[i];
+      params[i].mutable_grad() = saved_grad(i);
     } else if (saved[i].defined()) {
-      params[i].mutable_grad() = step_grad.defined() ? saved[i].add_(step_grad) : saved[i];
+      params[i].mutable_grad() = step_grad.defined() ? saved_grad(i).add_(step_grad)
+                                                     : saved_grad(i);
     }
   }
   return end(absl::OkStatus());
