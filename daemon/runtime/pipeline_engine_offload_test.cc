@@ -199,6 +199,39 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
       const int64_t kept_bytes = kept->KeptOnDeviceBytes(dev);
       if (streamed->StreamedBlocks(dev) > 1) CHECK(kept_bytes > 0);
       CHECK(kept_bytes <= stage_param_bytes / 2);
+      // The kept ones are the stage's parameters in the order its nodes first read them, up
+      // to the first that does not fit (the planner counts their gradients so), less those
+      // another stage reads too.
+      int64_t prefix = 0, room = 0;
+      for (const v1::DeploymentStage& st : keeping.stages()) {
+        if (st.devices(0) == dev) room = static_cast<int64_t>(st.kept_on_device_bytes());
+      }
+      std::vector<bool> seen(f.tensors.size(), false);
+      bool full = false;
+      for (size_t n = 0; n < ir.nodes.size() && !full; ++n) {
+        for (int v : ir.nodes[n].inputs) {
+          const int li = v - static_cast<int>(ir.num_user_inputs);
+          if (v >= static_cast<int>(ir.inputs.size()) || li < 0 || !IsParam(ir, li) ||
+              seen[li] || !streamed->Param(ir.tensor_names[li], dev).ok()) {
+            continue;
+          }
+          seen[li] = true;
+          bool tied = false;
+          for (const std::vector<int>& other : c.devices) {
+            if (other[0] != dev && streamed->Param(ir.tensor_names[li], other[0]).ok()) {
+              tied = true;
+            }
+          }
+          if (tied) continue;
+          const int64_t size = static_cast<int64_t>(f.tensors[li].nbytes());
+          if (prefix + size > room) {
+            full = true;
+            break;
+          }
+          prefix += size;
+        }
+      }
+      CHECK(kept_bytes == prefix);
       CHECK(kept->DeviceBytes(dev) == whole->DeviceBytes(dev) + 4 * kept_bytes);
       CHECK(kept->StreamedPeakBytes(dev) <= streamed->StreamedPeakBytes(dev));
       if (streamed->StreamedBlocks(dev) < 3) continue;  // too small a stage to tell
