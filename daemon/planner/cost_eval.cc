@@ -191,34 +191,41 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
 
 std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_factor,
                                             int begin, int end, int64_t mb,
-                                            const std::vector<double>& recomputed_act_peak_from) {
+                                            const std::vector<double>& recomputed_act_peak_from,
+                                            double* keepable) {
   const int n = end - begin;
+  // Each parameter's first and last reader over the whole model: one that a block outside
+  // the stage reads too is never kept (the runtime steps those on the host).
   std::vector<int> first(table.param_bytes.size(), -1), last(table.param_bytes.size(), -1);
-  std::vector<double> first_read(n, 0.0), last_read(n, 0.0);
-  auto trainable_bytes = [&](int p) {
-    return p < static_cast<int>(table.param_trainable.size()) && table.param_trainable[p]
-               ? static_cast<double>(table.param_bytes[p])
-               : 0.0;
-  };
-  for (int b = begin; b < end; ++b) {
+  for (int b = 0; b < static_cast<int>(table.blocks.size()); ++b) {
     for (int p : table.blocks[b].params) {
       if (p < 0 || p >= static_cast<int>(first.size())) continue;
-      if (first[p] < 0) {
-        first[p] = b;
-        first_read[b - begin] += trainable_bytes(p);
-      }
+      if (first[p] < 0) first[p] = b;
       last[p] = b;
     }
   }
-  for (size_t p = 0; p < last.size(); ++p) {
-    if (last[p] >= 0) last_read[last[p] - begin] += trainable_bytes(static_cast<int>(p));
+  std::vector<double> first_read(n, 0.0), last_read(n, 0.0);
+  for (size_t p = 0; p < first.size(); ++p) {
+    if (first[p] < begin || last[p] >= end || p >= table.param_trainable.size() ||
+        !table.param_trainable[p]) {
+      continue;
+    }
+    first_read[first[p] - begin] += static_cast<double>(table.param_bytes[p]);
+    last_read[last[p] - begin] += static_cast<double>(table.param_bytes[p]);
   }
   std::vector<BlockBackward> out(n);
   double act = 0, casts = 0, first_before = 0, last_before = 0;
+  std::vector<bool> seen(first.size(), false);
   for (int i = 0; i < n; ++i) {
     const BlockProfile profile = ProfileAt(table.blocks[begin + i], mb);
     act += static_cast<double>(profile.act_bytes);
-    casts += cast_factor * first_read[i];
+    for (int p : table.blocks[begin + i].params) {  // AddBlock's casts: the stage's first reads
+      if (p < 0 || p >= static_cast<int>(seen.size()) || seen[p]) continue;
+      seen[p] = true;
+      if (p < static_cast<int>(table.param_trainable.size()) && table.param_trainable[p]) {
+        casts += cast_factor * static_cast<double>(table.param_bytes[p]);
+      }
+    }
     out[i].act = recomputed_act_peak_from.empty()
                      ? act + casts + static_cast<double>(profile.peak_bytes)
                      : recomputed_act_peak_from[i];
@@ -227,6 +234,7 @@ std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_
     first_before += first_read[i];
     last_before += last_read[i];
   }
+  *keepable = first_before;
   return out;
 }
 
@@ -337,12 +345,14 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
     // by block recomputed, or with every activation kept); otherwise they are counted whole.
     const bool windows = e.recompute && terms.streamed_act_peak > 0;
     const bool by_block = micro_batches == 1 && (windows || !e.recompute);
-    const KeptTerms kept = KeepOnDevice(
-        by_block ? StreamedBackward(table, options.amp_cast_factor, begin, end, mb,
-                                    windows ? blocked.act_peak_from : std::vector<double>{})
-                 : std::vector<BlockBackward>{},
-        windows ? terms.streamed_act_peak : terms.act_peak, memory.total, terms.trainable, limit,
-        options.optimizer_state_factor);
+    double keepable = 0;  // the trainable bytes no other stage reads
+    std::vector<BlockBackward> blocks =
+        StreamedBackward(table, options.amp_cast_factor, begin, end, mb,
+                         windows ? blocked.act_peak_from : std::vector<double>{}, &keepable);
+    if (!by_block) blocks.clear();
+    const KeptTerms kept =
+        KeepOnDevice(blocks, windows ? terms.streamed_act_peak : terms.act_peak, memory.total,
+                     keepable, limit, options.optimizer_state_factor);
     e.kept_bytes = static_cast<uint64_t>(kept.bytes);
     memory.total = kept.memory;
     streamed -= kept.bytes;

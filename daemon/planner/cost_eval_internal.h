@@ -119,11 +119,12 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
 // kept on the device add to it: `act`, the activations and working memory the device holds
 // while the backward runs block i (recomputed: the largest window that starts at i, from
 // StreamedRecompute's act_peak_from; otherwise X_<=i + W_i), and the trainable bytes of the
-// parameters the blocks before i read first (`first_before`) and last (`last_before`).
-// A parameter's gradient is allocated at its last reader's backward, and the kept parameters
-// are the ones read first (the runtime keeps whole parameters in that order): when the
-// backward reaches block i, the kept gradients allocated are at most
-// min(kept, first_before - last_before + max(0, kept - first_before)).
+// parameters the blocks before i read first (`first_before`) and last (`last_before`), of
+// those no block outside the stage reads (another stage's too, the runtime never keeps them);
+// *keepable: the trainable bytes of all those. A parameter's gradient is allocated at its last
+// reader's backward, and the kept parameters are the ones read first (the runtime keeps whole
+// parameters in that order): when the backward reaches block i, the kept gradients allocated
+// are at most min(kept, first_before - last_before + max(0, kept - first_before)).
 struct BlockBackward {
   double act = 0;
   double first_before = 0;
@@ -131,7 +132,8 @@ struct BlockBackward {
 };
 std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_factor,
                                             int begin, int end, int64_t mb,
-                                            const std::vector<double>& recomputed_act_peak_from);
+                                            const std::vector<double>& recomputed_act_peak_from,
+                                            double* keepable);
 
 // Streamed with offload_keep_on_device: the trainable bytes kept on the device, at most
 // `trainable`, and the device's memory `memory` then; `total` is its memory without them, `act`

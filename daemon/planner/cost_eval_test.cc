@@ -556,6 +556,12 @@ TEST_CASE("A streamed stage keeps on the device what its memory leaves room for"
   CHECK(e.memory_bytes == 1250 + 3000 + 1000);
   CHECK_THAT(e.fwd_ms, WithinRel(4.0, 1e-12));
   CHECK(e.host_step_ms == 0);
+  // A parameter another stage reads too is never kept (the runtime steps it on the host):
+  // with block 3 reading block 0's, the stage of blocks 0-2 keeps blocks 1 and 2's only.
+  CostTable shared = t;
+  shared.blocks[3].params.push_back(0);
+  CHECK(EvaluateStage(shared, links, o, 0, 3, 1, 1, 1).kept_bytes == 500);
+  CHECK(EvaluateStage(shared, links, o, 0, 4, 1, 0, 1).kept_bytes == 1000);
   // No room, or not streamed (one block over the stage, or replicas): nothing kept.
   o.device_memory_bytes = 1550;
   CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 0);
