@@ -340,7 +340,8 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   // What streams over the link and steps on the host: the trainable bytes not kept on the
   // device, where the limit leaves room (kept whole: memory.total stays within the limit).
   double streamed = terms.trainable;
-  if (terms.streamed_block > 0 && options.offload_keep_on_device) {
+  if (terms.streamed_block > 0 && options.offload_keep_on_device &&
+      std::ceil(memory.total) < std::floor(limit)) {
     // One micro-batch: the kept gradients appear as the backward reaches their blocks (block
     // by block recomputed, or with every activation kept); otherwise they are counted whole.
     const bool windows = e.recompute && terms.streamed_act_peak > 0;
