@@ -63,13 +63,12 @@ class EtcdCluster {
     char dir[] = "/tmp/rannc-etcd-XXXXXX";
     REQUIRE(::mkdtemp(dir) != nullptr);
     dir_ = dir;
-    members_wanted_ = members;
     // A member that exits before it answers most often lost its port to another process
     // between FreePorts and its bind: start the whole cluster again on other ports.
     constexpr int kAttempts = 4;
     for (int attempt = 1; attempt <= kAttempts; ++attempt) {
       std::string exited;
-      if (Start(attempt, &exited)) return;
+      if (Start(members, attempt, &exited)) return;
       WARN("etcd start " << attempt << " of " << kAttempts << ": member " << exited
                          << " exited before it answered; starting the cluster again on other "
                             "ports. The end of its log:\n"
@@ -126,13 +125,14 @@ class EtcdCluster {
     return log.size() > 1000 ? log.substr(log.size() - 1000) : log;
   }
 
-  // Spawns every member on fresh ports with fresh data directories and waits until a client's
-  // call through each answers; false (naming the member in *exited) if one exits first.
-  bool Start(int attempt, std::string* exited) {
+  // Spawns `members` members on fresh ports with fresh data directories and waits until a
+  // client's call through each answers; false (naming the member in *exited) if one exits
+  // first.
+  bool Start(int members, int attempt, std::string* exited) {
     members_.clear();
-    const std::vector<int> ports = FreePorts(2 * members_wanted_);
+    const std::vector<int> ports = FreePorts(2 * members);
     std::string initial;
-    for (int i = 0; i < members_wanted_; ++i) {
+    for (int i = 0; i < members; ++i) {
       Member m;
       m.name = "m" + std::to_string(i);
       m.client = "127.0.0.1:" + std::to_string(ports[2 * i]);
@@ -185,7 +185,6 @@ class EtcdCluster {
 
   security::TlsFiles tls_;
   std::string binary_, dir_, why_;
-  int members_wanted_ = 0;
   std::vector<Member> members_;
 };
 
