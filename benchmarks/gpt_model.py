@@ -313,6 +313,34 @@ class HostPressure:
         }
 
 
+class HostLowWater:
+    """The least MemAvailable over a stretch of a run, sampled every `period` seconds by a
+    thread: for the set-up (model build, trace, the job's creation, the first step), where the
+    host's memory peaks before HostPressure's timed steps start, and where several processes
+    (client, daemon) hold copies at once, so that no one process's peak says it."""
+
+    def __init__(self, period: float = 0.2):
+        import threading
+        self._period = period
+        self._low = mem_available()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-low-water", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            available = mem_available()
+            if available is not None and (self._low is None or available < self._low):
+                self._low = available
+
+    def stop(self):
+        """Stops sampling; the least MemAvailable seen, in GiB (None where /proc does not
+        say)."""
+        self._stop.set()
+        self._thread.join()
+        return None if self._low is None else self._low / 2**30
+
+
 def emit(record: dict, out=None) -> None:
     """Prints `record` as one JSON line (the harnesses' result format) and, with `out`, appends
     it to that file."""

@@ -341,6 +341,8 @@ def run(args, cfg, device):
     local_batch = cfg.batch // world if data_parallel else cfg.batch
 
     setup_start = time.perf_counter()
+    low = gm.HostLowWater()  # the host's least free memory until the timed steps
+    setup_low = None
     step, opt = SETUP[args.base](args, cfg, device, ac)
     if device.type == "cuda":
         sync(device)
@@ -352,6 +354,7 @@ def run(args, cfg, device):
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             pressure.start()
+            setup_low = low.stop()
         x, y = gm.batch(cfg, local_batch, gen, device)
         dist.barrier()
         sync(device)
@@ -422,6 +425,7 @@ def run(args, cfg, device):
         record["peak_mem_gib"] = None
     record["peak_rss_gib"] = [r["peak_rss"] / GIB for r in everyone]
     record.update(pressure.record())  # the host's, seen from rank 0
+    record["host_min_available_setup_gib"] = setup_low
     if args.base == "fsdp2":
         record["peak_estimate_gib"] = peak_estimate_gib(args, cfg, world)
     return record

@@ -85,6 +85,8 @@ import torch  # noqa: E402
 import gpt_model as gm  # noqa: E402
 
 GIB = 1 << 30
+# Run 1's gm.HostLowWater until its first timed step, then the least free memory it saw (GiB).
+SETUP_LOW = {"sampler": None, "gib": None}
 PROFILE_STEPS = 3  # steps of run 3 profiled with --profile
 
 
@@ -213,15 +215,28 @@ def write_pid(path):
             f.write(f"{conn.embedded.proc.pid}\n")
 
 
-def train(rmod, opt, cfg, gen, steps, started, pressure=None, warmup=0):
+def stop_setup_low():
+    """Stops run 1's set-up sampler (once) and prints the least free host memory it saw."""
+    sampler, SETUP_LOW["sampler"] = SETUP_LOW["sampler"], None
+    if sampler is not None:
+        SETUP_LOW["gib"] = sampler.stop()
+        if SETUP_LOW["gib"] is not None:
+            print(f"gpt_rannc: host memory available at least {SETUP_LOW['gib']:.1f} GiB until "
+                  "the first timed step", file=sys.stderr, flush=True)
+    return SETUP_LOW["gib"]
+
+
+def train(rmod, opt, cfg, gen, steps, started, pressure=None, warmup=0, at_warmup=None):
     """`steps` training steps; returns each step's seconds, losses and the end of the first step
     measured from `started`. `pressure` (gm.HostPressure) starts after `warmup` steps and is
-    sampled after each later one."""
+    sampled after each later one; `at_warmup` is called there."""
     flush = getattr(rmod, "_flush", None)  # pyrannc's deferred backward/step/zero_grad
     times, losses, first = [], [], None
     for i in range(steps):
         if pressure is not None and i == warmup:
             pressure.start()
+        if at_warmup is not None and i == warmup:
+            at_warmup()
         x, y = gm.batch(cfg, cfg.batch, gen)
         t0 = time.perf_counter()
         loss = rmod(x, y)
@@ -258,6 +273,7 @@ def run(args, cfg, phase):
     """Runs 1 and 2; phase[0] names the system a failure belongs to."""
     import pyrannc
 
+    SETUP_LOW["sampler"] = gm.HostLowWater()  # the least free host memory until timed steps
     build_start = time.perf_counter()
     # Initialized on args.device, as gpt_peers.py does (the CPU and CUDA generators draw different
     # numbers from one seed), then moved to the host, where pyrannc traces it: the same weights,
@@ -283,7 +299,7 @@ def run(args, cfg, phase):
                                offload_params=args.offload)
     pressure = gm.HostPressure()
     times, losses, first = train(rmod, opt, cfg, gen, args.warmup + args.steps, started,
-                                 pressure, args.warmup)
+                                 pressure, args.warmup, stop_setup_low)
     deployment = rmod.deployment
     summary = job_summary(rmod)
     devices = list(summary.devices)
@@ -328,6 +344,7 @@ def run(args, cfg, phase):
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
         "daemon_peak_rss_gib": daemon_peak_rss_gib(),
         **pressure.record(),
+        "host_min_available_setup_gib": SETUP_LOW["gib"],
         "loss_first": losses[0],
         "loss_last": losses[-1],
     })
@@ -466,8 +483,8 @@ def main(argv=None):
         return 0
     except Exception as e:  # noqa: BLE001 - reported as the run's result
         traceback.print_exc()
-        gm.emit({**base_record(phase[0], args, cfg), "error": f"{type(e).__name__}: {e}"[:800]},
-             args.out)
+        gm.emit({**base_record(phase[0], args, cfg), "error": f"{type(e).__name__}: {e}"[:800],
+                 "host_min_available_setup_gib": stop_setup_low()}, args.out)
         return 1
 
 

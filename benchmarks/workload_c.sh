@@ -345,6 +345,8 @@ def note(r):
         bits.append(f"host free >= {r['host_min_available_gib']:.0f} GiB, "
                     f"{r.get('host_major_faults')} major faults, "
                     f"{r.get('host_pages_swapped')} pages swapped")
+    if r.get("host_min_available_setup_gib") is not None and r.get("offload"):
+        bits.append(f"host free >= {r['host_min_available_setup_gib']:.0f} GiB in set-up")
     if r.get("loss_last") is not None:
         bits.append(f"loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
     return "; ".join(bits)
