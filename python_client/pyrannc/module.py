@@ -289,6 +289,11 @@ class RaNNCModule(torch.nn.Module):
                 logger.debug("pyrannc: wrote %d model tensors to shared memory in %.2f s",
                              len(apart), time.perf_counter() - started)
             self._save_forward = _save_job.save_job(job_spec, model_bytes)
+            # An offloaded model's local copy goes now, while the job is created (the daemon's
+            # copy and its page-locked masters would otherwise meet it and the shared-memory
+            # copy: the host's peak); put back from shared memory if creation fails.
+            sources = self._release_local_model(apart, [m.tensor for m in job_spec.model_tensors])
+            apart = reused = None
 
             step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
 
@@ -302,7 +307,9 @@ class RaNNCModule(torch.nn.Module):
                 resp = conn.call_streaming_request("CreateJob", requests())
                 logger.debug("pyrannc: CreateJob (sending the model, the daemon's import, "
                              "planning and placement) took %.2f s", time.perf_counter() - started)
+                self._adopt_job(conn, resp, mode, spec, lease, owner=True)
             except RanncError as err:
+                self._restore_local_model(sources)
                 if self._deployment_path is not None and err.code in (
                         grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
                     raise RanncError(
@@ -311,32 +318,54 @@ class RaNNCModule(torch.nn.Module):
                         "planned for and devices it still fits on; drop load_deployment to "
                         "plan again)", code=err.code, details=err.details) from None
                 raise
-        self._adopt_job(conn, resp, mode, spec, lease, owner=True)
-        self._release_local_model([t for _, t in apart])
+            except BaseException:
+                self._restore_local_model(sources)
+                raise
         # Optimizer state loaded before the first forward (optimizer.load_state_dict) goes to
         # the daemon with the job.
         if self._optimizer is not None and self._optimizer.state:
             self._load_optimizer_state(_optim.local_state_by_name(self._optimizer, names_by_id))
             self._optimizer.state.clear()
 
-    def _release_local_model(self, sent: List[torch.Tensor]) -> None:
-        """With offload_params, frees the memory of the local model's tensors that went to the
-        daemon beside the archive (the large ones): from now on the daemon's copy is the one that
-        trains, and the local one would only double the host memory an offloaded job needs. The
-        tensor objects stay (in their module slots, and the optimizer's references), empty; the
-        first read of the local model (_sync_from_daemon) gives them memory again and fills it
-        from the daemon. The client config key keep_local_model turns this off."""
-        if not self._offload_params or not sent or _config.client_bool("keep_local_model", False):
-            return
-        # `sent` are the traced module's tensors, which share their memory with the model's.
-        sent_ptrs = {t.data_ptr() for t in sent}
-        self._released = _tensors.release(
-            s.tensor for s in _tensors.distinct(self.model) if s.tensor.data_ptr() in sent_ptrs)
+    def _release_local_model(self, apart: List[Tuple[str, torch.Tensor]],
+                             messages) -> List[Tuple[torch.Tensor, pb.Tensor]]:
+        """With offload_params, frees the memory of the local model's tensors that go to the
+        daemon beside the archive (`apart`, the large ones, encoded as `messages`): from the job's
+        creation on the daemon's copy is the one that trains, and the local one would only double
+        the host memory an offloaded job needs. The tensor objects stay (in their module slots,
+        and the optimizer's references), empty; the first read of the local model
+        (_sync_from_daemon) gives them memory again and fills it from the daemon. Returns each
+        freed tensor with its message, for _restore_local_model. The client config key
+        keep_local_model turns this off.
+
+        The caller drops its own references to `apart` (the traced module's tensors, which share
+        their memory with the model's) for the memory to go."""
+        if (not self._offload_params or not apart
+                or _config.client_bool("keep_local_model", False)):
+            return []
+        by_ptr = {t.data_ptr(): m for (_, t), m in zip(apart, messages)}
+        sources = [(s.tensor, by_ptr[s.tensor.data_ptr()]) for s in _tensors.distinct(self.model)
+                   if s.tensor.data_ptr() in by_ptr]
+        self._released = _tensors.release(t for t, _ in sources)
+        apart.clear()
         # The trace's objects hold the old memory in reference cycles (measured: a GPT's whole
         # model stays resident until the collector runs), so collect them now.
         gc.collect()
-        logger.debug("pyrannc: freed %d bytes of the local model, which the daemon holds now",
+        logger.debug("pyrannc: freed %d bytes of the local model, which the daemon is given",
                      self._released.nbytes())
+        return sources
+
+    def _restore_local_model(self, sources: List[Tuple[torch.Tensor, pb.Tensor]]) -> None:
+        """Undoes _release_local_model when the job was not created: each tensor gets its memory
+        back, filled from what was sent (shared memory stays until the CreateJob's session
+        ends)."""
+        if not sources or self._released is None:
+            return
+        restored = self._released.restore()
+        for t, msg in sources:
+            if id(t) in restored:
+                t.data.copy_(_codec.decode(msg))
+        self._released = None
 
     def _local_shape(self, t: torch.Tensor) -> torch.Size:
         """A local model tensor's shape, also while _release_local_model has emptied it."""

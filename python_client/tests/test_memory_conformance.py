@@ -222,6 +222,45 @@ def test_offload_frees_the_local_model_until_it_is_read(keep, monkeypatch):
         pyrannc.clear()
 
 
+def test_offload_gives_the_local_model_back_when_the_job_is_refused(monkeypatch):
+    # The local copy is freed before CreateJob (the daemon's copies would meet it there); a job
+    # the daemon refuses puts it back from shared memory, into the same tensor objects, and a
+    # later forward creates the job from it.
+    tpc._set_plan_config(monkeypatch, (1, 1, 4), "1f1b")
+    monkeypatch.setenv("RANNC_KEEP_LOCAL_MODEL", "0")
+    monkeypatch.setenv("RANNC_JOB_LEASE", "0.2")  # under a second: refused in CreateJob
+    torch.manual_seed(0)
+    model = _WideMLP()
+    ref = ref_copy(model)
+    before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    wide = model.wide.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rmod = pyrannc.RaNNCModule(model, opt, offload_params=True)
+    try:
+        x, y = tpc._classification_batch(0, 512, 4)
+        with pytest.raises(pyrannc.RanncError) as err:
+            rmod(x, y)
+        assert "lease_ms=200" in str(err.value)
+        assert model.wide.weight is wide and _holds_memory(wide)
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, before[name]), name
+        monkeypatch.delenv("RANNC_JOB_LEASE")
+        loss = rmod(x, y)
+        ref_loss = ref(*to_ref((x, y)))
+        assert_close(loss.detach(), ref_loss.detach(), "loss after the refused job")
+        assert not _holds_memory(wide)  # freed again, for the job now created
+        loss.backward()
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        state = rmod.state_dict()
+        for name, value in ref.state_dict().items():
+            assert_close(state[name], value, f"{name} after a step")
+    finally:
+        pyrannc.clear()
+
+
 # Mixed precision. The reference is PyTorch's torch.autocast(<its device type>, dtype) ("cpu", or
 # "cuda" with RANNC_TEST_REF_DEVICE=cuda) around the model's forward, run on the same shards of
 # the batch as the plan's devices run (each micro-batch split over the replicas, as DDP with
