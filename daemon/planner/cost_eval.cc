@@ -96,11 +96,11 @@ double CutBytes(const CostTable& table, int boundary) {
 
 DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& t,
                                int replicas, int inflight, int micro_batches, bool recompute) {
-  // Streamed (offload's blocks): a few blocks' parameters and one block's gradients at a time.
+  // Streamed (offload's blocks): two blocks' parameters and three blocks' gradients at most.
   const bool streamed = t.streamed_block > 0;
-  const double G = streamed ? std::min(t.trainable, t.streamed_block) : t.trainable;
+  const double G = streamed ? std::min(t.trainable, t.streamed_grads) : t.trainable;
   const double params =
-      streamed ? t.params - t.trainable + std::min(t.trainable, 3 * t.streamed_block) : t.params;
+      streamed ? t.params - t.trainable + std::min(t.trainable, t.streamed_params) : t.params;
   // The runtime shards only stages with several replicas.
   const bool zero = options.zero && replicas > 1;
   const double state =
@@ -147,9 +147,58 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
   return m;
 }
 
+StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, double max_bytes) {
+  StreamedBlocks out;
+  std::vector<int> in_block(table.param_bytes.size(), -1);  // the block a tensor is in
+  std::vector<double> trainable;  // per runtime block
+  double bytes = 0;
+  auto read = [&](const std::vector<int>& params, double cut) {
+    double more = 0, more_trainable = 0;
+    const int current = static_cast<int>(trainable.size()) - 1;
+    for (int p : params) {
+      if (p < 0 || p >= static_cast<int>(table.param_bytes.size()) ||
+          (current >= 0 && in_block[p] == current)) {
+        continue;
+      }
+      more += static_cast<double>(table.param_bytes[p]);
+      if (table.param_trainable[p]) more_trainable += static_cast<double>(table.param_bytes[p]);
+    }
+    if (more == 0) return;
+    if (trainable.empty() || (bytes > 0 && bytes + more > max_bytes)) {
+      if (!trainable.empty()) out.inputs_per_sample += cut;
+      trainable.push_back(0);
+      bytes = 0;
+    }
+    const int block = static_cast<int>(trainable.size()) - 1;
+    for (int p : params) {
+      if (p >= 0 && p < static_cast<int>(table.param_bytes.size())) in_block[p] = block;
+    }
+    bytes += more;
+    trainable.back() += more_trainable;
+  };
+  for (int b = begin; b < end; ++b) {
+    const Block& blk = table.blocks[b];
+    if (blk.param_reads.empty()) {
+      read(blk.params, CutBytes(table, b));
+    } else {
+      for (const Block::ParamRead& r : blk.param_reads) read(r.params, r.cut_bytes_per_sample);
+    }
+  }
+  out.count = static_cast<int>(trainable.size());
+  for (int i = 0; i < out.count; ++i) {
+    const double one = trainable[i];
+    const double two = one + (i + 1 < out.count ? trainable[i + 1] : 0.0);
+    const double three = two + (i + 2 < out.count ? trainable[i + 2] : 0.0);
+    out.largest = std::max(out.largest, one);
+    out.largest_pair = std::max(out.largest_pair, two);
+    out.largest_triple = std::max(out.largest_triple, three);
+  }
+  return out;
+}
+
 StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_factor, int begin,
-                                         int end, int64_t mb, double trainable,
-                                         double block_bytes) {
+                                         int end, int64_t mb, double block_bytes,
+                                         double inputs_per_sample) {
   StreamedRecomputeTerms out;
   if (end - begin < 2 || block_bytes <= 0) return out;
   std::vector<double> bytes, act, work;  // per planning block of the stage
@@ -167,25 +216,25 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
     work.push_back(static_cast<double>(profile.peak_bytes));
   }
   const int n = end - begin;
+  // A window of block_bytes parameter bytes from planning block i on (step 1) or back (-1).
+  auto window = [&](int i, int step) {
+    double used = 0, window_act = 0, window_work = 0;
+    for (int j = i; j >= 0 && j < n; j += step) {
+      const double share = bytes[j] > 0 ? std::min(1.0, (block_bytes - used) / bytes[j]) : 1.0;
+      if (share <= 0) break;
+      window_act += share * act[j];
+      window_work = std::max(window_work, work[j]);
+      used += share * bytes[j];
+      if (share < 1) break;
+    }
+    return window_act + window_work;
+  };
   out.act_peak_from.assign(n, 0.0);
   for (int i = 0; i < n; ++i) {
-    // Window [i, j]: blocks i + 1 .. j - 1 whole within block_bytes, i and j possibly in part.
-    double& peak = out.act_peak_from[i];
-    peak = act[i] + work[i];
-    double inner = 0, window_act = act[i], window_work = work[i];
-    for (int j = i + 1; j < n; ++j) {
-      window_act += act[j];
-      window_work = std::max(window_work, work[j]);
-      if (j > i + 1) inner += bytes[j - 1];
-      if (inner > block_bytes) break;
-      peak = std::max(peak, window_act + window_work);
-    }
-    out.act_peak = std::max(out.act_peak, peak);
+    out.act_peak_from[i] = std::max(window(i, 1), window(i, -1));
+    out.act_peak = std::max(out.act_peak, out.act_peak_from[i]);
   }
-  double cut = 0;
-  for (int b = begin + 1; b < end; ++b) cut = std::max(cut, CutBytes(table, b));
-  const double blocks = std::ceil(trainable / block_bytes) + 1;
-  out.kept = (blocks - 1) * cut * static_cast<double>(mb);
+  out.kept = inputs_per_sample * static_cast<double>(mb);
   return out;
 }
 
@@ -316,10 +365,15 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   terms.grad_act_peak = sums.grad_act_peak;
   terms.act_peak = sums.act_peak;
   terms.act_peak_scaled = sums.act_peak_scaled;
+  StreamedBlocks runtime_blocks;
   if (options.offload && replicas == 1 && options.offload_block_bytes > 0) {
     // A stage within one block's bytes is uploaded at once (one runtime block).
-    const double block = std::max(options.offload_block_bytes, sums.max_block_trainable);
-    if (block < terms.trainable) terms.streamed_block = block;
+    runtime_blocks = StreamedBlocksOf(table, begin, end, options.offload_block_bytes);
+    if (runtime_blocks.count > 1) {
+      terms.streamed_block = runtime_blocks.largest;
+      terms.streamed_params = runtime_blocks.largest_pair;
+      terms.streamed_grads = runtime_blocks.largest_triple;
+    }
   }
   auto memory_of = [&](bool recompute) {
     return StageDeviceMemory(options, terms, replicas, inflight, micro_batches, recompute);
@@ -329,7 +383,7 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   if (memory.total > limit && options.allow_recompute) {
     if (terms.streamed_block > 0) {
       blocked = StreamedRecompute(table, options.amp_cast_factor, begin, end, mb,
-                                  terms.trainable, terms.streamed_block);
+                                  terms.streamed_block, runtime_blocks.inputs_per_sample);
       terms.streamed_kept = blocked.kept;
       terms.streamed_act_peak = blocked.act_peak;
     }

@@ -39,7 +39,6 @@ struct StageSums {
   // by then, W_i block i's working memory and G_>=i the gradients of parameters that block i
   // or a later one reads,
   double casts = 0;            // the AMP weight copies of all the blocks (X - A)
-  double max_block_trainable = 0;  // the most trainable bytes one block reads
   double grad_act_peak = 0;    // max_i G_>=i + X_<=i + W_i: the first backward's peak
   double act_peak = 0;         // max_i X_<=i + W_i: one micro-batch's peak, gradients apart
   double act_peak_scaled = 0;  // max_i A_<=i + W_i: the part of act_peak the batch scales
@@ -57,7 +56,6 @@ inline void AddBlock(const BlockProfile& p, double new_trainable, double reread_
   sums->act_bytes += p.act_bytes;
   if (p.peak_bytes > sums->peak_bytes) sums->peak_bytes = p.peak_bytes;
   sums->casts += cast_factor * new_trainable;
-  sums->max_block_trainable = std::max(sums->max_block_trainable, new_trainable + reread_trainable);
   const double act = static_cast<double>(sums->act_bytes);
   const double work = static_cast<double>(p.peak_bytes);
   const double here = act + sums->casts + work;
@@ -87,8 +85,13 @@ struct MemoryTerms {
   double grad_act_peak = 0;
   double act_peak = 0;
   double act_peak_scaled = 0;
-  // Offload's streaming: the trainable bytes on the device at once (B above); 0: not streamed.
+  // Offload's streaming (StreamedBlocks): the trainable bytes of the largest runtime block (B
+  // above; 0: not streamed), of the two consecutive blocks whose parameters are on the device
+  // at once (one computing, the next prefetched) and of the three whose gradients may be (one
+  // block's backward and two earlier ones' copies to the host) at their largest.
   double streamed_block = 0;
+  double streamed_params = 0;
+  double streamed_grads = 0;
   // Streamed with recomputation, which the runtime does block by block (each block keeps its
   // input, and one block's forward is rerun at a time): the block inputs a micro-batch keeps
   // besides the stage's, and one block's activations and working memory at their most
@@ -97,13 +100,28 @@ struct MemoryTerms {
   double streamed_act_peak = 0;
 };
 
+// The blocks offload's runtime streams stage [begin, end) in: graph/subgraph.h's
+// ParamBlockStarts replayed over the stage's Block::param_reads (a block without them as one
+// read of its params at its start, its boundary's cut before it), a block ending where the next
+// node's parameters not yet in it would take it past `max_bytes`. `count` 1: not streamed.
+struct StreamedBlocks {
+  int count = 0;
+  double largest = 0;         // trainable bytes of the largest block
+  double largest_pair = 0;    // of two consecutive blocks
+  double largest_triple = 0;  // of three consecutive blocks
+  // Bytes per sample of the blocks' inputs after the first one's (the stage's), which a
+  // micro-batch recomputed block by block keeps.
+  double inputs_per_sample = 0;
+};
+StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, double max_bytes);
+
 // StreamedRecompute's estimate, per micro-batch of `mb` samples, for stage [begin, end)
-// streamed in blocks of at most `block_bytes` trainable bytes: a runtime block spans whole
-// planning blocks whose bytes are within block_bytes, and parts of at most one more on each
-// side, so its activations are at most those of such a window of planning blocks; the runtime
-// blocks number about trainable / block_bytes + 1, each keeping an input taken as large as the
-// largest cut inside the stage. `kept` 0 and `act_peak` 0 when the stage is one planning block
-// (no cut inside it is known).
+// streamed in blocks of at most `block_bytes` trainable bytes whose inputs take
+// `inputs_per_sample`: a runtime block's activations are taken as those of a window of
+// block_bytes parameter bytes starting or ending at a planning block's edge, the planning
+// blocks it covers in part counted by the share of their bytes (those without parameters
+// whole), with the most working memory of them. `kept` 0 and `act_peak` 0 when the stage is
+// one planning block.
 struct StreamedRecomputeTerms {
   double kept = 0;
   double act_peak = 0;
@@ -112,8 +130,8 @@ struct StreamedRecomputeTerms {
   std::vector<double> act_peak_from;
 };
 StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_factor, int begin,
-                                         int end, int64_t mb, double trainable,
-                                         double block_bytes);
+                                         int end, int64_t mb, double block_bytes,
+                                         double inputs_per_sample);
 
 // A streamed stage's backward per planning block i of [begin, end), for what the parameters
 // kept on the device add to it: `act`, the activations and working memory the device holds

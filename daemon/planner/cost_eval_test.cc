@@ -363,17 +363,21 @@ TEST_CASE("Streamed offload holds a few blocks' parameters and one block's gradi
   SearchOptions o = Batch(1, 1);
   o.offload = true;
   o.offload_block_bytes = 250;
-  // The buffer, three blocks' parameters (computing, prefetched, the last one), then one
-  // block's gradients beside the micro-batch's activations and working memory: 250 + 400 + 50.
+  // The runtime's blocks are the planning blocks here (the first with the buffer: 350 bytes,
+  // over the limit, as one node's reads may be). The buffer, two blocks' parameters (one
+  // computing, the next prefetched), then three blocks' gradients (one block's backward, two
+  // earlier ones' on their way to the host) beside the micro-batch's activations and working
+  // memory: 750 + 400 + 50.
   StageEval e = EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1);
-  CHECK(e.memory_bytes == 100 + 750 + (250 + 400 + 50));
-  // A limit under one block's parameters: the planner's blocks bound the runtime's.
+  CHECK(e.memory_bytes == 100 + 500 + (750 + 400 + 50));
+  // A limit under one block's parameters: a node's reads are never split.
   o.offload_block_bytes = 1;
   CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1).memory_bytes == e.memory_bytes);
-  // Two blocks' worth: B = 500, all four blocks' parameters but half the gradients.
+  // Blocks of 500: the runtime's hold 250 (and the buffer), 500 and 250 trainable bytes; two
+  // consecutive ones 750, all three 1000.
   o.offload_block_bytes = 500;
   CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1).memory_bytes ==
-        1100 + (500 + 400 + 50));
+        100 + 750 + (1000 + 400 + 50));
   // A limit over the stage's parameters: uploaded at once, as without streaming.
   o.offload_block_bytes = 4000;
   CHECK(EvaluateStage(t, SimpleLinks(), o, 0, 4, 1, 0, 1).memory_bytes ==
@@ -502,7 +506,7 @@ TEST_CASE("Offload prices the optimizer's step on the host, less what the first 
 TEST_CASE("A streamed stage keeps on the device what its memory leaves room for",
           "[cost_eval]") {
   // Four blocks of 250 trainable bytes (G = 1000), fwd 1 and bwd 2 ms each, activations 100
-  // and working memory 50 each at 4 samples; streamed, the device holds 1550 bytes (the first
+  // and working memory 50 each at 4 samples; streamed, the device holds 1800 bytes (the first
   // case above), 450 of them the last block's backward's activations (X_<=3 + W_3). Adam: a
   // kept byte's master and moments cost 3 on the device for good, its gradient one more from
   // its block's backward to the step. 1000 bytes cross the link in 10 ms a pass; a host step
@@ -510,7 +514,7 @@ TEST_CASE("A streamed stage keeps on the device what its memory leaves room for"
   const CostTable t = Stack(250, 100);
   SearchOptions o = StreamedOnGpu();
   o.mem_margin = 0;
-  o.device_memory_bytes = 1550 + 1200;
+  o.device_memory_bytes = 1800 + 1200;
   Links links = SimpleLinks();
   links.host_bytes_per_s = 1e5;
   links.host_step_bytes_per_s = 5e5;
@@ -518,42 +522,42 @@ TEST_CASE("A streamed stage keeps on the device what its memory leaves room for"
   // forward by 4 ms (14 - 10).
   StageEval e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK(e.kept_bytes == 0);
-  CHECK(e.memory_bytes == 1550);
+  CHECK(e.memory_bytes == 1800);
   CHECK_THAT(e.fwd_ms, WithinRel(10.0, 1e-12));
   CHECK_THAT(e.host_step_ms, WithinRel(4.0, 1e-12));
   // Asked, with 1200 bytes free: the kept parameters are the first blocks', whose gradients
   // appear last in the backward, when only the first blocks' activations are left. Block 0's
   // backward (150 of activations, 300 fewer than the last's) holds every kept gradient:
-  // 1250 + 4 k <= 2750 keeps k = 375 (counting every gradient throughout, 300). 625 bytes
+  // 1500 + 4 k <= 3000 keeps k = 375 (counting every gradient throughout, 300). 625 bytes
   // stream (6.25 ms a pass, under the backward's 8) and the host steps 4375 bytes (8.75 ms,
   // 2.5 past the forward).
   o.offload_keep_on_device = true;
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK(e.feasible);
   CHECK(e.kept_bytes == 375);
-  CHECK(e.memory_bytes == 1550 + 1200);
+  CHECK(e.memory_bytes == 1800 + 1200);
   CHECK(e.fixed_bytes - EvaluateStage(t, links, StreamedOnGpu(), 0, 4, 1, 0, 1).fixed_bytes ==
         1200);
   CHECK_THAT(e.fwd_ms, WithinRel(6.25, 1e-12));
   CHECK_THAT(e.bwd_ms, WithinRel(8.0, 1e-12));
   CHECK_THAT(e.host_step_ms, WithinRel(2.5, 1e-12));
-  // Two micro-batches (one in flight, the same 1550 without keeping): the first one's
+  // Two micro-batches (one in flight, the same 1800 without keeping): the first one's
   // gradients are there all through the second, so each kept byte counts 4 throughout: 300.
   o.batch_size = 8;
   CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 2).kept_bytes == 300);
   o.batch_size = 4;
   // SGD without momentum: a master a byte for good, and its gradient from its backward on:
-  // block 0's backward, 1250 + 2 k <= 2750, keeps 750 (counted throughout, 600).
+  // block 0's backward, 1500 + 2 k <= 3000, keeps 750 (counted throughout, 600).
   o.optimizer_state_factor = 0;
   CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 750);
   o.optimizer_state_factor = 2;
   // Room for more than the stage: all of it kept, nothing crosses the link or steps on the
-  // host, and the compute paces the passes. The peak is block 0's backward: 1250 + 3000 of
+  // host, and the compute paces the passes. The peak is block 0's backward: 1500 + 3000 of
   // masters and moments + the 1000 of gradients.
   o.device_memory_bytes = 1000000;
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK(e.kept_bytes == 1000);
-  CHECK(e.memory_bytes == 1250 + 3000 + 1000);
+  CHECK(e.memory_bytes == 1500 + 3000 + 1000);
   CHECK_THAT(e.fwd_ms, WithinRel(4.0, 1e-12));
   CHECK(e.host_step_ms == 0);
   // A parameter another stage reads too is never kept (the runtime steps it on the host):
@@ -563,7 +567,7 @@ TEST_CASE("A streamed stage keeps on the device what its memory leaves room for"
   CHECK(EvaluateStage(shared, links, o, 0, 3, 1, 1, 1).kept_bytes == 500);
   CHECK(EvaluateStage(shared, links, o, 0, 4, 1, 0, 1).kept_bytes == 1000);
   // No room, or not streamed (one block over the stage, or replicas): nothing kept.
-  o.device_memory_bytes = 1550;
+  o.device_memory_bytes = 1800;
   CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 0);
   o.device_memory_bytes = 1000000;
   o.offload_block_bytes = 4000;
@@ -626,14 +630,13 @@ TEST_CASE("A streamed stage recomputes block by block, keeping each block's inpu
   o.overlap_host_copies = true;
   Links links = SimpleLinks();
   links.host_bytes_per_s = 1e12;  // the copies hide behind the compute
-  // Kept whole: three blocks' parameters, the eight blocks' activations with the last one's
-  // working memory, and one block's gradients.
-  const uint64_t keep_all = 750 + (8000 + 50 + 250);
-  // Recomputed by blocks: the inputs of the blocks after the first (8 x 20 bytes, the runtime's
-  // block count taken as 2000 / 250 + 1), at most three planning blocks' activations rerun at
-  // once (a runtime block of 250 bytes spans one planning block whole and parts of its two
-  // neighbours), and one block's gradients.
-  const uint64_t blocked = 750 + 8 * 20 + (3000 + 50) + 250;
+  // Kept whole: two blocks' parameters, the eight blocks' activations with the last one's
+  // working memory, and three blocks' gradients.
+  const uint64_t keep_all = 500 + (8000 + 50 + 750);
+  // Recomputed by blocks: the inputs of the runtime's blocks after the first (7 x 20 bytes;
+  // they are the planning blocks here), one block's activations rerun at a time (a window of
+  // 250 parameter bytes), and three blocks' gradients.
+  const uint64_t blocked = 500 + 7 * 20 + (1000 + 50) + 750;
   o.device_memory_bytes = keep_all;
   StageEval e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
   CHECK(e.feasible);
@@ -651,12 +654,12 @@ TEST_CASE("A streamed stage recomputes block by block, keeping each block's inpu
   o.device_memory_bytes = 1000000;
   // (kept whole, the first micro-batch's activations stay while the second runs)
   CHECK(EvaluateStage(t, links, o, 0, 8, 1, 0, 2).memory_bytes == keep_all + 8000);
-  o.device_memory_bytes = blocked + 8 * 20;
+  o.device_memory_bytes = blocked + 7 * 20;
   e = EvaluateStage(t, links, o, 0, 8, 1, 0, 2);
   CHECK(e.recompute);
-  CHECK(e.memory_bytes == blocked + 8 * 20);
-  // Blocks of 500 bytes: a runtime block spans two planning blocks whole, so four at most
-  // rerun at once; about half as many inputs kept (2000 / 500 + 1 blocks).
+  CHECK(e.memory_bytes == blocked + 7 * 20);
+  // Blocks of 500 bytes: four runtime blocks of two planning blocks each, rerun one at a time;
+  // three inputs kept.
   o = Batch(1, 1);
   o.offload = true;
   o.offload_block_bytes = 500;
@@ -664,21 +667,77 @@ TEST_CASE("A streamed stage recomputes block by block, keeping each block's inpu
   o.device_memory_bytes = 6000;
   e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
   CHECK(e.recompute);
-  CHECK(e.memory_bytes == 1500 + 4 * 20 + (4000 + 50) + 500);
+  CHECK(e.memory_bytes == 1000 + 3 * 20 + (2000 + 50) + 1500);
   // Kept parameters, recomputed by blocks of 250: with the first three blocks' activations
-  // 100, a window from block 0 reruns 350, from 1 1250, from 2 2150, from 3 to 5 3050 (the
-  // 4210 of the device's peak). 1200 bytes free keep 400, not 300: the kept parameters are
-  // the first four blocks', and their gradients appear from block 3's backward on (block
-  // 3's: 4210 + 3k for k <= 750), when the later windows are done.
+  // 100, blocks 0-2 rerun 150 and the later ones 1050 (the 2440 of the device's peak). 1200
+  // bytes free keep 400, not 300: the kept parameters are the first blocks', whose gradients
+  // appear from block 1's backward on (block 3's: 2440 + 3k for k <= 750), when the later
+  // windows are done.
   for (int b = 0; b < 3; ++b) t.blocks[b].by_mb[4].act_bytes = 100;
   o.offload_block_bytes = 250;
   o.overlap_host_copies = true;
   o.offload_keep_on_device = true;
-  o.device_memory_bytes = 4210 + 1200;
+  o.device_memory_bytes = 2440 + 1200;
   e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
   CHECK(e.recompute);
   CHECK(e.kept_bytes == 400);
-  CHECK(e.memory_bytes == 4210 + 1200);
+  CHECK(e.memory_bytes == 2440 + 1200);
+}
+
+TEST_CASE("Streamed blocks are the runtime's: whole nodes' reads, cut before a node",
+          "[cost_eval]") {
+  using internal::StreamedBlocksOf;
+  using internal::StreamedRecompute;
+  // Two planning blocks, each two nodes reading 300 and 200 trainable bytes; the cut before
+  // a block's first node is 5 bytes a sample, before its second 9.
+  CostTable t;
+  for (int b = 0; b < 2; ++b) {
+    Block blk;
+    for (int r = 0; r < 2; ++r) {
+      const int p = static_cast<int>(t.param_bytes.size());
+      t.param_bytes.push_back(r == 0 ? 300 : 200);
+      t.param_trainable.push_back(true);
+      blk.params.push_back(p);
+      blk.param_reads.push_back({{p}, r == 0 ? 5.0 : 9.0});
+    }
+    blk.by_mb[4] = {1.0, 2.0, 1000, 50};
+    t.blocks.push_back(blk);
+    t.cut_bytes_per_sample.push_back(b == 0 ? 0 : 5);
+  }
+  // Blocks of 500: one per planning block, the second's input cut before its first node.
+  internal::StreamedBlocks blocks = StreamedBlocksOf(t, 0, 2, 500);
+  CHECK(blocks.count == 2);
+  CHECK(blocks.largest == 500);
+  CHECK(blocks.largest_pair == 1000);
+  CHECK(blocks.inputs_per_sample == 5);
+  // Blocks of 400: each node alone, 300 | 200 | 300 | 200 (two consecutive 500, three 800),
+  // their inputs cut before the second node, the third and the fourth: 9 + 5 + 9.
+  blocks = StreamedBlocksOf(t, 0, 2, 400);
+  CHECK(blocks.count == 4);
+  CHECK(blocks.largest == 300);
+  CHECK(blocks.largest_pair == 500);
+  CHECK(blocks.largest_triple == 800);
+  CHECK(blocks.inputs_per_sample == 23);
+  // Without the nodes' reads, a planning block is one read at its start.
+  CostTable coarse = t;
+  for (Block& blk : coarse.blocks) blk.param_reads.clear();
+  blocks = StreamedBlocksOf(coarse, 0, 2, 400);
+  CHECK(blocks.count == 2);
+  CHECK(blocks.inputs_per_sample == 5);
+  // A window of 300 parameter bytes reruns 300 / 500 of a planning block's activations, with
+  // its working memory; of 750, one block whole and half the other.
+  internal::StreamedRecomputeTerms terms = StreamedRecompute(t, 0, 0, 2, 4, 300, 23);
+  CHECK(terms.act_peak == 600 + 50);
+  CHECK(terms.kept == 23 * 4);
+  terms = StreamedRecompute(t, 0, 0, 2, 4, 750, 0);
+  CHECK(terms.act_peak == 1500 + 50);
+  // A planning block without parameters (an attention's core, a loss) counts whole where the
+  // window reaches it.
+  t.blocks.insert(t.blocks.begin() + 1, Block{});
+  t.blocks[1].by_mb[4] = {1.0, 2.0, 700, 60};
+  t.cut_bytes_per_sample.push_back(5);
+  terms = StreamedRecompute(t, 0, 0, 3, 4, 500, 0);
+  CHECK(terms.act_peak == 1000 + 700 + 60);
 }
 
 TEST_CASE("AMP's weight copies count once per micro-batch in flight", "[cost_eval]") {

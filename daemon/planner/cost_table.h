@@ -35,6 +35,16 @@ struct Block {
   // Measured micro-batch sizes. Sizes in between are interpolated linearly; beyond the largest
   // measured size, extrapolated linearly from the two largest (or proportionally from one).
   std::map<int64_t, BlockProfile> by_mb;
+  // Filled for offload only: each atomic node of the block that reads parameters or buffers,
+  // in order, with what it reads (indices into CostTable::param_bytes) and the bytes per
+  // sample live across the boundary just before it, where offload's runtime may start a
+  // streamed block (graph/subgraph.h ParamBlockStarts). Empty: the block is taken as one such
+  // node, reading `params` at its start.
+  struct ParamRead {
+    std::vector<int> params;
+    double cut_bytes_per_sample = 0;
+  };
+  std::vector<ParamRead> param_reads;
 };
 
 struct CostTable {

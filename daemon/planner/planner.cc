@@ -266,10 +266,17 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   for (int b = 0; b < num_blocks; ++b) {
     std::set<int> params;
     for (int n = starts[b]; n < block_end(b); ++n) {
+      std::vector<int> read;
       for (int v : ir.nodes[n].inputs) {
         if (v >= static_cast<int>(ir.num_user_inputs) && v < static_cast<int>(ir.inputs.size())) {
           params.insert(lifted_param[v - ir.num_user_inputs]);
+          read.push_back(lifted_param[v - ir.num_user_inputs]);
         }
+      }
+      // Where offload's runtime may start a block, and what that block's input is.
+      if (options.offload && !read.empty()) {
+        table.blocks[b].param_reads.push_back(
+            {std::move(read), n > 0 ? CutBytesPerSample(ir, n) : 0.0});
       }
     }
     table.blocks[b].params.assign(params.begin(), params.end());

@@ -306,7 +306,8 @@ void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {
   download.done = std::make_unique<c10::Event>(d.place.type());
   download.done->record(*d.download_stream);
   d.downloads.push_back(std::move(download));
-  // At most two blocks' gradients held on the device for their copies (the planner counts one).
+  // At most two blocks' gradients held on the device for their copies, beside the next
+  // block's backward (the planner counts three blocks', cost_eval_internal.h).
   while (d.downloads.size() > 2) {
     AwaitOnHost(*d.downloads.front().done);
     TakeDownloads(d, /*wait=*/false);
