@@ -14,6 +14,10 @@ Workloads (WORKLOADS):
         4096, 32 heads (head dim 128), sequence 2048, vocab 32000, global batch 8 sequences;
         16 layers (3.49B parameters) by default, --layers for the larger sizes (each layer
         201M parameters).
+  Dmini D at L = 34 shrunk 256 times in each term that sets its memory (d_model 256, 2 heads,
+        sequence 128, vocab 2000: d_model^2, vocab x d_model, tokens x d_model and tokens x
+        vocab): the planner's estimate of an offloaded, streamed D checked on a CPU, with
+        offload_block_bytes and the device's memory shrunk alike (docs/benchmarks.md).
   tiny  2 layers, d_model 64, sequence 32, vocab 256: for checking the harnesses on a CPU.
 
 The harnesses take --layers, --seq and --batch to override a workload's (add_workload_args,
@@ -141,6 +145,7 @@ WORKLOADS = {
     "C": GPTConfig("C", layers=36, d_model=2560, heads=20, seq=2048, vocab=32000, batch=20,
                    recompute=True),
     "D": GPTConfig("D", layers=16, d_model=4096, heads=32, seq=2048, vocab=32000, batch=8),
+    "Dmini": GPTConfig("Dmini", layers=34, d_model=256, heads=2, seq=128, vocab=2000, batch=8),
     "tiny": GPTConfig("tiny", layers=2, d_model=64, heads=4, seq=32, vocab=256, batch=16),
 }
 
