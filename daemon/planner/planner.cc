@@ -229,6 +229,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   Profiler profiler(ir, tensors, example_inputs, cache, profiling);
   const auto profile_start = std::chrono::steady_clock::now();
   std::vector<int> starts, pieces;
+  std::vector<double> cut;  // per atomic node, where coarsening needed them
   const int max_blocks = std::max(config.max_blocks, config.partition_num);
   if (num_nodes <= max_blocks) {
     for (int i = 0; i < num_nodes; ++i) starts.push_back(i);
@@ -236,7 +237,7 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   } else {
     absl::StatusOr<std::vector<double>> node_ms = profiler.AtomicForwardMs();
     if (!node_ms.ok()) return node_ms.status();
-    std::vector<double> cut(num_nodes, 0.0);
+    cut.assign(num_nodes, 0.0);
     for (int i = 1; i < num_nodes; ++i) cut[i] = CutBytesPerSample(ir, i);
     Coarsening c = CoarsenRepeated(*node_ms, cut, profiler.node_classes(), max_blocks);
     starts = std::move(c.blocks);
@@ -275,8 +276,8 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
       }
       // Where offload's runtime may start a block, and what that block's input is.
       if (options.offload && !read.empty()) {
-        table.blocks[b].param_reads.push_back(
-            {std::move(read), n > 0 ? CutBytesPerSample(ir, n) : 0.0});
+        const double before = cut.empty() ? (n > 0 ? CutBytesPerSample(ir, n) : 0.0) : cut[n];
+        table.blocks[b].param_reads.push_back({std::move(read), before});
       }
     }
     table.blocks[b].params.assign(params.begin(), params.end());

@@ -293,7 +293,6 @@ class RaNNCModule(torch.nn.Module):
             # copy and its page-locked masters would otherwise meet it and the shared-memory
             # copy: the host's peak); put back from shared memory if creation fails.
             sources = self._release_local_model(apart, [m.tensor for m in job_spec.model_tensors])
-            apart = reused = None
 
             step = _codec.chunk_bytes(_codec.MODEL_CHUNK_BYTES, conn.info.max_message_bytes)
 
@@ -336,10 +335,8 @@ class RaNNCModule(torch.nn.Module):
         and the optimizer's references), empty; the first read of the local model
         (_sync_from_daemon) gives them memory again and fills it from the daemon. Returns each
         freed tensor with its message, for _restore_local_model. The client config key
-        keep_local_model turns this off.
-
-        The caller drops its own references to `apart` (the traced module's tensors, which share
-        their memory with the model's) for the memory to go."""
+        keep_local_model turns this off. Empties `apart` (the traced module's tensors, which
+        share their memory with the model's) for the memory to go."""
         if (not self._offload_params or not apart
                 or _config.client_bool("keep_local_model", False)):
             return []
