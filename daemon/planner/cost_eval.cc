@@ -366,9 +366,11 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   terms.act_peak = sums.act_peak;
   terms.act_peak_scaled = sums.act_peak_scaled;
   StreamedBlocks runtime_blocks;
+  if (options.offload) e.offload_blocks = 1;
   if (options.offload && replicas == 1 && options.offload_block_bytes > 0) {
     // A stage within one block's bytes is uploaded at once (one runtime block).
     runtime_blocks = StreamedBlocksOf(table, begin, end, options.offload_block_bytes);
+    e.offload_blocks = std::max(1, runtime_blocks.count);
     if (runtime_blocks.count > 1) {
       terms.streamed_block = runtime_blocks.largest;
       terms.streamed_params = runtime_blocks.largest_pair;

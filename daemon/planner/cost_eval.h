@@ -105,6 +105,9 @@ struct StageEval {
   double host_step_ms = 0;
   // Streamed with offload_keep_on_device: the trainable bytes kept on the device.
   uint64_t kept_bytes = 0;
+  // Offload: the blocks the estimate takes the runtime to stream the stage in (StreamedBlocksOf;
+  // 1: uploaded whole, 0: not offloaded). The deployment's offload_blocks.
+  int offload_blocks = 0;
   // What a step pays once on this stage's devices beside the pipeline's passes.
   double per_step_ms() const { return allreduce_ms + host_step_ms; }
   uint64_t memory_bytes = 0;     // estimated peak per device

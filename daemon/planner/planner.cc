@@ -364,15 +364,9 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     stage->set_end_node(block_end(st.end - 1));
     for (int r = 0; r < st.replicas; ++r) stage->add_devices(device++);
     stage->set_recompute(e.recompute);
-    if (memory.offload) {
-      // The runtime streams a stage of one replica (EngineOptions::offload_block_bytes).
-      stage->set_offload_blocks(
-          st.replicas > 1 ? 1
-                          : static_cast<uint32_t>(ParamBlockStarts(ir, stage->first_node(),
-                                                                   stage->end_node(),
-                                                                   config.offload_block_bytes)
-                                                      .size()));
-    }
+    // The runtime streams a stage of one replica (EngineOptions::offload_block_bytes) in the
+    // blocks ParamBlockStarts gives, which the estimate replays (StreamedBlocksOf).
+    if (memory.offload) stage->set_offload_blocks(static_cast<uint32_t>(e.offload_blocks));
     stage->set_memory_bytes(e.memory_bytes);
     // What does not grow with the batch (CheckDeployment scales the rest).
     stage->set_fixed_bytes(e.fixed_bytes);

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include "daemon/graph/ir_testing.h"
+#include "daemon/graph/subgraph.h"
 #include "daemon/planner/deployment.h"
 #include "daemon/planner/links.h"
 
@@ -331,6 +332,41 @@ TEST_CASE("Offload plans no optimizer state on the devices, batch-independent by
     CHECK(a.fixed_bytes() < a.memory_bytes());
     CHECK(a.activation_bytes() == a.memory_bytes() - a.fixed_bytes());
   }
+}
+
+TEST_CASE("The streamed estimate's blocks are those the runtime streams in", "[planner]") {
+  // The estimate replays ParamBlockStarts on the cost table (StreamedBlocksOf): its count of
+  // blocks, the deployment's offload_blocks, must be what the runtime cuts the stage's own
+  // atomic nodes into, for any block size.
+  FixtureIr f = BuildFixtureIr("tiny_gpt");
+  REQUIRE(f.ir.ok());
+  ProfileCache cache(std::string(std::getenv("TEST_TMPDIR")) + "/streamed_cache.tsv");
+  MemoryModel offload;
+  offload.optimizer = "adam";
+  offload.optimizer_state_factor = 2;
+  offload.offload = true;
+  const uint64_t total = ParamBytes(f);
+  int streamed = 0;
+  for (const std::string& stages : {"1", "2"}) {
+    for (uint64_t bytes : {uint64_t{1}, total / 23, total / 9, total / 4, total / 2, total}) {
+      const PlannerConfig config = Config({{"partition_num", stages}, {"replica_num", "1"},
+                                           {"pipeline_num", "1"},
+                                           {"offload_block_bytes", std::to_string(bytes)}});
+      absl::StatusOr<v1::Deployment> d = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                   Target(2, 1ull << 30), offload, config,
+                                                   &cache, "t");
+      REQUIRE(d.ok());
+      for (const v1::DeploymentStage& s : d->stages()) {
+        const std::vector<int> starts = ParamBlockStarts(
+            *f.ir, s.first_node(), s.end_node(), static_cast<int64_t>(bytes));
+        INFO(stages << " stages, blocks of " << bytes << " bytes, stage [" << s.first_node()
+                    << ", " << s.end_node() << ")");
+        CHECK(s.offload_blocks() == starts.size());
+        if (starts.size() > 1) ++streamed;
+      }
+    }
+  }
+  CHECK(streamed >= 8);  // most of them streamed, one of them in a block a node
 }
 
 TEST_CASE("A deep model is planned from one layer's profiles", "[planner]") {
