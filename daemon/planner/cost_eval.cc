@@ -18,6 +18,30 @@ uint64_t ClampBytes(double bytes) {
 
 double ClampMs(double ms) { return ms > 0 ? ms : 0; }
 
+// Tensor p's bytes on the device where a streamed block holds it (CostTable::
+// param_streamed_bytes).
+double StreamedBytes(const CostTable& table, int p) {
+  return p < static_cast<int>(table.param_streamed_bytes.size())
+             ? static_cast<double>(table.param_streamed_bytes[p])
+             : static_cast<double>(table.param_bytes[p]);
+}
+
+// The bytes of the narrower copies planning block b's forward makes of its trainable
+// parameters for a low-precision read (the graph's casts, among its profiled activations),
+// which a streamed block holding the parameter in that dtype does not make.
+double LowCopyBytes(const CostTable& table, int b) {
+  double bytes = 0;
+  for (int p : table.blocks[b].params) {
+    if (p < 0 || p >= static_cast<int>(table.param_streamed_bytes.size()) ||
+        !table.param_trainable[p]) {
+      continue;
+    }
+    const double held = StreamedBytes(table, p);
+    if (held < static_cast<double>(table.param_bytes[p])) bytes += held;
+  }
+  return bytes;
+}
+
 // The line through (x0, a) and (x1, b), evaluated at x.
 BlockProfile Line(int64_t x0, const BlockProfile& a, int64_t x1, const BlockProfile& b,
                   int64_t x) {
@@ -150,10 +174,12 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
 StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, double max_bytes) {
   StreamedBlocks out;
   std::vector<int> in_block(table.param_bytes.size(), -1);  // the block a tensor is in
-  std::vector<double> trainable;  // per runtime block
+  // Per runtime block: its trainable bytes as the masters have them, and as the device holds
+  // them.
+  std::vector<double> trainable, held;
   double bytes = 0;
   auto read = [&](const std::vector<int>& params, double cut) {
-    double more = 0, more_trainable = 0;
+    double more = 0, more_trainable = 0, more_held = 0;
     const int current = static_cast<int>(trainable.size()) - 1;
     for (int p : params) {
       if (p < 0 || p >= static_cast<int>(table.param_bytes.size()) ||
@@ -161,12 +187,16 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
         continue;
       }
       more += static_cast<double>(table.param_bytes[p]);
-      if (table.param_trainable[p]) more_trainable += static_cast<double>(table.param_bytes[p]);
+      if (table.param_trainable[p]) {
+        more_trainable += static_cast<double>(table.param_bytes[p]);
+        more_held += StreamedBytes(table, p);
+      }
     }
     if (more == 0) return;
     if (trainable.empty() || (bytes > 0 && bytes + more > max_bytes)) {
       if (!trainable.empty()) out.inputs_per_sample += cut;
       trainable.push_back(0);
+      held.push_back(0);
       bytes = 0;
     }
     const int block = static_cast<int>(trainable.size()) - 1;
@@ -175,6 +205,7 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
     }
     bytes += more;
     trainable.back() += more_trainable;
+    held.back() += more_held;
   };
   for (int b = begin; b < end; ++b) {
     const Block& blk = table.blocks[b];
@@ -186,10 +217,9 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
   }
   out.count = static_cast<int>(trainable.size());
   for (int i = 0; i < out.count; ++i) {
-    const double one = trainable[i];
-    const double two = one + (i + 1 < out.count ? trainable[i + 1] : 0.0);
-    const double three = two + (i + 2 < out.count ? trainable[i + 2] : 0.0);
-    out.largest = std::max(out.largest, one);
+    const double two = held[i] + (i + 1 < out.count ? held[i + 1] : 0.0);
+    const double three = two + (i + 2 < out.count ? held[i + 2] : 0.0);
+    out.largest = std::max(out.largest, trainable[i]);
     out.largest_pair = std::max(out.largest_pair, two);
     out.largest_triple = std::max(out.largest_triple, three);
   }
@@ -212,7 +242,8 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
     }
     const BlockProfile profile = ProfileAt(table.blocks[b], mb);
     bytes.push_back(read);
-    act.push_back(static_cast<double>(profile.act_bytes) + cast_factor * read);
+    act.push_back(std::max(0.0, static_cast<double>(profile.act_bytes) - LowCopyBytes(table, b)) +
+                  cast_factor * read);
     work.push_back(static_cast<double>(profile.peak_bytes));
   }
   const int n = end - begin;
@@ -375,6 +406,11 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
       terms.streamed_block = runtime_blocks.largest;
       terms.streamed_params = runtime_blocks.largest_pair;
       terms.streamed_grads = runtime_blocks.largest_triple;
+      // What the forward saves of a parameter held in its read dtype is the parameter, freed
+      // between its block's uses.
+      double low = 0;
+      for (int b = begin; b < end; ++b) low += LowCopyBytes(table, b);
+      terms.act = std::max(0.0, terms.act - low);
     }
   }
   auto memory_of = [&](bool recompute) {

@@ -106,9 +106,11 @@ struct MemoryTerms {
 // node's parameters not yet in it would take it past `max_bytes`. `count` 1: not streamed.
 struct StreamedBlocks {
   int count = 0;
-  double largest = 0;         // trainable bytes of the largest block
-  double largest_pair = 0;    // of two consecutive blocks
-  double largest_triple = 0;  // of three consecutive blocks
+  double largest = 0;  // trainable bytes of the largest block, as its masters have them
+  // The trainable bytes on the device (CostTable::param_streamed_bytes) of two consecutive
+  // blocks, and of three, at their most.
+  double largest_pair = 0;
+  double largest_triple = 0;
   // Bytes per sample of the blocks' inputs after the first one's (the stage's), which a
   // micro-batch recomputed block by block keeps.
   double inputs_per_sample = 0;
@@ -120,8 +122,10 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
 // `inputs_per_sample`: a runtime block's activations are taken as those of a window of
 // block_bytes parameter bytes starting or ending at a planning block's edge, the planning
 // blocks it covers in part counted by the share of their bytes (those without parameters
-// whole), with the most working memory of them. `kept` 0 and `act_peak` 0 when the stage is
-// one planning block.
+// whole), with the most working memory of them; a planning block's activations without the
+// low-precision copies of parameters a streamed block holds in that dtype
+// (CostTable::param_streamed_bytes). `kept` 0 and `act_peak` 0 when the stage is one planning
+// block.
 struct StreamedRecomputeTerms {
   double kept = 0;
   double act_peak = 0;

@@ -740,6 +740,66 @@ TEST_CASE("Streamed blocks are the runtime's: whole nodes' reads, cut before a n
   CHECK(terms.act_peak == 1000 + 700 + 60);
 }
 
+TEST_CASE("Streamed parameters held in their read dtype count at its width, without copies",
+          "[cost_eval]") {
+  // offload_low_precision: eight blocks of 250 trainable bytes read through a cast to half
+  // their width (125 on the device, parameter and gradient), whose copy, 125 bytes, is among
+  // each block's 1000 bytes of profiled activations; working memory 50, a cut of 5 bytes a
+  // sample between any two blocks.
+  CostTable t;
+  for (int b = 0; b < 8; ++b) {
+    t.param_bytes.push_back(250);
+    t.param_streamed_bytes.push_back(125);
+    t.param_trainable.push_back(true);
+    Block blk;
+    blk.params = {b};
+    blk.by_mb[4] = {1.0, 2.0, 1000, 50};
+    t.blocks.push_back(blk);
+    t.cut_bytes_per_sample.push_back(b == 0 ? 0 : 5);
+  }
+  // The runtime cuts its blocks by the masters' bytes; the device holds half of them.
+  const internal::StreamedBlocks blocks = internal::StreamedBlocksOf(t, 0, 8, 250);
+  CHECK(blocks.count == 8);
+  CHECK(blocks.largest == 250);
+  CHECK(blocks.largest_pair == 250);
+  CHECK(blocks.largest_triple == 375);
+  // A window of 250 parameter bytes reruns one block, its parameter's copy not made.
+  CHECK(internal::StreamedRecompute(t, 0, 0, 8, 4, 250, 35).act_peak == 875 + 50);
+  SearchOptions o = Batch(1, 1);
+  o.offload = true;
+  o.offload_block_bytes = 250;
+  o.mem_margin = 0;
+  o.overlap_host_copies = true;
+  Links links = SimpleLinks();
+  links.host_bytes_per_s = 1e12;
+  // Kept whole: two blocks' parameters, the activations with the last block's working memory
+  // (the peak of one micro-batch, the copies still in it), three blocks' gradients.
+  const uint64_t keep_all = 250 + (8000 + 50 + 375);
+  o.device_memory_bytes = keep_all;
+  StageEval e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(!e.recompute);
+  CHECK(e.memory_bytes == keep_all);
+  // Recomputed by blocks: the seven later blocks' inputs, one block rerun without its copy.
+  const uint64_t blocked = 250 + 7 * 20 + (875 + 50) + 375;
+  o.device_memory_bytes = blocked;
+  e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(e.recompute);
+  CHECK(e.memory_bytes == blocked);
+  // GPipe's first micro-batch keeps its activations, without the copies, while the second
+  // runs.
+  o.schedule = Schedule::kGPipe;
+  o.batch_size = 8;
+  o.device_memory_bytes = 1000000;
+  CHECK(EvaluateStage(t, links, o, 0, 8, 1, 0, 2).memory_bytes == keep_all + 7000);
+  // Unstreamed (one block): the runtime uploads the masters whole, copies made.
+  o.offload_block_bytes = 4000;
+  CostTable wide = t;
+  wide.param_streamed_bytes.clear();
+  e = EvaluateStage(t, links, o, 0, 8, 1, 0, 2);
+  CHECK(e.memory_bytes == EvaluateStage(wide, links, o, 0, 8, 1, 0, 2).memory_bytes);
+  CHECK(e.memory_bytes > 2000 + 16000);
+}
+
 TEST_CASE("AMP's weight copies count once per micro-batch in flight", "[cost_eval]") {
   const CostTable t = Stack(250, 100);
   SearchOptions o = Batch(4, 1);

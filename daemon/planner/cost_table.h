@@ -51,6 +51,11 @@ struct CostTable {
   std::vector<Block> blocks;
   std::vector<uint64_t> param_bytes;   // per parameter or buffer tensor
   std::vector<bool> param_trainable;   // gradients and optimizer state exist only for these
+  // Offload with offload_low_precision: per tensor, its bytes on the device where a streamed
+  // block holds it, in the narrower dtype the forward reads it through (graph/ir.h
+  // LowPrecisionRead); its gradient there is as wide, and the cast in the graph returns it
+  // without a copy. Empty, or an entry equal to param_bytes': as wide as its master.
+  std::vector<uint64_t> param_streamed_bytes;
   // cut_bytes_per_sample[b], b in 1..blocks.size()-1: bytes per sample of the batch values that
   // are live across the boundary between block b-1 and block b (what a stage boundary there
   // sends forward, and the size of the gradients sent back). Index 0 is unused.

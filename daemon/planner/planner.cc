@@ -262,6 +262,19 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
     }
     lifted_param[i] = it->second;
   }
+  if (options.offload && config.offload_low_precision) {
+    // The runtime streams an untied parameter the forward reads only through a cast in the
+    // cast's dtype (EngineOptions::offload_low_precision).
+    table.param_streamed_bytes = table.param_bytes;
+    std::vector<int> lifts(table.param_bytes.size(), 0);
+    for (int p : lifted_param) ++lifts[p];
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const std::optional<at::ScalarType> low = LowPrecisionRead(ir, static_cast<int>(i));
+      if (low && lifts[lifted_param[i]] == 1) {
+        table.param_streamed_bytes[lifted_param[i]] = tensors[i].numel() * at::elementSize(*low);
+      }
+    }
+  }
   table.blocks.resize(num_blocks);
   table.cut_bytes_per_sample.assign(num_blocks, 0.0);
   for (int b = 0; b < num_blocks; ++b) {

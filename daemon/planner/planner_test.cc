@@ -347,7 +347,7 @@ TEST_CASE("The streamed estimate's blocks are those the runtime streams in", "[p
   offload.offload = true;
   const uint64_t total = ParamBytes(f);
   int streamed = 0;
-  for (const std::string& stages : {"1", "2"}) {
+  for (const char* stages : {"1", "2"}) {
     for (uint64_t bytes : {uint64_t{1}, total / 23, total / 9, total / 4, total / 2, total}) {
       const PlannerConfig config = Config({{"partition_num", stages}, {"replica_num", "1"},
                                            {"pipeline_num", "1"},
