@@ -121,6 +121,11 @@ std::vector<ConfigKey>* MakeRegistry() {
        "mixed precision's dtype with enable_apex_amp: bf16, or fp16 (CUDA devices)"},
       {"amp_level", T::kString, S::kJob, "O1",
        "O1 (autocast) or O2 (the whole forward in amp_dtype, fp32 master parameters)"},
+      {"amp_cast_group_bytes", T::kBytes, S::kJob, "256MiB",
+       "at amp_level O2, a stage that keeps its activations casts its parameters to amp_dtype "
+       "before its ops run, in groups of at most this many bytes of masters, one multi-tensor "
+       "copy each way a group (their gradients widened back likewise); the same results. 0: "
+       "each cast where the graph has it"},
       {"loss_scale", T::kString, S::kJob, "dynamic for fp16, none otherwise",
        "dynamic, none, or a number (a static scale)"},
       {"loss_scale_init", T::kFloat, S::kJob, "65536", "the dynamic loss scale's first value"},

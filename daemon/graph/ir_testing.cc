@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "daemon/graph/low_precision.h"
+
 namespace rannc::testing {
 
 FixtureIr BuildFixtureIr(const std::string& name, const IrOptions& options) {
@@ -22,6 +24,21 @@ FixtureIr BuildFixtureIr(const std::string& name, const IrOptions& options) {
     if (!user.ok()) throw std::runtime_error(std::string(user.status().message()));
     out.user_inputs = std::move(*user);
   }
+  return out;
+}
+
+FixtureIr BuildO2FixtureIr(const std::string& name) {
+  FixtureIr out = BuildFixtureIr(name);
+  std::vector<c10::ScalarType> dtypes;
+  for (const at::Tensor& t : out.fixture.inputs) dtypes.push_back(t.scalar_type());
+  absl::Status cast = CastForwardTo(&out.model, at::kBFloat16, dtypes);
+  if (!cast.ok()) throw std::runtime_error(std::string(cast.message()));
+  out.ir = BuildIr(out.model, out.tensors, out.fixture.inputs);
+  if (!out.ir.ok()) throw std::runtime_error(std::string(out.ir.status().message()));
+  absl::StatusOr<std::vector<at::Tensor>> user =
+      WithStepInputs(*out.ir, out.fixture.inputs, out.tensors);
+  if (!user.ok()) throw std::runtime_error(std::string(user.status().message()));
+  out.user_inputs = std::move(*user);
   return out;
 }
 

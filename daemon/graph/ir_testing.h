@@ -24,6 +24,10 @@ struct FixtureIr {
 
 FixtureIr BuildFixtureIr(const std::string& name, const IrOptions& options = {});
 
+// The same at amp_level=O2: the forward rewritten to read every parameter through one cast to
+// bf16 (graph/low_precision.h CastForwardTo), as a job's is (server/job_model.h).
+FixtureIr BuildO2FixtureIr(const std::string& name);
+
 }  // namespace rannc::testing
 
 #endif  // RANNC_DAEMON_GRAPH_IR_TESTING_H_

@@ -91,6 +91,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   offload_ = options.offload;
   offload_block_bytes_ = options.offload_block_bytes;
   offload_low_precision_ = options.offload_low_precision;
+  amp_cast_group_bytes_ = options.amp_cast_group_bytes;
   before_host_step_unit_ = options.before_host_step_unit;
   host_memory_available_ = options.host_memory_available;
   bucket_bytes_ = options.bucket_bytes;
@@ -392,6 +393,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
       options.recompute = plan.stages(s).recompute();
       options.amp = amp;
       options.device = d.place;
+      options.cast_group_bytes = amp_cast_group_bytes_;
       std::vector<int> blocks;
       if (streams) {
         blocks = ParamBlockStarts(ir, stages_[s].first, stages_[s].end, offload_block_bytes_);
@@ -402,6 +404,10 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
                             : StageExecutor::Create(ir, std::move(*sub), d.lifted, options);
       if (!exec.ok()) return Annotate(exec.status(), absl::StrCat("stage ", s));
       d.exec = std::move(*exec);
+      if (d.exec->num_cast_groups() > 0) {
+        spdlog::debug("engine {}: device {} casts its parameters in {} groups", id_, d.index,
+                      d.exec->num_cast_groups());
+      }
       if (d.exec->num_blocks() > 1) SetUpStreaming(d);
       if (d.exec->data_inputs() != stages_[s].data_inputs) {
         return absl::InternalError("stage executor's data inputs differ from the subgraph's");

@@ -149,6 +149,10 @@ struct EngineOptions {
   // half the device memory for streamed parameters, the same values. False: in the master's
   // dtype (faster where the link outruns the host's cast: docs/runtime.md).
   bool offload_low_precision = false;
+  // amp_level O2: a stage without recomputation casts its parameters before its ops run, in
+  // groups of at most this many bytes of masters (StageOptions::cast_group_bytes); 0: each
+  // cast where the graph has it.
+  int64_t amp_cast_group_bytes = int64_t{256} << 20;
   // Tests: called on a streamed device's optimizer step thread before it steps each unit
   // after the first (the device's plan index, the unit: 1 + the block), to hold it there.
   std::function<void(int device, int unit)> before_host_step_unit;

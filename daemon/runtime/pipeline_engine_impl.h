@@ -635,6 +635,7 @@ class PipelineEngine::Impl {
   bool offload_ = false;  // EngineOptions::offload
   int64_t offload_block_bytes_ = 0;  // EngineOptions::offload_block_bytes
   bool offload_low_precision_ = false;  // EngineOptions::offload_low_precision
+  int64_t amp_cast_group_bytes_ = 0;     // EngineOptions::amp_cast_group_bytes
   absl::Status host_step_failure_;  // SettleHostStepsKeepingFailure's
   std::function<void(int, int)> before_host_step_unit_;  // EngineOptions'
   std::function<int64_t()> host_memory_available_;        // EngineOptions'

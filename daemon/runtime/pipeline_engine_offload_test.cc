@@ -17,7 +17,6 @@
 #include <catch2/catch.hpp>
 
 #include "daemon/graph/ir_testing.h"
-#include "daemon/graph/low_precision.h"
 #include "daemon/optim/optimizer.h"
 #include "daemon/runtime/plan_testing.h"
 
@@ -25,6 +24,7 @@ namespace rannc {
 namespace {
 
 using testing::BuildFixtureIr;
+using testing::BuildO2FixtureIr;
 using testing::FixtureIr;
 using testing::IsParam;
 using testing::MakePlan;
@@ -274,25 +274,6 @@ TEST_CASE("Streamed offload trains exactly like the plain engine, holding a bloc
   }
 }
 
-// The fixture's IR at amp_level=O2: the forward rewritten to read every parameter through one
-// cast to bf16, as a job's (server/job_model.h) is.
-FixtureIr O2FixtureIr(const std::string& name) {
-  FixtureIr f = BuildFixtureIr(name);
-  std::vector<c10::ScalarType> dtypes;
-  for (const at::Tensor& t : f.fixture.inputs) dtypes.push_back(t.scalar_type());
-  absl::Status cast = CastForwardTo(&f.model, at::kBFloat16, dtypes);
-  INFO(cast.ToString());
-  REQUIRE(cast.ok());
-  f.ir = BuildIr(f.model, f.tensors, f.fixture.inputs);
-  INFO(f.ir.status().ToString());
-  REQUIRE(f.ir.ok());
-  absl::StatusOr<std::vector<at::Tensor>> user = WithStepInputs(*f.ir, f.fixture.inputs,
-                                                                f.tensors);
-  REQUIRE(user.ok());
-  f.user_inputs = std::move(*user);
-  return f;
-}
-
 bool OneReader(const IrGraph& ir, int li) {
   return ir.values[ir.inputs[ir.num_user_inputs + li]].consumers.size() == 1;
 }
@@ -311,7 +292,7 @@ TEST_CASE("offload_low_precision streams O2's parameters in bf16, training exact
                                    {"tiny_gpt", {{0}, {1}}, 1}};
   for (const Case& c : cases) {
     INFO(c.model << ", " << c.devices.size() << " stages, " << c.m << " micro-batches");
-    FixtureIr f = O2FixtureIr(c.model);
+    FixtureIr f = BuildO2FixtureIr(c.model);
     FixtureIr f32 = BuildFixtureIr(c.model);
     REQUIRE(f32.ir.ok());
     const IrGraph& ir = *f.ir;
@@ -412,7 +393,7 @@ TEST_CASE("A streamed device's optimizer step runs beside the next forward, to t
     const Case& c = sc.c;
     INFO(c.model << ", " << c.devices.size() << " stages, " << c.m << " micro-batches"
                  << (sc.o2 ? ", O2 in bf16" : "") << (sc.keep ? ", half kept" : ""));
-    FixtureIr f = sc.o2 ? O2FixtureIr(c.model) : BuildFixtureIr(c.model);
+    FixtureIr f = sc.o2 ? BuildO2FixtureIr(c.model) : BuildFixtureIr(c.model);
     REQUIRE(f.ir.ok());
     const IrGraph& ir = *f.ir;
     const std::vector<int> params = ParamIndices(ir);
@@ -516,7 +497,7 @@ TEST_CASE("A streamed device's optimizer step runs beside the next forward, to t
 TEST_CASE("Offload refuses host memory the host does not have, before allocating it",
           "[runtime]") {
   // mlp in O2 on one streamed stage: every parameter is read once, through a cast to bf16.
-  FixtureIr f = O2FixtureIr("mlp");
+  FixtureIr f = BuildO2FixtureIr("mlp");
   const IrGraph& ir = *f.ir;
   const std::vector<int> params = ParamIndices(ir);
   const v1::Deployment plan = MakePlan(ir, {{0}}, 1, v1::SCHEDULE_1F1B);

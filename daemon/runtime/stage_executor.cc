@@ -1,6 +1,7 @@
 #include "daemon/runtime/stage_executor.h"
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <shared_mutex>
 #include <optional>
@@ -10,8 +11,13 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/runtime/interpreter.h>
+#if __has_include(<ATen/ops/_foreach_copy.h>)
+#include <ATen/ops/_foreach_copy.h>  // LibTorch 2.x
+#define RANNC_HAS_FOREACH_COPY 1
+#endif
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
@@ -76,6 +82,46 @@ int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
+// dst[i] = src[i] in dst[i]'s dtype, for tensors of one dtype each side: one multi-tensor copy
+// where LibTorch has torch._foreach_copy_ (2.x), else one copy each.
+void CopyAll(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
+#ifdef RANNC_HAS_FOREACH_COPY
+  at::_foreach_copy_(dst, src);
+#else
+  for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+#endif
+}
+
+// A group of parameters (of one dtype) cast to `low` as one autograd node: its backward widens
+// the gradients its outputs got back to the parameters' dtype, as each cast's own backward
+// would (an exact conversion), and leaves those that got none undefined.
+struct GroupCast : public torch::autograd::Function<GroupCast> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList params, at::ScalarType low) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["wide"] = static_cast<int64_t>(params[0].scalar_type());
+    std::vector<at::Tensor> copies;
+    copies.reserve(params.size());
+    for (const at::Tensor& p : params) copies.push_back(at::empty_like(p, p.options().dtype(low)));
+    CopyAll(copies, params.vec());
+    return copies;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto wide = static_cast<at::ScalarType>(ctx->saved_data["wide"].toInt());
+    torch::autograd::variable_list widened(grads.size() + 1);  // the last for `low`
+    std::vector<at::Tensor> dst, src;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      widened[i] = at::empty_like(grads[i], grads[i].options().dtype(wide));
+      dst.push_back(widened[i]);
+      src.push_back(grads[i]);
+    }
+    if (!dst.empty()) CopyAll(dst, src);
+    return widened;
+  }
+};
+
 }  // namespace
 
 StageExecutor::~StageExecutor() = default;
@@ -109,6 +155,32 @@ absl::StatusOr<std::unique_ptr<StageExecutor>> StageExecutor::Create(
     }
   }
   stage->random_ = HasRandomOps(subgraph.graph->block());
+  if (options.cast_group_bytes > 0 && !options.recompute) {
+    // The parameters each read by one cast, in the order of their casts.
+    std::map<const torch::jit::Value*, size_t> slot_of;
+    for (size_t i = 0; i < subgraph.inputs.size(); ++i) {
+      if (stage->lifted_index_[i] >= 0) slot_of[subgraph.graph->inputs()[i]] = i;
+    }
+    int64_t bytes = 0;
+    for (const torch::jit::Node* n : subgraph.graph->nodes()) {
+      if (n->kind() != c10::aten::to || n->inputs().empty()) continue;
+      auto it = slot_of.find(n->input(0));
+      if (it == slot_of.end()) continue;
+      const size_t slot = it->second;
+      const std::optional<at::ScalarType> low = LowPrecisionRead(ir, stage->lifted_index_[slot]);
+      const at::Tensor& param = stage->lifted_[slot];
+      if (!low || !param.is_floating_point() || param.scalar_type() == *low) continue;
+      const int64_t b = Bytes(param);
+      std::vector<CastGroup>& groups = stage->cast_groups_;
+      if (groups.empty() || groups.back().wide != param.scalar_type() ||
+          groups.back().low != *low || bytes + b > options.cast_group_bytes) {
+        groups.push_back({{}, param.scalar_type(), *low});
+        bytes = 0;
+      }
+      groups.back().slots.push_back(slot);
+      bytes += b;
+    }
+  }
   if (!options.device.is_cpu()) {
     absl::Status placed =
         TorchCall(absl::StatusCode::kInternal, "placing a stage's constants", [&] {
@@ -170,6 +242,12 @@ std::vector<int> StageExecutor::block_lifted(int block) const {
   return out;
 }
 
+int StageExecutor::num_cast_groups() const {
+  int n = static_cast<int>(cast_groups_.size());
+  for (const auto& block : blocks_) n += block->num_cast_groups();
+  return n;
+}
+
 void StageExecutor::Release(int micro_batch) {
   pending_.erase(micro_batch);
   for (auto& block : blocks_) block->Release(micro_batch);
@@ -187,6 +265,21 @@ std::vector<at::Tensor> StageExecutor::Run(const std::vector<at::Tensor>& inputs
     }
   }
   for (size_t k = 0; k < buffers.size(); ++k) stack[mutated_buffers_[k]] = buffers[k];
+  for (const CastGroup& group : cast_groups_) {
+    // A parameter the engine holds in `low` already (offload's low-precision streaming), or
+    // frozen, is cast by the graph as it comes.
+    std::vector<size_t> slots;
+    std::vector<at::Tensor> params;
+    for (size_t slot : group.slots) {
+      const at::Tensor& p = lifted_[slot];
+      if (p.scalar_type() != group.wide || !p.requires_grad()) continue;
+      slots.push_back(slot);
+      params.push_back(p);
+    }
+    if (params.empty()) continue;
+    torch::autograd::variable_list copies = GroupCast::apply(at::TensorList(params), group.low);
+    for (size_t k = 0; k < slots.size(); ++k) stack[slots[k]] = std::move(copies[k]);
+  }
   {
     AutocastGuard amp(options_.amp, options_.device.is_cuda());
     torch::jit::InterpreterState(*code_).run(stack);

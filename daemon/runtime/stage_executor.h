@@ -34,6 +34,19 @@
 // returns. Outputs and gradients are those of the whole stage, up to the order in which the
 // gradients of a value read by several blocks are summed.
 //
+// Grouped casts (StageOptions::cast_group_bytes): at amp_level O2 every parameter is read
+// through one cast to bf16, a copy kernel each in every forward, and autograd's backward of the
+// cast widens its gradient with another. With groups, the trainable parameters' casts are made
+// before the graph runs, one multi-tensor copy a group (torch._foreach_copy_, batched across
+// dtypes on CUDA since PyTorch 2.4; one copy each where LibTorch has no such op), and the graph's
+// own casts then return what they are given. The group's autograd node widens the gradients of
+// all of its parameters at once when the last of them is computed: the same values, summed into
+// the same fp32 leaves in the same order. Groups bound what that delays: a group's gradients
+// reach its leaves (and the replicas' all-reduce) when its last one is computed, its bf16 ones
+// held until then. Every copy is made before the forward's first op, which a forward keeping
+// them for its backward holds by its end anyway; not with recompute, whose forward without
+// autograd frees each copy after its one use.
+//
 // Not thread-safe: the stage's device worker owns it (executors on different threads may run at
 // once). The tensors it is given (parameters and buffers of the device) must outlive it.
 #ifndef RANNC_DAEMON_RUNTIME_STAGE_EXECUTOR_H_
@@ -71,6 +84,12 @@ struct StageOptions {
   // Where the stage runs. On a CUDA device `amp` is CUDA's autocast (CPU's otherwise), and the
   // graph's host constants are placed there (PlaceOnDevice, graph/subgraph.h).
   c10::Device device{c10::kCPU};
+  // amp_level O2's casts of the parameters (graph/ir.h LowPrecisionRead) made together before
+  // the stage's ops run, in groups of at most this many bytes of masters in the order the
+  // forward reads them: each group one multi-tensor copy, and one autograd node whose backward
+  // widens the group's gradients back with one more (see "Grouped casts" above). 0, or with
+  // `recompute`: each cast where the graph has it.
+  int64_t cast_group_bytes = 0;
 };
 
 // CreateBlocked's hooks, called on the executor's thread with the block's index; any of them
@@ -107,6 +126,10 @@ class StageExecutor {
 
   // Whether the subgraph has random ops (decided once, at Create).
   bool is_random() const { return random_; }
+
+  // StageOptions::cast_group_bytes: the groups the parameters' casts are made in (blocks: all
+  // of theirs); 0 where the graph makes each.
+  int num_cast_groups() const;
 
   // FAILED_PRECONDITION when `micro_batch` already has a forward pending. With recompute, the
   // outputs of a forward with gradients do not require grad (Backward recomputes them).
@@ -149,7 +172,8 @@ class StageExecutor {
   };
 
   // Runs the subgraph on `inputs` (data inputs, in data_inputs() order) and, where given, on
-  // `buffers` in place of the device's mutated buffers.
+  // `buffers` in place of the device's mutated buffers; the parameters of `cast_groups_` cast
+  // first.
   std::vector<at::Tensor> Run(const std::vector<at::Tensor>& inputs,
                               const std::vector<at::Tensor>& buffers = {}) const;
   // With recompute: reruns `pending`'s forward with autograd from its saved inputs, replaying
@@ -182,6 +206,13 @@ class StageExecutor {
   // statistics). A recomputed forward must neither update them a second time nor read values
   // that later forwards wrote, so it runs on copies taken before the micro-batch's forward.
   std::vector<size_t> mutated_buffers_;
+  // StageOptions::cast_group_bytes: subgraph input slots of parameters read only through a cast
+  // to `low` from `wide`, grouped in the order the forward reads them.
+  struct CastGroup {
+    std::vector<size_t> slots;
+    at::ScalarType wide, low;
+  };
+  std::vector<CastGroup> cast_groups_;
   StageOptions options_;
   bool random_ = false;
   std::map<int, Pending> pending_;

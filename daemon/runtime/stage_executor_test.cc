@@ -10,6 +10,7 @@
 // LibTorch 2.x defines a CHECK macro of its own; Catch2's must come last to win.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -116,6 +117,82 @@ TEST_CASE("Stages over micro-batches give PyTorch's loss and gradients", "[runti
           INFO(param);
           REQUIRE(leaves[i].grad().defined());
           CHECK(at::allclose(leaves[i].grad(), f.fixture.Ref("grad", param), 1e-5, 1e-6));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("O2's casts made in groups give bitwise the graph's own casts' results", "[runtime]") {
+  FixtureIr f = testing::BuildO2FixtureIr("tiny_gpt");
+  const IrGraph& ir = *f.ir;
+  const int n = static_cast<int>(ir.nodes.size());
+  int cast_params = 0;  // trainable, read through one cast each
+  for (size_t li = 0; li < f.tensors.size(); ++li) {
+    if (LowPrecisionRead(ir, static_cast<int>(li)) && f.tensors[li].requires_grad()) {
+      ++cast_params;
+    }
+  }
+  REQUIRE(cast_params > 4);
+  // The groups an executor of the whole model makes, and the autograd nodes its forward's loss
+  // reaches that are theirs.
+  auto groups = [&](StageOptions options) {
+    absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, 0, n);
+    REQUIRE(sub.ok());
+    std::vector<at::Tensor> leaves = Leaves(f);
+    absl::StatusOr<std::unique_ptr<StageExecutor>> stage =
+        StageExecutor::Create(ir, std::move(*sub), leaves, options);
+    REQUIRE(stage.ok());
+    std::vector<at::Tensor> in;
+    for (int v : (*stage)->data_inputs()) {
+      in.push_back(f.user_inputs[std::find(ir.inputs.begin(), ir.inputs.end(), v) -
+                                 ir.inputs.begin()]);
+    }
+    absl::StatusOr<std::vector<at::Tensor>> out = (*stage)->Forward(0, in, true);
+    REQUIRE(out.ok());
+    std::set<torch::autograd::Node*> seen;
+    std::vector<torch::autograd::Node*> todo;
+    if (!options.recompute) todo.push_back((*out)[0].grad_fn().get());
+    int nodes = 0;
+    while (!todo.empty()) {
+      torch::autograd::Node* node = todo.back();
+      todo.pop_back();
+      if (node == nullptr || !seen.insert(node).second) continue;
+      if (node->name().find("GroupCast") != std::string::npos) ++nodes;
+      for (const torch::autograd::Edge& e : node->next_edges()) todo.push_back(e.function.get());
+    }
+    CHECK(nodes == (*stage)->num_cast_groups());
+    return (*stage)->num_cast_groups();
+  };
+  StageOptions options;
+  CHECK(groups(options) == 0);
+  options.cast_group_bytes = 1;  // a group a parameter
+  CHECK(groups(options) == cast_params);
+  options.cast_group_bytes = int64_t{1} << 30;
+  CHECK(groups(options) == 1);
+  options.recompute = true;
+  CHECK(groups(options) == 0);
+
+  for (int num_stages : {1, 2}) {
+    for (int m : {1, 3}) {
+      for (int64_t block_bytes : {int64_t{0}, int64_t{4096}}) {
+        std::vector<at::Tensor> reference = Leaves(f);
+        const at::Tensor expected = PipelineStep(f, num_stages, m, reference, block_bytes);
+        for (int64_t group_bytes : {int64_t{1}, int64_t{4096}, int64_t{1} << 30}) {
+          INFO(num_stages << " stages, " << m << " micro-batches, blocks of " << block_bytes
+                          << ", groups of " << group_bytes << " bytes");
+          StageOptions grouped;
+          grouped.cast_group_bytes = group_bytes;
+          std::vector<at::Tensor> leaves = Leaves(f);
+          const at::Tensor loss = PipelineStep(f, num_stages, m, leaves, block_bytes, grouped);
+          CHECK(at::equal(loss, expected));
+          for (size_t i = 0; i < leaves.size(); ++i) {
+            if (!leaves[i].requires_grad()) continue;
+            INFO(ir.tensor_names[i]);
+            REQUIRE(leaves[i].grad().defined());
+            CHECK(leaves[i].grad().scalar_type() == at::kFloat);
+            CHECK(at::equal(leaves[i].grad(), reference[i].grad()));
+          }
         }
       }
     }

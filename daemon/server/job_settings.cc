@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
 #include "daemon/config/keys.h"
+#include "daemon/config/options.h"
 
 namespace rannc {
 namespace {
@@ -69,6 +70,14 @@ absl::Status ApplyAmp(const v1::JobSpec& spec, const DaemonFacts& facts, JobSett
         "forward in amp_dtype, fp32 master parameters)"));
   }
   settings->amp_o2 = amp_level == "O2";
+  if (auto group = keys.find("amp_cast_group_bytes"); group != keys.end()) {
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(group->second);
+    if (!bytes.ok() || *bytes > (uint64_t{1} << 62)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "amp_cast_group_bytes=", group->second, ": expected a size such as 256MiB, or 0"));
+    }
+    settings->amp_cast_group_bytes = static_cast<int64_t>(*bytes);
+  }
   return absl::OkStatus();
 }
 
