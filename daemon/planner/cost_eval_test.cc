@@ -609,10 +609,9 @@ TEST_CASE("Kept gradients count from their last reader's backward", "[cost_eval]
   CHECK(kept.bytes == 50);
 }
 
-TEST_CASE("A streamed stage recomputes block by block, keeping each block's input",
-          "[cost_eval]") {
-  // Eight blocks of 250 trainable bytes, activations 1000 and working memory 50 each at 4
-  // samples, a cut of 5 bytes a sample between any two.
+// Eight blocks of 250 trainable bytes, activations 1000 and working memory 50 each at 4
+// samples, a cut of 5 bytes a sample between any two.
+CostTable EightBlocks() {
   CostTable t;
   for (int b = 0; b < 8; ++b) {
     t.param_bytes.push_back(250);
@@ -623,11 +622,14 @@ TEST_CASE("A streamed stage recomputes block by block, keeping each block's inpu
     t.blocks.push_back(blk);
     t.cut_bytes_per_sample.push_back(b == 0 ? 0 : 5);
   }
-  SearchOptions o = Batch(1, 1);
-  o.offload = true;
-  o.offload_block_bytes = 250;
+  return t;
+}
+
+TEST_CASE("A streamed stage recomputes block by block, keeping each block's input",
+          "[cost_eval]") {
+  CostTable t = EightBlocks();
+  SearchOptions o = StreamedOnGpu();
   o.mem_margin = 0;
-  o.overlap_host_copies = true;
   Links links = SimpleLinks();
   links.host_bytes_per_s = 1e12;  // the copies hide behind the compute
   // Kept whole: two blocks' parameters, the eight blocks' activations with the last one's
@@ -742,21 +744,11 @@ TEST_CASE("Streamed blocks are the runtime's: whole nodes' reads, cut before a n
 
 TEST_CASE("Streamed parameters held in their read dtype count at its width, without copies",
           "[cost_eval]") {
-  // offload_low_precision: eight blocks of 250 trainable bytes read through a cast to half
-  // their width (125 on the device, parameter and gradient), whose copy, 125 bytes, is among
-  // each block's 1000 bytes of profiled activations; working memory 50, a cut of 5 bytes a
-  // sample between any two blocks.
-  CostTable t;
-  for (int b = 0; b < 8; ++b) {
-    t.param_bytes.push_back(250);
-    t.param_streamed_bytes.push_back(125);
-    t.param_trainable.push_back(true);
-    Block blk;
-    blk.params = {b};
-    blk.by_mb[4] = {1.0, 2.0, 1000, 50};
-    t.blocks.push_back(blk);
-    t.cut_bytes_per_sample.push_back(b == 0 ? 0 : 5);
-  }
+  // offload_low_precision: EightBlocks' parameters read through a cast to half their width
+  // (125 bytes on the device, parameter and gradient), whose copy, 125 bytes, is among each
+  // block's 1000 bytes of profiled activations.
+  CostTable t = EightBlocks();
+  t.param_streamed_bytes.assign(8, 125);
   // The runtime cuts its blocks by the masters' bytes; the device holds half of them.
   const internal::StreamedBlocks blocks = internal::StreamedBlocksOf(t, 0, 8, 250);
   CHECK(blocks.count == 8);
@@ -765,11 +757,8 @@ TEST_CASE("Streamed parameters held in their read dtype count at its width, with
   CHECK(blocks.largest_triple == 375);
   // A window of 250 parameter bytes reruns one block, its parameter's copy not made.
   CHECK(internal::StreamedRecompute(t, 0, 0, 8, 4, 250, 35).act_peak == 875 + 50);
-  SearchOptions o = Batch(1, 1);
-  o.offload = true;
-  o.offload_block_bytes = 250;
+  SearchOptions o = StreamedOnGpu();
   o.mem_margin = 0;
-  o.overlap_host_copies = true;
   Links links = SimpleLinks();
   links.host_bytes_per_s = 1e12;
   // Kept whole: two blocks' parameters, the activations with the last block's working memory

@@ -43,6 +43,15 @@ uint64_t ParamBytes(const FixtureIr& f) {
   return bytes;
 }
 
+// Adam's memory (two moments a parameter), the parameters and state offloaded or not.
+MemoryModel Adam(bool offload) {
+  MemoryModel m;
+  m.optimizer = "adam";
+  m.optimizer_state_factor = 2;
+  m.offload = offload;
+  return m;
+}
+
 void CheckCoversModel(const v1::Deployment& d, const IrGraph& ir, int devices) {
   uint32_t next = 0;
   std::set<uint32_t> used;
@@ -288,11 +297,8 @@ TEST_CASE("Offload plans no optimizer state on the devices, batch-independent by
   REQUIRE(f.ir.ok());
   // One cache, so both plans see the same blocks and profiles.
   ProfileCache cache(std::string(std::getenv("TEST_TMPDIR")) + "/offload_cache.tsv");
-  MemoryModel adam;
-  adam.optimizer = "adam";
-  adam.optimizer_state_factor = 2;
-  MemoryModel offload = adam;
-  offload.offload = true;
+  const MemoryModel adam = Adam(false);
+  const MemoryModel offload = Adam(true);
   const PlannerConfig config =
       Config({{"partition_num", "2"}, {"replica_num", "1"}, {"pipeline_num", "2"}});
   absl::StatusOr<v1::Deployment> kept = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
@@ -341,10 +347,7 @@ TEST_CASE("The streamed estimate's blocks are those the runtime streams in", "[p
   FixtureIr f = BuildFixtureIr("tiny_gpt");
   REQUIRE(f.ir.ok());
   ProfileCache cache(std::string(std::getenv("TEST_TMPDIR")) + "/streamed_cache.tsv");
-  MemoryModel offload;
-  offload.optimizer = "adam";
-  offload.optimizer_state_factor = 2;
-  offload.offload = true;
+  const MemoryModel offload = Adam(true);
   const uint64_t total = ParamBytes(f);
   int streamed = 0;
   for (const char* stages : {"1", "2"}) {
