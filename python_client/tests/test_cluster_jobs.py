@@ -1121,7 +1121,10 @@ def test_a_lost_leader_s_job_is_taken_over_and_its_client_goes_on_bitwise(
         first = [(int(t), int(n)) for t, daemon, _, n in log if daemon == peers[0]]
         second = [(int(t), int(n)) for t, daemon, _, n in log if daemon == leader]
         assert len(first) + len(second) == len(log), log
-        assert [n for _, n in first] == list(range(1, len(first) + 1)) and len(first) >= 13, log
+        # The client prints "step 13" with that step's backward, step and zero_grad still
+        # deferred (pyrannc sends them with the next forward), so the kill may come before the
+        # leader applies step 13: it applied at least 12.
+        assert [n for _, n in first] == list(range(1, len(first) + 1)) and len(first) >= 12, log
         assert [n for _, n in second] == list(range(11, f.STEPS + 1)), log
         assert max(t for t, _ in first) < min(t for t, _ in second), log
     finally:
