@@ -1,5 +1,9 @@
 #include "daemon/server/job_settings.h"
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include <catch2/catch.hpp>
 
 namespace rannc {
@@ -37,10 +41,25 @@ TEST_CASE("JobSettingsFromSpec resolves a spec for this daemon's devices", "[job
   CHECK(s->optimizer.kind == OptimizerKind::kAdam);
   CHECK(s->amp == c10::ScalarType::BFloat16);
   CHECK(s->amp_o2);
+  CHECK(s->amp_cast_group_bytes == int64_t{256} << 20);
   CHECK(s->planner.partition_num == 2);
   CHECK(s->plan_target.num_devices == 2);
   CHECK(s->device_names == std::vector<std::string>{"cpu:0", "cpu:1"});
   CHECK(s->created_by == "ranncd 1.0 (LibTorch 1.13)");
+
+  for (const auto& [value, bytes] : std::vector<std::pair<std::string, int64_t>>{
+           {"0", 0}, {"1MiB", int64_t{1} << 20}, {"4096", 4096}}) {
+    v1::JobSpec grouped = spec;
+    (*grouped.mutable_options()->mutable_config())["amp_cast_group_bytes"] = value;
+    absl::StatusOr<JobSettings> g = JobSettingsFromSpec(grouped, TwoCpus());
+    REQUIRE(g.ok());
+    CHECK(g->amp_cast_group_bytes == bytes);
+  }
+  v1::JobSpec bad_group = spec;
+  (*bad_group.mutable_options()->mutable_config())["amp_cast_group_bytes"] = "lots";
+  absl::StatusOr<JobSettings> bad = JobSettingsFromSpec(bad_group, TwoCpus());
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(bad.status().message().find("amp_cast_group_bytes") != std::string::npos);
 
   (*spec.mutable_options()->mutable_config())["partiton_num"] = "2";
   absl::StatusOr<JobSettings> typo = JobSettingsFromSpec(spec, TwoCpus());

@@ -519,6 +519,45 @@ def test_o2_offload_streams_bf16_with_the_same_results(model_name, monkeypatch):
         {run: peak for run, (_, _, peak) in runs.items()}
 
 
+@pytest.mark.parametrize("plan", [(1, 1, 1), (2, 2, 2)])
+def test_o2_casts_in_groups_train_as_the_graph_s_casts(plan, monkeypatch):
+    # amp_cast_group_bytes: at O2 a stage casts its parameters before its ops run, a group at a
+    # time, and widens their gradients back a group at a time (docs/runtime.md, "Grouped
+    # casts"). The values are the graph's own casts', summed into the same fp32 leaves in the
+    # same order: the same losses and parameters, whole or split over stages, replicas and
+    # micro-batches, with a group a parameter or one group.
+    case = tpc.MODELS["gpt_tied"]
+    tpc._set_plan_config(monkeypatch, plan, "1f1b")
+    monkeypatch.setenv("RANNC_AMP_LEVEL", "O2")
+    runs = {}
+    for group in ("0", "1", "1GiB"):
+        monkeypatch.setenv("RANNC_AMP_CAST_GROUP_BYTES", group)
+        torch.manual_seed(0)
+        model = case.make()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True)
+        try:
+            losses = []
+            for step in range(tpc.STEPS):
+                loss = case.loss(rmod, case.batch(step))
+                loss.backward()
+                losses.append(loss.detach().clone())
+                opt.step()
+                opt.zero_grad()
+            runs[group] = (losses, {k: v.clone() for k, v in rmod.state_dict().items()})
+        finally:
+            pyrannc.clear()
+    # (Bitwise on CPU devices; a GPU's copies run other kernels, not yet compared there.)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if _cuda_daemon() else {"rtol": 0, "atol": 0}
+    want_losses, want_state = runs["0"]
+    for group in ("1", "1GiB"):
+        losses, state = runs[group]
+        for step, (got, want) in enumerate(zip(losses, want_losses)):
+            assert_close(got, want, f"groups of {group}: loss at step {step}", **tol)
+        for name, want in want_state.items():
+            assert_close(state[name], want, f"groups of {group}: {name}", **tol)
+
+
 @pytest.mark.parametrize("master", [True, False])
 def test_allreduce_amp_master_params(master, monkeypatch):
     # O2 over four replicas: with allreduce_amp_master_params=False (RaNNC's default) the
