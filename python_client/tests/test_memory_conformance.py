@@ -472,6 +472,18 @@ def test_amp_trains_like_pytorch(model_name, plan_name, amp_dtype, amp_level, mo
         pyrannc.clear()
 
 
+def _train(case, rmod, opt):
+    """tpc.STEPS steps of `case` through `rmod`: the losses."""
+    losses = []
+    for step in range(tpc.STEPS):
+        loss = case.loss(rmod, case.batch(step))
+        loss.backward()
+        losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 @pytest.mark.parametrize("model_name", ["mlp", "client_loss"])
 def test_o2_offload_streams_bf16_with_the_same_results(model_name, monkeypatch):
     # offload_low_precision: at O2, streamed parameters cross to the device as bf16 copies the
@@ -494,13 +506,7 @@ def test_o2_offload_streams_bf16_with_the_same_results(model_name, monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True, offload_params=offload)
         try:
-            losses = []
-            for step in range(tpc.STEPS):
-                loss = case.loss(rmod, case.batch(step))
-                loss.backward()
-                losses.append(loss.detach().clone())
-                opt.step()
-                opt.zero_grad()
+            losses = _train(case, rmod, opt)
             if offload:
                 assert max(s.offload_blocks for s in rmod.deployment.stages) > 1
             peak = max(_job_summary(rmod._job.id).peak_device_bytes)
@@ -537,13 +543,7 @@ def test_o2_casts_in_groups_train_as_the_graph_s_casts(plan, monkeypatch):
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         rmod = pyrannc.RaNNCModule(model, opt, enable_apex_amp=True)
         try:
-            losses = []
-            for step in range(tpc.STEPS):
-                loss = case.loss(rmod, case.batch(step))
-                loss.backward()
-                losses.append(loss.detach().clone())
-                opt.step()
-                opt.zero_grad()
+            losses = _train(case, rmod, opt)
             runs[group] = (losses, {k: v.clone() for k, v in rmod.state_dict().items()})
         finally:
             pyrannc.clear()
