@@ -106,6 +106,12 @@ void DetachedJobs::ResubmitRecorded() {
   if (records_dir_.empty()) return;
   absl::StatusOr<std::vector<std::string>> names = ListDirectory(records_dir_);
   if (!names.ok()) return;  // none yet
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& name : *names) {
+      if (absl::EndsWith(name, ".json")) resubmitting_.insert(name.substr(0, name.size() - 5));
+    }
+  }
   for (const std::string& name : *names) {
     if (!absl::EndsWith(name, ".json")) continue;
     const std::string id = name.substr(0, name.size() - 5);
@@ -120,6 +126,8 @@ void DetachedJobs::ResubmitRecorded() {
                     again.status().ToString());
       (void)RemoveTree(JoinPath(records_dir_, name));
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    resubmitting_.erase(id);
   }
 }
 
@@ -509,6 +517,14 @@ absl::StatusOr<DetachedJobs::Entry*> DetachedJobs::FindLocked(const std::string&
 absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<Entry*> entry = FindLocked(id);
+  if (!entry.ok() && resubmitting_.count(id)) {
+    v1::DetachedStatus status;
+    status.set_job_id(id);
+    status.set_state(v1::DETACHED_QUEUED);
+    status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
+    status.set_waiting_for("resubmitted after the daemon's restart: being checked and planned");
+    return status;
+  }
   if (!entry.ok()) return entry.status();
   v1::DetachedStatus status = (*entry)->status;
   for (size_t i = 0; i < queue_.size(); ++i) {

@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,9 @@ class DetachedJobs {
   std::mutex mu_;
   std::condition_variable changed_;                   // a job's state, log or the queue
   std::map<std::string, std::unique_ptr<Entry>> jobs_;  // guarded by mu_
+  // The recorded jobs ResubmitRecorded has yet to submit again (each is checked and planned
+  // first): Status reports them queued, not unknown, to a client asking right after a restart.
+  std::set<std::string> resubmitting_;  // guarded by mu_
   std::deque<std::string> queue_;  // guarded by mu_; waiting, by priority, then FIFO
 };
 
