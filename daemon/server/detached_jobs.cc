@@ -114,21 +114,60 @@ void DetachedJobs::ResubmitRecorded() {
   }
   for (const std::string& name : *names) {
     if (!absl::EndsWith(name, ".json")) continue;
+    if (stopping_) break;  // the rest stay recorded, for the next start
     const std::string id = name.substr(0, name.size() - 5);
     v1::DetachedJobSpec spec;
     absl::Status read = checkpoint::ReadJsonFile(JoinPath(records_dir_, name), &spec);
+    bool cancelled;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled = cancelled_early_.count(id) > 0;
+    }
     absl::StatusOr<std::string> again =
-        read.ok() ? SubmitAs(id, spec, /*resume=*/true) : absl::StatusOr<std::string>(read);
+        cancelled ? absl::CancelledError("cancelled before the restarted daemon resubmitted it")
+        : read.ok() ? SubmitAs(id, spec, /*resume=*/true)
+                    : absl::StatusOr<std::string>(read);
     if (again.ok()) {
       spdlog::info("detached job {} '{}' resubmitted after the restart", id, spec.name());
+    } else if (stopping_) {
+      spdlog::info("detached job {} is left for the next start: the daemon is stopping", id);
     } else {
-      spdlog::error("detached job {} could not be resubmitted after the restart: {}", id,
+      spdlog::error("detached job {} was not resubmitted after the restart: {}", id,
                     again.status().ToString());
       (void)RemoveTree(JoinPath(records_dir_, name));
+      // Its status and log say why, rather than the id becoming unknown.
+      AddEnded(id, spec, cancelled ? v1::DETACHED_CANCELLED : v1::DETACHED_FAILED,
+               cancelled ? std::string(again.status().message())
+                         : absl::StrCat("could not be resubmitted after the daemon's restart: ",
+                                        again.status().message()));
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    resubmitting_.erase(id);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      resubmitting_.erase(id);
+      cancelled_early_.erase(id);
+    }
+    changed_.notify_all();
   }
+}
+
+void DetachedJobs::AddEnded(const std::string& id, const v1::DetachedJobSpec& spec,
+                            v1::DetachedState state, const std::string& why) {
+  auto e = std::make_unique<Entry>();
+  e->id = id;
+  e->spec = spec;
+  Entry* entry = e.get();
+  entry->status.set_job_id(id);
+  entry->status.set_name(spec.name().empty() ? id : spec.name());
+  entry->status.set_state(state);
+  entry->status.set_steps(spec.steps());
+  if (state == v1::DETACHED_FAILED) entry->status.set_error(why);
+  entry->status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_[id] = std::move(e);
+  }
+  if (hooks_.ended) hooks_.ended(spec);  // its uploads go
+  Log(entry, absl::StrCat(state == v1::DETACHED_CANCELLED ? "cancelled: " : "failed: ", why));
 }
 
 DetachedJobs::~DetachedJobs() { Stop(); }
@@ -257,6 +296,8 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
     entry->status.set_state(v1::DETACHED_QUEUED);
     entry->status.set_steps(spec.steps());
     entry->status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
+    // Cancelled while it was being resubmitted (checked and planned): it ends before it starts.
+    if (cancelled_early_.count(id)) entry->cancel = true;
     jobs_[id] = std::move(e);
     // Behind every waiting job of its priority or a higher one.
     auto behind = std::find_if(queue_.begin(), queue_.end(), [&](const std::string& q) {
@@ -537,6 +578,10 @@ absl::Status DetachedJobs::Cancel(const std::string& id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     absl::StatusOr<Entry*> entry = FindLocked(id);
+    if (!entry.ok() && resubmitting_.count(id)) {
+      cancelled_early_.insert(id);  // ResubmitRecorded ends it
+      return absl::OkStatus();
+    }
     if (!entry.ok()) return entry.status();
     (*entry)->cancel = true;
   }
@@ -548,6 +593,13 @@ absl::Status DetachedJobs::Lines(const std::string& id, int64_t after_seq,
                                  std::chrono::milliseconds wait,
                                  std::vector<v1::DetachedLogLine>* out, bool* ended) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (!jobs_.count(id) && resubmitting_.count(id)) {  // being resubmitted after a restart
+    changed_.wait_for(lock, wait, [&] { return jobs_.count(id) || !resubmitting_.count(id); });
+    if (!jobs_.count(id) && resubmitting_.count(id)) {
+      *ended = false;
+      return absl::OkStatus();  // no lines yet
+    }
+  }
   absl::StatusOr<Entry*> found = FindLocked(id);
   if (!found.ok()) return found.status();
   Entry* e = *found;

@@ -86,13 +86,16 @@ class DetachedJobs {
   // a value of the data outside what the model indexes with it;
   // RESOURCE_EXHAUSTED for a plan that cannot fit the devices even with no other job.
   absl::StatusOr<std::string> Submit(const v1::DetachedJobSpec& spec);
-  // NOT_FOUND for an id that was never submitted here.
+  // NOT_FOUND for an id that was never submitted here. A recorded job that a restarted daemon
+  // has yet to resubmit is QUEUED; one it could not resubmit is FAILED, with the reason.
   absl::StatusOr<v1::DetachedStatus> Status(const std::string& id);
-  // Ends the job: a queued one at once, a running one after its current step. NOT_FOUND for an
-  // unknown id; OK (nothing to do) for one that has ended.
+  // Ends the job: a queued one at once, a running one after its current step, a recorded one
+  // not yet resubmitted before it starts. NOT_FOUND for an unknown id; OK (nothing to do) for
+  // one that has ended.
   absl::Status Cancel(const std::string& id);
   // The log lines numbered above `after_seq`. With `wait` > 0 and none yet, waits up to `wait`
-  // for one. `ended`: the job has ended and every line is in `out`.
+  // for one (and for a recorded job to be resubmitted). `ended`: the job has ended and every
+  // line is in `out`.
   absl::Status Lines(const std::string& id, int64_t after_seq, std::chrono::milliseconds wait,
                      std::vector<v1::DetachedLogLine>* out, bool* ended);
   // The daemon is stopping: every job stops after its current step, a running one saved there
@@ -124,6 +127,10 @@ class DetachedJobs {
   // step exists: the trained model, or where the restarted daemon resumes it. A failure is
   // logged; a stopped job then resumes from its last checkpoint.
   void CheckpointAtEnd(Entry* entry, Job* job, int64_t step, bool stopping);
+  // Lists `id` as ended in `state` (FAILED, CANCELLED) without running it, and `why` in its log
+  // (and its error, FAILED): a recorded job that was not resubmitted after a restart.
+  void AddEnded(const std::string& id, const v1::DetachedJobSpec& spec, v1::DetachedState state,
+                const std::string& why);
   std::string RecordPath(const std::string& id) const;
   // With mu_ held: takes `id` out of queue_ (if there); the entry of `id`, or NOT_FOUND.
   void DequeueLocked(const std::string& id);
@@ -136,8 +143,10 @@ class DetachedJobs {
   std::condition_variable changed_;                   // a job's state, log or the queue
   std::map<std::string, std::unique_ptr<Entry>> jobs_;  // guarded by mu_
   // The recorded jobs ResubmitRecorded has yet to submit again (each is checked and planned
-  // first): Status reports them queued, not unknown, to a client asking right after a restart.
-  std::set<std::string> resubmitting_;  // guarded by mu_
+  // first): Status reports them queued, not unknown, to a client asking right after a restart;
+  // Lines waits for them; Cancel notes them in cancelled_early_, and they end as cancelled.
+  std::set<std::string> resubmitting_;    // guarded by mu_
+  std::set<std::string> cancelled_early_;  // guarded by mu_
   std::deque<std::string> queue_;  // guarded by mu_; waiting, by priority, then FIFO
 };
 

@@ -278,6 +278,37 @@ def test_sigkill_and_restart_resume_the_job_by_itself_bitwise(job_dir, tmp_path)
             + _plans(whole_log) + "\n" + _plans(logs))
 
 
+def test_a_recorded_job_that_cannot_resume_ends_failed_saying_why(job_dir, tmp_path):
+    """A job whose uploaded model went while its daemon was down is not resubmitted by the
+    restarted daemon: `rannc status` says failed and why (not an unknown job), its log has the
+    line, and its other uploaded files go as they do when a job ends."""
+    import shutil
+    state = tmp_path / "state"
+    uploads = state / "uploads"
+    client_dir = tmp_path / "client"
+    shutil.copytree(job_dir, client_dir)
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", str(state))
+    job = _cli(daemon, "submit", "--upload",
+               _job_file(client_dir, "lost", 10 ** 6)).stdout.strip()
+    _wait(daemon, job, {"running"})
+    daemon.proc.kill()
+    daemon.proc.wait()
+    daemon.conn.close()
+    models = [p for p in os.listdir(uploads) if p.endswith("lm.pt")]
+    assert len(models) == 1, os.listdir(uploads)
+    os.remove(uploads / models[0])
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", str(state))
+    try:
+        fields, out = _wait(daemon, job, {"failed", "running", "done", "cancelled"})
+        assert fields["state"] == "failed", out + daemon.output()
+        assert "could not be resubmitted after the daemon's restart: model: cannot read" in out, out
+        logs = _cli(daemon, "logs", job).stdout
+        assert "failed: could not be resubmitted" in logs, logs
+        assert os.listdir(uploads) == []
+    finally:
+        daemon.stop()
+
+
 @pytest.mark.parametrize("stop_after", [60, 150, 300])
 def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there(
         job_dir, tmp_path, stop_after):

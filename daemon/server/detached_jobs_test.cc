@@ -1,0 +1,205 @@
+#include "daemon/server/detached_jobs.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "daemon/checkpoint/checkpoint.h"
+#include "daemon/common/files.h"
+
+// A restarted daemon resubmits the jobs its records name, one after another, each checked and
+// planned first (the `need` hook). These tests hold the daemon there, inside `need`, and ask
+// what a client would ask meanwhile: the jobs are known (QUEUED), their logs wait, and a cancel
+// is kept. The hooks stand in for the daemon's job making only; the records, the data files,
+// the queue and the jobs' threads are DetachedJobs' own.
+
+namespace rannc {
+namespace {
+
+std::string FreshDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
+  (void)RemoveTree(dir);
+  REQUIRE(MakeDirs(JoinPath(dir, "records")).ok());
+  return dir;
+}
+
+// A job's record, as Submit leaves it under the state dir, and the files it names.
+void Record(const std::string& dir, const std::string& id) {
+  const std::vector<uint16_t> tokens(64, 3);
+  std::ofstream(JoinPath(dir, "train.bin"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(tokens.data()),
+             static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)));
+  std::ofstream(JoinPath(dir, "model.pt")) << "a model";  // read as bytes; `need` takes it
+  v1::DetachedJobSpec spec;
+  spec.set_name(id + "-name");
+  spec.set_model_path(JoinPath(dir, "model.pt"));
+  spec.set_tokens_path(JoinPath(dir, "train.bin"));
+  spec.set_batch(2);
+  spec.set_seq(4);
+  spec.set_steps(5);
+  spec.set_optimizer("adamw");
+  absl::StatusOr<std::string> json = checkpoint::ToJson(spec);
+  REQUIRE(json.ok());
+  REQUIRE(WriteFileDurably(JoinPath(dir, "records/" + id + ".json"), json->data(),
+                           json->size())
+              .ok());
+}
+
+// Hooks whose `need` blocks until Release(), then answers `answer`; `start` counts its calls.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  int needs = 0;
+  bool open = false;
+  int starts = 0;
+  std::vector<std::string> ended;
+  absl::Status answer = absl::OkStatus();
+
+  DetachedJobs::Hooks Hooks() {
+    DetachedJobs::Hooks hooks;
+    hooks.need = [this](const v1::JobSpec&, const std::string&, const std::vector<at::Tensor>&)
+        -> absl::StatusOr<DetachedJobs::Hooks::Need> {
+      std::unique_lock<std::mutex> lock(mu);
+      ++needs;
+      cv.notify_all();
+      cv.wait(lock, [&] { return open; });
+      if (!answer.ok()) return answer;
+      return DetachedJobs::Hooks::Need{};
+    };
+    hooks.start = [this](const std::string&, const v1::JobSpec&, const std::string&,
+                         const std::vector<at::Tensor>&) -> absl::StatusOr<std::shared_ptr<Job>> {
+      std::lock_guard<std::mutex> lock(mu);
+      ++starts;
+      return absl::UnavailableError("no job is made in this test");
+    };
+    hooks.remove = [](const std::string&) {};
+    hooks.short_of = [](const std::vector<uint64_t>&) { return std::string(); };
+    hooks.new_id = [] { return std::string("fresh"); };
+    hooks.ended = [this](const v1::DetachedJobSpec& spec) {
+      std::lock_guard<std::mutex> lock(mu);
+      ended.push_back(spec.name());
+    };
+    return hooks;
+  }
+  void WaitInNeed() {
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return needs > 0; }));
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+};
+
+// Follows `id`'s log until it ends; its lines' texts.
+std::vector<std::string> LogUntilEnded(DetachedJobs& jobs, const std::string& id) {
+  std::vector<std::string> texts;
+  int64_t seq = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  bool ended = false;
+  while (!ended) {
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::vector<v1::DetachedLogLine> lines;
+    REQUIRE(jobs.Lines(id, seq, std::chrono::milliseconds(200), &lines, &ended).ok());
+    for (const v1::DetachedLogLine& line : lines) {
+      texts.push_back(line.text());
+      seq = line.seq();
+    }
+  }
+  return texts;
+}
+
+bool Mentions(const std::vector<std::string>& texts, const std::string& part) {
+  for (const std::string& t : texts) {
+    if (t.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST_CASE("Jobs a restarted daemon is still resubmitting are queued, and a cancel of one holds") {
+  const std::string dir = FreshDir("resubmit_cancel");
+  Record(dir, "job-a");
+  Record(dir, "job-b");
+  Gate gate;
+  DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
+  std::thread resubmit([&] { jobs.ResubmitRecorded(); });
+  gate.WaitInNeed();  // the first of the two is being planned; the other waits its turn
+
+  for (const std::string id : {"job-a", "job-b"}) {
+    absl::StatusOr<v1::DetachedStatus> status = jobs.Status(id);
+    REQUIRE(status.ok());
+    CHECK(status->state() == v1::DETACHED_QUEUED);
+    CHECK(status->waiting_for().find("resubmitted after the daemon's restart") !=
+          std::string::npos);
+    std::vector<v1::DetachedLogLine> lines;
+    bool ended = true;
+    REQUIRE(jobs.Lines(id, 0, std::chrono::milliseconds(20), &lines, &ended).ok());
+    CHECK(!ended);
+    REQUIRE(jobs.Cancel(id).ok());
+  }
+  CHECK(jobs.Status("job-c").status().code() == absl::StatusCode::kNotFound);
+  CHECK(jobs.Cancel("job-c").code() == absl::StatusCode::kNotFound);
+  gate.Release();
+  resubmit.join();
+
+  // One was cancelled inside its resubmission (it is queued, then ends at once), the other
+  // before its own began (it is never planned); neither starts, and neither is left recorded.
+  for (const std::string id : {"job-a", "job-b"}) {
+    const std::vector<std::string> log = LogUntilEnded(jobs, id);
+    CHECK(Mentions(log, "cancelled"));
+    absl::StatusOr<v1::DetachedStatus> status = jobs.Status(id);
+    REQUIRE(status.ok());
+    CHECK(status->state() == v1::DETACHED_CANCELLED);
+    CHECK(status->name() == id + "-name");
+    CHECK(!PathExists(JoinPath(dir, "records/" + id + ".json")));
+  }
+  std::lock_guard<std::mutex> lock(gate.mu);
+  CHECK(gate.needs == 1);
+  CHECK(gate.starts == 0);
+  CHECK(std::multiset<std::string>(gate.ended.begin(), gate.ended.end()) ==
+        std::multiset<std::string>{"job-a-name", "job-b-name"});
+}
+
+TEST_CASE("A recorded job that no longer passes its checks ends failed, with the reason") {
+  const std::string dir = FreshDir("resubmit_failed");
+  Record(dir, "job-a");
+  Gate gate;
+  gate.answer = absl::InvalidArgumentError("unknown config key 'pipline_num'");
+  DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
+  std::thread resubmit([&] { jobs.ResubmitRecorded(); });
+  gate.WaitInNeed();
+  std::vector<v1::DetachedLogLine> none;
+  bool ended = true;
+  REQUIRE(jobs.Lines("job-a", 0, std::chrono::milliseconds(20), &none, &ended).ok());
+  CHECK(none.empty());
+  CHECK(!ended);
+  gate.Release();
+  resubmit.join();
+
+  const std::vector<std::string> log = LogUntilEnded(jobs, "job-a");
+  CHECK(Mentions(log, "failed: could not be resubmitted after the daemon's restart: unknown "
+                      "config key 'pipline_num'"));
+  absl::StatusOr<v1::DetachedStatus> status = jobs.Status("job-a");
+  REQUIRE(status.ok());
+  CHECK(status->state() == v1::DETACHED_FAILED);
+  CHECK(status->error().find("pipline_num") != std::string::npos);
+  CHECK(jobs.Cancel("job-a").ok());  // ended: nothing to do
+  CHECK(!PathExists(JoinPath(dir, "records/job-a.json")));
+  std::lock_guard<std::mutex> lock(gate.mu);
+  CHECK(gate.starts == 0);
+  CHECK(gate.ended == std::vector<std::string>{"job-a-name"});
+}
+
+}  // namespace
+}  // namespace rannc
