@@ -75,23 +75,6 @@ bool CostsProportional(int64_t small_mb, const std::vector<ProfileRecord>& small
   return total > 0 && proportional >= 0.95 * total;
 }
 
-// Bytes a streamed parameter moves over the host link per byte of its master, over the model's
-// parameters: those read only through a narrower cast (amp_level O2) stream in that dtype
-// (runtime: Device::low_dtype).
-double OffloadWireFactor(const IrGraph& ir) {
-  double master = 0, wire = 0;
-  for (size_t li = 0; li + ir.num_user_inputs < ir.inputs.size(); ++li) {
-    const IrValue& v = ir.values[ir.inputs[ir.num_user_inputs + li]];
-    if (v.role != ValueRole::kParam || !at::isFloatingType(v.dtype)) continue;
-    double numel = 1;
-    for (int64_t n : v.shape) numel *= static_cast<double>(n);
-    const std::optional<at::ScalarType> read_as = LowPrecisionRead(ir, static_cast<int>(li));
-    master += numel * static_cast<double>(at::elementSize(v.dtype));
-    wire += numel * static_cast<double>(at::elementSize(read_as.value_or(v.dtype)));
-  }
-  return master > 0 ? wire / master : 1.0;
-}
-
 }  // namespace
 
 absl::StatusOr<PlannerConfig> PlannerConfigFromKeys(
@@ -195,9 +178,6 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
   // Without a memory size there is no room to tell: everything stays offloaded, as asked.
   options.offload_keep_on_device =
       config.offload_keep_on_device && target.device_memory_bytes != 0;
-  if (memory.offload && config.offload_low_precision) {
-    options.offload_wire_factor = OffloadWireFactor(ir);
-  }
   options.amp_cast_factor = memory.amp_cast_factor;
   options.partition_num = config.partition_num;
   options.pipeline_num = config.pipeline_num;
@@ -274,6 +254,15 @@ absl::StatusOr<v1::Deployment> PlanModel(const IrGraph& ir, const std::vector<at
         table.param_streamed_bytes[lifted_param[i]] = tensors[i].numel() * at::elementSize(*low);
       }
     }
+    // What a streamed stage moves over the host link per byte of its masters, over the model's
+    // trainable tensors: the same bytes its blocks hold.
+    double master = 0, wire = 0;
+    for (size_t p = 0; p < table.param_bytes.size(); ++p) {
+      if (!table.param_trainable[p]) continue;
+      master += static_cast<double>(table.param_bytes[p]);
+      wire += static_cast<double>(table.param_streamed_bytes[p]);
+    }
+    if (master > 0) options.offload_wire_factor = wire / master;
   }
   table.blocks.resize(num_blocks);
   table.cut_bytes_per_sample.assign(num_blocks, 0.0);

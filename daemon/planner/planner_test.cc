@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -370,6 +371,54 @@ TEST_CASE("The streamed estimate's blocks are those the runtime streams in", "[p
     }
   }
   CHECK(streamed >= 8);  // most of them streamed, one of them in a block a node
+}
+
+TEST_CASE("A streamed stage's host-link passes move the bytes its blocks hold", "[planner]") {
+  // With offload_low_precision a parameter read only through a narrower cast streams in that
+  // dtype (tied_lm's shared weight too: O2 casts it once for both its readers), one lifted
+  // twice as wide as its master, as the runtime does (EngineOptions::offload_low_precision):
+  // each pass of the stage's uploads costs those bytes, counted once per tensor, at the
+  // link's speed.
+  for (const char* name : {"tiny_gpt", "tied_lm"}) {
+    INFO(name);
+    testing::FixtureIr f = testing::BuildO2FixtureIr(name);
+    REQUIRE(f.ir.ok());
+    std::map<const void*, int> lifts;
+    for (const at::Tensor& t : f.tensors) ++lifts[t.unsafeGetTensorImpl()];
+    double master = 0, wire = 0;
+    std::set<const void*> seen;
+    for (size_t i = 0; i < f.tensors.size(); ++i) {
+      const at::Tensor& t = f.tensors[i];
+      if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      const std::optional<at::ScalarType> low = LowPrecisionRead(*f.ir, static_cast<int>(i));
+      const bool once = lifts[t.unsafeGetTensorImpl()] == 1;
+      master += static_cast<double>(t.nbytes());
+      const at::ScalarType streamed = low && once ? *low : t.scalar_type();
+      wire += static_cast<double>(t.numel() * at::elementSize(streamed));
+    }
+    CHECK(wire < master);
+    ProfileCache cache("");  // both plans time the same profiles
+    double fwd[2], bwd[2];
+    for (int low : {0, 1}) {
+      const PlannerConfig config = Config(
+          {{"partition_num", "1"}, {"replica_num", "1"}, {"pipeline_num", "1"},
+           {"offload_block_bytes", "1"}, {"offload_keep_on_device", "false"},
+           {"offload_low_precision", low ? "true" : "false"}});
+      absl::StatusOr<v1::Deployment> d = PlanModel(*f.ir, f.tensors, f.fixture.inputs,
+                                                   Target(1, 1ull << 30), Adam(true), config,
+                                                   &cache, "t");
+      REQUIRE(d.ok());
+      REQUIRE(d->stages_size() == 1);
+      REQUIRE(d->stages(0).offload_blocks() > 1);
+      fwd[low] = d->stages(0).fwd_ms();
+      bwd[low] = d->stages(0).bwd_ms();
+    }
+    // A CPU device's uploads are on its own thread, once before each block's forward and once
+    // before its backward, at Target's 10 GB/s (no host link given: p2p's).
+    const double saved_ms = (master - wire) / 10e9 * 1000.0;
+    CHECK(fwd[0] - fwd[1] == Approx(saved_ms).epsilon(1e-6));
+    CHECK(bwd[0] - bwd[1] == Approx(saved_ms).epsilon(1e-6));
+  }
 }
 
 TEST_CASE("A deep model is planned from one layer's profiles", "[planner]") {
