@@ -313,6 +313,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   daemon->training_ = std::make_unique<TrainingServiceImpl>(
       facts, daemon->jobs_.get(), daemon->part_channels_.get(), daemon->records_.get());
   daemon->training_->set_authorizer(daemon->auth_.get());
+  daemon->training_->set_upload_ttl(options.upload_ttl);
   builder.RegisterService(daemon->training_.get());
   daemon->job_parts_ = std::make_unique<JobPartServiceImpl>(facts, daemon->jobs_.get());
   daemon->job_parts_->set_authorizer(daemon->auth_.get());

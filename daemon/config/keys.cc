@@ -40,6 +40,8 @@ std::vector<ConfigKey>* MakeRegistry() {
        "file that keeps profiling results between runs; \"none\" keeps them in memory"},
       {"state_dir", T::kString, S::kDaemon, "~/.local/state/rannc",
        "directory keeping durable jobs' records (those writing checkpoints); none disables"},
+      {"upload_ttl", T::kDuration, S::kDaemon, "1h",
+       "an uploaded file no submitted job names is removed once unwritten for this long"},
       {"peers", T::kList, S::kDaemon, "this daemon alone",
        "every daemon of the cluster, this one included (h1:p1,h2:p2), or one NAME:PORT that "
        "resolves to them all"},

@@ -72,7 +72,19 @@ TEST_CASE("LoadDaemonOptions: defaults without file, environment or flags", "[co
   CHECK(options->cluster_size == 0);
   CHECK(options->heartbeat_interval == std::chrono::seconds(1));
   CHECK(options->peer_timeout == std::chrono::seconds(10));
+  CHECK(options->upload_ttl == std::chrono::hours(1));
   CHECK(options->config_file == "");
+}
+
+TEST_CASE("LoadDaemonOptions: how long an unclaimed upload stays", "[config]") {
+  auto flags = Load({"--upload-ttl", "90s"}, {});
+  REQUIRE_OK(flags);
+  CHECK(flags->upload_ttl == std::chrono::seconds(90));
+  auto env = Load({}, {{"RANNC_UPLOAD_TTL", "2h"}});
+  REQUIRE_OK(env);
+  CHECK(env->upload_ttl == std::chrono::hours(2));
+  CHECK_THAT(ErrorIf(Load({"--upload-ttl", "soon"}, {}), kInvalid),
+             Catch::Contains("upload_ttl") || Catch::Contains("upload-ttl"));
 }
 
 TEST_CASE("LoadDaemonOptions: the cluster's keys", "[config]") {

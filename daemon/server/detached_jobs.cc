@@ -77,6 +77,15 @@ absl::Status SetHyper(const std::string& name, double value, HyperParams* h) {
                                                  absl::StrJoin(known, ", ")));
 }
 
+// The files `spec` names.
+void AddPaths(const v1::DetachedJobSpec& spec, std::set<std::string>* out) {
+  for (const std::string* path : {&spec.model_path(), &spec.tokens_path(),
+                                  &spec.eval_tokens_path(), &spec.dataset_path(),
+                                  &spec.eval_dataset_path()}) {
+    if (!path->empty()) out->insert(*path);
+  }
+}
+
 }  // namespace
 
 struct DetachedJobs::Entry {
@@ -619,6 +628,26 @@ absl::Status DetachedJobs::Lines(const std::string& id, int64_t after_seq,
 size_t DetachedJobs::Queued() {
   std::lock_guard<std::mutex> lock(mu_);
   return queue_.size();
+}
+
+std::set<std::string> DetachedJobs::PathsInUse() {
+  std::set<std::string> out;
+  if (!records_dir_.empty()) {
+    absl::StatusOr<std::vector<std::string>> names = ListDirectory(records_dir_);
+    for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
+      v1::DetachedJobSpec spec;
+      if (absl::EndsWith(name, ".json") &&
+          checkpoint::ReadJsonFile(JoinPath(records_dir_, name), &spec).ok()) {
+        AddPaths(spec, &out);
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, e] : jobs_) {
+    const v1::DetachedState s = e->status.state();
+    if (s == v1::DETACHED_QUEUED || s == v1::DETACHED_RUNNING) AddPaths(e->spec, &out);
+  }
+  return out;
 }
 
 std::vector<std::string> DetachedJobs::Active() {

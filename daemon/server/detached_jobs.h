@@ -106,6 +106,9 @@ class DetachedJobs {
   std::vector<std::string> Active();
   // How many jobs wait in the queue.
   size_t Queued();
+  // The files (model, data) named by the jobs not ended, and by the records of those a
+  // restarted daemon resubmits.
+  std::set<std::string> PathsInUse();
   // Submits again, under their ids and with config resume=latest, the jobs whose records a
   // previous run left (a restart); once the hooks can make jobs. A record that no longer
   // submits (a file gone) is logged and dropped.

@@ -141,7 +141,10 @@ TrainingServiceImpl::TrainingServiceImpl(DaemonFacts facts, JobManager* jobs,
       jobs_(jobs),
       parts_(parts),
       records_(records),
-      reaper_(std::chrono::seconds(1), [this] { ReapExpiredJobs(); }) {
+      reaper_(std::chrono::seconds(1), [this] {
+        ReapExpiredJobs();
+        RemoveUnusedUploads();
+      }) {
   DetachedJobs::Hooks hooks;
   hooks.start = [this](const std::string& id, const v1::JobSpec& spec, const std::string& model,
                        const std::vector<at::Tensor>& examples)
@@ -217,6 +220,22 @@ void TrainingServiceImpl::ReapExpiredJobs() {
     spdlog::warn("deleted job {} '{}': no call from its client for its lease of {} ms (the "
                  "client exited or hung without deleting it)",
                  e.id, e.name, e.lease.count());
+  }
+}
+
+void TrainingServiceImpl::RemoveUnusedUploads() {
+  const std::chrono::milliseconds ttl = upload_ttl_.load();
+  const auto now = std::chrono::steady_clock::now();
+  const std::chrono::milliseconds every = std::min<std::chrono::milliseconds>(
+      ttl / 4, std::chrono::minutes(1));
+  if (now - uploads_swept_ < every) return;
+  uploads_swept_ = now;
+  // The records first, then the uploads: a job submitted in between names files written moments
+  // ago, which are not old enough to go.
+  const int removed = uploads_->RemoveUnused(detached_->PathsInUse(), ttl);
+  if (removed > 0) {
+    spdlog::info("removed {} uploaded file(s) under {} that no job names, unwritten for {} s "
+                 "(--upload-ttl)", removed, uploads_->dir(), ttl.count() / 1000.0);
   }
 }
 

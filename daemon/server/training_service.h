@@ -9,6 +9,7 @@
 #ifndef RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 #define RANNC_DAEMON_SERVER_TRAINING_SERVICE_H_
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -88,6 +89,10 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // Tokens (security/auth.h; not owned, outlives the service): every call is checked against
   // its rule. Unset, or without --auth-token-file, every call is allowed.
   void set_authorizer(security::Authorizer* auth) { auth_ = auth; }
+  // --upload-ttl: an uploaded file no detached job names is removed once it has not been
+  // written for this long (checked by the reaper, at most every ttl / 4 and at least every
+  // minute). Default 1 h.
+  void set_upload_ttl(std::chrono::milliseconds ttl) { upload_ttl_ = ttl; }
   // A registered job led here lost a daemon it ran on (Cluster::OnMemberDown): it is brought
   // back from its latest checkpoint over the members that are UP, under a new id (its client
   // follows it with LocateJob), on a thread of its own. Nothing for a job not registered.
@@ -276,8 +281,12 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   std::map<std::string, int> calls_;           // calls with a CallId so far, per rpc
   std::unique_ptr<Uploads> uploads_;        // UploadFile's files (before detached_: it uses them)
   std::unique_ptr<DetachedJobs> detached_;  // `rannc submit`'s jobs
+  std::atomic<std::chrono::milliseconds> upload_ttl_{std::chrono::hours(1)};
+  std::chrono::steady_clock::time_point uploads_swept_;  // the reaper's
   // The lease reaper (see the constructor): one round of it.
   void ReapExpiredJobs();
+  // The reaper's too, when due: Uploads::RemoveUnused of what no detached job names.
+  void RemoveUnusedUploads();
   // What this daemon's devices have free: their memory less the live jobs' plans' estimates.
   std::vector<uint64_t> FreeBytes() const;
   // Why a plan needing `need` bytes per device does not fit FreeBytes() now ("" if it fits).

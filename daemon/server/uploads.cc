@@ -1,6 +1,7 @@
 #include "daemon/server/uploads.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -77,6 +78,24 @@ bool Uploads::Holds(const std::string& path) const {
 
 void Uploads::Release(const std::string& path) const {
   if (Holds(path)) ::unlink(path.c_str());
+}
+
+int Uploads::RemoveUnused(const std::set<std::string>& in_use,
+                          std::chrono::milliseconds unused_for) {
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir_);
+  if (!names.ok()) return 0;  // no upload yet
+  const auto now = std::chrono::system_clock::now();
+  int removed = 0;
+  for (const std::string& name : *names) {
+    const std::string path = JoinPath(dir_, name);
+    struct stat st;
+    if (in_use.count(path) || ::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    const auto written = std::chrono::system_clock::time_point(
+        std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec));
+    if (now - written < unused_for) continue;
+    if (::unlink(path.c_str()) == 0) ++removed;
+  }
+  return removed;
 }
 
 }  // namespace rannc

@@ -9,14 +9,17 @@
 //   absl::StatusOr<std::string> path = (*w)->Commit(expected_size);
 //   ...
 //   uploads.Release(path);                        // the job ended
+//   uploads.RemoveUnused(paths_jobs_name, ttl);   // now and then: what no submission took
 //
 // Thread-safe; a Writer is used by one thread.
 #ifndef RANNC_DAEMON_SERVER_UPLOADS_H_
 #define RANNC_DAEMON_SERVER_UPLOADS_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/status/status.h"
@@ -62,6 +65,11 @@ class Uploads {
   bool Holds(const std::string& path) const;
   // Removes `path` when it is an upload; leaves anything else alone.
   void Release(const std::string& path) const;
+  // Removes the uploads (and uploads never committed) not in `in_use` whose file has not been
+  // written for `unused_for`: files sent for a submission that never came (a client
+  // interrupted between its uploads and its submission, or refused after them). Returns how
+  // many went.
+  int RemoveUnused(const std::set<std::string>& in_use, std::chrono::milliseconds unused_for);
 
  private:
   const std::string dir_;

@@ -23,6 +23,8 @@ KEYS = {
         "file that keeps profiling results between runs; \"none\" keeps them in memory"),
     "state_dir": ("daemon", "string", "~/.local/state/rannc",
         "directory keeping durable jobs' records (those writing checkpoints); none disables"),
+    "upload_ttl": ("daemon", "duration", "1h",
+        "an uploaded file no submitted job names is removed once unwritten for this long"),
     "peers": ("daemon", "list", "this daemon alone",
         "every daemon of the cluster, this one included (h1:p1,h2:p2), or one NAME:PORT that resolves to them all"),
     "advertise": ("daemon", "string", "the listen address",

@@ -504,6 +504,37 @@ def test_uploaded_files_are_the_jobs_own_until_it_ends(job_dir, tmp_path):
         daemon.stop()
 
 
+def test_uploads_no_job_names_go_after_upload_ttl(job_dir, tmp_path):
+    """A file uploaded for a submission that never came (the client stopped between its
+    uploads and its submission) is removed once unwritten for --upload-ttl; a job's files stay
+    while it runs, however old, and go when it ends."""
+    from pyrannc import detached
+    state = tmp_path / "state"
+    uploads = state / "uploads"
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", str(state), "--upload-ttl", "2s",
+                           "--log-level", "info")
+    try:
+        job = _cli(daemon, "submit", "--upload",
+                   _job_file(job_dir, "long", 10 ** 6)).stdout.strip()
+        _wait(daemon, job, {"running"})
+        named = sorted(os.listdir(uploads))
+        assert len(named) == 3, named  # the model, the tokens and the held-out tokens
+        unclaimed = detached._upload(daemon.conn, str(job_dir / "val.bin"))
+        assert os.path.exists(unclaimed)
+        deadline = time.monotonic() + 30
+        while os.path.exists(unclaimed):
+            assert time.monotonic() < deadline, daemon.output()
+            time.sleep(0.1)
+        assert "removed 1 uploaded file(s)" in daemon.output()
+        assert sorted(os.listdir(uploads)) == named
+        assert _status(daemon, job)[0]["state"] == "running"
+        _cli(daemon, "cancel", job)
+        _wait(daemon, job, {"cancelled"})
+        assert os.listdir(uploads) == []
+    finally:
+        daemon.stop()
+
+
 class Classifier(torch.nn.Module):
     def __init__(self):
         super().__init__()
