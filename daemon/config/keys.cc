@@ -128,6 +128,10 @@ std::vector<ConfigKey>* MakeRegistry() {
        "before its ops run, in groups of at most this many bytes of masters, one multi-tensor "
        "copy each way a group (their gradients widened back likewise); the same results. 0: "
        "each cast where the graph has it"},
+      {"outputs_before_backward", T::kBool, S::kJob, "true",
+       "on CUDA devices, a forward that also runs the backward (a scalar loss: the fused pass) "
+       "returns its outputs once they are computed, copied behind them, without waiting for "
+       "the backward it queued after them; false: once everything queued has run"},
       {"loss_scale", T::kString, S::kJob, "dynamic for fp16, none otherwise",
        "dynamic, none, or a number (a static scale)"},
       {"loss_scale_init", T::kFloat, S::kJob, "65536", "the dynamic loss scale's first value"},

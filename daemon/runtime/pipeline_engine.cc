@@ -92,6 +92,7 @@ absl::Status PipelineEngine::Impl::Init(const IrGraph& ir, const v1::Deployment&
   offload_block_bytes_ = options.offload_block_bytes;
   offload_low_precision_ = options.offload_low_precision;
   amp_cast_group_bytes_ = options.amp_cast_group_bytes;
+  outputs_before_backward_ = options.outputs_before_backward;
   before_host_step_unit_ = options.before_host_step_unit;
   host_memory_available_ = options.host_memory_available;
   bucket_bytes_ = options.bucket_bytes;

@@ -153,6 +153,11 @@ struct EngineOptions {
   // groups of at most this many bytes of masters (StageOptions::cast_group_bytes); 0: each
   // cast where the graph has it.
   int64_t amp_cast_group_bytes = int64_t{256} << 20;
+  // On CUDA devices, the outputs without a batch dimension (a loss) are copied to the host as
+  // each micro-batch's forward computes them, and Forward returns once those copies have run,
+  // not once the backward a fused pass queued after them has (Device::partial_host). False:
+  // a blocking copy at the end, after everything queued.
+  bool outputs_before_backward = true;
   // Tests: called on a streamed device's optimizer step thread before it steps each unit
   // after the first (the device's plan index, the unit: 1 + the block), to hold it there.
   std::function<void(int device, int unit)> before_host_step_unit;

@@ -258,6 +258,12 @@ struct Device {
   std::unique_ptr<GradReducer> zero_reducer;
   // This step's outputs without a batch dimension (IR value -> sum or first shard's).
   std::map<int, at::Tensor> partial;
+  // A CUDA device's `partial` copied into page-locked memory as each micro-batch's forward
+  // ends, and the event after the last copy (OutputsOnHost): a forward call returns its outputs
+  // once they are computed, not once the backward that a fused pass queued after them has run
+  // too (the host's next work, an offloaded step's, then overlaps that backward's tail).
+  std::map<int, at::Tensor> partial_host;
+  std::unique_ptr<c10::Event> partial_ready;
   std::unique_ptr<Optimizer> optimizer;
   // Lifted index per optimizer param (across groups); -1 - k for the shard of zero[k].
   std::vector<int> optimizer_params;
@@ -597,6 +603,12 @@ class PipelineEngine::Impl {
   absl::Status ReduceOffloaded(Device& d, bool keep_resident);
   // `t` in host memory: a copy for an accelerator's tensor, `t` itself for a CPU one.
   static at::Tensor ToHost(const at::Tensor& t);
+  // Device::partial_host: `d.partial[v]`, just updated by a micro-batch's forward, copied to the
+  // host behind the work queued so far on a CUDA device (nothing on a CPU device).
+  void PartialToHost(Device& d, int v);
+  // `d.partial[v]` on the host: the copy above once its event has run (not what was queued
+  // after it), else a blocking copy.
+  static at::Tensor PartialOnHost(const Device& d, int v);
   // A host copy of `t`, wherever `t` is (the engine's reads return host tensors of their own).
   static at::Tensor HostCopy(const at::Tensor& t);
   // An empty page-locked host tensor shaped as `t`, in its dtype or `dtype`; undefined when
@@ -636,6 +648,7 @@ class PipelineEngine::Impl {
   int64_t offload_block_bytes_ = 0;  // EngineOptions::offload_block_bytes
   bool offload_low_precision_ = false;  // EngineOptions::offload_low_precision
   int64_t amp_cast_group_bytes_ = 0;     // EngineOptions::amp_cast_group_bytes
+  bool outputs_before_backward_ = true;  // EngineOptions::outputs_before_backward
   absl::Status host_step_failure_;  // SettleHostStepsKeepingFailure's
   std::function<void(int, int)> before_host_step_unit_;  // EngineOptions'
   std::function<int64_t()> host_memory_available_;        // EngineOptions'

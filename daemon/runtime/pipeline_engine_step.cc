@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
@@ -122,6 +124,28 @@ absl::Status PipelineEngine::Impl::OnEveryDevice(const std::function<absl::Statu
   return first;
 }
 
+void PipelineEngine::Impl::PartialToHost(Device& d, int v) {
+  const at::Tensor& partial = d.partial.at(v);
+  if (!outputs_before_backward_ || partial.device().is_cpu()) return;
+  at::Tensor host = PinnedLike(partial);
+  if (!host.defined()) {
+    d.partial_host.erase(v);  // read with a blocking copy
+    return;
+  }
+  host.copy_(partial, /*non_blocking=*/true);
+  d.partial_host[v] = host;
+  const c10::impl::VirtualGuardImpl impl(d.place.type());
+  if (!d.partial_ready) d.partial_ready = std::make_unique<c10::Event>(d.place.type());
+  d.partial_ready->record(impl.getStream(d.place));
+}
+
+at::Tensor PipelineEngine::Impl::PartialOnHost(const Device& d, int v) {
+  auto host = d.partial_host.find(v);
+  if (host == d.partial_host.end() || !d.partial_ready) return ToHost(d.partial.at(v));
+  AwaitOnHost(*d.partial_ready);
+  return host->second.clone();  // the buffer is the next step's copy's
+}
+
 absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, int mb,
                                               Pending& pending) {
   const IrGraph& ir = *ir_;
@@ -178,6 +202,7 @@ absl::Status PipelineEngine::Impl::RunForward(Device& d, const StepPlan& step, i
           if (mb == 0 && d.replica == 0) partial = value.clone();
           break;
       }
+      if (partial.defined()) PartialToHost(d, v);
     }
     // The IR's dtype, which the consumers receive. The IR takes a CUDA stage's dtypes from a
     // run on the device (IrOptions::dtype_device); where that run could not be made, the host's
@@ -324,6 +349,7 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
     d.fused_grads.clear();
     for (pipeline_internal::ZeroPartition& part : d.zero) part.fused_grad.reset();
     d.partial.clear();
+    d.partial_host.clear();
   }
   if (offload_) {
     absl::Status up = Upload(d);
@@ -641,7 +667,7 @@ absl::StatusOr<std::vector<at::Tensor>> PipelineEngine::Impl::Forward(
         for (const Device& d : devices_) {
           auto p = d.partial.find(v);
           if (p == d.partial.end()) continue;
-          const at::Tensor shard = ToHost(p->second);
+          const at::Tensor shard = PartialOnHost(d, v);
           if (output_kinds_[i] == OutputKind::kFirst) {
             out = shard;
             break;

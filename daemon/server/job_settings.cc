@@ -253,6 +253,12 @@ absl::StatusOr<JobSettings> JobSettingsFromSpec(const v1::JobSpec& spec,
     }
     settings.admission_wait = std::chrono::milliseconds(std::llround(seconds * 1000));
   }
+  if (auto early = keys.find("outputs_before_backward"); early != keys.end()) {
+    if (!absl::SimpleAtob(early->second, &settings.outputs_before_backward)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "outputs_before_backward=", early->second, ": expected true or false"));
+    }
+  }
   if ((settings.checkpoints.every > 0) && settings.checkpoints.dir.empty()) {
     return absl::InvalidArgumentError(
         "checkpoint_every needs checkpoint_dir (RANNC_CHECKPOINT_DIR): where to write them");

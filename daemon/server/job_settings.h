@@ -105,6 +105,8 @@ struct JobSettings {
   // Config key amp_cast_group_bytes: at O2, the stages' casts of their parameters made in
   // groups of this many bytes (EngineOptions::amp_cast_group_bytes); 0: as the graph has them.
   int64_t amp_cast_group_bytes = int64_t{256} << 20;
+  // Config key outputs_before_backward (EngineOptions::outputs_before_backward).
+  bool outputs_before_backward = true;
   // RaNNC's allreduce_amp_master_params: True, the replicas all-reduce the fp32 masters'
   // gradients; False (RaNNC's default), at O2 they all-reduce them as `amp` (what Apex's fp16
   // model gradients are), half the bytes. At O1 the forward reads fp32 parameters: fp32 always.

@@ -61,6 +61,16 @@ TEST_CASE("JobSettingsFromSpec resolves a spec for this daemon's devices", "[job
   CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(bad.status().message().find("amp_cast_group_bytes") != std::string::npos);
 
+  CHECK(s->outputs_before_backward);
+  v1::JobSpec late = spec;
+  (*late.mutable_options()->mutable_config())["outputs_before_backward"] = "false";
+  absl::StatusOr<JobSettings> l = JobSettingsFromSpec(late, TwoCpus());
+  REQUIRE(l.ok());
+  CHECK_FALSE(l->outputs_before_backward);
+  (*late.mutable_options()->mutable_config())["outputs_before_backward"] = "soon";
+  CHECK_THAT(std::string(JobSettingsFromSpec(late, TwoCpus()).status().message()),
+             Catch::Contains("outputs_before_backward=soon"));
+
   (*spec.mutable_options()->mutable_config())["partiton_num"] = "2";
   absl::StatusOr<JobSettings> typo = JobSettingsFromSpec(spec, TwoCpus());
   CHECK(typo.status().code() == absl::StatusCode::kInvalidArgument);

@@ -137,6 +137,7 @@ absl::Status LocalJob::Deploy() {
   options.offload_block_bytes = settings_.planner.offload_block_bytes;
   options.offload_low_precision = settings_.planner.offload_low_precision;
   options.amp_cast_group_bytes = settings_.amp_cast_group_bytes;
+  options.outputs_before_backward = settings_.outputs_before_backward;
   options.loss_scaler = parked_loss_scaler_;
   options.amp = settings_.autocast();
   options.grad_wire_dtype = settings_.grad_wire_dtype();

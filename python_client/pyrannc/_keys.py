@@ -99,6 +99,8 @@ KEYS = {
         "O1 (autocast) or O2 (the whole forward in amp_dtype, fp32 master parameters)"),
     "amp_cast_group_bytes": ("job", "bytes", "256MiB",
         "at amp_level O2, a stage that keeps its activations casts its parameters to amp_dtype before its ops run, in groups of at most this many bytes of masters, one multi-tensor copy each way a group (their gradients widened back likewise); the same results. 0: each cast where the graph has it"),
+    "outputs_before_backward": ("job", "bool", "true",
+        "on CUDA devices, a forward that also runs the backward (a scalar loss: the fused pass) returns its outputs once they are computed, copied behind them, without waiting for the backward it queued after them; false: once everything queued has run"),
     "loss_scale": ("job", "string", "dynamic for fp16, none otherwise",
         "dynamic, none, or a number (a static scale)"),
     "loss_scale_init": ("job", "float", "65536",
