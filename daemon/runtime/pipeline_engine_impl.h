@@ -259,7 +259,7 @@ struct Device {
   // This step's outputs without a batch dimension (IR value -> sum or first shard's).
   std::map<int, at::Tensor> partial;
   // A CUDA device's `partial` copied into page-locked memory as each micro-batch's forward
-  // ends, and the event after the last copy (OutputsOnHost): a forward call returns its outputs
+  // ends, and the event after the last copy (PartialOnHost): a forward call returns its outputs
   // once they are computed, not once the backward that a fused pass queued after them has run
   // too (the host's next work, an offloaded step's, then overlaps that backward's tail).
   std::map<int, at::Tensor> partial_host;
