@@ -25,6 +25,7 @@ Environment:
 
 import copy
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,19 @@ def repo_file(path: str) -> str:
 
 def free_port() -> int:
     return _daemon._free_loopback_port()
+
+
+def free_ports(n: int) -> list:
+    """`n` distinct free loopback ports: each held bound until all are chosen (free_port() twice
+    may give the same port, as CI saw once: "peer '127.0.0.1:58029' is given twice")."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def stop_process(proc, timeout=15):

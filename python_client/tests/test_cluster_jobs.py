@@ -17,7 +17,6 @@ import concurrent.futures
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,8 @@ import grpc
 import pytest
 import torch
 
-from conftest import CLIENT_ROOT, DaemonProcess, assert_close, built_binary, daemon_binary
+from conftest import (CLIENT_ROOT, DaemonProcess, assert_close, built_binary, daemon_binary,
+                      free_ports)
 import models
 from pyrannc.proto.rannc.v1 import cluster_pb2
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
@@ -62,16 +62,6 @@ _CLIENT = textwrap.dedent("""
 """)
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 ETCD = os.environ.get("RANNC_ETCD_BIN", "/usr/bin/etcd")
 
 
@@ -100,7 +90,7 @@ class EtcdProcesses:
         """Spawns the members on fresh ports and waits until each answers; None, or the index
         of a member that exited first."""
         tmp_path.mkdir()
-        ports = _free_ports(2 * members)
+        ports = free_ports(2 * members)
         self.clients = [f"127.0.0.1:{p}" for p in ports[:members]]
         scheme = "https" if tls else "http"
         tls_flags = ["--cert-file", tls[0], "--key-file", tls[1], "--trusted-ca-file", tls[2],
@@ -186,7 +176,7 @@ def _start_cluster(count, store=None, discover=False, flags=()):
     """`count` daemons (with --cluster-store `store`, if given), once every one is UP in every
     other's view; stopped when the generator closes. `discover`: no --peers, the daemons find
     each other in the store."""
-    peers = [f"127.0.0.1:{p}" for p in _free_ports(count)]
+    peers = [f"127.0.0.1:{p}" for p in free_ports(count)]
     logs, procs = [], []
     for address in peers:
         log = tempfile.NamedTemporaryFile(prefix="ranncd-", suffix=".log", delete=False)

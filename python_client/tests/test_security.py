@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import (CLIENT_ROOT, DaemonProcess, assert_close, built_binary, daemon_binary,
-                      free_port, repo_file)
+                      free_port, free_ports, repo_file)
 from pyrannc import _daemon
 from pyrannc.proto.rannc.v1 import training_pb2 as pb
 from pyrannc.proto.rannc.v1 import training_pb2_grpc as rpc
@@ -173,7 +173,7 @@ class _Pair:
     stop()."""
 
     def __init__(self, flags_a, flags_b):
-        self.peers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+        self.peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
         self.started = [_start(["--listen", p, *f], self.peers)
                         for p, f in zip(self.peers, (flags_a, flags_b))]
 
