@@ -77,16 +77,17 @@ absl::Status SetHyper(const std::string& name, double value, HyperParams* h) {
                                                  absl::StrJoin(known, ", ")));
 }
 
-// The files `spec` names.
-void AddPaths(const v1::DetachedJobSpec& spec, std::set<std::string>* out) {
+}  // namespace
+
+std::vector<std::string> NamedFiles(const v1::DetachedJobSpec& spec) {
+  std::vector<std::string> out;
   for (const std::string* path : {&spec.model_path(), &spec.tokens_path(),
                                   &spec.eval_tokens_path(), &spec.dataset_path(),
                                   &spec.eval_dataset_path()}) {
-    if (!path->empty()) out->insert(*path);
+    if (!path->empty()) out.push_back(*path);
   }
+  return out;
 }
-
-}  // namespace
 
 struct DetachedJobs::Entry {
   std::string id;
@@ -638,14 +639,15 @@ std::set<std::string> DetachedJobs::PathsInUse() {
       v1::DetachedJobSpec spec;
       if (absl::EndsWith(name, ".json") &&
           checkpoint::ReadJsonFile(JoinPath(records_dir_, name), &spec).ok()) {
-        AddPaths(spec, &out);
+        for (std::string& path : NamedFiles(spec)) out.insert(std::move(path));
       }
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [id, e] : jobs_) {
     const v1::DetachedState s = e->status.state();
-    if (s == v1::DETACHED_QUEUED || s == v1::DETACHED_RUNNING) AddPaths(e->spec, &out);
+    if (s != v1::DETACHED_QUEUED && s != v1::DETACHED_RUNNING) continue;
+    for (std::string& path : NamedFiles(e->spec)) out.insert(std::move(path));
   }
   return out;
 }

@@ -41,6 +41,9 @@
 
 namespace rannc {
 
+// The files `spec` names (its model and data), those set.
+std::vector<std::string> NamedFiles(const v1::DetachedJobSpec& spec);
+
 class DetachedJobs {
  public:
   struct Hooks {

@@ -125,11 +125,7 @@ std::string TempDir() {
 
 // The uploaded files `spec` names, removed (the job that named them ended, or was refused).
 void ReleaseUploads(const Uploads& uploads, const v1::DetachedJobSpec& spec) {
-  for (const std::string* path : {&spec.model_path(), &spec.tokens_path(),
-                                  &spec.eval_tokens_path(), &spec.dataset_path(),
-                                  &spec.eval_dataset_path()}) {
-    uploads.Release(*path);
-  }
+  for (const std::string& path : NamedFiles(spec)) uploads.Release(path);
 }
 
 }  // namespace
