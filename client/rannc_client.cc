@@ -27,8 +27,9 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(options.max_message_bytes);
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, options.min_reconnect_backoff_ms);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, options.min_reconnect_backoff_ms);
+  // gRPC's "min reconnect backoff" is each connection attempt's deadline, not a wait.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, options.connect_attempt_timeout_ms);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, options.initial_reconnect_backoff_ms);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, options.max_reconnect_backoff_ms);
   const security::TlsFiles tls{options.tls_cert, options.tls_key, options.tls_ca};
   return security::TokenChannel(

@@ -79,10 +79,15 @@ struct ClientOptions {
   size_t state_dict_chunk_bytes = 4 << 20;
   // Deadline for each RPC; infinite (the default) because a first forward may plan for minutes.
   absl::Duration rpc_timeout = absl::InfiniteDuration();
-  // Reconnect backoff bounds, so that WaitUntilReady notices a starting daemon quickly.
-  // Defaults 100 ms and 1 s (gRPC's own are 1 s and 120 s).
-  int min_reconnect_backoff_ms = 100;
+  // Reconnect backoff: the first wait and the longest, so that WaitUntilReady notices a starting
+  // daemon quickly. Defaults 100 ms and 1 s (gRPC's own are 1 s and 120 s).
+  int initial_reconnect_backoff_ms = 100;
   int max_reconnect_backoff_ms = 1000;
+  // How long one connection attempt (TCP connect, TLS handshake) may take before gRPC abandons
+  // it ("tcp handshaker shutdown") and fails the calls waiting on it that are not
+  // wait-for-ready. gRPC takes it from GRPC_ARG_MIN_RECONNECT_BACKOFF_MS; set to the 100 ms
+  // backoff, as it was, an attempt on a loaded machine missed it. Default 20 s (gRPC's own).
+  int connect_attempt_timeout_ms = 20000;
   // How long a mutating call whose answer was lost (UNAVAILABLE, DEADLINE_EXCEEDED) is retried
   // with the same CallId, counted from its first failure (see "Exactly-once calls" above; the
   // same bound as pyrannc's client config key call_retry_timeout). An attempt under way when it

@@ -88,7 +88,10 @@ class GrpcTransport final : public PeerTransport {
       grpc::ChannelArguments args;
       // gRPC's default backoff grows to 2 minutes, far past any peer timeout.
       args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
-      args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+      // Not a backoff: each connection attempt's deadline (gRPC's default, 20 s). At 200 ms a
+      // loaded machine's handshake missed it (client/rannc_client.h); a call still ends by its
+      // own deadline.
+      args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 20000);
       args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
       stub = v1::ClusterService::NewStub(
           security::PeerChannel(address, args));

@@ -12,9 +12,11 @@ parameters after a SIGKILL and a restart must equal an uninterrupted run's bitwi
 import math
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -356,6 +358,77 @@ def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there(
     for name, value in expected.items():
         assert_close(resumed[name], value, f"{name} after the SIGTERM; the runs' plans:\n"
                      + _plans(whole_log) + "\n" + _plans(logs))
+
+
+class _StallingFront:
+    """A loopback port whose TCP handshakes stall for `delay` seconds, as a loaded machine's may:
+    its accept queue is kept full, so the kernel drops each SYN and the client sends it again
+    after a second, then 2 s more. After `delay` it accepts and forwards every connection to
+    `upstream` (the two that filled the queue too, which send nothing)."""
+
+    def __init__(self, upstream, delay):
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)
+        self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self._fillers = [socket.socket() for _ in range(2)]
+        for f in self._fillers:
+            f.setblocking(False)
+            f.connect_ex(self._listener.getsockname())
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._delay = delay
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        time.sleep(self._delay)
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._upstream)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self._listener.close()
+        for f in self._fillers:
+            f.close()
+
+
+def test_the_cli_waits_out_a_slow_tcp_handshake():
+    """CI saw `rannc status` and `rannc export` fail "cannot reach ranncd ... tcp handshaker
+    shutdown" on a loaded machine: each connection attempt had 100 ms (gRPC takes that bound
+    from GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which the client had set to its 100 ms backoff).
+    Through a port whose handshake takes ~3 s the CLI's commands now answer."""
+    daemon = DaemonProcess("--devices", "cpu:2")
+    front = _StallingFront(daemon.address, delay=1.5)
+    try:
+        start = time.monotonic()
+        done = subprocess.run([built_binary("rannc", "RANNC_CLI_BIN", "client"), "jobs",
+                               "--daemon", front.address], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "JOB ID" in done.stdout, done.stdout
+        # The stall was real: the handshake waited at least for the front's delay.
+        assert time.monotonic() - start >= 1.5
+    finally:
+        front.close()
+        daemon.stop()
 
 
 @pytest.mark.parametrize("change, message", [
