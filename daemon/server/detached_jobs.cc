@@ -77,6 +77,18 @@ absl::Status SetHyper(const std::string& name, double value, HyperParams* h) {
                                                  absl::StrJoin(known, ", ")));
 }
 
+// A job's status before it runs: `state`, no step or loss yet.
+v1::DetachedStatus NewStatus(const std::string& id, const std::string& name,
+                             v1::DetachedState state, int64_t steps) {
+  v1::DetachedStatus status;
+  status.set_job_id(id);
+  status.set_name(name);
+  status.set_state(state);
+  status.set_steps(steps);
+  status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
+  return status;
+}
+
 }  // namespace
 
 std::vector<std::string> NamedFiles(const v1::DetachedJobSpec& spec) {
@@ -110,24 +122,27 @@ struct DetachedJobs::Entry {
 };
 
 DetachedJobs::DetachedJobs(Hooks hooks, std::string records_dir)
-    : hooks_(std::move(hooks)), records_dir_(std::move(records_dir)) {}
-
-void DetachedJobs::ResubmitRecorded() {
+    : hooks_(std::move(hooks)), records_dir_(std::move(records_dir)) {
+  // Listed here, before the daemon serves its first call, not in ResubmitRecorded (after the
+  // cluster is joined): a client asking about a recorded job in between gets it queued.
   if (records_dir_.empty()) return;
   absl::StatusOr<std::vector<std::string>> names = ListDirectory(records_dir_);
   if (!names.ok()) return;  // none yet
+  for (const std::string& name : *names) {
+    if (absl::EndsWith(name, ".json")) resubmitting_.insert(name.substr(0, name.size() - 5));
+  }
+}
+
+void DetachedJobs::ResubmitRecorded() {
+  std::set<std::string> recorded;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& name : *names) {
-      if (absl::EndsWith(name, ".json")) resubmitting_.insert(name.substr(0, name.size() - 5));
-    }
+    recorded = resubmitting_;
   }
-  for (const std::string& name : *names) {
-    if (!absl::EndsWith(name, ".json")) continue;
+  for (const std::string& id : recorded) {
     if (stopping_) break;  // the rest stay recorded, for the next start
-    const std::string id = name.substr(0, name.size() - 5);
     v1::DetachedJobSpec spec;
-    absl::Status read = checkpoint::ReadJsonFile(JoinPath(records_dir_, name), &spec);
+    absl::Status read = checkpoint::ReadJsonFile(RecordPath(id), &spec);
     bool cancelled;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -144,7 +159,7 @@ void DetachedJobs::ResubmitRecorded() {
     } else {
       spdlog::error("detached job {} was not resubmitted after the restart: {}", id,
                     again.status().ToString());
-      (void)RemoveTree(JoinPath(records_dir_, name));
+      (void)RemoveTree(RecordPath(id));
       // Its status and log say why, rather than the id becoming unknown.
       AddEnded(id, spec, cancelled ? v1::DETACHED_CANCELLED : v1::DETACHED_FAILED,
                cancelled ? std::string(again.status().message())
@@ -166,12 +181,8 @@ void DetachedJobs::AddEnded(const std::string& id, const v1::DetachedJobSpec& sp
   e->id = id;
   e->spec = spec;
   Entry* entry = e.get();
-  entry->status.set_job_id(id);
-  entry->status.set_name(spec.name().empty() ? id : spec.name());
-  entry->status.set_state(state);
-  entry->status.set_steps(spec.steps());
+  entry->status = NewStatus(id, spec.name().empty() ? id : spec.name(), state, spec.steps());
   if (state == v1::DETACHED_FAILED) entry->status.set_error(why);
-  entry->status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_[id] = std::move(e);
@@ -301,11 +312,7 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
       if (!records_dir_.empty() && !resume) (void)RemoveTree(RecordPath(id));
       return absl::UnavailableError("the daemon is stopping; submit the job to another one");
     }
-    entry->status.set_job_id(id);
-    entry->status.set_name(js.name());
-    entry->status.set_state(v1::DETACHED_QUEUED);
-    entry->status.set_steps(spec.steps());
-    entry->status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
+    entry->status = NewStatus(id, js.name(), v1::DETACHED_QUEUED, spec.steps());
     // Cancelled while it was being resubmitted (checked and planned): it ends before it starts.
     if (cancelled_early_.count(id)) entry->cancel = true;
     jobs_[id] = std::move(e);
@@ -569,10 +576,7 @@ absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<Entry*> entry = FindLocked(id);
   if (!entry.ok() && resubmitting_.count(id)) {
-    v1::DetachedStatus status;
-    status.set_job_id(id);
-    status.set_state(v1::DETACHED_QUEUED);
-    status.set_eval_loss(std::numeric_limits<double>::quiet_NaN());
+    v1::DetachedStatus status = NewStatus(id, "", v1::DETACHED_QUEUED, 0);  // its record unread
     status.set_waiting_for("resubmitted after the daemon's restart: being checked and planned");
     return status;
   }

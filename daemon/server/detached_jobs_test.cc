@@ -133,6 +133,11 @@ TEST_CASE("Jobs a restarted daemon is still resubmitting are queued, and a cance
   Record(dir, "job-b");
   Gate gate;
   DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
+  // Known from the start: the daemon serves calls before it resubmits (it joins its cluster
+  // first).
+  absl::StatusOr<v1::DetachedStatus> early = jobs.Status("job-b");
+  REQUIRE(early.ok());
+  CHECK(early->state() == v1::DETACHED_QUEUED);
   std::thread resubmit([&] { jobs.ResubmitRecorded(); });
   gate.WaitInNeed();  // the first of the two is being planned; the other waits its turn
 
