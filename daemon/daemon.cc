@@ -314,6 +314,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       facts, daemon->jobs_.get(), daemon->part_channels_.get(), daemon->records_.get());
   daemon->training_->set_authorizer(daemon->auth_.get());
   daemon->training_->set_upload_ttl(options.upload_ttl);
+  daemon->training_->set_queue_aging(options.queue_aging);
   builder.RegisterService(daemon->training_.get());
   daemon->job_parts_ = std::make_unique<JobPartServiceImpl>(facts, daemon->jobs_.get());
   daemon->job_parts_->set_authorizer(daemon->auth_.get());

@@ -42,6 +42,8 @@ std::vector<ConfigKey>* MakeRegistry() {
        "directory keeping durable jobs' records (those writing checkpoints); none disables"},
       {"upload_ttl", T::kDuration, S::kDaemon, "1h",
        "an uploaded file no submitted job names is removed once unwritten for this long"},
+      {"queue_aging", T::kDuration, S::kDaemon, "1h",
+       "a queued detached job counts one priority higher for each such time it has waited"},
       {"peers", T::kList, S::kDaemon, "this daemon alone",
        "every daemon of the cluster, this one included (h1:p1,h2:p2), or one NAME:PORT that "
        "resolves to them all"},

@@ -203,6 +203,7 @@ const std::vector<Key>& Keys() {
       Text("profile_cache", &DaemonOptions::profile_cache),
       Text("state_dir", &DaemonOptions::state_dir),
       Duration("upload_ttl", &DaemonOptions::upload_ttl),
+      Duration("queue_aging", &DaemonOptions::queue_aging),
       Text("peers", &DaemonOptions::peers, &CheckPeers),
       Text("advertise", &DaemonOptions::advertise, &CheckAdvertise),
       Count("cluster_size", &DaemonOptions::cluster_size, &CheckClusterSize),
@@ -558,6 +559,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
                     "~/.local/state/rannc)"},
       {"upload_ttl", "remove an uploaded file no submitted job names once unwritten for this "
                      "long (default 1h)"},
+      {"queue_aging", "a queued detached job counts one priority higher for each such time it "
+                      "has waited (default 1h)"},
       {"peers", "every daemon of the cluster, this one included: h1:p1,h2:p2,... or one "
                 "NAME:PORT resolving to all (with --cluster-size) (default: this daemon alone)"},
       {"advertise", "this daemon's address in --peers (default the --listen address)"},
@@ -589,7 +592,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
       {"log_level", "LEVEL"}, {"max_message_size", "SIZE"}, {"shm_dir", "DIR"},
       {"links", "SPEEDS"},    {"profile_cache", "FILE"},       {"peers", "LIST"},
-      {"state_dir", "DIR"},     {"upload_ttl", "DURATION"},
+      {"state_dir", "DIR"},     {"upload_ttl", "DURATION"},   {"queue_aging", "DURATION"},
       {"advertise", "HOST:PORT"}, {"cluster_size", "N"},       {"heartbeat_interval", "DURATION"},
       {"cluster_store", "URL"},      {"cluster_lease", "DURATION"},
       {"peer_timeout", "DURATION"},
@@ -630,7 +633,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
   app.footer(
       "Every option can also be set in the TOML file by its key (listen, devices, device_memory, "
       "log_level, log_format, max_message_size, shm_dir, links, profile_cache, state_dir, "
-      "upload_ttl, peers, "
+      "upload_ttl, queue_aging, peers, "
       "advertise, "
       "cluster_size, cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, "
       "cluster_store_ca, heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, "

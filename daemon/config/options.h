@@ -8,10 +8,10 @@
 // else $HOME/.rannc/rannc.toml. A missing default file is fine; a missing --config file, a
 // RANNC_CONF_DIR that is not a directory, or a parse error is an error. Keys are the field
 // names below (listen, devices, device_memory, log_level, log_format, max_message_size, shm_dir,
-// links, profile_cache, state_dir, upload_ttl, peers, advertise, cluster_size, cluster_store,
-// cluster_lease, cluster_store_cert, cluster_store_key, cluster_store_ca, heartbeat_interval,
-// peer_timeout, tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file, insecure,
-// metrics_listen, health_listen) at the top level; `peers` may also be an array of strings. The
+// links, profile_cache, state_dir, upload_ttl, queue_aging, peers, advertise, cluster_size,
+// cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, cluster_store_ca,
+// heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file,
+// insecure, metrics_listen, health_listen) at the top level; `peers` may also be an array of strings. The
 // same file may hold any other key of the registry (config/keys.h: a job's keys, the clients',
 // RaNNC's), which are ignored here; an unregistered key is an error naming the key, the file and
 // the nearest registered key.
@@ -22,8 +22,8 @@
 // inherits its client's environment.
 //
 // Flags (CLI11): --listen, --devices, --device-memory, --log-level, --log-format,
-// --max-message-size, --shm-dir, --links, --profile-cache, --state-dir, --upload-ttl, --peers,
-// --advertise, --cluster-size, --cluster-store, --cluster-lease, --cluster-store-cert,
+// --max-message-size, --shm-dir, --links, --profile-cache, --state-dir, --upload-ttl,
+// --queue-aging, --peers, --advertise, --cluster-size, --cluster-store, --cluster-lease, --cluster-store-cert,
 // --cluster-store-key, --cluster-store-ca, --heartbeat-interval, --peer-timeout, --tls-cert,
 // --tls-key, --tls-ca, --tls-refresh, --auth-token-file, --insecure, --metrics-listen,
 // --health-listen, --config, --help, --version.
@@ -35,7 +35,7 @@
 // KiB, MiB, GiB, TiB (powers of 1024), case-insensitive ("512MiB", "2GiB", "1.5GB", "1024").
 // Fractional bytes are rounded down.
 //
-// Durations (upload_ttl, heartbeat_interval, peer_timeout) are a number with a unit, ms, s, m or h
+// Durations (upload_ttl, queue_aging, heartbeat_interval, peer_timeout) are a number with a unit, ms, s, m or h
 // ("500ms", "1.5s"), at least 1 ms, rounded down to whole milliseconds.
 //
 // Thread-safety: every function here is a pure function of its arguments (it reads the TOML
@@ -115,6 +115,11 @@ struct DaemonOptions {
   // removed once it has not been written for this long: one sent for a submission that never
   // came. Must exceed the time between a client's uploads and its submission. Default 1 h.
   std::chrono::milliseconds upload_ttl{3600 * 1000};
+
+  // A queued detached job counts one priority higher for each this long it has waited
+  // (DetachedJobs::set_queue_aging), so that higher-priority submissions cannot hold it back
+  // for good. Default 1 h.
+  std::chrono::milliseconds queue_aging{3600 * 1000};
 
   // The cluster (daemon/cluster/peers.h): every daemon's address, this one included,
   // "h1:p1,h2:p2,..." (stored with spaces removed), or one NAME:PORT whose NAME resolves to

@@ -73,6 +73,7 @@ TEST_CASE("LoadDaemonOptions: defaults without file, environment or flags", "[co
   CHECK(options->heartbeat_interval == std::chrono::seconds(1));
   CHECK(options->peer_timeout == std::chrono::seconds(10));
   CHECK(options->upload_ttl == std::chrono::hours(1));
+  CHECK(options->queue_aging == std::chrono::hours(1));
   CHECK(options->config_file == "");
 }
 
@@ -85,6 +86,17 @@ TEST_CASE("LoadDaemonOptions: how long an unclaimed upload stays", "[config]") {
   CHECK(env->upload_ttl == std::chrono::hours(2));
   CHECK_THAT(ErrorIf(Load({"--upload-ttl", "soon"}, {}), kInvalid),
              Catch::Contains("upload_ttl") || Catch::Contains("upload-ttl"));
+}
+
+TEST_CASE("LoadDaemonOptions: the queue's aging", "[config]") {
+  auto flags = Load({"--queue-aging", "10m"}, {});
+  REQUIRE_OK(flags);
+  CHECK(flags->queue_aging == std::chrono::minutes(10));
+  auto env = Load({}, {{"RANNC_QUEUE_AGING", "30s"}});
+  REQUIRE_OK(env);
+  CHECK(env->queue_aging == std::chrono::seconds(30));
+  CHECK_THAT(ErrorIf(Load({"--queue-aging", "0s"}, {}), kInvalid),
+             Catch::Contains("queue_aging") || Catch::Contains("queue-aging"));
 }
 
 TEST_CASE("LoadDaemonOptions: the cluster's keys", "[config]") {

@@ -119,6 +119,7 @@ struct DetachedJobs::Entry {
   int64_t next_seq = 1;
   std::shared_ptr<Job> job;  // while running
   std::chrono::steady_clock::time_point started;
+  std::chrono::steady_clock::time_point queued;  // when it joined the queue
 };
 
 DetachedJobs::DetachedJobs(Hooks hooks, std::string records_dir)
@@ -316,14 +317,28 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
     // Cancelled while it was being resubmitted (checked and planned): it ends before it starts.
     if (cancelled_early_.count(id)) entry->cancel = true;
     jobs_[id] = std::move(e);
-    // Behind every waiting job of its priority or a higher one.
-    auto behind = std::find_if(queue_.begin(), queue_.end(), [&](const std::string& q) {
-      return jobs_.at(q)->spec.priority() < spec.priority();
-    });
-    queue_.insert(behind, id);
+    entry->queued = std::chrono::steady_clock::now();
+    queue_.push_back(id);
+    OrderQueueLocked();
     entry->thread = std::thread([this, entry] { Run(entry); });
   }
   return id;
+}
+
+void DetachedJobs::OrderQueueLocked() {
+  const auto now = std::chrono::steady_clock::now();
+  const std::chrono::milliseconds aging = queue_aging_.load();
+  auto effective = [&](const Entry& e) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - e.queued);
+    return static_cast<int64_t>(e.spec.priority()) +
+           (aging.count() > 0 ? static_cast<int64_t>(waited / aging) : 0);
+  };
+  std::stable_sort(queue_.begin(), queue_.end(), [&](const std::string& a, const std::string& b) {
+    const Entry& x = *jobs_.at(a);
+    const Entry& y = *jobs_.at(b);
+    const int64_t px = effective(x), py = effective(y);
+    return px != py ? px > py : x.queued < y.queued;
+  });
 }
 
 void DetachedJobs::Log(Entry* entry, const std::string& text) {
@@ -377,18 +392,24 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
 
 void DetachedJobs::Run(Entry* entry) {
   const v1::DetachedJobSpec& spec = entry->spec;
-  // Wait for the turn (by priority, then FIFO), then for the memory: the job starts once its
-  // plan fits what the other jobs leave free, and every daemon of the cluster answers; it looks
-  // again whenever a job ends, and at least every second. A job of a higher priority submitted
-  // meanwhile goes first.
+  // Wait for the turn (by priority, raised by the time waited, then FIFO), then for the memory:
+  // the job starts once its plan fits what the other jobs leave free, and every daemon of the
+  // cluster answers; it looks again whenever a job ends, and at least every second. A job of a
+  // higher priority submitted meanwhile goes first.
   std::shared_ptr<Job> job;
   std::string waiting_for;
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      changed_.wait(lock, [&] {
-        return entry->cancel || (!queue_.empty() && queue_.front() == entry->id);
-      });
+      // Looked at every second too: waiting raises a job's place (queue_aging).
+      while (!entry->cancel && (queue_.empty() || queue_.front() != entry->id)) {
+        OrderQueueLocked();
+        if (!queue_.empty() && queue_.front() == entry->id) {
+          changed_.notify_all();  // the job it passed waits for its turn again
+          break;
+        }
+        changed_.wait_for(lock, std::chrono::seconds(1));
+      }
     }
     if (entry->cancel) return Finish(entry, v1::DETACHED_CANCELLED, "");
     const std::string short_of = hooks_.short_of(entry->need);
@@ -582,6 +603,7 @@ absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
   }
   if (!entry.ok()) return entry.status();
   v1::DetachedStatus status = (*entry)->status;
+  OrderQueueLocked();
   for (size_t i = 0; i < queue_.size(); ++i) {
     if (queue_[i] == id) status.set_queue_position(static_cast<int64_t>(i) + 1);
   }

@@ -109,6 +109,10 @@ class DetachedJobs {
   std::vector<std::string> Active();
   // How many jobs wait in the queue.
   size_t Queued();
+  // The queue's aging: a waiting job counts one priority higher for each `aging` it has
+  // waited, so that a stream of higher-priority submissions cannot hold it back for good.
+  // Default 1 h (daemon option queue_aging).
+  void set_queue_aging(std::chrono::milliseconds aging) { queue_aging_ = aging; }
   // The files (model, data) named by the jobs not ended, and by the records of those a
   // restarted daemon resubmits.
   std::set<std::string> PathsInUse();
@@ -138,6 +142,9 @@ class DetachedJobs {
   void AddEnded(const std::string& id, const v1::DetachedJobSpec& spec, v1::DetachedState state,
                 const std::string& why);
   std::string RecordPath(const std::string& id) const;
+  // With mu_ held: orders queue_ by priority plus one for each queue_aging_ waited, then by
+  // the time each joined it (FIFO among equals).
+  void OrderQueueLocked();
   // With mu_ held: takes `id` out of queue_ (if there); the entry of `id`, or NOT_FOUND.
   void DequeueLocked(const std::string& id);
   absl::StatusOr<Entry*> FindLocked(const std::string& id);
@@ -145,6 +152,7 @@ class DetachedJobs {
   const Hooks hooks_;
   const std::string records_dir_;
   std::atomic<bool> stopping_{false};  // the destructor's: runs end, records stay
+  std::atomic<std::chrono::milliseconds> queue_aging_{std::chrono::hours(1)};
   std::mutex mu_;
   std::condition_variable changed_;                   // a job's state, log or the queue
   std::map<std::string, std::unique_ptr<Entry>> jobs_;  // guarded by mu_

@@ -33,22 +33,27 @@ std::string FreshDir(const std::string& name) {
   return dir;
 }
 
-// A job's record, as Submit leaves it under the state dir, and the files it names.
-void Record(const std::string& dir, const std::string& id) {
+// A job's spec named `name` and the files it names, under `dir`.
+v1::DetachedJobSpec Spec(const std::string& dir, const std::string& name) {
   const std::vector<uint16_t> tokens(64, 3);
   std::ofstream(JoinPath(dir, "train.bin"), std::ios::binary)
       .write(reinterpret_cast<const char*>(tokens.data()),
              static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)));
   std::ofstream(JoinPath(dir, "model.pt")) << "a model";  // read as bytes; `need` takes it
   v1::DetachedJobSpec spec;
-  spec.set_name(id + "-name");
+  spec.set_name(name);
   spec.set_model_path(JoinPath(dir, "model.pt"));
   spec.set_tokens_path(JoinPath(dir, "train.bin"));
   spec.set_batch(2);
   spec.set_seq(4);
   spec.set_steps(5);
   spec.set_optimizer("adamw");
-  absl::StatusOr<std::string> json = checkpoint::ToJson(spec);
+  return spec;
+}
+
+// A job's record, as Submit leaves it under the state dir, and the files it names.
+void Record(const std::string& dir, const std::string& id) {
+  absl::StatusOr<std::string> json = checkpoint::ToJson(Spec(dir, id + "-name"));
   REQUIRE(json.ok());
   REQUIRE(WriteFileDurably(JoinPath(dir, "records/" + id + ".json"), json->data(),
                            json->size())
@@ -204,6 +209,48 @@ TEST_CASE("A recorded job that no longer passes its checks ends failed, with the
   std::lock_guard<std::mutex> lock(gate.mu);
   CHECK(gate.starts == 0);
   CHECK(gate.ended == std::vector<std::string>{"job-a-name"});
+}
+
+// Where `id` waits in the queue (1: next).
+int64_t Place(DetachedJobs& jobs, const std::string& id) {
+  absl::StatusOr<v1::DetachedStatus> status = jobs.Status(id);
+  REQUIRE(status.ok());
+  REQUIRE(status->state() == v1::DETACHED_QUEUED);
+  return status->queue_position();
+}
+
+TEST_CASE("A job that has waited goes before a later one of a higher priority, as aged") {
+  const std::string dir = FreshDir("queue_aging");
+  // The jobs never start (`start` answers UNAVAILABLE: the first waits "for the cluster" at
+  // the head of the queue, the others behind it).
+  for (const int64_t aging_ms : {200, 3600 * 1000}) {
+    Gate gate;
+    gate.Release();
+    DetachedJobs::Hooks hooks = gate.Hooks();
+    int made = 0;
+    hooks.new_id = [&made] { return "job-" + std::to_string(++made); };
+    DetachedJobs jobs(hooks, "");
+    jobs.set_queue_aging(std::chrono::milliseconds(aging_ms));
+    v1::DetachedJobSpec head = Spec(dir, "head");
+    head.set_priority(100);
+    REQUIRE(jobs.Submit(head).ok());
+    absl::StatusOr<std::string> old = jobs.Submit(Spec(dir, "old"));
+    REQUIRE(old.ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // 5 agings of 200 ms
+    v1::DetachedJobSpec higher = Spec(dir, "higher");
+    higher.set_priority(2);
+    absl::StatusOr<std::string> later = jobs.Submit(higher);
+    REQUIRE(later.ok());
+    INFO("queue_aging " << aging_ms << " ms");
+    if (aging_ms == 200) {  // the old job counts 0 + 5 against the later one's 2 + 0
+      CHECK(Place(jobs, *old) == 2);
+      CHECK(Place(jobs, *later) == 3);
+    } else {  // an hour: strict priorities
+      CHECK(Place(jobs, *later) == 2);
+      CHECK(Place(jobs, *old) == 3);
+    }
+    CHECK(Place(jobs, "job-1") == 1);
+  }
 }
 
 }  // namespace

@@ -93,6 +93,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
   // written for this long (checked by the reaper, at most every ttl / 4 and at least every
   // minute). Default 1 h.
   void set_upload_ttl(std::chrono::milliseconds ttl) { upload_ttl_ = ttl; }
+  // --queue-aging (DetachedJobs::set_queue_aging).
+  void set_queue_aging(std::chrono::milliseconds aging) { detached_->set_queue_aging(aging); }
   // A registered job led here lost a daemon it ran on (Cluster::OnMemberDown): it is brought
   // back from its latest checkpoint over the members that are UP, under a new id (its client
   // follows it with LocateJob), on a thread of its own. Nothing for a job not registered.

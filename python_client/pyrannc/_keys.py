@@ -25,6 +25,8 @@ KEYS = {
         "directory keeping durable jobs' records (those writing checkpoints); none disables"),
     "upload_ttl": ("daemon", "duration", "1h",
         "an uploaded file no submitted job names is removed once unwritten for this long"),
+    "queue_aging": ("daemon", "duration", "1h",
+        "a queued detached job counts one priority higher for each such time it has waited"),
     "peers": ("daemon", "list", "this daemon alone",
         "every daemon of the cluster, this one included (h1:p1,h2:p2), or one NAME:PORT that resolves to them all"),
     "advertise": ("daemon", "string", "the listen address",
