@@ -158,8 +158,8 @@ class DetachedJobs {
   std::map<std::string, std::unique_ptr<Entry>> jobs_;  // guarded by mu_
   // The recorded jobs ResubmitRecorded has yet to submit again (listed by the constructor; each
   // is checked and planned first): Status reports them queued, not unknown, to a client asking
-  // right after a restart;
-  // Lines waits for them; Cancel notes them in cancelled_early_, and they end as cancelled.
+  // right after a restart; Lines waits for them; Cancel notes them in cancelled_early_, and they
+  // end as cancelled.
   std::set<std::string> resubmitting_;    // guarded by mu_
   std::set<std::string> cancelled_early_;  // guarded by mu_
   std::deque<std::string> queue_;  // guarded by mu_; waiting, by priority, then FIFO
