@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iterator>
 #include <vector>
 
@@ -313,16 +314,19 @@ std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_
     out[i].last_before = last_before;
     first_before += first_read[i];
     last_before += last_read[i];
+    out[i].first_through = first_before;
   }
   *keepable = first_before;
   return out;
 }
 
 KeptTerms KeepOnDevice(const std::vector<BlockBackward>& blocks, double act, double total,
-                       double trainable, double limit, double state_factor) {
+                       double trainable, double limit, double state_factor, double streaming,
+                       double block) {
   KeptTerms out;
   out.memory = total;
-  const double room = std::floor(limit) - std::ceil(total);
+  const double most = std::floor(limit);
+  const double room = most - std::ceil(total);
   if (!(room > 0) || trainable <= 0) return out;
   const double held = 1.0 + state_factor;  // a master and its state, for good
   if (blocks.empty()) {
@@ -331,14 +335,25 @@ KeptTerms KeepOnDevice(const std::vector<BlockBackward>& blocks, double act, dou
     out.memory = total + out.bytes * (held + 1.0);
     return out;
   }
-  // While the backward runs block i, the device holds M_i = total - act + act_i besides the
-  // kept bytes' h(k) = k held + g_i(k), g_i(k) = min(k, e) for k <= f, k - l above, with f and
-  // l the bytes read first and last before i, e = f - l: each h is increasing and piecewise
-  // linear, so the most kept is the least over the blocks of the largest k with
-  // M_i + h(k) <= limit.
-  double kept = trainable;
-  for (const BlockBackward& b : blocks) {
-    const double r = std::floor(limit) - std::ceil(total - act + b.act);
+  // While the backward runs block i, the device holds M_i = total - act + act_i, less
+  // `streaming` where block i's runtime block is kept, besides the kept bytes' h_i(k) = k held
+  // + g_i(k), g_i(k) = min(k, e) for k <= f, k - l above, with f and l the bytes read first and
+  // last before i, e = f - l: each h_i is increasing and piecewise linear.
+  streaming = std::max(0.0, std::floor(streaming));
+  auto grads = [](const BlockBackward& b, double k) {
+    const double e = b.first_before - b.last_before;
+    return k <= b.first_before ? std::min(k, e) : k - b.last_before;
+  };
+  // Block i's runtime block is kept once k covers it, or everything keepable: then nothing
+  // streams.
+  auto kept_run = [&](const BlockBackward& b, double k) {
+    return streaming > 0 && k >= std::min(b.first_through + block, trainable);
+  };
+  auto others = [&](const BlockBackward& b, double k) {  // M_i, rounded up
+    return std::ceil(total - act + b.act) - (kept_run(b, k) ? streaming : 0.0);
+  };
+  // The largest k with h_i(k) <= r.
+  auto largest = [&](const BlockBackward& b, double r) {
     const double e = b.first_before - b.last_before;
     double k;
     if (r <= e * (held + 1.0)) {
@@ -348,14 +363,39 @@ KeptTerms KeepOnDevice(const std::vector<BlockBackward>& blocks, double act, dou
     } else {
       k = (r + b.last_before) / (held + 1.0);
     }
-    kept = std::min(kept, std::floor(std::max(0.0, k)));
+    return std::floor(std::max(0.0, k));
+  };
+  // Block i's backward has room for k in [0, K_i], and, where its runtime block turns kept, in
+  // [first_through + block, K'_i] too (K'_i: with `streaming` more room). The largest k in the
+  // room of every block is one of those ends or `trainable`; each is tried against every block
+  // (an end that rounding put a byte too far, one less).
+  std::vector<double> candidates = {std::floor(trainable)};
+  for (const BlockBackward& b : blocks) {
+    const double r = most - std::ceil(total - act + b.act);
+    for (double extra : {0.0, streaming}) {
+      const double k = std::min(std::floor(trainable), largest(b, r + extra));
+      candidates.push_back(k);
+      candidates.push_back(std::max(0.0, k - 1.0));
+      if (streaming == 0) break;
+    }
+  }
+  std::sort(candidates.begin(), candidates.end(), std::greater<double>());
+  double kept = 0;
+  for (double k : candidates) {
+    const bool fits = std::all_of(blocks.begin(), blocks.end(), [&](const BlockBackward& b) {
+      return others(b, k) + k * held + grads(b, k) <= most;
+    });
+    if (fits) {
+      kept = k;
+      break;
+    }
   }
   out.bytes = kept;
-  out.memory = total + kept * held;  // the forward's: no gradients
+  // The forward's: no gradients (`streaming` is at least the streamed ones total counts).
+  out.memory = total - streaming + kept * held;
   for (const BlockBackward& b : blocks) {
-    const double e = b.first_before - b.last_before;
-    const double grads = kept <= b.first_before ? std::min(kept, e) : kept - b.last_before;
-    out.memory = std::max(out.memory, total - act + b.act + kept * held + grads);
+    const double here = total - act + b.act - (kept_run(b, kept) ? streaming : 0.0);
+    out.memory = std::max(out.memory, here + kept * held + grads(b, kept));
   }
   return out;
 }
@@ -443,9 +483,14 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
         StreamedBackward(table, options.amp_cast_factor, begin, end, mb,
                          windows ? blocked.act_peak_from : std::vector<double>{}, &keepable);
     if (!by_block) blocks.clear();
+    // A kept runtime block's backward holds none of the two blocks' parameters and three
+    // blocks' gradients memory.total counts for streaming, but for the two blocks' gradients
+    // whose copies to the host may still be under way: three blocks' worth less.
+    const double streaming = std::min(terms.trainable, terms.streamed_grads);
     const KeptTerms kept =
         KeepOnDevice(blocks, windows ? terms.streamed_act_peak : terms.act_peak, memory.total,
-                     keepable, limit, options.optimizer_state_factor);
+                     keepable, limit, options.optimizer_state_factor, streaming,
+                     runtime_blocks.largest);
     e.kept_bytes = static_cast<uint64_t>(kept.bytes);
     memory.total = kept.memory;
     streamed -= kept.bytes;

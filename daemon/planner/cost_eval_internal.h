@@ -141,16 +141,18 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
 // kept on the device add to it: `act`, the activations and working memory the device holds
 // while the backward runs block i (recomputed: the largest window that starts at i, from
 // StreamedRecompute's act_peak_from; otherwise X_<=i + W_i), and the trainable bytes of the
-// parameters the blocks before i read first (`first_before`) and last (`last_before`), of
-// those no block outside the stage reads (another stage's too, the runtime never keeps them);
-// *keepable: the trainable bytes of all those. A parameter's gradient is allocated at its last
-// reader's backward, and the kept parameters are the ones read first (the runtime keeps whole
-// parameters in that order): when the backward reaches block i, the kept gradients allocated
-// are at most min(kept, first_before - last_before + max(0, kept - first_before)).
+// parameters the blocks before i read first (`first_before`) and last (`last_before`), and
+// those up to i and i included read first (`first_through`), of those no block outside the
+// stage reads (another stage's too, the runtime never keeps them); *keepable: the trainable
+// bytes of all those. A parameter's gradient is allocated at its last reader's backward, and
+// the kept parameters are the ones read first (the runtime keeps whole parameters in that
+// order): when the backward reaches block i, the kept gradients allocated are at most
+// min(kept, first_before - last_before + max(0, kept - first_before)).
 struct BlockBackward {
   double act = 0;
   double first_before = 0;
   double last_before = 0;
+  double first_through = 0;
 };
 std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_factor,
                                             int begin, int end, int64_t mb,
@@ -164,12 +166,23 @@ std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_
 // optimizer state on the device for good, and its gradient's from its last reader's backward
 // to the step. `blocks` empty: the gradients counted throughout (a step of several
 // micro-batches holds the first one's in every later one).
+//
+// The backward of a runtime block whose parameters are all kept fetches and sends nothing:
+// there the device holds `streaming` less than `total` counts (the streamed blocks' parameters
+// and gradients, less the two blocks' gradients whose copies to the host may still be under
+// way; at least the streamed gradients `total` counts, which no forward holds). A planning
+// block i is taken to be in such a runtime block when the kept bytes reach first_through +
+// `block` (the largest runtime block's trainable bytes: any runtime block with a parameter
+// that i reads first ends within that) or `trainable` (nothing streams). As memory then falls
+// where a block turns kept, the kept bytes are the largest that every block's backward has
+// room for, found among each block's largest with and without `streaming`.
 struct KeptTerms {
   double bytes = 0;
   double memory = 0;
 };
 KeptTerms KeepOnDevice(const std::vector<BlockBackward>& blocks, double act, double total,
-                       double trainable, double limit, double state_factor);
+                       double trainable, double limit, double state_factor,
+                       double streaming = 0, double block = 0);
 
 // One device's memory (EvaluateStage's model): `total` at its peak, and `scaled`, the most it
 // grows per unit of micro-batch size (activations, inputs and working memory). Non-decreasing

@@ -546,18 +546,23 @@ TEST_CASE("A streamed stage keeps on the device what its memory leaves room for"
   o.batch_size = 8;
   CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 2).kept_bytes == 300);
   o.batch_size = 4;
-  // SGD without momentum: a master a byte for good, and its gradient from its backward on:
-  // block 0's backward, 1500 + 2 k <= 3000, keeps 750 (counted throughout, 600).
+  // SGD without momentum: a master a byte for good, and its gradient from its backward on.
+  // Streaming, block 0's backward would keep 750 (1500 + 2 k <= 3000; counted throughout,
+  // 600), but with all 1000 kept nothing streams: no blocks' parameters nor three blocks'
+  // gradients (750 less, two blocks' gradients' copies still counted), and every block's
+  // backward has room (block 0's the most, 1500 - 750 + 2000).
   o.optimizer_state_factor = 0;
-  CHECK(EvaluateStage(t, links, o, 0, 4, 1, 0, 1).kept_bytes == 750);
+  e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
+  CHECK(e.kept_bytes == 1000);
+  CHECK(e.memory_bytes == 1500 - 750 + 2000);
   o.optimizer_state_factor = 2;
   // Room for more than the stage: all of it kept, nothing crosses the link or steps on the
-  // host, and the compute paces the passes. The peak is block 0's backward: 1500 + 3000 of
-  // masters and moments + the 1000 of gradients.
+  // host, and the compute paces the passes. The peak is block 0's backward: 1500 less the 750
+  // of streaming + 3000 of masters and moments + the 1000 of gradients.
   o.device_memory_bytes = 1000000;
   e = EvaluateStage(t, links, o, 0, 4, 1, 0, 1);
   CHECK(e.kept_bytes == 1000);
-  CHECK(e.memory_bytes == 1500 + 3000 + 1000);
+  CHECK(e.memory_bytes == 1500 - 750 + 3000 + 1000);
   CHECK_THAT(e.fwd_ms, WithinRel(4.0, 1e-12));
   CHECK(e.host_step_ms == 0);
   // A parameter another stage reads too is never kept (the runtime steps it on the host):
@@ -607,6 +612,41 @@ TEST_CASE("Kept gradients count from their last reader's backward", "[cost_eval]
   // At most the trainable bytes.
   kept = KeepOnDevice(blocks, 500, 1500, 50, 100000, 2);
   CHECK(kept.bytes == 50);
+}
+
+TEST_CASE("A kept block's backward holds nothing of streaming", "[cost_eval]") {
+  using internal::BlockBackward;
+  using internal::KeepOnDevice;
+  // Four blocks of 100 trainable bytes, each read by its block only (runtime blocks of at
+  // most 100); the device holds 1200 + act_i while the backward runs block i (act 100, 150,
+  // 200 and 300), and may hold 2500. Adam: 3 a kept byte for good, and its gradient from its
+  // block's backward on, so block i's backward holds 1200 + act_i + 3k + max(0, k - 100 i).
+  std::vector<BlockBackward> blocks = {
+      {100, 0, 0, 100}, {150, 100, 100, 200}, {200, 200, 200, 300}, {300, 300, 300, 400}};
+  // Streaming counted everywhere, block 0's backward binds: 1300 + 4k <= 2500, 300.
+  internal::KeptTerms kept = KeepOnDevice(blocks, 300, 1500, 400, 2500, 2);
+  CHECK(kept.bytes == 300);
+  CHECK(kept.memory == 2500);
+  // 300 of it not held where a block's runtime block is kept, which k reaches from the bytes
+  // read first through the block plus one runtime block's (200, 300, 400 and 400, all of
+  // it): blocks 0 and 1 then have room for up to 375 and 387, but block 2's backward, still
+  // streaming, binds at 325 (1400 + 3k + k - 200 <= 2500), as does block 3's.
+  kept = KeepOnDevice(blocks, 300, 1500, 400, 2500, 2, 300, 100);
+  CHECK(kept.bytes == 325);
+  CHECK(kept.memory == 2500);
+  // Nothing streams with all of it kept: 2600 keeps 400 (block 0's backward 1000 + 1600),
+  // where streaming counted throughout keeps 325.
+  CHECK(KeepOnDevice(blocks, 300, 1500, 400, 2600, 2).bytes == 325);
+  kept = KeepOnDevice(blocks, 300, 1500, 400, 2600, 2, 300, 100);
+  CHECK(kept.bytes == 400);
+  CHECK(kept.memory == 2600);
+  // One byte less: all of it no longer fits, and below it block 2's backward streams, which
+  // has room for 349 (1400 + 4k - 200 <= 2599).
+  kept = KeepOnDevice(blocks, 300, 1500, 400, 2599, 2, 300, 100);
+  CHECK(kept.bytes == 349);
+  // Where no block's runtime block turns kept (runtime blocks as large as the stage), the
+  // streaming term changes nothing but the forward's bound.
+  CHECK(KeepOnDevice(blocks, 300, 1500, 400, 2500, 2, 300, 1000).bytes == 300);
 }
 
 // Eight blocks of 250 trainable bytes, activations 1000 and working memory 50 each at 4
