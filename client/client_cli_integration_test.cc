@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <regex>
 #include <string>
@@ -58,6 +59,35 @@ TEST_CASE("rannc reports errors with a non-zero exit code", "[integration]") {
                                   std::to_string(FreeLoopbackPort()));
   CHECK(unreachable.exit_code != 0);
   CHECK(unreachable.err.find("cannot reach ranncd") != std::string::npos);
+}
+
+TEST_CASE("rannc --wait-for-daemon waits out a daemon that is starting", "[integration]") {
+  const int port = FreeLoopbackPort();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  // Nothing there: the wait runs out with what it waited for.
+  const auto before = std::chrono::steady_clock::now();
+  CommandResult gone = Run(Cli() + " info --wait-for-daemon 0.5 --daemon " + address);
+  CHECK(gone.exit_code != 0);
+  CHECK(gone.err.find("ranncd at " + address + " did not become ready within 500ms") !=
+        std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - before >= std::chrono::milliseconds(500));
+  // A daemon that comes up while the command waits serves it.
+  auto waiting = std::async(std::launch::async, [&] {
+    return Run(Cli() + " info --daemon " + address + " --wait-for-daemon 60");
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  REQUIRE(waiting.wait_for(std::chrono::seconds(0)) == std::future_status::timeout);
+  testing::DaemonProcess late("ranncd-late", {}, {}, {}, port);
+  REQUIRE(late.Start().ok());
+  CommandResult served = waiting.get();
+  INFO("stdout:\n" << served.out << "\nstderr:\n" << served.err);
+  CHECK(served.exit_code == 0);
+  CHECK(served.out.find(address) != std::string::npos);
+  // The same from the environment; and the flag refuses a negative wait.
+  CHECK(Run("RANNC_WAIT_FOR_DAEMON=5 " + Cli() + " info --daemon " + address).exit_code == 0);
+  CommandResult negative = Run(Cli() + " info --wait-for-daemon -1 --daemon " + address);
+  CHECK(negative.exit_code != 0);
+  CHECK(negative.err.find("--wait-for-daemon") != std::string::npos);
 }
 
 constexpr const char* kLmScript = R"PY(

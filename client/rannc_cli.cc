@@ -18,8 +18,10 @@
 //                                              show_deployment prints through this.
 //
 // The daemon address comes from --daemon, else $RANNC_DAEMON, else 127.0.0.1:7411. A list
-// ("a:7411,b:7411": daemons of one cluster) means the first of them that answers. Errors print
-// the daemon's message and exit non-zero.
+// ("a:7411,b:7411": daemons of one cluster) means the first of them that answers (within 5 s).
+// --wait-for-daemon SECONDS (or $RANNC_WAIT_FOR_DAEMON) waits that long for an answer before
+// the command, for a daemon that is starting or restarting; without it a daemon that cannot be
+// reached fails the command at once. Errors print the daemon's message and exit non-zero.
 //
 // JOB is a live job's id, or the name of exactly one live job (`rannc jobs` lists both). For
 // `checkpoints` and `export`, a JOB that is no live job is looked up by name under --dir (else
@@ -691,6 +693,13 @@ int Main(int argc, char** argv) {
                  "first that answers")
       ->envname("RANNC_DAEMON")
       ->capture_default_str();
+  double wait_for_daemon_s = 0;
+  app.add_option("--wait-for-daemon", wait_for_daemon_s,
+                 "seconds to wait for the daemon to answer before the command, e.g. while it "
+                 "starts or restarts (0: fail at once if it cannot be reached)")
+      ->envname("RANNC_WAIT_FOR_DAEMON")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   // TLS, for a daemon started with --tls-cert (docs/security.md).
   ClientOptions client_options;
   app.add_option("--tls-ca", client_options.tls_ca, "PEM CA to verify the daemon with")
@@ -892,12 +901,18 @@ int Main(int argc, char** argv) {
   if (absl::Status files = security::CheckTlsFiles(tls, "--tls", false); !files.ok()) {
     return Fail(files);
   }
+  const absl::Duration wait_for_daemon = absl::Seconds(wait_for_daemon_s);
   std::unique_ptr<Client> connected;
   if (daemon.find(',') == std::string::npos) {
     connected = std::make_unique<Client>(daemon, client_options);
+    if (wait_for_daemon > absl::ZeroDuration()) {
+      if (absl::Status ready = connected->WaitUntilReady(wait_for_daemon); !ready.ok()) {
+        return Fail(ready);
+      }
+    }
   } else {
-    absl::StatusOr<std::unique_ptr<Client>> any =
-        Client::ConnectAny(daemon, absl::Seconds(5), client_options);
+    absl::StatusOr<std::unique_ptr<Client>> any = Client::ConnectAny(
+        daemon, std::max(absl::Seconds(5), wait_for_daemon), client_options);
     if (!any.ok()) return Fail(any.status());
     connected = std::move(*any);
   }
