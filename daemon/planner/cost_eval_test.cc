@@ -724,6 +724,15 @@ TEST_CASE("A streamed stage recomputes block by block, keeping each block's inpu
   CHECK(e.recompute);
   CHECK(e.kept_bytes == 400);
   CHECK(e.memory_bytes == 2440 + 1200);
+  // Just short of fitting without recomputation (6600): block 3's backward, streaming, has
+  // room for 1227 (2440 + 3k + k - 750 <= 6599), but from 1250 on its runtime block is kept
+  // and holds three blocks' gradients (750) less, room up to 1414; block 4's, streaming up to
+  // 1500, binds at 1289 (2440 + 3k + k - 1000 <= 6599).
+  o.device_memory_bytes = 6599;
+  e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(e.recompute);
+  CHECK(e.kept_bytes == 1289);
+  CHECK(e.memory_bytes == 2440 + 3 * 1289 + 289);
 }
 
 TEST_CASE("Streamed blocks are the runtime's: whole nodes' reads, cut before a node",
