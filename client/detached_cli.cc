@@ -185,30 +185,64 @@ class ProgressBar {
   std::thread thread_;
 };
 
-// Prints the log from `after`; with `follow`, until the job ends or `interrupted`, with a
-// progress bar when `bar`. Returns the job's final state when it ended.
+bool Ended(v1::DetachedState state) {
+  return state == v1::DETACHED_DONE || state == v1::DETACHED_FAILED ||
+         state == v1::DETACHED_CANCELLED;
+}
+
+// Prints the job's log; with `follow`, until the job ends or `interrupted`, with a progress bar
+// when `bar`. Returns the job's state then. A followed log whose daemon stops or goes away
+// (the job not ended) is followed on, from the line after the last one printed, once the
+// daemon answers again within `wait_for_daemon`; a zero wait returns the job's state then
+// (QUEUED: it resumes at the daemon's next start) or the failure.
 absl::StatusOr<v1::DetachedState> FollowLog(const Client& client, const std::string& job,
-                                            bool follow, bool bar,
+                                            bool follow, bool bar, absl::Duration wait_for_daemon,
                                             const std::function<bool()>& interrupted) {
-  absl::Status read;
-  {
-    std::optional<ProgressBar> progress;
-    if (bar) progress.emplace(client, job);
-    read = client.DetachedJobLogs(
-        job, 0, follow,
+  std::optional<ProgressBar> progress;
+  if (bar) progress.emplace(client, job);
+  int64_t after = 0;
+  bool waiting = false;  // for the daemon, said once
+  while (true) {
+    absl::Status read = client.DetachedJobLogs(
+        job, after, follow,
         [&](const v1::DetachedLogLine& line) {
           if (progress) {
             progress->Print(line.text());
           } else {
             std::cout << line.text() << "\n" << std::flush;
           }
+          after = line.seq();
+          waiting = false;
         },
         interrupted);
+    absl::StatusOr<v1::DetachedStatus> status =
+        read.ok() ? client.DetachedJobStatus(job) : absl::StatusOr<v1::DetachedStatus>(read);
+    if (!follow || interrupted() || (status.ok() && Ended(status->state()))) {
+      if (!status.ok()) return status.status();
+      return status->state();
+    }
+    // The daemon stops (the job resumes at its next start; a stopping server cancels the calls
+    // it has) or went away.
+    const absl::StatusCode code = status.status().code();
+    const bool unreachable =
+        code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kCancelled;
+    if (wait_for_daemon <= absl::ZeroDuration() || (!status.ok() && !unreachable)) {
+      if (!status.ok()) return status.status();
+      std::cerr << "rannc: the daemon stopped; job " << job
+                << " resumes when it starts again (--wait-for-daemon follows it there)\n";
+      return status->state();
+    }
+    if (!waiting) {
+      std::cerr << "rannc: the daemon stopped; following job " << job
+                << " on once it answers again (waiting up to "
+                << absl::FormatDuration(wait_for_daemon) << ")\n";
+      waiting = true;
+    }
+    // A stopping daemon still answers for a moment (its last lines), its log's stream ending at
+    // once.
+    absl::SleepFor(absl::Milliseconds(250));
+    if (absl::Status ready = client.WaitUntilReady(wait_for_daemon); !ready.ok()) return ready;
   }
-  if (!read.ok()) return read;
-  absl::StatusOr<v1::DetachedStatus> status = client.DetachedJobStatus(job);
-  if (!status.ok()) return status.status();
-  return status->state();
 }
 
 }  // namespace
@@ -302,7 +336,8 @@ absl::StatusOr<v1::DetachedJobSpec> ReadJobFile(const std::string& path) {
 #undef RANNC_SET_OR_RETURN
 
 absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, bool follow,
-                              UploadFiles upload, const std::function<bool()>& interrupted) {
+                              UploadFiles upload, absl::Duration wait_for_daemon,
+                              const std::function<bool()>& interrupted) {
   absl::StatusOr<v1::DetachedJobSpec> spec = ReadJobFile(file);
   if (!spec.ok()) return spec.status();
   if (upload == UploadFiles::kIfRemote) {
@@ -327,7 +362,7 @@ absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, boo
   std::cout << *id << "\n" << std::flush;
   if (!follow) return 0;
   absl::StatusOr<v1::DetachedState> ended =
-      FollowLog(client, *id, /*follow=*/true, /*bar=*/true, interrupted);
+      FollowLog(client, *id, /*follow=*/true, /*bar=*/true, wait_for_daemon, interrupted);
   if (!ended.ok()) return ended.status();
   if (interrupted()) {
     std::cout << "detached: job " << *id << " trains on (rannc status " << *id << ")\n";
@@ -341,8 +376,13 @@ absl::Status RunStatus(const Client& client, const std::string& job) {
   if (!s.ok()) return s.status();
   std::cout << absl::StrFormat("job %s '%s': %s\n", s->job_id(), s->name(), StateName(s->state()));
   if (s->state() == v1::DETACHED_QUEUED) {
-    std::cout << absl::StrFormat("place in the queue: %d", s->queue_position())
-              << (s->waiting_for().empty() ? "" : "; waiting: " + s->waiting_for()) << "\n";
+    // Not in the queue (position 0): recorded for the daemon's next start.
+    std::vector<std::string> where;
+    if (s->queue_position() > 0) {
+      where.push_back(absl::StrFormat("place in the queue: %d", s->queue_position()));
+    }
+    if (!s->waiting_for().empty()) where.push_back("waiting: " + s->waiting_for());
+    if (!where.empty()) std::cout << absl::StrJoin(where, "; ") << "\n";
   } else {
     const double pct = s->steps() > 0 ? 100.0 * s->step() / s->steps() : 0;
     std::cout << absl::StrFormat(
@@ -370,8 +410,8 @@ absl::Status RunStatus(const Client& client, const std::string& job) {
 }
 
 absl::Status RunLogs(const Client& client, const std::string& job, bool follow,
-                     const std::function<bool()>& interrupted) {
-  return FollowLog(client, job, follow, /*bar=*/false, interrupted).status();
+                     absl::Duration wait_for_daemon, const std::function<bool()>& interrupted) {
+  return FollowLog(client, job, follow, /*bar=*/false, wait_for_daemon, interrupted).status();
 }
 
 absl::Status RunCancel(const Client& client, const std::string& job) {

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "client/rannc_client.h"
 #include "rannc/v1/training.pb.h"
 
@@ -50,15 +51,18 @@ enum class UploadFiles { kIfRemote, kYes, kNo };
 // `rannc submit FILE [--follow] [--upload|--no-upload]`: prints the job id (first sending the
 // files when `upload` says so). With `follow`, then the job's log until it
 // ends, or `interrupted` says so (it goes on), with a progress bar on stderr when that is a
-// terminal (tqdm's: percent, bar, step/steps, elapsed<ETA, tokens/s, loss). Returns the exit
-// status: 0, or 1 for a followed job that ended other than done.
+// terminal (tqdm's: percent, bar, step/steps, elapsed<ETA, tokens/s, loss); through a restart
+// of the daemon when it answers again within `wait_for_daemon` (--wait-for-daemon). Returns the
+// exit status: 0, or 1 for a followed job that ended other than done (or did not end: its
+// daemon stopped).
 absl::StatusOr<int> RunSubmit(const Client& client, const std::string& file, bool follow,
-                              UploadFiles upload, const std::function<bool()>& interrupted);
+                              UploadFiles upload, absl::Duration wait_for_daemon,
+                              const std::function<bool()>& interrupted);
 // `rannc status JOB`: state, progress, loss, rate, ETA, evaluation, plan and memory.
 absl::Status RunStatus(const Client& client, const std::string& job);
-// `rannc logs JOB [-f]`.
+// `rannc logs JOB [-f]`; followed through a restart of the daemon as RunSubmit's.
 absl::Status RunLogs(const Client& client, const std::string& job, bool follow,
-                     const std::function<bool()>& interrupted);
+                     absl::Duration wait_for_daemon, const std::function<bool()>& interrupted);
 // `rannc cancel JOB`.
 absl::Status RunCancel(const Client& client, const std::string& job);
 

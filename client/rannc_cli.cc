@@ -932,14 +932,14 @@ int Main(int argc, char** argv) {
                                : submit_no_upload ? UploadFiles::kNo
                                                   : UploadFiles::kIfRemote;
     absl::StatusOr<int> code =
-        RunSubmit(client, submit_file, submit_follow, upload, Interrupted);
+        RunSubmit(client, submit_file, submit_follow, upload, wait_for_daemon, Interrupted);
     return code.ok() ? *code : Fail(code.status());
   }
   auto done = [](const absl::Status& s) { return s.ok() ? 0 : Fail(s); };
   if (*status) return done(RunStatus(client, status_job));
   if (*logs) {
     if (logs_follow) InstallSigintHandler();
-    return done(RunLogs(client, logs_job, logs_follow, Interrupted));
+    return done(RunLogs(client, logs_job, logs_follow, wait_for_daemon, Interrupted));
   }
   if (*cancel) return done(RunCancel(client, cancel_job));
   if (*plan) return RunPlan(client, plan_flags);

@@ -209,7 +209,9 @@ absl::Status Client::WaitUntilReady(absl::Duration timeout) const {
     v1::DaemonInfo info;
     last = stub_->GetInfo(&context, v1::GetInfoRequest(), &info);
     if (last.ok()) return absl::OkStatus();
-    const bool transient = last.error_code() == grpc::StatusCode::UNAVAILABLE;
+    // A stopping daemon cancels the calls it has: it is going, and may come back.
+    const bool transient = last.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                           last.error_code() == grpc::StatusCode::CANCELLED;
     if (!transient && last.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
       return Convert("GetInfo", last);
     }

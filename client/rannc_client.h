@@ -184,7 +184,8 @@ class Client {
   const std::vector<std::string>& addresses() const { return addresses_; }
 
   // Blocks until the daemon answers GetInfo or `timeout` passes (DEADLINE_EXCEEDED, naming the
-  // address). A daemon that is still starting is retried, not reported.
+  // address). A daemon that is still starting, or stopping (it cancels the call), is retried,
+  // not reported.
   absl::Status WaitUntilReady(absl::Duration timeout) const;
 
   absl::StatusOr<v1::DaemonInfo> GetInfo() const;

@@ -1,6 +1,7 @@
 #include "daemon/server/detached_jobs.h"
 
 #include <ATen/ops/ones_like.h>
+#include <google/protobuf/util/json_util.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "daemon/checkpoint/checkpoint.h"
 #include "daemon/common/elapsed.h"
@@ -117,6 +119,10 @@ struct DetachedJobs::Entry {
   v1::DetachedStatus status;
   std::deque<v1::DetachedLogLine> lines;
   int64_t next_seq = 1;
+  // Whether each line is also appended to LogPath(id): while its record is kept. Guarded by
+  // file_mu, which orders the appends with DropRecord's removal.
+  std::mutex file_mu;
+  bool durable = false;
   std::shared_ptr<Job> job;  // while running
   std::chrono::steady_clock::time_point started;
   std::chrono::steady_clock::time_point queued;  // when it joined the queue
@@ -160,8 +166,8 @@ void DetachedJobs::ResubmitRecorded() {
     } else {
       spdlog::error("detached job {} was not resubmitted after the restart: {}", id,
                     again.status().ToString());
-      (void)RemoveTree(RecordPath(id));
-      // Its status and log say why, rather than the id becoming unknown.
+      // Its status and log say why, rather than the id becoming unknown (AddEnded drops its
+      // record and log file).
       AddEnded(id, spec, cancelled ? v1::DETACHED_CANCELLED : v1::DETACHED_FAILED,
                cancelled ? std::string(again.status().message())
                          : absl::StrCat("could not be resubmitted after the daemon's restart: ",
@@ -184,6 +190,8 @@ void DetachedJobs::AddEnded(const std::string& id, const v1::DetachedJobSpec& sp
   Entry* entry = e.get();
   entry->status = NewStatus(id, spec.name().empty() ? id : spec.name(), state, spec.steps());
   if (state == v1::DETACHED_FAILED) entry->status.set_error(why);
+  RestoreLog(id, entry);  // what it logged before the restart, then why it ends
+  DropRecord(entry);
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_[id] = std::move(e);
@@ -212,6 +220,42 @@ void DetachedJobs::Stop() {
 
 std::string DetachedJobs::RecordPath(const std::string& id) const {
   return JoinPath(records_dir_, id + ".json");
+}
+
+std::string DetachedJobs::LogPath(const std::string& id) const {
+  return JoinPath(records_dir_, id + ".log");
+}
+
+void DetachedJobs::RestoreLog(const std::string& id, Entry* entry) {
+  if (records_dir_.empty() || !PathExists(LogPath(id))) return;
+  absl::StatusOr<std::string> text = ReadFile(LogPath(id));
+  if (!text.ok()) {
+    spdlog::warn("detached job {}: its log before the restart is lost: {}", id,
+                 text.status().ToString());
+    return;
+  }
+  std::vector<v1::DetachedLogLine> lines;
+  for (absl::string_view json : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {
+    v1::DetachedLogLine line;
+    if (google::protobuf::util::JsonStringToMessage(std::string(json), &line).ok()) {
+      lines.push_back(std::move(line));
+    }
+  }
+  std::stable_sort(lines.begin(), lines.end(), [](const auto& a, const auto& b) {
+    return a.seq() < b.seq();
+  });
+  const size_t first = lines.size() > kKeptLines ? lines.size() - kKeptLines : 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = first; i < lines.size(); ++i) entry->lines.push_back(std::move(lines[i]));
+  if (!entry->lines.empty()) entry->next_seq = entry->lines.back().seq() + 1;
+}
+
+void DetachedJobs::DropRecord(Entry* entry) {
+  if (records_dir_.empty()) return;
+  std::lock_guard<std::mutex> lock(entry->file_mu);
+  entry->durable = false;
+  (void)RemoveTree(RecordPath(entry->id));
+  (void)RemoveTree(LogPath(entry->id));
 }
 
 absl::StatusOr<std::string> DetachedJobs::Submit(const v1::DetachedJobSpec& spec) {
@@ -295,22 +339,30 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
     }
   }
 
+  Entry* entry = e.get();
   if (!records_dir_.empty() && !resume) {
     absl::Status made = MakeDirs(records_dir_);
     absl::StatusOr<std::string> json = checkpoint::ToJson(spec);
     if (made.ok() && !json.ok()) made = json.status();
     if (made.ok()) made = WriteFileDurably(RecordPath(id), json->data(), json->size());
-    if (!made.ok()) {
+    if (made.ok()) {
+      (void)RemoveTree(LogPath(id));  // a new id's: none
+      entry->durable = true;
+    } else {
       spdlog::warn("detached job {} runs, but is not durable: {}", id, made.ToString());
     }
+  } else if (!records_dir_.empty()) {
+    RestoreLog(id, entry);  // the log goes on where the last run's ended
+    entry->durable = true;
   }
-  Entry* entry = e.get();
-  Log(entry, absl::StrFormat("submitted: %s, %d steps of batch %d from %s", spec.model_path(),
-                             spec.steps(), spec.batch(), entry->train->Describe()));
+  Log(entry, absl::StrFormat("%s: %s, %d steps of batch %d from %s",
+                             resume ? "resubmitted after the daemon's restart" : "submitted",
+                             spec.model_path(), spec.steps(), spec.batch(),
+                             entry->train->Describe()));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) {  // Stop() has listed the jobs it waits for: this one would not be
-      if (!records_dir_.empty() && !resume) (void)RemoveTree(RecordPath(id));
+      if (!resume) DropRecord(entry);
       return absl::UnavailableError("the daemon is stopping; submit the job to another one");
     }
     entry->status = NewStatus(id, js.name(), v1::DETACHED_QUEUED, spec.steps());
@@ -343,17 +395,33 @@ void DetachedJobs::OrderQueueLocked() {
 
 void DetachedJobs::Log(Entry* entry, const std::string& text) {
   spdlog::info("detached job {}: {}", entry->id, text);
+  v1::DetachedLogLine line;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    v1::DetachedLogLine& line = entry->lines.emplace_back();
     line.set_seq(entry->next_seq++);
     line.set_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                          std::chrono::system_clock::now().time_since_epoch())
                          .count());
     line.set_text(text);
+    entry->lines.push_back(line);
     if (entry->lines.size() > kKeptLines) entry->lines.pop_front();
   }
   changed_.notify_all();
+  std::lock_guard<std::mutex> lock(entry->file_mu);
+  if (!entry->durable) return;
+  // One line of JSON (its text's newlines escaped), in one append: a crash cuts at most the
+  // last, which RestoreLog skips. Lines logged at once by two threads may land out of order;
+  // RestoreLog orders them.
+  std::string json;
+  if (google::protobuf::util::MessageToJsonString(line, &json).ok()) {
+    json.push_back('\n');
+    absl::Status appended = AppendToFile(LogPath(entry->id), json);
+    if (!appended.ok()) {
+      spdlog::warn("detached job {}: its log is no longer kept on disk: {}", entry->id,
+                   appended.ToString());
+      entry->durable = false;
+    }
+  }
 }
 
 void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::string& error) {
@@ -367,10 +435,14 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
     job.reset();
     hooks_.remove(entry->id);
   }
-  if (stopping_ && state == v1::DETACHED_CANCELLED) {
+  const bool resumes = stopping_ && state == v1::DETACHED_CANCELLED;
+  if (resumes) {
+    // Not ended: queued for the daemon's next start, which resumes it (a client following its
+    // log follows it there).
     Log(entry, "stopped with the daemon; it resumes when the daemon starts again");
+    state = v1::DETACHED_QUEUED;
   } else {
-    if (!records_dir_.empty()) (void)RemoveTree(RecordPath(entry->id));
+    DropRecord(entry);
     if (hooks_.ended) hooks_.ended(entry->spec);
     const char* name = state == v1::DETACHED_DONE ? "done"
                        : state == v1::DETACHED_FAILED ? "failed"
@@ -382,6 +454,7 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
     entry->status.set_state(state);
     entry->status.set_error(error);
     entry->status.clear_device_bytes();
+    if (resumes) entry->status.set_waiting_for("the daemon to start again (stopped with it)");
   }
   changed_.notify_all();
   // Only the status and the log outlive the run (Finish runs on the job's own thread).
@@ -644,11 +717,14 @@ absl::Status DetachedJobs::Lines(const std::string& id, int64_t after_seq,
     return s == v1::DETACHED_DONE || s == v1::DETACHED_FAILED || s == v1::DETACHED_CANCELLED;
   };
   auto fresh = [&] { return !e->lines.empty() && e->lines.back().seq() > after_seq; };
-  if (wait.count() > 0) changed_.wait_for(lock, wait, [&] { return fresh() || over(); });
+  if (wait.count() > 0) {
+    changed_.wait_for(lock, wait, [&] { return fresh() || over() || stopping_; });
+  }
   for (const v1::DetachedLogLine& line : e->lines) {
     if (line.seq() > after_seq) out->push_back(line);
   }
-  *ended = over();
+  // A daemon that stops ends every log's stream (its jobs go on at its next start).
+  *ended = over() || stopping_;
   return absl::OkStatus();
 }
 

@@ -75,7 +75,9 @@ class DetachedJobs {
     std::function<void(const v1::DetachedJobSpec&)> ended;
   };
 
-  // `records_dir`: where unfinished jobs' specs are kept ("" keeps none).
+  // `records_dir`: where unfinished jobs' specs are kept ("" keeps none), with their logs:
+  // `<id>.json` and `<id>.log` (a line of JSON per log line, appended as it is logged), so that
+  // a restarted daemon's job goes on with its log, numbered on from where it was.
   DetachedJobs(Hooks hooks, std::string records_dir);
   // Stop().
   ~DetachedJobs();
@@ -98,12 +100,14 @@ class DetachedJobs {
   absl::Status Cancel(const std::string& id);
   // The log lines numbered above `after_seq`. With `wait` > 0 and none yet, waits up to `wait`
   // for one (and for a recorded job to be resubmitted). `ended`: the job has ended and every
-  // line is in `out`.
+  // line is in `out`, or the daemon is stopping (its jobs go on at its next start, their logs
+  // numbered on).
   absl::Status Lines(const std::string& id, int64_t after_seq, std::chrono::milliseconds wait,
                      std::vector<v1::DetachedLogLine>* out, bool* ended);
   // The daemon is stopping: every job stops after its current step, a running one saved there
-  // as a checkpoint first (CheckpointBeforeStop), and their records stay, for the next start.
-  // Returns when every job's thread has ended. Idempotent.
+  // as a checkpoint first (CheckpointBeforeStop), and their records stay, for the next start;
+  // meanwhile each shows QUEUED, waiting for that start. Returns when every job's thread has
+  // ended. Idempotent.
   void Stop();
   // The ids of the jobs that are queued or running.
   std::vector<std::string> Active();
@@ -142,6 +146,13 @@ class DetachedJobs {
   void AddEnded(const std::string& id, const v1::DetachedJobSpec& spec, v1::DetachedState state,
                 const std::string& why);
   std::string RecordPath(const std::string& id) const;
+  std::string LogPath(const std::string& id) const;
+  // The lines of `id`'s log file (the last kKeptLines, in order): into `entry`'s log, its next
+  // line numbered after them. A line that does not parse (the last one, cut by a crash) is
+  // skipped.
+  void RestoreLog(const std::string& id, Entry* entry);
+  // `entry`'s record and log file go (its run has ended); later lines stay in memory only.
+  void DropRecord(Entry* entry);
   // With mu_ held: orders queue_ by priority plus one for each queue_aging_ waited, then by
   // the time each joined it (FIFO among equals).
   void OrderQueueLocked();

@@ -184,6 +184,10 @@ TEST_CASE("Jobs a restarted daemon is still resubmitting are queued, and a cance
 TEST_CASE("A recorded job that no longer passes its checks ends failed, with the reason") {
   const std::string dir = FreshDir("resubmit_failed");
   Record(dir, "job-a");
+  // What it logged before the restart comes first in its log.
+  REQUIRE(AppendToFile(JoinPath(dir, "records/job-a.log"),
+                       "{\"seq\": \"7\", \"unixMs\": \"1\", \"text\": \"step 5/10\"}\n")
+              .ok());
   Gate gate;
   gate.answer = absl::InvalidArgumentError("unknown config key 'pipline_num'");
   DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
@@ -198,8 +202,11 @@ TEST_CASE("A recorded job that no longer passes its checks ends failed, with the
   resubmit.join();
 
   const std::vector<std::string> log = LogUntilEnded(jobs, "job-a");
+  REQUIRE(log.size() == 2);
+  CHECK(log[0] == "step 5/10");
   CHECK(Mentions(log, "failed: could not be resubmitted after the daemon's restart: unknown "
                       "config key 'pipline_num'"));
+  CHECK(!PathExists(JoinPath(dir, "records/job-a.log")));
   absl::StatusOr<v1::DetachedStatus> status = jobs.Status("job-a");
   REQUIRE(status.ok());
   CHECK(status->state() == v1::DETACHED_FAILED);
@@ -209,6 +216,70 @@ TEST_CASE("A recorded job that no longer passes its checks ends failed, with the
   std::lock_guard<std::mutex> lock(gate.mu);
   CHECK(gate.starts == 0);
   CHECK(gate.ended == std::vector<std::string>{"job-a-name"});
+}
+
+// `id`'s log lines above `after` as they are now.
+std::vector<v1::DetachedLogLine> LinesNow(DetachedJobs& jobs, const std::string& id,
+                                          int64_t after, bool* ended) {
+  std::vector<v1::DetachedLogLine> lines;
+  REQUIRE(jobs.Lines(id, after, std::chrono::milliseconds(0), &lines, ended).ok());
+  return lines;
+}
+
+TEST_CASE("A restarted daemon's job goes on with its log, numbered on") {
+  const std::string dir = FreshDir("log_restart");
+  const std::string log_path = JoinPath(dir, "records/fresh.log");
+  std::vector<v1::DetachedLogLine> before;
+  {
+    Gate gate;  // `start` answers UNAVAILABLE: the job waits for the cluster, logging so once
+    gate.Release();
+    DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
+    REQUIRE(jobs.Submit(Spec(dir, "kept")).value() == "fresh");
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    bool ended = false;
+    while (LinesNow(jobs, "fresh", 1, &ended).empty()) {  // until it says what it waits for
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHECK(PathExists(log_path));
+    jobs.Stop();  // as at SIGTERM: the job is not ended but queued for the next start
+    absl::StatusOr<v1::DetachedStatus> status = jobs.Status("fresh");
+    REQUIRE(status.ok());
+    CHECK(status->state() == v1::DETACHED_QUEUED);
+    CHECK(status->waiting_for() == "the daemon to start again (stopped with it)");
+    before = LinesNow(jobs, "fresh", 0, &ended);
+    CHECK(ended);  // a stopping daemon ends the log's stream
+  }
+  REQUIRE(before.size() == 3);
+  CHECK(before[0].text().find("submitted: ") == 0);
+  CHECK(before[1].text().find("waiting for the cluster: no job is made") == 0);
+  CHECK(before[2].text() == "stopped with the daemon; it resumes when the daemon starts again");
+  // A crash's cut line at the end is skipped.
+  REQUIRE(AppendToFile(log_path, "{\"seq\": \"4\", \"te").ok());
+
+  Gate gate;
+  gate.Release();
+  DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
+  jobs.ResubmitRecorded();
+  bool ended = true;
+  std::vector<v1::DetachedLogLine> all = LinesNow(jobs, "fresh", 0, &ended);
+  CHECK(!ended);
+  REQUIRE(all.size() >= 4);
+  for (size_t i = 0; i < all.size(); ++i) CHECK(all[i].seq() == static_cast<int64_t>(i) + 1);
+  for (size_t i = 0; i < before.size(); ++i) {
+    CHECK(all[i].text() == before[i].text());
+    CHECK(all[i].unix_ms() == before[i].unix_ms());
+  }
+  CHECK(all[3].text().find("resubmitted after the daemon's restart: ") == 0);
+  // A client that had the first run's lines asks for those after them.
+  std::vector<v1::DetachedLogLine> after = LinesNow(jobs, "fresh", before.back().seq(), &ended);
+  REQUIRE(!after.empty());
+  CHECK(after[0].seq() == 4);
+  // Ended (cancelled), the job's record and log file go; its log stays in memory.
+  REQUIRE(jobs.Cancel("fresh").ok());
+  CHECK(Mentions(LogUntilEnded(jobs, "fresh"), "cancelled"));
+  CHECK(!PathExists(JoinPath(dir, "records/fresh.json")));
+  CHECK(!PathExists(log_path));
 }
 
 // Where `id` waits in the queue (1: next).

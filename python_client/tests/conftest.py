@@ -111,8 +111,10 @@ def stop_process(proc, timeout=15):
 class DaemonProcess:
     """A ranncd started by a test with its own flags, separate from pyrannc's."""
 
-    def __init__(self, *flags):
-        self.address = f"127.0.0.1:{free_port()}"
+    def __init__(self, *flags, address=None):
+        """`address`: where to listen (default: a free loopback port), e.g. a stopped daemon's,
+        to start it again."""
+        self.address = address or f"127.0.0.1:{free_port()}"
         args = [os.environ["RANNC_DAEMON_BIN"], "--listen", self.address, "--devices", "cpu:1",
                 *flags]
         self.log = tempfile.NamedTemporaryFile(prefix="ranncd-", suffix=".log", delete=False)

@@ -360,6 +360,53 @@ def test_sigterm_checkpoints_the_job_and_the_restart_resumes_there(
                      + _plans(whole_log) + "\n" + _plans(logs))
 
 
+def test_a_followed_log_goes_on_through_the_daemon_s_restart(job_dir, tmp_path):
+    """`rannc logs -f --wait-for-daemon` on a job whose daemon is stopped (SIGTERM) and started
+    again at the same address prints the job's whole log once, in order (the lines before the
+    stop, the stop, the resubmission, the resumed training, its end), as the restarted daemon
+    has it, and exits 0 when the job is done. The log is kept beside the job's record; the
+    daemon numbers on where it was."""
+    steps = 400
+    ckpt = tmp_path / "ckpt"
+    config = f'checkpoint_dir = "{ckpt}"\ncheckpoint_every = 50\n{SAME_PLAN}'
+    state = str(tmp_path / "state")
+    daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state)
+    address = daemon.address
+    job = _cli(daemon, "submit", _job_file(job_dir, "followed", steps, config)).stdout.strip()
+    follower = subprocess.Popen(
+        [built_binary("rannc", "RANNC_CLI_BIN", "client"), "logs", "-f", job, "--daemon",
+         address, "--wait-for-daemon", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while daemon.conn.call("DetachedJobStatus", pb.JobRef(job_id=job)).step < 60:
+            assert time.monotonic() < deadline, daemon.output()
+            time.sleep(0.005)
+        daemon.proc.terminate()
+        assert daemon.proc.wait(timeout=30) == 0, daemon.output()
+        daemon.conn.close()
+        assert os.path.exists(os.path.join(state, "detached", job + ".log"))
+        time.sleep(1)  # the follower waits for the daemon meanwhile
+        assert follower.poll() is None, follower.communicate()
+        daemon = DaemonProcess("--devices", "cpu:2", "--state-dir", state, address=address)
+        out, err = follower.communicate(timeout=120)
+        assert follower.returncode == 0, out + err + daemon.output()
+        assert "rannc: the daemon stopped; following job" in err, err
+        assert err.count("rannc: the daemon stopped") == 1, err
+        followed = out.splitlines()
+        whole = _cli(daemon, "logs", job).stdout.splitlines()
+        assert followed == whole, "\n".join(followed) + "\n---\n" + "\n".join(whole)
+        order = ["submitted: ", "stopped with the daemon; it resumes when the daemon starts again",
+                 "resubmitted after the daemon's restart: ", "; resumed at step ", "done"]
+        where = [next((i for i, line in enumerate(whole) if o in line), -1) for o in order]
+        assert -1 not in where and where == sorted(where), (where, whole)
+        assert not os.path.exists(os.path.join(state, "detached", job + ".log"))
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        daemon.stop()
+
+
 class _StallingFront:
     """A loopback port whose TCP handshakes stall for `delay` seconds, as a loaded machine's may:
     its accept queue is kept full, so the kernel drops each SYN and the client sends it again

@@ -554,7 +554,10 @@ def test_the_manifests_run_a_cluster_that_heals_and_resumes_a_checkpointed_job(c
     assert stopped, log0
     stopped_at = int(stopped.group(1))
     assert 5 <= stopped_at < int(STEPS), log0
-    submit.stop(10)  # its stream ended with the pod; a user follows again below
+    # Its stream ended with the pod, and it waits for a daemon (--wait-for-daemon), but the
+    # client Service sends it to pod 1 now, which does not hold the job; a user follows again
+    # below.
+    submit.stop(10)
     other = sim.pods[names[1]]
     assert other["container"].proc.poll() is None, other["container"].output()
     # Still alive as the kubelet judges it: its liveness probe, failureThreshold tries of
