@@ -245,6 +245,15 @@ void DetachedJobs::RestoreLog(const std::string& id, Entry* entry) {
     return a.seq() < b.seq();
   });
   const size_t first = lines.size() > kKeptLines ? lines.size() - kKeptLines : 0;
+  if (first > 0) {  // the file is cut to what is kept, so that it grows by one run's lines only
+    std::string kept;
+    for (size_t i = first; i < lines.size(); ++i) {
+      std::string json;
+      if (!google::protobuf::util::MessageToJsonString(lines[i], &json).ok()) continue;
+      absl::StrAppend(&kept, json, "\n");
+    }
+    (void)WriteFileDurably(LogPath(id), kept.data(), kept.size());
+  }
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = first; i < lines.size(); ++i) entry->lines.push_back(std::move(lines[i]));
   if (!entry->lines.empty()) entry->next_seq = entry->lines.back().seq() + 1;
@@ -750,16 +759,6 @@ std::set<std::string> DetachedJobs::PathsInUse() {
     const v1::DetachedState s = e->status.state();
     if (s != v1::DETACHED_QUEUED && s != v1::DETACHED_RUNNING) continue;
     for (std::string& path : NamedFiles(e->spec)) out.insert(std::move(path));
-  }
-  return out;
-}
-
-std::vector<std::string> DetachedJobs::Active() {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::string> out;
-  for (const auto& [id, e] : jobs_) {
-    const v1::DetachedState s = e->status.state();
-    if (s == v1::DETACHED_QUEUED || s == v1::DETACHED_RUNNING) out.push_back(id);
   }
   return out;
 }

@@ -109,8 +109,6 @@ class DetachedJobs {
   // meanwhile each shows QUEUED, waiting for that start. Returns when every job's thread has
   // ended. Idempotent.
   void Stop();
-  // The ids of the jobs that are queued or running.
-  std::vector<std::string> Active();
   // How many jobs wait in the queue.
   size_t Queued();
   // The queue's aging: a waiting job counts one priority higher for each `aging` it has

@@ -1,5 +1,6 @@
 #include "daemon/server/detached_jobs.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -13,6 +14,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/checkpoint/checkpoint.h"
 #include "daemon/common/files.h"
 
@@ -280,6 +282,33 @@ TEST_CASE("A restarted daemon's job goes on with its log, numbered on") {
   CHECK(Mentions(LogUntilEnded(jobs, "fresh"), "cancelled"));
   CHECK(!PathExists(JoinPath(dir, "records/fresh.json")));
   CHECK(!PathExists(log_path));
+}
+
+TEST_CASE("A restarted daemon keeps the last 10,000 lines of a job's log, and cuts its file") {
+  const std::string dir = FreshDir("log_cut");
+  Record(dir, "job-a");
+  const std::string log_path = JoinPath(dir, "records/job-a.log");
+  std::string text;
+  for (int seq = 1; seq <= 10005; ++seq) {
+    absl::StrAppend(&text, "{\"seq\": \"", seq, "\", \"text\": \"line ", seq, "\"}\n");
+  }
+  REQUIRE(AppendToFile(log_path, text).ok());
+  Gate gate;
+  gate.Release();
+  DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
+  jobs.ResubmitRecorded();
+  bool ended = true;
+  std::vector<v1::DetachedLogLine> lines = LinesNow(jobs, "job-a", 0, &ended);
+  REQUIRE(lines.size() == 10000);
+  CHECK(lines.front().seq() == 7);  // 6 to 10005 restored, then the resubmission's 10006
+  CHECK(lines.front().text() == "line 7");
+  CHECK(lines.back().seq() == 10006);
+  absl::StatusOr<std::string> file = ReadFile(log_path);
+  REQUIRE(file.ok());
+  CHECK(std::count(file->begin(), file->end(), '\n') == 10001);
+  CHECK(file->find("\"line 5\"") == std::string::npos);
+  REQUIRE(jobs.Cancel("job-a").ok());
+  LogUntilEnded(jobs, "job-a");
 }
 
 // Where `id` waits in the queue (1: next).
