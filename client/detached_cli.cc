@@ -414,6 +414,24 @@ absl::Status RunLogs(const Client& client, const std::string& job, bool follow,
   return FollowLog(client, job, follow, /*bar=*/false, wait_for_daemon, interrupted).status();
 }
 
+std::vector<std::vector<std::string>> QueueTable(const std::vector<v1::DetachedStatus>& jobs) {
+  std::vector<std::vector<std::string>> rows = {{"JOB ID", "NAME", "STATE", "PLACE", "STEP",
+                                                 "LOSS", "TOK/S", "ELAPSED", "ETA", "NOTE"}};
+  for (const v1::DetachedStatus& s : jobs) {
+    const bool started = s.step() > 0;
+    const std::string note = s.state() == v1::DETACHED_FAILED ? s.error() : s.waiting_for();
+    rows.push_back({s.job_id(), s.name().empty() ? "-" : s.name(), StateName(s.state()),
+                    s.queue_position() > 0 ? std::to_string(s.queue_position()) : "-",
+                    s.steps() > 0 ? absl::StrFormat("%d/%d", s.step(), s.steps()) : "-",
+                    started ? absl::StrFormat("%.4f", s.loss()) : "-",
+                    started ? absl::StrFormat("%.0f", s.tokens_per_s()) : "-",
+                    started ? Duration(s.elapsed_s()) : "-",
+                    s.state() == v1::DETACHED_RUNNING ? Duration(s.eta_s()) : "-",
+                    note.empty() ? "-" : note});
+  }
+  return rows;
+}
+
 absl::Status RunCancel(const Client& client, const std::string& job) {
   absl::StatusOr<v1::DetachedStatus> before = client.DetachedJobStatus(job);
   if (!before.ok()) return before.status();

@@ -30,6 +30,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -63,6 +64,10 @@ absl::Status RunStatus(const Client& client, const std::string& job);
 // `rannc logs JOB [-f]`; followed through a restart of the daemon as RunSubmit's.
 absl::Status RunLogs(const Client& client, const std::string& job, bool follow,
                      absl::Duration wait_for_daemon, const std::function<bool()>& interrupted);
+// `rannc queue`'s table of ListDetachedJobs' statuses, a header row first: id, name, state,
+// place in the queue, step of steps, last loss, tokens/s, elapsed time, ETA, and what a queued
+// job waits for or why a job failed.
+std::vector<std::vector<std::string>> QueueTable(const std::vector<v1::DetachedStatus>& jobs);
 // `rannc cancel JOB`.
 absl::Status RunCancel(const Client& client, const std::string& job);
 

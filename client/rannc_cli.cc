@@ -2,6 +2,7 @@
 //
 //   rannc info   [--daemon HOST:PORT]     the daemon's version, LibTorch, devices, job count
 //   rannc jobs                            a table of the daemon's jobs
+//   rannc queue                           a table of its detached jobs (docs/detached.md)
 //   rannc locate NAME                     where a registered job runs (ranncd --cluster-store)
 //   rannc train  MODEL.pt --tokens FILE --batch B --seq T --steps N [...]
 //   rannc delete JOB_ID
@@ -226,6 +227,17 @@ int RunJobs(const Client& client) {
     if (!job.error().empty()) std::cout << job.job_id() << " failed: " << job.error() << "\n";
   }
   if (jobs->empty()) std::cout << "(no jobs)\n";
+  return 0;
+}
+
+int RunQueue(const Client& client) {
+  absl::StatusOr<std::vector<v1::DetachedStatus>> jobs = client.ListDetachedJobs();
+  if (!jobs.ok()) return Fail(jobs.status());
+  if (jobs->empty()) {
+    std::cout << "(no detached jobs)\n";
+    return 0;
+  }
+  PrintTable(QueueTable(*jobs), "");
   return 0;
 }
 
@@ -741,6 +753,9 @@ int Main(int argc, char** argv) {
                    "runs on another host)");
   submit->add_flag("--no-upload", submit_no_upload,
                    "the daemon reads the files from its own file system, at the paths given");
+  CLI::App* queue = app.add_subcommand(
+      "queue", "list the daemon's detached jobs: running, queued (in order), ended since it "
+               "started");
   CLI::App* status = app.add_subcommand("status", "show a detached job's progress");
   std::string status_job;
   status->add_option("job", status_job, "the job's id")->required();
@@ -936,6 +951,7 @@ int Main(int argc, char** argv) {
     return code.ok() ? *code : Fail(code.status());
   }
   auto done = [](const absl::Status& s) { return s.ok() ? 0 : Fail(s); };
+  if (*queue) return RunQueue(client);
   if (*status) return done(RunStatus(client, status_job));
   if (*logs) {
     if (logs_follow) InstallSigintHandler();

@@ -730,6 +730,15 @@ absl::StatusOr<v1::DetachedStatus> Client::DetachedJobStatus(const std::string& 
   return response;
 }
 
+absl::StatusOr<std::vector<v1::DetachedStatus>> Client::ListDetachedJobs() const {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ListDetachedJobsResponse response;
+  grpc::Status s = stub_->ListDetachedJobs(&context, v1::Empty(), &response);
+  if (!s.ok()) return Convert("ListDetachedJobs", s);
+  return std::vector<v1::DetachedStatus>(response.jobs().begin(), response.jobs().end());
+}
+
 absl::StatusOr<std::string> Client::UploadFile(const std::string& local_path) const {
   std::FILE* file = std::fopen(local_path.c_str(), "rb");
   if (file == nullptr) {

@@ -291,6 +291,8 @@ class Client {
   // job's id once the daemon has checked the spec (its files are the daemon's).
   absl::StatusOr<std::string> SubmitJob(const v1::DetachedJobSpec& spec) const;
   absl::StatusOr<v1::DetachedStatus> DetachedJobStatus(const std::string& job_id) const;
+  // Every detached job the daemon knows (ListDetachedJobs' order: running, queued, ended).
+  absl::StatusOr<std::vector<v1::DetachedStatus>> ListDetachedJobs() const;
   // Calls `line` for each log line numbered above `after_seq`; with `follow`, until the job
   // ends, or `stop` (polled every 100 ms from another thread; may be null) says so. Not bounded
   // by the RPC timeout.

@@ -138,6 +138,7 @@ rpc_seeds.update({
             total_bytes=192))),
     "export-checkpoint": rpc(27, pb.CheckpointsRef(step=3)),
     "detached-logs": rpc(28, pb.DetachedLogsRequest(follow=True)),
+    "list-detached": rpc(29, pb.Empty()),
 })
 
 for out, written in ((OUT, seeds), (os.path.join(os.path.dirname(OUT), "rpc"), rpc_seeds)):

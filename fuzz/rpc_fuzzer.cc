@@ -216,7 +216,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   using S = v1::TrainingService::Stub;
   const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 29) {
+  switch (data[0] % 30) {
     case 0: Call<v1::GetInfoRequest, v1::DaemonInfo>(body, &S::GetInfo); break;
     case 1:
       Call<v1::JoinJobRequest, v1::CreateJobResponse>(body, &S::JoinJob,
@@ -307,6 +307,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ServerStream<v1::DetachedLogsRequest, v1::DetachedLogLine>(
           body, &S::DetachedJobLogs, WithJob<v1::DetachedLogsRequest>);
       break;
+    case 29: Call<v1::Empty, v1::ListDetachedJobsResponse>(body, &S::ListDetachedJobs); break;
   }
   return 0;
 }

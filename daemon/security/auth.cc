@@ -107,7 +107,7 @@ const std::map<std::string, Access>& MethodAccess() {
     auto add = [&](const char* service, Access access, std::vector<const char*> methods) {
       for (const char* m : methods) (*out)[absl::StrCat("/rannc.v1.", service, "/", m)] = access;
     };
-    add("TrainingService", Access::kAuthenticated, {"GetInfo", "ListJobs"});
+    add("TrainingService", Access::kAuthenticated, {"GetInfo", "ListJobs", "ListDetachedJobs"});
     add("TrainingService", Access::kAdmin,
         {"CreateJob", "ResumeJob", "SubmitJob", "UploadFile"});
     add("TrainingService", Access::kJob,

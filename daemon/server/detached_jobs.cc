@@ -91,6 +91,13 @@ v1::DetachedStatus NewStatus(const std::string& id, const std::string& name,
   return status;
 }
 
+// The status of a recorded job a restarted daemon has yet to resubmit.
+v1::DetachedStatus ResubmittingStatus(const std::string& id) {
+  v1::DetachedStatus status = NewStatus(id, "", v1::DETACHED_QUEUED, 0);  // its record unread
+  status.set_waiting_for("resubmitted after the daemon's restart: being checked and planned");
+  return status;
+}
+
 }  // namespace
 
 std::vector<std::string> NamedFiles(const v1::DetachedJobSpec& spec) {
@@ -678,11 +685,7 @@ absl::StatusOr<DetachedJobs::Entry*> DetachedJobs::FindLocked(const std::string&
 absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   absl::StatusOr<Entry*> entry = FindLocked(id);
-  if (!entry.ok() && resubmitting_.count(id)) {
-    v1::DetachedStatus status = NewStatus(id, "", v1::DETACHED_QUEUED, 0);  // its record unread
-    status.set_waiting_for("resubmitted after the daemon's restart: being checked and planned");
-    return status;
-  }
+  if (!entry.ok() && resubmitting_.count(id)) return ResubmittingStatus(id);
   if (!entry.ok()) return entry.status();
   v1::DetachedStatus status = (*entry)->status;
   OrderQueueLocked();
@@ -690,6 +693,40 @@ absl::StatusOr<v1::DetachedStatus> DetachedJobs::Status(const std::string& id) {
     if (queue_[i] == id) status.set_queue_position(static_cast<int64_t>(i) + 1);
   }
   return status;
+}
+
+std::vector<v1::DetachedStatus> DetachedJobs::List() {
+  std::lock_guard<std::mutex> lock(mu_);
+  OrderQueueLocked();
+  std::vector<const Entry*> running;
+  std::vector<v1::DetachedStatus> queued, waiting, ended;
+  for (const auto& [id, e] : jobs_) {
+    const v1::DetachedState s = e->status.state();
+    if (s == v1::DETACHED_RUNNING) {
+      running.push_back(e.get());
+    } else if (s != v1::DETACHED_QUEUED) {
+      ended.push_back(e->status);
+    } else if (std::find(queue_.begin(), queue_.end(), id) == queue_.end()) {
+      waiting.push_back(e->status);  // stopped with the daemon
+    }
+  }
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    queued.push_back(jobs_.at(queue_[i])->status);
+    queued.back().set_queue_position(static_cast<int64_t>(i) + 1);
+  }
+  for (const std::string& id : resubmitting_) {
+    if (!jobs_.count(id)) waiting.push_back(ResubmittingStatus(id));
+  }
+  std::sort(waiting.begin(), waiting.end(),
+            [](const auto& a, const auto& b) { return a.job_id() < b.job_id(); });
+  std::stable_sort(running.begin(), running.end(),
+                   [](const Entry* a, const Entry* b) { return a->started < b->started; });
+  std::vector<v1::DetachedStatus> out;
+  for (const Entry* e : running) out.push_back(e->status);
+  for (auto* part : {&queued, &waiting, &ended}) {
+    for (v1::DetachedStatus& s : *part) out.push_back(std::move(s));
+  }
+  return out;
 }
 
 absl::Status DetachedJobs::Cancel(const std::string& id) {

@@ -94,6 +94,10 @@ class DetachedJobs {
   // NOT_FOUND for an id that was never submitted here. A recorded job that a restarted daemon
   // has yet to resubmit is QUEUED; one it could not resubmit is FAILED, with the reason.
   absl::StatusOr<v1::DetachedStatus> Status(const std::string& id);
+  // Every job's Status: the running ones (by start), the queue (in its order), the other
+  // queued ones (yet to be resubmitted, or stopped with the daemon; by id), then the ended ones
+  // (by id).
+  std::vector<v1::DetachedStatus> List();
   // Ends the job: a queued one at once, a running one after its current step, a recorded one
   // not yet resubmitted before it starts. NOT_FOUND for an unknown id; OK (nothing to do) for
   // one that has ended.

@@ -1557,6 +1557,19 @@ grpc::Status TrainingServiceImpl::DetachedJobStatus(grpc::ServerContext* context
   return grpc::Status::OK;
 }
 
+grpc::Status TrainingServiceImpl::ListDetachedJobs(grpc::ServerContext* context, const v1::Empty*,
+                                                   v1::ListDetachedJobsResponse* response) {
+  grpc::Status denied;
+  const security::Caller caller = Authenticate(*context, "ListDetachedJobs", &denied);
+  if (!denied.ok()) return denied;
+  for (v1::DetachedStatus& status : detached_->List()) {
+    // A job's token lists that job alone.
+    if (caller.kind == security::Caller::Kind::kJob && status.job_id() != caller.job_id) continue;
+    *response->add_jobs() = std::move(status);
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status TrainingServiceImpl::DetachedJobLogs(grpc::ServerContext* context,
                                                   const v1::DetachedLogsRequest* request,
                                                   grpc::ServerWriter<v1::DetachedLogLine>* writer) {

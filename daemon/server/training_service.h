@@ -156,6 +156,8 @@ class TrainingServiceImpl final : public v1::TrainingService::Service {
                           v1::UploadedFile*) override;
   grpc::Status DetachedJobStatus(grpc::ServerContext*, const v1::JobRef*,
                                  v1::DetachedStatus*) override;
+  grpc::Status ListDetachedJobs(grpc::ServerContext*, const v1::Empty*,
+                                v1::ListDetachedJobsResponse*) override;
   grpc::Status DetachedJobLogs(grpc::ServerContext*, const v1::DetachedLogsRequest*,
                                grpc::ServerWriter<v1::DetachedLogLine>*) override;
   grpc::Status CancelJob(grpc::ServerContext*, const v1::JobRef*, v1::Empty*) override;

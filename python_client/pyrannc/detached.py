@@ -16,7 +16,7 @@ sends them first (by default when the daemon runs on another host).
 import os
 import socket
 import tomllib
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -254,6 +254,17 @@ def status(job_id: str, daemon: Optional[str] = None) -> pb.DetachedStatus:
     conn = _connection(daemon)
     try:
         return conn.call("DetachedJobStatus", pb.JobRef(job_id=job_id))
+    finally:
+        conn.close()
+
+
+def list_jobs(daemon: Optional[str] = None) -> List[pb.DetachedStatus]:
+    """Every detached job the daemon knows, as DetachedStatus: the running ones, then the queue
+    in its order (`queue_position` 1, 2, ...), then those waiting to be resubmitted after a
+    restart, then those ended since the daemon started (`rannc queue` prints the same)."""
+    conn = _connection(daemon)
+    try:
+        return list(conn.call("ListDetachedJobs", pb.Empty()).jobs)
     finally:
         conn.close()
 

@@ -788,12 +788,27 @@ def test_a_job_waits_for_the_memory_another_holds(job_dir):
         positions = [daemon.conn.call("DetachedJobStatus", pb.JobRef(job_id=j)).queue_position
                      for j in (second, third, fourth)]
         assert positions == [2, 1, 3], positions
+        # The whole queue at once: the running job, then the queue in its order.
+        from pyrannc import detached
+        listed = detached.list_jobs(daemon=daemon.address)
+        assert [(j.job_id, j.state, j.queue_position) for j in listed] == [
+            (first, pb.DETACHED_RUNNING, 0), (third, pb.DETACHED_QUEUED, 1),
+            (second, pb.DETACHED_QUEUED, 2), (fourth, pb.DETACHED_QUEUED, 3)], listed
+        rows = [line.split() for line in _cli(daemon, "queue").stdout.splitlines()]
+        assert rows[0][:5] == ["JOB", "ID", "NAME", "STATE", "PLACE"], rows
+        assert [r[:4] for r in rows[1:]] == [
+            [first, "holder", "running", "-"], [third, "urgent", "queued", "1"],
+            [second, "waiter", "queued", "2"], [fourth, "later", "queued", "3"]], rows
         _cli(daemon, "cancel", first)
         fields, out = _wait(daemon, third, {"running", "done"})
         assert _status(daemon, second)[0]["state"] == "queued"
         for job in (second, third, fourth):
             _until_done(daemon, job)
         assert "waiting for device memory" in _cli(daemon, "logs", second).stdout
+        # Ended, by id.
+        states = {j.job_id: j.state for j in detached.list_jobs(daemon=daemon.address)}
+        assert states == {first: pb.DETACHED_CANCELLED, second: pb.DETACHED_DONE,
+                          third: pb.DETACHED_DONE, fourth: pb.DETACHED_DONE}, states
     finally:
         daemon.stop()
 

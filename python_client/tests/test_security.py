@@ -353,7 +353,7 @@ def test_a_daemon_reaches_etcd_over_tls(tmp_path, ca, other_ca, pyrannc_daemon):
 
 _ADMIN = "admin-" + "0123456789abcdef" * 2
 # Who may call what, as docs/security.md says (the test's own table, not the daemon's).
-_ANY_VALID_TOKEN = {"GetInfo", "ListJobs"}
+_ANY_VALID_TOKEN = {"GetInfo", "ListJobs", "ListDetachedJobs"}
 
 
 def _rpcs():
@@ -444,7 +444,7 @@ def token_daemon(tmp_path, pyrannc_daemon, monkeypatch):
 def test_tokens_guard_every_rpc(token_daemon):
     # The matrix of issue 24 over every RPC of every service: no token, a wrong one and a
     # malformed one are UNAUTHENTICATED; job A's token on job B (or on what only the admin or a
-    # daemon may do) is PERMISSION_DENIED; GetInfo and ListJobs take any valid token.
+    # daemon may do) is PERMISSION_DENIED; GetInfo and the two lists take any valid token.
     daemon, jobs = token_daemon
     a_id, a_token = jobs["tok-a"]
     b_id, _ = jobs["tok-b"]

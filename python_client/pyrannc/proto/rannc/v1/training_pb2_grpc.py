@@ -164,6 +164,11 @@ class TrainingServiceStub(object):
                 request_serializer=rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
                 response_deserializer=rannc_dot_v1_dot_training__pb2.DetachedStatus.FromString,
                 )
+        self.ListDetachedJobs = channel.unary_unary(
+                '/rannc.v1.TrainingService/ListDetachedJobs',
+                request_serializer=rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
+                response_deserializer=rannc_dot_v1_dot_training__pb2.ListDetachedJobsResponse.FromString,
+                )
         self.DetachedJobLogs = channel.unary_stream(
                 '/rannc.v1.TrainingService/DetachedJobLogs',
                 request_serializer=rannc_dot_v1_dot_training__pb2.DetachedLogsRequest.SerializeToString,
@@ -382,6 +387,15 @@ class TrainingServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListDetachedJobs(self, request, context):
+        """The daemon's detached jobs: running, then queued (in the queue's order; then those a
+        restarted daemon has yet to resubmit, or that wait for its next start), then those ended
+        since it started. A job's token lists that job alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DetachedJobLogs(self, request, context):
         """The job's log from `after_seq` on; with `follow`, then each new line until the job ends.
         """
@@ -558,6 +572,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.DetachedJobStatus,
                     request_deserializer=rannc_dot_v1_dot_training__pb2.JobRef.FromString,
                     response_serializer=rannc_dot_v1_dot_training__pb2.DetachedStatus.SerializeToString,
+            ),
+            'ListDetachedJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDetachedJobs,
+                    request_deserializer=rannc_dot_v1_dot_training__pb2.Empty.FromString,
+                    response_serializer=rannc_dot_v1_dot_training__pb2.ListDetachedJobsResponse.SerializeToString,
             ),
             'DetachedJobLogs': grpc.unary_stream_rpc_method_handler(
                     servicer.DetachedJobLogs,
@@ -1091,6 +1110,23 @@ class TrainingService(object):
         return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/DetachedJobStatus',
             rannc_dot_v1_dot_training__pb2.JobRef.SerializeToString,
             rannc_dot_v1_dot_training__pb2.DetachedStatus.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ListDetachedJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/rannc.v1.TrainingService/ListDetachedJobs',
+            rannc_dot_v1_dot_training__pb2.Empty.SerializeToString,
+            rannc_dot_v1_dot_training__pb2.ListDetachedJobsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
