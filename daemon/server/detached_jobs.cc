@@ -130,6 +130,7 @@ struct DetachedJobs::Entry {
   // file_mu, which orders the appends with DropRecord's removal.
   std::mutex file_mu;
   bool durable = false;
+  bool stopped = false;  // with the daemon, to resume at its next start; guarded by mu_
   std::shared_ptr<Job> job;  // while running
   std::chrono::steady_clock::time_point started;
   std::chrono::steady_clock::time_point queued;  // when it joined the queue
@@ -470,7 +471,10 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
     entry->status.set_state(state);
     entry->status.set_error(error);
     entry->status.clear_device_bytes();
-    if (resumes) entry->status.set_waiting_for("the daemon to start again (stopped with it)");
+    if (resumes) {
+      entry->status.set_waiting_for("the daemon to start again (stopped with it)");
+      entry->stopped = true;
+    }
   }
   changed_.notify_all();
   // Only the status and the log outlive the run (Finish runs on the job's own thread).
@@ -730,6 +734,7 @@ std::vector<v1::DetachedStatus> DetachedJobs::List() {
 }
 
 absl::Status DetachedJobs::Cancel(const std::string& id) {
+  Entry* stopped = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     absl::StatusOr<Entry*> entry = FindLocked(id);
@@ -739,6 +744,18 @@ absl::Status DetachedJobs::Cancel(const std::string& id) {
     }
     if (!entry.ok()) return entry.status();
     (*entry)->cancel = true;
+    stopped = (*entry)->stopped ? *entry : nullptr;
+    if (stopped != nullptr) {
+      // Stopped with the daemon (its run over): it ends here rather than at the next start.
+      stopped->stopped = false;
+      stopped->status.set_state(v1::DETACHED_CANCELLED);
+      stopped->status.clear_waiting_for();
+    }
+  }
+  if (stopped != nullptr) {
+    DropRecord(stopped);
+    if (hooks_.ended) hooks_.ended(stopped->spec);
+    Log(stopped, "cancelled: it does not resume when the daemon starts again");
   }
   changed_.notify_all();
   return absl::OkStatus();

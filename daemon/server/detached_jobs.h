@@ -99,8 +99,9 @@ class DetachedJobs {
   // (by id).
   std::vector<v1::DetachedStatus> List();
   // Ends the job: a queued one at once, a running one after its current step, a recorded one
-  // not yet resubmitted before it starts. NOT_FOUND for an unknown id; OK (nothing to do) for
-  // one that has ended.
+  // not yet resubmitted before it starts, one stopped with the daemon for good (its record
+  // goes: the next start does not resume it). NOT_FOUND for an unknown id; OK (nothing to do)
+  // for one that has ended.
   absl::Status Cancel(const std::string& id);
   // The log lines numbered above `after_seq`. With `wait` > 0 and none yet, waits up to `wait`
   // for one (and for a recorded job to be resubmitted). `ended`: the job has ended and every

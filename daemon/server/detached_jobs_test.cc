@@ -295,6 +295,28 @@ TEST_CASE("A restarted daemon's job goes on with its log, numbered on") {
   CHECK(!PathExists(log_path));
 }
 
+TEST_CASE("A job stopped with the daemon and then cancelled does not resume") {
+  const std::string dir = FreshDir("stopped_cancel");
+  Gate gate;
+  gate.Release();
+  DetachedJobs jobs(gate.Hooks(), JoinPath(dir, "records"));
+  REQUIRE(jobs.Submit(Spec(dir, "dropped")).value() == "fresh");
+  jobs.Stop();
+  REQUIRE(jobs.Status("fresh")->state() == v1::DETACHED_QUEUED);
+  CHECK(PathExists(JoinPath(dir, "records/fresh.json")));
+  REQUIRE(jobs.Cancel("fresh").ok());
+  absl::StatusOr<v1::DetachedStatus> status = jobs.Status("fresh");
+  REQUIRE(status.ok());
+  CHECK(status->state() == v1::DETACHED_CANCELLED);
+  CHECK(status->waiting_for().empty());
+  CHECK(Mentions(LogUntilEnded(jobs, "fresh"),
+                 "cancelled: it does not resume when the daemon starts again"));
+  CHECK(!PathExists(JoinPath(dir, "records/fresh.json")));
+  CHECK(!PathExists(JoinPath(dir, "records/fresh.log")));
+  std::lock_guard<std::mutex> lock(gate.mu);
+  CHECK(gate.ended == std::vector<std::string>{"dropped"});
+}
+
 TEST_CASE("A restarted daemon keeps the last 10,000 lines of a job's log, and cuts its file") {
   const std::string dir = FreshDir("log_cut");
   Record(dir, "job-a");
