@@ -6,6 +6,8 @@ a RaNNC script uses, submit it to a daemon that trains it on its own, and follow
                             steps=200, schedule="cosine", warmup_steps=20)
     job_id = dj.submit(job_file)            # to RANNC_DAEMON (a daemon that outlives this process)
     print(dj.status(job_id).step)
+    for line in dj.logs(job_id, follow=True):  # until it ends
+        print(line.text)
 
 `write_job` writes the model traced as (input_ids, targets) -> loss (token data) or on a batch
 of a tensor dataset, and a job file that `rannc submit` reads too; `submit` reads such a file.
@@ -16,7 +18,7 @@ sends them first (by default when the daemon runs on another host).
 import os
 import socket
 import tomllib
-from typing import Dict, List, Optional, Union
+from typing import Dict, Iterator, List, Optional, Union
 
 import torch
 
@@ -265,6 +267,19 @@ def list_jobs(daemon: Optional[str] = None) -> List[pb.DetachedStatus]:
     conn = _connection(daemon)
     try:
         return list(conn.call("ListDetachedJobs", pb.Empty()).jobs)
+    finally:
+        conn.close()
+
+
+def logs(job_id: str, follow: bool = False, after_seq: int = 0,
+         daemon: Optional[str] = None) -> Iterator[pb.DetachedLogLine]:
+    """The job's log lines numbered above `after_seq` (each with its `seq`, `unix_ms` and
+    `text`); with `follow`, then each new line until the job ends, or the daemon stops (its
+    jobs go on at its next start: call again with the last `seq` seen to go on from there)."""
+    conn = _connection(daemon)
+    try:
+        yield from conn.stream("DetachedJobLogs", pb.DetachedLogsRequest(
+            job_id=job_id, follow=follow, after_seq=after_seq))
     finally:
         conn.close()
 

@@ -539,8 +539,15 @@ def test_a_job_written_from_python_trains_as_pyrannc_does(job_dir, tmp_path, mon
     daemon = DaemonProcess("--devices", "cpu:2")
     try:
         job = detached.submit(job_file, daemon=daemon.address)
-        _until_done(daemon, job)
+        # Followed from Python to its end: the lines `rannc logs` prints, numbered from 1.
+        followed = list(detached.logs(job, follow=True, daemon=daemon.address))
+        assert [line.seq for line in followed] == list(range(1, len(followed) + 1))
+        assert followed[0].text.startswith("submitted: ") and followed[-1].text == "done"
+        assert "".join(line.text + "\n" for line in followed) == _cli(daemon, "logs", job).stdout
+        assert [line.seq for line in detached.logs(job, after_seq=len(followed) - 1,
+                                                   daemon=daemon.address)] == [len(followed)]
         final = detached.status(job, daemon=daemon.address)
+        assert final.state == pb.DETACHED_DONE
         # The CLI reads the same file.
         again = _cli(daemon, "submit", job_file).stdout.strip()
         _wait(daemon, again, {"done"})
