@@ -201,7 +201,7 @@ absl::StatusOr<v1::DetachedState> FollowLog(const Client& client, const std::str
   std::optional<ProgressBar> progress;
   if (bar) progress.emplace(client, job);
   int64_t after = 0;
-  bool waiting = false;  // for the daemon, said once
+  bool said = false;  // that it waits for the daemon: once (a stopping daemon answers a while)
   while (true) {
     absl::Status read = client.DetachedJobLogs(
         job, after, follow,
@@ -212,7 +212,6 @@ absl::StatusOr<v1::DetachedState> FollowLog(const Client& client, const std::str
             std::cout << line.text() << "\n" << std::flush;
           }
           after = line.seq();
-          waiting = false;
         },
         interrupted);
     absl::StatusOr<v1::DetachedStatus> status =
@@ -232,11 +231,11 @@ absl::StatusOr<v1::DetachedState> FollowLog(const Client& client, const std::str
                 << " resumes when it starts again (--wait-for-daemon follows it there)\n";
       return status->state();
     }
-    if (!waiting) {
+    if (!said) {
       std::cerr << "rannc: the daemon stopped; following job " << job
                 << " on once it answers again (waiting up to "
-                << absl::FormatDuration(wait_for_daemon) << ")\n";
-      waiting = true;
+                << absl::FormatDuration(wait_for_daemon) << " each time)\n";
+      said = true;
     }
     // A stopping daemon still answers for a moment (its last lines), its log's stream ending at
     // once.
