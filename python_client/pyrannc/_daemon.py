@@ -415,8 +415,10 @@ class Connection:
                 self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=2.0)
                 return self.info
             except grpc.RpcError as err:
+                # (CANCELLED: a stopping daemon's answer; it may come back.)
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                      grpc.StatusCode.DEADLINE_EXCEEDED):
+                                      grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      grpc.StatusCode.CANCELLED):
                     raise from_rpc_error("GetInfo", err) from None
                 last_error = err
             if time.monotonic() >= fresh_at:

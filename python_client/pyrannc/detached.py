@@ -17,9 +17,11 @@ sends them first (by default when the daemon runs on another host).
 
 import os
 import socket
+import time
 import tomllib
 from typing import Dict, Iterator, List, Optional, Union
 
+import grpc
 import torch
 
 from pyrannc import _daemon, _optim
@@ -271,15 +273,43 @@ def list_jobs(daemon: Optional[str] = None) -> List[pb.DetachedStatus]:
         conn.close()
 
 
-def logs(job_id: str, follow: bool = False, after_seq: int = 0,
-         daemon: Optional[str] = None) -> Iterator[pb.DetachedLogLine]:
+_ENDED = (pb.DETACHED_DONE, pb.DETACHED_FAILED, pb.DETACHED_CANCELLED)
+
+
+def logs(job_id: str, follow: bool = False, after_seq: int = 0, daemon: Optional[str] = None,
+         wait_for_daemon: float = 0.0) -> Iterator[pb.DetachedLogLine]:
     """The job's log lines numbered above `after_seq` (each with its `seq`, `unix_ms` and
-    `text`); with `follow`, then each new line until the job ends, or the daemon stops (its
-    jobs go on at its next start: call again with the last `seq` seen to go on from there)."""
+    `text`); with `follow`, then each new line until the job ends. A followed log whose daemon
+    stops (its jobs go on at its next start) or goes away ends there, unless `wait_for_daemon`
+    > 0: then it goes on from the line after the last one yielded once the daemon answers
+    again within that many seconds, as `rannc logs -f --wait-for-daemon` does."""
     conn = _connection(daemon)
     try:
-        yield from conn.stream("DetachedJobLogs", pb.DetachedLogsRequest(
-            job_id=job_id, follow=follow, after_seq=after_seq))
+        while True:
+            failed = None
+            try:
+                for line in conn.stream("DetachedJobLogs", pb.DetachedLogsRequest(
+                        job_id=job_id, follow=follow, after_seq=after_seq)):
+                    after_seq = line.seq
+                    yield line
+            except RanncError as err:
+                failed = err
+            if not follow or wait_for_daemon <= 0:
+                if failed is not None:
+                    raise failed
+                return
+            if failed is None:
+                try:
+                    if conn.call("DetachedJobStatus", pb.JobRef(job_id=job_id)).state in _ENDED:
+                        return
+                except RanncError as err:
+                    failed = err
+            # A stopping daemon cancels the calls it has; one gone is unreachable.
+            if failed is not None and failed.code not in (grpc.StatusCode.UNAVAILABLE,
+                                                          grpc.StatusCode.CANCELLED):
+                raise failed
+            time.sleep(0.25)  # a stopping daemon still answers for a moment
+            conn.wait_ready(time.monotonic() + wait_for_daemon, lambda: None)
     finally:
         conn.close()
 

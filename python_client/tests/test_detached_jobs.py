@@ -377,6 +377,19 @@ def test_a_followed_log_goes_on_through_the_daemon_s_restart(job_dir, tmp_path):
         [built_binary("rannc", "RANNC_CLI_BIN", "client"), "logs", "-f", job, "--daemon",
          address, "--wait-for-daemon", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The same from Python.
+    from pyrannc import detached
+    from_python = []
+
+    def follow():
+        try:
+            for line in detached.logs(job, follow=True, daemon=address, wait_for_daemon=120):
+                from_python.append(line)
+        except Exception as err:  # noqa: BLE001 (reported below)
+            from_python.append(err)
+
+    python_follower = threading.Thread(target=follow, daemon=True)
+    python_follower.start()
     try:
         deadline = time.monotonic() + 60
         while daemon.conn.call("DetachedJobStatus", pb.JobRef(job_id=job)).step < 60:
@@ -394,8 +407,14 @@ def test_a_followed_log_goes_on_through_the_daemon_s_restart(job_dir, tmp_path):
         assert "rannc: the daemon stopped; following job" in err, err
         assert err.count("rannc: the daemon stopped") == 1, err
         followed = out.splitlines()
-        whole = _cli(daemon, "logs", job).stdout.splitlines()
+        whole_text = _cli(daemon, "logs", job).stdout
+        whole = whole_text.splitlines()
         assert followed == whole, "\n".join(followed) + "\n---\n" + "\n".join(whole)
+        python_follower.join(timeout=60)
+        assert not python_follower.is_alive()
+        assert all(isinstance(line, pb.DetachedLogLine) for line in from_python), from_python
+        assert "".join(line.text + "\n" for line in from_python) == whole_text
+        assert [line.seq for line in from_python] == list(range(1, len(from_python) + 1))
         order = ["submitted: ", "stopped with the daemon; it resumes when the daemon starts again",
                  "resubmitted after the daemon's restart: ", "; resumed at step ", "done"]
         where = [next((i for i, line in enumerate(whole) if o in line), -1) for o in order]
