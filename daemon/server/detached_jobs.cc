@@ -91,6 +91,15 @@ v1::DetachedStatus NewStatus(const std::string& id, const std::string& name,
   return status;
 }
 
+// `line` as a line of its job's log file: one line of JSON (its text's newlines escaped); ""
+// if it cannot be written so.
+std::string LogFileLine(const v1::DetachedLogLine& line) {
+  std::string json;
+  if (!google::protobuf::util::MessageToJsonString(line, &json).ok()) return "";
+  json.push_back('\n');
+  return json;
+}
+
 // The status of a recorded job a restarted daemon has yet to resubmit.
 v1::DetachedStatus ResubmittingStatus(const std::string& id) {
   v1::DetachedStatus status = NewStatus(id, "", v1::DETACHED_QUEUED, 0);  // its record unread
@@ -199,13 +208,12 @@ void DetachedJobs::AddEnded(const std::string& id, const v1::DetachedJobSpec& sp
   entry->status = NewStatus(id, spec.name().empty() ? id : spec.name(), state, spec.steps());
   if (state == v1::DETACHED_FAILED) entry->status.set_error(why);
   RestoreLog(id, entry);  // what it logged before the restart, then why it ends
-  DropRecord(entry);
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_[id] = std::move(e);
   }
-  if (hooks_.ended) hooks_.ended(spec);  // its uploads go
-  Log(entry, absl::StrCat(state == v1::DETACHED_CANCELLED ? "cancelled: " : "failed: ", why));
+  EndRun(entry,
+         absl::StrCat(state == v1::DETACHED_CANCELLED ? "cancelled: " : "failed: ", why));
 }
 
 DetachedJobs::~DetachedJobs() { Stop(); }
@@ -255,11 +263,7 @@ void DetachedJobs::RestoreLog(const std::string& id, Entry* entry) {
   const size_t first = lines.size() > kKeptLines ? lines.size() - kKeptLines : 0;
   if (first > 0) {  // the file is cut to what is kept, so that it grows by one run's lines only
     std::string kept;
-    for (size_t i = first; i < lines.size(); ++i) {
-      std::string json;
-      if (!google::protobuf::util::MessageToJsonString(lines[i], &json).ok()) continue;
-      absl::StrAppend(&kept, json, "\n");
-    }
+    for (size_t i = first; i < lines.size(); ++i) kept += LogFileLine(lines[i]);
     (void)WriteFileDurably(LogPath(id), kept.data(), kept.size());
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -271,8 +275,16 @@ void DetachedJobs::DropRecord(Entry* entry) {
   if (records_dir_.empty()) return;
   std::lock_guard<std::mutex> lock(entry->file_mu);
   entry->durable = false;
-  (void)RemoveTree(RecordPath(entry->id));
+  // The log first: a crash between the two leaves a record, resubmitted without its old log,
+  // never a log file no record names.
   (void)RemoveTree(LogPath(entry->id));
+  (void)RemoveTree(RecordPath(entry->id));
+}
+
+void DetachedJobs::EndRun(Entry* entry, const std::string& last_line) {
+  DropRecord(entry);
+  if (hooks_.ended) hooks_.ended(entry->spec);  // its uploads go
+  Log(entry, last_line);
 }
 
 absl::StatusOr<std::string> DetachedJobs::Submit(const v1::DetachedJobSpec& spec) {
@@ -363,7 +375,6 @@ absl::StatusOr<std::string> DetachedJobs::SubmitAs(const std::string& id,
     if (made.ok() && !json.ok()) made = json.status();
     if (made.ok()) made = WriteFileDurably(RecordPath(id), json->data(), json->size());
     if (made.ok()) {
-      (void)RemoveTree(LogPath(id));  // a new id's: none
       entry->durable = true;
     } else {
       spdlog::warn("detached job {} runs, but is not durable: {}", id, made.ToString());
@@ -426,18 +437,15 @@ void DetachedJobs::Log(Entry* entry, const std::string& text) {
   changed_.notify_all();
   std::lock_guard<std::mutex> lock(entry->file_mu);
   if (!entry->durable) return;
-  // One line of JSON (its text's newlines escaped), in one append: a crash cuts at most the
-  // last, which RestoreLog skips. Lines logged at once by two threads may land out of order;
-  // RestoreLog orders them.
-  std::string json;
-  if (google::protobuf::util::MessageToJsonString(line, &json).ok()) {
-    json.push_back('\n');
-    absl::Status appended = AppendToFile(LogPath(entry->id), json);
-    if (!appended.ok()) {
-      spdlog::warn("detached job {}: its log is no longer kept on disk: {}", entry->id,
-                   appended.ToString());
-      entry->durable = false;
-    }
+  // In one append: a crash cuts at most the last line, which RestoreLog skips. Lines logged at
+  // once by two threads may land out of order; RestoreLog orders them.
+  const std::string json = LogFileLine(line);
+  if (json.empty()) return;
+  absl::Status appended = AppendToFile(LogPath(entry->id), json);
+  if (!appended.ok()) {
+    spdlog::warn("detached job {}: its log is no longer kept on disk: {}", entry->id,
+                 appended.ToString());
+    entry->durable = false;
   }
 }
 
@@ -459,12 +467,10 @@ void DetachedJobs::Finish(Entry* entry, v1::DetachedState state, const std::stri
     Log(entry, "stopped with the daemon; it resumes when the daemon starts again");
     state = v1::DETACHED_QUEUED;
   } else {
-    DropRecord(entry);
-    if (hooks_.ended) hooks_.ended(entry->spec);
     const char* name = state == v1::DETACHED_DONE ? "done"
                        : state == v1::DETACHED_FAILED ? "failed"
                                                       : "cancelled";
-    Log(entry, absl::StrCat(name, error.empty() ? "" : ": ", error));
+    EndRun(entry, absl::StrCat(name, error.empty() ? "" : ": ", error));
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -753,9 +759,7 @@ absl::Status DetachedJobs::Cancel(const std::string& id) {
     }
   }
   if (stopped != nullptr) {
-    DropRecord(stopped);
-    if (hooks_.ended) hooks_.ended(stopped->spec);
-    Log(stopped, "cancelled: it does not resume when the daemon starts again");
+    EndRun(stopped, "cancelled: it does not resume when the daemon starts again");
   }
   changed_.notify_all();
   return absl::OkStatus();

@@ -154,8 +154,11 @@ class DetachedJobs {
   // line numbered after them. A line that does not parse (the last one, cut by a crash) is
   // skipped.
   void RestoreLog(const std::string& id, Entry* entry);
-  // `entry`'s record and log file go (its run has ended); later lines stay in memory only.
+  // `entry`'s record and log file go; later lines stay in memory only.
   void DropRecord(Entry* entry);
+  // `entry` has ended for good: DropRecord, what its spec named for it alone goes
+  // (Hooks::ended), and `last_line` ends its log.
+  void EndRun(Entry* entry, const std::string& last_line);
   // With mu_ held: orders queue_ by priority plus one for each queue_aging_ waited, then by
   // the time each joined it (FIFO among equals).
   void OrderQueueLocked();
