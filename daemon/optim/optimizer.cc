@@ -300,6 +300,36 @@ std::string Describe(const at::Tensor& t) {
 
 }  // namespace
 
+absl::Status CheckGroups(OptimizerKind kind, const std::vector<ParamGroup>& groups) {
+  std::unordered_set<const void*> seen;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    absl::Status status = ValidateHyperParams(kind, groups[g].hyper);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(OptimizerKindName(kind), " param group ", g, ": ", status.message()));
+    }
+    for (size_t i = 0; i < groups[g].params.size(); ++i) {
+      const at::Tensor& param = groups[g].params[i];
+      const std::string where =
+          absl::StrCat(OptimizerKindName(kind), " param group ", g, ", param ", i, ": ");
+      if (!param.defined()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, "undefined tensor"));
+      }
+      if (!param.is_leaf()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, "can't optimize a non-leaf tensor"));
+      }
+      if (kind != OptimizerKind::kSgd && param.is_complex()) {
+        return absl::UnimplementedError(absl::StrCat(where, "complex params are not supported"));
+      }
+      if (!seen.insert(param.unsafeGetTensorImpl()).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, "appears more than once across the param groups"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& groups,
                            const std::vector<HyperParams>& hypers) {
   if (hypers.size() != groups.size()) {
@@ -341,32 +371,8 @@ absl::Status CheckStepArgs(OptimizerKind kind, const std::vector<ParamGroup>& gr
 absl::StatusOr<std::unique_ptr<Optimizer>> MakeOptimizer(
     OptimizerKind kind, std::vector<ParamGroup> groups,
     std::shared_ptr<const ScriptedUpdate> scripted) {
-  std::unordered_set<const void*> seen;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    absl::Status status = ValidateHyperParams(kind, groups[g].hyper);
-    if (!status.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(OptimizerKindName(kind), " param group ", g, ": ", status.message()));
-    }
-    for (size_t i = 0; i < groups[g].params.size(); ++i) {
-      const at::Tensor& param = groups[g].params[i];
-      const std::string where =
-          absl::StrCat(OptimizerKindName(kind), " param group ", g, ", param ", i, ": ");
-      if (!param.defined()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, "undefined tensor"));
-      }
-      if (!param.is_leaf()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, "can't optimize a non-leaf tensor"));
-      }
-      if (kind != OptimizerKind::kSgd && param.is_complex()) {
-        return absl::UnimplementedError(absl::StrCat(where, "complex params are not supported"));
-      }
-      if (!seen.insert(param.unsafeGetTensorImpl()).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, "appears more than once across the param groups"));
-      }
-    }
-  }
+  absl::Status checked = optim_internal::CheckGroups(kind, groups);
+  if (!checked.ok()) return checked;
   switch (kind) {
     case OptimizerKind::kSgd:
       return std::unique_ptr<Optimizer>(new Sgd(std::move(groups)));

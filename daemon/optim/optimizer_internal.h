@@ -14,6 +14,10 @@
 namespace rannc {
 namespace optim_internal {
 
+// MakeOptimizer's checks of `groups`: each group's hyper-parameters, and each param defined, a
+// leaf, real unless `kind` is SGD, and in no other place of `groups`.
+absl::Status CheckGroups(OptimizerKind kind, const std::vector<ParamGroup>& groups);
+
 // Everything Step() can reject before touching a tensor, so that a rejected step changes
 // nothing: the hypers count, each group's hyper-parameters, each defined grad's shape, dtype,
 // device and layout against its param, and sparse grads against what `kind` supports.

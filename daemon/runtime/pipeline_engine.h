@@ -159,7 +159,8 @@ struct EngineOptions {
   // a blocking copy at the end, after everything queued.
   bool outputs_before_backward = true;
   // Tests: called on a streamed device's optimizer step thread before it steps each unit
-  // after the first (the device's plan index, the unit: 1 + the block), to hold it there.
+  // after the first (the device's plan index, the unit: 1 + the block), and on its worker
+  // before the step of the parameters kept on the device (unit -1), to hold them there.
   std::function<void(int device, int unit)> before_host_step_unit;
   // Offload: the bytes of host memory the engine may still allocate (its default reads
   // /proc/meminfo's MemAvailable; a negative answer: unknown, not checked). The optimizer's

@@ -6,8 +6,9 @@
 // each block's unit before fetching it: the step overlaps the forward, and the values are the
 // ones a step before the forward gives.
 //
-//   Step       -> StartHostStep: the parameters kept on the device (Device::kept) on its
-//                 worker, the parameters uploaded whole (unit 0), then the thread
+//   Step       -> StartHostStep: the parameters uploaded whole (unit 0), then the parameters
+//                 kept on the device (Device::kept) posted to its worker and the thread, at
+//                 once (the optimizer is split in two: Device::optimizer_parts)
 //   Forward    -> Upload (unit 0 is done), Fetch(k) -> AwaitStepped(k), Prefetch(k) only once
 //                 Stepped(k); at the forward's end SettleHostSteps joins the thread
 //   anything else reading or writing the masters, gradients or optimizer state
@@ -66,10 +67,7 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
   }
   d.host_step = std::move(step);
   Device::HostStep& s = *d.host_step;
-  // The parameters kept on the device step first, on its worker (whose allocations, the
-  // state's at the first step, count as the device's), the only ones with gradients now.
-  absl::Status first = d.kept.empty() ? absl::OkStatus() : StepKept(d, hypers);
-  if (first.ok()) first = StepUnit(d, 0);
+  absl::Status first = StepUnit(d, 0);
   if (!first.ok()) {
     // The optimizer checks its arguments before it updates anything: nothing was stepped.
     for (size_t li = 0; li < s.grads.size(); ++li) {
@@ -79,7 +77,10 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
     return first;
   }
   s.done = 1;
-  s.thread = std::thread([this, &d] {
+  // The same hyper-parameters passed unit 0's checks: the kept parameters' step fails only as
+  // LibTorch may fail (out of memory), which the thread reports with the rest.
+  if (!d.kept.empty()) StepKept(d);
+  s.thread = std::thread([this, &d, kept = s.kept] {
     Device::HostStep& s = *d.host_step;
     const auto thread_start = std::chrono::steady_clock::now();
     absl::Status status = absl::OkStatus();
@@ -90,6 +91,10 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
       std::lock_guard<std::mutex> lock(s.mu);
       s.done = u + 1;
       s.cv.notify_all();
+    }
+    if (kept.valid()) {  // whatever the units did: the worker's step reads the HostStep
+      const absl::Status stepped = kept.get();
+      if (status.ok()) status = stepped;
     }
     std::lock_guard<std::mutex> lock(s.mu);
     // The gradients back, as after any step, unless ZeroGrad came meanwhile (as it does: a
@@ -112,31 +117,29 @@ absl::Status PipelineEngine::Impl::StartHostStep(Device& d,
   return absl::OkStatus();
 }
 
-absl::Status PipelineEngine::Impl::StepKept(Device& d, const std::vector<HyperParams>& hypers) {
-  return d.worker
-      ->Post([&] {
-        // The optimizer's handles of the kept parameters (Device::kept_params) take their
-        // gradients for this step only: the optimizer's later units, stepping the masters on the
-        // host step thread, neither see nor touch them.
-        for (const auto& [li, p] : d.kept_params) p.mutable_grad() = d.lifted[li].grad();
-        absl::Status stepped =
-            TorchCall(absl::StatusCode::kInternal, "optimizer step on the device",
-                      [&] { return d.optimizer->Step(hypers); });
-        for (const auto& [li, p] : d.kept_params) p.mutable_grad().reset();
-        d.kept_state_bytes = KeptStateBytes(d);
-        return stepped;
-      })
-      .get();
+void PipelineEngine::Impl::StepKept(Device& d) {
+  // On the worker, whose allocations (the state's, at the first step) count as the device's,
+  // behind the backward's last work and ahead of the next forward's, which reads these first.
+  // The host step's thread waits for it before it finishes: the HostStep outlives it.
+  Device::HostStep& s = *d.host_step;
+  s.kept = d.worker
+               ->Post([this, &d, &s] {
+                 if (before_host_step_unit_) before_host_step_unit_(d.index, -1);
+                 absl::Status stepped =
+                     TorchCall(absl::StatusCode::kInternal, "optimizer step on the device",
+                               [&] { return d.optimizer_parts->StepPart(0, s.hypers); });
+                 d.kept_state_bytes = KeptStateBytes(d);
+                 return stepped;
+               })
+               .share();
+}
+
+void PipelineEngine::Impl::AwaitKeptStep(const Device& d) {
+  if (d.host_step && d.host_step->kept.valid()) d.host_step->kept.wait();
 }
 
 int64_t PipelineEngine::Impl::KeptStateBytes(const Device& d) {
-  if (d.kept.empty() || !d.optimizer) return 0;
-  int64_t bytes = 0;
-  for (const auto& [name, t] : d.optimizer->NamedState()) {
-    const auto [li, key] = d.StateOf(name);
-    if (!IsScalarOptimizerState(key) && d.kept.count(li)) bytes += static_cast<int64_t>(t.nbytes());
-  }
-  return bytes;
+  return d.optimizer_parts ? d.optimizer_parts->PartStateBytes(0) : 0;
 }
 
 absl::Status PipelineEngine::Impl::StepUnit(Device& d, int u) {
@@ -145,8 +148,11 @@ absl::Status PipelineEngine::Impl::StepUnit(Device& d, int u) {
   for (int li : unit) {
     if (s.grads[li].defined()) d.host[li].mutable_grad() = s.grads[li];
   }
-  absl::Status stepped = TorchCall(absl::StatusCode::kInternal, "optimizer step",
-                                   [&] { return d.optimizer->Step(s.hypers); });
+  // Part 1 of a split optimizer: part 0, the kept parameters, steps on the worker meanwhile.
+  absl::Status stepped = TorchCall(absl::StatusCode::kInternal, "optimizer step", [&] {
+    return d.optimizer_parts ? d.optimizer_parts->StepPart(1, s.hypers)
+                             : d.optimizer->Step(s.hypers);
+  });
   for (int li : unit) d.host[li].mutable_grad().reset();
   if (!stepped.ok()) return stepped;
   return TorchCall(absl::StatusCode::kInternal, "casting stepped parameters for upload", [&] {

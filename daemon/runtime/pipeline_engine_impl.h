@@ -34,6 +34,7 @@
 #include "daemon/common/memory_tracker.h"
 #include "daemon/graph/ir.h"
 #include "daemon/optim/optimizer.h"
+#include "daemon/optim/split_optimizer.h"
 #include "daemon/runtime/grad_reducer.h"
 #include "daemon/runtime/micro_batch.h"
 #include "daemon/runtime/pipeline_engine.h"
@@ -160,10 +161,9 @@ struct Device {
   // masters, gradients and optimizer state are on the device, stepped there (StartHostStep),
   // as without offload.
   std::set<int> kept;
-  // The optimizer's parameters for them: aliases (detach()) sharing their memory, whose
-  // gradient is set only while the device steps them (StepKept), so that the host step's
-  // thread, stepping the rest with the same optimizer, leaves them and their gradients alone.
-  std::map<int, at::Tensor> kept_params;
+  // `optimizer` when `kept` is not empty: its part 0 holds the kept parameters, stepped on the
+  // worker (StepKept), part 1 the rest, stepped by the host step's thread at the same time.
+  SplitOptimizer* optimizer_parts = nullptr;
   int64_t kept_state_bytes = 0;  // their optimizer state's bytes (KeptStateBytes), last counted
   // Offload's streaming (EngineOptions::offload_block_bytes; pipeline_engine_offload.cc): per
   // block of the stage executor, the offloaded parameters that only it reads (lifted indices).
@@ -218,6 +218,10 @@ struct Device {
     std::vector<std::vector<int>> units;  // lifted indices
     std::vector<at::Tensor> grads;
     std::vector<HyperParams> hypers;
+    // The kept parameters' step (StepKept) on the device's worker; the thread waits for it
+    // before it finishes, and so does anything else touching their gradients or their
+    // state's count meanwhile (AwaitKeptStep).
+    std::shared_future<absl::Status> kept;
     std::mutex mu;
     std::condition_variable cv;
     int done = 0;  // units stepped
@@ -568,8 +572,9 @@ class PipelineEngine::Impl {
   // The optimizer's step beside the next forward (Device::host_step;
   // pipeline_engine_host_step.cc). Whether `d` steps so (a streamed device with an optimizer).
   bool StepsBesideForward(const Device& d) const;
-  // Steps the parameters uploaded whole, then starts the thread that steps each block's; the
-  // first unit's failure (bad hyper-parameters) is returned with nothing stepped.
+  // Steps the parameters uploaded whole, then starts the kept parameters' step on the worker
+  // and the thread that steps each block's; the first unit's failure (bad hyper-parameters) is
+  // returned with nothing stepped.
   absl::Status StartHostStep(Device& d, const std::vector<HyperParams>& hypers);
   // Offload: RESOURCE_EXHAUSTED, naming `what`, when `bytes` more of host memory is more than
   // host_memory_available_ says the host has (EngineOptions::host_memory_available).
@@ -578,11 +583,15 @@ class PipelineEngine::Impl {
   // it does not hold yet, and the low-precision copies a forward will make.
   int64_t HostStateToMake(const std::vector<HyperParams>& hypers) const;
   int64_t HostCopiesToMake() const;
-  // The optimizer's step of the parameters kept on the device (Device::kept), on its worker;
-  // the masters' gradients must be out of the optimizer's sight (StartHostStep).
-  absl::Status StepKept(Device& d, const std::vector<HyperParams>& hypers);
-  // The bytes of optimizer state of `d`'s kept parameters (not while its host step runs).
+  // The optimizer's step of the parameters kept on the device (Device::kept, the optimizer's
+  // part 0), posted to its worker: it runs there after the work posted before it and before
+  // the next forward's; d.host_step->kept tells its end.
+  void StepKept(Device& d);
+  // The bytes of optimizer state of `d`'s kept parameters (not while its step runs).
   static int64_t KeptStateBytes(const Device& d);
+  // Off the worker: waits for the kept parameters' step of a host step begun, if any. ZeroGrad
+  // and the memory counts, which do not wait for the whole host step, wait for this.
+  static void AwaitKeptStep(const Device& d);
   // Steps unit `u` of d.host_step (on its thread, or the caller's for unit 0).
   absl::Status StepUnit(Device& d, int u);
   // On the device's worker: whether block `block`'s parameters are stepped; waiting for it

@@ -401,10 +401,16 @@ TEST_CASE("A streamed device's optimizer step runs beside the next forward, to t
     if (sc.keep) plan = KeepingHalf(f, *MakeEngine(f, plan, f.tensors, false, 0), plan);
     // The step's thread holds each block's unit until the next forward has begun (at most
     // 5 s): that forward has to wait for the blocks it reads, and a unit stepped after the
-    // forward began shows that the step did overlap it.
+    // forward began shows that the step did overlap it. The kept parameters' step, on the
+    // worker, comes 20 ms late: the zero_grad right after the step must not take their
+    // gradients before it has read them.
     std::atomic<bool> forward_began{false};
     std::atomic<int> overlapped{0};
-    auto hold = [&](int, int) {
+    auto hold = [&](int, int unit) {
+      if (unit < 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        return;
+      }
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       while (!forward_began && std::chrono::steady_clock::now() < until) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -163,7 +163,9 @@ void PipelineEngine::Impl::ZeroGrad(bool set_to_none) {
       }
     }
     // The masters' gradients belong to an optimizer step still running: it drops them at its end.
+    // The kept parameters' step, on the worker, reads theirs: it ends first.
     const bool deferred = DeferZeroGrad(d, set_to_none);
+    AwaitKeptStep(d);
     // Which gradients are zeros the step's thread marks too (at its end, under its lock): the
     // parameters kept on the device have theirs here meanwhile.
     std::unique_lock<std::mutex> marking;
@@ -244,13 +246,7 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
         if (!d.lifted[li].defined()) continue;
         const at::Tensor& p = d.Master(li);
         if (!p.requires_grad() || (shard && !tied.count(li))) continue;
-        if (d.kept.count(li)) {
-          // An alias of the parameter, whose gradient StepKept sets for the device's step.
-          d.kept_params[li] = p.detach();
-          device_groups[g].params.push_back(d.kept_params[li]);
-        } else {
-          device_groups[g].params.push_back(p);
-        }
+        device_groups[g].params.push_back(p);
         ids[g].push_back(li);
       }
     }
@@ -258,10 +254,25 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
       absl::Status s = SetUpZero(d, groups, &device_groups, &ids);
       if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
     }
-    absl::StatusOr<std::unique_ptr<Optimizer>> opt =
-        MakeOptimizer(kind, std::move(device_groups), scripted);
-    if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("device ", d.index));
-    d.optimizer = std::move(*opt);
+    d.optimizer_parts = nullptr;
+    if (d.kept.empty()) {
+      absl::StatusOr<std::unique_ptr<Optimizer>> opt =
+          MakeOptimizer(kind, std::move(device_groups), scripted);
+      if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("device ", d.index));
+      d.optimizer = std::move(*opt);
+    } else {
+      // The kept parameters (part 0) step on the worker while the host's masters step on a
+      // thread (pipeline_engine_host_step.cc): two optimizers, seen as one.
+      std::vector<std::vector<int>> part_of(ids.size());
+      for (size_t g = 0; g < ids.size(); ++g) {
+        for (int li : ids[g]) part_of[g].push_back(li >= 0 && d.kept.count(li) ? 0 : 1);
+      }
+      absl::StatusOr<std::unique_ptr<SplitOptimizer>> opt =
+          SplitOptimizer::Make(kind, std::move(device_groups), part_of, 2, scripted);
+      if (!opt.ok()) return Annotate(opt.status(), absl::StrCat("device ", d.index));
+      d.optimizer_parts = opt->get();
+      d.optimizer = std::move(*opt);
+    }
     d.optimizer_params.clear();
     for (const std::vector<int>& group : ids) {
       d.optimizer_params.insert(d.optimizer_params.end(), group.begin(), group.end());
@@ -467,12 +478,16 @@ const pipeline_internal::Device* PipelineEngine::Impl::DeviceAt(int device) cons
 
 int64_t PipelineEngine::Impl::DeviceBytes(int device) const {
   const Device* d = DeviceAt(device);
-  return d == nullptr ? 0 : HeldBytes(*d);
+  if (d == nullptr) return 0;
+  AwaitKeptStep(*d);  // which counts its state
+  return HeldBytes(*d);
 }
 
 int64_t PipelineEngine::Impl::PeakDeviceBytes(int device) const {
   const Device* d = DeviceAt(device);
-  return d == nullptr ? 0 : std::max(d->peak_bytes, HeldBytes(*d));
+  if (d == nullptr) return 0;
+  AwaitKeptStep(*d);
+  return std::max(d->peak_bytes, HeldBytes(*d));
 }
 
 int PipelineEngine::Impl::StreamedBlocks(int device) const {
