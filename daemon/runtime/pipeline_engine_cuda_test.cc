@@ -230,16 +230,29 @@ TEST_CASE("Streamed offload on CUDA devices trains as on the CPU, prefetching on
   REQUIRE(gpus > 0);
   // One byte: every atomic node that reads a parameter starts a block. One stage over two
   // micro-batches; two stages of one replica each (the first holds two micro-batches in flight
-  // under 1F1B, and the tied embedding whole).
+  // under 1F1B, and the tied embedding whole); one stage keeping half of its parameters' bytes
+  // on the device (stepped there on the worker while the host's thread steps the rest).
   const Mode streamed{"offload, streamed", false, true, {}, 1};
-  const std::vector<Case> cases = {{"tiny_gpt", {{0}}, 2}, {"tiny_gpt", {{0}, {1}}, 2}};
-  for (const Case& c : cases) {
-    INFO(c.model << ", " << c.devices.size() << " stage(s) on " << gpus << " GPU(s)");
+  struct KeepCase {
+    Case c;
+    bool keep;
+  };
+  const std::vector<KeepCase> cases = {{{"tiny_gpt", {{0}}, 2}, false},
+                                       {{"tiny_gpt", {{0}, {1}}, 2}, false},
+                                       {{"tiny_gpt", {{0}}, 2}, true}};
+  for (const auto& [c, keep] : cases) {
+    INFO(c.model << ", " << c.devices.size() << " stage(s) on " << gpus << " GPU(s)"
+                 << (keep ? ", half kept" : ""));
     FixtureIr f = BuildFixtureIr(c.model);
     REQUIRE(f.ir.ok());
     int n = 0;
     for (const auto& stage : c.devices) n += static_cast<int>(stage.size());
-    const v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B, n);
+    v1::Deployment plan = MakePlan(*f.ir, c.devices, c.m, v1::SCHEDULE_1F1B, n);
+    if (keep) {
+      int64_t bytes = 0;
+      for (int li : ParamIndices(*f.ir)) bytes += f.tensors[li].nbytes();
+      plan.mutable_stages(0)->set_kept_on_device_bytes(bytes / 2);
+    }
     std::unique_ptr<PipelineEngine> cuda =
         MakeEngine(f, plan, comm::Backend::kFake, streamed, RoundRobin(n, gpus));
     std::unique_ptr<PipelineEngine> cpu = MakeEngine(f, plan, comm::Backend::kFake, streamed, {});
@@ -250,6 +263,8 @@ TEST_CASE("Streamed offload on CUDA devices trains as on the CPU, prefetching on
       CHECK(cuda->StreamedBlocks(dev) == cpu->StreamedBlocks(dev));
       CHECK(cuda->StreamedPeakBytes(dev) == cpu->StreamedPeakBytes(dev));
       CHECK(cuda->DeviceBytes(dev) == cpu->DeviceBytes(dev));
+      CHECK(cuda->KeptOnDeviceBytes(dev) == cpu->KeptOnDeviceBytes(dev));
+      if (keep) CHECK(cuda->KeptOnDeviceBytes(dev) > 0);
       most_blocks = std::max(most_blocks, cuda->StreamedBlocks(dev));
     }
     CHECK(most_blocks > 1);  // a stage streamed: the side stream's prefetches ran
