@@ -434,7 +434,7 @@ std::vector<std::vector<std::string>> QueueTable(const std::vector<v1::DetachedS
 absl::Status RunCancel(const Client& client, const std::string& job) {
   absl::StatusOr<v1::DetachedStatus> before = client.DetachedJobStatus(job);
   if (!before.ok()) return before.status();
-  if (before->state() != v1::DETACHED_QUEUED && before->state() != v1::DETACHED_RUNNING) {
+  if (Ended(before->state())) {
     std::cout << "job " << job << " has ended (" << StateName(before->state()) << ")\n";
     return absl::OkStatus();
   }
