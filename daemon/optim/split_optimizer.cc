@@ -21,7 +21,8 @@ absl::Status Renumbered(const absl::Status& status, const std::vector<int64_t>& 
     while (end < message.size() && std::isdigit(static_cast<unsigned char>(message[end]))) ++end;
     out += message.substr(from, at + word.size() - from);
     const std::string digits = message.substr(at + word.size(), end - at - word.size());
-    const size_t local = digits.empty() || digits.size() > 18 ? index_of.size() : std::stoull(digits);
+    const size_t local =
+        digits.empty() || digits.size() > 18 ? index_of.size() : std::stoull(digits);
     out += local < index_of.size() ? std::to_string(index_of[local]) : digits;
     from = end;
   }
