@@ -9,8 +9,8 @@
 namespace rannc {
 namespace {
 
-// A part's error with the param it names ("... param 3 ...", numbered in the part) renumbered
-// across all the groups.
+// A part's LoadNamedState error with the param it names ("... of param 3 lacks ...", numbered
+// across the part's groups) renumbered across all the groups.
 absl::Status Renumbered(const absl::Status& status, const std::vector<int64_t>& index_of) {
   const std::string message(status.message());
   const std::string word = "param ";
@@ -70,7 +70,7 @@ absl::StatusOr<std::unique_ptr<SplitOptimizer>> SplitOptimizer::Make(
   for (int p = 0; p < parts; ++p) {
     absl::StatusOr<std::unique_ptr<Optimizer>> part =
         MakeOptimizer(kind, std::move(part_groups[p]), scripted);
-    if (!part.ok()) return Renumbered(part.status(), split->index_of_[p]);
+    if (!part.ok()) return part.status();  // the checks above passed: not a param's error
     split->parts_.push_back(std::move(*part));
   }
   split->keys_ = kind == OptimizerKind::kScripted ? scripted->state_keys
@@ -87,8 +87,10 @@ absl::Status SplitOptimizer::Step(const std::vector<HyperParams>& hypers) {
   absl::Status checked = optim_internal::CheckStepArgs(kind_, groups_, hypers);
   if (!checked.ok()) return checked;
   for (size_t p = 0; p < parts_.size(); ++p) {
+    // The arguments passed above: what fails here is LibTorch's (out of memory, or a scripted
+    // update's own error), which names no param.
     absl::Status stepped = parts_[p]->Step(hypers);
-    if (!stepped.ok()) return Renumbered(stepped, index_of_[p]);
+    if (!stepped.ok()) return stepped;
   }
   return absl::OkStatus();
 }
