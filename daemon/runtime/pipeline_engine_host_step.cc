@@ -125,11 +125,8 @@ void PipelineEngine::Impl::StepKept(Device& d) {
   s.kept = d.worker
                ->Post([this, &d, &s] {
                  if (before_host_step_unit_) before_host_step_unit_(d.index, -1);
-                 absl::Status stepped =
-                     TorchCall(absl::StatusCode::kInternal, "optimizer step on the device",
-                               [&] { return d.optimizer_parts->StepPart(0, s.hypers); });
-                 d.kept_state_bytes = KeptStateBytes(d);
-                 return stepped;
+                 return TorchCall(absl::StatusCode::kInternal, "optimizer step on the device",
+                                  [&] { return d.optimizer_parts->StepPart(0, s.hypers); });
                })
                .share();
 }

@@ -164,7 +164,6 @@ struct Device {
   // `optimizer` when `kept` is not empty: its part 0 holds the kept parameters, stepped on the
   // worker (StepKept), part 1 the rest, stepped by the host step's thread at the same time.
   SplitOptimizer* optimizer_parts = nullptr;
-  int64_t kept_state_bytes = 0;  // their optimizer state's bytes (KeptStateBytes), last counted
   // Offload's streaming (EngineOptions::offload_block_bytes; pipeline_engine_offload.cc): per
   // block of the stage executor, the offloaded parameters that only it reads (lifted indices).
   // Their handles keep their shape and lose their memory between uses: a block's are on the
@@ -587,7 +586,8 @@ class PipelineEngine::Impl {
   // part 0), posted to its worker: it runs there after the work posted before it and before
   // the next forward's; d.host_step->kept tells its end.
   void StepKept(Device& d);
-  // The bytes of optimizer state of `d`'s kept parameters (not while its step runs).
+  // The bytes of optimizer state of `d`'s kept parameters (not while their step runs: off the
+  // worker, after AwaitKeptStep).
   static int64_t KeptStateBytes(const Device& d);
   // Off the worker: waits for the kept parameters' step of a host step begun, if any. ZeroGrad
   // and the memory counts, which do not wait for the whole host step, wait for this.

@@ -371,7 +371,7 @@ int64_t PipelineEngine::Impl::HostStateToMake(const std::vector<HyperParams>& hy
       const at::Tensor& master = d.host[li];
       if (master.defined() && master.grad().defined()) stepped += master.nbytes();
     }
-    const int64_t held = d.optimizer->StateBytes() - d.kept_state_bytes;  // host state
+    const int64_t held = d.optimizer->StateBytes() - KeptStateBytes(d);  // host state
     bytes += std::max<int64_t>(0, per_element * stepped - held);
   }
   return bytes;

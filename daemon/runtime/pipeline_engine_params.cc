@@ -277,7 +277,6 @@ absl::Status PipelineEngine::Impl::SetOptimizer(OptimizerKind kind,
     for (const std::vector<int>& group : ids) {
       d.optimizer_params.insert(d.optimizer_params.end(), group.begin(), group.end());
     }
-    d.kept_state_bytes = KeptStateBytes(d);
   }
   return absl::OkStatus();
 }
@@ -404,7 +403,6 @@ absl::Status PipelineEngine::Impl::LoadOptimizerState(
     LoadZeroOptimizerState(d, state, &named);
     absl::Status s = d.optimizer->LoadNamedState(named);
     if (!s.ok()) return Annotate(s, absl::StrCat("device ", d.index));
-    d.kept_state_bytes = KeptStateBytes(d);
   }
   return absl::OkStatus();
 }
@@ -535,8 +533,9 @@ int64_t PipelineEngine::Impl::HeldBytes(const Device& d) const {
   }
   if (d.reducer) bytes += d.reducer->buffer_bytes();
   // Offloaded: gradients between steps and optimizer state are host memory, but for the
-  // parameters kept on the device (counted at their last step: the host's step may be running).
-  if (offload_) return bytes + d.kept_state_bytes;
+  // parameters kept on the device (their own part of the optimizer, which the host's step
+  // thread does not touch; off the worker, the callers wait for their step first).
+  if (offload_) return bytes + KeptStateBytes(d);
   for (const at::Tensor& t : d.fused_grads) {
     if (t.defined()) bytes += t.nbytes();
   }
