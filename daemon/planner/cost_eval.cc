@@ -29,12 +29,14 @@ double StreamedBytes(const CostTable& table, int p) {
 
 // The bytes of the narrower copies planning block b's forward makes of its trainable
 // parameters for a low-precision read (the graph's casts, among its profiled activations),
-// which a streamed block holding the parameter in that dtype does not make.
-double LowCopyBytes(const CostTable& table, int b) {
+// which a streamed block holding the parameter in that dtype does not make; a tensor that
+// `not_streamed` marks (StreamedBlocks) is read through its copy.
+double LowCopyBytes(const CostTable& table, int b, const std::vector<bool>& not_streamed) {
   double bytes = 0;
   for (int p : table.blocks[b].params) {
     if (p < 0 || p >= static_cast<int>(table.param_streamed_bytes.size()) ||
-        !table.param_trainable[p]) {
+        !table.param_trainable[p] ||
+        (p < static_cast<int>(not_streamed.size()) && not_streamed[p])) {
       continue;
     }
     const double held = StreamedBytes(table, p);
@@ -121,11 +123,14 @@ double CutBytes(const CostTable& table, int boundary) {
 
 DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& t,
                                int replicas, int inflight, int micro_batches, bool recompute) {
-  // Streamed (offload's blocks): two blocks' parameters and three blocks' gradients at most.
+  // Streamed (offload's blocks): two blocks' parameters and three blocks' gradients at most,
+  // and those of the parameters not streamed throughout.
   const bool streamed = t.streamed_block > 0;
-  const double G = streamed ? std::min(t.trainable, t.streamed_grads) : t.trainable;
+  const double R = std::min(t.trainable, t.streamed_resident);
+  const double G = streamed ? R + std::min(t.trainable - R, t.streamed_grads) : t.trainable;
   const double params =
-      streamed ? t.params - t.trainable + std::min(t.trainable, t.streamed_params) : t.params;
+      streamed ? t.params - t.trainable + R + std::min(t.trainable - R, t.streamed_params)
+               : t.params;
   // The runtime shards only stages with several replicas.
   const bool zero = options.zero && replicas > 1;
   const double state =
@@ -174,39 +179,42 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
 
 StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, double max_bytes) {
   StreamedBlocks out;
-  std::vector<int> in_block(table.param_bytes.size(), -1);  // the block a tensor is in
-  // Per runtime block: its trainable bytes as the masters have them, and as the device holds
-  // them.
-  std::vector<double> trainable, held;
+  const int tensors = static_cast<int>(table.param_bytes.size());
+  std::vector<int> in_block(tensors, -1);  // the last block that reads a tensor
+  std::vector<int> readers(tensors, 0);    // the blocks that read it
+  // What the runtime never streams: a tensor another stage reads too (every holder steps its
+  // copy on the host), or one read by several of the stage's blocks (marked below).
+  std::vector<bool>& resident = out.not_streamed;
+  resident.assign(tensors, false);
+  for (int b = 0; b < static_cast<int>(table.blocks.size()); ++b) {
+    if (b >= begin && b < end) continue;
+    for (int p : table.blocks[b].params) {
+      if (p >= 0 && p < tensors) resident[p] = true;
+    }
+  }
+  std::vector<std::vector<int>> block_params;  // per runtime block, the tensors it reads
   double bytes = 0;
   auto read = [&](const std::vector<int>& params, double cut) {
-    double more = 0, more_trainable = 0, more_held = 0;
-    const int current = static_cast<int>(trainable.size()) - 1;
+    double more = 0;
+    const int current = static_cast<int>(block_params.size()) - 1;
     for (int p : params) {
-      if (p < 0 || p >= static_cast<int>(table.param_bytes.size()) ||
-          (current >= 0 && in_block[p] == current)) {
-        continue;
-      }
+      if (p < 0 || p >= tensors || (current >= 0 && in_block[p] == current)) continue;
       more += static_cast<double>(table.param_bytes[p]);
-      if (table.param_trainable[p]) {
-        more_trainable += static_cast<double>(table.param_bytes[p]);
-        more_held += StreamedBytes(table, p);
-      }
     }
     if (more == 0) return;
-    if (trainable.empty() || (bytes > 0 && bytes + more > max_bytes)) {
-      if (!trainable.empty()) out.inputs_per_sample += cut;
-      trainable.push_back(0);
-      held.push_back(0);
+    if (block_params.empty() || (bytes > 0 && bytes + more > max_bytes)) {
+      if (!block_params.empty()) out.inputs_per_sample += cut;
+      block_params.emplace_back();
       bytes = 0;
     }
-    const int block = static_cast<int>(trainable.size()) - 1;
+    const int block = static_cast<int>(block_params.size()) - 1;
     for (int p : params) {
-      if (p >= 0 && p < static_cast<int>(table.param_bytes.size())) in_block[p] = block;
+      if (p < 0 || p >= tensors || in_block[p] == block) continue;
+      in_block[p] = block;
+      ++readers[p];
+      block_params.back().push_back(p);
     }
     bytes += more;
-    trainable.back() += more_trainable;
-    held.back() += more_held;
   };
   for (int b = begin; b < end; ++b) {
     const Block& blk = table.blocks[b];
@@ -216,7 +224,26 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
       for (const Block::ParamRead& r : blk.param_reads) read(r.params, r.cut_bytes_per_sample);
     }
   }
-  out.count = static_cast<int>(trainable.size());
+  out.count = static_cast<int>(block_params.size());
+  for (int p = 0; p < tensors; ++p) {
+    if (readers[p] > 1) resident[p] = true;
+  }
+  // Per runtime block: its streamed trainable bytes as the masters have them, and as the
+  // device holds them.
+  std::vector<double> trainable(out.count, 0.0), held(out.count, 0.0);
+  for (int i = 0; i < out.count; ++i) {
+    for (int p : block_params[i]) {
+      if (p >= static_cast<int>(table.param_trainable.size()) || !table.param_trainable[p]) {
+        continue;
+      }
+      if (resident[p]) {
+        if (in_block[p] == i) out.resident += static_cast<double>(table.param_bytes[p]);
+        continue;
+      }
+      trainable[i] += static_cast<double>(table.param_bytes[p]);
+      held[i] += StreamedBytes(table, p);
+    }
+  }
   for (int i = 0; i < out.count; ++i) {
     const double two = held[i] + (i + 1 < out.count ? held[i + 1] : 0.0);
     const double three = two + (i + 2 < out.count ? held[i + 2] : 0.0);
@@ -229,7 +256,8 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
 
 StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_factor, int begin,
                                          int end, int64_t mb, double block_bytes,
-                                         double inputs_per_sample) {
+                                         double inputs_per_sample,
+                                         const std::vector<bool>& not_streamed) {
   StreamedRecomputeTerms out;
   if (end - begin < 2 || block_bytes <= 0) return out;
   std::vector<double> bytes, act, work;  // per planning block of the stage
@@ -243,7 +271,7 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
     }
     const BlockProfile profile = ProfileAt(table.blocks[b], mb);
     bytes.push_back(read);
-    act.push_back(std::max(0.0, static_cast<double>(profile.act_bytes) - LowCopyBytes(table, b)) +
+    act.push_back(std::max(0.0, static_cast<double>(profile.act_bytes) - LowCopyBytes(table, b, not_streamed)) +
                   cast_factor * read);
     work.push_back(static_cast<double>(profile.peak_bytes));
   }
@@ -446,10 +474,13 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
       terms.streamed_block = runtime_blocks.largest;
       terms.streamed_params = runtime_blocks.largest_pair;
       terms.streamed_grads = runtime_blocks.largest_triple;
+      terms.streamed_resident = runtime_blocks.resident;
       // What the forward saves of a parameter held in its read dtype is the parameter, freed
       // between its block's uses.
       double low = 0;
-      for (int b = begin; b < end; ++b) low += LowCopyBytes(table, b);
+      for (int b = begin; b < end; ++b) {
+        low += LowCopyBytes(table, b, runtime_blocks.not_streamed);
+      }
       terms.act = std::max(0.0, terms.act - low);
     }
   }
@@ -461,7 +492,8 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
   if (memory.total > limit && options.allow_recompute) {
     if (terms.streamed_block > 0) {
       blocked = StreamedRecompute(table, options.amp_cast_factor, begin, end, mb,
-                                  terms.streamed_block, runtime_blocks.inputs_per_sample);
+                                  terms.streamed_block, runtime_blocks.inputs_per_sample,
+                                  runtime_blocks.not_streamed);
       terms.streamed_kept = blocked.kept;
       terms.streamed_act_peak = blocked.act_peak;
     }

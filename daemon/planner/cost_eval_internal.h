@@ -92,6 +92,9 @@ struct MemoryTerms {
   double streamed_block = 0;
   double streamed_params = 0;
   double streamed_grads = 0;
+  // The trainable bytes a streamed stage holds the whole step, parameters and gradients, as
+  // their masters have them (StreamedBlocks::resident).
+  double streamed_resident = 0;
   // Streamed with recomputation, which the runtime does block by block (each block keeps its
   // input, and one block's forward is rerun at a time): the block inputs a micro-batch keeps
   // besides the stage's, and one block's activations and working memory at their most
@@ -104,13 +107,20 @@ struct MemoryTerms {
 // ParamBlockStarts replayed over the stage's Block::param_reads (a block without them as one
 // read of its params at its start, its boundary's cut before it), a block ending where the next
 // node's parameters not yet in it would take it past `max_bytes`. `count` 1: not streamed.
+// The blocks' streamed bytes leave out what the runtime does not stream (SetUpStreaming): a
+// tensor that several of the blocks read, or a block of another stage.
 struct StreamedBlocks {
   int count = 0;
-  double largest = 0;  // trainable bytes of the largest block, as its masters have them
+  double largest = 0;  // streamed trainable bytes of the largest block, as its masters have them
   // The trainable bytes on the device (CostTable::param_streamed_bytes) of two consecutive
   // blocks, and of three, at their most.
   double largest_pair = 0;
   double largest_triple = 0;
+  // The trainable bytes not streamed, as their masters have them: uploaded whole before the
+  // stage's first forward of a step, with their gradients on the device until its end.
+  double resident = 0;
+  // Per tensor of the cost table: true where the runtime does not stream it.
+  std::vector<bool> not_streamed;
   // Bytes per sample of the blocks' inputs after the first one's (the stage's), which a
   // micro-batch recomputed block by block keeps.
   double inputs_per_sample = 0;
@@ -124,8 +134,8 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
 // blocks it covers in part counted by the share of their bytes (those without parameters
 // whole), with the most working memory of them; a planning block's activations without the
 // low-precision copies of parameters a streamed block holds in that dtype
-// (CostTable::param_streamed_bytes). `kept` 0 and `act_peak` 0 when the stage is one planning
-// block.
+// (CostTable::param_streamed_bytes; not those `not_streamed` marks, StreamedBlocks). `kept` 0
+// and `act_peak` 0 when the stage is one planning block.
 struct StreamedRecomputeTerms {
   double kept = 0;
   double act_peak = 0;
@@ -135,7 +145,8 @@ struct StreamedRecomputeTerms {
 };
 StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_factor, int begin,
                                          int end, int64_t mb, double block_bytes,
-                                         double inputs_per_sample);
+                                         double inputs_per_sample,
+                                         const std::vector<bool>& not_streamed = {});
 
 // A streamed stage's backward per planning block i of [begin, end), for what the parameters
 // kept on the device add to it: `act`, the activations and working memory the device holds

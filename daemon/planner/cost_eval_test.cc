@@ -791,6 +791,57 @@ TEST_CASE("Streamed blocks are the runtime's: whole nodes' reads, cut before a n
   CHECK(terms.act_peak == 1000 + 700 + 60);
 }
 
+TEST_CASE("A streamed stage holds a tensor that several blocks read the whole step",
+          "[cost_eval]") {
+  // A tied embedding: tensor 6 (200 bytes) read by the first block and the last; blocks 1-6
+  // read 250 bytes each, tensors 0-5. The runtime streams the six (one runtime block each) and
+  // uploads the tied tensor whole (SetUpStreaming).
+  CostTable t;
+  t.param_bytes = {250, 250, 250, 250, 250, 250, 200};
+  t.param_trainable.assign(7, true);
+  for (int b = 0; b < 8; ++b) {
+    Block blk;
+    blk.params = {b == 0 || b == 7 ? 6 : b - 1};
+    blk.by_mb[4] = {1.0, 2.0, 1000, 50};
+    t.blocks.push_back(blk);
+    t.cut_bytes_per_sample.push_back(b == 0 ? 0 : 5);
+  }
+  internal::StreamedBlocks blocks = internal::StreamedBlocksOf(t, 0, 8, 250);
+  CHECK(blocks.count == 8);
+  CHECK(blocks.largest == 250);
+  CHECK(blocks.largest_pair == 500);  // counted with its readers' pairs, it made 450 the most
+  CHECK(blocks.largest_triple == 750);
+  CHECK(blocks.resident == 200);
+  CHECK(blocks.not_streamed == std::vector<bool>{false, false, false, false, false, false, true});
+  // A stage without the first block: the tied tensor is another stage's too.
+  blocks = internal::StreamedBlocksOf(t, 1, 8, 250);
+  CHECK(blocks.count == 7);
+  CHECK(blocks.resident == 200);
+  CHECK(blocks.largest_triple == 750);
+  // Whole: two blocks' parameters and three blocks' gradients streamed, the tied tensor and
+  // its gradient throughout, with the activations and the last block's working memory.
+  SearchOptions o = StreamedOnGpu();
+  o.mem_margin = 0;
+  Links links = SimpleLinks();
+  links.host_bytes_per_s = 1e12;
+  const uint64_t whole = (200 + 500) + (8000 + 50) + (200 + 750);
+  o.device_memory_bytes = whole;
+  StageEval e = EvaluateStage(t, links, o, 0, 8, 1, 0, 1);
+  CHECK(!e.recompute);
+  CHECK(e.memory_bytes == whole);
+  o.device_memory_bytes = whole - 1;
+  CHECK(EvaluateStage(t, links, o, 0, 8, 1, 0, 1).recompute);
+  // Read in a narrower dtype, a streamed tensor's copy is not made; the tied tensor's is
+  // (uploaded whole in its masters' dtype, read through a cast). A window of 250 bytes from
+  // the first block: its 1000 bytes, a fifth of the next block's 875 without its copy, and
+  // the working memory.
+  t.param_streamed_bytes = {125, 125, 125, 125, 125, 125, 100};
+  blocks = internal::StreamedBlocksOf(t, 0, 8, 250);
+  CHECK(internal::StreamedRecompute(t, 0, 0, 8, 4, 250, 0, blocks.not_streamed).act_peak ==
+        1000 + 175 + 50);
+  CHECK(internal::StreamedRecompute(t, 0, 0, 8, 4, 250, 0).act_peak == 900 + 175 + 50);
+}
+
 TEST_CASE("Streamed parameters held in their read dtype count at its width, without copies",
           "[cost_eval]") {
   // offload_low_precision: EightBlocks' parameters read through a cast to half their width
