@@ -127,7 +127,8 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
   // and those of the parameters not streamed throughout.
   const bool streamed = t.streamed_block > 0;
   const double R = std::min(t.trainable, t.streamed_resident);
-  const double G = streamed ? R + std::min(t.trainable - R, t.streamed_grads) : t.trainable;
+  const double B3 = streamed ? std::min(t.trainable - R, t.streamed_grads) : 0.0;
+  const double G = streamed ? R + B3 : t.trainable;
   const double params =
       streamed ? t.params - t.trainable + R + std::min(t.trainable - R, t.streamed_params)
                : t.params;
@@ -146,6 +147,7 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
     DeviceMemory m;
     m.total = params + state + buckets + k * (I + t.streamed_kept) + t.streamed_act_peak + G;
     m.scaled = k * (I + t.streamed_kept) + t.streamed_act_peak;
+    m.streamed_grads = B3;
     return m;
   }
   // A micro-batch's forward and backward, working memory included; its input is apart.
@@ -174,6 +176,7 @@ DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& 
   DeviceMemory m;
   m.total = params + state + buckets + dynamic;
   m.scaled = (k - 1) * (recompute ? I : t.act + I) + I + t.act_peak_scaled;
+  m.streamed_grads = B3;
   return m;
 }
 
@@ -518,7 +521,7 @@ StageEval FinishStage(const CostTable& table, const Links& links, const SearchOp
     // A kept runtime block's backward holds none of the two blocks' parameters and three
     // blocks' gradients memory.total counts for streaming, but for the two blocks' gradients
     // whose copies to the host may still be under way: three blocks' worth less.
-    const double streaming = std::min(terms.trainable, terms.streamed_grads);
+    const double streaming = memory.streamed_grads;
     const KeptTerms kept =
         KeepOnDevice(blocks, windows ? terms.streamed_act_peak : terms.act_peak, memory.total,
                      keepable, limit, options.optimizer_state_factor, streaming,

@@ -202,6 +202,8 @@ KeptTerms KeepOnDevice(const std::vector<BlockBackward>& blocks, double act, dou
 struct DeviceMemory {
   double total = 0;
   double scaled = 0;
+  // Streamed: the gradients of the streamed blocks among total's (three blocks' at most).
+  double streamed_grads = 0;
 };
 DeviceMemory StageDeviceMemory(const SearchOptions& options, const MemoryTerms& terms,
                                int replicas, int inflight, int micro_batches, bool recompute);
