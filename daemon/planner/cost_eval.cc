@@ -274,7 +274,8 @@ StreamedRecomputeTerms StreamedRecompute(const CostTable& table, double cast_fac
     }
     const BlockProfile profile = ProfileAt(table.blocks[b], mb);
     bytes.push_back(read);
-    act.push_back(std::max(0.0, static_cast<double>(profile.act_bytes) - LowCopyBytes(table, b, not_streamed)) +
+    const double copies = LowCopyBytes(table, b, not_streamed);
+    act.push_back(std::max(0.0, static_cast<double>(profile.act_bytes) - copies) +
                   cast_factor * read);
     work.push_back(static_cast<double>(profile.peak_bytes));
   }
