@@ -809,7 +809,7 @@ TEST_CASE("A streamed stage holds a tensor that several blocks read the whole st
   internal::StreamedBlocks blocks = internal::StreamedBlocksOf(t, 0, 8, 250);
   CHECK(blocks.count == 8);
   CHECK(blocks.largest == 250);
-  CHECK(blocks.largest_pair == 500);  // counted with its readers' pairs, it made 450 the most
+  CHECK(blocks.largest_pair == 500);  // the tied tensor in none of them
   CHECK(blocks.largest_triple == 750);
   CHECK(blocks.resident == 200);
   CHECK(blocks.not_streamed == std::vector<bool>{false, false, false, false, false, false, true});
