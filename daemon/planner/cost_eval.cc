@@ -45,6 +45,28 @@ double LowCopyBytes(const CostTable& table, int b, const std::vector<bool>& not_
   return bytes;
 }
 
+// Per tensor of the cost table, the first and the last planning block that read it (-1: none).
+struct Readers {
+  std::vector<int> first, last;
+  // True where a block outside [begin, end) reads tensor p (blocks read in order).
+  bool Outside(size_t p, int begin, int end) const {
+    return first[p] >= 0 && (first[p] < begin || last[p] >= end);
+  }
+};
+Readers ReadersOf(const CostTable& table) {
+  Readers r;
+  r.first.assign(table.param_bytes.size(), -1);
+  r.last.assign(table.param_bytes.size(), -1);
+  for (int b = 0; b < static_cast<int>(table.blocks.size()); ++b) {
+    for (int p : table.blocks[b].params) {
+      if (p < 0 || p >= static_cast<int>(r.first.size())) continue;
+      if (r.first[p] < 0) r.first[p] = b;
+      r.last[p] = b;
+    }
+  }
+  return r;
+}
+
 // The line through (x0, a) and (x1, b), evaluated at x.
 BlockProfile Line(int64_t x0, const BlockProfile& a, int64_t x1, const BlockProfile& b,
                   int64_t x) {
@@ -188,13 +210,9 @@ StreamedBlocks StreamedBlocksOf(const CostTable& table, int begin, int end, doub
   // What the runtime never streams: a tensor another stage reads too (every holder steps its
   // copy on the host), or one read by several of the stage's blocks (marked below).
   std::vector<bool>& resident = out.not_streamed;
+  const Readers model = ReadersOf(table);
   resident.assign(tensors, false);
-  for (int b = 0; b < static_cast<int>(table.blocks.size()); ++b) {
-    if (b >= begin && b < end) continue;
-    for (int p : table.blocks[b].params) {
-      if (p >= 0 && p < tensors) resident[p] = true;
-    }
-  }
+  for (int p = 0; p < tensors; ++p) resident[p] = model.Outside(p, begin, end);
   std::vector<std::vector<int>> block_params;  // per runtime block, the tensors it reads
   double bytes = 0;
   auto read = [&](const std::vector<int>& params, double cut) {
@@ -309,17 +327,12 @@ std::vector<BlockBackward> StreamedBackward(const CostTable& table, double cast_
   const int n = end - begin;
   // Each parameter's first and last reader over the whole model: one that a block outside
   // the stage reads too is never kept (the runtime steps those on the host).
-  std::vector<int> first(table.param_bytes.size(), -1), last(table.param_bytes.size(), -1);
-  for (int b = 0; b < static_cast<int>(table.blocks.size()); ++b) {
-    for (int p : table.blocks[b].params) {
-      if (p < 0 || p >= static_cast<int>(first.size())) continue;
-      if (first[p] < 0) first[p] = b;
-      last[p] = b;
-    }
-  }
+  const Readers model = ReadersOf(table);
+  const std::vector<int>& first = model.first;
+  const std::vector<int>& last = model.last;
   std::vector<double> first_read(n, 0.0), last_read(n, 0.0);
   for (size_t p = 0; p < first.size(); ++p) {
-    if (first[p] < begin || last[p] >= end || p >= table.param_trainable.size() ||
+    if (first[p] < 0 || model.Outside(p, begin, end) || p >= table.param_trainable.size() ||
         !table.param_trainable[p]) {
       continue;
     }
