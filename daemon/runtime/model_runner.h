@@ -80,6 +80,8 @@ class ModelRunner {
 
   // Drops outputs (and the autograd graph they hold) of the last forward.
   void ReleaseOutputs() { outputs_.clear(); }
+  // Whether the last forward's graph awaits a backward (it holds the store's tensors).
+  bool holds_graph() const { return !outputs_.empty(); }
 
  private:
   struct ModeGraph {

@@ -1,5 +1,7 @@
 #include "daemon/runtime/param_store.h"
 
+#include <limits>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
@@ -115,11 +117,37 @@ absl::Status ParamStore::Load(const std::map<std::string, at::Tensor>& state, bo
   return TorchCall(absl::StatusCode::kInvalidArgument, "load_state_dict", [&] {
     at::NoGradGuard no_grad;
     for (const auto& [key, value] : state) {
-      const Entry* entry = Find(key);
-      if (entry != nullptr) entry->tensor.copy_(value);
+      auto it = index_.find(key);
+      if (it == index_.end()) continue;
+      Restore(it->second);
+      entries_[it->second].tensor.copy_(value);
     }
     return absl::OkStatus();
   });
+}
+
+void ParamStore::Drop(size_t entry) {
+  Entry& e = entries_[entry];
+  if (e.dropped) return;
+  at::NoGradGuard no_grad;
+  const std::vector<int64_t> sizes = e.tensor.sizes().vec();
+  const at::Tensor one = at::empty({1}, e.tensor.options());
+  if (at::isFloatingType(one.scalar_type()) || at::isComplexType(one.scalar_type())) {
+    one.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else {
+    one.zero_();
+  }
+  e.tensor.set_(one.storage(), /*storage_offset=*/0, sizes,
+                std::vector<int64_t>(sizes.size(), 0));
+  e.dropped = true;
+}
+
+void ParamStore::Restore(size_t entry) {
+  Entry& e = entries_[entry];
+  if (!e.dropped) return;
+  at::NoGradGuard no_grad;
+  e.tensor.set_(at::empty(e.tensor.sizes().vec(), e.tensor.options()));
+  e.dropped = false;
 }
 
 }  // namespace rannc

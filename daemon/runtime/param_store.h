@@ -27,6 +27,7 @@ class ParamStore {
     std::vector<std::string> aliases;  // the other names of the same tensor
     at::Tensor tensor;
     bool is_parameter = false;
+    bool dropped = false;  // see Drop
   };
 
   // Deduplicates `tensors` (state_dict order) by identity or shared storage; parameters become
@@ -46,8 +47,17 @@ class ParamStore {
   // Copies `state` into the stored tensors. Shapes are checked for every key before anything is
   // copied, so a failed load changes nothing. With `strict`, missing or unexpected keys are
   // INVALID_ARGUMENT; otherwise they are returned in the out-params.
+  // A dropped entry it writes is restored first.
   absl::Status Load(const std::map<std::string, at::Tensor>& state, bool strict,
                     std::vector<std::string>* missing, std::vector<std::string>* unexpected);
+
+  // While a deployed engine holds a tensor in memory of its own, the store's copy is dead weight
+  // (for parameters, the whole model again in host memory). Drop frees it and keeps the entry's
+  // shape, dtype, gradient and identity: the tensor object stays, over one element (NaN for a
+  // floating dtype) that every position reads and no write may reach (copy_ into it throws).
+  // Restore gives the entry memory of its own again, uninitialized: the caller writes it.
+  void Drop(size_t entry);
+  void Restore(size_t entry);
 
  private:
   std::vector<Entry> entries_;

@@ -528,12 +528,13 @@ absl::StatusOr<std::optional<at::Tensor>> Job::GetTensor(const std::string& name
 
 std::vector<StateEntry> Job::StateDict() {
   std::lock_guard<std::mutex> lock(mu_);
-  local_->Sync(Remote());
+  const std::vector<at::Tensor> values = local_->Values(Remote());
   std::vector<StateEntry> state;
   const ParamStore& store = local_->params();
   for (const std::string& key : store.state_keys()) {
     const ParamStore::Entry* entry = store.Find(key);
-    state.push_back({key, entry->tensor.detach().clone(), !entry->is_parameter});
+    // Tied names share one copy, as they share one tensor in the model.
+    state.push_back({key, values[entry - store.entries().data()], !entry->is_parameter});
   }
   return state;
 }

@@ -554,6 +554,81 @@ TEST_CASE("Job runs its plan over the devices, undeploys and redeploys, survives
   }
 }
 
+TEST_CASE("Job keeps no host copy of what its devices hold while deployed, loses no value",
+          "[job]") {
+  testing::Fixture f = testing::LoadFixture("tiny_gpt");
+  JobSettings config = PlannedConfig(2);
+  config.planner.partition_num = 2;
+  std::unique_ptr<Job> job = MakeJob(f, config);
+  REQUIRE(job->info().plan.stages_size() == 2);
+  const ParamStore& store = job->params();
+  int params = 0;
+  for (const ParamStore::Entry& e : store.entries()) params += e.is_parameter;
+  REQUIRE(params > 2);
+  // Dropped: no memory beyond one element, the shape and dtype kept (the client's, the
+  // checks' and the optimizer state's reference).
+  auto dropped = [&] {
+    int n = 0;
+    for (const ParamStore::Entry& e : store.entries()) {
+      if (!e.dropped) continue;
+      ++n;
+      CHECK(static_cast<int64_t>(e.tensor.storage().nbytes()) == e.tensor.element_size());
+      CHECK(e.tensor.sizes().equals(f.Ref("step2", e.name).sizes()));
+      CHECK(e.tensor.requires_grad());
+    }
+    return n;
+  };
+  TrainTwoSteps(*job, f);
+  CHECK(dropped() == params);
+  for (const StateEntry& entry : job->StateDict()) {
+    INFO(entry.name);
+    if (!entry.is_buffer) {
+      CHECK(Close(entry.tensor, f.Ref("step2", store.Find(entry.name)->name)));
+    }
+  }
+  CHECK(dropped() == params);  // state_dict copies from the devices, not through the store
+
+  // A partial load writes its entry on the devices; the others keep theirs.
+  std::string loaded_name, kept_name;
+  for (const ParamStore::Entry& e : store.entries()) {
+    if (!e.is_parameter) continue;
+    (loaded_name.empty() ? loaded_name : kept_name) = e.name;
+    if (!kept_name.empty()) break;
+  }
+  const at::Tensor loaded = f.Ref("step2", loaded_name) + 1;
+  std::vector<std::string> missing, unexpected;
+  REQUIRE(job->LoadStateDict({{loaded_name, loaded}}, false, &missing, &unexpected).ok());
+  CHECK_FALSE(missing.empty());
+  CHECK(Close(Value(*job, loaded_name), loaded));
+  CHECK(Close(Value(*job, kept_name), f.Ref("step2", kept_name)));
+  CHECK(dropped() == params);
+
+  // Another mode's graph runs over the store: its copies come back for it, and go at the next
+  // planned forward.
+  absl::StatusOr<std::vector<at::Tensor>> planned = job->Forward(0, f.inputs, false);
+  REQUIRE(planned.ok());
+  const ModelMode trained = config.mode;
+  REQUIRE(job->AddMode(ModelMode{false, false}, f.model_bytes).ok());
+  REQUIRE(job->SetMode(ModelMode{false, false}));
+  absl::StatusOr<std::vector<at::Tensor>> eval = job->Forward(0, f.inputs, false);
+  REQUIRE(eval.ok());
+  CHECK(Close((*eval)[0], (*planned)[0]));
+  CHECK(dropped() == 0);
+  REQUIRE(job->SetMode(trained));
+  REQUIRE(job->Forward(0, f.inputs, false).ok());
+  CHECK(dropped() == params);
+
+  // Undeployed, the store has every value again, and a redeployment starts from them.
+  job->Undeploy();
+  CHECK(dropped() == 0);
+  CHECK(Close(store.Find(loaded_name)->tensor, loaded));
+  CHECK(Close(store.Find(kept_name)->tensor, f.Ref("step2", kept_name)));
+  absl::StatusOr<std::vector<at::Tensor>> again = job->Forward(0, f.inputs, false);
+  REQUIRE(again.ok());
+  CHECK(Close((*again)[0], (*planned)[0]));
+  CHECK(dropped() == params);
+}
+
 TEST_CASE("Job delays gradient reduction until AllReduceGrads, across an undeploy", "[job]") {
   // Fused with a tied weight, and kept graphs.
   for (const char* name : {"tiny_gpt", "multi_io"}) {

@@ -181,7 +181,7 @@ absl::Status LocalJob::Deploy() {
   grad_shares_ = false;
   parked_optimizer_state_.clear();
   engine_ = std::move(*engine);
-  ShareHostMasters();
+  ThinStore();
   const double deploy_s = SecondsSince(start);
   spdlog::log(deploy_s >= 0.1 ? spdlog::level::info : spdlog::level::debug,
               "deployed in {:.2f} s: engine {:.2f} (split in its own line), optimizer state "
@@ -196,26 +196,33 @@ absl::Status LocalJob::Deploy() {
   return absl::OkStatus();
 }
 
-void LocalJob::ShareHostMasters() {
-  // With offload the engine's masters are host memory too: the store's tensors take their
-  // memory (set_, so every reference to them sees it) rather than keep a copy of their own
-  // beside them, 4 bytes a parameter less for as long as the job is deployed. What the store
-  // is for stays true: it holds the parameters' values between deployments (the old masters,
-  // once the engine is gone, then copied into the next engine's), SyncStore copies the current
-  // values into it (the same values, here), and Load writes them before SetParam does.
-  if (!offload_) return;
+void LocalJob::ThinStore() {
+  // What the store is for stays true: it holds the values between deployments (SyncStore
+  // restores and writes them before the engine goes), and Load writes into it before SetParam.
+  // With offload the store's tensors take the host masters' memory (set_, so every reference to
+  // them sees it), the same values: once the engine is gone they are the store's.
   at::NoGradGuard no_grad;
+  thin_entries_.clear();
   for (size_t e = 0; e < store_.entries().size(); ++e) {
     const int li = lifted_of_entry_[e];
-    if (li < 0 || !store_.entries()[e].is_parameter) continue;
-    const at::Tensor master = engine_->HostMaster(li);
-    const at::Tensor& t = store_.entries()[e].tensor;
-    if (!master.defined() || !master.sizes().equals(t.sizes()) ||
-        master.scalar_type() != t.scalar_type()) {
+    if (li < 0 || !store_.entries()[e].is_parameter || !Held(li) || !engine_->Holds(li)) {
       continue;
     }
-    t.set_(master);
+    const at::Tensor master = offload_ ? engine_->HostMaster(li) : at::Tensor();
+    const at::Tensor& t = store_.entries()[e].tensor;
+    if (master.defined() && master.sizes().equals(t.sizes()) &&
+        master.scalar_type() == t.scalar_type()) {
+      t.set_(master);
+    } else {
+      thin_entries_.push_back(e);
+    }
   }
+  DropStoreCopies();
+}
+
+void LocalJob::DropStoreCopies() {
+  if (!engine_ || runner_->holds_graph()) return;
+  for (size_t e : thin_entries_) store_.Drop(e);
 }
 
 absl::Status LocalJob::EnsureDeployed() {
@@ -263,12 +270,28 @@ void LocalJob::SyncStore(bool grads, const RemoteRead& remote) {
       continue;
     }
     if (!engine_) continue;
+    store_.Restore(e);
     t.copy_(engine_->ParamAt(li));
     if (grads && entries[e].is_parameter) t.mutable_grad() = engine_->GradAt(li);
   }
 }
 
-void LocalJob::Sync(const RemoteRead& remote) { SyncStore(/*grads=*/false, remote); }
+std::vector<at::Tensor> LocalJob::Values(const RemoteRead& remote) {
+  at::NoGradGuard no_grad;
+  const std::vector<ParamStore::Entry>& entries = store_.entries();
+  std::vector<at::Tensor> values(entries.size());
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const int li = lifted_of_entry_[e];
+    if (li >= 0 && !Held(li) && remote) {
+      absl::StatusOr<std::optional<at::Tensor>> value = remote(entries[e].name);
+      if (value.ok() && value->has_value()) values[e] = std::move(**value);
+    } else if (li >= 0 && Held(li) && engine_ && engine_->Holds(li)) {
+      values[e] = engine_->ParamAt(li);  // a copy
+    }
+    if (!values[e].defined()) values[e] = entries[e].tensor.detach().clone();
+  }
+  return values;
+}
 
 void LocalJob::Release() {
   runner_->ReleaseOutputs();
@@ -280,6 +303,7 @@ void LocalJob::Release() {
   parked_optimizer_state_ = engine_->OptimizerState();
   parked_loss_scaler_ = engine_->loss_scaler();
   engine_.reset();
+  thin_entries_.clear();
 }
 
 absl::StatusOr<std::vector<at::Tensor>> LocalJob::Forward(
@@ -289,6 +313,7 @@ absl::StatusOr<std::vector<at::Tensor>> LocalJob::Forward(
     engine_forward_ = true;
     absl::Status deployed = EnsureDeployed();
     if (!deployed.ok()) return deployed;
+    DropStoreCopies();  // restored by another mode's forward since
     engine_->SetDelayGradReduction(delay_grad_allreduce);
     absl::StatusOr<std::vector<at::Tensor>> outputs = engine_->Forward(inputs, requires_grad);
     if (engine_->broken()) Release();
@@ -492,22 +517,20 @@ absl::StatusOr<std::optional<at::Tensor>> LocalJob::Read(const std::string& name
 absl::Status LocalJob::Load(const std::map<std::string, at::Tensor>& state, bool strict,
                             std::vector<std::string>* missing,
                             std::vector<std::string>* unexpected) {
-  // Entries the state leaves out keep the devices' values (a state that has them all, a
-  // checkpoint's, needs no copy of them first).
-  const std::vector<std::string>& keys = store_.state_keys();
-  if (!std::all_of(keys.begin(), keys.end(),
-                   [&](const std::string& k) { return state.count(k) > 0; })) {
-    SyncStore(/*grads=*/false, nullptr);
-  }
+  // Entries the state leaves out keep the devices' values: only those it writes go there.
   absl::Status loaded = store_.Load(state, strict, missing, unexpected);
-  if (!loaded.ok()) return loaded;
-  if (engine_) {
-    const std::vector<ParamStore::Entry>& entries = store_.entries();
-    for (size_t e = 0; e < entries.size(); ++e) {
-      const int li = lifted_of_entry_[e];
-      if (li >= 0 && Held(li)) engine_->SetParam(li, entries[e].tensor);
+  if (!loaded.ok() || !engine_) return loaded;
+  std::set<size_t> written;
+  for (const auto& [key, value] : state) {
+    if (const ParamStore::Entry* entry = store_.Find(key)) {
+      written.insert(entry - store_.entries().data());
     }
   }
+  for (size_t e : written) {
+    const int li = lifted_of_entry_[e];
+    if (li >= 0 && Held(li)) engine_->SetParam(li, store_.entries()[e].tensor);
+  }
+  DropStoreCopies();
   return absl::OkStatus();
 }
 

@@ -6,7 +6,8 @@
 //
 // The engine is built from the host master (Deploy, at the next call after a Release) and gives
 // it back when released: a failed step releases it, losing nothing, and the next call rebuilds
-// it. Reads (Read, Sync) bring the master up to date from the engine.
+// it. While deployed, the master keeps no copy of what the engine holds (ThinStore): reads
+// (Read, Values) copy from the engine.
 //
 // Not thread-safe: the owning Job serializes every call under its lock.
 #ifndef RANNC_DAEMON_SERVER_LOCAL_JOB_H_
@@ -68,7 +69,8 @@ class LocalJob {
       const std::vector<at::Tensor>& example_inputs,
       std::function<std::shared_ptr<std::atomic<bool>>()> new_cancel, Made* made);
 
-  // The host master: names, aliases, shapes (the values are current after Sync).
+  // The host master: names, aliases, shapes. Its values are current only while released: read
+  // them through Read or Values.
   const ParamStore& params() const { return store_; }
   // INVALID_ARGUMENT unless `inputs` match the example inputs (count, dtypes, shapes, ranges).
   absl::Status CheckInputs(const std::vector<at::Tensor>& inputs) const;
@@ -105,10 +107,11 @@ class LocalJob {
   Flags flags() const;
 
   // A copy of a parameter or buffer (or its gradient; nullopt when None); NOT_FOUND when
-  // another daemon holds it. Sync brings every entry of the master up to date (with `remote`,
-  // those held elsewhere too); Load sets entries (those held here go to the devices).
+  // another daemon holds it. Values copies every entry's current value, in the master's entry
+  // order (with `remote`, those held elsewhere too; without, the master's copy of them); Load
+  // sets entries (those held here go to the devices).
   absl::StatusOr<std::optional<at::Tensor>> Read(const std::string& name, bool grad);
-  void Sync(const RemoteRead& remote);
+  std::vector<at::Tensor> Values(const RemoteRead& remote);
   // Whether this daemon writes entry `name` (a parameter or buffer) and its optimizer state in
   // its share of a checkpoint: over several daemons each entry is written by exactly one
   // (PipelineEngine::Saves; the leading daemon writes those no device holds); on one daemon,
@@ -158,9 +161,13 @@ class LocalJob {
            std::function<std::shared_ptr<std::atomic<bool>>()> new_cancel);
 
   absl::Status Deploy();
-  // With offload, after Deploy: the store's parameters share the engine's host masters' memory
-  // instead of keeping a copy of their own.
-  void ShareHostMasters();
+  // After Deploy: the store keeps no copy of the parameters this daemon's engine holds. With
+  // offload they share the engine's host masters' memory; the others (thin_entries_) are
+  // dropped (ParamStore::Drop) until SyncStore restores them (another mode's forward, Release).
+  void ThinStore();
+  // Drops thin_entries_ again, unless another mode's graph awaits its backward (it saved the
+  // store's tensors).
+  void DropStoreCopies();
   // Copies the engine's parameters and buffers (and gradients, with `grads`) into the store.
   void SyncStore(bool grads, const RemoteRead& remote);
   // Whether this daemon's devices hold lifted tensor `lifted` (always, for a job on one daemon).
@@ -193,6 +200,7 @@ class LocalJob {
   std::vector<int> lifted_of_entry_;     // per store entry: its IR lifted index, or -1
   std::vector<std::vector<int>> optimizer_groups_;  // lifted indices per param group
   std::unique_ptr<PipelineEngine> engine_;  // null while released
+  std::vector<size_t> thin_entries_;  // store entries without a copy while deployed (ThinStore)
   // Outlives the engines: the checkpoints' host memory stays ready across redeployments.
   std::shared_ptr<PinnedArena> checkpoint_memory_ = std::make_shared<PinnedArena>();
   // Every engine of the job counts into these (the job's metrics).
