@@ -580,6 +580,11 @@ TEST_CASE("Job keeps no host copy of what its devices hold while deployed, loses
   };
   TrainTwoSteps(*job, f);
   CHECK(dropped() == params);
+  {  // what a reader that forgot to restore would meet: NaN, and no write
+    const at::Tensor t = store.entries()[0].tensor.detach();
+    CHECK(at::isnan(t).all().item<bool>());
+    CHECK_THROWS(t.copy_(at::zeros(t.sizes(), t.options())));
+  }
   for (const StateEntry& entry : job->StateDict()) {
     INFO(entry.name);
     if (!entry.is_buffer) {
