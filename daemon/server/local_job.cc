@@ -282,13 +282,11 @@ std::vector<at::Tensor> LocalJob::Values(const RemoteRead& remote) {
   std::vector<at::Tensor> values(entries.size());
   for (size_t e = 0; e < entries.size(); ++e) {
     const int li = lifted_of_entry_[e];
-    if (li >= 0 && !Held(li) && remote) {
-      absl::StatusOr<std::optional<at::Tensor>> value = remote(entries[e].name);
-      if (value.ok() && value->has_value()) values[e] = std::move(**value);
-    } else if (li >= 0 && Held(li) && engine_ && engine_->Holds(li)) {
-      values[e] = engine_->ParamAt(li);  // a copy
-    }
-    if (!values[e].defined()) values[e] = entries[e].tensor.detach().clone();
+    // Read: the engine's copy, or the store's where no device here holds it.
+    absl::StatusOr<std::optional<at::Tensor>> value =
+        li >= 0 && !Held(li) && remote ? remote(entries[e].name) : Read(entries[e].name, false);
+    values[e] = value.ok() && value->has_value() ? std::move(**value)
+                                                 : entries[e].tensor.detach().clone();
   }
   return values;
 }
