@@ -70,6 +70,46 @@ def _save(traced: torch.jit.ScriptModule) -> bytes:
     return buf.getvalue()
 
 
+def _restore_buffers(saved_buffers) -> None:
+    with torch.no_grad():
+        for b, value in saved_buffers:
+            b.copy_(value)
+
+
+class _SavedTensorDropped:
+    """What autograd keeps of a tensor it saves during the trace's forward: nothing."""
+
+    __slots__ = ()
+
+
+def _trace_keeping_nothing(model: torch.nn.Module, inputs,
+                           before_retry) -> torch.jit.ScriptModule:
+    """torch.jit.trace with autograd on (the model's code may branch on it, and the graph
+    records what it sees), but without what autograd saves for a backward that never runs: a
+    model's forward saves about 16 activations of the model's width a token and layer, so on
+    one sample of 2048 tokens of a 10B GPT that is ~25 GiB of host memory beside the model.
+    Each saved tensor is replaced by a stand-in and freed as soon as nothing else holds it.
+    A forward that runs a backward itself (torch.autograd.grad inside the model) needs them:
+    it is traced again the plain way, after `before_retry()`."""
+    unpacked = []
+
+    def unpack(_dropped):
+        unpacked.append(True)
+        raise RuntimeError("pyrannc: a backward inside the traced forward read a tensor saved "
+                           "for it; tracing again with saved tensors kept")
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda _t: _SavedTensorDropped(),
+                                                      unpack):
+            return torch.jit.trace(model, inputs, check_trace=False)
+    except Exception:  # noqa: BLE001 - re-raised unless the stand-in was read
+        if not unpacked:
+            raise
+    logger.debug("pyrannc: the model's forward runs a backward; traced with saved tensors")
+    before_retry()
+    return torch.jit.trace(model, inputs, check_trace=False)
+
+
 def trace(model: torch.nn.Module, inputs, mode: pb.Mode, apart_bytes: Optional[int] = None,
           graph_only: bool = False
           ) -> Tuple[bytes, object, List[Tuple[str, torch.Tensor]], Optional[bytes]]:
@@ -111,15 +151,13 @@ def trace(model: torch.nn.Module, inputs, mode: pb.Mode, apart_bytes: Optional[i
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning,
                                     module=r"torch\.")
             started = time.perf_counter()
-            traced = torch.jit.trace(model, inputs, check_trace=False)
+            traced = _trace_keeping_nothing(model, inputs, lambda: _restore_buffers(saved_buffers))
             logger.debug("pyrannc: traced the model in %.2f s", time.perf_counter() - started)
     finally:
         handle.remove()
         for m, flag in saved_flags:
             m.training = flag
-        with torch.no_grad():
-            for b, value in saved_buffers:
-                b.copy_(value)
+        _restore_buffers(saved_buffers)
     started = time.perf_counter()
     apart = _tensors.leave_out(traced, apart_bytes) if apart_bytes is not None else []
     model_bytes = _save(traced)

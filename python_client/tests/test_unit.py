@@ -3,10 +3,12 @@ mapping, version check, finding the binaries, the walk over a model's tensors, t
 fingerprint and output codec."""
 
 import collections
+import io
 import json
 import os
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
@@ -428,6 +430,86 @@ def test_leave_out_keeps_ties_and_leaves_the_model_alone():
     assert traced.emb.weight.stride() == (0, 0) and traced.block.bias.stride() == (1,)
     assert traced.head.weight is traced.emb.weight  # one stand-in for the tied pair
     assert model.emb.weight.stride() == (16, 1)  # the user's model keeps its tensors
+
+
+class _SavesAnActivation(torch.nn.Module):
+    """Notes, at the end of each forward, whether an activation that only autograd's saved
+    tensors still hold is alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.alive = []
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))  # tanh saves h, and so does the Linear that reads it
+        ref = weakref.ref(h)
+        y = self.b(h)
+        del h
+        self.alive.append(ref() is not None)
+        return y.sum()
+
+
+class _GradInForward(torch.nn.Module):
+    """A forward that runs a backward of its own (not in the graph: only its value is kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(8.0))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        y = (x * self.w).sum()
+        g, = torch.autograd.grad(y, self.w, retain_graph=True)
+        self.grad_norm = float(g.norm())
+        # A Python branch on a buffer's value: a trace bakes in the one it takes.
+        return y if float(self.calls) == 1 else -y
+
+
+def _ops(traced):
+    """The ops of a traced module's graph as its archive holds them."""
+    buf = io.BytesIO()
+    torch.jit.save(traced, buf)
+    buf.seek(0)
+    return [n.kind() for n in torch.jit.load(buf).inlined_graph.nodes()]
+
+
+def test_trace_keeps_no_tensor_saved_for_a_backward():
+    """The trace's forward runs with autograd on but keeps nothing for a backward (on a 10B GPT
+    that is ~25 GiB of host memory for one sample), and makes the same graph as a plain trace."""
+    model = _SavesAnActivation()
+    x = torch.randn(4, 8)
+    mode = pb.Mode(training=True, dropout=False)
+    model_bytes, _, _, _ = _tracing.trace(model, [x], mode)
+    assert model.alive == [False]
+    with torch.enable_grad():
+        plain = torch.jit.trace(model, [x], check_trace=False)
+    assert model.alive == [False, True]  # the premise: a plain trace keeps it
+    ours = torch.jit.load(io.BytesIO(model_bytes))
+    assert _ops(ours) == _ops(plain)
+
+    gpt = models.TinyGPT()
+    batch = list(models.gpt_batch(0))
+    gpt_bytes, _, _, _ = _tracing.trace(gpt, batch, pb.Mode(training=True, dropout=True))
+    with torch.enable_grad():
+        gpt_plain = torch.jit.trace(gpt, batch, check_trace=False)
+    gpt_ours = torch.jit.load(io.BytesIO(gpt_bytes))
+    assert _ops(gpt_ours) == _ops(gpt_plain)
+    torch.testing.assert_close(gpt_ours(*batch), gpt(*batch), rtol=0, atol=0)
+
+
+def test_trace_of_a_forward_that_runs_a_backward_keeps_what_it_reads():
+    """Such a forward needs the saved tensors: it is traced again with them, from the buffers
+    it started from."""
+    model = _GradInForward()
+    x = torch.randn(4, 8)
+    model_bytes, _, _, _ = _tracing.trace(model, [x], pb.Mode(training=True, dropout=False))
+    assert model.grad_norm == pytest.approx(float(x.sum(0).norm()))
+    assert float(model.calls) == 0  # restored after both traces
+    traced = torch.jit.load(io.BytesIO(model_bytes))
+    torch.testing.assert_close(traced(x), model(x))  # the second trace started from calls = 0
 
 
 def test_chunk_bytes_fit_the_message_limit():
