@@ -37,6 +37,7 @@
 #include "daemon/optim/split_optimizer.h"
 #include "daemon/runtime/grad_reducer.h"
 #include "daemon/runtime/micro_batch.h"
+#include "daemon/runtime/pinned_pool.h"
 #include "daemon/runtime/pipeline_engine.h"
 #include "daemon/runtime/schedule.h"
 #include "daemon/runtime/stage_executor.h"
@@ -304,6 +305,7 @@ class PipelineEngine::Impl {
   ~Impl() {
     SettleHostSteps().IgnoreError();
     for (Device& d : devices_) d.worker.reset();  // joins
+    CloseHostPool();
     for (Device& d : devices_) {
       d.optimizer.reset();
       d.reducer.reset();
@@ -605,7 +607,7 @@ class PipelineEngine::Impl {
 
   // Adds gradient `g` (on the host) of streamed parameter `li` to this step's, in its master's
   // dtype.
-  static void AddStreamedGrad(Device& d, int li, const at::Tensor& g);
+  void AddStreamedGrad(Device& d, int li, const at::Tensor& g);
   // Adds the downloads that have ended (all of them, waiting, with `wait`) to streamed_grads.
   void TakeDownloads(Device& d, bool wait);
   // AllReduceGrads on an offloaded device: its host gradients onto the device, reduced, back.
@@ -624,9 +626,19 @@ class PipelineEngine::Impl {
   // none can be had.
   static at::Tensor PinnedLike(const at::Tensor& t,
                                std::optional<at::ScalarType> dtype = std::nullopt);
+  // PinnedLike for what an offloaded job keeps in host memory (masters, their gradients and
+  // low-precision copies): from host_pool_, page-locked in its own size where LibTorch's
+  // allocator would round it up to a power of two, for tensors of at least kExactPinnedBytes;
+  // else, or when the pool refuses, PinnedLike's.
+  at::Tensor PinnedExact(const at::Tensor& t, std::optional<at::ScalarType> dtype = std::nullopt);
+  static constexpr int64_t kExactPinnedBytes = int64_t{1} << 20;
+  // The engine's end: waits for the copies still queued on its CUDA devices' streams (a step
+  // that failed), which may read or write host_pool_'s memory (it does not track streams, as
+  // LibTorch's allocator does), then closes the pool.
+  void CloseHostPool();
   // An empty host tensor shaped as `t` in `dtype`, for `d`: page-locked for a CUDA device
-  // (pageable when none can be had, as for a CPU device).
-  static at::Tensor HostBuffer(const Device& d, const at::Tensor& t, at::ScalarType dtype);
+  // (PinnedExact; pageable when none can be had, as for a CPU device).
+  at::Tensor HostBuffer(const Device& d, const at::Tensor& t, at::ScalarType dtype);
   // PipelineEngine::BeginAsyncReads..EndAsyncReads (pipeline_engine_params.cc): HostCopy, or,
   // while async_reads_, a copy on the device's read stream that returns before it ends.
   at::Tensor ReadCopy(const at::Tensor& t) const;
@@ -696,6 +708,8 @@ class PipelineEngine::Impl {
   std::atomic<bool> aborted_{false};
   std::shared_ptr<std::atomic<bool>> cancel_;  // EngineOptions::cancel
   std::shared_ptr<PinnedArena> checkpoint_memory_;  // EngineOptions::checkpoint_memory
+  // Offload on a CUDA device: the host memory of masters and gradients (PinnedExact).
+  std::shared_ptr<PinnedPool> host_pool_;
   std::shared_ptr<EngineCounters> counters_;        // EngineOptions::counters (may be null)
   mutable bool arena_open_ = false;  // this batch of asynchronous reads allocates from it
   mutable int64_t arena_missed_ = 0;  // bytes of this batch's reads the arena had no room for

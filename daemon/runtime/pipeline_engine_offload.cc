@@ -281,7 +281,7 @@ void PipelineEngine::Impl::BlockGradsToHost(Device& d, int block) {
     g = g.detach();
     // From a CUDA device into page-locked memory on the download stream, while the blocks
     // before this one compute their backwards; a CPU device's is on the host already.
-    at::Tensor host = d.download_stream && !g.device().is_cpu() ? PinnedLike(g) : at::Tensor();
+    at::Tensor host = d.download_stream && !g.device().is_cpu() ? PinnedExact(g) : at::Tensor();
     if (host.defined()) {
       download.device.emplace_back(li, g);
       download.host.emplace_back(li, host);
@@ -514,9 +514,37 @@ at::Tensor PipelineEngine::Impl::HostCopy(const at::Tensor& t) {
 
 at::Tensor PipelineEngine::Impl::HostBuffer(const Device& d, const at::Tensor& t,
                                             at::ScalarType dtype) {
-  at::Tensor buffer = d.place.is_cuda() ? PinnedLike(t, dtype) : at::Tensor();
+  at::Tensor buffer = d.place.is_cuda() ? PinnedExact(t, dtype) : at::Tensor();
   return buffer.defined() ? buffer
                           : at::empty(t.sizes(), t.options().device(at::kCPU).dtype(dtype));
+}
+
+at::Tensor PipelineEngine::Impl::PinnedExact(const at::Tensor& t,
+                                             std::optional<at::ScalarType> dtype) {
+  const at::ScalarType type = dtype.value_or(t.scalar_type());
+  if (host_pool_ && t.numel() * static_cast<int64_t>(c10::elementSize(type)) >=
+                        kExactPinnedBytes) {
+    at::Tensor exact = host_pool_->Empty(t.sizes(), type);
+    if (exact.defined()) return exact;
+  }
+  return PinnedLike(t, type);
+}
+
+void PipelineEngine::Impl::CloseHostPool() {
+  if (!host_pool_) return;
+  for (Device& d : devices_) {
+    if (!d.local || !d.place.is_cuda()) continue;
+    try {
+      const c10::impl::VirtualGuardImpl impl(d.place.type());
+      impl.getStream(d.place).synchronize();
+      if (d.upload_stream) d.upload_stream->synchronize();
+      if (d.download_stream) d.download_stream->synchronize();
+    } catch (const c10::Error& e) {
+      spdlog::warn("engine {}: device {} could not finish its copies: {}", id_, d.index,
+                   e.what_without_backtrace());
+    }
+  }
+  host_pool_->Close();
 }
 
 at::Tensor PipelineEngine::Impl::PinnedLike(const at::Tensor& t,
