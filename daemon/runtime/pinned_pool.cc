@@ -123,10 +123,17 @@ void PinnedPool::Release(void* ptr, uint64_t size, uint64_t bytes) {
 }
 
 void PinnedPool::Close() {
-  std::map<uint64_t, std::vector<void*>> cached;
   {
     std::lock_guard<std::mutex> guard(mu_);
     closed_ = true;
+  }
+  Trim();
+}
+
+void PinnedPool::Trim() {
+  std::map<uint64_t, std::vector<void*>> cached;
+  {
+    std::lock_guard<std::mutex> guard(mu_);
     cached.swap(cached_);
     stats_.mapped_bytes -= stats_.cached_bytes;
     stats_.cached_bytes = 0;

@@ -48,7 +48,9 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // to a page; undefined when the memory cannot be mapped or page-locked (nothing is kept).
   at::Tensor Empty(at::IntArrayRef shape, at::ScalarType dtype);
 
-  // Unmaps the cached memory; from now on a released tensor's memory is unmapped at once.
+  // Unmaps the cached memory (what was released and is not needed again in those sizes).
+  void Trim();
+  // Trim, and from now on a released tensor's memory is unmapped at once.
   void Close();
 
   struct Stats {

@@ -69,6 +69,19 @@ TEST_CASE("PinnedPool maps each tensor in its own size and reuses it once releas
   row = at::Tensor();
   CHECK(pool->stats().cached_bytes == 192 * kMiB);
 
+  // Trimmed: the cache is unmapped, the pool still caches what is released after.
+  at::Tensor again = pool->Empty({4096, 12288}, at::kFloat);
+  CHECK(again.data_ptr() == qkv_memory);
+  at::Tensor spare = pool->Empty({4096, 12288}, at::kFloat);
+  spare = at::Tensor();
+  CHECK(pool->stats().cached_bytes == 192 * kMiB);
+  pool->Trim();
+  s = pool->stats();
+  CHECK(s.cached_bytes == 0);
+  CHECK(s.mapped_bytes == 2 * 192 * kMiB + 16 * 1024 + 8192);
+  again = at::Tensor();
+  CHECK(pool->stats().cached_bytes == 192 * kMiB);
+
   // Closed: the cache is unmapped, and what is released from now on too; live tensors stay
   // valid, and the pool lives as long as they do.
   pool->Close();

@@ -121,7 +121,10 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
     if (offload_) {
       // The host shard becomes the master of its slice; the whole parameters are not kept.
       part.shard = part.flat.narrow(0, part.shard_offset, part.len).clone();
-      if (d.place.is_cuda()) part.shard = part.shard.pin_memory();
+      if (d.place.is_cuda()) {
+        at::Tensor pinned = PinnedExact(part.shard);
+        if (pinned.defined()) part.shard = pinned.copy_(part.shard);
+      }
       part.flat = at::Tensor();
     } else {
       part.shard = at::empty({0}, part.flat.options());
@@ -143,6 +146,8 @@ absl::Status PipelineEngine::Impl::SetUpZero(Device& d,
   }
   if (offload_) {
     for (int li : sharded) d.host[li] = at::Tensor();
+    // The whole parameters' page-locked memory is not asked for again in those sizes.
+    if (host_pool_) host_pool_->Trim();
   }
   if (!d.zero.empty()) {
     absl::StatusOr<std::unique_ptr<GradReducer>> reducer =
