@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 #include <spdlog/spdlog.h>
 
@@ -72,9 +73,7 @@ void PinnedPool::Unmap(void* ptr, uint64_t size) {
 }
 
 at::Tensor PinnedPool::Empty(at::IntArrayRef shape, at::ScalarType dtype) {
-  int64_t numel = 1;
-  for (const int64_t d : shape) numel *= d;
-  const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
+  const uint64_t bytes = c10::multiply_integers(shape) * c10::elementSize(dtype);
   const uint64_t size = MappedSize(bytes);
   void* ptr = nullptr;
   {

@@ -11,7 +11,9 @@
 // kernel gives them) and page-locks it (cudaHostRegister). A tensor's memory goes back to the
 // pool when its last reference goes, and the next tensor of exactly that many bytes reuses it
 // (a step's gradients come back in the same sizes every step); Close unmaps what is cached and
-// has every later release unmap at once.
+// has every later release unmap at once. (daemon/common/host_buffer_pool.h reuses pageable
+// memory for the inputs clients send, in power-of-two buckets: cheap there, as it holds a few
+// batches, not the model.)
 //
 //   std::shared_ptr<PinnedPool> pool = PinnedPool::Create();
 //   at::Tensor master = pool->Empty(param.sizes(), at::kFloat);   // undefined: refused
