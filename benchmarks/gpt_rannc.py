@@ -130,16 +130,16 @@ def parse_args(argv=None):
 
 
 def host_bytes_needed(cfg, trace_batch: int, offload: bool, low_precision: bool = False) -> int:
-    """A rough upper estimate of the host memory a run needs. Without offload: the client's
-    fp32 model, the serialized trace (two copies while pyrannc sends it), the daemon's loaded
-    module and host masters (20 bytes a parameter together), plus the trace's forward on the
-    traced samples on the host (it keeps nothing for a backward: about one layer's ~16
-    d_model-wide fp32 tensors a token at a time, and three copies of the logits). With offload the larger of the trace (the client's model
-    and that forward) and 17 bytes a parameter: while the job is created, the client's model,
-    its copy in shared memory, the daemon's copy of that and its page-locked masters; then the
-    daemon's masters, gradients and AdamW moments (pyrannc frees its own copy,
-    keep_local_model), 16 bytes a parameter, and what else the daemon holds (113 GiB for
-    7.12B parameters measured, docs/benchmarks.md); with `low_precision` (the job key
+    """A rough upper estimate of the host memory a run needs. Without offload: the client's fp32
+    model, the serialized trace (two copies while pyrannc sends it), the daemon's loaded module
+    and host masters (20 bytes a parameter together), plus the trace's forward on the traced
+    samples on the host (it keeps nothing for a backward: about one layer's ~16 d_model-wide
+    fp32 tensors a token at a time, and three copies of the logits). With offload the larger of
+    the trace (the client's model and that forward) and 17 bytes a parameter: while the job is
+    created, the client's model, its copy in shared memory, the daemon's copy of that and its
+    page-locked masters; then the daemon's masters, gradients and AdamW moments (pyrannc frees
+    its own copy, keep_local_model), 16 bytes a parameter, and what else the daemon holds (113
+    GiB for 7.12B parameters measured, docs/benchmarks.md); with `low_precision` (the job key
     offload_low_precision) the masters' bf16 copies for upload, 2 bytes a parameter more."""
     samples = trace_batch if 0 < trace_batch < cfg.batch else cfg.batch
     tokens = samples * cfg.seq
