@@ -9,6 +9,7 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
+#include <c10/util/llvmMathExtras.h>
 #include <spdlog/spdlog.h>
 
 #include "daemon/comm/cuda_devices.h"
@@ -19,12 +20,6 @@ namespace {
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kHugePage = uint64_t{2} << 20;
 constexpr uint64_t kFaultGrain = uint64_t{16} << 20;  // bytes a thread faults in at a time
-
-uint64_t PowerOfTwoCeil(uint64_t n) {
-  uint64_t p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
 
 }  // namespace
 
@@ -85,17 +80,17 @@ at::Tensor PinnedPool::Empty(at::IntArrayRef shape, at::ScalarType dtype) {
       stats_.cached_bytes -= size;
     }
   }
-  if (ptr == nullptr) {
+  const bool mapped = ptr == nullptr;
+  if (mapped) {
     ptr = Map(size);  // outside the lock: faulting in and page-locking take a while
     if (ptr == nullptr) return at::Tensor();
-    std::lock_guard<std::mutex> guard(mu_);
-    stats_.mapped_bytes += size;
   }
   {
     std::lock_guard<std::mutex> guard(mu_);
+    if (mapped) stats_.mapped_bytes += size;
     stats_.live_tensors += 1;
     stats_.live_bytes += bytes;
-    stats_.live_power_of_two_bytes += PowerOfTwoCeil(bytes);
+    stats_.live_power_of_two_bytes += c10::llvm::PowerOf2Ceil(bytes);
   }
   std::shared_ptr<PinnedPool> self = shared_from_this();
   return at::from_blob(
@@ -109,7 +104,7 @@ void PinnedPool::Release(void* ptr, uint64_t size, uint64_t bytes) {
     std::lock_guard<std::mutex> guard(mu_);
     stats_.live_tensors -= 1;
     stats_.live_bytes -= bytes;
-    stats_.live_power_of_two_bytes -= PowerOfTwoCeil(bytes);
+    stats_.live_power_of_two_bytes -= c10::llvm::PowerOf2Ceil(bytes);
     if (closed_) {
       stats_.mapped_bytes -= size;
       unmap = true;
