@@ -76,33 +76,26 @@ def _restore_buffers(saved_buffers) -> None:
             b.copy_(value)
 
 
-class _SavedTensorDropped:
-    """What autograd keeps of a tensor it saves during the trace's forward: nothing."""
-
-    __slots__ = ()
-
-
 def _trace_keeping_nothing(model: torch.nn.Module, inputs,
                            before_retry) -> torch.jit.ScriptModule:
     """torch.jit.trace with autograd on (the model's code may branch on it, and the graph
     records what it sees), but without what autograd saves for a backward that never runs: a
     model's forward saves about 16 activations of the model's width a token and layer, so on
     one sample of 2048 tokens of a 10B GPT that is ~25 GiB of host memory beside the model.
-    Each saved tensor is replaced by a stand-in and freed as soon as nothing else holds it.
+    Autograd keeps None for each saved tensor, which goes as soon as nothing else holds it.
     A forward that runs a backward itself (torch.autograd.grad inside the model) needs them:
     it is traced again the plain way, after `before_retry()`."""
     unpacked = []
 
-    def unpack(_dropped):
+    def unpack(_none):
         unpacked.append(True)
         raise RuntimeError("pyrannc: a backward inside the traced forward read a tensor saved "
                            "for it; tracing again with saved tensors kept")
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda _t: _SavedTensorDropped(),
-                                                      unpack):
+        with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, unpack):
             return torch.jit.trace(model, inputs, check_trace=False)
-    except Exception:  # noqa: BLE001 - re-raised unless the stand-in was read
+    except Exception:  # noqa: BLE001 - re-raised unless a saved tensor was read
         if not unpacked:
             raise
     logger.debug("pyrannc: the model's forward runs a backward; traced with saved tensors")
