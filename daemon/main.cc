@@ -1,11 +1,16 @@
-// ranncd: flags -> DaemonOptions -> Daemon::Start(); then waits for SIGTERM/SIGINT.
+// ranncd: flags -> DaemonOptions -> Daemon::Start(); then waits for SIGTERM/SIGINT, and stops
+// within --stop-timeout, or at once on a second signal.
 #include <signal.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <iostream>
 #include <map>
 #include <string>
+#include <thread>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -14,6 +19,44 @@
 #include "daemon/common/json_log.h"
 #include "daemon/config/options.h"
 #include "daemon/daemon.h"
+
+namespace {
+
+// Started once a stop signal came: the stop's bound. A second stop signal, or `timeout` passing
+// first, ends the process at once (status 1), saying which, whatever the stop is still waiting
+// for: a step of a large model, a detached job's checkpoint, a handler that does not return. A
+// clean stop returns from main before, which ends this thread with the rest. The stop signals
+// are blocked in every thread, so sigtimedwait here takes the next one.
+void ExitWhenStopTakesTooLong(sigset_t stop_signals, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int again = -1;
+  while (again < 0) {
+    const auto left = deadline - std::chrono::steady_clock::now();
+    if (left <= std::chrono::nanoseconds(0)) break;
+    const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(left);
+    timespec wait{};
+    wait.tv_sec = static_cast<time_t>(seconds.count());
+    wait.tv_nsec = static_cast<long>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(left - seconds).count());
+    again = sigtimedwait(&stop_signals, nullptr, &wait);
+    if (again < 0 && errno != EINTR && errno != EAGAIN) {
+      std::this_thread::sleep_until(deadline);  // no signal can be waited for: the time alone
+      break;
+    }
+  }
+  if (again > 0) {
+    spdlog::warn("signal {} again: exiting now, without waiting for what is still running",
+                 again);
+  } else {
+    spdlog::error("still stopping {} s after the signal (--stop-timeout): exiting now, without "
+                  "waiting for what is still running",
+                  std::chrono::duration<double>(timeout).count());
+  }
+  spdlog::default_logger()->flush();
+  std::_Exit(1);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   // A crash is reported on stderr (daemon/common/crash_report.h), by ranncd rather than by UCX
@@ -51,7 +94,11 @@ int main(int argc, char** argv) {
   }
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
-  spdlog::info("signal {}: stopping; in-flight calls get 10 s to finish", signal_number);
+  const double stop_timeout_s = std::chrono::duration<double>(options->stop_timeout).count();
+  spdlog::info("signal {}: stopping; in-flight calls get 10 s to finish, and ranncd exits within "
+               "{} s whatever is still running (--stop-timeout; a second signal: at once)",
+               signal_number, stop_timeout_s);
+  std::thread(ExitWhenStopTakesTooLong, stop_signals, options->stop_timeout).detach();
   (*daemon)->Shutdown(std::chrono::seconds(10));
   (*daemon)->Wait();
   spdlog::info("stopped");

@@ -61,7 +61,7 @@ peers      StatefulSet.serviceName is a headless Service publishing not-ready ad
 size       CLUSTER_SIZE and --cluster-size equal replicas
 nonroot    pods run as UID/GID/fsGroup 10001, non-root; containers drop ALL capabilities, no
            privilege escalation, a read-only root file system
-grace      ranncd's terminationGracePeriodSeconds >= 60
+grace      ranncd's terminationGracePeriodSeconds >= 60, and its stop_timeout under it
 resources  every container requests cpu and memory and has a memory limit
 tls        ranncd has --tls-cert/--tls-key/--tls-ca/--auth-token-file on mounted secrets (or
            --insecure where the target expects it); a client has the CA and the token mounted
@@ -106,6 +106,17 @@ def byte_size(text):
     """ranncd's sizes ("2GiB", "512MiB", "0"), as config/options.cc reads them; None if not."""
     match = _BYTES.match(str(text))
     return None if match is None else float(match.group(1)) * _BYTE_UNIT[match.group(2)]
+
+
+_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]*)?)(ms|s|m|h)$")
+_DURATION_UNIT = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+
+
+def duration_seconds(text):
+    """ranncd's durations ("110s", "500ms", "10m"), as config/options.cc reads them; None if
+    not one."""
+    match = _DURATION.match(str(text))
+    return None if match is None else float(match.group(1)) * _DURATION_UNIT[match.group(2)]
 
 
 def expand_env(container):
@@ -514,6 +525,7 @@ def check_storage(sts, container, spec, env, flags, everything, expect, problems
         except tomllib.TOMLDecodeError as e:
             problems.add("storage", f"rannc.toml does not parse: {e}")
             toml = {}
+        check_stop_timeout(spec, env, flags, toml, problems)
         checkpoints = toml.get("checkpoint_dir")
         mount = mount_of(container, checkpoints) if checkpoints else None
         source = volume(spec, mount["name"]) if mount else None
@@ -538,6 +550,21 @@ def check_storage(sts, container, spec, env, flags, everything, expect, problems
         if named.get("metrics") != port or annotations.get("prometheus.io/port") != str(port):
             problems.add("storage", f"--metrics-listen port {port} is not the container port "
                                     "named metrics and the prometheus.io/port annotation")
+
+
+def check_stop_timeout(spec, env, flags, toml, problems):
+    """ranncd's stop_timeout (flag, else environment, else rannc.toml, else 10m) is under the
+    pod's grace period: past it ranncd exits saying what it gave up, where the kubelet's SIGKILL
+    says nothing."""
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    stop = flags.get("stop-timeout", env.get("RANNC_STOP_TIMEOUT", toml.get("stop_timeout")))
+    seconds = 600.0 if stop is None else duration_seconds(stop)
+    if seconds is None:
+        problems.add("grace", f"stop_timeout {stop!r} is not a duration")
+    elif isinstance(grace, int) and seconds >= grace:
+        problems.add("grace", f"stop_timeout {stop or '10m (the default)'} is not under "
+                              f"terminationGracePeriodSeconds {grace}: the kubelet would kill "
+                              "ranncd before it gives up on its own, saying what it gave up")
 
 
 def check_client(job, services, secrets, expect, problems):

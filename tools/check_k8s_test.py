@@ -207,6 +207,10 @@ def short_grace(objects):
         "terminationGracePeriodSeconds"] = 30
 
 
+def stop_timeout_past_grace(objects):
+    ranncd(objects)["args"].append("--stop-timeout=5m")
+
+
 def no_cpu_request(objects):
     del ranncd(objects)["resources"]["requests"]["cpu"]
 
@@ -297,6 +301,9 @@ CAUGHT = [
     (ETCD, keeps_capabilities, "[nonroot] container ranncd does not drop ALL capabilities"),
     (CPU, writable_root, "[nonroot] container ranncd: readOnlyRootFilesystem is not true"),
     (CPU, short_grace, "[grace] terminationGracePeriodSeconds is 30, under 60"),
+    (CPU, short_grace, "[grace] stop_timeout 110s is not under terminationGracePeriodSeconds 30"),
+    (CPU, stop_timeout_past_grace, "[grace] stop_timeout 5m is not under "
+                                   "terminationGracePeriodSeconds 120"),
     (CPU, no_cpu_request, "[resources] container ranncd requests no cpu"),
     (GPU, no_memory_limit, "[resources] container ranncd has no memory limit"),
     (CPU, shm_on_disk, "[shm] /dev/shm is not an emptyDir of medium Memory"),

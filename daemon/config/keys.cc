@@ -87,6 +87,9 @@ std::vector<ConfigKey>* MakeRegistry() {
       {"health_listen", T::kString, S::kDaemon, "none (health on the main port only)",
        "HOST:PORT of a plaintext port serving only the gRPC health service (\"\": live; "
        "\"rannc.ready\": joined its cluster), for Kubernetes' gRPC probes, which cannot do TLS"},
+      {"stop_timeout", T::kDuration, S::kDaemon, "10m",
+       "after SIGTERM or SIGINT, ranncd exits (status 1) by then whatever is still running; a "
+       "second signal exits at once"},
       // ---- a job (sent with CreateJob; planner/planner.h, runtime/loss_scale.h, server/) ----
       {"partition_num", T::kInt, S::kJob, "0 (the planner's choice)", "pipeline stages"},
       {"pipeline_num", T::kInt, S::kJob, "0 (the planner's choice)", "micro-batches per step"},
@@ -169,7 +172,8 @@ std::vector<ConfigKey>* MakeRegistry() {
        "seconds a call is retried while the daemon is unreachable (0: never); it is applied "
        "once"},
       {"daemon_stop_timeout", T::kFloat, S::kClient, "10",
-       "seconds the embedded ranncd gets to stop at exit before SIGKILL"},
+       "seconds the embedded ranncd gets to stop at exit before SIGKILL (also its "
+       "--stop-timeout, which bounds its stop when the client dies)"},
       {"conf_dir", T::kString, S::kClient, "~/.rannc",
        "where rannc.toml is read from (environment only)"},
       {"client_rank", T::kInt, S::kClient, "0 (or torchrun's / MPI's rank)",

@@ -222,6 +222,7 @@ const std::vector<Key>& Keys() {
       Bool("insecure", &DaemonOptions::insecure),
       Text("metrics_listen", &DaemonOptions::metrics_listen),
       Text("health_listen", &DaemonOptions::health_listen),
+      Duration("stop_timeout", &DaemonOptions::stop_timeout),
   };
   return *keys;
 }
@@ -587,6 +588,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"metrics_listen", "serve Prometheus metrics at http://HOST:PORT/metrics (default: none)"},
       {"health_listen", "serve the gRPC health service alone, in plain text, on HOST:PORT (for "
                         "Kubernetes' probes; default: none)"},
+      {"stop_timeout", "after SIGTERM or SIGINT, exit by then whatever is still running; a second "
+                       "signal exits at once (default 10m)"},
   };
   const std::map<std::string, std::string> type_names = {
       {"listen", "ADDRESS"},  {"devices", "SPEC"},          {"device_memory", "SIZE"},
@@ -600,6 +603,7 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       {"cluster_store_cert", "FILE"}, {"cluster_store_key", "FILE"}, {"cluster_store_ca", "FILE"},
       {"auth_token_file", "FILE"}, {"insecure", "BOOL"},
       {"log_format", "FORMAT"}, {"metrics_listen", "HOST:PORT"}, {"health_listen", "HOST:PORT"},
+      {"stop_timeout", "DURATION"},
   };
   std::vector<FlagValue> flags;
   flags.reserve(Keys().size());
@@ -637,7 +641,8 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(int argc, char** argv,
       "advertise, "
       "cluster_size, cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, "
       "cluster_store_ca, heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, "
-      "tls_refresh, auth_token_file, insecure, metrics_listen, health_listen) and in the "
+      "tls_refresh, auth_token_file, insecure, metrics_listen, health_listen, stop_timeout) and in "
+      "the "
       "environment as "
       "RANNC_<KEY> (e.g. "
       "RANNC_DEVICE_MEMORY=2GiB). Flags win over the environment, which wins over the file.");

@@ -11,10 +11,10 @@
 // links, profile_cache, state_dir, upload_ttl, queue_aging, peers, advertise, cluster_size,
 // cluster_store, cluster_lease, cluster_store_cert, cluster_store_key, cluster_store_ca,
 // heartbeat_interval, peer_timeout, tls_cert, tls_key, tls_ca, tls_refresh, auth_token_file,
-// insecure, metrics_listen, health_listen) at the top level; `peers` may also be an array of strings. The
-// same file may hold any other key of the registry (config/keys.h: a job's keys, the clients',
-// RaNNC's), which are ignored here; an unregistered key is an error naming the key, the file and
-// the nearest registered key.
+// insecure, metrics_listen, health_listen, stop_timeout) at the top level; `peers` may also be
+// an array of strings. The same file may hold any other key of the registry (config/keys.h: a
+// job's keys, the clients', RaNNC's), which are ignored here; an unregistered key is an error
+// naming the key, the file and the nearest registered key.
 //
 // Environment: RANNC_ + upper-case key (RANNC_DEVICE_MEMORY=2GiB). A variable that is set
 // counts even when empty (RANNC_SHM_DIR= disables shared memory). Other RANNC_* variables
@@ -23,10 +23,10 @@
 //
 // Flags (CLI11): --listen, --devices, --device-memory, --log-level, --log-format,
 // --max-message-size, --shm-dir, --links, --profile-cache, --state-dir, --upload-ttl,
-// --queue-aging, --peers, --advertise, --cluster-size, --cluster-store, --cluster-lease, --cluster-store-cert,
-// --cluster-store-key, --cluster-store-ca, --heartbeat-interval, --peer-timeout, --tls-cert,
-// --tls-key, --tls-ca, --tls-refresh, --auth-token-file, --insecure, --metrics-listen,
-// --health-listen, --config, --help, --version.
+// --queue-aging, --peers, --advertise, --cluster-size, --cluster-store, --cluster-lease,
+// --cluster-store-cert, --cluster-store-key, --cluster-store-ca, --heartbeat-interval,
+// --peer-timeout, --tls-cert, --tls-key, --tls-ca, --tls-refresh, --auth-token-file, --insecure,
+// --metrics-listen, --health-listen, --stop-timeout, --config, --help, --version.
 // `--flag VALUE` and `--flag=VALUE` both work; a flag given twice takes the last value; unknown
 // flags and positional arguments are errors naming them.
 //
@@ -35,8 +35,9 @@
 // KiB, MiB, GiB, TiB (powers of 1024), case-insensitive ("512MiB", "2GiB", "1.5GB", "1024").
 // Fractional bytes are rounded down.
 //
-// Durations (upload_ttl, queue_aging, heartbeat_interval, peer_timeout) are a number with a unit, ms, s, m or h
-// ("500ms", "1.5s"), at least 1 ms, rounded down to whole milliseconds.
+// Durations (upload_ttl, queue_aging, cluster_lease, heartbeat_interval, peer_timeout,
+// tls_refresh, stop_timeout) are a number with a unit, ms, s, m or h ("500ms", "1.5s"), at least
+// 1 ms, rounded down to whole milliseconds.
 //
 // Thread-safety: every function here is a pure function of its arguments (it reads the TOML
 // file and nothing else; the environment comes in as a map), safe from any thread.
@@ -184,6 +185,11 @@ struct DaemonOptions {
   // A plaintext port serving only the gRPC health service (daemon/health.h), for Kubernetes'
   // gRPC probes, which do not speak TLS. Default "": health on the main port only.
   std::string health_listen = "";
+
+  // After SIGTERM or SIGINT, the longest ranncd takes to stop (detached jobs checkpointed,
+  // in-flight calls finished, the jobs' memory freed): past it, it exits with status 1 whatever
+  // is still running, saying so; a second signal exits so at once (main.cc). Default 10 min.
+  std::chrono::milliseconds stop_timeout{600 * 1000};
 
   // The TOML file the options were read from; "" when none was found. Output only: the file is
   // chosen by --config or RANNC_CONF_DIR, never by a key.

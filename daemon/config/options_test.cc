@@ -74,7 +74,19 @@ TEST_CASE("LoadDaemonOptions: defaults without file, environment or flags", "[co
   CHECK(options->peer_timeout == std::chrono::seconds(10));
   CHECK(options->upload_ttl == std::chrono::hours(1));
   CHECK(options->queue_aging == std::chrono::hours(1));
+  CHECK(options->stop_timeout == std::chrono::minutes(10));
   CHECK(options->config_file == "");
+}
+
+TEST_CASE("LoadDaemonOptions: the bound on a stop", "[config]") {
+  auto flags = Load({"--stop-timeout=110s"}, {});
+  REQUIRE_OK(flags);
+  CHECK(flags->stop_timeout == std::chrono::seconds(110));
+  auto env = Load({}, {{"RANNC_STOP_TIMEOUT", "2500ms"}});
+  REQUIRE_OK(env);
+  CHECK(env->stop_timeout == std::chrono::milliseconds(2500));
+  CHECK_THAT(ErrorIf(Load({"--stop-timeout", "never"}, {}), kInvalid),
+             Catch::Contains("stop_timeout") || Catch::Contains("stop-timeout"));
 }
 
 TEST_CASE("LoadDaemonOptions: how long an unclaimed upload stays", "[config]") {

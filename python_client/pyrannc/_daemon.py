@@ -207,9 +207,12 @@ class _EmbeddedDaemon:
         # Private to this process, it keeps no durable jobs (daemon_args may still ask), and
         # serves plain text on loopback without tokens: the client's TLS keys (RANNC_TLS_CA,
         # ...), which name a remote daemon's CA, are not its own.
+        # Stopped (by stop() or, its client gone, by the kernel's SIGTERM), it exits within the
+        # client's daemon_stop_timeout even in the middle of a step, with no client to wait for.
         self.args = [binary, "--listen", address, "--devices", settings.devices,
                      "--state-dir", "none", "--tls-cert=", "--tls-key=", "--tls-ca=",
-                     "--auth-token-file="]
+                     "--auth-token-file=",
+                     f"--stop-timeout={max(1, int(settings.stop_timeout * 1000))}ms"]
         self.args += settings.flags
         self.stop_timeout = settings.stop_timeout
         self.tail = collections.deque(maxlen=200)
