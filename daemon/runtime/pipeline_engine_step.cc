@@ -360,6 +360,7 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
   const bool keep_resident = (step.phase == Phase::kForward && step.requires_grad) ||
                              (step.phase == Phase::kBackward && step.retain_graph);
   auto end = [&](absl::Status s) {
+    d.exec->ShareCasts(false);
     TakeDownloads(d, /*wait=*/true);  // the copies end before their memory goes
     d.streamed_grads.clear();  // taken below, or dropped with a failed step
     if (offload_ && (!keep_resident || !s.ok())) Release(d);
@@ -394,6 +395,9 @@ absl::Status PipelineEngine::Impl::RunDeviceOps(Device& d, const StepPlan& step)
     for (size_t i = 0; i < saved.size(); ++i) params[i].mutable_grad() = saved_grad(i);
     return end(s);
   };
+  // The micro-batches of this call read the same parameter values (the optimizer steps between
+  // calls): O2's grouped casts are made once for all of them (StageExecutor::ShareCasts).
+  d.exec->ShareCasts(m > 1);
   Pending pending;
   bool first_backward = true;
   for (size_t i = 0; i < ops.size(); ++i) {

@@ -94,14 +94,22 @@ void CopyAll(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& 
 
 // A group of parameters (of one dtype) cast to `low` as one autograd node: its backward widens
 // the gradients its outputs got back to the parameters' dtype, as each cast's own backward
-// would (an exact conversion), and leaves those that got none undefined.
+// would (an exact conversion), and leaves those that got none undefined. `made`, where given,
+// holds the casts of these parameters' present values made already (an earlier micro-batch's,
+// StageExecutor::SharedCast): its outputs are then those tensors' data, copied by nothing.
 struct GroupCast : public torch::autograd::Function<GroupCast> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList params, at::ScalarType low) {
+                                                at::TensorList params, at::ScalarType low,
+                                                const std::vector<at::Tensor>* made) {
     ctx->set_materialize_grads(false);
     ctx->saved_data["wide"] = static_cast<int64_t>(params[0].scalar_type());
     std::vector<at::Tensor> copies;
     copies.reserve(params.size());
+    if (made != nullptr) {
+      // New tensors over the same memory, each to get this node as its history.
+      for (const at::Tensor& c : *made) copies.push_back(c.detach());
+      return copies;
+    }
     for (const at::Tensor& p : params) copies.push_back(at::empty_like(p, p.options().dtype(low)));
     CopyAll(copies, params.vec());
     return copies;
@@ -109,7 +117,7 @@ struct GroupCast : public torch::autograd::Function<GroupCast> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto wide = static_cast<at::ScalarType>(ctx->saved_data["wide"].toInt());
-    torch::autograd::variable_list widened(grads.size() + 1);  // the last for `low`
+    torch::autograd::variable_list widened(grads.size() + 2);  // the last two: `low`, `made`
     std::vector<at::Tensor> dst, src;
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) continue;
@@ -242,6 +250,35 @@ std::vector<int> StageExecutor::block_lifted(int block) const {
   return out;
 }
 
+bool StageExecutor::SharedCast::Matches(const std::vector<size_t>& now_slots,
+                                        const std::vector<at::Tensor>& params) const {
+  if (now_slots != slots) return false;
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (params[k].data_ptr() != data[k] || params[k]._version() != versions[k]) return false;
+  }
+  return true;
+}
+
+void StageExecutor::SharedCast::Keep(const std::vector<size_t>& now_slots,
+                                     const std::vector<at::Tensor>& params,
+                                     const std::vector<at::Tensor>& made) {
+  slots = now_slots;
+  data.clear();
+  versions.clear();
+  copies.clear();
+  for (size_t k = 0; k < params.size(); ++k) {
+    data.push_back(params[k].data_ptr());
+    versions.push_back(params[k]._version());
+    copies.push_back(made[k].detach());
+  }
+}
+
+void StageExecutor::ShareCasts(bool share) {
+  share_casts_ = share && blocks_.empty() && !cast_groups_.empty();
+  shared_casts_.clear();
+  if (share_casts_) shared_casts_.resize(cast_groups_.size());
+}
+
 int StageExecutor::num_cast_groups() const {
   int n = static_cast<int>(cast_groups_.size());
   for (const auto& block : blocks_) n += block->num_cast_groups();
@@ -265,7 +302,8 @@ std::vector<at::Tensor> StageExecutor::Run(const std::vector<at::Tensor>& inputs
     }
   }
   for (size_t k = 0; k < buffers.size(); ++k) stack[mutated_buffers_[k]] = buffers[k];
-  for (const CastGroup& group : cast_groups_) {
+  for (size_t g = 0; g < cast_groups_.size(); ++g) {
+    const CastGroup& group = cast_groups_[g];
     // A parameter the engine holds in `low` already (offload's low-precision streaming), or
     // frozen, is cast by the graph as it comes.
     std::vector<size_t> slots;
@@ -277,7 +315,11 @@ std::vector<at::Tensor> StageExecutor::Run(const std::vector<at::Tensor>& inputs
       params.push_back(p);
     }
     if (params.empty()) continue;
-    torch::autograd::variable_list copies = GroupCast::apply(at::TensorList(params), group.low);
+    SharedCast* shared = share_casts_ ? &shared_casts_[g] : nullptr;
+    const bool reuse = shared != nullptr && shared->Matches(slots, params);
+    torch::autograd::variable_list copies = GroupCast::apply(
+        at::TensorList(params), group.low, reuse ? &shared->copies : nullptr);
+    if (shared != nullptr && !reuse) shared->Keep(slots, params, copies);
     for (size_t k = 0; k < slots.size(); ++k) stack[slots[k]] = std::move(copies[k]);
   }
   {

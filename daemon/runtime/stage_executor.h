@@ -45,7 +45,8 @@
 // reach its leaves (and the replicas' all-reduce) when its last one is computed, its bf16 ones
 // held until then. Every copy is made before the forward's first op, which a forward keeping
 // them for its backward holds by its end anyway; not with recompute, whose forward without
-// autograd frees each copy after its one use.
+// autograd frees each copy after its one use. ShareCasts lets the micro-batches of a step use
+// one set of copies (below).
 //
 // Not thread-safe: the stage's device worker owns it (executors on different threads may run at
 // once). The tensors it is given (parameters and buffers of the device) must outlive it.
@@ -130,6 +131,15 @@ class StageExecutor {
   // StageOptions::cast_group_bytes: the groups the parameters' casts are made in (blocks: all
   // of theirs); 0 where the graph makes each.
   int num_cast_groups() const;
+  // Grouped casts shared by the forwards that follow, until ShareCasts(false): a forward casts
+  // a group again only when one of its parameters changed since the group's last casts (its
+  // memory or its version counter, which every in-place update moves), else its copies are
+  // those casts'. So the micro-batches of one step cast the parameters once, not once each,
+  // and hold one set of copies between them, not one each. The engine shares them for the
+  // micro-batches of one call (runtime/pipeline_engine_step.cc); off, each forward casts anew
+  // and the copies go with its graph. Not for a blocked executor (streamed parameters are
+  // uploaded again for each micro-batch, and their copies would outlive their block).
+  void ShareCasts(bool share);
 
   // FAILED_PRECONDITION when `micro_batch` already has a forward pending. With recompute, the
   // outputs of a forward with gradients do not require grad (Backward recomputes them).
@@ -213,6 +223,21 @@ class StageExecutor {
     at::ScalarType wide, low;
   };
   std::vector<CastGroup> cast_groups_;
+  // ShareCasts: per cast group, the copies of its last casts and what they were made from.
+  struct SharedCast {
+    std::vector<size_t> slots;          // the parameters cast (frozen ones are not)
+    std::vector<const void*> data;      // their memory then,
+    std::vector<int64_t> versions;      // and their version counters
+    std::vector<at::Tensor> copies;     // detached
+    bool Matches(const std::vector<size_t>& now_slots,
+                 const std::vector<at::Tensor>& params) const;
+    void Keep(const std::vector<size_t>& now_slots, const std::vector<at::Tensor>& params,
+              const std::vector<at::Tensor>& made);
+  };
+  bool share_casts_ = false;
+  // Filled by Run, which is const (Recompute's too) but never shares: a recomputed stage has
+  // no cast groups.
+  mutable std::vector<SharedCast> shared_casts_;
   StageOptions options_;
   bool random_ = false;
   std::map<int, Pending> pending_;

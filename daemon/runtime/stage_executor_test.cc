@@ -29,10 +29,12 @@ using testing::FixtureIr;
 // stage (summed where a value feeds several stages). Returns the combined loss; gradients land
 // in `leaves`.
 // With `block_bytes` > 0 each stage runs as blocks (CreateBlocked, ParamBlockStarts) with
-// `options` and `hooks`.
+// `options` and `hooks`. With `share_casts` the micro-batches share their grouped casts
+// (StageExecutor::ShareCasts), as the engine's do within one call.
 at::Tensor PipelineStep(const FixtureIr& f, int num_stages, int m,
                         const std::vector<at::Tensor>& leaves, int64_t block_bytes = 0,
-                        StageOptions options = {}, const StageBlockHooks& hooks = {}) {
+                        StageOptions options = {}, const StageBlockHooks& hooks = {},
+                        bool share_casts = false) {
   const IrGraph& ir = *f.ir;
   const int n = static_cast<int>(ir.nodes.size());
   std::vector<std::unique_ptr<StageExecutor>> stages;
@@ -47,6 +49,7 @@ at::Tensor PipelineStep(const FixtureIr& f, int num_stages, int m,
                                            options, hooks)
             : StageExecutor::Create(ir, std::move(*sub), leaves, options);
     REQUIRE(stage.ok());
+    (*stage)->ShareCasts(share_casts);
     stages.push_back(std::move(*stage));
   }
   REQUIRE(ir.values[ir.outputs[0]].is_loss);
@@ -179,12 +182,15 @@ TEST_CASE("O2's casts made in groups give bitwise the graph's own casts' results
         std::vector<at::Tensor> reference = Leaves(f);
         const at::Tensor expected = PipelineStep(f, num_stages, m, reference, block_bytes);
         for (int64_t group_bytes : {int64_t{1}, int64_t{4096}, int64_t{1} << 30}) {
+         for (bool share : {false, true}) {
           INFO(num_stages << " stages, " << m << " micro-batches, blocks of " << block_bytes
-                          << ", groups of " << group_bytes << " bytes");
+                          << ", groups of " << group_bytes << " bytes"
+                          << (share ? ", casts shared" : ""));
           StageOptions grouped;
           grouped.cast_group_bytes = group_bytes;
           std::vector<at::Tensor> leaves = Leaves(f);
-          const at::Tensor loss = PipelineStep(f, num_stages, m, leaves, block_bytes, grouped);
+          const at::Tensor loss =
+              PipelineStep(f, num_stages, m, leaves, block_bytes, grouped, {}, share);
           CHECK(at::equal(loss, expected));
           for (size_t i = 0; i < leaves.size(); ++i) {
             if (!leaves[i].requires_grad()) continue;
@@ -193,10 +199,70 @@ TEST_CASE("O2's casts made in groups give bitwise the graph's own casts' results
             CHECK(leaves[i].grad().scalar_type() == at::kFloat);
             CHECK(at::equal(leaves[i].grad(), reference[i].grad()));
           }
+         }
         }
       }
     }
   }
+}
+
+TEST_CASE("Shared casts are made again only when a parameter changed", "[runtime]") {
+  FixtureIr f = testing::BuildO2FixtureIr("tiny_gpt");
+  const IrGraph& ir = *f.ir;
+  absl::StatusOr<Subgraph> sub = BuildSubgraph(ir, 0, static_cast<int>(ir.nodes.size()));
+  REQUIRE(sub.ok());
+  std::vector<at::Tensor> leaves = Leaves(f);
+  StageOptions options;
+  options.cast_group_bytes = int64_t{1} << 30;
+  absl::StatusOr<std::unique_ptr<StageExecutor>> stage =
+      StageExecutor::Create(ir, std::move(*sub), leaves, options);
+  REQUIRE(stage.ok());
+  REQUIRE((*stage)->num_cast_groups() == 1);
+  std::vector<at::Tensor> in;
+  for (int v : (*stage)->data_inputs()) {
+    in.push_back(f.user_inputs[std::find(ir.inputs.begin(), ir.inputs.end(), v) -
+                               ir.inputs.begin()]);
+  }
+  int mb = 0;
+  auto loss = [&] {
+    absl::StatusOr<std::vector<at::Tensor>> out = (*stage)->Forward(mb, in, true);
+    REQUIRE(out.ok());
+    (*stage)->Release(mb++);
+    return (*out)[0].detach();
+  };
+  // A trainable parameter read through a cast, and a way to change its values that its version
+  // counter does not see (another tensor over its memory), which only a cast made anew reads.
+  size_t li = 0;
+  while (!(LowPrecisionRead(ir, static_cast<int>(li)) && leaves[li].requires_grad())) ++li;
+  at::Tensor& p = leaves[li];
+  at::Tensor behind = at::from_blob(p.data_ptr(), p.sizes(), p.strides(), p.options());
+  const at::Tensor before = p.detach().clone();
+
+  (*stage)->ShareCasts(true);
+  const at::Tensor first = loss();
+  CHECK(at::equal(loss(), first));
+  behind.mul_(3);
+  CHECK(at::equal(loss(), first));  // the first casts, shared
+  (*stage)->ShareCasts(false);
+  const at::Tensor unshared = loss();  // cast anew: reads the changed values
+  CHECK(!at::equal(unshared, first));
+
+  (*stage)->ShareCasts(true);
+  CHECK(at::equal(loss(), unshared));
+  behind.copy_(before);
+  {
+    at::NoGradGuard no_grad;
+    p.mul_(3);  // the version counter moves: cast again
+  }
+  CHECK(at::equal(loss(), unshared));
+  {
+    at::NoGradGuard no_grad;
+    p.copy_(before);
+  }
+  CHECK(at::equal(loss(), first));
+  // Other memory (as an upload into a new tensor would give) is cast again too.
+  p.set_data(before.clone().mul_(3));
+  CHECK(at::equal(loss(), unshared));
 }
 
 TEST_CASE("A stage run as blocks gives PyTorch's loss and gradients, its hooks in order",
