@@ -411,7 +411,8 @@ def check_ranncd(sts, everything, expect, problems):
 
     check_resources_of_ranncd(container, spec, env, flags, expect, problems)
     check_tls(container, spec, flags, expect, problems)
-    check_storage(sts, container, spec, env, flags, everything, expect, problems)
+    toml = check_storage(sts, container, spec, env, flags, everything, expect, problems)
+    check_stop_timeout(spec, env, flags, toml, problems)
 
 
 def check_etcd_endpoints(url, everything, problems):
@@ -503,6 +504,7 @@ def check_secret_file(container, spec, path, what, problems):
 
 
 def check_storage(sts, container, spec, env, flags, everything, expect, problems):
+    """The storage rules; returns the rannc.toml ranncd reads ({} where there is none)."""
     templates = [t["metadata"]["name"] for t in (sts.get("spec") or {}).get(
         "volumeClaimTemplates") or []]
     state = flags.get("state-dir", "")
@@ -516,6 +518,7 @@ def check_storage(sts, container, spec, env, flags, everything, expect, problems
         "name") if mount else None
     data = next((o.get("data") or {} for o in everything if o.get("kind") == "ConfigMap" and
                  o["metadata"]["name"] == config_map), None)
+    toml = {}
     if data is None or "rannc.toml" not in data:
         problems.add("storage", f"RANNC_CONF_DIR {conf_dir!r} holds no rannc.toml of a "
                                 "ConfigMap in this render")
@@ -524,8 +527,6 @@ def check_storage(sts, container, spec, env, flags, everything, expect, problems
             toml = tomllib.loads(data["rannc.toml"])
         except tomllib.TOMLDecodeError as e:
             problems.add("storage", f"rannc.toml does not parse: {e}")
-            toml = {}
-        check_stop_timeout(spec, env, flags, toml, problems)
         checkpoints = toml.get("checkpoint_dir")
         mount = mount_of(container, checkpoints) if checkpoints else None
         source = volume(spec, mount["name"]) if mount else None
@@ -550,6 +551,7 @@ def check_storage(sts, container, spec, env, flags, everything, expect, problems
         if named.get("metrics") != port or annotations.get("prometheus.io/port") != str(port):
             problems.add("storage", f"--metrics-listen port {port} is not the container port "
                                     "named metrics and the prometheus.io/port annotation")
+    return toml
 
 
 def check_stop_timeout(spec, env, flags, toml, problems):
